@@ -1,0 +1,1 @@
+"""Alignment between teacher and student: layer maps and token/time maps."""
