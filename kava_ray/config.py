@@ -1,0 +1,326 @@
+"""Typed job config: load YAML (a file or a shipped preset), apply dotted overrides, validate.
+
+Every problem a user can make in a config becomes one `KavaError` line that names the
+key, e.g. ``config key 'optim.lr_student': must be > 0 (got -1.0)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kava_ray.errors import KavaError
+
+PRESET_PACKAGE = "kava_ray.configs"
+
+
+class _Section(BaseModel):
+    """Strict base: unknown keys and type coercions that lose information are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TeacherConfig(_Section):
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1)  # hub id, local dir, .gguf path, or pypi://dist/path/in/dist
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    num_gpus: float = Field(0.0, ge=0)  # fractional to colocate; >1 spreads one teacher (device_map=auto)
+    num_cpus: float = Field(1.0, gt=0)
+    layers: Optional[list[int]] = None  # teacher layers to ship; None = the ones the layer map uses
+    max_restarts: int = Field(3, ge=0)
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_nonneg(cls, v):
+        if v is not None and (not v or min(v) < 0):
+            raise ValueError("must be a non-empty list of layer indices >= 0")
+        return v
+
+
+class StudentConfig(_Section):
+    model: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    keep_layers: Optional[list[int]] = None  # build the student by keeping these layers of `model`
+    gradient_checkpointing: bool = False
+
+
+class DataConfig(_Section):
+    source: str = "synthetic"  # "synthetic", a hub id (e.g. openai/gsm8k), or a local .jsonl/.parquet
+    hub_config: Optional[str] = "main"
+    train_split: str = "train"
+    eval_split: str = "test"
+    num_train: int = Field(512, ge=1)  # synthetic generator size, or a cap on real data
+    num_eval: int = Field(64, ge=1)
+    seed: int = 0
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    overlength: Literal["truncate", "error"] = "truncate"
+    kv_source: Literal["live", "cache"] = "live"
+    kv_cache_dir: Optional[str] = None
+
+
+class ProjectorConfig(_Section):
+    kind: Literal["elastic", "linear"] = "elastic"
+    mlp_ratio: float = Field(1.0, gt=0)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    init: Literal["xavier"] = "xavier"
+
+
+class AlignConfig(_Section):
+    mode: Literal["flat", "structured"] = "structured"
+    aggregation: Literal["concat", "mean", "weighted"] = "concat"
+    layer_map: Literal["ratio", "uniform", "explicit", "cka"] = "ratio"
+    explicit_map: Optional[dict[int, list[int]]] = None  # student layer -> teacher layers (layer_map=explicit)
+    cka_path: Optional[str] = None  # JSON written by the CKA calibration (layer_map=cka)
+    key_space: Literal["pre_rope", "post_rope"] = "pre_rope"
+    wire_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    prefetch_depth: int = Field(2, ge=1, le=64)
+    projector: ProjectorConfig = ProjectorConfig()
+
+
+class FusionConfig(_Section):
+    kind: Literal["fixed", "gate", "router", "sum"] = "fixed"
+    weights: Optional[list[float]] = None  # one per teacher; default equal
+    per_layer: bool = False
+
+    @field_validator("weights")
+    @classmethod
+    def _weights_positive(cls, v):
+        if v is not None and (not v or min(v) < 0 or sum(v) <= 0):
+            raise ValueError("must be non-negative with a positive sum")
+        return v
+
+
+class LossConfig(_Section):
+    kind: Literal["mercator", "hybrid", "mse", "smooth_l1"] = "mercator"
+    alpha: float = Field(1.0, ge=0)
+    beta: float = Field(0.0, ge=0)
+    hybrid_weight: float = Field(0.5, ge=0, le=1)
+    kv_weight: float = Field(1.0, ge=0)
+    ce_weight: float = Field(1.0, ge=0)
+    loss_tokens: Literal["all", "answer"] = "all"
+
+
+class OptimConfig(_Section):
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    lr_student: float = Field(3e-5, gt=0)
+    lr_projector: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+    accumulation: int = Field(1, ge=1)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(4, ge=1)
+    max_length: int = Field(256, ge=8)
+    log_steps: int = Field(1, ge=1)
+    eval_steps: int = Field(50, ge=1)
+    save_steps: int = Field(50, ge=1)
+    num_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(1, ge=0)
+    seed: int = 0
+
+
+class RayConfig(_Section):
+    address: Optional[str] = None  # None = embedded local Ray; "auto" = a running `ray start --head`
+    namespace: str = "kava"
+    storage_path: str = "./kava_runs"
+    num_workers: int = Field(1, ge=1)
+    use_gpu: Union[Literal["auto"], bool] = "auto"
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(1.0, ge=0)
+    num_cpus: Optional[int] = Field(None, ge=1)  # logical CPUs for an embedded Ray; None = enough for the job
+
+
+class JobConfig(_Section):
+    name: str = "kava"
+    teachers: list[TeacherConfig] = Field(min_length=1)
+    student: StudentConfig
+    data: DataConfig = DataConfig()
+    align: AlignConfig = AlignConfig()
+    fusion: FusionConfig = FusionConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        names = [t.name for t in self.teachers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"teachers: duplicate teacher name {dup[0]!r}")
+        w = self.fusion.weights
+        if w is not None and len(w) != len(self.teachers):
+            raise ValueError(f"fusion.weights: {len(w)} weights for {len(self.teachers)} teachers")
+        if self.align.layer_map == "explicit" and not self.align.explicit_map:
+            raise ValueError("align.explicit_map: required when align.layer_map is 'explicit'")
+        if self.align.layer_map == "cka" and not self.align.cka_path:
+            raise ValueError("align.cka_path: required when align.layer_map is 'cka'")
+        if self.data.kv_source == "cache" and not self.data.kv_cache_dir:
+            raise ValueError("data.kv_cache_dir: required when data.kv_source is 'cache'")
+        return self
+
+    def teacher(self, name: str) -> TeacherConfig:
+        for t in self.teachers:
+            if t.name == name:
+                return t
+        raise KavaError(f"unknown teacher {name!r} (config has: {', '.join(t.name for t in self.teachers)})")
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(text: str, origin: str) -> dict:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise KavaError(f"config {origin}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise KavaError(f"config {origin}: top level must be a mapping of sections")
+    return data
+
+
+def read_raw_config(path_or_preset: Union[str, Path]) -> dict:
+    """The raw dict of a YAML file, or of a shipped preset when no such file exists."""
+    p = Path(path_or_preset)
+    if p.is_file():
+        return _read_yaml(p.read_text(), str(p))
+    name = str(path_or_preset)
+    if name in preset_names():
+        return _read_yaml(resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text(), f"preset {name}")
+    raise KavaError(f"config {name!r}: no such file and no such preset (presets: {', '.join(preset_names())})")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr_student=3e-5' -> (['optim', 'lr_student'], 3e-05); the value is parsed as YAML."""
+    key, sep, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not key.strip() or any(not p for p in parts):
+        raise KavaError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. optim.lr_student=3e-5")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        raise KavaError(f"override {text!r}: value is not valid YAML") from None
+    return parts, parsed
+
+
+def set_dotted(data: dict, parts: list[str], value: Any) -> None:
+    """Set data[a][b][c] = value; a numeric part indexes a list (teachers.0.model=...)."""
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            node = node[_index(part, where, len(node))]
+        else:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, (dict, list)):
+                raise KavaError(f"config key {where!r}: is a value, not a section")
+            node = nxt
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = _index(last, ".".join(parts), len(node))
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def _index(part: str, where: str, n: int) -> int:
+    if not part.isdigit() or int(part) >= n:
+        raise KavaError(f"config key {where!r}: list index out of range (have {n} items)")
+    return int(part)
+
+
+def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
+    out = copy.deepcopy(data)
+    for text in overrides or []:
+        parts, value = parse_override(text)
+        set_dotted(out, parts, value)
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(x) for x in e["loc"])
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif e["type"] == "missing":
+        msg = "required key is missing"
+    elif msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        if ": " in msg and not loc:  # model-level checks name their own key
+            loc, msg = msg.split(": ", 1)
+    if "input" in e and e["type"] not in ("missing", "extra_forbidden") and not isinstance(e["input"], dict):
+        msg += f" (got {e['input']!r})"
+    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
+    return f"config key {loc!r}: {msg}{more}" if loc else f"config: {msg}{more}"
+
+
+def validate_config(data: dict) -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise KavaError(_format_validation_error(err)) from None
+
+
+def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional[list[str]] = None) -> JobConfig:
+    """A validated JobConfig from a YAML path or preset name, with dotted KEY=VALUE overrides."""
+    if isinstance(path_or_preset, JobConfig):
+        raw = path_or_preset.to_dict()
+    else:
+        raw = read_raw_config(path_or_preset)
+    return validate_config(apply_overrides(raw, overrides))
+
+
+def config_hash(cfg: JobConfig, sections: tuple[str, ...] = ("teachers", "student", "align", "fusion")) -> str:
+    """Hash of the parts that define model/projector shapes (what a checkpoint must match to resume)."""
+    d = cfg.to_dict()
+    blob = json.dumps({k: d[k] for k in sections}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1}; lists are indexed (teachers.0.name)."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out = {}
+        for i, v in enumerate(d):
+            out.update(flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def diff_keys(a: JobConfig, b: JobConfig, sections: tuple[str, ...] = ("teachers", "student", "align", "fusion")) -> list[str]:
+    """Dotted keys whose values differ between two configs, within the given sections."""
+    fa = flatten({k: a.to_dict()[k] for k in sections})
+    fb = flatten({k: b.to_dict()[k] for k in sections})
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))

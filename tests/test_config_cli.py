@@ -1,0 +1,93 @@
+"""Config loading, dotted overrides and the one-line error contract of `kava-ray config show`."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kava_ray.config import config_hash, diff_keys, load_config, preset_names
+from kava_ray.errors import KavaError
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kava_ray.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_presets_load_and_overrides_apply():
+    assert "demo_cpu" in preset_names()
+    cfg = load_config("demo_cpu", ["optim.lr_student=3e-5", "teachers.1.num_gpus=0.5", "align.mode=flat"])
+    assert cfg.optim.lr_student == pytest.approx(3e-5)
+    assert cfg.teachers[1].num_gpus == 0.5
+    assert cfg.align.mode == "flat"
+    # the override did not leak into a fresh load
+    assert load_config("demo_cpu").align.mode == "structured"
+
+
+def test_config_show_prints_resolved_yaml_that_round_trips(tmp_path):
+    r = run_cli("config", "show", "--config", "demo_cpu", "train.steps=7")
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["train"]["steps"] == 7
+    path = tmp_path / "job.yaml"
+    path.write_text(r.stdout)
+    assert load_config(path).train.steps == 7
+
+
+def test_config_hash_and_diff_name_the_shape_keys():
+    a = load_config("demo_cpu")
+    b = load_config("demo_cpu", ["align.projector.mlp_ratio=2.0", "optim.lr_student=1e-4"])
+    assert config_hash(a) != config_hash(b)
+    assert diff_keys(a, b) == ["align.projector.mlp_ratio"]  # optimiser keys may change on resume
+
+
+BAD = [
+    # (description, extra args, key that the one line must name)
+    ("unknown key", ["optim.lr_studnet=1e-4"], "optim.lr_studnet"),
+    ("wrong type", ["train.steps=many"], "train.steps"),
+    ("lr <= 0", ["optim.lr_student=0"], "optim.lr_student"),
+    ("negative lr", ["optim.lr_projector=-1e-3"], "optim.lr_projector"),
+    ("mlp_ratio <= 0", ["align.projector.mlp_ratio=0"], "align.projector.mlp_ratio"),
+    ("dropout >= 1", ["align.projector.dropout=1.0"], "align.projector.dropout"),
+    ("dropout < 0", ["align.projector.dropout=-0.1"], "align.projector.dropout"),
+    ("duplicate teacher", ["teachers.1.name=smollm2-fp32"], "smollm2-fp32"),
+    ("malformed override", ["optim.lr_student"], "optim.lr_student"),
+    ("empty override key", ["=3"], "KEY=VALUE"),
+    ("negative num_gpus", ["teachers.0.num_gpus=-1"], "teachers.0.num_gpus"),
+    ("bad literal", ["align.mode=wide"], "align.mode"),
+    ("fusion weights count", ["fusion.weights=[1.0]"], "fusion.weights"),
+    ("list index out of range", ["teachers.5.name=x"], "teachers.5"),
+]
+
+
+@pytest.mark.parametrize("desc,extra,key", BAD, ids=[b[0] for b in BAD])
+def test_bad_override_is_one_line_exit_2(desc, extra, key):
+    r = run_cli("config", "show", "--config", "demo_cpu", *extra)
+    assert r.returncode == 2, (desc, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert key in lines[0], (key, lines[0])
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_unknown_preset(tmp_path):
+    r = run_cli("config", "show", "--config", "no_such_preset")
+    assert r.returncode == 2 and "no_such_preset" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_required_field_and_bad_yaml(tmp_path):
+    no_student = tmp_path / "no_student.yaml"
+    no_student.write_text("teachers:\n  - {name: a, model: some/model}\n")
+    r = run_cli("config", "show", "--config", str(no_student))
+    assert r.returncode == 2 and "'student'" in r.stderr and "missing" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("teachers: [\n  name: a\n")
+    r = run_cli("config", "show", "--config", str(broken))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_load_config_raises_kava_error_in_process():
+    with pytest.raises(KavaError, match="optim.lr_student"):
+        load_config("demo_cpu", ["optim.lr_student=-1"])
