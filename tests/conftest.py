@@ -1,0 +1,61 @@
+"""Shared, session-scoped tiny models (random weights, one shared byte-level tokenizer, no network).
+
+    tiny_qwen2_dir    Qwen2, GQA: 4 layers, hidden 64, 4 heads, 2 KV heads (head_dim 16)
+    tiny_llama_dir    Llama, head_dim 32 != hidden/heads (16): 3 layers, hidden 64, 4 heads, 2 KV heads
+    tiny_student_dir  Qwen2 student: 2 layers, hidden 32, 2 heads, 2 KV heads, head_dim 16
+
+Build more with `from tiny_models import build_tiny_model` (tests/ is on sys.path under pytest).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The byte-level tokenizer every tiny model ships (260 ids, pad/eos set, ChatML template)."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_qwen2"), family="qwen2", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_llama"),
+        family="llama",
+        num_layers=3,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        seed=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_student_dir(tmp_path_factory):
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_student"),
+        family="qwen2",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=2,
+        seed=2,
+    )
