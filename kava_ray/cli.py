@@ -35,7 +35,7 @@ def cmd_config_show(args) -> int:
 def cmd_bench_projector_ab(args) -> int:
     from kava_ray.bench_projector import format_projector_ab, run_projector_ab
 
-    result = run_projector_ab(seeds=args.seeds, steps=args.steps)
+    result = run_projector_ab(seeds=args.seeds, steps=args.steps, lr=args.lr)
     print(format_projector_ab(result))
     if args.json:
         _print_json_last(result)
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_sub.add_parser("projector-ab", help="Linear vs ElasticBottleneck on the predecessor's synthetic A/B")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_bench_projector_ab)
     return parser
