@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kava_ray.errors import KavaError
 from kava_ray.projectors import ElasticBottleneck, LinearProjector
+from kava_ray.tables import format_table
 
 SCENARIOS = ("gaussian", "shifted_outliers", "tanh")
 
@@ -120,11 +121,9 @@ def format_projector_ab(result: dict) -> str:
             r["winner"] + ("" if r["clear"] else " (within noise)"),
             r["reported_winner"],
         ])
-    widths = [max(len(str(row[i])) for row in [header] + lines) for i in range(len(header))]
-    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     c = result["config"]
     title = (f"projector A/B: held-out MSE after {c['steps']} Adam steps (lr {c['lr']:g}, full batch), "
              f"d={c['d']}, N={c['n']}, {c['seeds']} seeds, elastic mlp_ratio {c['mlp_ratio']:g} dropout {c['dropout']:g}")
-    out = [title, fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
+    out = [title, format_table(header, lines)]
     out.append(f"({result['seconds']:.1f} s)")
     return "\n".join(out)

@@ -42,6 +42,101 @@ def cmd_bench_projector_ab(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- teachers
+
+
+def _job_config(args):
+    from kava_ray.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _connect(cfg, args, require_cluster: bool = False) -> str:
+    from kava_ray.connect import connect
+
+    return connect(args.address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus,
+                   require_cluster=require_cluster)
+
+
+def _select_teachers(cfg, names):
+    """Restrict cfg to the teachers named with --teacher (unknown names are a one-line error)."""
+    if not names:
+        return cfg
+    keep = [cfg.teacher(n) for n in names]
+    return cfg.model_copy(update={"teachers": keep})
+
+
+def cmd_teachers(args) -> int:
+    import ray
+
+    from actors import pool
+
+    cfg = _select_teachers(_job_config(args), args.teacher)
+    action = args.teachers_command
+    _connect(cfg, args, require_cluster=action in ("up", "down", "status"))
+    if action == "up":
+        handles = pool.start_pool(cfg, detached=True)
+        print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(handles)}")
+    elif action == "down":
+        stopped = pool.stop_pool(cfg)
+        print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+    elif action == "status":
+        rows = pool.pool_status(cfg)
+        print(format_status(rows))
+        if args.json:
+            _print_json_last({"teachers": rows})
+    elif action == "precompute":
+        stats = precompute_cmd(cfg, args.out, args.epochs)
+        print(f"KV cache {args.out}: {stats['written']} shard(s) written, {stats['skipped']} already there, "
+              f"{stats['bytes'] / 2**20:.1f} MiB")
+        if args.json:
+            _print_json_last(stats)
+    ray.shutdown()
+    return 0
+
+
+def format_status(rows: list[dict]) -> str:
+    from kava_ray.tables import format_table
+
+    header = ["name", "model", "device", "quant", "geometry", "requests", "forwards", "hits", "fwd ms",
+              "KV B/token", "restarts"]
+    out = []
+    for r in rows:
+        if not r["running"]:
+            out.append([r["name"], r["model"], "not running"] + [""] * 8)
+            continue
+        out.append([r["name"], r["model"], r["device"], r["quantization"], r["geometry"], r["requests"],
+                    r["forwards"], r["hits"], f"{r['mean_forward_ms']:.1f}", r["kv_bytes_per_token"], r["restarts"]])
+    return format_table(header, out)
+
+
+def precompute_cmd(cfg, out_dir, epochs: int) -> dict:
+    import ray
+    from tqdm import tqdm
+
+    from actors.kv_cache import precompute
+    from actors.pool import get_or_start_pool
+    from kava_ray.data import BatchStream
+    from kava_ray.job import check_tokenizers, load_splits, student_geometry, student_tokenizer, teacher_plans
+
+    handles = get_or_start_pool(cfg)
+    geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
+    tok, fp = student_tokenizer(cfg)
+    check_tokenizers(cfg, geoms, fp)
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    train, _ = load_splits(cfg, tok)
+    stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
+    bar = tqdm(total=stream.steps_per_epoch * epochs, desc="precompute", unit="batch", disable=None)
+
+    def progress(stats):
+        bar.n = stats["written"] + stats["skipped"]
+        bar.refresh()
+
+    stats = precompute(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=progress)
+    bar.close()
+    return stats
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -68,6 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_show)
     p = cfg_sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_config_presets)
+
+    p_t = sub.add_parser("teachers", help="the teacher pool: up, status, down, precompute")
+    t_sub = p_t.add_subparsers(dest="teachers_command", required=True)
+    for name, help_ in (("up", "start the pool as detached actors on a running cluster"),
+                        ("status", "a table of the running teachers"),
+                        ("down", "stop the pool"),
+                        ("precompute", "write the dataset's teacher KV to disk (resumes)")):
+        p = t_sub.add_parser(name, help=help_)
+        _add_config_args(p)
+        p.add_argument("--address", default=None, help="Ray address (auto = a local `ray start --head`)")
+        p.add_argument("--teacher", action="append", default=[], help="only this teacher (repeatable)")
+        p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+        if name == "precompute":
+            p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
+            p.add_argument("--epochs", type=int, default=1)
+        p.set_defaults(func=cmd_teachers)
 
     p_bench = sub.add_parser("bench", help="side-by-side measurements on this machine")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)

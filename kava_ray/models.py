@@ -230,6 +230,33 @@ def _gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{key}"
 
 
+def model_source(spec, gguf_file=None, cache_dir=None) -> str:
+    """The hub id or local HF dir to load `spec` from (a .gguf is converted once to a cached dir)."""
+    source, gguf_name = _resolve(spec, gguf_file)
+    if gguf_name is not None:
+        gguf_path = Path(source) / gguf_name
+        if not gguf_path.is_file():
+            raise KavaError(f"model '{spec}': GGUF files must be local; '{gguf_path}' does not exist")
+        source = str(gguf_to_hf_dir(gguf_path, _gguf_cache_path(gguf_path, cache_dir)))
+    return source
+
+
+def load_model_config(spec, keep=None, trust_remote_code=None):
+    """The HF config of `spec` without its weights; `keep` gives a layer-dropped student's depth."""
+    from transformers import AutoConfig
+
+    source = model_source(spec)
+    with _wrap_load_errors(spec):
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code is True)
+    if keep:
+        if max(keep) >= config.num_hidden_layers:
+            raise KavaError(f"student.keep_layers {list(keep)}: need layer indices in [0, {config.num_hidden_layers - 1}]")
+        if getattr(config, "layer_types", None):
+            config.layer_types = [config.layer_types[i] for i in keep]
+        config.num_hidden_layers = len(keep)
+    return config
+
+
 def load_model(
     spec,
     *,
@@ -251,12 +278,7 @@ def load_model(
 
     torch_dtype = resolve_dtype(dtype)
     qconfig = _quant_config(quantization, torch_dtype)
-    source, gguf_name = _resolve(spec, gguf_file)
-    if gguf_name is not None:
-        gguf_path = Path(source) / gguf_name
-        if not gguf_path.is_file():
-            raise KavaError(f"model '{spec}': GGUF files must be local; '{gguf_path}' does not exist")
-        source = str(gguf_to_hf_dir(gguf_path, _gguf_cache_path(gguf_path, cache_dir)))
+    source = model_source(spec, gguf_file, cache_dir)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code is True)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig

@@ -59,3 +59,27 @@ def tiny_student_dir(tmp_path_factory):
         num_kv_heads=2,
         seed=2,
     )
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray for the whole test session (each ray.init costs ~6 s here).
+
+    8 logical CPUs on a 2-core box: Ray only counts them, and a train run needs a controller, its
+    workers and the teacher actors at once. Token authentication stays on (Ray's default).
+    """
+    import ray
+
+    ray.init(num_cpus=8, namespace="kava-test", include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+                                       "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    """A job YAML: fp32 Qwen2 teacher + NF4 Llama teacher (different geometry) -> 2-layer student."""
+    from jobs import write_job
+
+    return write_job(tmp_path_factory.mktemp("job"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)

@@ -144,3 +144,17 @@ def test_build_layer_map_dispatch():
 def test_teacher_layers_used():
     assert teacher_layers_used(ratio_map(28, 6)) == [0, 5, 11, 16, 22, 27]
     assert teacher_layers_used([(0, [(3, 0.5), (1, 0.5)]), (1, [(3, 1.0)])]) == [1, 3]
+
+
+def test_plan_teacher_layers_respects_selection_and_mode():
+    from kava_ray.align.layers import plan_teacher_layers
+
+    lm, shipped = plan_teacher_layers("ratio", 28, 4, mode="structured", selected=[3, 9, 15, 21, 27])
+    assert shipped == sorted({t for _, pairs in lm for t, _ in pairs}) and set(shipped) <= {3, 9, 15, 21, 27}
+    assert lm[0][1][0][0] == 3 and lm[-1][1][0][0] == 27  # ends of the selection, not of the model
+    _, flat = plan_teacher_layers("ratio", 6, 2, mode="flat")
+    assert flat == list(range(6))  # flat aggregates the whole stack
+    with pytest.raises(KavaError, match="outside the selected"):
+        plan_teacher_layers("explicit", 6, 2, selected=[0, 1], explicit={0: [0], 1: [5]})
+    with pytest.raises(KavaError, match="only 6 layers"):
+        plan_teacher_layers("ratio", 6, 2, selected=[2, 7])

@@ -220,3 +220,30 @@ def build_layer_map(
 def teacher_layers_used(layer_map: LayerMap) -> list[int]:
     """Sorted teacher layers that appear in the map (the ones a teacher must ship)."""
     return sorted({int(t) for _, pairs in layer_map for t, _w in pairs})
+
+
+def plan_teacher_layers(
+    kind: str, n_teacher: int, n_student: int, mode: str = "structured", selected: list[int] | None = None,
+    explicit: dict | None = None, cka_path: str | Path | None = None,
+) -> tuple[LayerMap, list[int]]:
+    """(layer map in real teacher layer ids, the teacher layers to ship) for one teacher.
+
+    `selected` (the teacher config's `layers`) restricts which teacher layers may be used — the way
+    to bound KV volume for a large teacher; ratio/uniform maps are then built over the selected
+    layers. Explicit and CKA maps name real layer ids and must stay inside the selection.
+    Structured mode ships exactly the layers its map uses; flat mode aggregates whole stacks, so it
+    ships every selected layer (all layers when nothing is selected).
+    """
+    candidates = sorted(set(selected)) if selected else list(range(n_teacher))
+    if candidates[-1] >= n_teacher:
+        raise KavaError(f"teacher layers {candidates}: the teacher has only {n_teacher} layers")
+    if kind in ("ratio", "uniform"):
+        virtual = build_layer_map(kind, len(candidates), n_student)
+        layer_map = [(s, [(candidates[t], w) for t, w in pairs]) for s, pairs in virtual]
+    else:
+        layer_map = build_layer_map(kind, n_teacher, n_student, explicit=explicit, cka_path=cka_path)
+        outside = sorted(set(teacher_layers_used(layer_map)) - set(candidates))
+        if outside:
+            raise KavaError(f"layer map uses teacher layers {outside} outside the selected layers {candidates}")
+    shipped = candidates if mode == "flat" else teacher_layers_used(layer_map)
+    return layer_map, shipped

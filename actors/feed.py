@@ -1,0 +1,110 @@
+"""KVFeed: the student-side prefetcher that keeps teacher work ahead of the student.
+
+Inside a train worker, the feed keeps `depth` batches in flight to every teacher at once and
+hands back batch i's KV from all teachers, in order, as KVBatches on the worker's device. The
+time the student blocked waiting for teachers is recorded per step (`teacher_wait_s`): near 0
+means teacher work is hidden behind the student's step.
+
+Teacher answers come from a `KVSource`: live actors (`ActorSource`) or the on-disk cache written by
+`kava-ray teachers precompute` (`actors.kv_cache.CacheSource`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+import ray
+import torch
+
+from kava_ray.kv import KVBatch
+
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class ActorSource:
+    """Live teacher actors: `submit` sends the request and returns an ObjectRef; `result` waits for it.
+
+    A teacher that dies mid-request restarts (max_restarts) and Ray retries the call
+    (max_task_retries); if Ray gives up on the call, it is submitted again, up to `max_retries` times.
+    """
+
+    def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0):
+        self.handles = handles
+        self.max_retries = max_retries
+        self.retry_wait_s = retry_wait_s
+        self.resubmits = 0
+
+    def submit(self, name: str, request: tuple) -> Any:
+        key, ids, mask, layers, wire_dtype = request
+        return self.handles[name].kv.remote(key, ids, mask, layers, wire_dtype)
+
+    def result(self, name: str, request: tuple, ref) -> dict:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return ray.get(ref)
+            except RETRYABLE:
+                if attempt == self.max_retries:
+                    raise
+                self.resubmits += 1
+                time.sleep(self.retry_wait_s)  # give the actor time to come back
+                ref = self.submit(name, request)
+        raise AssertionError("unreachable")
+
+
+class KVFeed:
+    """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
+
+    items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item)`; `item` is passed
+    through untouched (the student's own batch). layers: {teacher: layer ids to ship}.
+    """
+
+    def __init__(self, source, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
+                 wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True):
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        self.source = source
+        self.items: Iterator[tuple] = iter(items)
+        self.layers = layers
+        self.depth = depth
+        self.wire_dtype = wire_dtype
+        self.device = device
+        self.dtype = dtype
+        self.decode = decode  # False: hand back the wire payloads as they arrived (precompute writes them)
+        self._inflight: collections.deque = collections.deque()
+        self.wait_s: list[float] = []  # per delivered batch
+        self._exhausted = False
+
+    def _fill(self) -> None:
+        while not self._exhausted and len(self._inflight) < self.depth:
+            try:
+                key, ids, mask, item = next(self.items)
+            except StopIteration:
+                self._exhausted = True
+                return
+            ids, mask = np.ascontiguousarray(ids), np.ascontiguousarray(mask)
+            reqs = {name: (key, ids, mask, layers, self.wire_dtype) for name, layers in self.layers.items()}
+            refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
+            self._inflight.append((item, reqs, refs))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[Any, dict[str, KVBatch]]:
+        self._fill()
+        if not self._inflight:
+            raise StopIteration
+        item, reqs, refs = self._inflight.popleft()
+        t0 = time.perf_counter()
+        payloads = {name: self.source.result(name, reqs[name], refs[name]) for name in refs}
+        self.wait_s.append(time.perf_counter() - t0)
+        self._fill()  # top the pipeline up before the student starts computing on this batch
+        if not self.decode:
+            return item, payloads
+        return item, {name: KVBatch.from_wire(p, device=self.device, dtype=self.dtype) for name, p in payloads.items()}
+
+    @property
+    def last_wait_s(self) -> float:
+        return self.wait_s[-1] if self.wait_s else 0.0

@@ -1,0 +1,196 @@
+"""Teacher KV on disk: `kava-ray teachers precompute` writes it, `data.kv_source: cache` reads it.
+
+Layout of a cache dir:
+  manifest.json                 meta (config hash, data fingerprint, wire dtype, key space, per-teacher
+                                layers + geometry) and {batch key: {file, sha256, bytes}}
+  shard-<hash of key>.safetensors  one batch: `<teacher>.k`, `<teacher>.v` (+ `.k_scale`, `.v_scale` for
+                                fp8) and `mask`; the wire metadata in the safetensors header
+Every shard is written to a temp file and renamed, and the manifest is rewritten atomically after
+each shard, so an interrupted precompute resumes where it stopped. Reads verify the checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from kava_ray.errors import KavaError
+
+MANIFEST = "manifest.json"
+ARRAYS = ("k", "v", "k_scale", "v_scale")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def shard_file(key: str) -> str:
+    return f"shard-{hashlib.sha1(key.encode()).hexdigest()[:20]}.safetensors"
+
+
+def encode_shard(payloads: dict[str, dict]) -> bytes:
+    """{teacher: wire payload} -> safetensors bytes (arrays as-is, wire metadata in the header)."""
+    tensors, meta = {}, {}
+    mask = None
+    for name, p in payloads.items():
+        for a in ARRAYS:
+            if p.get(a) is not None:
+                tensors[f"{name}.{a}"] = np.ascontiguousarray(p[a])
+        meta[name] = {k: p[k] for k in ("version", "dtype", "shape", "layer_ids", "key_space")}
+        mask = p.get("mask") if mask is None else mask
+    if mask is not None:
+        tensors["mask"] = np.ascontiguousarray(mask)
+    return st_save(tensors, metadata={"kava": json.dumps(meta)})
+
+
+def decode_shard(data: bytes, header_meta: dict) -> dict[str, dict]:
+    arrays = st_load(data)
+    out = {}
+    for name, meta in header_meta.items():
+        p = dict(meta, mask=arrays.get("mask"))
+        for a in ARRAYS:
+            if f"{name}.{a}" in arrays:
+                p[a] = arrays[f"{name}.{a}"]
+        out[name] = p
+    return out
+
+
+def _header_meta(data: bytes) -> dict:
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    return json.loads(header["__metadata__"]["kava"])
+
+
+class KVCache:
+    """A cache dir: `meta` must match what the job expects; shards are addressed by batch key."""
+
+    def __init__(self, root, meta: Optional[dict] = None, create: bool = False):
+        self.root = Path(root)
+        path = self.root / MANIFEST
+        if path.is_file():
+            try:
+                manifest = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                raise KavaError(f"KV cache {self.root}: manifest.json is not valid JSON") from None
+            self.meta, self.shards = manifest["meta"], manifest["shards"]
+            if meta is not None:
+                diff = sorted(k for k in set(meta) | set(self.meta) if meta.get(k) != self.meta.get(k))
+                if diff:
+                    raise KavaError(f"KV cache {self.root} was written for another job: {', '.join(diff)} differ")
+        elif create:
+            if meta is None:
+                raise KavaError(f"KV cache {self.root}: meta is required to create a cache")
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.meta, self.shards = meta, {}
+            self._save_manifest()
+        else:
+            raise KavaError(f"KV cache {self.root}: no manifest.json (run `kava-ray teachers precompute` first)")
+
+    def _save_manifest(self) -> None:
+        _atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, "shards": self.shards}, indent=1).encode())
+
+    def has(self, key: str) -> bool:
+        entry = self.shards.get(key)
+        return entry is not None and (self.root / entry["file"]).is_file()
+
+    def put(self, key: str, payloads: dict[str, dict]) -> None:
+        data = encode_shard(payloads)
+        name = shard_file(key)
+        _atomic_write(self.root / name, data)
+        self.shards[key] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        self._save_manifest()
+
+    def get(self, key: str) -> dict[str, dict]:
+        """{teacher: wire payload} of one batch; KavaError naming the shard if it is missing or corrupt."""
+        entry = self.shards.get(key)
+        if entry is None:
+            raise KavaError(f"KV cache {self.root}: batch {key!r} was not precomputed")
+        path = self.root / entry["file"]
+        try:
+            data = path.read_bytes()
+        except OSError:
+            raise KavaError(f"KV cache shard {path}: missing") from None
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise KavaError(f"KV cache shard {path}: checksum mismatch (corrupted); re-run precompute")
+        try:
+            return decode_shard(data, _header_meta(data))
+        except Exception as e:  # noqa: BLE001 - a truncated/forged file that still matched its checksum
+            raise KavaError(f"KV cache shard {path}: unreadable ({type(e).__name__})") from None
+
+
+class CacheSource:
+    """A KVFeed source that reads precomputed shards instead of asking live teachers."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self._last: tuple[Optional[str], dict] = (None, {})
+
+    def submit(self, name: str, request: tuple):
+        return request[0]  # the batch key is the future
+
+    def result(self, name: str, request: tuple, key: str) -> dict:
+        if self._last[0] != key:  # one read per batch, shared by all teachers
+            self._last = (key, self.cache.get(key))
+        payloads = self._last[1]
+        if name not in payloads:
+            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' is not in batch {key!r}")
+        p = payloads[name]
+        _, _, _, layers, wire_dtype = request
+        if layers is not None and list(p["layer_ids"]) != list(layers) or p["dtype"] != wire_dtype:
+            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' has layers {p['layer_ids']} in "
+                            f"{p['dtype']}, the job wants {layers} in {wire_dtype}")
+        return p
+
+
+def cache_meta(cfg, plans: dict, plan_fingerprint: str) -> dict:
+    """What a cache must match to serve a job: data/batching, teachers' layers, wire dtype, key space."""
+    return {
+        "data": plan_fingerprint,
+        "wire_dtype": cfg.align.wire_dtype,
+        "key_space": cfg.align.key_space,
+        "teachers": {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
+                         "layers": p.layers} for n, p in plans.items()},
+    }
+
+
+def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None) -> dict:
+    """Write `epochs` epochs of the stream's batches of teacher KV to `out_dir`; skips shards already there.
+
+    `stream` must be a world_size-1 BatchStream: keys use global batch indices, so the cache serves
+    any number of DDP ranks. Returns counts (written, skipped, bytes).
+    """
+    from actors.feed import ActorSource, KVFeed
+    from kava_ray.job import feed_items
+
+    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint), create=True)
+    total = stream.steps_per_epoch * epochs
+    stats = {"written": 0, "skipped": 0, "bytes": 0, "total": total}
+
+    def todo():
+        for item in feed_items(stream, total):
+            if cache.has(item[0]):
+                stats["skipped"] += 1
+                continue
+            yield item
+
+    feed = KVFeed(ActorSource(handles), todo(), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False)
+    for (key, _step, _epoch, _batch), payloads in feed:
+        cache.put(key, payloads)
+        stats["written"] += 1
+        stats["bytes"] += cache.shards[key]["bytes"]
+        if progress is not None:
+            progress(stats)
+    return stats

@@ -1,0 +1,122 @@
+"""TeacherActor: one teacher model in one Ray actor, serving KV batches in the wire format.
+
+The actor runs one request at a time (Ray's default for a sync actor), so two consumers asking
+for the same batch key — DDP ranks, Tune trials — are served in turn and the second one hits the
+LRU: one forward per batch, however many students consume it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+import ray
+import torch
+
+from kava_ray.config import TeacherConfig
+from kava_ray.data import tokenizer_fingerprint
+from kava_ray.errors import KavaError
+from kava_ray.kv import teacher_forward_kv, wire_nbytes
+from kava_ray.models import kv_geometry, load_model, load_tokenizer
+
+
+def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
+    """(device_map for from_pretrained, device label) for a teacher given its GPU share.
+
+    Ray sets CUDA_VISIBLE_DEVICES for the actor, so its GPUs are cuda:0..n-1. A teacher with more
+    than one GPU is spread across them by accelerate (`device_map="auto"`).
+    """
+    if num_gpus > 0 and torch.cuda.is_available():
+        if num_gpus > 1:
+            return "auto", f"cuda x{torch.cuda.device_count()}"
+        return {"": 0}, "cuda:0"
+    return None, "cpu"
+
+
+class TeacherActor:
+    """Loads one teacher and serves `kv(key, input_ids, attention_mask, layers, wire_dtype)`.
+
+    A load failure does not crash the actor: it is kept and reported by `ping()`, so the pool can
+    turn it into one clear line instead of a remote traceback.
+    """
+
+    def __init__(self, teacher: dict, key_space: str = "pre_rope", cache_size: int = 64):
+        self.cfg = TeacherConfig(**teacher)
+        self.key_space = key_space
+        self.cache_size = cache_size
+        self._lru: OrderedDict = OrderedDict()
+        self.counters = dict(requests=0, forwards=0, hits=0, forward_s=0.0, bytes_served=0, tokens=0)
+        self.error: Optional[str] = None
+        self.started = time.time()
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed) if ray.is_initialized() else False
+        torch.set_num_threads(max(1, int(self.cfg.num_cpus)))
+        device_map, self.device = teacher_device_map(self.cfg.num_gpus)
+        try:
+            self.model = load_model(self.cfg.model, dtype=self.cfg.dtype, quantization=self.cfg.quantization,
+                                    device_map=device_map)
+            self.tokenizer = load_tokenizer(self.cfg.model)
+            self.geom = kv_geometry(self.model)
+        except KavaError as e:
+            self.error = str(e)
+        except Exception as e:  # noqa: BLE001 - anything at load time is reported as one line by the pool
+            self.error = f"model '{self.cfg.model}': {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def ping(self) -> Optional[str]:
+        """None when the teacher is loaded, else the one-line load error."""
+        return self.error
+
+    def geometry(self) -> dict:
+        """Layers / kv heads / head_dim and what a student needs to check compatibility, without weights."""
+        return dict(
+            self.geom.to_dict(),
+            name=self.cfg.name,
+            model=self.cfg.model,
+            quantization=self.cfg.quantization,
+            dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            device=self.device,
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            pid=os.getpid(),
+        )
+
+    def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
+           layers: Optional[list[int]] = None, wire_dtype: str = "bf16") -> dict:
+        """Wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays).
+
+        `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU.
+        """
+        self.counters["requests"] += 1
+        cache_key = None if key is None else (key, tuple(layers) if layers is not None else None, wire_dtype)
+        if cache_key is not None and cache_key in self._lru:
+            self._lru.move_to_end(cache_key)
+            self.counters["hits"] += 1
+            payload = self._lru[cache_key]
+        else:
+            t0 = time.perf_counter()
+            ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]
+            mask = torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
+            batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space)
+            payload = batch.to_wire(wire_dtype)
+            self.counters["forward_s"] += time.perf_counter() - t0
+            self.counters["forwards"] += 1
+            self.counters["tokens"] += int(mask.sum())
+            if cache_key is not None:
+                self._lru[cache_key] = payload
+                while len(self._lru) > self.cache_size:
+                    self._lru.popitem(last=False)
+        self.counters["bytes_served"] += wire_nbytes(payload)
+        return payload
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        c["mean_forward_ms"] = 1000 * c["forward_s"] / c["forwards"] if c["forwards"] else 0.0
+        c["restarted"] = self.restarted
+        c["uptime_s"] = time.time() - self.started
+        return c
+
+    def reset_stats(self) -> None:
+        for k in self.counters:
+            self.counters[k] = 0
+        self._lru.clear()

@@ -1,0 +1,46 @@
+"""Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an embedded one.
+
+Token authentication stays on (Ray 2.60's default): an embedded Ray generates a token in
+~/.ray/auth_token; a client of a remote cluster needs that cluster's token (README: "Token auth").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import ray
+
+from kava_ray.errors import KavaError
+
+
+def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = None,
+            require_cluster: bool = False) -> str:
+    """Initialise Ray once per process; returns 'embedded' or the address connected to.
+
+    address None -> an embedded local Ray with `num_cpus` logical CPUs (may exceed the physical
+    cores: Ray only counts them), unless `require_cluster` (service mode needs a lasting cluster).
+    """
+    if ray.is_initialized():
+        return "existing"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        if require_cluster:
+            raise KavaError("this command needs a running Ray cluster: start one with `ray start --head` "
+                            "and pass --address auto")
+        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=True,
+                 configure_logging=True, logging_level="WARNING")
+        return "embedded"
+    try:
+        ray.init(address=address, namespace=namespace, logging_level="WARNING")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KavaError(f"cannot connect to Ray at {address!r}: {msg}") from None
+    return address
+
+
+def resolve_use_gpu(use_gpu) -> bool:
+    """`ray.use_gpu: auto` -> True when the cluster has GPUs, else False."""
+    if use_gpu == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return bool(use_gpu)

@@ -1,0 +1,174 @@
+"""Teacher pool on a local Ray: two tiny teachers of different geometry (one NF4) serving KV."""
+
+import subprocess
+import sys
+
+import numpy as np
+import ray
+import pytest
+import torch
+
+from actors.feed import ActorSource, KVFeed
+from actors.kv_cache import CacheSource, KVCache
+from actors.pool import find_pool, start_pool, stop_pool
+from kava_ray.config import load_config
+from kava_ray.data import BatchStream
+from kava_ray.errors import KavaError
+from kava_ray.job import feed_items, load_splits, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.kv import KVBatch, teacher_forward_kv
+from kava_ray.models import load_model
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, tiny_job):
+    cfg = load_config(tiny_job)
+    handles = start_pool(cfg)
+    yield cfg, handles
+    stop_pool(cfg)
+
+
+@pytest.fixture(scope="module")
+def references(pool):
+    """The same teachers loaded in this process (1 thread, as in the actors)."""
+    cfg, _ = pool
+    return {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
+
+
+def batches(cfg, n):
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    return list(feed_items(BatchStream(train, cfg.train.batch_size, cfg.train.seed), n))
+
+
+def local_kv(model, ids, mask, layers):
+    torch.set_num_threads(1)
+    kv = teacher_forward_kv(model, torch.as_tensor(ids), torch.as_tensor(mask), layers=layers)
+    return kv.to(dtype=torch.bfloat16)
+
+
+def test_served_kv_equals_in_process_extraction_bit_exact(pool, references):
+    cfg, handles = pool
+    (key, ids, mask, _), = batches(cfg, 1)
+    geoms = {n: ray.get(h.geometry.remote()) for n, h in handles.items()}
+    assert (geoms["qwen"]["num_layers"], geoms["qwen"]["head_dim"]) == (4, 16)
+    assert (geoms["llama"]["num_layers"], geoms["llama"]["head_dim"]) == (3, 32)
+    assert geoms["qwen"]["tokenizer_fingerprint"] == geoms["llama"]["tokenizer_fingerprint"]
+    for name, layers in (("qwen", [0, 3]), ("llama", [2])):
+        payload = ray.get(handles[name].kv.remote(None, ids, mask, layers, "bf16"))
+        served = KVBatch.from_wire(payload, dtype=None)
+        ref = local_kv(references[name], ids, mask, layers)
+        assert served.layer_ids == layers and served.keys.dtype == torch.bfloat16
+        assert torch.equal(served.keys, ref.keys) and torch.equal(served.values, ref.values)
+        assert torch.equal(served.mask.long(), torch.as_tensor(mask).long())
+
+
+def test_two_consumers_same_key_cost_one_forward(pool):
+    import ray
+
+    cfg, handles = pool
+    h = handles["qwen"]
+    (key, ids, mask, _), = batches(cfg, 1)
+    before = ray.get(h.stats.remote())
+    a, b = ray.get([h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16"),
+                    h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16")])
+    after = ray.get(h.stats.remote())
+    assert after["forwards"] - before["forwards"] == 1
+    assert after["hits"] - before["hits"] == 1 and after["requests"] - before["requests"] == 2
+    assert np.array_equal(a["k"], b["k"])
+
+
+def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, references):
+    import ray
+
+    cfg, handles = pool
+    items = batches(cfg, 6)
+    layers = {"qwen": [1, 2], "llama": [0]}
+    feed = KVFeed(ActorSource(handles, retry_wait_s=0.5), iter(items), layers, depth=2)
+    got = []
+    for i, (item, kv) in enumerate(feed):
+        got.append((item[0], kv))
+        if i == 1:  # requests for batches 2 and 3 are in flight
+            ray.kill(handles["qwen"], no_restart=False)
+    assert [k for k, _ in got] == [it[0] for it in items]  # every batch, in order
+    for (key, ids, mask, _), (_, kv) in zip(items, got):
+        for name in layers:
+            ref = local_kv(references[name], ids, mask, layers[name])
+            assert torch.equal(kv[name].keys.to(torch.bfloat16), ref.keys), (key, name)
+    assert ray.get(handles["qwen"].stats.remote())["restarted"] is True
+    assert len(feed.wait_s) == 6
+
+
+def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path):
+    from kava_ray.cli import precompute_cmd
+
+    cfg, handles = pool
+    out = tmp_path / "kvcache"
+    stats = precompute_cmd(cfg, out, epochs=1)
+    assert stats["written"] == stats["total"] > 0 and stats["skipped"] == 0
+    again = precompute_cmd(cfg, out, epochs=1)  # resumes: nothing left to do
+    assert again["written"] == 0 and again["skipped"] == stats["total"]
+
+    import ray
+
+    geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    layers = {n: p.layers for n, p in plans.items()}
+    items = batches(cfg, 3)
+    cached = list(KVFeed(CacheSource(KVCache(out)), iter(items), layers, depth=2))
+    live = list(KVFeed(ActorSource(handles), iter(items), layers, depth=2))
+    for (_, kc), (_, kl) in zip(cached, live):
+        for n in layers:
+            assert torch.equal(kc[n].keys, kl[n].keys) and torch.equal(kc[n].values, kl[n].values)
+
+    cache = KVCache(out)
+    shard = out / cache.shards[items[1][0]]["file"]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(KavaError, match=f"{shard.name}.*checksum mismatch"):
+        list(KVFeed(CacheSource(KVCache(out)), iter(items), layers, depth=1))
+    # a cache written for another layer set is refused by name
+    with pytest.raises(KavaError, match="teachers"):
+        KVCache(out, dict(cache.meta, teachers={}))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "kava_ray.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_teachers_up_status_down_round_trip(ray_session, tiny_job):
+    import ray
+
+    addr = ray.get_runtime_context().gcs_address
+    common = ["--config", str(tiny_job), "--address", addr, "ray.namespace=kava-cli"]
+    r = cli("teachers", "up", *common)
+    assert r.returncode == 0, r.stderr
+    assert find_pool(load_config(tiny_job, ["ray.namespace=kava-cli"]))  # detached: outlives the CLI
+    r = cli("teachers", "status", *common, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "qwen" in r.stdout and "llama" in r.stdout and "4x2x16" in r.stdout and "3x2x32" in r.stdout
+    import json
+
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["teachers"]
+    assert {row["name"]: row["quantization"] for row in rows} == {"qwen": "none", "llama": "4bit"}
+    assert all(row["running"] for row in rows)
+    r = cli("teachers", "down", *common)
+    assert r.returncode == 0 and "qwen" in r.stdout
+    with pytest.raises(KavaError, match="not running"):
+        find_pool(load_config(tiny_job, ["ray.namespace=kava-cli"]))
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--teacher", "nope"], "unknown teacher 'nope'"),
+    (["teachers.0.model=/no/such/model"], "model '/no/such/model'"),
+    (["teachers.0.num_gpus=2"], "asks for 2 GPUs but the cluster has 0"),
+], ids=["unknown-teacher", "unloadable-model", "too-many-gpus"])
+def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, expect):
+    import ray
+
+    addr = ray.get_runtime_context().gcs_address
+    r = cli("teachers", "up", "--config", str(tiny_job), "--address", addr, "ray.namespace=kava-bad", *extra)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and expect in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
