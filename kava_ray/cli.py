@@ -42,6 +42,17 @@ def cmd_bench_projector_ab(args) -> int:
     return 0
 
 
+def cmd_bench_feed(args) -> int:
+    from kava_ray.bench_feed import format_feed_bench, run_feed_bench
+
+    result = run_feed_bench(steps=args.steps, batch=args.batch, tokens=args.tokens,
+                            transport_mib=args.transport_mib)
+    print(format_feed_bench(result))
+    if args.json:
+        _print_json_last(result)
+    return 0
+
+
 # ----------------------------------------------------------------------------- teachers
 
 
@@ -188,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_bench_projector_ab)
+    p = bench_sub.add_parser("feed", help="teacher/student overlap of the KVFeed, and KV transport speed")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--transport-mib", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_bench_feed)
     return parser
 
 

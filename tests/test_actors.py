@@ -172,3 +172,14 @@ def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, exp
     lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and expect in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
+    from kava_ray.bench_feed import format_feed_bench, run_feed_bench
+
+    r = run_feed_bench(steps=2, batch=2, tokens=16, depths=(1, 2), transport_mib=2, repeats=2, rounds=1)
+    assert set(r["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in r["pipelined_s"].values())
+    assert r["overlap_efficiency"]["2"] == pytest.approx(max(r["teacher_s"], r["student_s"]) / r["pipelined_s"]["2"])
+    t = r["transport"]
+    assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
+    assert "KVFeed depth 2" in format_feed_bench(r)
