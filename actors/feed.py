@@ -106,5 +106,10 @@ class KVFeed:
         return item, {name: KVBatch.from_wire(p, device=self.device, dtype=self.dtype) for name, p in payloads.items()}
 
     @property
+    def in_flight(self) -> int:
+        """Batches taken from `items` but not yet delivered."""
+        return len(self._inflight)
+
+    @property
     def last_wait_s(self) -> float:
         return self.wait_s[-1] if self.wait_s else 0.0

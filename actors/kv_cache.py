@@ -161,7 +161,7 @@ def cache_meta(cfg, plans: dict, plan_fingerprint: str) -> dict:
         "wire_dtype": cfg.align.wire_dtype,
         "key_space": cfg.align.key_space,
         "teachers": {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
-                         "layers": p.layers} for n, p in plans.items()},
+                         "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()},
     }
 
 

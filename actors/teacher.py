@@ -95,8 +95,8 @@ class TeacherActor:
             payload = self._lru[cache_key]
         else:
             t0 = time.perf_counter()
-            ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]
-            mask = torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
+            ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
+            mask = torch.tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
             batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space)
             payload = batch.to_wire(wire_dtype)
             self.counters["forward_s"] += time.perf_counter() - t0

@@ -148,6 +148,30 @@ def precompute_cmd(cfg, out_dir, epochs: int) -> dict:
     return stats
 
 
+# ----------------------------------------------------------------------------- train
+
+
+def cmd_train(args) -> int:
+    from kava_ray.train import run_training
+
+    cfg = _job_config(args)
+    out = run_training(cfg, resume=args.resume, run_name=args.run_name, address=args.address)
+    print(format_final(out))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
+def format_final(out: dict) -> str:
+    from kava_ray.tables import format_table
+
+    m = out["metrics"]
+    rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in sorted(m.items())
+            if k.startswith(("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wait_s"))]
+    return "\n".join([format_table(["metric (last step)", "value"], rows),
+                      f"run dir: {out['run_dir']}  ({out['wall_s']:.0f} s)"])
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -190,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
             p.add_argument("--epochs", type=int, default=1)
         p.set_defaults(func=cmd_teachers)
+
+    p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
+    _add_config_args(p)
+    p.add_argument("--address", default=None, help="Ray address (default: embedded local Ray; auto = `ray start`)")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint dir")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_train)
 
     p_bench = sub.add_parser("bench", help="side-by-side measurements on this machine")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)

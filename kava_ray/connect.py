@@ -14,6 +14,11 @@ import ray
 from kava_ray.errors import KavaError
 
 
+# Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
+# run that reports every step would be throttled to one step per 2 s. Poll faster on our own Ray.
+EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "TRANSFORMERS_VERBOSITY": "error"}
+
+
 def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = None,
             require_cluster: bool = False) -> str:
     """Initialise Ray once per process; returns 'embedded' or the address connected to.
@@ -28,8 +33,11 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         if require_cluster:
             raise KavaError("this command needs a running Ray cluster: start one with `ray start --head` "
                             "and pass --address auto")
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=True,
-                 configure_logging=True, logging_level="WARNING")
+        # The dashboard process also serves Ray's state API, which Train's controller and
+        # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
+        ray.init(num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
+                 logging_config=ray.LoggingConfig(log_level="WARNING"),
+                 runtime_env={"env_vars": EMBEDDED_ENV})
         return "embedded"
     try:
         ray.init(address=address, namespace=namespace, logging_level="WARNING")

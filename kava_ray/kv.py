@@ -331,9 +331,11 @@ def _checkpointing(model) -> bool:
 
 
 def student_forward_kv(
-    model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope"
+    model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope", **forward_kwargs
 ) -> tuple:
     """Training forward that keeps the autograd graph -> (model outputs incl. loss/logits, KVBatch).
+
+    Extra keyword arguments go to the model's forward (e.g. output_hidden_states=True).
 
     Normally K, V come from the cache. With gradient checkpointing in training mode HF disables the
     cache, so pre-RoPE K and V are captured from the attention projections instead (same values).
@@ -341,7 +343,7 @@ def student_forward_kv(
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
     input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, **forward_kwargs)
     if labels is not None:
         kwargs["labels"] = labels.to(input_ids.device)
     if not (model.training and _checkpointing(model)):

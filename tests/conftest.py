@@ -70,9 +70,11 @@ def ray_session():
     """
     import ray
 
-    ray.init(num_cpus=8, namespace="kava-test", include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-                                       "OMP_NUM_THREADS": "1"}})
+    from kava_ray.connect import EMBEDDED_ENV
+
+    ray.init(num_cpus=8, namespace="kava-test", logging_level="WARNING",
+             logging_config=ray.LoggingConfig(log_level="WARNING"),
+             runtime_env={"env_vars": {**EMBEDDED_ENV, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
 

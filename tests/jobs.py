@@ -19,7 +19,7 @@ def job_dict(qwen_dir, llama_dir, student_dir, storage) -> dict:
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}, "prefetch_depth": 2},
         "loss": {"kind": "mercator", "beta": 0.01},
         "optim": {"lr_student": 1e-3, "lr_projector": 3e-3, "warmup_steps": 0},
-        "train": {"steps": 4, "batch_size": 4, "max_length": 48, "log_steps": 1, "eval_steps": 2, "save_steps": 2},
+        "train": {"steps": 4, "batch_size": 4, "max_length": 288, "log_steps": 1, "eval_steps": 2, "save_steps": 2},
         "ray": {"namespace": "kava-test", "storage_path": str(storage), "num_workers": 1, "use_gpu": False},
     }
 

@@ -1,0 +1,161 @@
+"""The distillation step as one nn.Module: student + a projector per teacher + fusion -> loss.
+
+`Distiller.forward(batch, teacher_kv)` is one micro-batch: student forward (CE on answer tokens and
+the student's own K, V), project every teacher into the student layout, fuse (or keep one loss per
+teacher for `sum`), Mercator/hybrid/MSE KV loss, plus the metrics a researcher watches. Wrapping the
+whole module in DDP syncs the student, the projectors and the fusion together. Pure PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from kava_ray.config import JobConfig, OptimConfig
+from kava_ray.errors import KavaError
+from kava_ray.fusion import Fusion
+from kava_ray.kv import KVBatch, student_forward_kv
+from kava_ray.losses import contrast_gap, kv_loss, masked_ce
+from kava_ray.models import KVGeometry
+from kava_ray.projectors import TeacherProjector
+
+
+class Distiller(nn.Module):
+    """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
+
+    def __init__(self, student: nn.Module, plans: dict, s_geom: KVGeometry, cfg: JobConfig):
+        super().__init__()
+        a, p = cfg.align, cfg.align.projector
+        self.student = student
+        self.names = list(plans)
+        self.layers = {n: list(plans[n].layers) for n in self.names}
+        self.projectors = nn.ModuleDict({
+            n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
+                                s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
+                                mode=a.mode, aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
+                                dropout=p.dropout)
+            for n, plan in plans.items()})
+        self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
+                             weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,
+                             feature_dim=s_geom.hidden_size, names=self.names)
+        self.loss_cfg = cfg.loss
+        self.key_space = a.key_space
+
+    def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
+        c = self.loss_cfg
+        return kv_loss(c.kind, s, t, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight)
+
+    def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
+        """Mean of the K and V losses; metrics averaged over K and V."""
+        lk, mk = self._kv_loss(skv.keys, tk, mask)
+        lv, mv = self._kv_loss(skv.values, tv, mask)
+        per_layer = [(a + b) / 2 for a, b in zip(mk["cos_per_layer"], mv["cos_per_layer"])]
+        return (lk + lv) / 2, {"cos_sim": (mk["cos_sim"] + mv["cos_sim"]) / 2, "cos_per_layer": per_layer}
+
+    def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
+        """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
+
+        Returns (loss, metrics) with metrics as python floats.
+        """
+        mask = batch["attention_mask"]
+        kv_mask = mask if self.loss_cfg.loss_tokens == "all" else batch["answer_mask"]
+        router = self.fusion.kind == "router"
+        out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
+                                      output_hidden_states=router)
+        ce = masked_ce(out.logits, batch["labels"])
+        projected = {}
+        for n in self.names:
+            t = teacher_kv[n]
+            if t.layer_ids != self.layers[n]:
+                raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
+            projected[n] = self.projectors[n](t.keys, t.values)  # each [L_s, B, H_s, T, D_s]
+        metrics: dict = {}
+        if self.fusion.fuses_targets:
+            feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
+            tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
+            tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
+            kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
+            with torch.no_grad():
+                for n in self.names:
+                    metrics[f"cos/{n}"] = self._kv_pair_loss(skv, *projected[n], kv_mask)[1]["cos_sim"]
+            gap_targets = (tk, tv)
+        else:
+            losses, ms = [], []
+            for n in self.names:
+                loss_n, m_n = self._kv_pair_loss(skv, *projected[n], kv_mask)
+                losses.append(loss_n)
+                ms.append(m_n)
+                metrics[f"cos/{n}"] = m_n["cos_sim"]
+            kvl = self.fusion.combine_losses(losses)
+            w = self.fusion.prior.tolist()
+            m = {"cos_sim": sum(wi * mi["cos_sim"] for wi, mi in zip(w, ms)),
+                 "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
+                                   for i in range(len(ms[0]["cos_per_layer"]))]}
+            # the gap against the weighted mean of the projected teachers
+            gap_targets = tuple(sum(wi * projected[n][j] for wi, n in zip(w, self.names)) for j in (0, 1))
+        c = self.loss_cfg
+        loss = c.ce_weight * ce + c.kv_weight * kvl
+        layers = m["cos_per_layer"]
+        metrics.update(
+            loss=float(loss.detach()), ce=float(ce.detach()), kv_loss=float(kvl.detach()), cos_sim=m["cos_sim"],
+            **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
+               "cos_layer/last": layers[-1]},
+            contrast_gap=(contrast_gap(skv.keys, gap_targets[0], kv_mask)
+                          + contrast_gap(skv.values, gap_targets[1], kv_mask)) / 2,
+            tokens=int(mask.sum()),
+        )
+        metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
+        return loss, metrics
+
+
+# ------------------------------------------------------------------------------------ optimisation
+
+
+def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
+    """Two groups: the student at lr_student; projectors and fusion at lr_projector."""
+    student = [p for p in distiller.student.parameters() if p.requires_grad]
+    heads = [p for m in (distiller.projectors, distiller.fusion) for p in m.parameters() if p.requires_grad]
+    groups = [{"params": student, "lr": optim.lr_student, "name": "student"}]
+    if heads:
+        groups.append({"params": heads, "lr": optim.lr_projector, "name": "projector"})
+    return groups
+
+
+def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(distiller, optim)
+    if optim.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(groups, weight_decay=optim.weight_decay)
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Linear warmup over warmup_steps, then cosine / linear decay to 0 or constant."""
+    warm = optim.warmup_steps
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total_steps - warm)
+        if optim.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
+
+
+def phase(cos: float) -> str:
+    """The cos_sim phase label researchers read at a glance."""
+    for bound, name in ((0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")):
+        if cos < bound:
+            return name
+    return "Excellent"

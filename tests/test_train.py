@@ -1,0 +1,161 @@
+"""Student training: the Distiller step for every mode/fusion, and Ray Train runs end to end."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kava_ray.config import load_config
+from kava_ray.data import BatchStream
+from kava_ray.distill import Distiller, build_optimizer
+from kava_ray.errors import KavaError
+from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
+from kava_ray.align.layers import plan_teacher_layers
+from kava_ray.kv import teacher_forward_kv
+from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.tiny import build_tiny_model
+from jobs import write_job
+
+
+@pytest.fixture(scope="module")
+def small_student_dir(tmp_path_factory):
+    """Fewer layers (2), fewer KV heads (1) and a smaller head_dim (8) than both teachers."""
+    return build_tiny_model(tmp_path_factory.mktemp("student8"), family="qwen2", num_layers=2, hidden_size=32,
+                            num_heads=4, num_kv_heads=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def job_path(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, small_student_dir):
+    return write_job(tmp_path_factory.mktemp("trainjob"), tiny_qwen2_dir, tiny_llama_dir, small_student_dir,
+                     train={"steps": 20, "save_steps": 5, "eval_steps": 10, "batch_size": 2},
+                     ray={"num_workers": 2, "use_gpu": False})
+
+
+@pytest.fixture(scope="module")
+def teachers_in_process(job_path):
+    cfg = load_config(job_path)
+    return {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
+
+
+MODES = [("flat", "fixed", "concat"), ("flat", "sum", "weighted"), ("structured", "gate", "concat"),
+         ("structured", "router", "concat"), ("structured", "sum", "concat"), ("flat", "router", "mean")]
+
+
+@pytest.mark.parametrize("mode,fusion,aggregation", MODES, ids=[f"{m}-{f}-{a}" for m, f, a in MODES])
+def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusion, aggregation):
+    """5 optimizer steps on one batch: the KV loss falls and every trainable part receives gradient."""
+    cfg = load_config(job_path, [f"align.mode={mode}", f"fusion.kind={fusion}", f"align.aggregation={aggregation}",
+                                 "align.projector.kind=elastic", "align.projector.dropout=0.0"])
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    _, _, _, batch = BatchStream(train, 4, 0).next()
+    student = load_student(cfg.student.model, dtype="float32")
+    s_geom = kv_geometry(student)
+    plans = {}
+    kv = {}
+    for t in cfg.teachers:
+        model = teachers_in_process[t.name]
+        g = kv_geometry(model)
+        lm, layers = plan_teacher_layers("ratio", g.num_layers, s_geom.num_layers, mode=mode)
+        plans[t.name] = TeacherPlan(t.name, g, lm, layers)
+        kv[t.name] = teacher_forward_kv(model, batch["input_ids"], batch["attention_mask"], layers=layers).to(
+            dtype=torch.float32)
+    distiller = Distiller(student, plans, s_geom, cfg)
+    opt = build_optimizer(distiller, cfg.optim)
+    history = []
+    for i in range(5):
+        loss, m = distiller(batch, kv)
+        loss.backward()
+        if i == 0:
+            silent = [n for n, p in distiller.named_parameters() if p.requires_grad and p.grad is None]
+            assert not silent, silent
+        opt.step()
+        opt.zero_grad()
+        history.append(m)
+    assert history[-1]["kv_loss"] < history[0]["kv_loss"]
+    assert history[-1]["cos_sim"] > history[0]["cos_sim"]
+    assert set(m) >= {"ce", "contrast_gap", "cos/qwen", "cos/llama", "fusion/qwen", "cos_layer/last"}
+    assert abs(sum(v for k, v in m.items() if k.startswith("fusion/")) - 1) < 1e-5
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def e2e_run(ray_session, job_path):
+    from kava_ray.train import run_training
+
+    cfg = load_config(job_path)
+    out = run_training(cfg, run_name="e2e", progress=False)
+    return cfg, out
+
+
+def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
+    cfg, out = e2e_run
+    run_dir = Path(out["run_dir"])
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 21))  # every logged step
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    first = sum(r["cos_sim"] for r in train[:3]) / 3
+    last = sum(r["cos_sim"] for r in train[-3:]) / 3
+    assert last > first + 0.05, (first, last)
+    assert evals[-1]["eval/cos_sim"] > evals[0]["eval/cos_sim"]
+    assert train[-1]["contrast_gap"] > 0 and evals[-1]["eval/contrast_gap"] > 0
+    assert all(r["tokens_per_s"] > 0 and r["teacher_wait_s"] >= 0 and r["phase"] for r in train)
+    student = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "student")
+    assert student.config.num_hidden_layers == 2 and student.config.num_key_value_heads == 1
+    assert len(list(run_dir.glob("checkpoint_2*"))) == cfg.train.num_to_keep
+
+
+def test_worker_failure_resumes_on_the_same_curve(e2e_run, job_path, ray_session):
+    """Kill rank 1 mid-run: FailureConfig restarts from the last checkpoint and the curve is unchanged."""
+    from kava_ray.train import run_training
+
+    cfg, ref = e2e_run
+    run_dir = Path(ref["run_dir"]).parent / "failure"
+    killed = {}
+
+    def killer():
+        metrics, pid_file = run_dir / "metrics.jsonl", run_dir / "workers" / "rank1.pid"
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if metrics.exists() and pid_file.exists():
+                steps = [r["step"] for r in read_jsonl(metrics) if r["kind"] == "train"]
+                if steps and steps[-1] >= 7:
+                    killed["pid"], killed["step"] = int(pid_file.read_text()), steps[-1]
+                    os.kill(killed["pid"], signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    out = run_training(cfg, run_name="failure", progress=False)
+    thread.join()
+    assert killed and killed["step"] < 20, killed
+    assert int((run_dir / "workers" / "rank1.pid").read_text()) != killed["pid"]  # a new worker took over
+    got = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
+    want = {r["step"]: r for r in read_jsonl(Path(ref["run_dir"]) / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(got) == list(range(1, 21))
+    for step in range(1, 21):
+        for key in ("loss", "ce", "kv_loss", "cos_sim", "contrast_gap", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+    assert out["metrics"]["step"] == 20
+
+
+def test_resume_with_incompatible_config_names_the_keys(e2e_run, job_path):
+    from kava_ray.train import run_training
+
+    _, ref = e2e_run
+    ckpt = sorted(Path(ref["run_dir"]).glob("checkpoint_2*"))[-1]
+    cfg = load_config(job_path, ["align.projector.kind=elastic", "align.mode=flat"])
+    with pytest.raises(KavaError, match=r"align.mode, align.projector.kind differ"):
+        run_training(cfg, resume=str(ckpt), progress=False)
