@@ -165,25 +165,28 @@ def cache_meta(cfg, plans: dict, plan_fingerprint: str) -> dict:
     }
 
 
-def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None) -> dict:
+def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None,
+               extra_streams: tuple = ()) -> dict:
     """Write `epochs` epochs of the stream's batches of teacher KV to `out_dir`; skips shards already there.
 
     `stream` must be a world_size-1 BatchStream: keys use global batch indices, so the cache serves
-    any number of DDP ranks. Returns counts (written, skipped, bytes).
+    any number of DDP ranks. `extra_streams` (e.g. the held-out split, one epoch each) are cached
+    too, so evaluation during training needs no live teacher. Returns counts (written, skipped, bytes).
     """
     from actors.feed import ActorSource, KVFeed
     from kava_ray.job import feed_items
 
     cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint), create=True)
-    total = stream.steps_per_epoch * epochs
-    stats = {"written": 0, "skipped": 0, "bytes": 0, "total": total}
+    work = [(stream, stream.steps_per_epoch * epochs)] + [(s, s.steps_per_epoch) for s in extra_streams]
+    stats = {"written": 0, "skipped": 0, "bytes": 0, "total": sum(n for _, n in work)}
 
     def todo():
-        for item in feed_items(stream, total):
-            if cache.has(item[0]):
-                stats["skipped"] += 1
-                continue
-            yield item
+        for st, n in work:
+            for item in feed_items(st, n):
+                if cache.has(item[0]):
+                    stats["skipped"] += 1
+                    continue
+                yield item
 
     feed = KVFeed(ActorSource(handles), todo(), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Callable, Optional
 
 from kava_ray.errors import KavaError
@@ -135,15 +136,18 @@ def precompute_cmd(cfg, out_dir, epochs: int) -> dict:
     tok, fp = student_tokenizer(cfg)
     check_tokenizers(cfg, geoms, fp)
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
-    train, _ = load_splits(cfg, tok)
+    train, held = load_splits(cfg, tok)
     stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
-    bar = tqdm(total=stream.steps_per_epoch * epochs, desc="precompute", unit="batch", disable=None)
+    eval_stream = BatchStream(held, cfg.train.batch_size, cfg.train.seed, bucket=False)  # as evaluate_heldout
+    bar = tqdm(total=stream.steps_per_epoch * epochs + eval_stream.steps_per_epoch, desc="precompute",
+               unit="batch", disable=None)
 
     def progress(stats):
         bar.n = stats["written"] + stats["skipped"]
         bar.refresh()
 
-    stats = precompute(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=progress)
+    stats = precompute(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=progress,
+                       extra_streams=(eval_stream,))
     bar.close()
     return stats
 
@@ -170,6 +174,39 @@ def format_final(out: dict) -> str:
             if k.startswith(("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wait_s"))]
     return "\n".join([format_table(["metric (last step)", "value"], rows),
                       f"run dir: {out['run_dir']}  ({out['wall_s']:.0f} s)"])
+
+
+def cmd_demo(args) -> int:
+    from kava_ray.demo import format_summary, run_demo
+
+    summary = run_demo(args.overrides, address=args.address)
+    print(format_summary(summary))
+    if args.json:
+        _print_json_last(summary)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from kava_ray.evaluate import evaluate_checkpoint
+    from kava_ray.tables import format_table
+
+    out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
+    rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]
+    print(format_table(["metric", "value"], rows))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kava_ray.report import summarize_run, write_report
+
+    out = write_report(args.run_dir)
+    print(summarize_run(args.run_dir))
+    print(f"report: {Path(args.run_dir) / 'report'}")
+    if args.json:
+        _print_json_last(out)
+    return 0
 
 
 # ----------------------------------------------------------------------------- parser
@@ -222,6 +259,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
+    p.add_argument("--address", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("eval", help="held-out CE, KV cos, contrast gap and GSM8K accuracy of a checkpoint")
+    p.add_argument("path", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--limit", type=int, default=16, help="GSM8K questions to generate answers for")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--address", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="plots + Markdown summary of a run dir's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_report)
 
     p_bench = sub.add_parser("bench", help="side-by-side measurements on this machine")
     bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)

@@ -105,6 +105,7 @@ class Distiller(nn.Module):
             contrast_gap=(contrast_gap(skv.keys, gap_targets[0], kv_mask)
                           + contrast_gap(skv.values, gap_targets[1], kv_mask)) / 2,
             tokens=int(mask.sum()),
+            label_tokens=int((batch["labels"][:, 1:] != -100).sum()),  # what CE averages over
         )
         metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
         return loss, metrics
@@ -152,10 +153,3 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
 def build_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(optim, total_steps))
 
-
-def phase(cos: float) -> str:
-    """The cos_sim phase label researchers read at a glance."""
-    for bound, name in ((0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")):
-        if cos < bound:
-            return name
-    return "Excellent"

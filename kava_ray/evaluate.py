@@ -114,3 +114,57 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
     questions = [ex.question for ex in examples]
     preds = generate_answers(model, tokenizer, questions, prompt_format, max_new_tokens, batch_size)
     return score_answers(preds, [ex.answer for ex in examples], questions)
+
+
+# ----------------------------------------------------------------------------- a checkpoint, end to end
+
+
+def find_checkpoint(path) -> "Path":
+    """A checkpoint dir from a checkpoint path or a run dir (its final/ or, else, its latest checkpoint)."""
+    from pathlib import Path
+
+    p = Path(path)
+    for candidate in (p, p / "final", *sorted(p.glob("checkpoint_2*"), reverse=True)):
+        if (candidate / "state.json").is_file():
+            return candidate
+    raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no state.json)")
+
+
+def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None) -> dict:
+    """Held-out CE, KV cos and contrast gap (teachers started on an embedded Ray unless running),
+    and greedy GSM8K accuracy on the first `limit` held-out questions, for one checkpoint."""
+    import ray
+    import torch
+
+    from actors.feed import ActorSource
+    from actors.kv_cache import CacheSource, KVCache
+    from actors.pool import stop_pool
+    from kava_ray.checkpoint import load_into, read_state
+    from kava_ray.config import validate_config
+    from kava_ray.connect import connect
+    from kava_ray.distill import Distiller
+    from kava_ray.job import load_splits
+    from kava_ray.models import kv_geometry, load_model, load_tokenizer
+    from kava_ray.train import embedded_cpus, evaluate_heldout, setup_teachers
+
+    ckpt = find_checkpoint(path)
+    cfg = validate_config(read_state(ckpt)["config"])
+    student = load_model(ckpt / "student", dtype="float32")
+    tokenizer = load_tokenizer(ckpt / "student")
+    _, held = load_splits(cfg, tokenizer)
+    out = {"checkpoint": str(ckpt), "step": read_state(ckpt)["step"], "heldout_ce": heldout_ce(student, held)}
+    connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg))
+    handles, plans, started = setup_teachers(cfg)
+    try:
+        torch.manual_seed(0)
+        distiller = Distiller(student, plans, kv_geometry(student), cfg)
+        load_into(ckpt, distiller)
+        source = ActorSource(handles) if handles is not None else CacheSource(KVCache(cfg.data.kv_cache_dir))
+        out.update(evaluate_heldout(distiller, source, plans, held, cfg, "cpu", torch.float32))
+    finally:
+        if started:
+            stop_pool(cfg)
+    acc = gsm8k_accuracy(student, tokenizer, held.examples[:limit], cfg.data.prompt_format, max_new_tokens)
+    out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
+    ray.shutdown()
+    return out

