@@ -1,0 +1,194 @@
+"""Tune search spaces: shipped YAMLs load against the demo config, bad spaces fail with one line."""
+
+import importlib.util
+
+import pytest
+import yaml
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search.sample import Categorical, Float, Integer
+
+from kava_ray.config import load_config
+from kava_ray.errors import KavaError
+from kava_ray.tune_space import (
+    apply_params,
+    load_space,
+    make_scheduler,
+    make_search_alg,
+    space_names,
+    to_param_space,
+)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return load_config("demo_cpu")
+
+
+def write_space(tmp_path, params=None, **top):
+    doc = {"metric": "eval/cos_sim", "mode": "max", "num_samples": 2, **top}
+    doc["params"] = params if params is not None else {"loss.beta": {"choice": [0.0, 0.01]}}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def one_line_error(path_or_name, base, *needles):
+    with pytest.raises(KavaError) as info:
+        load_space(path_or_name, base)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.strip() == msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_shipped_spaces_load_and_give_tune_domains(base):
+    assert set(space_names()) >= {"default", "single_gpu_8gb", "large_teachers"}
+    for name in space_names():
+        spec = load_space(name, base)
+        assert spec.metric == "eval/cos_sim" and spec.mode == "max"
+        space = to_param_space(spec)
+        assert set(space) == set(spec.params)
+        lr = space["optim.lr_student"]
+        assert isinstance(lr, Float) and isinstance(lr.sampler, Float._LogUniform)
+        assert isinstance(space["align.projector.mlp_ratio"], Categorical)
+        assert isinstance(space["loss.beta"], Categorical)
+
+    default = load_space("default", base)
+    assert (default.num_samples, default.max_concurrent) == (8, None)
+    sched = default.scheduler
+    assert (sched.kind, sched.grace_period, sched.reduction_factor) == ("asha", 2, 2)
+    assert default.search.kind == "random" and make_search_alg(default) is None
+    space = to_param_space(default)
+    assert space["align.projector.mlp_ratio"].categories == [0.5, 1.0, 2.0]
+    dropout = space["align.projector.dropout"]
+    assert isinstance(dropout.sampler, Float._Uniform) and (dropout.lower, dropout.upper) == (0.0, 0.2)
+    assert (space["optim.lr_projector"].lower, space["optim.lr_projector"].upper) == (1e-4, 3e-3)
+
+    gpu8 = load_space("single_gpu_8gb", base)
+    assert (gpu8.num_samples, gpu8.max_concurrent) == (6, 1)
+    large = load_space("large_teachers", base)
+    assert (large.num_samples, large.max_concurrent) == (4, 2)
+    assert (large.scheduler.grace_period, large.scheduler.reduction_factor) == (4, 3)
+    assert to_param_space(large)["fusion.kind"].categories == ["fixed", "gate"]
+
+
+def test_grid_randint_and_yaml_exponents(tmp_path, base):
+    path = tmp_path / "s.yaml"
+    # PyYAML reads 1e-5 (no dot) as a string; ranges and choices still get floats
+    path.write_text("params:\n"
+                    "  optim.lr_student: {loguniform: [1e-5, 1e-4]}\n"
+                    "  optim.lr_projector: {choice: [1e-3, 3e-3]}\n"
+                    "  optim.warmup_steps: {randint: [0, 4]}\n"
+                    "  align.mode: {grid: [flat, structured]}\n"
+                    "  teachers.1.num_gpus: {choice: [0.0, 0.5]}\n")
+    spec = load_space(path, base)
+    space = to_param_space(spec)
+    assert (space["optim.lr_student"].lower, space["optim.lr_student"].upper) == (1e-5, 1e-4)
+    assert space["optim.lr_projector"].categories == [1e-3, 3e-3]
+    assert isinstance(space["optim.warmup_steps"], Integer)
+    assert (space["optim.warmup_steps"].lower, space["optim.warmup_steps"].upper) == (0, 4)
+    assert space["align.mode"] == {"grid_search": ["flat", "structured"]}
+
+
+def test_apply_params_sets_values(base):
+    cfg = apply_params(base, {"optim.lr_student": 2e-5, "align.projector.dropout": 0.05,
+                              "fusion.kind": "gate", "teachers.1.num_gpus": 0.5})
+    assert cfg.optim.lr_student == pytest.approx(2e-5)
+    assert cfg.align.projector.dropout == pytest.approx(0.05)
+    assert cfg.fusion.kind == "gate" and cfg.teachers[1].num_gpus == 0.5
+    assert base.fusion.kind == "fixed"  # the base is untouched
+    with pytest.raises(KavaError, match="align.projector.dropout"):
+        apply_params(base, {"align.projector.dropout": 1.5})
+
+
+def test_schedulers(base):
+    spec = load_space("default", base)
+    asha = make_scheduler(spec, max_t=base.train.steps)
+    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "step" and asha._max_t == base.train.steps
+    large = load_space("large_teachers", base)
+    with pytest.raises(KavaError, match="grace_period 4 exceeds max_t 3"):
+        make_scheduler(large, max_t=3)
+    fifo = spec.model_copy(update={"scheduler": spec.scheduler.model_validate({"kind": "fifo"})})
+    assert type(make_scheduler(fifo, max_t=10)) is FIFOScheduler
+
+
+BAD_PARAMS = [
+    # (description, params, text the one line must contain)
+    ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}}, "'optim.lr_studnet': not a JobConfig key"),
+    ("a section, not a leaf", {"align.projector": {"choice": [{}]}}, "'align.projector': not a JobConfig key"),
+    ("teacher index past the base", {"teachers.2.num_gpus": {"choice": [1]}}, "'teachers.2.num_gpus'"),
+    ("unknown distribution", {"loss.beta": {"normal": [0, 1]}}, "'loss.beta': unknown distribution 'normal'"),
+    ("two distributions", {"loss.beta": {"choice": [0.0], "uniform": [0, 1]}}, "'loss.beta': needs exactly one"),
+    ("empty uniform", {"loss.beta": {"uniform": [1, 1]}}, "'loss.beta': empty range [1, 1]"),
+    ("reversed loguniform", {"optim.lr_student": {"loguniform": [1e-4, 1e-5]}}, "'optim.lr_student': empty range"),
+    ("loguniform low <= 0", {"optim.lr_student": {"loguniform": [0.0, 1e-4]}},
+     "'optim.lr_student': loguniform needs 0 < low"),
+    ("randint of floats", {"optim.warmup_steps": {"randint": [0.5, 3]}}, "'optim.warmup_steps': randint needs"),
+    ("empty choice", {"loss.beta": {"choice": []}}, "'loss.beta': choice needs a non-empty list"),
+    ("choice value invalid for the key", {"align.projector.dropout": {"choice": [0.1, 1.5]}},
+     "'align.projector.dropout': value 1.5 is invalid"),
+    ("uniform end invalid for the key", {"align.projector.dropout": {"uniform": [0.0, 1.0]}},
+     "'align.projector.dropout': value 1.0 is invalid"),
+    ("randint high-1 invalid", {"optim.accumulation": {"randint": [0, 3]}}, "'optim.accumulation': value 0 is invalid"),
+    ("bad literal in choice", {"fusion.kind": {"choice": ["fixed", "vote"]}}, "'fusion.kind': value 'vote'"),
+]
+
+
+@pytest.mark.parametrize("desc,params,needle", BAD_PARAMS, ids=[b[0] for b in BAD_PARAMS])
+def test_bad_params_fail_with_one_line(tmp_path, base, desc, params, needle):
+    path = write_space(tmp_path, params)
+    msg = one_line_error(path, base, needle)
+    assert msg.startswith(f"search space {path}: param ")
+
+
+def test_keys_are_checked_without_a_base_too(tmp_path):
+    one_line_error(write_space(tmp_path, {"optim.lr_studnet": {"choice": [1e-4]}}), None, "optim.lr_studnet")
+    assert load_space(write_space(tmp_path, {"teachers.7.num_gpus": {"choice": [1]}})).params  # any index
+
+
+BAD_TOP = [
+    ("unknown top-level key", {"samples": 3}, "unknown key 'samples'"),
+    ("bad mode", {"mode": "maximize"}, "mode"),
+    ("mode against the metric", {"metric": "eval/ce", "mode": "max"}, "eval/ce is optimised with mode min"),
+    ("not a held-out metric", {"metric": "loss"}, "metric 'loss'"),
+    ("num_samples < 1", {"num_samples": 0}, "num_samples"),
+    ("unknown scheduler", {"scheduler": {"kind": "pbt"}}, "scheduler.kind"),
+    ("asha knobs on fifo", {"scheduler": {"kind": "fifo", "grace_period": 2}}, "only to kind asha"),
+    ("reduction_factor < 2", {"scheduler": {"kind": "asha", "reduction_factor": 1}}, "scheduler.reduction_factor"),
+    ("unknown scheduler key", {"scheduler": {"kind": "asha", "patience": 3}}, "unknown key 'scheduler.patience'"),
+    ("unknown search", {"search": {"kind": "bayes"}}, "search.kind"),
+]
+
+
+@pytest.mark.parametrize("desc,top,needle", BAD_TOP, ids=[b[0] for b in BAD_TOP])
+def test_bad_top_level_fails_with_one_line(tmp_path, base, desc, top, needle):
+    one_line_error(write_space(tmp_path, **top), base, needle)
+
+
+def test_grid_needs_random_search(tmp_path, base):
+    path = write_space(tmp_path, {"loss.beta": {"grid": [0.0, 0.1]}}, search={"kind": "optuna"})
+    one_line_error(path, base, "'loss.beta': grid needs search kind random")
+
+
+def test_bad_yaml_missing_file_and_unknown_name(tmp_path, base):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("params: {loss.beta: {choice: [0.0\n")
+    one_line_error(bad, base, str(bad), "not valid YAML")
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n")
+    one_line_error(lst, base, "top level must be a mapping")
+    one_line_error(tmp_path / "nope.yaml", base, "nope.yaml", "no such file", "default, large_teachers, single_gpu_8gb")
+    one_line_error("defualt", base, "'defualt'", "shipped: default")
+
+
+def test_optuna_search_needs_the_package(tmp_path, base):
+    spec = load_space(write_space(tmp_path, search={"kind": "optuna"}), base)
+    if importlib.util.find_spec("optuna") is None:
+        with pytest.raises(KavaError) as info:
+            make_search_alg(spec)
+        assert "\n" not in str(info.value) and "pip install optuna" in str(info.value)
+    else:
+        from ray.tune.search.optuna import OptunaSearch
+
+        assert isinstance(make_search_alg(spec), OptunaSearch)
