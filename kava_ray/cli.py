@@ -176,6 +176,28 @@ def format_final(out: dict) -> str:
                       f"run dir: {out['run_dir']}  ({out['wall_s']:.0f} s)"])
 
 
+def cmd_tune(args) -> int:
+    from kava_ray.tune import format_results, run_tune
+
+    cfg = _job_config(args)
+    out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
+                   resume=args.resume, name=args.name, address=args.address)
+    print(format_results(out))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
+def cmd_bench_tune_share(args) -> int:
+    from kava_ray.bench_tune import format_tune_share, run_tune_share
+
+    out = run_tune_share(trials=args.trials, steps=args.steps)
+    print(format_tune_share(out))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kava_ray.demo import format_summary, run_demo
 
@@ -260,6 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("tune", help="Ray Tune search over projector/loss hyper-parameters (shared teachers)")
+    _add_config_args(p)
+    p.add_argument("--space", required=True, help="a search-space YAML or a name in tune_spaces/ (e.g. default)")
+    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--max-concurrent", type=int, default=None)
+    p.add_argument("--name", default=None, help="experiment name (needed with --resume)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep; finished trials stay")
+    p.add_argument("--address", default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_tune)
+
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
     p.add_argument("--address", default=None)
@@ -294,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-mib", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_bench_feed)
+    p = bench_sub.add_parser("tune-share", help="a tiny sweep with one shared teacher pool vs teachers per trial")
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_bench_tune_share)
     return parser
 
 

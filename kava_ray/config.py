@@ -127,6 +127,8 @@ class TrainConfig(_Section):
     eval_steps: int = Field(50, ge=1)
     save_steps: int = Field(50, ge=1)
     num_to_keep: int = Field(2, ge=1)
+    checkpoint_score: Optional[str] = None  # e.g. "eval/cos_sim": keep the best checkpoints, not the latest
+    checkpoint_mode: Literal["max", "min"] = "max"
     max_failures: int = Field(1, ge=0)
     seed: int = 0
 

@@ -162,9 +162,10 @@ def train_loop_per_worker(config: dict) -> None:
     t_cfg, accum = cfg.train, cfg.optim.accumulation
     params = [p for p in distiller.parameters() if p.requires_grad]
 
+    last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
     if start_step == 0 and rank == 0:  # held-out numbers before any training
-        ev = evaluate_heldout(distiller, source, plans, held, cfg, device, torch.float32)
-        log.write({"step": 0, "kind": "eval", **ev})
+        last_eval = evaluate_heldout(distiller, source, plans, held, cfg, device, torch.float32)
+        log.write({"step": 0, "kind": "eval", **last_eval})
 
     for step in range(start_step + 1, t_cfg.steps + 1):
         torch.manual_seed(t_cfg.seed * 1_000_003 + step * 7919 + rank)  # dropout identical on resume
@@ -189,14 +190,15 @@ def train_loop_per_worker(config: dict) -> None:
         metrics.update(step=step, kind="train", grad_norm=float(grad_norm), teacher_wait_s=wait, time_s=dt,
                        tokens_per_s=metrics.pop("tokens") * world / dt, phase=phase(metrics["cos_sim"]),
                        lr_student=sched.get_last_lr()[0], lr_projector=sched.get_last_lr()[-1])
-        is_eval = step % t_cfg.eval_steps == 0 or step == t_cfg.steps
         is_save = step % t_cfg.save_steps == 0 or step == t_cfg.steps
+        scored_by_eval = (t_cfg.checkpoint_score or "").startswith("eval/")  # a kept checkpoint needs its score
+        is_eval = step % t_cfg.eval_steps == 0 or step == t_cfg.steps or (is_save and scored_by_eval)
         if rank == 0:
             log.write(metrics)
             if is_eval:
-                ev = evaluate_heldout(distiller, source, plans, held, cfg, device, torch.float32)
-                log.write({"step": step, "kind": "eval", **ev})
-                metrics.update(ev)
+                last_eval = evaluate_heldout(distiller, source, plans, held, cfg, device, torch.float32)
+                log.write({"step": step, "kind": "eval", **last_eval})
+            metrics.update(last_eval)
         if not (is_save or step % t_cfg.log_steps == 0 or is_eval):
             continue
         report = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -296,12 +298,42 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
     bar.close()
 
 
-def run_training(cfg: JobConfig, resume: Optional[str] = None, run_name: Optional[str] = None,
-                 address: Optional[str] = None, progress: bool = True, callbacks: Optional[list] = None) -> dict:
-    """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path."""
+def worker_resources(cfg: JobConfig, use_gpu: bool) -> dict:
+    return {"CPU": cfg.ray.cpus_per_worker, **({"GPU": cfg.ray.gpus_per_worker} if use_gpu else {})}
+
+
+def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
+                  callbacks: Optional[list] = None):
+    """The TorchTrainer of one run; its outputs and Ray's checkpoints go to `run_dir`."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
+                           "resume": str(Path(resume).resolve()) if resume else None},
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=worker_resources(cfg, use_gpu)),
+        run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent), callbacks=callbacks,
+                             checkpoint_config=CheckpointConfig(
+                                 num_to_keep=cfg.train.num_to_keep,
+                                 checkpoint_score_attribute=cfg.train.checkpoint_score,
+                                 checkpoint_score_order=cfg.train.checkpoint_mode),
+                             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+    )
+
+
+def fit(trainer):
+    """trainer.fit(), with a failed run turned into one line."""
+    try:
+        return trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        raise KavaError(f"training failed: {_root_cause(e)}") from None
+
+
+def run_training(cfg: JobConfig, resume: Optional[str] = None, run_name: Optional[str] = None,
+                 address: Optional[str] = None, progress: bool = True) -> dict:
+    """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path."""
     from actors.pool import check_resources, stop_pool
     from kava_ray.checkpoint import check_compatible
     from kava_ray.connect import connect, resolve_use_gpu
@@ -310,31 +342,18 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, run_name: Optiona
         check_compatible(resume, cfg)  # fail before anything starts
     connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg))
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-    per_worker = {"CPU": cfg.ray.cpus_per_worker, **({"GPU": cfg.ray.gpus_per_worker} if use_gpu else {})}
-    check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in per_worker.items()})
+    check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
     handles, plans, started = setup_teachers(cfg)
     run_name = run_name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    storage = Path(cfg.ray.storage_path).expanduser().resolve()
-    run_dir = storage / run_name
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
-                           "resume": str(Path(resume).resolve()) if resume else None},
-        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=per_worker),
-        run_config=RunConfig(name=run_name, storage_path=str(storage), callbacks=callbacks,
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.num_to_keep),
-                             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
-    )
+    run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / run_name
+    trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume)
     stop = threading.Event()
     follower = threading.Thread(target=_follow, args=(run_dir / METRICS, cfg.train.steps, stop), daemon=True)
     if progress:
         follower.start()
     t0 = time.time()
     try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as e:
-        raise KavaError(f"training failed: {_root_cause(e)}") from None
+        result = fit(trainer)
     finally:
         stop.set()
         if progress:
