@@ -167,6 +167,9 @@ def train_loop_per_worker(config: dict) -> None:
         last_eval = evaluate_heldout(distiller, source, plans, held, cfg, device, torch.float32)
         log.write({"step": 0, "kind": "eval", **last_eval})
 
+    if state and start_step >= t_cfg.steps:  # restored after the last step: re-announce the final result
+        ray.train.report(state.get("metrics", {"step": start_step}))
+
     for step in range(start_step + 1, t_cfg.steps + 1):
         torch.manual_seed(t_cfg.seed * 1_000_003 + step * 7919 + rank)  # dropout identical on resume
         t0 = time.perf_counter()
@@ -207,7 +210,8 @@ def train_loop_per_worker(config: dict) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 ck = None
                 if rank == 0:
-                    save_checkpoint(Path(tmp) / "ckpt", distiller, tokenizer, opt, sched, step, stream_state, cfg)
+                    save_checkpoint(Path(tmp) / "ckpt", distiller, tokenizer, opt, sched, step, stream_state, cfg,
+                                    extra={"metrics": report})
                     ck = Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
                 ray.train.report(report, checkpoint=ck)
         else:

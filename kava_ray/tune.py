@@ -1,0 +1,192 @@
+"""`kava-ray tune`: Ray Tune over projector and loss hyper-parameters, one shared teacher pool.
+
+Ray 2.60 runs Train V2, so a trial is a function (`trial_fn`) that builds a TorchTrainer for its
+sampled config and calls fit() with `TuneReportCallback`. The Tune driver starts the teacher pool
+once; every trial's workers find it by name, and because all trials walk the same batches (the
+batch key depends on data, batch size and seed — not on the searched values), each teacher computes
+a batch's KV once for the whole sweep (the actors' LRU serves the rest).
+
+Outputs in `<storage>/<name>/`: Tune's experiment state, one run dir per trial, `results.csv`,
+`trials.png` (the metric per trial over steps) and `best.yaml`, a complete job config that
+`kava-ray train --config best.yaml` runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import ray
+
+from kava_ray.config import JobConfig, validate_config
+from kava_ray.errors import KavaError
+from kava_ray.models import KVGeometry
+
+
+def trial_fn(config: dict) -> None:
+    """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from actors.pool import start_pool, stop_pool
+    from kava_ray.job import teacher_plans
+    from kava_ray.train import build_trainer, fit
+    from kava_ray.tune_space import apply_params
+
+    cfg = apply_params(validate_config(config["base"]), config["params"])
+    ctx = tune.get_context()
+    trial_dir = Path(ctx.get_trial_dir())
+    handles = None
+    if config.get("own_teachers"):  # the naive sweep `bench tune-share` compares against
+        cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"namespace": f"kava-{ctx.get_trial_id()}"})})
+        handles = start_pool(cfg)
+        geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
+    else:
+        geoms = config["geometries"]
+    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(config["student_geometry"]))
+    try:
+        fit(build_trainer(cfg, plans, trial_dir / "run", config["use_gpu"], callbacks=[TuneReportCallback()]))
+    finally:
+        if handles is not None:
+            stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
+            (trial_dir / "teacher_stats.json").write_text(json.dumps(stats))
+            stop_pool(cfg)
+
+
+def derive_max_concurrent(cfg: JobConfig, use_gpu: bool, own_teachers: bool = False) -> int:
+    """How many trials fit at once: free CPUs (and GPUs) after the shared teachers, per trial's workers."""
+    total = ray.cluster_resources()
+    teachers = {"CPU": sum(t.num_cpus for t in cfg.teachers), "GPU": sum(t.num_gpus for t in cfg.teachers)}
+    per_trial = {"CPU": cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1,  # + Train's controller
+                 "GPU": cfg.ray.num_workers * cfg.ray.gpus_per_worker if use_gpu else 0}
+    if own_teachers:
+        per_trial = {k: v + teachers[k] for k, v in per_trial.items()}
+        teachers = {"CPU": 0, "GPU": 0}
+    fits = [math.floor((total.get(k, 0) - teachers[k]) / v + 1e-9) for k, v in per_trial.items() if v > 0]
+    n = min(fits) if fits else 1
+    if n < 1:
+        raise KavaError(f"one trial needs {per_trial} besides the teachers, the cluster has {dict(total)}")
+    return n
+
+
+def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_concurrent: Optional[int] = None,
+             resume: bool = False, name: Optional[str] = None, address: Optional[str] = None,
+             own_teachers: bool = False, num_cpus: Optional[int] = None) -> dict:
+    """Run (or resume) a sweep; returns the experiment dir, the result rows and the best config path."""
+    from ray import tune
+
+    from actors.pool import check_resources, stop_pool
+    from kava_ray.connect import connect, resolve_use_gpu
+    from kava_ray.job import student_geometry
+    from kava_ray.train import setup_teachers
+    from kava_ray.tune_space import load_space, make_scheduler, make_search_alg, to_param_space
+
+    spec = load_space(space, base=cfg)  # every space error before anything starts
+    n_samples = num_samples or spec.num_samples
+    connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or num_cpus or 8)
+    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+    if own_teachers:
+        handles, plans, started = None, None, False
+        geoms = {}
+    else:
+        check_resources(cfg)
+        handles, plans, started = setup_teachers(cfg)
+        geoms = {n: p.geometry.to_dict() for n, p in plans.items()}
+    limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu, own_teachers)
+    storage = Path(cfg.ray.storage_path).expanduser().resolve()
+    name = name or f"{cfg.name}-tune-{datetime.now():%Y%m%d-%H%M%S}"
+    exp_dir = storage / name
+    trainable = tune.with_resources(trial_fn, {"CPU": 0.01})  # the trial only drives; its workers ask for CPUs
+    param_space = {"base": cfg.to_dict(), "params": to_param_space(spec), "geometries": geoms,
+                   "student_geometry": student_geometry(cfg).to_dict(), "use_gpu": use_gpu,
+                   "own_teachers": own_teachers}
+    try:
+        if resume:
+            if not tune.Tuner.can_restore(str(exp_dir)):
+                raise KavaError(f"nothing to resume at {exp_dir} (pass the --name of an earlier sweep)")
+            tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
+                                       resume_unfinished=True, resume_errored=True)
+        else:
+            tuner = tune.Tuner(
+                trainable, param_space=param_space,
+                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=n_samples,
+                                            scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
+                                            search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
+                run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=1))
+        grid = tuner.fit()
+        teacher_stats = (dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
+                         if handles else {})
+    finally:
+        if started:
+            stop_pool(cfg)
+    return dict(summarize(grid, cfg, spec, exp_dir), teacher_stats=teacher_stats)
+
+
+def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
+    """results.csv, trials.png and best.yaml from a ResultGrid."""
+    from kava_ray.tune_space import apply_params
+
+    rows, curves = [], {}
+    better = max if spec.mode == "max" else min
+    for r in grid:
+        df = r.metrics_dataframe
+        trial = Path(r.path).name
+        hist = [] if df is None or spec.metric not in df else [
+            (int(s), float(v)) for s, v in zip(df["step"], df[spec.metric]) if v == v]
+        curves[trial] = hist
+        steps = int(df["step"].max()) if df is not None and "step" in df else 0
+        rows.append({"trial": trial, **{k: r.config["params"][k] for k in sorted(r.config["params"])},
+                     f"best {spec.metric}": better((v for _, v in hist), default=float("nan")),
+                     "steps": steps, "stopped_early": steps < cfg.train.steps and r.error is None,
+                     "error": "" if r.error is None else str(r.error).splitlines()[0][:120]})
+    ok = [row for row in rows if not row["error"] and not math.isnan(row[f"best {spec.metric}"])]
+    if not ok:
+        raise KavaError(f"no trial reported {spec.metric}; see {exp_dir}")
+    best = better(ok, key=lambda row: row[f"best {spec.metric}"])
+    best_params = next(r.config["params"] for r in grid if Path(r.path).name == best["trial"])
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(exp_dir / "best.yaml", apply_params(cfg, best_params).to_yaml())
+    with open(exp_dir / "results.csv.tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (exp_dir / "results.csv.tmp").replace(exp_dir / "results.csv")
+    _plot(curves, spec.metric, exp_dir / "trials.png")
+    return {"exp_dir": str(exp_dir), "rows": rows, "best": best, "best_config": str(exp_dir / "best.yaml")}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _plot(curves: dict, metric: str, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for trial, hist in curves.items():
+        if hist:
+            ax.plot([s for s, _ in hist], [v for _, v in hist], marker="o", label=trial[-12:])
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.legend(fontsize=6)
+    fig.savefig(path.with_name(path.name + ".tmp.png"))
+    path.with_name(path.name + ".tmp.png").replace(path)
+
+
+def format_results(out: dict) -> str:
+    from kava_ray.tables import format_table
+
+    rows = out["rows"]
+    header = [k for k in rows[0] if k != "error" or any(r["error"] for r in rows)]
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    return "\n".join([format_table(header, [[fmt(r[k]) for k in header] for r in rows]),
+                      f"best: {out['best']['trial']} -> {out['best_config']}  (kava-ray train --config {out['best_config']})"])

@@ -1,0 +1,120 @@
+"""Ray Tune over tiny models: ASHA stops bad trials, best.yaml trains, an interrupted sweep resumes."""
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import write_job
+from kava_ray.config import load_config
+
+
+@pytest.fixture(scope="module")
+def tune_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    root = tmp_path_factory.mktemp("tune")
+    job = write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                    train={"steps": 8, "eval_steps": 2, "save_steps": 8, "batch_size": 4, "max_length": 160},
+                    data={"num_train": 48, "num_eval": 8})
+    return root, job
+
+
+def trial_statuses(exp: Path) -> dict:
+    """{trial_id: status} from Tune's newest experiment_state file ({} before the first one)."""
+    states = sorted(exp.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
+    if not states:
+        return {}
+    try:
+        data = json.loads(states[-1].read_text())
+    except json.JSONDecodeError:  # being rewritten
+        return {}
+    trials = [json.loads(t[0]) for t in data["trial_data"]]
+    return {t["trial_id"]: t["status"] for t in trials}
+
+
+def write_space(root: Path, name: str, space: dict) -> Path:
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(space))
+    return path
+
+
+def test_asha_sweep_stops_bad_trials_and_best_config_trains(ray_session, tune_job):
+    from kava_ray.train import run_training
+    from kava_ray.tune import run_tune
+
+    root, job = tune_job
+    # good learning rates first, so the two bad ones meet a rung that already holds good results
+    space = write_space(root, "asha", {
+        "metric": "eval/cos_sim", "mode": "max", "num_samples": 1,  # a grid runs each point num_samples times
+        "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
+        "params": {"optim.lr_projector": {"grid": [1.0e-2, 5.0e-3, 1.0e-7, 1.0e-8]}}})
+    cfg = load_config(job)
+    out = run_tune(cfg, str(space), max_concurrent=2, name="asha")
+    rows = out["rows"]
+    assert len(rows) == 4 and not any(r["error"] for r in rows)
+    assert any(r["stopped_early"] for r in rows), rows
+    assert out["best"]["optim.lr_projector"] in (1e-2, 5e-3)
+    exp = Path(out["exp_dir"])
+    with open(exp / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert (exp / "trials.png").read_bytes()[:4] == b"\x89PNG"
+    # the teachers computed each batch once for the whole sweep
+    for name, st in out["teacher_stats"].items():
+        assert st["hits"] > 0 and st["forwards"] < st["requests"], (name, st)
+
+    best = load_config(out["best_config"], ["train.steps=2", "train.eval_steps=2"])
+    assert best.optim.lr_projector == out["best"]["optim.lr_projector"]
+    trained = run_training(best, run_name="from-best", progress=False)
+    assert trained["metrics"]["step"] == 2
+
+
+def test_bad_space_fails_before_any_trial(ray_session, tune_job):
+    root, job = tune_job
+    for space, expect in (({"params": {"optim.lr_studnet": {"choice": [1e-4]}}}, "optim.lr_studnet"),
+                          ({"params": {"loss.beta": {"normal": [0, 1]}}}, "unknown distribution 'normal'"),
+                          ({"params": {"optim.lr_student": {"uniform": [1e-4, 1e-5]}}}, "empty range")):
+        path = write_space(root, "bad", space)
+        r = subprocess.run([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space", str(path)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and expect in lines[0], r.stderr
+    assert not (root / "runs").exists() or not list((root / "runs").glob("*tune*"))  # nothing started
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tune_job):
+    import ray
+
+    from kava_ray.tune import run_tune
+
+    root, job = tune_job
+    space = write_space(root, "fifo", {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"},
+                                       "num_samples": 1,
+                                       "params": {"optim.lr_projector": {"grid": [1e-2, 3e-3, 1e-3]}}})
+    exp = root / "runs" / "resumable"
+    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space",
+                             str(space), "--name", "resumable", "--max-concurrent", "1",
+                             "--address", ray.get_runtime_context().gcs_address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and "TERMINATED" not in trial_statuses(exp).values():
+        time.sleep(0.5)
+    done = [t for t, status in trial_statuses(exp).items() if status == "TERMINATED"]
+    assert len(done) == 1, "the first trial did not finish in time"
+    first_trial = next(exp.glob(f"trial_fn_{done[0]}_*"))
+    files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
+    before = [f.read_text() for f in files]
+    proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and stops
+    proc.wait(timeout=120)
+
+    out = run_tune(load_config(job), str(space), resume=True, name="resumable")
+    assert len(out["rows"]) == 3 and not any(r["error"] for r in out["rows"])
+    assert all(r["steps"] == 8 for r in out["rows"])
+    # the finished trial was not run again: neither its metrics nor Tune's result log grew
+    assert [f.read_text() for f in files] == before
+    assert json.loads((first_trial / "run" / "final" / "state.json").read_text())["step"] == 8
