@@ -59,6 +59,8 @@ def _actor_options(t: TeacherConfig, namespace: str, detached: bool) -> dict:
         max_task_retries=TASK_RETRIES,
         get_if_exists=True,
         lifetime="detached" if detached else None,
+        # not inside the caller's placement group (a Tune trial's): teachers ask for their own resources
+        scheduling_strategy="DEFAULT",
     )
     if t.num_gpus > 1:  # one teacher across several GPUs: keep them on one node
         pg = placement_group([{"GPU": t.num_gpus, "CPU": t.num_cpus}], strategy="PACK",

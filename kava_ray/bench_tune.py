@@ -2,8 +2,9 @@
 
 The same tiny sweep (FIFO, `trials` trials of `steps` steps, tiny Qwen2 + NF4 Llama teachers) runs
 twice: every trial's workers asking one pool started by the Tune driver, then each trial starting
-its own teachers (what a naive sweep does). Reported: teacher forwards per distinct batch the sweep
-trained or evaluated on (1.0 = each batch's KV computed once for the whole sweep) and wall time.
+its own teachers (what a naive sweep does). Reported: teacher forwards per training sample — a
+forward covers one batch, so this is forwards per distinct batch the sweep trained or evaluated on
+(1.0 = each batch's KV computed once for the whole sweep) — and the sweep's wall time.
 """
 
 from __future__ import annotations
@@ -90,5 +91,5 @@ def format_tune_share(out: dict) -> str:
     return "\n".join([
         f"tune-share bench: {out['trials']} trials x {out['steps']} steps, 2 concurrent, "
         f"{out['distinct_batches']} distinct batches (train + held-out)",
-        format_table(["teachers", "forwards per batch (per teacher)", "sweep wall", "trials ok"], rows),
+        format_table(["teachers", "teacher forwards per training sample", "sweep wall", "trials ok"], rows),
         f"per-trial teachers take {out['wall_ratio_per_trial_over_shared']:.2f}x the wall time of one shared pool"])

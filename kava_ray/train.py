@@ -156,7 +156,9 @@ def train_loop_per_worker(config: dict) -> None:
     source = _kv_source(cfg, plans, stream.plan_fingerprint)
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-    feed = KVFeed(source, feed_items(stream), {n: p.layers for n, p in plans.items()},
+    # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
+    remaining = max(0, cfg.train.steps - start_step) * cfg.optim.accumulation
+    feed = KVFeed(source, feed_items(stream, remaining), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device)
     log = MetricsLog(run_dir / METRICS, start_step) if rank == 0 else None
     t_cfg, accum = cfg.train, cfg.optim.accumulation

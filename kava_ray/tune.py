@@ -27,8 +27,12 @@ from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry
 
 
-def trial_fn(config: dict) -> None:
-    """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune."""
+def trial_fn(config: dict, setup: dict) -> None:
+    """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune.
+
+    `config` holds only the searched params (what Tune shows and records); `setup` the constant
+    rest (base config, geometries), passed once through the object store by tune.with_parameters.
+    """
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -37,19 +41,22 @@ def trial_fn(config: dict) -> None:
     from kava_ray.train import build_trainer, fit
     from kava_ray.tune_space import apply_params
 
-    cfg = apply_params(validate_config(config["base"]), config["params"])
+    cfg = apply_params(validate_config(setup["base"]), config["params"])
     ctx = tune.get_context()
-    trial_dir = Path(ctx.get_trial_dir())
+    # the trial's dir in the experiment's storage (not Tune's local staging dir), shared by all nodes
+    trial_dir = Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name() / \
+        Path(ctx.get_trial_dir()).name
+    trial_dir.mkdir(parents=True, exist_ok=True)
     handles = None
-    if config.get("own_teachers"):  # the naive sweep `bench tune-share` compares against
+    if setup.get("own_teachers"):  # the naive sweep `bench tune-share` compares against
         cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"namespace": f"kava-{ctx.get_trial_id()}"})})
         handles = start_pool(cfg)
         geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
     else:
-        geoms = config["geometries"]
-    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(config["student_geometry"]))
+        geoms = setup["geometries"]
+    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]))
     try:
-        fit(build_trainer(cfg, plans, trial_dir / "run", config["use_gpu"], callbacks=[TuneReportCallback()]))
+        fit(build_trainer(cfg, plans, trial_dir / "run", setup["use_gpu"], callbacks=[TuneReportCallback()]))
     finally:
         if handles is not None:
             stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
@@ -100,10 +107,11 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     storage = Path(cfg.ray.storage_path).expanduser().resolve()
     name = name or f"{cfg.name}-tune-{datetime.now():%Y%m%d-%H%M%S}"
     exp_dir = storage / name
-    trainable = tune.with_resources(trial_fn, {"CPU": 0.01})  # the trial only drives; its workers ask for CPUs
-    param_space = {"base": cfg.to_dict(), "params": to_param_space(spec), "geometries": geoms,
-                   "student_geometry": student_geometry(cfg).to_dict(), "use_gpu": use_gpu,
-                   "own_teachers": own_teachers}
+    setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
+             "use_gpu": use_gpu, "own_teachers": own_teachers}
+    # the trial function only drives; its Train workers and teachers ask for their own resources
+    trainable = tune.with_resources(tune.with_parameters(trial_fn, setup=setup), {"CPU": 0.01})
+    param_space = {"params": to_param_space(spec)}
     try:
         if resume:
             if not tune.Tuner.can_restore(str(exp_dir)):
