@@ -193,15 +193,16 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".yaml"))
 
 
-def _read_yaml(text: str, origin: str) -> dict:
+def read_yaml_mapping(text: str, origin: str, what: str = "config", expected: str = "a mapping of sections") -> dict:
+    """YAML text -> dict; bad YAML or a non-mapping top level is one KavaError line naming the file."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise KavaError(f"config {origin}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+        raise KavaError(f"{what} {origin}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(data, dict):
-        raise KavaError(f"config {origin}: top level must be a mapping of sections")
+        raise KavaError(f"{what} {origin}: top level must be {expected}")
     return data
 
 
@@ -209,10 +210,10 @@ def read_raw_config(path_or_preset: Union[str, Path]) -> dict:
     """The raw dict of a YAML file, or of a shipped preset when no such file exists."""
     p = Path(path_or_preset)
     if p.is_file():
-        return _read_yaml(p.read_text(), str(p))
+        return read_yaml_mapping(p.read_text(), str(p))
     name = str(path_or_preset)
     if name in preset_names():
-        return _read_yaml(resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text(), f"preset {name}")
+        return read_yaml_mapping(resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text(), f"preset {name}")
     raise KavaError(f"config {name!r}: no such file and no such preset (presets: {', '.join(preset_names())})")
 
 

@@ -21,10 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kava_ray.config import JobConfig, set_dotted, validate_config
+from kava_ray.config import JobConfig, read_yaml_mapping, set_dotted, validate_config
 from kava_ray.errors import KavaError
 
 SPACE_PACKAGE = "tune_spaces"
@@ -234,14 +233,7 @@ def _format(err: ValidationError) -> str:
 def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None) -> SpaceSpec:
     """A validated SpaceSpec from a YAML path or shipped name; with `base`, every extreme value must validate."""
     text, origin = _read(path_or_name)
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise KavaError(f"search space {origin}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise KavaError(f"search space {origin}: top level must be a mapping (metric, mode, params, ...)")
+    raw = read_yaml_mapping(text, origin, "search space", "a mapping (metric, mode, params, ...)")
     try:
         spec = SpaceSpec.model_validate(raw)
         if base is not None:
