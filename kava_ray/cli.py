@@ -198,6 +198,17 @@ def cmd_bench_tune_share(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from kava_ray.plan import format_plan, parse_bytes, plan
+
+    cfg = _job_config(args)
+    p = plan(cfg, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tokens_per_s)
+    print(format_plan(p))
+    if args.json:
+        _print_json_last(p)
+    return 0 if p["fits"] is not False else 2
+
+
 def cmd_demo(args) -> int:
     from kava_ray.demo import format_summary, run_demo
 
@@ -292,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("plan", help="memory / KV-throughput plan of a config; does it fit the GPUs?")
+    _add_config_args(p)
+    p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 8GiB, 24GB, 80GiB")
+    p.add_argument("--tokens-per-s", type=float, default=None, help="target student tokens/s for KV bandwidth")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")

@@ -35,6 +35,8 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
                             "and pass --address auto")
         # The dashboard process also serves Ray's state API, which Train's controller and
         # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
+        # single-machine mode: every Ray server listens on 127.0.0.1 only (Ray's own switch for it)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
                  runtime_env={"env_vars": EMBEDDED_ENV})

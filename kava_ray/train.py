@@ -337,6 +337,19 @@ def fit(trainer):
         raise KavaError(f"training failed: {_root_cause(e)}") from None
 
 
+def check_memory(cfg: JobConfig) -> None:
+    """Refuse a config the planner says cannot fit the cluster's smallest GPU (one line + the fix)."""
+    from kava_ray.plan import check_fits
+
+    @ray.remote(num_gpus=0.001, num_cpus=0)
+    def gpu_memory() -> int:  # runs on a GPU node: the driver may be a CPU-only head
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+
+    check_fits(cfg, int(ray.get(gpu_memory.remote(), timeout=120)))
+
+
 def run_training(cfg: JobConfig, resume: Optional[str] = None, run_name: Optional[str] = None,
                  address: Optional[str] = None, progress: bool = True) -> dict:
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path."""
@@ -349,6 +362,8 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, run_name: Optiona
     connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg))
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
+    if use_gpu:
+        check_memory(cfg)
     handles, plans, started = setup_teachers(cfg)
     run_name = run_name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / run_name

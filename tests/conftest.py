@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's single-machine mode: servers on 127.0.0.1
 
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 
