@@ -245,6 +245,10 @@ def cmd_report(args) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="a YAML file or a preset name (see `kava-ray config presets`)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr_student=3e-5")
@@ -279,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.add_argument("--address", default=None, help="Ray address (auto = a local `ray start --head`)")
         p.add_argument("--teacher", action="append", default=[], help="only this teacher (repeatable)")
-        p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+        _add_json(p)
         if name == "precompute":
             p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
             p.add_argument("--epochs", type=int, default=1)
@@ -290,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address (default: embedded local Ray; auto = `ray start`)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint dir")
     p.add_argument("--run-name", default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tune", help="Ray Tune search over projector/loss hyper-parameters (shared teachers)")
@@ -301,20 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="experiment name (needed with --resume)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted sweep; finished trials stay")
     p.add_argument("--address", default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("plan", help="memory / KV-throughput plan of a config; does it fit the GPUs?")
     _add_config_args(p)
     p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 8GiB, 24GB, 80GiB")
     p.add_argument("--tokens-per-s", type=float, default=None, help="target student tokens/s for KV bandwidth")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
     p.add_argument("--address", default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("eval", help="held-out CE, KV cos, contrast gap and GSM8K accuracy of a checkpoint")
@@ -322,12 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=16, help="GSM8K questions to generate answers for")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--address", default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("report", help="plots + Markdown summary of a run dir's metrics.jsonl")
     p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_report)
 
     p_bench = sub.add_parser("bench", help="side-by-side measurements on this machine")
@@ -336,19 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_bench_projector_ab)
     p = bench_sub.add_parser("feed", help="teacher/student overlap of the KVFeed, and KV transport speed")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--transport-mib", type=int, default=64)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_bench_feed)
     p = bench_sub.add_parser("tune-share", help="a tiny sweep with one shared teacher pool vs teachers per trial")
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _add_json(p)
     p.set_defaults(func=cmd_bench_tune_share)
     return parser
 
