@@ -9,7 +9,6 @@ it and exits 2 — it never swaps in random weights.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -27,9 +26,9 @@ def check_model_files(cfg: JobConfig) -> None:
 
 def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
     """The headline numbers of a finished run, read back from its metrics.jsonl."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
+    from kava_ray.report import read_metrics
+
+    train, evals = read_metrics(run_dir / "metrics.jsonl")
     last = train[-1]
     return {
         "wall_s": round(wall_s, 1),

@@ -148,11 +148,12 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     from kava_ray.train import embedded_cpus, evaluate_heldout, setup_teachers
 
     ckpt = find_checkpoint(path)
-    cfg = validate_config(read_state(ckpt)["config"])
+    state = read_state(ckpt)
+    cfg = validate_config(state["config"])
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
     _, held = load_splits(cfg, tokenizer)
-    out = {"checkpoint": str(ckpt), "step": read_state(ckpt)["step"], "heldout_ce": heldout_ce(student, held)}
+    out = {"checkpoint": str(ckpt), "step": state["step"], "heldout_ce": heldout_ce(student, held)}
     connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg))
     handles, plans, started = setup_teachers(cfg)
     try:
