@@ -26,6 +26,7 @@ import torch
 
 from actors.feed import ActorSource, KVFeed
 from actors.pool import RemoteTeacher
+from kava_ray.errors import KavaError
 from kava_ray.kv import KVBatch, student_forward_kv
 from kava_ray.losses import masked_ce, mercator_loss
 from kava_ray.models import kv_geometry, load_model_config, load_student
@@ -96,7 +97,9 @@ def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1
             s_dir = build_tiny_model(Path(tmp) / "student", **STUDENT, seed=1)
             teacher = RemoteTeacher.options(num_cpus=1).remote({"name": "bench", "model": str(t_dir),
                                                                 "dtype": "float32", "num_cpus": 1})
-            assert ray.get(teacher.ping.remote()) is None
+            err = ray.get(teacher.ping.remote())
+            if err is not None:
+                raise KavaError(f"bench teacher: {err}")
             t_geom = kv_geometry(load_model_config(t_dir))
             layers = list(range(t_geom.num_layers))
             step = StudentStep(s_dir, t_geom, layers)
