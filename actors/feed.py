@@ -19,6 +19,7 @@ import numpy as np
 import ray
 import torch
 
+from kava_ray.data import BatchStream
 from kava_ray.kv import KVBatch
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -113,3 +114,12 @@ class KVFeed:
     @property
     def last_wait_s(self) -> float:
         return self.wait_s[-1] if self.wait_s else 0.0
+
+
+def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
+    """(key, input_ids, attention_mask, (key, step, epoch, batch)) for KVFeed, `steps` batches or forever."""
+    n = 0
+    while steps is None or n < steps:
+        key, step, epoch, batch = item = stream.next()
+        yield key, batch["input_ids"].numpy(), batch["attention_mask"].numpy(), item
+        n += 1

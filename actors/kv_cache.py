@@ -173,8 +173,7 @@ def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1
     any number of DDP ranks. `extra_streams` (e.g. the held-out split, one epoch each) are cached
     too, so evaluation during training needs no live teacher. Returns counts (written, skipped, bytes).
     """
-    from actors.feed import ActorSource, KVFeed
-    from kava_ray.job import feed_items
+    from actors.feed import ActorSource, KVFeed, feed_items
 
     cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint), create=True)
     work = [(stream, stream.steps_per_epoch * epochs)] + [(s, s.steps_per_epoch) for s in extra_streams]

@@ -34,7 +34,7 @@ def cmd_config_show(args) -> int:
 
 
 def cmd_bench_projector_ab(args) -> int:
-    from kava_ray.bench_projector import format_projector_ab, run_projector_ab
+    from kava_ray.bench.projector import format_projector_ab, run_projector_ab
 
     result = run_projector_ab(seeds=args.seeds, steps=args.steps, lr=args.lr)
     print(format_projector_ab(result))
@@ -44,7 +44,7 @@ def cmd_bench_projector_ab(args) -> int:
 
 
 def cmd_bench_feed(args) -> int:
-    from kava_ray.bench_feed import format_feed_bench, run_feed_bench
+    from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
     result = run_feed_bench(steps=args.steps, batch=args.batch, tokens=args.tokens,
                             transport_mib=args.transport_mib)
@@ -108,7 +108,7 @@ def cmd_teachers(args) -> int:
 
 
 def format_status(rows: list[dict]) -> str:
-    from kava_ray.tables import format_table
+    from kava_ray._io import format_table
 
     header = ["name", "model", "device", "quant", "geometry", "requests", "forwards", "hits", "fwd ms",
               "KV B/token", "restarts"]
@@ -167,7 +167,7 @@ def cmd_train(args) -> int:
 
 
 def format_final(out: dict) -> str:
-    from kava_ray.tables import format_table
+    from kava_ray._io import format_table
 
     m = out["metrics"]
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in sorted(m.items())
@@ -189,7 +189,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_bench_tune_share(args) -> int:
-    from kava_ray.bench_tune import format_tune_share, run_tune_share
+    from kava_ray.bench.tune_share import format_tune_share, run_tune_share
 
     out = run_tune_share(trials=args.trials, steps=args.steps)
     print(format_tune_share(out))
@@ -221,7 +221,7 @@ def cmd_demo(args) -> int:
 
 def cmd_eval(args) -> int:
     from kava_ray.evaluate import evaluate_checkpoint
-    from kava_ray.tables import format_table
+    from kava_ray._io import format_table
 
     out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]

@@ -62,15 +62,6 @@ def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSpl
     return train, held
 
 
-def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
-    """(key, input_ids, attention_mask, (key, step, epoch, batch)) for KVFeed, `steps` batches or forever."""
-    n = 0
-    while steps is None or n < steps:
-        key, step, epoch, batch = item = stream.next()
-        yield key, batch["input_ids"].numpy(), batch["attention_mask"].numpy(), item
-        n += 1
-
-
 def student_tokenizer(cfg: JobConfig):
     tok = load_tokenizer(cfg.student.model)
     return tok, tokenizer_fingerprint(tok)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from kava_ray.errors import KavaError
-from kava_ray.tables import format_table
+from kava_ray._io import format_table
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "report"

@@ -191,7 +191,7 @@ def _plot(curves: dict, metric: str, path: Path) -> None:
 
 
 def format_results(out: dict) -> str:
-    from kava_ray.tables import format_table
+    from kava_ray._io import format_table
 
     rows = out["rows"]
     header = [k for k in rows[0] if k != "error" or any(r["error"] for r in rows)]

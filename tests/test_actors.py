@@ -14,7 +14,8 @@ from actors.pool import find_pool, start_pool, stop_pool
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
-from kava_ray.job import feed_items, load_splits, student_geometry, student_tokenizer, teacher_plans
+from actors.feed import feed_items
+from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_plans
 from kava_ray.kv import KVBatch, teacher_forward_kv
 from kava_ray.models import load_model
 
@@ -175,7 +176,7 @@ def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, exp
 
 
 def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
-    from kava_ray.bench_feed import format_feed_bench, run_feed_bench
+    from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
     r = run_feed_bench(steps=2, batch=2, tokens=16, depths=(1, 2), transport_mib=2, repeats=2, rounds=1)
     assert set(r["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in r["pipelined_s"].values())

@@ -14,7 +14,7 @@ from kava_ray.known_models import known_config, model_geometry, param_count
 from kava_ray.kv import kv_bytes_per_token
 from kava_ray.models import kv_geometry, load_model_config
 from kava_ray.plan import GiB, check_fits, format_plan, parse_bytes, plan
-from kava_ray.tiny import build_tiny_model
+from kava_ray.testing.tiny import build_tiny_model
 
 KiB = 1024
 FLAT = ["align.mode=flat", "align.aggregation=concat", "align.projector.kind=elastic", "align.projector.mlp_ratio=1"]

@@ -19,7 +19,7 @@ from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.models import kv_geometry, load_model, load_student
-from kava_ray.tiny import build_tiny_model
+from kava_ray.testing.tiny import build_tiny_model
 from jobs import write_job
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from kava_ray.config import load_config
-from kava_ray.tables import format_table
-from kava_ray.tiny import build_tiny_model
+from kava_ray._io import format_table
+from kava_ray.testing.tiny import build_tiny_model
 
 SPACE = {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "search": {"kind": "random"},
          "params": {"optim.lr_projector": {"choice": [1e-3, 3e-3, 1e-2]}, "loss.beta": {"choice": [0.0, 0.01]}}}

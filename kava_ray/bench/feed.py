@@ -31,8 +31,8 @@ from kava_ray.kv import KVBatch, student_forward_kv
 from kava_ray.losses import masked_ce, mercator_loss
 from kava_ray.models import kv_geometry, load_model_config, load_student
 from kava_ray.projectors import TeacherProjector
-from kava_ray.tables import format_table
-from kava_ray.tiny import build_tiny_model
+from kava_ray._io import format_table
+from kava_ray.testing.tiny import build_tiny_model
 
 TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2)

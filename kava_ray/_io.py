@@ -1,0 +1,118 @@
+"""Small helpers every layer shares: atomic writes, a cross-process lock, text tables, one-line errors.
+
+Atomic means a reader (or a crash) never sees a half-written file or directory: everything is
+written next to its destination under a temporary name, flushed to disk, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Union
+
+from filelock import FileLock
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Union[str, Path]) -> Iterator[Path]:
+    """Yield a temporary file path beside `path`; on success it is fsynced and renamed onto `path`.
+
+    For writers that want a path (savefig, csv, safetensors): `with atomic_path(p) as tmp: fig.savefig(tmp)`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: Union[str, Path], data: Union[str, bytes]) -> Path:
+    """Write `data` (text or bytes) to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Union[str, Path]) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; on success it replaces `path` (checkpoints, model dirs).
+
+    An existing `path` is replaced only once the new directory is complete.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_lock(path: Union[str, Path], timeout: float = -1) -> FileLock:
+    """An exclusive lock between processes (e.g. Ray actors converting one GGUF file): `with file_lock(p):`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path), timeout=timeout)
+
+
+def format_table(header: list, rows: list[list]) -> str:
+    """Plain left-aligned columns separated by two spaces, a dashed rule under the header.
+
+    Plain text on purpose: it is what the CLI prints, what `--json` users grep, and what the README pastes.
+    """
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def fmt(row):
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
+
+
+def first_line(e: BaseException, with_type: bool = False) -> str:
+    """The first non-empty line of an exception's message (its type name when it has none).
+
+    with_type: prefix the type, `ValueError: ...`, for errors from libraries whose type says what failed.
+    """
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if with_type:
+        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return msg or type(e).__name__
