@@ -20,11 +20,12 @@ EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "TRANSFORMERS_VERBOS
 
 
 def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = None,
-            require_cluster: bool = False) -> str:
+            require_cluster: bool = False, worker_env: Optional[dict] = None) -> str:
     """Initialise Ray once per process; returns 'embedded' or the address connected to.
 
     address None -> an embedded local Ray with `num_cpus` logical CPUs (may exceed the physical
     cores: Ray only counts them), unless `require_cluster` (service mode needs a lasting cluster).
+    `worker_env`: extra environment variables for every worker and actor of an embedded Ray.
     """
     if ray.is_initialized():
         return "existing"
@@ -39,7 +40,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
-                 runtime_env={"env_vars": EMBEDDED_ENV})
+                 runtime_env={"env_vars": {**EMBEDDED_ENV, **(worker_env or {})}})
         return "embedded"
     try:
         ray.init(address=address, namespace=namespace, logging_level="WARNING")
