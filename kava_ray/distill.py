@@ -57,7 +57,8 @@ class Distiller(nn.Module):
     def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
         """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
 
-        Returns (loss, metrics) with metrics as python floats.
+        Returns (loss, metrics); metrics are detached 0-d tensors on the loss's device (no GPU sync here:
+        the worker converts them once per log step).
         """
         mask = batch["attention_mask"]
         kv_mask = mask if self.loss_cfg.loss_tokens == "all" else batch["answer_mask"]
@@ -99,13 +100,13 @@ class Distiller(nn.Module):
         loss = c.ce_weight * ce + c.kv_weight * kvl
         layers = m["cos_per_layer"]
         metrics.update(
-            loss=float(loss.detach()), ce=float(ce.detach()), kv_loss=float(kvl.detach()), cos_sim=m["cos_sim"],
+            loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"],
             **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
                "cos_layer/last": layers[-1]},
             contrast_gap=(contrast_gap(skv.keys, gap_targets[0], kv_mask)
                           + contrast_gap(skv.values, gap_targets[1], kv_mask)) / 2,
-            tokens=int(mask.sum()),
-            label_tokens=int((batch["labels"][:, 1:] != -100).sum()),  # what CE averages over
+            tokens=mask.sum(),
+            label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
         )
         metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
         return loss, metrics

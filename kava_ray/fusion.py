@@ -131,7 +131,7 @@ class Fusion(nn.Module):
         if mask is not None:
             keep = mask.reshape(-1) != 0
             w = w[keep] if keep.any() else w
-        self.last_router_weights = w.mean(0).cpu()
+        self.last_router_weights = w.mean(0)
 
     def combine_losses(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Weighted sum of per-teacher losses (kind `sum`; the weights are normalised)."""
@@ -142,12 +142,13 @@ class Fusion(nn.Module):
         return sum(float(w) * loss for w, loss in zip(self.prior.tolist(), losses))
 
     @torch.no_grad()
-    def current_weights(self) -> dict[str, float]:
-        """Per-teacher mean weight for logging (router: over the last forward's tokens, else its prior)."""
+    def current_weights(self) -> dict[str, torch.Tensor]:
+        """Per-teacher mean weight for logging (router: over the last forward's tokens, else its prior),
+        as 0-d tensors: the caller converts them on log steps only (no GPU sync per step)."""
         if self.kind == "router":
             w = self.last_router_weights
             if w is None:
                 w = torch.softmax(self.router.bias, dim=-1)
         else:
             w = self.weights().reshape(-1, self.n_teachers).mean(0)
-        return {name: float(x) for name, x in zip(self.names, w.tolist())}
+        return dict(zip(self.names, w.unbind()))

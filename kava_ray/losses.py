@@ -41,8 +41,10 @@ def _prepare(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | N
     return student, target, m
 
 
-def _f(x) -> float:
-    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+def _f(x) -> torch.Tensor:
+    """A metric as a detached 0-d tensor: converting to a Python float would sync a GPU every call,
+    so callers convert once, on log steps."""
+    return x.detach() if isinstance(x, torch.Tensor) else torch.tensor(float(x))
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -56,9 +58,9 @@ def _cos_metrics(cos: torch.Tensor, m: torch.Tensor) -> dict:
     w = m.expand_as(cos).to(cos.dtype)
     per_layer = (cos * w).sum(dim=(1, 2, 3)) / w.sum(dim=(1, 2, 3)).clamp_min(1.0)
     return {
-        "cos_sim": float(_masked_mean(cos, m)),
-        "cos_per_layer": [float(c) for c in per_layer],
-        "n_tokens": int(m.sum()),
+        "cos_sim": _masked_mean(cos, m),
+        "cos_per_layer": list(per_layer.unbind()),
+        "n_tokens": m.sum(),
     }
 
 
@@ -134,25 +136,24 @@ def kv_loss(kind: str, student, target, mask=None, alpha: float = 1.0, beta: flo
 
 
 @torch.no_grad()
-def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """mean cos(student, own target) - mean cos(student, target of the previous sample).
 
     The other sample is `target.roll(1, dims=1)`; both means use the positions real
     in both the sample and the rolled sample (mask & mask.roll(1, 0)). ~0 means the
     student matches targets no better than another sample's: nothing
     sample-specific was learned (the collapse trap). With B == 1 there is no other
-    sample to compare with, so it returns 0.0; also 0.0 if no position is real in both.
+    sample to compare with, so it returns 0.0; also 0.0 if no position is real in both
+    (both masked means are then 0). A detached 0-d tensor, like every metric here.
     """
     if student.shape != target.shape or student.dim() != 5:
         raise KavaError(f"contrast_gap needs [L, B, H, T, D] of one shape, "
                         f"got {tuple(student.shape)} and {tuple(target.shape)}")
     B, T = student.shape[1], student.shape[3]
     if B < 2:
-        return 0.0
+        return torch.zeros((), device=student.device)
     m = torch.ones(B, T, dtype=torch.bool, device=student.device) if mask is None else mask.to(student.device) != 0
     both = m & m.roll(1, dims=0)
-    if not both.any():
-        return 0.0
     own, _ = mercator_loss(student, target, both)
     other, _ = mercator_loss(student, target.roll(1, dims=1), both)
     return _f(other - own)  # (1 - cos_other) - (1 - cos_own) = cos_own - cos_other
