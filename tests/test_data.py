@@ -292,7 +292,16 @@ def small_split(tiny_tokenizer):
 
 def _same(a, b):
     assert a[:3] == b[:3]
-    assert a[3].keys() == b[3].keys() and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+    _same_batch(a[3], b[3])
+
+
+def _same_batch(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _collated(split, idx):
+    """What a stream's batch of example indices `idx` must be."""
+    return collate([split.items[i] for i in idx], split.pad_id)
 
 
 def test_batch_stream_resume(small_split):
@@ -310,12 +319,11 @@ def test_batch_stream_resume(small_split):
 
     key, step, epoch, batch = expected[0]
     assert step == 0 and epoch == 0 and expected[10][2] == 1
-    assert batch["input_ids"].shape[0] == 4 and batch["index"].shape == (4,)
-    for i, row in zip(batch["index"].tolist(), batch["input_ids"]):
-        ids = small_split.items[i]["input_ids"]
-        assert row[: len(ids)].tolist() == ids
-    epoch0 = [i for e in expected[:10] for i in e[3]["index"].tolist()]
-    assert sorted(epoch0) == list(range(40))
+    assert batch["input_ids"].shape[0] == 4
+    plan = plan_batches(small_split.lengths, 4, seed=0, epoch=0)  # epoch 0 as documented (one worker)
+    for (_, _, _, got), idx in zip(expected[:10], plan, strict=True):
+        _same_batch(got, _collated(small_split, idx))
+    assert sorted(i for idx in plan for i in idx) == list(range(40))
     assert len({e[0] for e in expected}) == 12
 
 
@@ -323,7 +331,12 @@ def test_batch_stream_ranks(small_split):
     ranks = [BatchStream(small_split, batch_size=4, seed=0, rank=r, world_size=3) for r in range(3)]
     assert all(r.steps_per_epoch == 3 for r in ranks)
     seen = [[r.next() for _ in range(3)] for r in ranks]
-    idx = [i for rs in seen for b in rs for i in b[3]["index"].tolist()]
+    plan = plan_batches(small_split.lengths, 4, seed=0, epoch=0)
+    idx = []
+    for rank, rs in enumerate(seen):
+        for (_, _, _, got), b in zip(rs, shard_batches(plan, rank, 3), strict=True):
+            _same_batch(got, _collated(small_split, b))
+            idx += b
     assert len(idx) == len(set(idx)) == 36
     single = BatchStream(small_split, batch_size=4, seed=0)
     keys = {single.next()[0] for _ in range(10)}

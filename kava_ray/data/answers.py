@@ -1,0 +1,31 @@
+"""GSM8K answers: the number a worked solution ends with, in one canonical form."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Optional
+
+_NUM = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+")
+
+
+def normalize_number(s: Optional[str]) -> Optional[str]:
+    """First number in `s` in canonical form: "1,000" / "1000.0" -> "1000", "$5" -> "5", "-3.50" -> "-3.5"."""
+    m = _NUM.search(s or "")
+    if not m:
+        return None
+    try:
+        d = Decimal(m.group().replace("$", "").replace(",", "")).normalize()
+    except InvalidOperation:
+        return None
+    out = format(d, "f")
+    return "0" if out in ("-0", "0") else out
+
+
+def final_answer(text: Optional[str]) -> Optional[str]:
+    """The normalised answer of a solution: the number after the last `####`, else the last number."""
+    text = text or ""
+    if "####" in text:
+        return normalize_number(text.rsplit("####", 1)[1])
+    nums = _NUM.findall(text)
+    return normalize_number(nums[-1]) if nums else None

@@ -1,0 +1,124 @@
+"""Length-bucketed deterministic batching, DDP sharding, collation, batch keys and a resumable stream."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kava_ray.data.tokenize import IGNORE_INDEX, TokenizedSplit, _sha
+from kava_ray.errors import KavaError
+
+
+def _rng(*parts) -> np.random.Generator:
+    return np.random.default_rng(int(_sha(*parts), 16))
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, bucket: bool = True,
+                 drop_last: bool = True) -> list[list[int]]:
+    """One epoch's batches (lists of example indices), deterministic for (seed, epoch).
+
+    bucket: shuffle, sort by length within chunks of 50 * batch_size so each batch holds similar
+    lengths (little padding), then shuffle the batch order.
+    """
+    rng = _rng("plan", seed, epoch)
+    order = rng.permutation(len(lengths)).tolist()
+    if bucket:
+        chunk = 50 * batch_size
+        lens = np.asarray(lengths)
+        order = [i for s in range(0, len(order), chunk)
+                 for i in sorted(order[s:s + chunk], key=lambda j: -lens[j])]
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    if bucket:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def shard_batches(batches: Sequence[list[int]], rank: int, world_size: int) -> list[list[int]]:
+    """Every world_size-th batch from `rank`, cut to the same count on every rank (DDP steps in lockstep)."""
+    per_rank = len(batches) // world_size
+    return list(batches[rank::world_size][:per_rank])
+
+
+def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
+    """Pad encoded examples to the longest: input_ids / attention_mask / labels / answer_mask, all [B, T]."""
+    T = max(len(it["input_ids"]) for it in items)
+    out = {k: torch.full((len(items), T), v, dtype=torch.long)
+           for k, v in (("input_ids", pad_id), ("attention_mask", 0), ("labels", IGNORE_INDEX), ("answer_mask", 0))}
+    for b, it in enumerate(items):
+        n = len(it["input_ids"])
+        sl = slice(0, n) if padding_side == "right" else slice(T - n, T)
+        out["input_ids"][b, sl] = torch.tensor(it["input_ids"])
+        out["attention_mask"][b, sl] = 1
+        out["labels"][b, sl] = torch.tensor(it["labels"])
+        out["answer_mask"][b, sl] = torch.tensor(it["answer_mask"])
+    return out
+
+
+def batch_key(fingerprint: str, epoch: int, batch_index: int, layers: Optional[Iterable[int]] = None) -> str:
+    """Key teachers de-duplicate a batch by: same data plan, epoch and batch (and layer set) -> same KV."""
+    key = f"{fingerprint}/e{epoch}/b{batch_index}"
+    return with_layers(key, layers) if layers is not None else key
+
+
+def with_layers(key: str, layers: Iterable[int]) -> str:
+    """Append a teacher's layer set to a batch key: `with_layers(batch_key(f, e, i), L) == batch_key(f, e, i, L)`."""
+    return key + "/L" + ",".join(str(i) for i in sorted(set(layers)))
+
+
+class BatchStream:
+    """A worker's batches forever across epochs, resumable exactly from `state()`.
+
+    Epoch e's batches are `shard_batches(plan_batches(lengths, batch_size, seed, e), rank, world_size)`;
+    keys use the global batch index, so they do not depend on the rank.
+    """
+
+    def __init__(self, split: TokenizedSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 start_step: int = 0, state: Optional[dict] = None, bucket: bool = True):
+        self.split, self.batch_size, self.seed, self.bucket = split, batch_size, seed, bucket
+        self.rank, self.world_size = rank, world_size
+        self.plan_fingerprint = _sha(split.fingerprint, batch_size, seed, bucket)
+        n_global = len(split) // batch_size
+        self.steps_per_epoch = n_global // world_size
+        if self.steps_per_epoch == 0:
+            raise KavaError(f"{len(split)} examples are too few for batch_size={batch_size} x {world_size} workers")
+        if state is not None:
+            if state.get("fingerprint") not in (None, self.plan_fingerprint):
+                warnings.warn("resuming a BatchStream whose data, batch size or seed changed", stacklevel=2)
+            self.epoch, self.position, self.step = int(state["epoch"]), int(state["position"]), int(state["step"])
+        else:
+            self.epoch, self.position = divmod(start_step, self.steps_per_epoch)
+            self.step = start_step
+        self._cached: tuple[int, list] = (-1, [])
+
+    def _epoch_batches(self, epoch: int) -> list[tuple[int, list[int]]]:
+        """(global batch index, example indices) for this rank in `epoch`."""
+        if self._cached[0] != epoch:
+            plan = plan_batches(self.split.lengths, self.batch_size, self.seed, epoch, bucket=self.bucket)
+            self._cached = (epoch, shard_batches(list(enumerate(plan)), self.rank, self.world_size))
+        return self._cached[1]
+
+    def next(self) -> tuple[str, int, int, dict[str, torch.Tensor]]:
+        """(key, step, epoch, batch) for the next batch; advances the stream."""
+        if self.position >= self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        global_index, idx = self._epoch_batches(self.epoch)[self.position]
+        batch = collate([self.split.items[i] for i in idx], self.split.pad_id)
+        out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch)
+        self.position += 1
+        self.step += 1
+        return out
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def state(self) -> dict:
+        """JSON-able position: `BatchStream(..., state=s)` continues with the identical batches."""
+        return {"epoch": self.epoch, "position": self.position, "step": self.step,
+                "fingerprint": self.plan_fingerprint}
