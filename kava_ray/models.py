@@ -1,29 +1,20 @@
 """Load teachers and students (hub id, local dir or .gguf file; dtype; bitsandbytes 4/8-bit) and read
-their KV geometry. Pure PyTorch + Hugging Face, no Ray.
+their KV geometry. Pure PyTorch + Hugging Face, no Ray. GGUF conversion lives in kava_ray/gguf.py.
 
 Facts measured on a 2-core CPU (torch 2.13, transformers 5.23, bitsandbytes 0.50.2):
 - bitsandbytes NF4 *and* 8-bit (LLM.int8, inputs cast to fp16 inside the matmul) both load and run on CPU.
-- SmolLM2-135M-Instruct.Q4_1.gguf: `from_pretrained(dir, gguf_file=...)` de-quantizes in 18-21 s, the
-  GGUF tokenizer another ~5 s; `gguf_to_hf_dir` does that once (~30 s incl. save) and later loads of
-  the plain directory take ~1 s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import shutil
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from kava_ray.errors import KavaError
-
-GGUF_MARKER = ".kava-gguf-complete"
+from kava_ray.gguf import GGUF_MARKER, gguf_cache_path, gguf_to_hf_dir, wrap_load_errors
 
 # ---------------------------------------------------------------------------------------- geometry
 
@@ -184,22 +175,6 @@ def _resolve(spec, gguf_file=None) -> tuple[str, str | None]:
     return s, None  # a hub id
 
 
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}".rstrip(": ")
-
-
-@contextlib.contextmanager
-def _wrap_load_errors(spec):
-    """Turn any loader failure (missing hub id, offline, corrupt file...) into a one-line KavaError."""
-    try:
-        yield
-    except (KavaError, MemoryError, torch.OutOfMemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001 - HF raises many types; the user needs one line
-        raise KavaError(f"model '{spec}': cannot load ({_one_line(e)})") from e
-
-
 def _quant_config(quantization, dtype):
     from transformers import BitsAndBytesConfig
 
@@ -219,17 +194,6 @@ def _quant_config(quantization, dtype):
     raise KavaError(f"unknown quantization {quantization!r}; expected none, 4bit or 8bit")
 
 
-def default_cache_dir() -> Path:
-    """Where converted GGUF models are cached: $KAVA_RAY_CACHE or ~/.cache/kava-ray."""
-    return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
-
-
-def _gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{key}"
-
-
 def model_source(spec, gguf_file=None, cache_dir=None) -> str:
     """The hub id or local HF dir to load `spec` from (a .gguf is converted once to a cached dir)."""
     source, gguf_name = _resolve(spec, gguf_file)
@@ -237,7 +201,7 @@ def model_source(spec, gguf_file=None, cache_dir=None) -> str:
         gguf_path = Path(source) / gguf_name
         if not gguf_path.is_file():
             raise KavaError(f"model '{spec}': GGUF files must be local; '{gguf_path}' does not exist")
-        source = str(gguf_to_hf_dir(gguf_path, _gguf_cache_path(gguf_path, cache_dir)))
+        source = str(gguf_to_hf_dir(gguf_path, gguf_cache_path(gguf_path, cache_dir)))
     return source
 
 
@@ -246,7 +210,7 @@ def load_model_config(spec, keep=None, trust_remote_code=None):
     from transformers import AutoConfig
 
     source = model_source(spec)
-    with _wrap_load_errors(spec):
+    with wrap_load_errors(spec):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code is True)
     if keep:
         if max(keep) >= config.num_hidden_layers:
@@ -286,7 +250,7 @@ def load_model(
             device_map = {"": torch.cuda.current_device()}  # bnb quantizes while placing on the GPU
     if device_map is not None:
         kwargs["device_map"] = device_map
-    with _wrap_load_errors(spec):
+    with wrap_load_errors(spec):
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     model.eval()
     return model
@@ -300,74 +264,16 @@ def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=No
     kwargs = dict(trust_remote_code=trust_remote_code is True)
     if gguf_name is not None:
         gguf_path = Path(source) / gguf_name
-        cached = _gguf_cache_path(gguf_path, cache_dir) if gguf_path.is_file() else None
+        cached = gguf_cache_path(gguf_path, cache_dir) if gguf_path.is_file() else None
         if cached is not None and (cached / GGUF_MARKER).is_file():
             source = str(cached)  # ~0.1 s instead of ~5 s for parsing the GGUF vocab
         else:
             kwargs["gguf_file"] = gguf_name
-    with _wrap_load_errors(spec):
+    with wrap_load_errors(spec):
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """Exclusive lock so concurrent actors convert a GGUF once (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def gguf_to_hf_dir(gguf_path, out_dir) -> Path:
-    """De-quantize a .gguf once and save it as a plain HF dir (model + tokenizer); cached by a marker file.
-
-    A model loaded with gguf_file= carries a GGUF quantization_config, so we rebuild the model from
-    its config without it, load the state dict, save to a temp dir and rename it into place.
-    Measured on 2 CPUs with SmolLM2-135M Q4_1: ~30 s the first time, then a no-op.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
-    if (out_dir / GGUF_MARKER).is_file():
-        return out_dir
-    if not gguf_path.is_file():
-        raise KavaError(f"model '{gguf_path}': GGUF file does not exist")
-    with _file_lock(out_dir.parent / f".{out_dir.name}.lock"):
-        if (out_dir / GGUF_MARKER).is_file():  # another process finished while we waited
-            return out_dir
-        d, name = str(gguf_path.parent), gguf_path.name
-        with _wrap_load_errors(gguf_path):
-            src = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-        config = src.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(src.state_dict())
-        model.generation_config = src.generation_config
-        del src
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            (tmp / GGUF_MARKER).write_text(json.dumps({"source": str(gguf_path.resolve())}) + "\n")
-            if out_dir.exists():  # an incomplete leftover from a crashed conversion
-                shutil.rmtree(out_dir)
-            os.rename(tmp, out_dir)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 # ------------------------------------------------------------------------------------------- RoPE

@@ -8,6 +8,7 @@ import torch
 from transformers import Qwen2Config
 
 from kava_ray.errors import KavaError
+from kava_ray.gguf import gguf_to_hf_dir
 from kava_ray.kv import (
     KVBatch,
     extract_kv,
@@ -19,7 +20,6 @@ from kava_ray.kv import (
 )
 from kava_ray.models import (
     KVGeometry,
-    gguf_to_hf_dir,
     kv_geometry,
     load_model,
     load_tokenizer,
@@ -310,6 +310,10 @@ def test_gguf_converts_once_to_a_plain_hf_dir(tmp_path):
     assert (a - b).norm() / a.norm() < 0.03  # Q8_0 rounding only
     (out,) = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.startswith(".")]
     assert gguf_to_hf_dir(gguf_path, out) == out  # cached: marker present, nothing rebuilt
+    (out / ".kava-gguf-complete").unlink()  # an incomplete leftover (crashed conversion) is replaced whole
+    (out / "junk").write_text("x")
+    assert gguf_to_hf_dir(gguf_path, out) == out and not (out / "junk").exists()
+    assert (out / ".kava-gguf-complete").is_file() and (out / "config.json").is_file()
     tok = load_tokenizer(gguf_path, cache_dir=tmp_path / "cache")
     assert tok("hi 12 é").input_ids == load_tokenizer(src)("hi 12 é").input_ids
     nf4 = load_model(gguf_path, quantization="4bit", cache_dir=tmp_path / "cache")
