@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kava-installed
 
-.PHONY: install test demo clean
+.PHONY: install lint test test-fast demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Linters first: ruff (pyflakes + import order) and import-linter (DESIGN.md's layering; pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check kava_ray actors tests
+	$(BIN)/lint-imports --no-logo
+
+# Every tier: unit, ray (one embedded Ray for the session), cluster (starts its own Ray head). CI runs this.
+test: lint
 	$(BIN)/python -m pytest -q tests
+
+# Lint + the unit tier only (no Ray): under a minute on a 2-core box.
+test-fast: lint
+	$(BIN)/python -m pytest -q -m unit tests
 
 demo: $(STAMP)
 	$(BIN)/kava-ray demo

@@ -5,6 +5,13 @@
     tiny_student_dir  Qwen2 student: 2 layers, hidden 32, 2 heads, 2 KV heads, head_dim 16
 
 Build more with `from tiny_models import build_tiny_model` (tests/ is on sys.path under pytest).
+
+Tiers: every test carries exactly one of the markers `unit`, `ray`, `cluster` (pytest_collection_modifyitems):
+    explicit      a tier marker the test or its module sets (`pytestmark = pytest.mark.ray`) wins
+    ray           the test uses `ray_session`, directly or through other fixtures, or is in STARTS_RAY
+    cluster       the test lives in tests/test_cluster.py (it starts its own head node)
+    unit          everything else: no Ray at all
+`make test-fast` runs `-m unit`; `make test` runs every tier.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's single-machine mode: servers on 127.0.0.1
+# Ray's single-machine mode (servers on 127.0.0.1): connect() sets the same default for an embedded Ray;
+# set here too so every subprocess a test starts (`kava-ray ...`, `ray ...`) inherits it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
 
@@ -64,18 +73,17 @@ def tiny_student_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One embedded Ray for the whole test session (each ray.init costs ~6 s here).
+    """One embedded Ray for the whole test session (each ray.init costs ~6 s here), started the way
+    the product starts it (`kava_ray.connect.connect`, address None).
 
     8 logical CPUs on a 2-core box: Ray only counts them, and a train run needs a controller, its
     workers and the teacher actors at once. Token authentication stays on (Ray's default).
     """
     import ray
 
-    from kava_ray.connect import EMBEDDED_ENV
+    from kava_ray.connect import connect
 
-    ray.init(num_cpus=8, namespace="kava-test", logging_level="WARNING",
-             logging_config=ray.LoggingConfig(log_level="WARNING"),
-             runtime_env={"env_vars": {**EMBEDDED_ENV, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    connect(None, "kava-test", num_cpus=8, worker_env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     yield ray
     ray.shutdown()
 
@@ -86,3 +94,42 @@ def tiny_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
     from jobs import write_job
 
     return write_job(tmp_path_factory.mktemp("job"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
+
+
+# ------------------------------------------------------------------------------------------ tiers
+
+TIERS = ("unit", "ray", "cluster")
+# Node ids (without parameters) of tests that start Ray without the `ray_session` fixture (e.g. a subprocess running a
+# `kava-ray` command that starts its own embedded Ray). Prefer an explicit `@pytest.mark.ray` in the
+# test file; this list is for tests whose file cannot say so.
+STARTS_RAY: set[str] = set()
+CLUSTER_FILES = ("test_cluster.py",)
+
+
+def _tier_of(item) -> tuple[list[str], str]:
+    """(explicit tier markers on the test, the tier the rules derive)."""
+    explicit = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+    if "ray_session" in getattr(item, "fixturenames", ()) or item.nodeid.split("[")[0] in STARTS_RAY:
+        derived = "ray"
+    elif item.path.name in CLUSTER_FILES:
+        derived = "cluster"
+    else:
+        derived = "unit"
+    return explicit, derived
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` deselection sees the items
+def pytest_collection_modifyitems(config, items):
+    problems = []
+    for item in items:
+        explicit, derived = _tier_of(item)
+        if explicit == ["unit"] and derived == "ray":
+            problems.append(f"{item.nodeid}: marked unit but starts Ray (ray_session or STARTS_RAY)")
+        if not explicit:
+            item.add_marker(getattr(pytest.mark, derived))
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: {len(tiers)} tier markers {tiers}")
+    if problems:
+        raise pytest.UsageError("every test needs exactly one tier marker (unit, ray, cluster):\n  "
+                                + "\n  ".join(problems))

@@ -1,17 +1,47 @@
-"""Config loading, dotted overrides and the one-line error contract of `kava-ray config show`."""
+"""Config loading, dotted overrides and the one-line error contract of `kava-ray config show`.
 
+The CLI runs in-process (`kava_ray.cli.main`, what the console script calls); one test runs the
+installed `kava-ray` command itself.
+"""
+
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from kava_ray.cli import main
 from kava_ray.config import config_hash, diff_keys, load_config, preset_names
 from kava_ray.errors import KavaError
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "kava_ray.cli", *args], capture_output=True, text=True, cwd=cwd)
+@pytest.fixture
+def run_cli(capsys):
+    """`kava-ray ARGS` in this process: .returncode, .stdout, .stderr, like subprocess.run's result."""
+    def run(*args):
+        capsys.readouterr()  # drop what came before
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run
+
+
+def test_installed_console_script_runs_and_reports_errors_in_one_line():
+    """The `kava-ray` entry point of the installed package (the only subprocess in this file)."""
+    exe = shutil.which("kava-ray", path=str(Path(sys.executable).parent))
+    assert exe, "the kava-ray console script is not installed next to this Python"
+    ok = subprocess.run([exe, "config", "show", "--config", "demo_cpu", "train.steps=7"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["train"]["steps"] == 7
+    bad = subprocess.run([exe, "config", "show", "--config", "demo_cpu", "optim.lr_student=0"], capture_output=True,
+                         text=True, timeout=120)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and bad.stdout == "", bad.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "optim.lr_student" in lines[0], bad.stderr
 
 
 def test_presets_load_and_overrides_apply():
@@ -24,7 +54,7 @@ def test_presets_load_and_overrides_apply():
     assert load_config("demo_cpu").align.mode == "structured"
 
 
-def test_config_show_prints_resolved_yaml_that_round_trips(tmp_path):
+def test_config_show_prints_resolved_yaml_that_round_trips(run_cli, tmp_path):
     r = run_cli("config", "show", "--config", "demo_cpu", "train.steps=7")
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
@@ -61,7 +91,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("desc,extra,key", BAD, ids=[b[0] for b in BAD])
-def test_bad_override_is_one_line_exit_2(desc, extra, key):
+def test_bad_override_is_one_line_exit_2(run_cli, desc, extra, key):
     r = run_cli("config", "show", "--config", "demo_cpu", *extra)
     assert r.returncode == 2, (desc, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -70,12 +100,12 @@ def test_bad_override_is_one_line_exit_2(desc, extra, key):
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
-def test_unknown_preset(tmp_path):
+def test_unknown_preset(run_cli):
     r = run_cli("config", "show", "--config", "no_such_preset")
     assert r.returncode == 2 and "no_such_preset" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_missing_required_field_and_bad_yaml(tmp_path):
+def test_missing_required_field_and_bad_yaml(run_cli, tmp_path):
     no_student = tmp_path / "no_student.yaml"
     no_student.write_text("teachers:\n  - {name: a, model: some/model}\n")
     r = run_cli("config", "show", "--config", str(no_student))
