@@ -1,6 +1,8 @@
-"""The `kava-ray` command. Every KavaError becomes one line on stderr and exit code 2.
+"""The `kava-ray` command: parse, call one orchestration function, print.
 
-Subcommands import their modules lazily so `kava-ray config show` stays fast.
+Exit codes: 0 ok; 2 bad input (every KavaError: one `error:` line on stderr); 3 `kava-ray plan` says
+the config does not fit; 130 interrupted. Subcommands import their modules lazily so `kava-ray
+config show` stays fast.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from kava_ray._io import format_table
 from kava_ray.errors import KavaError
+
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3
 
 
 def _print_json_last(obj: dict) -> None:
@@ -63,13 +69,6 @@ def _job_config(args):
     return load_config(args.config, args.overrides)
 
 
-def _connect(cfg, args, require_cluster: bool = False) -> str:
-    from kava_ray.connect import connect
-
-    return connect(args.address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus,
-                   require_cluster=require_cluster)
-
-
 def _select_teachers(cfg, names):
     """Restrict cfg to the teachers named with --teacher (unknown names are a one-line error)."""
     if not names:
@@ -83,9 +82,11 @@ def cmd_teachers(args) -> int:
 
     from actors import pool
 
+    from kava_ray.job import connect_job, precompute
+
     cfg = _select_teachers(_job_config(args), args.teacher)
     action = args.teachers_command
-    _connect(cfg, args, require_cluster=action in ("up", "down", "status"))
+    connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
     if action == "up":
         handles = pool.start_pool(cfg, detached=True)
         print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(handles)}")
@@ -98,7 +99,7 @@ def cmd_teachers(args) -> int:
         if args.json:
             _print_json_last({"teachers": rows})
     elif action == "precompute":
-        stats = precompute_cmd(cfg, args.out, args.epochs)
+        stats = precompute(cfg, args.out, args.epochs)
         print(f"KV cache {args.out}: {stats['written']} shard(s) written, {stats['skipped']} already there, "
               f"{stats['bytes'] / 2**20:.1f} MiB")
         if args.json:
@@ -108,8 +109,6 @@ def cmd_teachers(args) -> int:
 
 
 def format_status(rows: list[dict]) -> str:
-    from kava_ray._io import format_table
-
     header = ["name", "model", "device", "quant", "geometry", "requests", "forwards", "hits", "fwd ms",
               "KV B/token", "restarts"]
     out = []
@@ -122,36 +121,6 @@ def format_status(rows: list[dict]) -> str:
     return format_table(header, out)
 
 
-def precompute_cmd(cfg, out_dir, epochs: int) -> dict:
-    import ray
-    from tqdm import tqdm
-
-    from actors.kv_cache import precompute
-    from actors.pool import get_or_start_pool
-    from kava_ray.data import BatchStream
-    from kava_ray.job import check_tokenizers, load_splits, student_geometry, student_tokenizer, teacher_plans
-
-    handles = get_or_start_pool(cfg)
-    geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
-    tok, fp = student_tokenizer(cfg)
-    check_tokenizers(cfg, geoms, fp)
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
-    train, held = load_splits(cfg, tok)
-    stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
-    eval_stream = BatchStream(held, cfg.train.batch_size, cfg.train.seed, bucket=False)  # as evaluate_heldout
-    bar = tqdm(total=stream.steps_per_epoch * epochs + eval_stream.steps_per_epoch, desc="precompute",
-               unit="batch", disable=None)
-
-    def progress(stats):
-        bar.n = stats["written"] + stats["skipped"]
-        bar.refresh()
-
-    stats = precompute(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=progress,
-                       extra_streams=(eval_stream,))
-    bar.close()
-    return stats
-
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -159,7 +128,7 @@ def cmd_train(args) -> int:
     from kava_ray.train import run_training
 
     cfg = _job_config(args)
-    out = run_training(cfg, resume=args.resume, run_name=args.run_name, address=args.address)
+    out = run_training(cfg, resume=args.resume, name=args.name, address=args.address)
     print(format_final(out))
     if args.json:
         _print_json_last(out)
@@ -167,8 +136,6 @@ def cmd_train(args) -> int:
 
 
 def format_final(out: dict) -> str:
-    from kava_ray._io import format_table
-
     m = out["metrics"]
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in sorted(m.items())
             if k.startswith(("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wait_s"))]
@@ -206,7 +173,10 @@ def cmd_plan(args) -> int:
     print(format_plan(p))
     if args.json:
         _print_json_last(p)
-    return 0 if p["fits"] is not False else 2
+    if p["fits"] is False:
+        print(f"does not fit: {p['advice']}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -221,7 +191,6 @@ def cmd_demo(args) -> int:
 
 def cmd_eval(args) -> int:
     from kava_ray.evaluate import evaluate_checkpoint
-    from kava_ray._io import format_table
 
     out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]
@@ -247,6 +216,17 @@ def cmd_report(args) -> int:
 
 def _add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def _add_address(p: argparse.ArgumentParser, cluster_only: bool = False) -> None:
+    help_ = ("Ray address of a running cluster (auto = a local `ray start --head`)" if cluster_only else
+             "Ray address (default: an embedded local Ray of the job's own; auto = a local `ray start --head`)")
+    p.add_argument("--address", default=None, help=help_)
+
+
+def _add_name(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--name", default=None, help=f"{what} name: its directory under ray.storage_path "
+                                                "(default: the config's name and the time)")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -281,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("precompute", "write the dataset's teacher KV to disk (resumes)")):
         p = t_sub.add_parser(name, help=help_)
         _add_config_args(p)
-        p.add_argument("--address", default=None, help="Ray address (auto = a local `ray start --head`)")
+        _add_address(p, cluster_only=name != "precompute")
         p.add_argument("--teacher", action="append", default=[], help="only this teacher (repeatable)")
         _add_json(p)
         if name == "precompute":
@@ -291,9 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
     _add_config_args(p)
-    p.add_argument("--address", default=None, help="Ray address (default: embedded local Ray; auto = `ray start`)")
-    p.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint dir")
-    p.add_argument("--run-name", default=None)
+    _add_address(p)
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue a run: its directory (latest checkpoint) or one checkpoint dir")
+    _add_name(p, "run")
     _add_json(p)
     p.set_defaults(func=cmd_train)
 
@@ -302,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", required=True, help="a search-space YAML or a name in tune_spaces/ (e.g. default)")
     p.add_argument("--num-samples", type=int, default=None)
     p.add_argument("--max-concurrent", type=int, default=None)
-    p.add_argument("--name", default=None, help="experiment name (needed with --resume)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep; finished trials stay")
-    p.add_argument("--address", default=None)
+    _add_name(p, "sweep")
+    p.add_argument("--resume", default=None, metavar="SWEEP_DIR",
+                   help="continue an interrupted sweep: its directory (or its name); finished trials stay")
+    _add_address(p)
     _add_json(p)
     p.set_defaults(func=cmd_tune)
 
@@ -317,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
-    p.add_argument("--address", default=None)
+    _add_address(p)
     _add_json(p)
     p.set_defaults(func=cmd_demo)
 
@@ -325,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("--limit", type=int, default=16, help="GSM8K questions to generate answers for")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--address", default=None)
+    _add_address(p)
     _add_json(p)
     p.set_defaults(func=cmd_eval)
 
@@ -364,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return func(args)
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -1,12 +1,16 @@
-"""Held-out CE and GSM8K accuracy (greedy decoding, "####" answers, numeric normalisation).
+"""Held-out evaluation: answer-token CE, greedy GSM8K accuracy, and KV alignment against the teachers.
 
-Pure PyTorch + Hugging Face, no Ray. Accuracy on the tiny random test models is ~0 (they emit byte
-noise); it is meaningful only for real instruction-tuned models, e.g. the demo's SmolLM2 or Qwen2.5.
+`heldout_ce`, `generate_answers`, `score_answers` and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
+`evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
+`evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.job`, so this
+module belongs to the orchestration layer. Accuracy on the tiny random test models is ~0 (they emit
+byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -116,36 +120,67 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
     return score_answers(preds, [ex.answer for ex in examples], questions)
 
 
+# ----------------------------------------------------------------------------- KV alignment, held out
+
+
+@torch.no_grad()
+def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype) -> dict:
+    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split.
+
+    CE is weighted by answer tokens (what it averages over), the KV metrics by real tokens. Sums stay
+    float64 tensors until the end: one conversion, not one per batch.
+    """
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.data import BatchStream
+
+    was_training = distiller.training
+    distiller.eval()
+    stream = BatchStream(split, cfg.train.batch_size, cfg.train.seed, bucket=False)
+    feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype)
+    sums: dict = {}
+    weights: dict = {"tokens": 0, "label_tokens": 0}
+    for (_, _, _, batch), kv in feed:
+        _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
+        for w in weights:
+            weights[w] = weights[w] + m[w].double()
+        sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
+        for k in ["cos_sim", "contrast_gap"] + [f"cos/{t}" for t in plans]:  # KV: per real token
+            sums[k] = sums.get(k, 0) + m[k].double() * m["tokens"]
+    distiller.train(was_training)
+    return {f"eval/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "tokens"]), 1))
+            for k, v in sums.items()}
+
+
 # ----------------------------------------------------------------------------- a checkpoint, end to end
 
 
-def find_checkpoint(path) -> "Path":
-    """A checkpoint dir from a checkpoint path or a run dir (its final/ or, else, its latest checkpoint)."""
-    from pathlib import Path
+def find_checkpoint(path, for_resume: bool = False) -> Path:
+    """A checkpoint dir from a checkpoint path or a run dir.
 
-    p = Path(path)
-    for candidate in (p, p / "final", *sorted(p.glob("checkpoint_2*"), reverse=True)):
+    For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
+    checkpoint (which carries the optimizer state final/ leaves out).
+    """
+    p = Path(path).expanduser()
+    latest = sorted(p.glob("checkpoint_2*"), reverse=True)
+    order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
+    for candidate in order:
         if (candidate / "state.json").is_file():
             return candidate
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no state.json)")
 
 
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None) -> dict:
-    """Held-out CE, KV cos and contrast gap (teachers started on an embedded Ray unless running),
+    """Held-out CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
     and greedy GSM8K accuracy on the first `limit` held-out questions, for one checkpoint."""
     import ray
-    import torch
 
-    from actors.feed import ActorSource
-    from actors.kv_cache import CacheSource, KVCache
     from actors.pool import stop_pool
     from kava_ray.checkpoint import load_into, read_state
     from kava_ray.config import validate_config
-    from kava_ray.connect import connect
     from kava_ray.distill import Distiller
-    from kava_ray.job import load_splits
+    from kava_ray.job import connect_job, kv_source, load_splits, setup_teachers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
-    from kava_ray.train import embedded_cpus, evaluate_heldout, setup_teachers
 
     ckpt = find_checkpoint(path)
     state = read_state(ckpt)
@@ -154,14 +189,14 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     tokenizer = load_tokenizer(ckpt / "student")
     _, held = load_splits(cfg, tokenizer)
     out = {"checkpoint": str(ckpt), "step": state["step"], "heldout_ce": heldout_ce(student, held)}
-    connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg))
+    connect_job(cfg, address)
     handles, plans, started = setup_teachers(cfg)
     try:
         torch.manual_seed(0)
         distiller = Distiller(student, plans, kv_geometry(student), cfg)
         load_into(ckpt, distiller)
-        source = ActorSource(handles) if handles is not None else CacheSource(KVCache(cfg.data.kv_cache_dir))
-        out.update(evaluate_heldout(distiller, source, plans, held, cfg, "cpu", torch.float32))
+        out.update(evaluate_heldout(distiller, kv_source(cfg, plans, handles=handles), plans, held, cfg, "cpu",
+                                    torch.float32))
     finally:
         if started:
             stop_pool(cfg)

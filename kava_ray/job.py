@@ -1,18 +1,20 @@
-"""What a job derives from its config before any training: geometries, per-teacher layer plans,
-the tokenized splits and the batch stream fed to both teachers and student.
+"""From a job config to what every command runs on: Ray, the teacher pool, layer plans, splits, KV sources.
 
-Shared by `kava-ray train`, `tune`, `teachers precompute` and the benches, so they all agree on
-which teacher layers ship and which batch a key names.
+The one orchestration path: `kava-ray train`, `tune`, `eval`, `teachers precompute`, `demo` and the
+benches all call these functions, so they agree on how many CPUs an embedded Ray declares, which
+teacher layers ship, which batch a key names and where a worker's teacher KV comes from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
+
+import ray
 
 from kava_ray.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.config import JobConfig
-from kava_ray.data import BatchStream, TokenizedSplit, load_split, tokenizer_fingerprint
+from kava_ray.data import TokenizedSplit, load_split, tokenizer_fingerprint
 from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config, load_tokenizer
 
@@ -27,8 +29,44 @@ class TeacherPlan:
     layers: list[int]
 
 
+# ----------------------------------------------------------------------------------------- Ray
+
+
+def embedded_cpus(cfg: JobConfig, concurrent_runs: int = 1) -> int:
+    """Logical CPUs an embedded Ray declares: the teachers, plus for each concurrent run (a train job, or
+    a Tune trial) its workers and Train's controller, plus one spare.
+
+    The one place this is decided. Ray only counts logical CPUs, so this may exceed the machine's cores.
+    """
+    teachers = sum(t.num_cpus for t in cfg.teachers) if cfg.data.kv_source == "live" else 0
+    per_run = cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1
+    return int(teachers + concurrent_runs * per_run + 1 + 0.999)
+
+
+def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: int = 1,
+                require_cluster: bool = False) -> str:
+    """Connect to the job's Ray (`address`, else `ray.address`, else an embedded one sized for the job)."""
+    from kava_ray.connect import connect
+
+    return connect(address or cfg.ray.address, cfg.ray.namespace,
+                   num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster)
+
+
+# ------------------------------------------------------------------------------------ teachers
+
+
+def teacher_geometries(handles: dict) -> dict[str, dict]:
+    """{teacher: geometry dict} as the running actors report it (layers, heads, dims, tokenizer...)."""
+    return dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
+
+
 def student_geometry(cfg: JobConfig) -> KVGeometry:
     return kv_geometry(load_model_config(cfg.student.model, keep=cfg.student.keep_layers))
+
+
+def student_tokenizer(cfg: JobConfig):
+    tok = load_tokenizer(cfg.student.model)
+    return tok, tokenizer_fingerprint(tok)
 
 
 def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry) -> dict[str, TeacherPlan]:
@@ -46,12 +84,67 @@ def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeom
 def check_tokenizers(cfg: JobConfig, teacher_geoms: dict[str, dict], student_fp: str) -> None:
     """Teachers and student must share a tokenizer: KV positions are aligned one to one.
 
-    (Char-offset alignment across tokenizers is in DESIGN's align/tokens.py and not built yet.)
+    (Char-offset alignment across tokenizers is DESIGN's align/tokens.py and not built yet.)
     """
     for t in cfg.teachers:
         if teacher_geoms[t.name]["tokenizer_fingerprint"] != student_fp:
             raise KavaError(f"teacher '{t.name}' uses a different tokenizer than the student; "
                             f"kava-ray aligns tokens one to one, so teachers must share the student's tokenizer")
+
+
+def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
+    """Plans for a running pool: its geometries, checked against the student's tokenizer."""
+    geoms = teacher_geometries(handles)
+    check_tokenizers(cfg, geoms, student_tokenizer(cfg)[1])
+    return teacher_plans(cfg, geoms, student_geometry(cfg))
+
+
+def setup_teachers(cfg: JobConfig) -> tuple[Optional[dict], dict[str, TeacherPlan], bool]:
+    """(pool handles or None, teacher plans, started_here): a running pool, a new one, or the KV cache."""
+    from actors.kv_cache import KVCache
+    from actors.pool import check_resources, find_pool, start_pool
+
+    if cfg.data.kv_source == "cache":
+        geoms = {n: dict(t["geometry"]) for n, t in KVCache(cfg.data.kv_cache_dir).meta["teachers"].items()}
+        missing = [t.name for t in cfg.teachers if t.name not in geoms]
+        if missing:
+            raise KavaError(f"KV cache {cfg.data.kv_cache_dir} has no teacher {missing[0]!r}")
+        return None, teacher_plans(cfg, geoms, student_geometry(cfg)), False
+    try:
+        handles, started = find_pool(cfg), False
+    except KavaError:
+        check_resources(cfg)
+        handles, started = start_pool(cfg), True
+    return handles, live_plans(cfg, handles), started
+
+
+def plans_payload(plans: dict[str, TeacherPlan]) -> dict:
+    """TeacherPlans as plain data (for a Train loop config or a Tune setup)."""
+    return {n: {"geometry": p.geometry.to_dict(), "layer_map": p.layer_map, "layers": p.layers}
+            for n, p in plans.items()}
+
+
+def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
+    return {n: TeacherPlan(n, KVGeometry.from_dict(p["geometry"]),
+                           [(s, [tuple(x) for x in pairs]) for s, pairs in p["layer_map"]], p["layers"])
+            for n, p in payload.items()}
+
+
+def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], plan_fingerprint: Optional[str] = None,
+              handles: Optional[dict] = None):
+    """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked
+    against this job when `plan_fingerprint` is given) or the live actors (`handles`, else found by name)."""
+    from actors.feed import ActorSource
+    from actors.kv_cache import CacheSource, KVCache, cache_meta
+    from actors.pool import find_pool
+
+    if cfg.data.kv_source == "cache":
+        meta = cache_meta(cfg, plans, plan_fingerprint) if plan_fingerprint is not None else None
+        return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
+    return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)))
+
+
+# ---------------------------------------------------------------------------------------- data
 
 
 def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
@@ -62,6 +155,28 @@ def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSpl
     return train, held
 
 
-def student_tokenizer(cfg: JobConfig):
-    tok = load_tokenizer(cfg.student.model)
-    return tok, tokenizer_fingerprint(tok)
+def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) -> dict:
+    """`kava-ray teachers precompute`: the training split's (and held-out split's) teacher KV to disk."""
+    from tqdm import tqdm
+
+    from actors.kv_cache import precompute as write_cache
+    from actors.pool import get_or_start_pool
+    from kava_ray.data import BatchStream
+
+    handles = get_or_start_pool(cfg)
+    plans = live_plans(cfg, handles)
+    train, held = load_splits(cfg, student_tokenizer(cfg)[0])
+    stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
+    eval_stream = BatchStream(held, cfg.train.batch_size, cfg.train.seed, bucket=False)  # as evaluate_heldout
+    bar = tqdm(total=stream.steps_per_epoch * epochs + eval_stream.steps_per_epoch, desc="precompute",
+               unit="batch", disable=None if progress else True)
+
+    def report(stats):
+        bar.n = stats["written"] + stats["skipped"]
+        bar.refresh()
+
+    try:
+        return write_cache(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=report,
+                           extra_streams=(eval_stream,))
+    finally:
+        bar.close()

@@ -14,7 +14,6 @@ Outputs in `<storage>/<name>/`: Tune's experiment state, one run dir per trial, 
 from __future__ import annotations
 
 import csv
-import json
 import math
 from datetime import datetime
 from pathlib import Path
@@ -22,57 +21,46 @@ from typing import Optional
 
 import ray
 
+from kava_ray._io import atomic_path, atomic_write, format_table
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry
+
+
+def trial_dir(cfg: JobConfig) -> Path:
+    """This trial's dir in the experiment's storage (not Tune's local staging dir), shared by all nodes."""
+    from ray import tune
+
+    ctx = tune.get_context()
+    path = Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name() / Path(ctx.get_trial_dir()).name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def trial_fn(config: dict, setup: dict) -> None:
     """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune.
 
     `config` holds only the searched params (what Tune shows and records); `setup` the constant
-    rest (base config, geometries), passed once through the object store by tune.with_parameters.
+    rest (base config, teacher and student geometries), passed once through the object store by
+    tune.with_parameters. The trial's workers find the shared teacher pool by name.
     """
-    from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from actors.pool import start_pool, stop_pool
     from kava_ray.job import teacher_plans
     from kava_ray.train import build_trainer, fit
     from kava_ray.tune_space import apply_params
 
     cfg = apply_params(validate_config(setup["base"]), config["params"])
-    ctx = tune.get_context()
-    # the trial's dir in the experiment's storage (not Tune's local staging dir), shared by all nodes
-    trial_dir = Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name() / \
-        Path(ctx.get_trial_dir()).name
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    handles = None
-    if setup.get("own_teachers"):  # the naive sweep `bench tune-share` compares against
-        cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"namespace": f"kava-{ctx.get_trial_id()}"})})
-        handles = start_pool(cfg)
-        geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
-    else:
-        geoms = setup["geometries"]
-    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]))
-    try:
-        fit(build_trainer(cfg, plans, trial_dir / "run", setup["use_gpu"], callbacks=[TuneReportCallback()]))
-    finally:
-        if handles is not None:
-            stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
-            (trial_dir / "teacher_stats.json").write_text(json.dumps(stats))
-            stop_pool(cfg)
+    plans = teacher_plans(cfg, setup["geometries"], KVGeometry.from_dict(setup["student_geometry"]))
+    fit(build_trainer(cfg, plans, trial_dir(cfg) / "run", setup["use_gpu"], callbacks=[TuneReportCallback()]))
 
 
-def derive_max_concurrent(cfg: JobConfig, use_gpu: bool, own_teachers: bool = False) -> int:
+def derive_max_concurrent(cfg: JobConfig, use_gpu: bool) -> int:
     """How many trials fit at once: free CPUs (and GPUs) after the shared teachers, per trial's workers."""
     total = ray.cluster_resources()
     teachers = {"CPU": sum(t.num_cpus for t in cfg.teachers), "GPU": sum(t.num_gpus for t in cfg.teachers)}
     per_trial = {"CPU": cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1,  # + Train's controller
                  "GPU": cfg.ray.num_workers * cfg.ray.gpus_per_worker if use_gpu else 0}
-    if own_teachers:
-        per_trial = {k: v + teachers[k] for k, v in per_trial.items()}
-        teachers = {"CPU": 0, "GPU": 0}
     fits = [math.floor((total.get(k, 0) - teachers[k]) / v + 1e-9) for k, v in per_trial.items() if v > 0]
     n = min(fits) if fits else 1
     if n < 1:
@@ -80,51 +68,63 @@ def derive_max_concurrent(cfg: JobConfig, use_gpu: bool, own_teachers: bool = Fa
     return n
 
 
+def experiment_dir(cfg: JobConfig, name: Optional[str] = None, resume: Optional[str] = None) -> Path:
+    """Where a sweep lives: `resume` (a sweep dir, or a sweep name under ray.storage_path), else
+    `<storage_path>/<name>` (a timestamped name when none is given)."""
+    storage = Path(cfg.ray.storage_path).expanduser().resolve()
+    if resume:
+        given = Path(resume).expanduser()
+        return given.resolve() if given.is_dir() or given.parent != Path(".") else storage / resume
+    return storage / (name or f"{cfg.name}-tune-{datetime.now():%Y%m%d-%H%M%S}")
+
+
+DEFAULT_EMBEDDED_TRIALS = 2  # concurrent trials an embedded Ray is sized for when none is asked for
+
+
 def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_concurrent: Optional[int] = None,
-             resume: bool = False, name: Optional[str] = None, address: Optional[str] = None,
-             own_teachers: bool = False, num_cpus: Optional[int] = None) -> dict:
-    """Run (or resume) a sweep; returns the experiment dir, the result rows and the best config path."""
+             resume: Optional[str] = None, name: Optional[str] = None, address: Optional[str] = None,
+             trial=None) -> dict:
+    """Run (or, with `resume` = a sweep dir or name, continue) a sweep; returns the experiment dir, the
+    result rows and the best config path.
+
+    trial: a trial function to use instead of `trial_fn`; it then brings its own teachers (the shared
+    pool is not started). `kava-ray bench tune-share` passes one that starts teachers per trial.
+    """
     from ray import tune
 
     from actors.pool import check_resources, stop_pool
-    from kava_ray.connect import connect, resolve_use_gpu
-    from kava_ray.job import student_geometry
-    from kava_ray.train import setup_teachers
+    from kava_ray.connect import resolve_use_gpu
+    from kava_ray.job import connect_job, setup_teachers, student_geometry
     from kava_ray.tune_space import load_space, make_scheduler, make_search_alg, to_param_space
 
     spec = load_space(space, base=cfg)  # every space error before anything starts
-    n_samples = num_samples or spec.num_samples
-    connect(address or cfg.ray.address, cfg.ray.namespace, num_cpus=cfg.ray.num_cpus or num_cpus or 8)
+    exp_dir = experiment_dir(cfg, name, resume)
+    if resume and not tune.Tuner.can_restore(str(exp_dir)):
+        raise KavaError(f"nothing to resume at {exp_dir} (pass the directory of an earlier sweep)")
+    connect_job(cfg, address, concurrent_runs=max_concurrent or spec.max_concurrent or DEFAULT_EMBEDDED_TRIALS)
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-    if own_teachers:
-        handles, plans, started = None, None, False
-        geoms = {}
-    else:
+    handles, started, geoms = None, False, {}
+    if trial is None:
         check_resources(cfg)
         handles, plans, started = setup_teachers(cfg)
         geoms = {n: p.geometry.to_dict() for n, p in plans.items()}
-    limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu, own_teachers)
-    storage = Path(cfg.ray.storage_path).expanduser().resolve()
-    name = name or f"{cfg.name}-tune-{datetime.now():%Y%m%d-%H%M%S}"
-    exp_dir = storage / name
+    limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
-             "use_gpu": use_gpu, "own_teachers": own_teachers}
+             "use_gpu": use_gpu}
     # the trial function only drives; its Train workers and teachers ask for their own resources
-    trainable = tune.with_resources(tune.with_parameters(trial_fn, setup=setup), {"CPU": 0.01})
+    trainable = tune.with_resources(tune.with_parameters(trial or trial_fn, setup=setup), {"CPU": 0.01})
     param_space = {"params": to_param_space(spec)}
     try:
         if resume:
-            if not tune.Tuner.can_restore(str(exp_dir)):
-                raise KavaError(f"nothing to resume at {exp_dir} (pass the --name of an earlier sweep)")
             tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
                                        resume_unfinished=True, resume_errored=True)
         else:
             tuner = tune.Tuner(
                 trainable, param_space=param_space,
-                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=n_samples,
+                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
                                             scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
                                             search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
-                run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=1))
+                run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1))
         grid = tuner.fit()
         teacher_stats = (dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
                          if handles else {})
@@ -157,20 +157,13 @@ def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
     best = better(ok, key=lambda row: row[f"best {spec.metric}"])
     best_params = next(r.config["params"] for r in grid if Path(r.path).name == best["trial"])
     exp_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(exp_dir / "best.yaml", apply_params(cfg, best_params).to_yaml())
-    with open(exp_dir / "results.csv.tmp", "w", newline="") as f:
+    atomic_write(exp_dir / "best.yaml", apply_params(cfg, best_params).to_yaml())
+    with atomic_path(exp_dir / "results.csv") as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    (exp_dir / "results.csv.tmp").replace(exp_dir / "results.csv")
     _plot(curves, spec.metric, exp_dir / "trials.png")
     return {"exp_dir": str(exp_dir), "rows": rows, "best": best, "best_config": str(exp_dir / "best.yaml")}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _plot(curves: dict, metric: str, path: Path) -> None:
@@ -186,13 +179,11 @@ def _plot(curves: dict, metric: str, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.legend(fontsize=6)
-    fig.savefig(path.with_name(path.name + ".tmp.png"))
-    path.with_name(path.name + ".tmp.png").replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def format_results(out: dict) -> str:
-    from kava_ray._io import format_table
-
     rows = out["rows"]
     header = [k for k in rows[0] if k != "error" or any(r["error"] for r in rows)]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731

@@ -15,7 +15,7 @@ from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
 from actors.feed import feed_items
-from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_geometries, teacher_plans
 from kava_ray.kv import KVBatch, teacher_forward_kv
 from kava_ray.models import load_model
 
@@ -100,19 +100,17 @@ def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, re
 
 
 def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path):
-    from kava_ray.cli import precompute_cmd
+    from kava_ray.job import precompute
 
     cfg, handles = pool
     out = tmp_path / "kvcache"
-    stats = precompute_cmd(cfg, out, epochs=1)
+    stats = precompute(cfg, out, epochs=1, progress=False)
     assert stats["written"] == stats["total"] > 0 and stats["skipped"] == 0
-    again = precompute_cmd(cfg, out, epochs=1)  # resumes: nothing left to do
+    again = precompute(cfg, out, epochs=1, progress=False)  # resumes: nothing left to do
     assert again["written"] == 0 and again["skipped"] == stats["total"]
 
-    import ray
 
-    geoms = dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
     layers = {n: p.layers for n, p in plans.items()}
     items = batches(cfg, 3)
     cached = list(KVFeed(CacheSource(KVCache(out)), iter(items), layers, depth=2))

@@ -25,16 +25,13 @@ def tune_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
 
 
 def trial_statuses(exp: Path) -> dict:
-    """{trial_id: status} from Tune's newest experiment_state file ({} before the first one)."""
-    states = sorted(exp.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
-    if not states:
-        return {}
+    """{trial_id: status} through Tune's public ExperimentAnalysis ({} before Tune saved any state)."""
+    from ray.tune import ExperimentAnalysis
+
     try:
-        data = json.loads(states[-1].read_text())
-    except json.JSONDecodeError:  # being rewritten
+        return {t.trial_id: t.status for t in ExperimentAnalysis(str(exp)).trials}
+    except Exception:  # noqa: BLE001 - no state yet, or the state file is being rewritten
         return {}
-    trials = [json.loads(t[0]) for t in data["trial_data"]]
-    return {t["trial_id"]: t["status"] for t in trials}
 
 
 def write_space(root: Path, name: str, space: dict) -> Path:
@@ -69,7 +66,7 @@ def test_asha_sweep_stops_bad_trials_and_best_config_trains(ray_session, tune_jo
 
     best = load_config(out["best_config"], ["train.steps=2", "train.eval_steps=2"])
     assert best.optim.lr_projector == out["best"]["optim.lr_projector"]
-    trained = run_training(best, run_name="from-best", progress=False)
+    trained = run_training(best, name="from-best", progress=False)
     assert trained["metrics"]["step"] == 2
 
 
@@ -112,7 +109,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
     proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and stops
     proc.wait(timeout=120)
 
-    out = run_tune(load_config(job), str(space), resume=True, name="resumable")  # finishes trial 2
+    out = run_tune(load_config(job), str(space), resume=str(exp))  # finishes trial 2
     assert len(out["rows"]) == 2 and not any(r["error"] for r in out["rows"])
     assert all(r["steps"] == 8 for r in out["rows"])
     # the finished trial was not run again: neither its metrics nor Tune's result log grew

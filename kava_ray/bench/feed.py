@@ -2,7 +2,8 @@
 
 Measured side by side in one run on an embedded Ray, one thread each for teacher and student:
   T  teacher alone: one `kv()` round trip per step (forward + wire + object store), no student
-  S  student alone: one training step on KV that is already there (decode, project, loss, backward, AdamW)
+  S  student alone: one production training step (`worker.DistillRecipe.step`: Distiller forward,
+     projector, fusion, Mercator + CE, backward, AdamW) on KV that is already there
   sequential: ask, wait, then train — the predecessor's way, ~T + S per step
   pipelined:  KVFeed at depth 1, 2, 4 — ideally max(T, S) per step
 overlap efficiency = max(T, S) / pipelined step time (1.0 = teacher time fully hidden).
@@ -26,40 +27,35 @@ import torch
 
 from actors.feed import ActorSource, KVFeed
 from actors.pool import RemoteTeacher
-from kava_ray.errors import KavaError
-from kava_ray.kv import KVBatch, student_forward_kv
-from kava_ray.losses import masked_ce, mercator_loss
-from kava_ray.models import kv_geometry, load_model_config, load_student
-from kava_ray.projectors import TeacherProjector
 from kava_ray._io import format_table
+from kava_ray.config import validate_config
+from kava_ray.connect import connect
+from kava_ray.errors import KavaError
+from kava_ray.job import student_geometry, teacher_geometries, teacher_plans
+from kava_ray.kv import KVBatch
 from kava_ray.testing.tiny import build_tiny_model
+from kava_ray.worker import DistillRecipe
 
 TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2)
 
 
-class StudentStep:
-    """One real student step on teacher KV: decode wire -> project -> Mercator + CE -> backward -> AdamW."""
-
-    def __init__(self, student_dir: Path, t_geom, layers: list[int]):
-        self.model = load_student(student_dir, dtype="float32")
-        s = kv_geometry(self.model)
-        layer_map = [(i, [(layers[min(i * len(layers) // s.num_layers, len(layers) - 1)], 1.0)])
-                     for i in range(s.num_layers)]
-        self.proj = TeacherProjector(layers, t_geom.num_kv_heads, t_geom.head_dim, s.num_layers, s.num_kv_heads,
-                                     s.head_dim, layer_map, mode="structured", kind="linear", dropout=0.0)
-        self.opt = torch.optim.AdamW(list(self.model.parameters()) + list(self.proj.parameters()), lr=1e-4)
-
-    def __call__(self, batch: dict, kv: KVBatch) -> float:
-        out, skv = student_forward_kv(self.model, batch["input_ids"], batch["attention_mask"])
-        k, v = self.proj(kv.keys, kv.values)
-        lk, _ = mercator_loss(skv.keys, k, batch["attention_mask"])
-        lv, _ = mercator_loss(skv.values, v, batch["attention_mask"])
-        loss = masked_ce(out.logits, batch["labels"]) + lk + lv
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+def bench_recipe(t_dir: Path, s_dir: Path, teacher, storage: Path):
+    """The production training step (`worker.DistillRecipe`) for the bench's tiny teacher and student:
+    structured linear projector, Mercator + CE, AdamW — what `kava-ray train` runs, one rank."""
+    cfg = validate_config({
+        "name": "bench-feed",
+        "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
+        "student": {"model": str(s_dir), "dtype": "float32"},
+        "data": {"num_train": 8, "num_eval": 4},
+        "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
+        "optim": {"lr_student": 1e-4, "lr_projector": 1e-4, "warmup_steps": 0, "schedule": "constant"},
+        "ray": {"storage_path": str(storage), "num_workers": 1, "use_gpu": False},
+    })
+    plans = teacher_plans(cfg, teacher_geometries({"t": teacher}), student_geometry(cfg))
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    return recipe, plans["t"].layers
 
 
 def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -67,7 +63,8 @@ def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab - 4, (batch, tokens), generator=g)
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+        mask = torch.ones_like(ids)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "answer_mask": mask})
     return out
 
 
@@ -88,9 +85,8 @@ def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1
     """Run every measurement once, side by side, and return the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}})
+    if started_ray:  # teacher + transport probe, one CPU each, and a spare
+        connect(None, "kava-bench", num_cpus=4, worker_env={"OMP_NUM_THREADS": "1"})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             t_dir = build_tiny_model(Path(tmp) / "teacher", **TEACHER, seed=0)
@@ -100,9 +96,11 @@ def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1
             err = ray.get(teacher.ping.remote())
             if err is not None:
                 raise KavaError(f"bench teacher: {err}")
-            t_geom = kv_geometry(load_model_config(t_dir))
-            layers = list(range(t_geom.num_layers))
-            step = StudentStep(s_dir, t_geom, layers)
+            recipe, layers = bench_recipe(t_dir, s_dir, teacher, Path(tmp) / "runs")
+            n_step = iter(range(1, 10**9))
+
+            def step(batch, kv):  # one production optimizer step on one micro-batch
+                recipe.step(next(n_step), [(batch, {"t": kv})])
             data = _batches(steps + 1, batch, tokens, 256)
             source = ActorSource({"t": teacher})
 

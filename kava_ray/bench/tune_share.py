@@ -9,6 +9,7 @@ forward covers one batch, so this is forwards per distinct batch the sweep train
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +37,8 @@ def tiny_job(root: Path, steps: int) -> Path:
         "data": {"num_train": 64, "num_eval": 8},
         "align": {"projector": {"kind": "linear", "dropout": 0.0}},
         "train": {"steps": steps, "batch_size": 4, "max_length": 256, "eval_steps": steps, "save_steps": steps},
-        "ray": {"storage_path": str(root / "runs"), "num_workers": 1, "use_gpu": False},
+        # per-trial teachers need room for 2 trials x (2 teachers + 1 worker + Train's controller)
+        "ray": {"storage_path": str(root / "runs"), "num_workers": 1, "use_gpu": False, "num_cpus": 8},
     }
     (root / "job.yaml").write_text(yaml.safe_dump(job))
     (root / "space.yaml").write_text(yaml.safe_dump(SPACE))
@@ -52,9 +54,30 @@ def forwards_per_batch(stats: list[dict], distinct_batches: int) -> float:
     return sum(per_teacher.values()) / len(per_teacher) / distinct_batches
 
 
-def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
-    import json
+def own_teachers_trial(config: dict, setup: dict) -> None:
+    """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
+    namespace of its own, then runs the production trial (`kava_ray.tune.trial_fn`) against them."""
+    import ray
+    from ray import tune
 
+    from actors.pool import start_pool, stop_pool
+    from kava_ray.config import validate_config
+    from kava_ray.job import teacher_geometries
+    from kava_ray.tune import trial_dir, trial_fn
+
+    base = validate_config(setup["base"])
+    cfg = base.model_copy(update={"ray": base.ray.model_copy(
+        update={"namespace": f"kava-{tune.get_context().get_trial_id()}"})})
+    handles = start_pool(cfg)
+    try:
+        trial_fn(config, dict(setup, base=cfg.to_dict(), geometries=teacher_geometries(handles)))
+    finally:
+        stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
+        (trial_dir(cfg) / "teacher_stats.json").write_text(json.dumps(stats))
+        stop_pool(cfg)
+
+
+def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
     import ray
 
     from kava_ray.tune import run_tune
@@ -67,12 +90,12 @@ def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
         started = not ray.is_initialized()
         out = {"trials": trials, "steps": steps, "distinct_batches": distinct}
         try:
-            for mode, own in (("shared", False), ("per_trial", True)):
+            for mode, trial in (("shared", None), ("per_trial", own_teachers_trial)):
                 t0 = time.time()
                 res = run_tune(cfg, str(root / "space.yaml"), num_samples=trials, max_concurrent=2,
-                               name=f"sweep-{mode}", own_teachers=own, num_cpus=8)
+                               name=f"sweep-{mode}", trial=trial)
                 wall = time.time() - t0
-                if own:
+                if trial is not None:
                     stats = [json.loads(p.read_text()) for p in Path(res["exp_dir"]).glob("*/teacher_stats.json")]
                 else:
                     stats = [res["teacher_stats"]]

@@ -1,0 +1,262 @@
+"""The Ray Train worker, as a recipe: `setup`, `step`, `save` (torchtune's shape, Ray Train's idioms).
+
+`DistillRecipe` holds one rank's state — the Distiller (student + projector bank + fusion, DDP when
+there is more than one worker), the optimizer and schedule, the data stream — and does one
+optimizer step over `optim.accumulation` micro-batches of (batch, teacher KV). It knows nothing of
+where the KV comes from, so `kava-ray bench feed` times exactly this step.
+
+`train_loop_per_worker` is the plain loop Ray Train runs: a KVFeed over the rank's shard, `step`,
+metrics averaged over ranks on log steps, `ray.train.report` with a checkpoint every `save_steps`,
+held-out evaluation on rank 0 every `eval_steps`. Resume (after a worker failure, or `--resume`)
+continues the same curve: the stream restarts at the saved position and the RNG is reseeded every
+step from (seed, step, rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kava_ray.config import JobConfig, validate_config
+
+METRICS = "metrics.jsonl"
+SUMMED = ("tokens", "label_tokens")  # counts: summed over micro-batches and ranks; every other metric is a mean
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl. On resume, records past the resumed step are dropped first, and so is a
+    torn last line (a worker killed mid-write)."""
+
+    def __init__(self, path: Path, resume_step: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            keep = []
+            for line in path.read_text().splitlines():
+                try:
+                    if line.strip() and json.loads(line)["step"] <= resume_step:
+                        keep.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+            path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast on a CUDA device that supports it; nothing elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+class DistillRecipe:
+    """One rank of a distillation run: `setup()`, then `step(step_no, micro_batches)`, `save(path)`."""
+
+    def __init__(self, cfg: JobConfig, plans: dict, rank: int = 0, world: int = 1, device="cpu"):
+        self.cfg, self.plans = cfg, plans
+        self.rank, self.world = rank, world
+        self.device = torch.device(device)
+        self.autocast = _autocast(self.device)
+
+    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None) -> Optional[dict]:
+        """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
+
+        wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. Returns the checkpoint's state.
+        """
+        from kava_ray.checkpoint import check_compatible, load_into
+        from kava_ray.data import BatchStream
+        from kava_ray.distill import Distiller, build_optimizer, build_scheduler
+        from kava_ray.job import load_splits
+        from kava_ray.models import kv_geometry, load_student, load_tokenizer
+
+        cfg = self.cfg
+        state = check_compatible(checkpoint_dir, cfg) if checkpoint_dir else None
+        source_model = str(Path(checkpoint_dir) / "student") if state else cfg.student.model
+        student = load_student(source_model, dtype=cfg.student.dtype, keep=None if state else cfg.student.keep_layers,
+                               gradient_checkpointing=cfg.student.gradient_checkpointing)
+        torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
+        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg).to(self.device)
+        self.opt = build_optimizer(self.distiller, cfg.optim)
+        self.sched = build_scheduler(self.opt, cfg.optim, cfg.train.steps)
+        if state:
+            load_into(checkpoint_dir, self.distiller, self.opt, self.sched)
+        self.start_step = state["step"] if state else 0
+        self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
+        self.params = [p for p in self.distiller.parameters() if p.requires_grad]
+        self.tokenizer = load_tokenizer(cfg.student.model)
+        self.train_split, self.held = load_splits(cfg, self.tokenizer)
+        self.stream = BatchStream(self.train_split, cfg.train.batch_size, cfg.train.seed, rank=self.rank,
+                                  world_size=self.world, state=state["stream"] if state else None)
+        return state
+
+    def step(self, step_no: int, micro_batches) -> dict[str, torch.Tensor]:
+        """One optimizer step over `micro_batches` (an iterable of (batch, {teacher: KVBatch})).
+
+        Returns the step's metrics as float64 tensors on the device: means over micro-batches, counts
+        summed, plus grad_norm. Nothing is converted to Python here (no GPU sync).
+        """
+        torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
+        accum = self.cfg.optim.accumulation
+        sums: dict[str, torch.Tensor] = {}
+        for micro, (batch, kv) in enumerate(micro_batches):
+            no_sync = self.world > 1 and micro < accum - 1
+            with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
+                loss, m = self.model(_to_device(batch, self.device), kv)
+            (loss / accum).backward()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0) + v.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
+        out["grad_norm"] = grad_norm.detach().double()
+        return out
+
+    def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
+             extra: Optional[dict] = None) -> Path:
+        from kava_ray.checkpoint import save_checkpoint
+
+        return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
+                               self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra)
+
+    def evaluate(self, source) -> dict[str, float]:
+        from kava_ray.evaluate import evaluate_heldout
+
+        return evaluate_heldout(self.distiller, source, self.plans, self.held, self.cfg, self.device, torch.float32)
+
+
+def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
+    """Python numbers for logging: means over ranks (counts summed), one all-reduce for all of them."""
+    keys = sorted(values)
+    flat = torch.stack([values[k].reshape(()) for k in keys])
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(flat)
+        scale = torch.tensor([1.0 if k in SUMMED else 1.0 / world for k in keys], dtype=flat.dtype,
+                             device=flat.device)
+        flat = flat * scale
+    return dict(zip(keys, flat.tolist()))
+
+
+def stream_state_after(stream, feed) -> dict:
+    """The stream position just after the last batch the student trained on.
+
+    The feed reads ahead by `depth` batches, so the stream itself is ahead: step back by the
+    batches still in flight.
+    """
+    s = stream.state()
+    behind = feed.in_flight
+    pos, epoch, step = s["position"] - behind, s["epoch"], s["step"] - behind
+    while pos < 0:
+        epoch -= 1
+        pos += stream.steps_per_epoch
+    return dict(s, position=pos, epoch=epoch, step=step)
+
+
+def _quiet_train_logs() -> None:
+    """Ray Train V2 logs every report at INFO from a logger named after its source file (so its own
+    `LoggingConfig`, which filters `ray.train*` names, does not reach it); metrics.jsonl and the
+    progress bar already carry those numbers. Found by name, without importing Ray internals."""
+    import ray.train
+
+    name = os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution", "context.py")
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker. `config`: job (JobConfig dict), plans (payload), run_dir, resume (optional path)."""
+    import ray.train
+    import ray.train.torch
+    from ray.train import Checkpoint
+
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import kv_source, plans_from_payload
+    from kava_ray.report import phase
+
+    cfg = validate_config(config["job"])
+    _quiet_train_logs()
+    plans = plans_from_payload(config["plans"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    recipe = DistillRecipe(cfg, plans, rank, world, ray.train.torch.get_device())
+    run_dir = Path(config["run_dir"])
+
+    ckpt = ray.train.get_checkpoint()
+    with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume"))) as ckdir:
+        state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model)
+    t_cfg, accum = cfg.train, cfg.optim.accumulation
+    stream = recipe.stream
+    source = kv_source(cfg, plans, stream.plan_fingerprint)
+    # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
+    remaining = max(0, t_cfg.steps - recipe.start_step) * accum
+    feed = KVFeed(source, feed_items(stream, remaining), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device)
+    log = MetricsLog(run_dir / METRICS, recipe.start_step) if rank == 0 else None
+
+    last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
+    if recipe.start_step == 0 and rank == 0:  # held-out numbers before any training
+        last_eval = recipe.evaluate(source)
+        log.write({"step": 0, "kind": "eval", **last_eval})
+
+    if state and recipe.start_step >= t_cfg.steps:  # restored after the last step: re-announce the final result
+        ray.train.report(state.get("metrics", {"step": recipe.start_step}))
+
+    def micro_batches(wait: list):
+        for _ in range(accum):
+            (_, _, _, batch), kv = next(feed)
+            wait.append(feed.last_wait_s)
+            yield batch, kv
+
+    for step in range(recipe.start_step + 1, t_cfg.steps + 1):
+        t0 = time.perf_counter()
+        waits: list = []
+        values = recipe.step(step, micro_batches(waits))
+        values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=values["grad_norm"].device)
+        dt = time.perf_counter() - t0
+        lr_student, lr_projector = recipe.sched.get_last_lr()[0], recipe.sched.get_last_lr()[-1]
+        is_save = step % t_cfg.save_steps == 0 or step == t_cfg.steps
+        scored_by_eval = (t_cfg.checkpoint_score or "").startswith("eval/")  # a kept checkpoint needs its score
+        is_eval = step % t_cfg.eval_steps == 0 or step == t_cfg.steps or (is_save and scored_by_eval)
+        is_log = is_save or is_eval or step % t_cfg.log_steps == 0
+        if not is_log:
+            continue
+        metrics = reduce_metrics(values, world)  # every rank joins the all-reduce
+        metrics.pop("label_tokens")
+        metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop("tokens") / dt,
+                       phase=phase(metrics["cos_sim"]), lr_student=lr_student, lr_projector=lr_projector)
+        if rank == 0:
+            log.write(metrics)
+            if is_eval:
+                last_eval = recipe.evaluate(source)
+                log.write({"step": step, "kind": "eval", **last_eval})
+            metrics.update(last_eval)
+        report = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if is_save:
+            with tempfile.TemporaryDirectory() as tmp:
+                ck = None
+                if rank == 0:
+                    recipe.save(Path(tmp) / "ckpt", step, stream_state_after(stream, feed), extra={"metrics": report})
+                    ck = Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
+                ray.train.report(report, checkpoint=ck)
+        else:
+            ray.train.report(report)
+
+    if rank == 0:  # the final outputs, outside Ray's checkpoint dirs
+        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed), with_optimizer=False)
