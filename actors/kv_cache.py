@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,19 +20,11 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from kava_ray._io import atomic_write
 from kava_ray.errors import KavaError
 
 MANIFEST = "manifest.json"
 ARRAYS = ("k", "v", "k_scale", "v_scale")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def shard_file(key: str) -> str:
@@ -99,7 +90,7 @@ class KVCache:
             raise KavaError(f"KV cache {self.root}: no manifest.json (run `kava-ray teachers precompute` first)")
 
     def _save_manifest(self) -> None:
-        _atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, "shards": self.shards}, indent=1).encode())
+        atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, "shards": self.shards}, indent=1).encode())
 
     def has(self, key: str) -> bool:
         entry = self.shards.get(key)
@@ -108,7 +99,7 @@ class KVCache:
     def put(self, key: str, payloads: dict[str, dict]) -> None:
         data = encode_shard(payloads)
         name = shard_file(key)
-        _atomic_write(self.root / name, data)
+        atomic_write(self.root / name, data)
         self.shards[key] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         self._save_manifest()
 

@@ -17,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.teacher import TeacherActor
+from kava_ray._io import first_line
 from kava_ray.config import JobConfig, TeacherConfig
 from kava_ray.errors import KavaError
 
@@ -94,7 +95,7 @@ def wait_ready(handles: dict, timeout_s: float = 600.0) -> None:
             raise KavaError(f"teacher '{name}' did not start within {timeout_s:.0f} s "
                             f"(not enough free resources on the cluster?)") from None
         except ray.exceptions.RayActorError as e:
-            raise KavaError(f"teacher '{name}' died while loading: {str(e).splitlines()[0]}") from None
+            raise KavaError(f"teacher '{name}' died while loading: {first_line(e)}") from None
         if err is not None:
             for h in handles.values():
                 ray.kill(h, no_restart=True)

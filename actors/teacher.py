@@ -16,6 +16,7 @@ import numpy as np
 import ray
 import torch
 
+from kava_ray._io import first_line
 from kava_ray.config import TeacherConfig
 from kava_ray.data import tokenizer_fingerprint
 from kava_ray.errors import KavaError
@@ -62,7 +63,7 @@ class TeacherActor:
         except KavaError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 - anything at load time is reported as one line by the pool
-            self.error = f"model '{self.cfg.model}': {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.error = f"model '{self.cfg.model}': {first_line(e, with_type=True)}"
 
     def ping(self) -> Optional[str]:
         """None when the teacher is loaded, else the one-line load error."""

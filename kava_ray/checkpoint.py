@@ -1,4 +1,4 @@
-"""Checkpoints of a distillation run, written to a temp dir and renamed into place.
+"""Checkpoints of a distillation run, written through `_io.atomic_dir` (a temp dir renamed into place).
 
   student/                 save_pretrained (safetensors) + tokenizer
   projectors.safetensors   every teacher's projector, keys `<teacher>.<param>`
@@ -10,15 +10,13 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from kava_ray._io import atomic_dir
 from kava_ray.config import JobConfig, config_hash, diff_keys, validate_config
 from kava_ray.errors import KavaError
 
@@ -27,11 +25,10 @@ STATE = "state.json"
 
 def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, stream_state: dict,
                     cfg: JobConfig, extra: Optional[dict] = None) -> Path:
-    """Write a complete checkpoint to `path` (tmp dir in the same parent, then rename)."""
+    """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
+    replaced only once the new one is complete."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "student")
@@ -46,11 +43,6 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
                  **(extra or {})}
         (tmp / STATE).write_text(json.dumps(state, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Optional
 
+from kava_ray._io import atomic_path, atomic_write, format_table
 from kava_ray.errors import KavaError
-from kava_ray._io import format_table
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "report"
@@ -179,16 +177,6 @@ def _markdown(h: dict, title: str) -> str:
 # ------------------------------------------------------------------------------------------ writing
 
 
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename onto `path`: readers never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _plot(path: Path, title: str, ylabel: str, lines, markers=(), twin=None, hline=None) -> None:
     """One PNG: `lines`/`markers` are (label, steps, values); `twin` is one (label, steps, values) on a right axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -221,7 +209,8 @@ def _plot(path: Path, title: str, ylabel: str, lines, markers=(), twin=None, hli
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    with atomic_path(path) as tmp:  # readers never see a half-written PNG
+        fig.savefig(tmp, format="png")
 
 
 def write_report(run_dir) -> dict:
@@ -248,5 +237,5 @@ def write_report(run_dir) -> dict:
           twin=tr("tokens_per_s"))
     summary = out / "summary.md"
     text = _markdown(h, run_dir.name)
-    _atomic_write(summary, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    atomic_write(summary, text)
     return {"report_dir": str(out), "summary": str(summary), "plots": {k: str(p) for k, p in plots.items()}, **h}

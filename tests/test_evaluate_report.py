@@ -118,7 +118,7 @@ def test_write_report(tmp_path, final_gap, warned):
     for name in ("loss", "cos", "contrast_gap", "teacher_wait"):
         with open(r["plots"][name], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert not [p for p in (tmp_path / "report").iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in (tmp_path / "report").iterdir() if p.name.startswith(".") or ".tmp" in p.name]
     md = (tmp_path / "report" / "summary.md").read_text()
     assert "| cos/qwen | 0.2000 | 0.8000 |" in md and "| cos/llama | 0.3000 | 0.9000 |" in md
     assert ("collapse trap" in md) is warned and r["collapse_warning"] is warned
