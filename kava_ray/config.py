@@ -11,7 +11,7 @@ import hashlib
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kava_ray.errors import KavaError
 
 PRESET_PACKAGE = "kava_ray.configs"
+# the sections that fix model and projector shapes: what a checkpoint must match to resume
+SHAPE_SECTIONS = ("teachers", "student", "align", "fusion")
 
 
 class _Section(BaseModel):
@@ -266,29 +268,44 @@ def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
     return out
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(x) for x in e["loc"])
-    msg = e["msg"]
-    if e["type"] == "extra_forbidden":
+def format_validation_error(err: ValidationError, key: Optional[str] = "config key",
+                            fields: Iterable[str] = ()) -> str:
+    """The first problem pydantic found, as one line that names its key.
+
+    key: the words before the quoted key, `config key 'optim.lr_student': Input should be greater than 0
+        (got 0)`, then `[+N more]` when pydantic found several problems. None (search spaces): the key
+        bare (`scheduler.kind: ...`), an unknown key as `unknown key 'x'` followed by the expected top-level
+        `fields`, and the messages of our own validators, which name their key, as they are.
+    """
+    problems = err.errors()
+    e = problems[0]
+    kind, loc = e["type"], ".".join(str(x) for x in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        if key is None:
+            fields = ", ".join(fields)
+            return f"unknown key {loc!r}" + (f" (expected {fields})" if fields and "." not in loc else "")
         msg = "unknown key"
-    elif e["type"] == "missing":
+    elif kind == "missing":
         msg = "required key is missing"
-    elif msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+    elif kind == "value_error":
+        if key is None:
+            return msg
         if ": " in msg and not loc:  # model-level checks name their own key
             loc, msg = msg.split(": ", 1)
-    if "input" in e and e["type"] not in ("missing", "extra_forbidden") and not isinstance(e["input"], dict):
+    if "input" in e and kind not in ("missing", "extra_forbidden") and not isinstance(e["input"], dict):
         msg += f" (got {e['input']!r})"
-    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
-    return f"config key {loc!r}: {msg}{more}" if loc else f"config: {msg}{more}"
+    if key is None:
+        return f"{loc}: {msg}"
+    more = f" [+{len(problems) - 1} more]" if len(problems) > 1 else ""
+    return f"{key} {loc!r}: {msg}{more}" if loc else f"config: {msg}{more}"
 
 
 def validate_config(data: dict) -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:
-        raise KavaError(_format_validation_error(err)) from None
+        raise KavaError(format_validation_error(err)) from None
 
 
 def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional[list[str]] = None) -> JobConfig:
@@ -300,7 +317,7 @@ def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional
     return validate_config(apply_overrides(raw, overrides))
 
 
-def config_hash(cfg: JobConfig, sections: tuple[str, ...] = ("teachers", "student", "align", "fusion")) -> str:
+def config_hash(cfg: JobConfig, sections: tuple[str, ...] = SHAPE_SECTIONS) -> str:
     """Hash of the parts that define model/projector shapes (what a checkpoint must match to resume)."""
     d = cfg.to_dict()
     blob = json.dumps({k: d[k] for k in sections}, sort_keys=True)
@@ -322,7 +339,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def diff_keys(a: JobConfig, b: JobConfig, sections: tuple[str, ...] = ("teachers", "student", "align", "fusion")) -> list[str]:
+def diff_keys(a: JobConfig, b: JobConfig, sections: tuple[str, ...] = SHAPE_SECTIONS) -> list[str]:
     """Dotted keys whose values differ between two configs, within the given sections."""
     fa = flatten({k: a.to_dict()[k] for k in sections})
     fb = flatten({k: b.to_dict()[k] for k in sections})

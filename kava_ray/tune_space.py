@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kava_ray.config import JobConfig, read_yaml_mapping, set_dotted, validate_config
+from kava_ray.config import JobConfig, format_validation_error, read_yaml_mapping, set_dotted, validate_config
 from kava_ray.errors import KavaError
 
 SPACE_PACKAGE = "tune_spaces"
@@ -214,22 +214,6 @@ def _read(path_or_name: Union[str, Path]) -> tuple[str, str]:
     raise KavaError(f"search space {name!r}: no such file and no such shipped space (shipped: {shipped})")
 
 
-def _format(err: ValidationError) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(x) for x in e["loc"])
-    msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
-        msg = f"unknown key {loc!r}"
-        if "." not in loc:
-            msg += f" (expected {', '.join(SpaceSpec.model_fields)})"
-        return msg
-    if e["type"] == "missing":
-        return f"{loc}: required key is missing"
-    if e["type"] != "value_error" and not isinstance(e.get("input"), dict):
-        msg += f" (got {e.get('input')!r})"
-    return msg if e["type"] == "value_error" else f"{loc}: {msg}"
-
-
 def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None) -> SpaceSpec:
     """A validated SpaceSpec from a YAML path or shipped name; with `base`, every extreme value must validate."""
     text, origin = _read(path_or_name)
@@ -240,7 +224,8 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
             for key, dist in spec.params.items():
                 _check_against(key, dist, base)
     except ValidationError as err:
-        raise KavaError(f"search space {origin}: {_format(err)}") from None
+        problem = format_validation_error(err, key=None, fields=SpaceSpec.model_fields)
+        raise KavaError(f"search space {origin}: {problem}") from None
     except KavaError as err:
         raise KavaError(f"search space {origin}: {err}") from None
     return spec
