@@ -1,4 +1,5 @@
-"""Typed job config: load YAML (a file or a shipped preset), apply dotted overrides, validate.
+"""Typed job config: load YAML (a file or a shipped preset, which may `extends:` another), apply
+dotted overrides, validate.
 
 Every problem a user can make in a config becomes one `KavaError` line that names the
 key, e.g. ``config key 'optim.lr_student': must be > 0 (got -1.0)``.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
@@ -209,14 +211,49 @@ def read_yaml_mapping(text: str, origin: str, what: str = "config", expected: st
 
 
 def read_raw_config(path_or_preset: Union[str, Path]) -> dict:
-    """The raw dict of a YAML file, or of a shipped preset when no such file exists."""
+    """The raw dict of a YAML file, or of a shipped preset when no such file exists, `extends:` resolved."""
     p = Path(path_or_preset)
     if p.is_file():
-        return read_yaml_mapping(p.read_text(), str(p))
+        return _read_extending(p, str(p), ())
     name = str(path_or_preset)
     if name in preset_names():
-        return read_yaml_mapping(resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml").read_text(), f"preset {name}")
+        return _read_extending(resources.files(PRESET_PACKAGE).joinpath(f"{name}.yaml"), f"preset {name}", ())
     raise KavaError(f"config {name!r}: no such file and no such preset (presets: {', '.join(preset_names())})")
+
+
+def _read_extending(file, origin: str, chain: tuple[tuple[str, str], ...]) -> dict:
+    """The mapping in `file` (a path or a preset resource) deep-merged on top of its `extends:` base.
+
+    The base is a path relative to the file, else a preset name; it may extend another in turn.
+    chain: the (real path, origin) pairs that led here, to report a cycle instead of recursing forever.
+    """
+    real = os.path.realpath(str(file))
+    if any(r == real for r, _ in chain):
+        names = [o for _, o in chain] + [origin]
+        raise KavaError(f"config {chain[0][1]}: extends forms a cycle ({' -> '.join(names)})")
+    data = read_yaml_mapping(file.read_text(), origin)
+    if "extends" not in data:
+        return data
+    base = data.pop("extends")
+    if not isinstance(base, str) or not base.strip():
+        raise KavaError(f"config {origin}: extends must name a preset or a file relative to it (got {base!r})")
+    near = Path(os.path.dirname(real)) / os.path.expanduser(base)
+    if near.is_file():
+        base_file, base_origin = near, str(near)
+    elif base in preset_names():
+        base_file, base_origin = resources.files(PRESET_PACKAGE).joinpath(f"{base}.yaml"), f"preset {base}"
+    else:
+        raise KavaError(f"config {origin}: extends {base!r}: no such file next to it and no such preset "
+                        f"(presets: {', '.join(preset_names())})")
+    return deep_merge(_read_extending(base_file, base_origin, chain + ((real, origin),)), data)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key, lists and scalars replace."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
