@@ -116,8 +116,3 @@ class TeacherActor:
         c["restarted"] = self.restarted
         c["uptime_s"] = time.time() - self.started
         return c
-
-    def reset_stats(self) -> None:
-        for k in self.counters:
-            self.counters[k] = 0
-        self._lru.clear()

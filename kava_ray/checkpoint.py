@@ -61,7 +61,11 @@ def check_compatible(path, cfg: JobConfig) -> dict:
     """The checkpoint's state; KavaError naming the keys that differ if its shapes do not match cfg."""
     state = read_state(path)
     if state["config_hash"] != config_hash(cfg):
-        keys = diff_keys(validate_config(state["config"]), cfg)
+        try:
+            saved = validate_config(state["config"])
+        except KavaError as e:  # e.g. a key this version no longer has
+            raise KavaError(f"checkpoint {path} was written with a config this version cannot read ({e})") from None
+        keys = diff_keys(saved, cfg)
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys) or 'unknown keys'}"
                         f" differ")
     return state

@@ -74,7 +74,6 @@ class ProjectorConfig(_Section):
     kind: Literal["elastic", "linear"] = "elastic"
     mlp_ratio: float = Field(1.0, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
-    init: Literal["xavier"] = "xavier"
 
 
 class AlignConfig(_Section):

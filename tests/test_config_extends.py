@@ -6,7 +6,8 @@ import yaml
 from kava_ray.config import deep_merge, load_config, read_raw_config, validate_config
 from kava_ray.errors import KavaError
 
-# kava_ray/configs/qwen_multi_nf4.yaml before it said `extends: qwen_multi` (`git show 2531b10:kava_ray/configs/qwen_multi_nf4.yaml`)
+# kava_ray/configs/qwen_multi_nf4.yaml before it said `extends: qwen_multi`
+# (`git show 2531b10:kava_ray/configs/qwen_multi_nf4.yaml`)
 OLD_QWEN_MULTI_NF4 = """
 name: qwen_multi_nf4
 teachers:
