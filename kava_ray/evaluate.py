@@ -189,7 +189,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     tokenizer = load_tokenizer(ckpt / "student")
     _, held = load_splits(cfg, tokenizer)
     out = {"checkpoint": str(ckpt), "step": state["step"], "heldout_ce": heldout_ce(student, held)}
-    connect_job(cfg, address)
+    connected = connect_job(cfg, address)
     handles, plans, started = setup_teachers(cfg)
     try:
         torch.manual_seed(0)
@@ -202,5 +202,6 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
             stop_pool(cfg)
     acc = gsm8k_accuracy(student, tokenizer, held.examples[:limit], cfg.data.prompt_format, max_new_tokens)
     out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
-    ray.shutdown()
+    if connected == "embedded":  # ours to stop; a Ray the caller started stays up
+        ray.shutdown()
     return out

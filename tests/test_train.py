@@ -118,10 +118,11 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
 
 def train_workers(state: str = "ALIVE") -> list:
     """Ray Train's worker actors, from Ray's state API (what an operator would look at)."""
+    import ray
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", state)], limit=1000,
-                       raise_on_missing_output=False)
+    return list_actors(address=ray.get_runtime_context().gcs_address, limit=1000, raise_on_missing_output=False,
+                       filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", state)])
 
 
 def test_worker_failure_resumes_on_the_same_curve(e2e_run, job_path, ray_session):
