@@ -81,7 +81,6 @@ def cmd_teachers(args) -> int:
     import ray
 
     from actors import pool
-
     from kava_ray.job import connect_job, precompute
 
     cfg = _select_teachers(_job_config(args), args.teacher)

@@ -13,7 +13,6 @@ import ray
 
 from kava_ray.errors import KavaError
 
-
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
 # run that reports every step would be throttled to one step per 2 s. Poll faster on our own Ray.
 EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "TRANSFORMERS_VERBOSITY": "error"}

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from kava_ray._io import format_table
 from kava_ray.config import JobConfig, load_config
 from kava_ray.models import PYPI_SCHEME, resolve_packaged_file
-from kava_ray._io import format_table
 
 
 def check_model_files(cfg: JobConfig) -> None:

@@ -4,17 +4,16 @@ import subprocess
 import sys
 
 import numpy as np
-import ray
 import pytest
+import ray
 import torch
 
-from actors.feed import ActorSource, KVFeed
+from actors.feed import ActorSource, KVFeed, feed_items
 from actors.kv_cache import CacheSource, KVCache
 from actors.pool import find_pool, start_pool, stop_pool
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
-from actors.feed import feed_items
 from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_geometries, teacher_plans
 from kava_ray.kv import KVBatch, teacher_forward_kv
 from kava_ray.models import load_model

@@ -11,16 +11,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from jobs import write_job
+from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.distill import Distiller, build_optimizer
 from kava_ray.errors import KavaError
 from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
-from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.models import kv_geometry, load_model, load_student
 from kava_ray.testing.tiny import build_tiny_model
-from jobs import write_job
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from kava_ray.config import load_config
 from kava_ray._io import format_table
+from kava_ray.config import load_config
 from kava_ray.testing.tiny import build_tiny_model
 
 SPACE = {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "search": {"kind": "random"},
