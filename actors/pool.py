@@ -172,8 +172,9 @@ def _num_restarts(name: str, namespace: str):
     try:
         from ray.util.state import list_actors
 
-        found = list_actors(filters=[("name", "=", name), ("ray_namespace", "=", namespace)], timeout=5,
-                            raise_on_missing_output=False)
+        # the cluster this driver is connected to (auto-detection fails when a machine runs two Rays)
+        found = list_actors(address=ray.get_runtime_context().gcs_address, timeout=5, raise_on_missing_output=False,
+                            filters=[("name", "=", name), ("ray_namespace", "=", namespace)])
         alive = [a for a in found if a.state != "DEAD"] or found
         return int(alive[0].num_restarts) if alive else "?"
     except Exception:  # noqa: BLE001 - status must not fail because the dashboard is off
