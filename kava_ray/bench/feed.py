@@ -26,12 +26,11 @@ import ray
 import torch
 
 from actors.feed import ActorSource, KVFeed
-from actors.pool import RemoteTeacher
+from actors.pool import start_pool, stop_pool
 from kava_ray._io import format_table
-from kava_ray.config import validate_config
+from kava_ray.config import JobConfig, validate_config
 from kava_ray.connect import connect
-from kava_ray.errors import KavaError
-from kava_ray.job import student_geometry, teacher_geometries, teacher_plans
+from kava_ray.job import embedded_cpus, live_plans
 from kava_ray.kv import KVBatch
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.worker import DistillRecipe
@@ -40,22 +39,17 @@ TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_k
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2)
 
 
-def bench_recipe(t_dir: Path, s_dir: Path, teacher, storage: Path):
-    """The production training step (`worker.DistillRecipe`) for the bench's tiny teacher and student:
-    structured linear projector, Mercator + CE, AdamW — what `kava-ray train` runs, one rank."""
-    cfg = validate_config({
+def bench_config(t_dir: Path, s_dir: Path, storage: Path) -> JobConfig:
+    """The bench's job: the tiny teacher and student, structured linear projector, Mercator + CE, AdamW."""
+    return validate_config({
         "name": "bench-feed",
         "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
         "student": {"model": str(s_dir), "dtype": "float32"},
         "data": {"num_train": 8, "num_eval": 4},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
         "optim": {"lr_student": 1e-4, "lr_projector": 1e-4, "warmup_steps": 0, "schedule": "constant"},
-        "ray": {"storage_path": str(storage), "num_workers": 1, "use_gpu": False},
+        "ray": {"namespace": "kava-bench", "storage_path": str(storage), "num_workers": 1, "use_gpu": False},
     })
-    plans = teacher_plans(cfg, teacher_geometries({"t": teacher}), student_geometry(cfg))
-    recipe = DistillRecipe(cfg, plans)
-    recipe.setup()
-    return recipe, plans["t"].layers
 
 
 def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -85,18 +79,18 @@ def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1
     """Run every measurement once, side by side, and return the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
     started_ray = not ray.is_initialized()
-    if started_ray:  # teacher + transport probe, one CPU each, and a spare
-        connect(None, "kava-bench", num_cpus=4, worker_env={"OMP_NUM_THREADS": "1"})
     try:
         with tempfile.TemporaryDirectory() as tmp:
             t_dir = build_tiny_model(Path(tmp) / "teacher", **TEACHER, seed=0)
             s_dir = build_tiny_model(Path(tmp) / "student", **STUDENT, seed=1)
-            teacher = RemoteTeacher.options(num_cpus=1).remote({"name": "bench", "model": str(t_dir),
-                                                                "dtype": "float32", "num_cpus": 1})
-            err = ray.get(teacher.ping.remote())
-            if err is not None:
-                raise KavaError(f"bench teacher: {err}")
-            recipe, layers = bench_recipe(t_dir, s_dir, teacher, Path(tmp) / "runs")
+            cfg = bench_config(t_dir, s_dir, Path(tmp) / "runs")
+            if started_ray:  # sized by the one rule every command uses (the transport probe takes the worker's CPU)
+                connect(None, cfg.ray.namespace, num_cpus=embedded_cpus(cfg), worker_env={"OMP_NUM_THREADS": "1"})
+            teacher = start_pool(cfg)["t"]  # the production teacher actor, named, with restarts
+            plans = live_plans(cfg, {"t": teacher})
+            layers = plans["t"].layers
+            recipe = DistillRecipe(cfg, plans)  # the production training step, one rank
+            recipe.setup()
             n_step = iter(range(1, 10**9))
 
             def step(batch, kv):  # one production optimizer step on one micro-batch
@@ -137,7 +131,7 @@ def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1
             T, S, seq = min(runs["T"]), min(runs["S"]), min(runs["seq"])
             pipe = {d: min(runs[d]) for d in depths}
             transport = _transport(transport_mib, repeats)
-            ray.kill(teacher)
+            stop_pool(cfg)
     finally:
         if started_ray:
             ray.shutdown()
