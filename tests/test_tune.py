@@ -70,17 +70,22 @@ def test_asha_sweep_stops_bad_trials_and_best_config_trains(ray_session, tune_jo
     assert trained["metrics"]["step"] == 2
 
 
-def test_bad_space_fails_before_any_trial(ray_session, tune_job):
+def test_bad_space_fails_before_any_trial(tune_job, capsys):
+    """Each mistake: one `error:` line, exit 2, and neither Ray nor a trial started."""
+    import ray
+
+    from kava_ray.cli import main
+
     root, job = tune_job
+    was_up = ray.is_initialized()
     for space, expect in (({"params": {"optim.lr_studnet": {"choice": [1e-4]}}}, "optim.lr_studnet"),
                           ({"params": {"loss.beta": {"normal": [0, 1]}}}, "unknown distribution 'normal'"),
                           ({"params": {"optim.lr_student": {"uniform": [1e-4, 1e-5]}}}, "empty range")):
         path = write_space(root, "bad", space)
-        r = subprocess.run([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space", str(path)],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2, r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and expect in lines[0], r.stderr
+        assert main(["tune", "--config", str(job), "--space", str(path)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
+    assert ray.is_initialized() == was_up  # the space was rejected before connecting to Ray
     assert not (root / "runs").exists() or not list((root / "runs").glob("*tune*"))  # nothing started
 
 
