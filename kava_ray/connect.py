@@ -11,6 +11,7 @@ from typing import Optional
 
 import ray
 
+from kava_ray._io import first_line
 from kava_ray.errors import KavaError
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
@@ -44,8 +45,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
     try:
         ray.init(address=address, namespace=namespace, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KavaError(f"cannot connect to Ray at {address!r}: {msg}") from None
+        raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}") from None
     return address
 
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import ray
 
-from kava_ray._io import atomic_path, atomic_write, format_table
+from kava_ray._io import atomic_path, atomic_write, first_line, format_table
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry
@@ -150,7 +150,7 @@ def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
         rows.append({"trial": trial, **{k: r.config["params"][k] for k in sorted(r.config["params"])},
                      f"best {spec.metric}": better((v for _, v in hist), default=float("nan")),
                      "steps": steps, "stopped_early": steps < cfg.train.steps and r.error is None,
-                     "error": "" if r.error is None else str(r.error).splitlines()[0][:120]})
+                     "error": "" if r.error is None else first_line(r.error)[:120]})
     ok = [row for row in rows if not row["error"] and not math.isnan(row[f"best {spec.metric}"])]
     if not ok:
         raise KavaError(f"no trial reported {spec.metric}; see {exp_dir}")
