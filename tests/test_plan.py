@@ -294,3 +294,19 @@ def test_projector_count_matches_the_real_modules(calibration_job):
                       s.geometry, cfg)
         real = sum(p.numel() for m in (d.projectors, d.fusion) for p in m.parameters())
         assert counted == real
+
+
+def test_plan_cli_exit_codes_fits_does_not_fit_bad_input(capsys):
+    """0 = fits, 3 = does not fit (with a one-line verdict on stderr), 2 = bad input: scripts can tell them apart."""
+    from kava_ray.cli import main
+
+    assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8GiB"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8GiB", "align.mode=flat"]) == 3
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("does not fit: ") and "align.mode=structured" in err[0], err
+    assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8 potatoes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
