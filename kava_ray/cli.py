@@ -173,7 +173,7 @@ def cmd_plan(args) -> int:
     if args.json:
         _print_json_last(p)
     if p["fits"] is False:
-        print(f"does not fit: {p['advice']}", file=sys.stderr)
+        print(p["advice"], file=sys.stderr)  # the verdict: "does not fit gpu0 (... > ...): set ..."
         return EXIT_DOES_NOT_FIT
     return 0
 

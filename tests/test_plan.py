@@ -306,7 +306,7 @@ def test_plan_cli_exit_codes_fits_does_not_fit_bad_input(capsys):
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out
     err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("does not fit: ") and "align.mode=structured" in err[0], err
+    assert len(err) == 1 and err[0].startswith("does not fit gpu0 (") and "align.mode=structured" in err[0], err
     assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8 potatoes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:"), err
