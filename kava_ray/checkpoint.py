@@ -57,17 +57,33 @@ def read_state(path) -> dict:
     return json.loads(p.read_text())
 
 
-def check_compatible(path, cfg: JobConfig) -> dict:
-    """The checkpoint's state; KavaError naming the keys that differ if its shapes do not match cfg."""
+RUN_SECTIONS = ("optim", "train", "data")  # what a resumed run would otherwise silently keep from the checkpoint
+
+
+def _saved_config(path, state: dict) -> JobConfig:
+    try:
+        return validate_config(state["config"])
+    except KavaError as e:  # e.g. a key this version no longer has
+        raise KavaError(f"checkpoint {path} was written with a config this version cannot read ({e})") from None
+
+
+def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
+    """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
+
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule and data settings
+    (optim.*, train.*, data.*) may change only with `allow_run_changes` (`--resume-override`): the
+    checkpoint's optimizer state and schedule would otherwise quietly win over the new values.
+    """
     state = read_state(path)
     if state["config_hash"] != config_hash(cfg):
-        try:
-            saved = validate_config(state["config"])
-        except KavaError as e:  # e.g. a key this version no longer has
-            raise KavaError(f"checkpoint {path} was written with a config this version cannot read ({e})") from None
-        keys = diff_keys(saved, cfg)
+        keys = diff_keys(_saved_config(path, state), cfg)
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys) or 'unknown keys'}"
                         f" differ")
+    if not allow_run_changes:
+        changed = diff_keys(_saved_config(path, state), cfg, RUN_SECTIONS)
+        if changed:
+            raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
+                            f"to continue with the new values")
     return state
 
 

@@ -127,7 +127,8 @@ def cmd_train(args) -> int:
     from kava_ray.train import run_training
 
     cfg = _job_config(args)
-    out = run_training(cfg, resume=args.resume, name=args.name, address=args.address)
+    out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
+                       resume_override=args.resume_override)
     print(format_final(out))
     if args.json:
         _print_json_last(out)
@@ -273,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue a run: its directory (latest checkpoint) or one checkpoint dir")
+    p.add_argument("--resume-override", action="store_true",
+                   help="with --resume: continue with this config's optim.*/train.*/data.* values where they differ")
     _add_name(p, "run")
     _add_json(p)
     p.set_defaults(func=cmd_train)

@@ -60,9 +60,10 @@ class DataConfig(_Section):
     source: str = "synthetic"  # "synthetic", a hub id (e.g. openai/gsm8k), or a local .jsonl/.parquet
     hub_config: Optional[str] = "main"
     train_split: str = "train"
-    eval_split: str = "test"
+    test_split: str = "test"  # evaluated once at the end of a run (final/) and by `kava-ray eval`, never for selection
     num_train: int = Field(512, ge=1)  # synthetic generator size, or a cap on real data
-    num_eval: int = Field(64, ge=1)
+    num_val: int = Field(32, ge=1)  # carved from the end of the training data: eval during training, checkpoint_score, Tune
+    num_test: int = Field(64, ge=1)
     seed: int = 0
     prompt_format: Literal["auto", "chat", "plain"] = "auto"
     overlength: Literal["truncate", "error"] = "truncate"
@@ -108,7 +109,13 @@ class LossConfig(_Section):
     hybrid_weight: float = Field(0.5, ge=0, le=1)
     kv_weight: float = Field(1.0, ge=0)
     ce_weight: float = Field(1.0, ge=0)
-    loss_tokens: Literal["all", "answer"] = "all"
+    # which tokens the KV loss and KV metrics count: all real tokens; the answer tokens only; or all
+    # real tokens minus the leading positions identical in every sample of the batch (the chat
+    # template's system prompt; nothing is dropped for a batch of one sample)
+    loss_tokens: Literal["all", "answer", "no_shared_prefix"] = "all"
+    # centre student and target per (layer, head) over the batch's counted tokens before the cosine
+    # term of mercator/hybrid (a constant target then scores 0); the magnitude term is unchanged
+    center: bool = False
 
 
 class OptimConfig(_Section):

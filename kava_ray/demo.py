@@ -25,10 +25,12 @@ def check_model_files(cfg: JobConfig) -> None:
 
 
 def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
-    """The headline numbers of a finished run, read back from its metrics.jsonl."""
+    """The headline numbers of a finished run: its metrics.jsonl (train, validation) and final/ (test)."""
+    from kava_ray.checkpoint import read_state
     from kava_ray.report import read_metrics
 
     train, evals = read_metrics(run_dir / "metrics.jsonl")
+    test = read_state(run_dir / "final")["test"]
     last = train[-1]
     return {
         "wall_s": round(wall_s, 1),
@@ -40,6 +42,9 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
         "heldout_contrast_gap": round(evals[-1]["eval/contrast_gap"], 4),
         "heldout_ce_before": round(evals[0]["eval/ce"], 4),
         "heldout_ce_after": round(evals[-1]["eval/ce"], 4),
+        "test_ce": round(test["test/ce"], 4),
+        "test_cos": {t.name: round(test[f"test/cos/{t.name}"], 4) for t in cfg.teachers},
+        "test_contrast_gap": round(test["test/contrast_gap"], 4),
         "mean_teacher_wait_s": round(sum(r["teacher_wait_s"] for r in train) / len(train), 3),
         "mean_step_s": round(sum(r["time_s"] for r in train) / len(train), 3),
         "run_dir": str(run_dir),
@@ -47,10 +52,12 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    rows = [[f"KV cos, {name} (last step / held-out)", f"{s['cos'][name]:.3f} / {s['heldout_cos'][name]:.3f}"]
-            for name in s["cos"]]
-    rows += [["contrast gap (last step / held-out)", f"{s['contrast_gap']:.3f} / {s['heldout_contrast_gap']:.3f}"],
-             ["held-out CE before -> after", f"{s['heldout_ce_before']:.3f} -> {s['heldout_ce_after']:.3f}"],
+    rows = [[f"KV cos, {name} (last step / validation / test)",
+             f"{s['cos'][name]:.3f} / {s['heldout_cos'][name]:.3f} / {s['test_cos'][name]:.3f}"] for name in s["cos"]]
+    rows += [["contrast gap (last step / validation / test)",
+              f"{s['contrast_gap']:.3f} / {s['heldout_contrast_gap']:.3f} / {s['test_contrast_gap']:.3f}"],
+             ["validation CE before -> after", f"{s['heldout_ce_before']:.3f} -> {s['heldout_ce_after']:.3f}"],
+             ["test CE after", f"{s['test_ce']:.3f}"],
              ["mean step / teacher wait", f"{s['mean_step_s']:.2f} s / {s['mean_teacher_wait_s']:.2f} s"],
              ["steps, wall time", f"{s['steps']}, {s['wall_s']:.0f} s"]]
     return format_table(["demo (kv_weight=%g)" % s["kv_weight"], "value"], rows) + f"\nrun dir: {s['run_dir']}"

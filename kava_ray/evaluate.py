@@ -124,18 +124,20 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
 
 
 @torch.no_grad()
-def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype) -> dict:
-    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split.
+def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype,
+                     prefix: str = "eval") -> dict:
+    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
+    as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
 
     CE is weighted by answer tokens (what it averages over), the KV metrics by real tokens. Sums stay
     float64 tensors until the end: one conversion, not one per batch.
     """
     from actors.feed import KVFeed, feed_items
-    from kava_ray.data import BatchStream
+    from kava_ray.job import eval_stream
 
     was_training = distiller.training
     distiller.eval()
-    stream = BatchStream(split, cfg.train.batch_size, cfg.train.seed, bucket=False)
+    stream = eval_stream(split, cfg)
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype)
     sums: dict = {}
@@ -145,10 +147,11 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
         for w in weights:
             weights[w] = weights[w] + m[w].double()
         sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
-        for k in ["cos_sim", "contrast_gap"] + [f"cos/{t}" for t in plans]:  # KV: per real token
+        kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
+        for k in kv_keys:  # KV: per real token
             sums[k] = sums.get(k, 0) + m[k].double() * m["tokens"]
     distiller.train(was_training)
-    return {f"eval/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "tokens"]), 1))
+    return {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "tokens"]), 1))
             for k, v in sums.items()}
 
 
@@ -171,15 +174,15 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
 
 
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None) -> dict:
-    """Held-out CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
-    and greedy GSM8K accuracy on the first `limit` held-out questions, for one checkpoint."""
+    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
+    and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
     import ray
 
     from actors.pool import stop_pool
     from kava_ray.checkpoint import load_into, read_state
     from kava_ray.config import validate_config
     from kava_ray.distill import Distiller
-    from kava_ray.job import connect_job, kv_source, load_splits, setup_teachers
+    from kava_ray.job import connect_job, kv_source, load_test_split, setup_teachers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
 
     ckpt = find_checkpoint(path)
@@ -187,20 +190,20 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     cfg = validate_config(state["config"])
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
-    _, held = load_splits(cfg, tokenizer)
-    out = {"checkpoint": str(ckpt), "step": state["step"], "heldout_ce": heldout_ce(student, held)}
+    test = load_test_split(cfg, tokenizer)  # the test split: what a run reports once at its end
+    out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
     connected = connect_job(cfg, address)
     handles, plans, started = setup_teachers(cfg)
     try:
         torch.manual_seed(0)
         distiller = Distiller(student, plans, kv_geometry(student), cfg)
         load_into(ckpt, distiller)
-        out.update(evaluate_heldout(distiller, kv_source(cfg, plans, handles=handles), plans, held, cfg, "cpu",
-                                    torch.float32))
+        out.update(evaluate_heldout(distiller, kv_source(cfg, plans, handles=handles), plans, test, cfg, "cpu",
+                                    torch.float32, prefix="test"))
     finally:
         if started:
             stop_pool(cfg)
-    acc = gsm8k_accuracy(student, tokenizer, held.examples[:limit], cfg.data.prompt_format, max_new_tokens)
+    acc = gsm8k_accuracy(student, tokenizer, test.examples[:limit], cfg.data.prompt_format, max_new_tokens)
     out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
     if connected == "embedded":  # ours to stop; a Ray the caller started stays up
         ray.shutdown()

@@ -14,7 +14,7 @@ import ray
 
 from kava_ray.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.config import JobConfig
-from kava_ray.data import TokenizedSplit, load_split, tokenizer_fingerprint
+from kava_ray.data import TokenizedSplit, load_examples, load_split, tokenize_split, tokenizer_fingerprint
 from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config, load_tokenizer
 
@@ -148,11 +148,37 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], plan_fingerprint: O
 
 
 def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, eval) tokenized splits of cfg.data, cut to train.max_length."""
+    """(train, val): the training data, with its last `data.num_val` examples carved off for validation.
+
+    Validation drives evaluation during training, `train.checkpoint_score` and Tune; the test split
+    (`load_test_split`) is never read before training ends. The training examples are the first
+    `num_train` of the training data, as without a validation split.
+    """
     d = cfg.data
-    train = load_split(d, tokenizer, d.train_split, d.num_train, cfg.train.max_length)
-    held = load_split(d, tokenizer, d.eval_split, d.num_eval, cfg.train.max_length)
-    return train, held
+    examples = load_examples(d.source, d.train_split, d.num_train + d.num_val, d.seed, d.hub_config)
+    if len(examples) <= d.num_val:
+        raise KavaError(f"data '{d.source}' split {d.train_split!r} has {len(examples)} examples: too few to carve "
+                        f"data.num_val={d.num_val} for validation and keep any for training")
+    base = f"{d.source}|{d.hub_config}|{d.train_split}|seed={d.seed}"
+    train_ex, val_ex = examples[:-d.num_val], examples[-d.num_val:]
+
+    def split(ex, source_id):
+        return tokenize_split(tokenizer, ex, cfg.train.max_length, d.prompt_format, d.overlength, source_id)
+
+    return split(train_ex, f"{base}|n={len(train_ex)}"), split(val_ex, f"{base}|val|n={len(val_ex)}")
+
+
+def load_test_split(cfg: JobConfig, tokenizer) -> TokenizedSplit:
+    """The test split (`data.test_split`, `data.num_test` examples): for the end of a run and `kava-ray eval`."""
+    d = cfg.data
+    return load_split(d, tokenizer, d.test_split, d.num_test, cfg.train.max_length)
+
+
+def eval_stream(split: TokenizedSplit, cfg: JobConfig):
+    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree)."""
+    from kava_ray.data import BatchStream
+
+    return BatchStream(split, cfg.train.batch_size, cfg.train.seed, bucket=False)
 
 
 def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) -> dict:
@@ -165,10 +191,11 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) 
 
     handles = get_or_start_pool(cfg)
     plans = live_plans(cfg, handles)
-    train, held = load_splits(cfg, student_tokenizer(cfg)[0])
+    tok = student_tokenizer(cfg)[0]
+    train, val = load_splits(cfg, tok)
     stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
-    eval_stream = BatchStream(held, cfg.train.batch_size, cfg.train.seed, bucket=False)  # as evaluate_heldout
-    bar = tqdm(total=stream.steps_per_epoch * epochs + eval_stream.steps_per_epoch, desc="precompute",
+    held_out = (eval_stream(val, cfg), eval_stream(load_test_split(cfg, tok), cfg))  # as evaluate_heldout reads them
+    bar = tqdm(total=stream.steps_per_epoch * epochs + sum(s.steps_per_epoch for s in held_out), desc="precompute",
                unit="batch", disable=None if progress else True)
 
     def report(stats):
@@ -177,6 +204,6 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) 
 
     try:
         return write_cache(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=report,
-                           extra_streams=(eval_stream,))
+                           extra_streams=held_out)
     finally:
         bar.close()

@@ -25,7 +25,7 @@ def worker_resources(cfg: JobConfig, use_gpu: bool) -> dict:
 
 
 def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
-                  callbacks: Optional[list] = None):
+                  callbacks: Optional[list] = None, resume_override: bool = False):
     """The TorchTrainer of one run; its outputs and Ray's checkpoints go to `run_dir`."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -35,7 +35,8 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
-                           "resume": str(Path(resume).resolve()) if resume else None},
+                           "resume": str(Path(resume).resolve()) if resume else None,
+                           "resume_override": resume_override},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(cfg, use_gpu)),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent), callbacks=callbacks,
@@ -79,10 +80,11 @@ def check_memory(cfg: JobConfig) -> None:
 
 
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
-                 address: Optional[str] = None, progress: bool = True) -> dict:
+                 address: Optional[str] = None, progress: bool = True, resume_override: bool = False) -> dict:
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
 
-    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from.
+    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from; resume_override: let
+    optim.*/train.*/data.* differ from the checkpoint's (the new values win).
     """
     from actors.pool import check_resources, stop_pool
     from kava_ray.checkpoint import check_compatible
@@ -93,7 +95,7 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
 
     if resume:
         resume = str(find_checkpoint(resume, for_resume=True))
-        check_compatible(resume, cfg)  # fail before anything starts
+        check_compatible(resume, cfg, allow_run_changes=resume_override)  # fail before anything starts
     connect_job(cfg, address)
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
@@ -102,7 +104,7 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     handles, plans, started = setup_teachers(cfg)
     name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
-    trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume)
+    trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume, resume_override=resume_override)
     t0 = time.time()
     try:
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):

@@ -7,7 +7,7 @@ where the KV comes from, so `kava-ray bench feed` times exactly this step.
 
 `train_loop_per_worker` is the plain loop Ray Train runs: a KVFeed over the rank's shard, `step`,
 metrics averaged over ranks on log steps, `ray.train.report` with a checkpoint every `save_steps`,
-held-out evaluation on rank 0 every `eval_steps`. Resume (after a worker failure, or `--resume`)
+evaluation on the validation split (rank 0) every `eval_steps`, and the test split once at the end. Resume (after a worker failure, or `--resume`)
 continues the same curve: the stream restarts at the saved position and the RNG is reseeded every
 step from (seed, step, rank).
 """
@@ -73,10 +73,12 @@ class DistillRecipe:
         self.device = torch.device(device)
         self.autocast = _autocast(self.device)
 
-    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None) -> Optional[dict]:
+    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
 
-        wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. Returns the checkpoint's state.
+        wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. run_changes (`--resume-override`):
+        the config's optim.*/train.*/data.* may differ from the checkpoint's, and its learning rates, weight
+        decay and schedule replace the checkpoint's. Returns the checkpoint's state.
         """
         from kava_ray.checkpoint import check_compatible, load_into
         from kava_ray.data import BatchStream
@@ -85,7 +87,7 @@ class DistillRecipe:
         from kava_ray.models import kv_geometry, load_student, load_tokenizer
 
         cfg = self.cfg
-        state = check_compatible(checkpoint_dir, cfg) if checkpoint_dir else None
+        state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
         source_model = str(Path(checkpoint_dir) / "student") if state else cfg.student.model
         student = load_student(source_model, dtype=cfg.student.dtype, keep=None if state else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
@@ -95,14 +97,28 @@ class DistillRecipe:
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.train.steps)
         if state:
             load_into(checkpoint_dir, self.distiller, self.opt, self.sched)
+            if run_changes:
+                self._adopt_optim_settings()
         self.start_step = state["step"] if state else 0
         self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
         self.tokenizer = load_tokenizer(cfg.student.model)
-        self.train_split, self.held = load_splits(cfg, self.tokenizer)
+        self.train_split, self.val = load_splits(cfg, self.tokenizer)  # the test split is read only by `test()`
         self.stream = BatchStream(self.train_split, cfg.train.batch_size, cfg.train.seed, rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)
         return state
+
+    def _adopt_optim_settings(self) -> None:
+        """The config's learning rates, weight decay and schedule replace a restored checkpoint's (Adam's
+        moment estimates stay): loading an optimizer state would otherwise bring back the old values."""
+        o = self.cfg.optim
+        lrs = {"student": o.lr_student, "projector": o.lr_projector}
+        for g in self.opt.param_groups:
+            g["initial_lr"] = lrs.get(g.get("name"), g["initial_lr"])
+            g["weight_decay"] = o.weight_decay
+        self.sched.base_lrs = [g["initial_lr"] for g in self.opt.param_groups]
+        for g, base, fn in zip(self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas):
+            g["lr"] = base * fn(self.sched.last_epoch)  # the lambdas already follow the new train.steps / warmup
 
     def step(self, step_no: int, micro_batches) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (batch, {teacher: KVBatch})).
@@ -121,6 +137,7 @@ class DistillRecipe:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
+        self.last_lrs = [g["lr"] for g in self.opt.param_groups]  # the rates this step uses (before the schedule moves)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -136,9 +153,19 @@ class DistillRecipe:
                                self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra)
 
     def evaluate(self, source) -> dict[str, float]:
+        """`eval/*` on the validation split: what checkpoint selection and Tune read."""
         from kava_ray.evaluate import evaluate_heldout
 
-        return evaluate_heldout(self.distiller, source, self.plans, self.held, self.cfg, self.device, torch.float32)
+        return evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32)
+
+    def test(self, source) -> dict[str, float]:
+        """`test/*` on the test split, once, after the last step (never used to select anything)."""
+        from kava_ray.evaluate import evaluate_heldout
+        from kava_ray.job import load_test_split
+
+        split = load_test_split(self.cfg, self.tokenizer)
+        return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
+                                prefix="test")
 
 
 def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
@@ -200,7 +227,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     ckpt = ray.train.get_checkpoint()
     with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume"))) as ckdir:
-        state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model)
+        state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=config.get("resume_override", False))
     t_cfg, accum = cfg.train, cfg.optim.accumulation
     stream = recipe.stream
     source = kv_source(cfg, plans, stream.plan_fingerprint)
@@ -230,7 +257,7 @@ def train_loop_per_worker(config: dict) -> None:
         values = recipe.step(step, micro_batches(waits))
         values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=values["grad_norm"].device)
         dt = time.perf_counter() - t0
-        lr_student, lr_projector = recipe.sched.get_last_lr()[0], recipe.sched.get_last_lr()[-1]
+        lr_student, lr_projector = recipe.last_lrs[0], recipe.last_lrs[-1]
         is_save = step % t_cfg.save_steps == 0 or step == t_cfg.steps
         scored_by_eval = (t_cfg.checkpoint_score or "").startswith("eval/")  # a kept checkpoint needs its score
         is_eval = step % t_cfg.eval_steps == 0 or step == t_cfg.steps or (is_save and scored_by_eval)
@@ -258,5 +285,8 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             ray.train.report(report)
 
-    if rank == 0:  # the final outputs, outside Ray's checkpoint dirs
-        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed), with_optimizer=False)
+    if rank == 0 and recipe.start_step < t_cfg.steps:  # the final outputs, outside Ray's checkpoint dirs
+        test = recipe.test(source)  # the test split, read once, after every selection decision
+        log.write({"step": t_cfg.steps, "kind": "test", **test})
+        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed), with_optimizer=False,
+                    extra={"test": test})

@@ -15,7 +15,7 @@ def job_dict(qwen_dir, llama_dir, student_dir, storage) -> dict:
             {"name": "llama", "model": str(llama_dir), "dtype": "float32", "quantization": "4bit"},
         ],
         "student": {"model": str(student_dir), "dtype": "float32"},
-        "data": {"source": "synthetic", "num_train": 64, "num_eval": 8},
+        "data": {"source": "synthetic", "num_train": 64, "num_test": 8, "num_val": 8},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}, "prefetch_depth": 2},
         "loss": {"kind": "mercator", "beta": 0.01},
         "optim": {"lr_student": 1e-3, "lr_projector": 3e-3, "warmup_steps": 0},

@@ -36,7 +36,7 @@ data:
   source: openai/gsm8k
   hub_config: main
   num_train: 7473
-  num_eval: 256
+  num_test: 256
 align:
   mode: structured
   layer_map: ratio              # 28 student layers over each teacher's selected layers

@@ -84,6 +84,88 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
     assert abs(sum(v for k, v in m.items() if k.startswith("fusion/")) - 1) < 1e-5
 
 
+class InProcessSource:
+    """A KVFeed source running the teachers in this process: what a TeacherActor serves, without Ray."""
+
+    def __init__(self, models: dict):
+        self.models = models
+
+    def submit(self, name, request):
+        return request
+
+    def result(self, name, request, _future):
+        _key, ids, mask, layers, wire_dtype = request
+        kv = teacher_forward_kv(self.models[name], torch.as_tensor(ids), torch.as_tensor(mask), layers=layers)
+        return kv.to_wire(wire_dtype)
+
+
+def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_process, monkeypatch):
+    """Training and the evaluations that select checkpoints (and Tune trials) read train + validation only;
+    the test split is read once, by `test()`, after the last step."""
+    import kava_ray.data.sources as sources
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.worker import DistillRecipe
+
+    requested = []
+    real = sources.synthetic_split
+    monkeypatch.setattr(sources, "synthetic_split", lambda n, seed, split: requested.append(split) or real(n, seed, split))
+    cfg = load_config(job_path)
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    source = InProcessSource(teachers_in_process)
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    feed = KVFeed(source, feed_items(recipe.stream, 2), {n: p.layers for n, p in plans.items()}, depth=1)
+    for step in (1, 2):
+        (_, _, _, batch), kv = next(feed)
+        recipe.step(step, [(batch, kv)])
+    val = recipe.evaluate(source)
+    assert requested and set(requested) == {cfg.data.train_split}, requested  # validation is carved from train
+    assert set(val) >= {"eval/ce", "eval/cos_sim"} and not any(k.startswith("test/") for k in val)
+    val_items = {tuple(x["input_ids"]) for x in recipe.val.items}
+    assert not val_items & {tuple(x["input_ids"]) for x in recipe.train_split.items}  # disjoint from training
+    test = recipe.test(source)
+    assert requested[-1] == cfg.data.test_split and set(test) >= {"test/ce", "test/cos_sim"}
+
+
+def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_path, teachers_in_process, tmp_path,
+                                                                          capsys):
+    """Resuming silently kept the checkpoint's optimizer and schedule: now a changed optim.*/train.* key is named
+    (one line, exit 2, before Ray starts) unless --resume-override, which makes the new values win."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.cli import main
+    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.worker import DistillRecipe
+
+    cfg = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant"])
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    feed = KVFeed(InProcessSource(teachers_in_process), feed_items(recipe.stream, 2), {n: p.layers for n, p in plans.items()})
+    for step in (1, 2):
+        (_, _, _, batch), kv = next(feed)
+        recipe.step(step, [(batch, kv)])
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+
+    changed = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant", "optim.lr_student=7e-4",
+                                     "train.steps=30"])
+    with pytest.raises(KavaError, match=r"optim.lr_student, train.steps; pass --resume-override"):
+        DistillRecipe(changed, plans).setup(str(ckpt))
+    resumed = DistillRecipe(changed, plans)
+    assert resumed.setup(str(ckpt), run_changes=True)["step"] == 2
+    lrs = {g["name"]: g["lr"] for g in resumed.opt.param_groups}
+    assert lrs == {"student": 7e-4, "projector": cfg.optim.lr_projector}  # the new value, not the saved 1e-3
+    assert resumed.opt.state  # Adam's moments came back with the checkpoint
+
+    (tmp_path / "changed.yaml").write_text(changed.to_yaml())
+    capsys.readouterr()  # drop the loading bars above
+    assert main(["train", "--config", str(tmp_path / "changed.yaml"), "--resume", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optim.lr_student, train.steps" in err[0] and "--resume-override" in err[0], err
+
+
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -105,6 +187,9 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 21))  # every logged step
     assert [r["step"] for r in evals] == [0, 10, 20]
+    tests = [r for r in records if r["kind"] == "test"]  # the test split: once, after the last step
+    assert [r["step"] for r in tests] == [20] and "test/cos_sim" in tests[0] and "test/ce" in tests[0]
+    assert not any(k.startswith("test/") for r in evals + train for k in r)
     first = sum(r["cos_sim"] for r in train[:3]) / 3
     last = sum(r["cos_sim"] for r in train[-3:]) / 3
     assert last > first + 0.05, (first, last)
@@ -181,10 +266,10 @@ def test_eval_and_report_of_the_run(e2e_run, ray_session):
     _, out = e2e_run
     ev = evaluate_checkpoint(out["run_dir"], limit=2, max_new_tokens=4)
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
-    last_eval = [r for r in records if r["kind"] == "eval"][-1]
-    # the final checkpoint, evaluated afresh, gives the numbers the run logged at its last eval
-    assert ev["eval/cos_sim"] == pytest.approx(last_eval["eval/cos_sim"], abs=1e-4)
-    assert ev["heldout_ce"] == pytest.approx(last_eval["eval/ce"], rel=1e-5)
+    test = [r for r in records if r["kind"] == "test"][-1]
+    # the final checkpoint, evaluated afresh on the test split, gives the numbers the run logged at its end
+    assert ev["test/cos_sim"] == pytest.approx(test["test/cos_sim"], abs=1e-4)
+    assert ev["test_ce"] == pytest.approx(test["test/ce"], rel=1e-5)
     assert ev["gsm8k_n"] == 2 and 0 <= ev["gsm8k_accuracy"] <= 1
     rep = write_report(out["run_dir"])
     for name in ("loss", "cos", "contrast_gap", "teacher_wait"):

@@ -20,7 +20,7 @@ def tune_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
     root = tmp_path_factory.mktemp("tune")
     job = write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                     train={"steps": 8, "eval_steps": 2, "save_steps": 8, "batch_size": 4, "max_length": 160},
-                    data={"num_train": 48, "num_eval": 8})
+                    data={"num_train": 48, "num_test": 8, "num_val": 8})
     return root, job
 
 

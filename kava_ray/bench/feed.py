@@ -45,7 +45,7 @@ def bench_config(t_dir: Path, s_dir: Path, storage: Path) -> JobConfig:
         "name": "bench-feed",
         "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
         "student": {"model": str(s_dir), "dtype": "float32"},
-        "data": {"num_train": 8, "num_eval": 4},
+        "data": {"num_train": 8, "num_test": 4, "num_val": 4},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
         "optim": {"lr_student": 1e-4, "lr_projector": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "ray": {"namespace": "kava-bench", "storage_path": str(storage), "num_workers": 1, "use_gpu": False},

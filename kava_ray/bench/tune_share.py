@@ -34,7 +34,7 @@ def tiny_job(root: Path, steps: int) -> Path:
         "teachers": [{"name": "qwen", "model": str(q), "dtype": "float32"},
                      {"name": "llama", "model": str(ll), "dtype": "float32", "quantization": "4bit"}],
         "student": {"model": str(s), "dtype": "float32"},
-        "data": {"num_train": 64, "num_eval": 8},
+        "data": {"num_train": 64, "num_test": 8, "num_val": 8},
         "align": {"projector": {"kind": "linear", "dropout": 0.0}},
         "train": {"steps": steps, "batch_size": 4, "max_length": 256, "eval_steps": steps, "save_steps": steps},
         # per-trial teachers need room for 2 trials x (2 teachers + 1 worker + Train's controller)
@@ -85,8 +85,10 @@ def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cfg = load_config(tiny_job(root, steps))
-        # the sweep trains on `steps` batches and evaluates on the held-out batches (same keys in every trial)
-        distinct = steps * cfg.optim.accumulation * cfg.ray.num_workers + cfg.data.num_eval // cfg.train.batch_size
+        # the sweep trains on `steps` batches, validates on the validation batches and tests once on the
+        # test batches at the end (the same keys in every trial)
+        distinct = (steps * cfg.optim.accumulation * cfg.ray.num_workers
+                    + cfg.data.num_val // cfg.train.batch_size + cfg.data.num_test // cfg.train.batch_size)
         started = not ray.is_initialized()
         out = {"trials": trials, "steps": steps, "distinct_batches": distinct}
         try:

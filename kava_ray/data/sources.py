@@ -22,7 +22,7 @@ def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 
     """
     if source == "synthetic":
         if n is None:
-            raise KavaError("data.source=synthetic needs a number of examples (data.num_train / data.num_eval)")
+            raise KavaError("data.source=synthetic needs a number of examples (data.num_train / data.num_val / data.num_test)")
         return synthetic_split(n, seed, split)
     path = os.path.expanduser(source.replace("{split}", split))
     ext = os.path.splitext(path)[1].lower()
