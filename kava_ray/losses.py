@@ -1,13 +1,24 @@
-"""KV losses (all masked), the CE anchor and the contrast-gap metric.
+"""KV losses (all masked), the CE anchor, the contrast-gap metric and the shared-prefix token mask.
 
-Every KV loss takes `(student, target, mask=None, **kw)` with student/target
-`[L, B, H, T, D]` and mask `[B, T]` (nonzero = real token) and returns
+Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target
+`[L, B, H, T, D]` and mask `[B, T]` (nonzero = token that counts) and returns
 `(loss: scalar tensor, metrics: dict)`. Masked-out positions are replaced by a
 constant before any arithmetic, so their values (huge, inf or NaN) reach neither
 the loss, the metrics nor the gradients (which are exactly 0 there).
 
-Metrics: `cos_sim` (masked mean cosine), `cos_per_layer` (list of L floats),
-`loss`, and the loss components (`cos_term`, `mag_term`, `mse`, `smooth_l1`).
+Centred cosine. A target that is one constant vector per (layer, head) already scores a high raw
+cosine on real keys (SmolLM2-135M: K ≈ 0.88), so a projector that ignores its input looks aligned.
+The centred cosine subtracts, from student and target separately, the mask-weighted mean of each
+(layer, head) slice over the batch's counted tokens (B and T) before the per-token cosine: a
+constant (per head or per layer) then scores 0, an identical student 1, another sample's target ~0.
+A centred vector shorter than `CENTER_TOL` x the slice's RMS raw norm is treated as (near) zero
+(its cosine shrinks toward 0): without that floor the float rounding left after subtracting the
+mean of a constant would get a direction of its own. Centring is done in float32 at least.
+
+Metrics (detached tensors): `cos_sim` (masked mean centred cosine), `cos_raw` (masked mean raw
+cosine), `cos_per_layer` / `cos_raw_per_layer` (lists of L), `n_tokens`, `loss`, and the loss
+components (`cos_term`, `mag_term`, `mse`, `smooth_l1`, `mercator`). With `center=True` the
+cosine term of mercator/hybrid uses the centred cosine (the magnitude term is unchanged: raw norms).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from kava_ray.errors import KavaError
 
 COS_EPS = 1e-8
 NORM_EPS = 1e-6
+CENTER_TOL = 1e-3  # centred vectors shorter than this x the (layer, head) RMS norm count as ~zero
 
 
 def _prepare(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None):
@@ -53,73 +65,133 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x * w).sum() / w.sum().clamp_min(1.0)
 
 
-def _cos_metrics(cos: torch.Tensor, m: torch.Tensor) -> dict:
-    """cos [L, B, H, T] -> cos_sim and cos_per_layer (masked means)."""
+def _per_layer(cos: torch.Tensor, m: torch.Tensor) -> list:
     w = m.expand_as(cos).to(cos.dtype)
-    per_layer = (cos * w).sum(dim=(1, 2, 3)) / w.sum(dim=(1, 2, 3)).clamp_min(1.0)
+    return list(((cos * w).sum(dim=(1, 2, 3)) / w.sum(dim=(1, 2, 3)).clamp_min(1.0)).unbind())
+
+
+def _raw_cos(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(s, t, dim=-1, eps=COS_EPS)  # [L, B, H, T]
+
+
+def _centre(x: torch.Tensor, m: torch.Tensor):
+    """x [L, B, H, T, D] (masked positions already constant) minus the mean of each (layer, head) over
+    the tokens where m [1, B, 1, T] is True; and the norm floor [L, 1, H, 1] (detached)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    w = m[..., None].to(x.dtype)  # [1, B, 1, T, 1]
+    n = w.sum(dim=(1, 3), keepdim=True).clamp_min(1.0)
+    mu = (x * w).sum(dim=(1, 3), keepdim=True) / n  # [L, 1, H, 1, D]
+    with torch.no_grad():
+        ms = ((x.detach() ** 2).sum(-1, keepdim=True) * w).sum(dim=(1, 3), keepdim=True) / n
+        floor = (CENTER_TOL * ms.sqrt() + COS_EPS)[..., 0]  # [L, 1, H, 1]
+    return x - mu, floor
+
+
+def centred_cos(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Per-token cosine [L, B, H, T] of student and target, each centred per (layer, head) over the
+    tokens where m [1, B, 1, T] is True (see the module docstring). Inputs as from `_prepare`."""
+    sc, fs = _centre(s, m)
+    tc, ft = _centre(t, m)
+    ns = torch.linalg.vector_norm(sc, dim=-1)
+    nt = torch.linalg.vector_norm(tc, dim=-1)
+    return (sc * tc).sum(-1) / (torch.maximum(ns, fs) * torch.maximum(nt, ft))
+
+
+def _cos_metrics(cos_c: torch.Tensor, cos_r: torch.Tensor, m: torch.Tensor) -> dict:
+    """Centred and raw cosines [L, B, H, T] -> their masked means, per layer and overall (detached)."""
+    cos_c, cos_r = cos_c.detach(), cos_r.detach()
     return {
-        "cos_sim": _masked_mean(cos, m),
-        "cos_per_layer": list(per_layer.unbind()),
+        "cos_sim": _masked_mean(cos_c, m),
+        "cos_raw": _masked_mean(cos_r, m),
+        "cos_per_layer": _per_layer(cos_c, m),
+        "cos_raw_per_layer": _per_layer(cos_r, m),
         "n_tokens": m.sum(),
     }
 
 
-def _mercator_parts(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor):
-    cos = F.cosine_similarity(s, t, dim=-1, eps=COS_EPS)  # [L, B, H, T]
+def _both_cos(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor, center: bool):
+    """(cosine the loss uses, centred cos, raw cos): only the one the loss uses keeps its graph."""
+    if center:
+        cos_c = centred_cos(s, t, m)
+        with torch.no_grad():
+            cos_r = _raw_cos(s, t)
+        return cos_c, cos_c, cos_r
+    cos_r = _raw_cos(s, t)
+    with torch.no_grad():
+        cos_c = centred_cos(s, t, m)
+    return cos_r, cos_c, cos_r
+
+
+@torch.no_grad()
+def _detached_cos_metrics(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> dict:
+    return _cos_metrics(centred_cos(s, t, m), _raw_cos(s, t), m)
+
+
+@torch.no_grad()
+def cos_metrics(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
+    """The cosine metrics of a KV loss without the loss: cos_sim (centred), cos_raw, per layer, n_tokens."""
+    s, t, m = _prepare(student, target, mask)
+    return _detached_cos_metrics(s, t, m)
+
+
+def _mercator_parts(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor, center: bool = False):
+    cos, cos_c, cos_r = _both_cos(s, t, m, center)
     cos_term = _masked_mean(1.0 - cos, m)  # = 1 - masked mean cos; 0 if no real token
     log_s = torch.log(torch.linalg.vector_norm(s, dim=-1) + NORM_EPS)
     log_t = torch.log(torch.linalg.vector_norm(t, dim=-1) + NORM_EPS)
     mag_term = _masked_mean((log_s - log_t) ** 2, m)
-    return cos, cos_term, mag_term
+    return cos_term, mag_term, _cos_metrics(cos_c, cos_r, m)
 
 
 def _mse(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return _masked_mean(((s - t) ** 2).mean(dim=-1), m)
 
 
-def mercator_loss(student, target, mask=None, alpha: float = 1.0, beta: float = 0.0, **kw):
+def mercator_loss(student, target, mask=None, alpha: float = 1.0, beta: float = 0.0, center: bool = False, **kw):
     """alpha * (1 - masked mean cos) + beta * masked MSE(log||s||, log||t||).
 
-    Cosine over head_dim per (layer, batch, head, token); norms get +1e-6 before
-    the log. Parallel vectors of any lengths give 0 (beta=0), opposite ones 2.
+    Cosine over head_dim per (layer, batch, head, token) — of the centred vectors with `center`
+    (see the module docstring); norms (raw, also with `center`) get +1e-6 before the log. Without
+    `center`, parallel vectors of any lengths give 0 (beta=0), opposite ones 2.
     """
     s, t, m = _prepare(student, target, mask)
-    cos, cos_term, mag_term = _mercator_parts(s, t, m)
+    cos_term, mag_term, metrics = _mercator_parts(s, t, m, center)
     loss = alpha * cos_term + (beta * mag_term if beta else 0.0)
-    metrics = _cos_metrics(cos.detach(), m)
     metrics.update(loss=_f(loss), cos_term=_f(cos_term), mag_term=_f(mag_term))
     return loss, metrics
 
 
 def mse_loss(student, target, mask=None, **kw):
-    """Masked mean squared error over all real positions and head_dim."""
+    """Masked mean squared error over all real positions and head_dim (`center` does not apply)."""
     s, t, m = _prepare(student, target, mask)
     loss = _mse(s, t, m)
-    metrics = _cos_metrics(F.cosine_similarity(s.detach(), t.detach(), dim=-1, eps=COS_EPS), m)
+    metrics = _detached_cos_metrics(s, t, m)
     metrics.update(loss=_f(loss), mse=_f(loss))
     return loss, metrics
 
 
 def smooth_l1_loss(student, target, mask=None, delta: float = 1.0, **kw):
-    """Masked smooth-L1 (Huber with threshold `delta`), mean over real positions and head_dim."""
+    """Masked smooth-L1 (Huber with threshold `delta`), mean over real positions and head_dim
+    (`center` does not apply)."""
     s, t, m = _prepare(student, target, mask)
     per = F.smooth_l1_loss(s, t, reduction="none", beta=delta).mean(dim=-1)  # [L, B, H, T]
     loss = _masked_mean(per, m)
-    metrics = _cos_metrics(F.cosine_similarity(s.detach(), t.detach(), dim=-1, eps=COS_EPS), m)
+    metrics = _detached_cos_metrics(s, t, m)
     metrics.update(loss=_f(loss), smooth_l1=_f(loss))
     return loss, metrics
 
 
-def hybrid_loss(student, target, mask=None, weight: float = 0.5, alpha: float = 1.0, beta: float = 0.0, **kw):
-    """weight * mercator(alpha, beta) + (1 - weight) * mse."""
+def hybrid_loss(student, target, mask=None, weight: float = 0.5, alpha: float = 1.0, beta: float = 0.0,
+                center: bool = False, **kw):
+    """weight * mercator(alpha, beta, center) + (1 - weight) * mse."""
     if not 0 <= weight <= 1:
         raise KavaError(f"hybrid weight must be in [0, 1], got {weight}")
     s, t, m = _prepare(student, target, mask)
-    cos, cos_term, mag_term = _mercator_parts(s, t, m)
+    cos_term, mag_term, metrics = _mercator_parts(s, t, m, center)
     mercator = alpha * cos_term + (beta * mag_term if beta else 0.0)
     mse = _mse(s, t, m)
     loss = weight * mercator + (1 - weight) * mse
-    metrics = _cos_metrics(cos.detach(), m)
     metrics.update(loss=_f(loss), mercator=_f(mercator), cos_term=_f(cos_term),
                    mag_term=_f(mag_term), mse=_f(mse))
     return loss, metrics
@@ -128,15 +200,17 @@ def hybrid_loss(student, target, mask=None, weight: float = 0.5, alpha: float = 
 LOSSES = {"mercator": mercator_loss, "hybrid": hybrid_loss, "mse": mse_loss, "smooth_l1": smooth_l1_loss}
 
 
-def kv_loss(kind: str, student, target, mask=None, alpha: float = 1.0, beta: float = 0.0, hybrid_weight: float = 0.5):
-    """Dispatch to LOSSES[kind]; returns (loss, metrics)."""
+def kv_loss(kind: str, student, target, mask=None, alpha: float = 1.0, beta: float = 0.0,
+            hybrid_weight: float = 0.5, center: bool = False):
+    """Dispatch to LOSSES[kind]; returns (loss, metrics). `center` applies to mercator and hybrid."""
     if kind not in LOSSES:
         raise KavaError(f"unknown KV loss {kind!r} (expected one of {', '.join(LOSSES)})")
-    return LOSSES[kind](student, target, mask, alpha=alpha, beta=beta, weight=hybrid_weight)
+    return LOSSES[kind](student, target, mask, alpha=alpha, beta=beta, weight=hybrid_weight, center=center)
 
 
 @torch.no_grad()
-def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
+                 centered: bool = True) -> torch.Tensor:
     """mean cos(student, own target) - mean cos(student, target of the previous sample).
 
     The other sample is `target.roll(1, dims=1)`; both means use the positions real
@@ -145,6 +219,14 @@ def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
     sample-specific was learned (the collapse trap). With B == 1 there is no other
     sample to compare with, so it returns 0.0; also 0.0 if no position is real in both
     (both masked means are then 0). A detached 0-d tensor, like every metric here.
+
+    Centred by default (the same per-(layer, head) centring as `cos_sim`): the raw cosines of own
+    and other target both carry the large per-head constant every sample shares (raw K cos of a
+    constant ≈ 0.88 on real keys), which compresses the gap toward 0 even for a student that did
+    learn something sample-specific and puts it on a different scale from `cos_sim`. Centred, the
+    shared constant is removed from both terms alike, the other-sample term is ~0 for unrelated
+    samples, and the gap reads on the scale of `cos_sim` (a constant student still scores 0, so the
+    collapse trap still shows as a gap of 0). `centered=False` gives the raw gap.
     """
     if student.shape != target.shape or student.dim() != 5:
         raise KavaError(f"contrast_gap needs [L, B, H, T, D] of one shape, "
@@ -154,9 +236,28 @@ def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
         return torch.zeros((), device=student.device)
     m = torch.ones(B, T, dtype=torch.bool, device=student.device) if mask is None else mask.to(student.device) != 0
     both = m & m.roll(1, dims=0)
-    own, _ = mercator_loss(student, target, both)
-    other, _ = mercator_loss(student, target.roll(1, dims=1), both)
-    return _f(other - own)  # (1 - cos_other) - (1 - cos_own) = cos_own - cos_other
+    key = "cos_sim" if centered else "cos_raw"
+    own = cos_metrics(student, target, both)[key]
+    other = cos_metrics(student, target.roll(1, dims=1), both)[key]
+    return _f(own - other)
+
+
+def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The KV token mask [B, T] (bool) of `loss_tokens: no_shared_prefix`: the real tokens minus the
+    leading positions whose token id is the same, and real, in every sample of the batch (a chat
+    template's system prompt, BOS). Vectorised; no host sync.
+
+    Nothing is dropped when the batch cannot tell a template from content: B == 1 (every position of
+    a lone sample is trivially "shared"), or when dropping would leave no token in the batch (all
+    samples identical). Left padding leaves no shared prefix at position 0, so nothing is dropped.
+    """
+    m = attention_mask.to(input_ids.device) != 0
+    if input_ids.shape[0] < 2:
+        return m
+    same = ((input_ids == input_ids[:1]) & m).all(dim=0)  # [T]
+    shared = torch.cumprod(same.to(torch.int32), dim=0).bool()  # the leading run of identical positions
+    keep = m & ~shared[None, :]
+    return torch.where(keep.any(), keep, m)
 
 
 def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:

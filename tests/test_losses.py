@@ -36,10 +36,13 @@ def test_mercator_parallel_is_zero_and_opposite_is_two():
     scales = torch.rand(SHAPE[:-1] + (1,)) * 10 + 0.1  # different length per vector
     loss, metrics = mercator_loss(s, s * scales)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
-    assert metrics["cos_sim"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["cos_raw"] == pytest.approx(1.0, abs=1e-6)
     loss, metrics = mercator_loss(s, -s * scales)
     assert loss.item() == pytest.approx(2.0, abs=1e-6)
-    assert metrics["cos_per_layer"] == pytest.approx([-1.0, -1.0], abs=1e-6)
+    assert metrics["cos_raw_per_layer"] == pytest.approx([-1.0, -1.0], abs=1e-6)
+    # one scale for the whole batch keeps the centred cosine at +-1 too (per-vector scales would not)
+    assert mercator_loss(s, 3 * s)[1]["cos_sim"] == pytest.approx(1.0, abs=1e-6)
+    assert mercator_loss(s, -3 * s)[1]["cos_per_layer"] == pytest.approx([-1.0, -1.0], abs=1e-6)
     # alpha scales the direction term
     assert mercator_loss(s, -s, alpha=0.5)[0].item() == pytest.approx(1.0, abs=1e-6)
 
@@ -83,7 +86,7 @@ def test_masked_mean_counts_only_real_tokens():
     assert mse_loss(s, t, m)[0].item() == pytest.approx(expected.item(), rel=1e-5)
     cos = torch.nn.functional.cosine_similarity(s, t, dim=-1)
     _, metrics = mercator_loss(s, t, m)
-    assert metrics["cos_sim"] == pytest.approx(cos[keep[..., 0]].mean().item(), rel=1e-5)
+    assert metrics["cos_raw"] == pytest.approx(cos[keep[..., 0]].mean().item(), rel=1e-5)
     assert metrics["n_tokens"] == int(m.sum())
 
 
@@ -92,8 +95,9 @@ def _num(v):
     return [float(x) for x in v] if isinstance(v, list) else float(v)
 
 
+@pytest.mark.parametrize("center", [False, True], ids=["raw", "centred"])
 @pytest.mark.parametrize("kind", list(LOSSES))
-def test_padding_values_change_nothing(kind):
+def test_padding_values_change_nothing(kind, center):
     s, t = _pair(1)
     m = _mask()
     pad = ~m.bool()[None, :, None, :, None].expand(SHAPE)
@@ -103,9 +107,10 @@ def test_padding_values_change_nothing(kind):
     s3 = torch.where(pad, torch.zeros(()), s)  # zero vectors at padding
     s2.requires_grad_(True)
     s3.requires_grad_(True)
-    base_loss, base_metrics = kv_loss(kind, s, t, m, alpha=1.0, beta=0.5, hybrid_weight=0.4)
+    kw = dict(alpha=1.0, beta=0.5, hybrid_weight=0.4, center=center)
+    base_loss, base_metrics = kv_loss(kind, s, t, m, **kw)
     for student, target in ((s2, t2), (s3, t)):
-        loss, metrics = kv_loss(kind, student, target, m, alpha=1.0, beta=0.5, hybrid_weight=0.4)
+        loss, metrics = kv_loss(kind, student, target, m, **kw)
         assert loss.item() == pytest.approx(base_loss.item(), rel=1e-6)
         assert metrics.keys() == base_metrics.keys()
         for key, value in base_metrics.items():
@@ -115,7 +120,7 @@ def test_padding_values_change_nothing(kind):
         assert torch.count_nonzero(student.grad[pad]) == 0
         assert torch.count_nonzero(student.grad[~pad]) > 0
     # and with the mask removed the garbage does change the loss: the mask is doing the work
-    assert kv_loss(kind, s2.detach(), t2, None)[0].item() != pytest.approx(base_loss.item(), rel=1e-3)
+    assert kv_loss(kind, s2.detach(), t2, None, **kw)[0].item() != pytest.approx(base_loss.item(), rel=1e-3)
 
 
 def test_nan_at_padding_is_ignored():
@@ -133,8 +138,10 @@ def test_all_padding_gives_zero_loss():
     s, t = _pair()
     loss, metrics = mercator_loss(s, t, torch.zeros(3, 5))
     assert loss.item() == 0.0 and metrics["n_tokens"] == 0 and metrics["cos_sim"] == 0.0
+    assert metrics["cos_raw"] == 0.0
     for kind in LOSSES:
-        assert kv_loss(kind, s, t, torch.zeros(3, 5), beta=1.0)[0].item() == 0.0
+        for center in (False, True):
+            assert kv_loss(kind, s, t, torch.zeros(3, 5), beta=1.0, center=center)[0].item() == 0.0
 
 
 def test_contrast_gap():
@@ -184,3 +191,38 @@ def test_bad_inputs():
         mse_loss(s, t[:1])
     with pytest.raises(KavaError, match="hybrid weight"):
         hybrid_loss(s, t, weight=1.5)
+
+
+def test_center_option_uses_centred_cosine_and_keeps_magnitude_term():
+    """loss.center: the cosine term is 1 - centred cos; the beta (log-norm) term stays on raw norms."""
+    s, t = _pair(5)
+    m = _mask()
+    raw_loss, raw_m = mercator_loss(s, t, m, beta=0.3)
+    loss, met = mercator_loss(s, t, m, beta=0.3, center=True)
+    assert met["cos_term"] == pytest.approx(1 - float(met["cos_sim"]), abs=1e-6)
+    assert raw_m["cos_term"] == pytest.approx(1 - float(raw_m["cos_raw"]), abs=1e-6)
+    assert met["mag_term"] == pytest.approx(float(raw_m["mag_term"]), rel=1e-6)
+    for key in ("cos_sim", "cos_raw"):  # the metrics do not depend on which cosine the loss uses
+        assert float(met[key]) == pytest.approx(float(raw_m[key]), rel=1e-6)
+    # a constant target per (layer, head): the raw cosine can be fitted, the centred term cannot (~1)
+    const = t.mean(dim=(1, 3), keepdim=True).expand(SHAPE) + 3.0
+    assert mercator_loss(s, const, m, center=True)[1]["cos_term"] == pytest.approx(1.0, abs=1e-3)
+    # hybrid forwards center to its mercator part
+    h, hm = hybrid_loss(s, t, m, weight=0.5, beta=0.3, center=True)
+    assert hm["mercator"] == pytest.approx(loss.item(), rel=1e-6)
+    # gradients flow (through the centring means too) and stay finite
+    s_req = s.clone().requires_grad_(True)
+    mercator_loss(s_req, t, m, center=True)[0].backward()
+    assert torch.isfinite(s_req.grad).all() and torch.count_nonzero(s_req.grad) > 0
+
+
+def test_centred_contrast_gap_vs_raw():
+    """A shared per-head constant compresses the raw gap; the centred gap reads on cos_sim's scale."""
+    g = torch.Generator().manual_seed(11)
+    base = 10 * torch.randn(2, 1, 2, 1, 8, generator=g)  # per (layer, head), shared by every sample
+    target = base + torch.randn(SHAPE, generator=g)
+    student = target + 0.3 * torch.randn(SHAPE, generator=g)
+    centred, raw = contrast_gap(student, target), contrast_gap(student, target, centered=False)
+    assert centred > 0.8 and 0 < raw < 0.1
+    cos = mercator_loss(student, target)[1]["cos_sim"]
+    assert float(centred) == pytest.approx(float(cos), abs=0.15)
