@@ -8,6 +8,16 @@ Kinds:
   bias = log weights).
 - `sum`: no fused target (`fuses_targets` is False, `forward` returns None); compute one loss
   per teacher and combine them with `combine_losses`.
+
+Fusion by direction (`fixed`, `gate`, `router`): the Mercator loss ignores scale, so a weighted sum
+of raw projector outputs would let a projector whose output is 10x larger dominate the fused
+direction whatever its weight. `fuse_by_direction` instead normalises each teacher's projected
+vector per (layer, batch, head, token) over head_dim (eps-safe), takes the weighted sum of those unit
+vectors, renormalises it, and gives it a separately fused magnitude: the weighted mean of the
+teachers' log-norms (a weighted geometric mean of norms). Log-norms because the Mercator beta term
+is an MSE on log-norms, whose minimiser over the teachers is exactly that weighted mean; a weighted
+mean of norms would be pulled toward the largest teacher's scale. So the logged `fusion/<teacher>` weights are the teachers' real shares of the direction,
+and a projector's output scale changes only the fused magnitude (through its log-norm share).
 """
 
 from __future__ import annotations
@@ -20,6 +30,22 @@ import torch.nn as nn
 from kava_ray.errors import KavaError
 
 FUSION_KINDS = ("fixed", "gate", "router", "sum")
+DIR_EPS = 1e-8  # a projected vector shorter than this has no direction (its unit vector is ~0)
+NORM_EPS = 1e-6  # added to norms before the log, as in the Mercator magnitude term
+
+
+def fuse_by_direction(stacked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Fuse teachers by direction: `stacked` [..., D, n] (n teachers on the last dim), `w` teacher
+    weights summing to 1, broadcastable to [..., 1, n]. Returns [..., D] in `stacked`'s dtype:
+    unit(sum_i w_i unit(x_i)) * exp(sum_i w_i log(|x_i| + 1e-6)). Computed in float32 at least."""
+    dtype = stacked.dtype
+    x = stacked.float() if dtype in (torch.float16, torch.bfloat16) else stacked
+    w = w.to(x.dtype)
+    norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True)  # [..., 1, n]
+    direction = (x / norm.clamp_min(DIR_EPS) * w).sum(dim=-1)  # [..., D]
+    direction = direction / torch.linalg.vector_norm(direction, dim=-1, keepdim=True).clamp_min(DIR_EPS)
+    log_mag = (torch.log(norm + NORM_EPS) * w).sum(dim=-1)  # [..., 1]
+    return (direction * log_mag.exp()).to(dtype)
 
 
 class Fusion(nn.Module):
@@ -97,7 +123,8 @@ class Fusion(nn.Module):
     def forward(
         self, projected: list[torch.Tensor], feature: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Fuse per-teacher `[L, B, H, T, D]` targets into one; None for `sum`.
+        """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`);
+        None for `sum`.
 
         `feature` [B, T, F] drives the router; `mask` [B, T] only restricts which
         tokens count for the logged router weights.
@@ -124,7 +151,7 @@ class Fusion(nn.Module):
                                 f"targets have B, T={shape[1]}, {shape[3]}")
             self._log_router(w, mask)
             w = w[None, :, None, :, None, :]  # [1, B, 1, T, 1, n]
-        return (stacked * w).sum(dim=-1)
+        return fuse_by_direction(stacked, w)
 
     def _log_router(self, w: torch.Tensor, mask: torch.Tensor | None) -> None:
         w = w.detach().reshape(-1, self.n_teachers)

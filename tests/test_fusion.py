@@ -12,12 +12,20 @@ def _targets(n, seed=0):
     return [torch.randn(SHAPE, generator=g) for _ in range(n)]
 
 
-def test_fixed_is_hand_weighted_mean():
+def by_direction(ps, ws):
+    """Hand-computed fusion by direction: unit(sum w_i unit(p_i)) * prod |p_i|^w_i (over the last dim)."""
+    d = sum(w * p / p.norm(dim=-1, keepdim=True) for w, p in zip(ws, ps))
+    mag = torch.exp(sum(w * p.norm(dim=-1, keepdim=True).log() for w, p in zip(ws, ps)))
+    return d / d.norm(dim=-1, keepdim=True) * mag
+
+
+def test_fixed_is_hand_weighted_direction():
     p = _targets(3)
     fused = Fusion("fixed", 3, weights=[1.0, 3.0, 4.0])(p)
-    assert torch.allclose(fused, 0.125 * p[0] + 0.375 * p[1] + 0.5 * p[2], atol=1e-6)
+    assert torch.allclose(fused, by_direction(p, [0.125, 0.375, 0.5]), atol=1e-5)
     eq = Fusion("fixed", 3, names=["a", "b", "c"])
-    assert torch.allclose(eq(p), (p[0] + p[1] + p[2]) / 3, atol=1e-6)
+    assert torch.allclose(eq(p), by_direction(p, [1 / 3] * 3), atol=1e-5)
+    assert torch.allclose(Fusion("fixed", 1)(p[:1]), p[0], atol=1e-5)  # one teacher: its own target
     assert eq.current_weights() == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
     assert list(eq.parameters()) == []
 
@@ -31,7 +39,7 @@ def test_gate_weights_sum_to_one_and_learn(per_layer):
     assert torch.allclose(w.sum(-1), torch.ones(w.shape[0]))
     assert torch.allclose(w, torch.tensor([0.25, 0.75]).expand_as(w))  # init from weights
     fused = fusion(p)
-    assert torch.allclose(fused, 0.25 * p[0] + 0.75 * p[1], atol=1e-6)
+    assert torch.allclose(fused, by_direction(p, [0.25, 0.75]), atol=1e-5)
     target = p[0].clone()  # loss prefers teacher 0
     ((fused - target) ** 2).mean().backward()
     grad = fusion.logits.grad
@@ -47,7 +55,7 @@ def test_gate_per_layer_weights_apply_per_layer():
     with torch.no_grad():
         fusion.logits.copy_(torch.tensor([[0.0, 0.0], [10.0, -10.0], [-10.0, 10.0]]))
     fused = fusion(p)
-    assert torch.allclose(fused[0], (p[0][0] + p[1][0]) / 2, atol=1e-5)
+    assert torch.allclose(fused[0], by_direction([p[0][0], p[1][0]], [0.5, 0.5]), atol=1e-5)
     assert torch.allclose(fused[1], p[0][1], atol=1e-5)
     assert torch.allclose(fused[2], p[1][2], atol=1e-5)
     with pytest.raises(KavaError, match="3 layers"):
@@ -69,7 +77,7 @@ def test_router_per_token_weights():
     mask[1, 3:] = 0
     fused = fusion(p, feature, mask)
     b, t = 1, 2
-    expected = sum(w[b, t, i] * p[i][:, b, :, t] for i in range(3))
+    expected = by_direction([x[:, b, :, t] for x in p], [w[b, t, i] for i in range(3)])
     assert torch.allclose(fused[:, b, :, t], expected, atol=1e-5)
     logged = fusion.current_weights()
     keep = mask.bool()
@@ -116,3 +124,42 @@ def test_bad_fusion_config(kwargs, word):
 def test_wrong_number_of_targets():
     with pytest.raises(KavaError, match="expected 3"):
         Fusion("fixed", 3)(_targets(2))
+
+
+def _fusion_of(kind, n=2):
+    fusion = Fusion(kind, n, n_layers=SHAPE[0], weights=[0.5, 0.5], feature_dim=6)
+    if kind == "router":
+        torch.nn.init.normal_(fusion.router.weight, std=0.3)  # weights that differ per token
+    return fusion
+
+
+@pytest.mark.parametrize("kind", ["fixed", "gate", "router"])
+def test_projector_scale_does_not_buy_direction(kind):
+    """x10 on one projector's output leaves the fused direction unchanged; the teachers keep their shares."""
+    g = torch.Generator().manual_seed(5)
+    p = [torch.randn(SHAPE, generator=g) for _ in range(2)]  # two unrelated teachers
+    feature = torch.randn(SHAPE[1], SHAPE[3], 6, generator=g)
+    fusion = _fusion_of(kind)
+    fused = fusion(p, feature)
+    scaled = fusion([p[0] * 10, p[1]], feature)
+    assert torch.nn.functional.cosine_similarity(fused, scaled, dim=-1).min() > 0.999
+    # the magnitude (for the beta term) moves by the teacher's log-norm share: x10 ** w_0 per token
+    w0 = fusion.weights(feature)[..., 0]
+    w0 = w0[None, :, None, :] if kind == "router" else w0.reshape(-1)[0]
+    ratio = scaled.norm(dim=-1) / fused.norm(dim=-1)
+    assert torch.allclose(ratio, (10 ** w0).expand_as(ratio), rtol=1e-4)
+    if kind == "fixed":  # at 0.5 / 0.5 each teacher has its share of the direction (raw sums: 0.995 / 0.067)
+        cos = [torch.nn.functional.cosine_similarity(scaled, x, dim=-1).mean().item() for x in p]
+        assert cos[0] == pytest.approx(cos[1], abs=0.05) and min(cos) > 0.6
+
+
+def test_fusion_by_direction_is_eps_safe_and_keeps_dtype():
+    p = _targets(2)
+    p[0][:, 0] = 0.0  # a zero vector has no direction: the other teacher's direction, a tiny magnitude
+    p = [x.requires_grad_(True) for x in p]
+    fused = Fusion("fixed", 2)(p)
+    assert torch.isfinite(fused).all()
+    fused.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in p)
+    half = Fusion("fixed", 2)([x.detach().bfloat16() for x in p])
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half.float()).all()
