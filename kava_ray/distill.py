@@ -17,7 +17,7 @@ from kava_ray.config import JobConfig, OptimConfig
 from kava_ray.errors import KavaError
 from kava_ray.fusion import Fusion
 from kava_ray.kv import KVBatch, student_forward_kv
-from kava_ray.losses import contrast_gap, kv_loss, masked_ce
+from kava_ray.losses import contrast_gap, cos_metrics, drop_shared_prefix, kv_loss, masked_ce
 from kava_ray.models import KVGeometry
 from kava_ray.projectors import TeacherProjector
 
@@ -45,23 +45,42 @@ class Distiller(nn.Module):
 
     def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
         c = self.loss_cfg
-        return kv_loss(c.kind, s, t, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight)
+        return kv_loss(c.kind, s, t, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
+                       center=c.center)
+
+    @staticmethod
+    def _kv_means(mk: dict, mv: dict) -> dict:
+        """cos_sim (centred), cos_raw and cos_per_layer (centred), each the mean of K and V."""
+        per_layer = [(a + b) / 2 for a, b in zip(mk["cos_per_layer"], mv["cos_per_layer"])]
+        return {"cos_sim": (mk["cos_sim"] + mv["cos_sim"]) / 2, "cos_raw": (mk["cos_raw"] + mv["cos_raw"]) / 2,
+                "cos_per_layer": per_layer}
 
     def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
         """Mean of the K and V losses; metrics averaged over K and V."""
         lk, mk = self._kv_loss(skv.keys, tk, mask)
         lv, mv = self._kv_loss(skv.values, tv, mask)
-        per_layer = [(a + b) / 2 for a, b in zip(mk["cos_per_layer"], mv["cos_per_layer"])]
-        return (lk + lv) / 2, {"cos_sim": (mk["cos_sim"] + mv["cos_sim"]) / 2, "cos_per_layer": per_layer}
+        return (lk + lv) / 2, self._kv_means(mk, mv)
+
+    def _kv_mask(self, batch: dict) -> torch.Tensor:
+        """The tokens the KV loss and KV metrics count (`loss.loss_tokens`)."""
+        tokens = self.loss_cfg.loss_tokens
+        if tokens == "answer":
+            return batch["answer_mask"]
+        if tokens == "no_shared_prefix":
+            return drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
+        return batch["attention_mask"]
 
     def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
         """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
 
         Returns (loss, metrics); metrics are detached 0-d tensors on the loss's device (no GPU sync here:
-        the worker converts them once per log step).
+        the worker converts them once per log step). KV metrics: `cos_sim` / `cos/<teacher>` (cosine
+        centred per (layer, head) over the batch's counted tokens: a constant target scores 0),
+        `cos_raw` / `cos_raw/<teacher>` (plain cosine), `cos_layer/{first,middle,last}` (centred),
+        `contrast_gap` (centred, see `losses.contrast_gap`); all the mean of K and V.
         """
         mask = batch["attention_mask"]
-        kv_mask = mask if self.loss_cfg.loss_tokens == "all" else batch["answer_mask"]
+        kv_mask = self._kv_mask(batch)
         router = self.fusion.kind == "router"
         out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
                                       output_hidden_states=router)
@@ -78,33 +97,36 @@ class Distiller(nn.Module):
             tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
             tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
             kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
-            with torch.no_grad():
-                for n in self.names:
-                    metrics[f"cos/{n}"] = self._kv_pair_loss(skv, *projected[n], kv_mask)[1]["cos_sim"]
-            gap_targets = (tk, tv)
+            for n in self.names:
+                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], kv_mask),
+                                     cos_metrics(skv.values, projected[n][1], kv_mask))
+                metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
+            gap = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
         else:
             losses, ms = [], []
             for n in self.names:
                 loss_n, m_n = self._kv_pair_loss(skv, *projected[n], kv_mask)
                 losses.append(loss_n)
                 ms.append(m_n)
-                metrics[f"cos/{n}"] = m_n["cos_sim"]
+                metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
             kvl = self.fusion.combine_losses(losses)
             w = self.fusion.prior.tolist()
             m = {"cos_sim": sum(wi * mi["cos_sim"] for wi, mi in zip(w, ms)),
+                 "cos_raw": sum(wi * mi["cos_raw"] for wi, mi in zip(w, ms)),
                  "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
                                    for i in range(len(ms[0]["cos_per_layer"]))]}
-            # the gap against the weighted mean of the projected teachers
-            gap_targets = tuple(sum(wi * projected[n][j] for wi, n in zip(w, self.names)) for j in (0, 1))
+            # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
+            gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], kv_mask)
+                            + contrast_gap(skv.values, projected[n][1], kv_mask)) / 2
+                      for wi, n in zip(w, self.names))
         c = self.loss_cfg
         loss = c.ce_weight * ce + c.kv_weight * kvl
         layers = m["cos_per_layer"]
         metrics.update(
-            loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"],
+            loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"], cos_raw=m["cos_raw"],
             **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
                "cos_layer/last": layers[-1]},
-            contrast_gap=(contrast_gap(skv.keys, gap_targets[0], kv_mask)
-                          + contrast_gap(skv.values, gap_targets[1], kv_mask)) / 2,
+            contrast_gap=gap,
             tokens=mask.sum(),
             label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
         )
@@ -126,7 +148,18 @@ def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
 
 
 def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (torch) or AdamW8bit (bitsandbytes) for fp32 student weights (student.precision fp32 or
+    bf16-mixed); for bf16 weights (bf16-sr) torchao's AdamW / AdamW8bit with stochastic rounding, because a
+    round-to-nearest optimizer loses bf16 updates below half an ulp. fp16 weights are refused."""
     groups = param_groups(distiller, optim)
+    low = {p.dtype for g in groups for p in g["params"] if p.dtype in (torch.float16, torch.bfloat16)}
+    if torch.float16 in low:
+        raise KavaError("student weights are float16: refused (AdamW overflows them to inf without loss scaling); "
+                        "use student.precision: bf16-mixed or fp32")
+    if low:
+        from kava_ray.precision import sr_adamw
+
+        return sr_adamw(groups, optim)
     if optim.optimizer == "adamw8bit":
         import bitsandbytes as bnb
 

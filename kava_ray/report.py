@@ -1,11 +1,13 @@
 """metrics.jsonl -> PNG plots + a short Markdown summary (and the same headline numbers as text).
 
 A run dir holds `metrics.jsonl`: one JSON object per line, `{"step": int, "kind": "train" | "eval", ...}`.
-Train records may carry loss, ce, kv_loss, cos_sim, cos/<teacher>, cos_layer/{first,middle,last},
-contrast_gap, fusion/<teacher>, lr_student, lr_projector, grad_norm, tokens_per_s, teacher_wait_s, phase
-and time_s (seconds of that step, the interval teacher_wait_s is part of); eval records carry eval/ce,
-eval/cos_sim, eval/contrast_gap, eval/cos/<teacher>. A resumed run re-logs steps: the last record of a
-(kind, step) wins. Records of other kinds are ignored.
+Train records may carry loss, ce, kv_loss, cos_sim, cos_raw, cos/<teacher>, cos_raw/<teacher>,
+cos_layer/{first,middle,last}, contrast_gap, fusion/<teacher>, lr_student, lr_projector, grad_norm,
+tokens_per_s, teacher_wait_s, phase and time_s (seconds of that step, the interval teacher_wait_s is part
+of); eval records carry eval/ce, eval/cos_sim, eval/cos_raw, eval/contrast_gap, eval/cos/<teacher>,
+eval/cos_raw/<teacher>. `cos_sim` and `cos/<teacher>` are centred per (layer, head) over the batch's
+tokens (a constant target scores 0), `cos_raw` is the plain cosine (flattered by constants). A resumed
+run re-logs steps: the last record of a (kind, step) wins. Records of other kinds are ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ _PHASES = [(0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")]
 
 
 def phase(cos: float) -> str:
-    """Training phase name for a mean KV cosine similarity."""
+    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores ~0:
+    "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real keys."""
     return next((name for limit, name in _PHASES if cos < limit), "Excellent")
 
 
@@ -102,7 +105,7 @@ def headline(train: list[dict], evals: list[dict]) -> dict:
                "num_eval_records": len(evals)}
     steps = [r["step"] for r in train] or [r["step"] for r in evals]
     h["first_step"], h["last_step"] = steps[0], steps[-1]
-    for key in ("loss", "ce", "kv_loss", "cos_sim", "contrast_gap"):
+    for key in ("loss", "ce", "kv_loss", "cos_sim", "cos_raw", "contrast_gap"):
         h[key] = _first_last(train, key)
     h["cos"] = {t: _first_last(train, f"cos/{t}") for t in _teachers(train, "cos/")}
     h["eval_ce"] = _first_last(evals, "eval/ce")
@@ -130,7 +133,8 @@ def _fmt(v) -> str:
 
 def _rows(h: dict) -> list[list[str]]:
     """(metric, first, last) rows of the headline numbers that are present."""
-    named = [("loss", h["loss"]), ("ce", h["ce"]), ("kv_loss", h["kv_loss"]), ("cos_sim", h["cos_sim"])]
+    named = [("loss", h["loss"]), ("ce", h["ce"]), ("kv_loss", h["kv_loss"]), ("cos_sim", h["cos_sim"]),
+             ("cos_raw", h["cos_raw"])]
     named += [(f"cos/{t}", fl) for t, fl in h["cos"].items()]
     named += [("contrast_gap", h["contrast_gap"]), ("held-out ce (eval)", h["eval_ce"])]
     return [[name, _fmt(fl[0]), _fmt(fl[1])] for name, fl in named if fl is not None]
@@ -228,9 +232,10 @@ def write_report(run_dir) -> dict:
     teachers = list(h["cos"])
     plots = {name: out / f"{name}.png" for name in ("loss", "cos", "contrast_gap", "teacher_wait")}
     _plot(plots["loss"], "Loss", "loss", [tr("loss"), tr("ce"), tr("kv_loss")], [ev("eval/ce", "ce")])
-    _plot(plots["cos"], "KV cosine similarity", "cos",
-          [tr("cos_sim")] + [tr(f"cos/{t}") for t in teachers],
-          [ev("eval/cos_sim", "cos_sim")] + [ev(f"eval/cos/{t}", f"cos/{t}") for t in teachers])
+    _plot(plots["cos"], "KV cosine similarity (centred; raw for reference)", "cos",
+          [tr("cos_sim")] + [tr(f"cos/{t}") for t in teachers] + [tr("cos_raw")],
+          [ev("eval/cos_sim", "cos_sim")] + [ev(f"eval/cos/{t}", f"cos/{t}") for t in teachers]
+          + [ev("eval/cos_raw", "cos_raw")])
     _plot(plots["contrast_gap"], "Contrast gap (own - other sample's target)", "gap", [tr("contrast_gap")],
           [ev("eval/contrast_gap", "contrast_gap")], hline=(f"collapse threshold {COLLAPSE_GAP}", COLLAPSE_GAP))
     _plot(plots["teacher_wait"], "Teacher wait and throughput", "teacher_wait_s (s)", [tr("teacher_wait_s")],
