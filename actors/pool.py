@@ -116,14 +116,6 @@ def find_pool(cfg: JobConfig, names: Optional[list[str]] = None) -> dict:
     return handles
 
 
-def get_or_start_pool(cfg: JobConfig, detached: bool = False) -> dict:
-    """Attach to the running pool when every teacher is up, else start the missing ones."""
-    try:
-        return find_pool(cfg)
-    except KavaError:
-        return start_pool(cfg, detached=detached)
-
-
 def stop_pool(cfg: JobConfig) -> list[str]:
     """Kill every running teacher of cfg (and its placement group); returns the names stopped."""
     from ray.util import get_placement_group

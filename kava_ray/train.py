@@ -80,11 +80,13 @@ def check_memory(cfg: JobConfig) -> None:
 
 
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
-                 address: Optional[str] = None, progress: bool = True, resume_override: bool = False) -> dict:
+                 address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
+                 restart_teachers: bool = False) -> dict:
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
 
     resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from; resume_override: let
-    optim.*/train.*/data.* differ from the checkpoint's (the new values win).
+    optim.*/train.*/data.* differ from the checkpoint's (the new values win); restart_teachers: replace a
+    running pool that was started for another config instead of refusing it.
     """
     from actors.pool import check_resources, stop_pool
     from kava_ray.checkpoint import check_compatible
@@ -101,7 +103,7 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
     if use_gpu:
         check_memory(cfg)
-    handles, plans, started = setup_teachers(cfg)
+    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
     trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume, resume_override=resume_override)

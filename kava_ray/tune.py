@@ -83,7 +83,7 @@ DEFAULT_EMBEDDED_TRIALS = 2  # concurrent trials an embedded Ray is sized for wh
 
 def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_concurrent: Optional[int] = None,
              resume: Optional[str] = None, name: Optional[str] = None, address: Optional[str] = None,
-             trial=None) -> dict:
+             trial=None, restart_teachers: bool = False) -> dict:
     """Run (or, with `resume` = a sweep dir or name, continue) a sweep; returns the experiment dir, the
     result rows and the best config path.
 
@@ -106,7 +106,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     handles, started, geoms = None, False, {}
     if trial is None:
         check_resources(cfg)
-        handles, plans, started = setup_teachers(cfg)
+        handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
         geoms = {n: p.geometry.to_dict() for n, p in plans.items()}
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),

@@ -181,3 +181,36 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
     t = r["transport"]
     assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
     assert "KVFeed depth 2" in format_feed_bench(r)
+
+
+@pytest.mark.parametrize("override,field", [("teachers.0.model={student}", "model"),
+                                            ("teachers.1.quantization=none", "quantization"),
+                                            ("align.key_space=post_rope", "key_space")])
+def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_student_dir, tmp_path, capsys, override,
+                                                      field):
+    """A pool is found by name; a train whose teachers differ from it fails in one line naming the field,
+    exit 2, before any training starts (no run dir)."""
+    from kava_ray.cli import main
+
+    cfg, _ = pool
+    storage = tmp_path / "runs"
+    args = ["train", "--config", str(tiny_job), override.format(student=tiny_student_dir), f"ray.storage_path={storage}"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: running teacher") and f"{field}=" in err[0], err
+    assert "--restart-teachers" in err[0]
+    assert not storage.exists()  # nothing trained
+
+
+def test_restart_teachers_replaces_a_mismatched_pool(pool, tiny_job):
+    """--restart-teachers: the pool is replaced by one started for the new config (last in this module: it
+    replaces the module's pool, and puts one for the original config back)."""
+    from kava_ray.job import setup_teachers, teacher_geometries
+
+    cfg, handles = pool
+    post = load_config(tiny_job, ["align.key_space=post_rope"])
+    new, plans, started = setup_teachers(post, restart=True)
+    assert started and teacher_geometries(new)["qwen"]["key_space"] == "post_rope"
+    back, _, started = setup_teachers(cfg, restart=True)
+    assert started and teacher_geometries(back)["qwen"]["key_space"] == "pre_rope"
