@@ -88,6 +88,9 @@ class Distiller(nn.Module):
         projected = {}
         for n in self.names:
             t = teacher_kv[n]
+            if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
+                raise KavaError(f"teacher '{n}' sent {t.key_space} keys, the student aligns {self.key_space} keys "
+                                f"(align.key_space)")
             if t.layer_ids != self.layers[n]:
                 raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
             projected[n] = self.projectors[n](t.keys, t.values)  # each [L_s, B, H_s, T, D_s]
@@ -128,6 +131,7 @@ class Distiller(nn.Module):
                "cos_layer/last": layers[-1]},
             contrast_gap=gap,
             tokens=mask.sum(),
+            kv_tokens=(kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
             label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
         )
         metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})

@@ -129,7 +129,8 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
     as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
 
-    CE is weighted by answer tokens (what it averages over), the KV metrics by real tokens. Sums stay
+    CE is weighted by answer tokens (what it averages over), the KV metrics by the tokens the KV loss counts
+    (`loss.loss_tokens`). Sums stay
     float64 tensors until the end: one conversion, not one per batch. `autocast`: a context factory, the
     training step's (`Precision.autocast`), so held-out numbers are computed the way training computes.
     """
@@ -142,7 +143,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype)
     sums: dict = {}
-    weights: dict = {"tokens": 0, "label_tokens": 0}
+    weights: dict = {"kv_tokens": 0, "label_tokens": 0}
     for (_, _, _, batch), kv in feed:
         with autocast():
             _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
@@ -150,10 +151,10 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
             weights[w] = weights[w] + m[w].double()
         sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
         kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
-        for k in kv_keys:  # KV: per real token
-            sums[k] = sums.get(k, 0) + m[k].double() * m["tokens"]
+        for k in kv_keys:  # KV: per token the KV loss counts
+            sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
     distiller.train(was_training)
-    return {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "tokens"]), 1))
+    return {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "kv_tokens"]), 1))
             for k, v in sums.items()}
 
 

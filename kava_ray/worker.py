@@ -28,7 +28,7 @@ import torch
 from kava_ray.config import JobConfig, validate_config
 
 METRICS = "metrics.jsonl"
-SUMMED = ("tokens", "label_tokens")  # counts: summed over micro-batches and ranks; every other metric is a mean
+SUMMED = ("tokens", "kv_tokens", "label_tokens")  # counts: summed over micro-batches and ranks; every other metric is a mean
 
 
 class MetricsLog:
@@ -57,11 +57,13 @@ def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _autocast(device: torch.device):
-    """bf16 autocast on a CUDA device that supports it; nothing elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
+def _precision(cfg: JobConfig, device: torch.device):
+    """`student.precision` on this device (kava_ray/precision.py): the weight dtype the student is loaded in
+    and the autocast factory of every forward (auto: fp32 master weights + bf16 autocast on a CUDA GPU with
+    bf16, plain fp32 on the CPU). The optimizer follows the weight dtype (`distill.build_optimizer`)."""
+    from kava_ray.precision import student_precision
+
+    return student_precision(cfg.student, device)
 
 
 class DistillRecipe:
@@ -71,7 +73,8 @@ class DistillRecipe:
         self.cfg, self.plans = cfg, plans
         self.rank, self.world = rank, world
         self.device = torch.device(device)
-        self.autocast = _autocast(self.device)
+        self.precision = _precision(cfg, self.device)
+        self.autocast = self.precision.autocast
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
@@ -89,7 +92,8 @@ class DistillRecipe:
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
         source_model = str(Path(checkpoint_dir) / "student") if state else cfg.student.model
-        student = load_student(source_model, dtype=cfg.student.dtype, keep=None if state else cfg.student.keep_layers,
+        student = load_student(source_model, dtype=self.precision.weight_dtype,
+                               keep=None if state else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg).to(self.device)
@@ -156,7 +160,8 @@ class DistillRecipe:
         """`eval/*` on the validation split: what checkpoint selection and Tune read."""
         from kava_ray.evaluate import evaluate_heldout
 
-        return evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32)
+        return evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
+                                autocast=self.autocast)
 
     def test(self, source) -> dict[str, float]:
         """`test/*` on the test split, once, after the last step (never used to select anything)."""
@@ -165,7 +170,7 @@ class DistillRecipe:
 
         split = load_test_split(self.cfg, self.tokenizer)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
-                                prefix="test")
+                                prefix="test", autocast=self.autocast)
 
 
 def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
@@ -266,6 +271,7 @@ def train_loop_per_worker(config: dict) -> None:
             continue
         metrics = reduce_metrics(values, world)  # every rank joins the all-reduce
         metrics.pop("label_tokens")
+        metrics.pop("kv_tokens")
         metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop("tokens") / dt,
                        phase=phase(metrics["cos_sim"]), lr_student=lr_student, lr_projector=lr_projector)
         if rank == 0:

@@ -166,6 +166,50 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
     assert len(err) == 1 and "optim.lr_student, train.steps" in err[0] and "--resume-override" in err[0], err
 
 
+def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_process):
+    """A batch of post-RoPE (rotated) keys given to a pre-RoPE student is refused, not silently aligned."""
+    from kava_ray.job import student_geometry, teacher_plans
+
+    cfg = load_config(job_path)
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    _, _, _, batch = BatchStream(train, 2, 0).next()
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    kv = {n: teacher_forward_kv(m, batch["input_ids"], batch["attention_mask"], layers=plans[n].layers,
+                                key_space="post_rope") for n, m in teachers_in_process.items()}
+    student = load_student(cfg.student.model, dtype="float32")
+    with pytest.raises(KavaError, match=r"sent post_rope keys, the student aligns pre_rope keys"):
+        Distiller(student, plans, kv_geometry(student), cfg)(batch, kv)
+
+
+def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_path, teachers_in_process):
+    """With loss_tokens=answer the held-out KV cosine averages over answer tokens, as the loss does."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.evaluate import evaluate_heldout
+    from kava_ray.job import eval_stream, student_geometry, teacher_plans
+
+    cfg = load_config(job_path, ["loss.loss_tokens=answer"])
+    tok, _ = student_tokenizer(cfg)
+    _, val = load_splits(cfg, tok)
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg).eval()
+    source = InProcessSource(teachers_in_process)
+    got = evaluate_heldout(distiller, source, plans, val, cfg, "cpu", torch.float32)
+    stream = eval_stream(val, cfg)
+    num = den = 0.0
+    with torch.no_grad():
+        for (_, _, _, batch), kv in KVFeed(source, feed_items(stream, stream.steps_per_epoch),
+                                           {n: p.layers for n, p in plans.items()}):
+            _, m = distiller(batch, kv)
+            answer = float(batch["answer_mask"].sum())
+            assert float(m["kv_tokens"]) == answer < float(m["tokens"])
+            num, den = num + float(m["cos_sim"]) * answer, den + answer
+    assert got["eval/cos_sim"] == pytest.approx(num / den, rel=1e-6)
+
+
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
