@@ -29,7 +29,7 @@ from kava_ray.errors import KavaError
 SPACE_PACKAGE = "tune_spaces"
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 # metrics whose direction is unambiguous; a space that optimises them the wrong way is a mistake
-_DIRECTION = {"eval/ce": "min", "eval/cos_sim": "max"}
+_DIRECTION = {"eval/ce": "min", "eval/cos_sim": "max", "eval/cos_raw": "max", "eval/contrast_gap": "max"}
 
 
 class _Strict(BaseModel):
@@ -92,7 +92,7 @@ class SpaceSpec(_Strict):
         if not self.metric.startswith("eval/"):
             raise ValueError(f"metric {self.metric!r}: must be a held-out metric reported every eval_steps "
                              "(eval/cos_sim, eval/ce, eval/contrast_gap, eval/cos/<teacher>)")
-        want = "max" if self.metric.startswith("eval/cos/") else _DIRECTION.get(self.metric)
+        want = "max" if self.metric.startswith(("eval/cos/", "eval/cos_raw/")) else _DIRECTION.get(self.metric)
         if want and want != self.mode:
             raise ValueError(f"mode {self.mode!r}: {self.metric} is optimised with mode {want}")
         grids = [k for k, d in self.params.items() if "grid" in d]
