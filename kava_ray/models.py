@@ -61,6 +61,20 @@ def _rope_theta(config) -> float | None:
     return None
 
 
+def _num_kv_heads(config, heads: int) -> int:
+    """KV heads per layer as the cache holds them: num_key_value_heads (GQA), 1 for multi-query configs
+    without it, and Falcon's own rules (its 40B-style "new decoder architecture" caches K, V broadcast
+    to every query head)."""
+    if getattr(config, "model_type", "") == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            return heads
+        return 1 if getattr(config, "multi_query", False) else heads
+    n = getattr(config, "num_key_value_heads", None)
+    if n:
+        return int(n)
+    return 1 if getattr(config, "multi_query", False) else heads
+
+
 def kv_geometry(config) -> KVGeometry:
     """KV geometry of a HF config (or a model): honours config.head_dim and GQA (num_key_value_heads)."""
     config = getattr(config, "config", config)  # a model was passed
@@ -70,7 +84,7 @@ def kv_geometry(config) -> KVGeometry:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return KVGeometry(
         num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=_num_kv_heads(config, heads),
         head_dim=int(head_dim),
         num_attention_heads=heads,
         hidden_size=config.hidden_size,
@@ -279,8 +293,11 @@ def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=No
 # ------------------------------------------------------------------------------------------- RoPE
 
 
-def rotary_embedding(model):
-    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2), or KavaError."""
+def rotary_embedding(model, required: bool = True):
+    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2).
+
+    Without one: KavaError, or None when `required` is False.
+    """
     for path in ("model.rotary_emb", "rotary_emb", "model.language_model.rotary_emb", "model.model.rotary_emb"):
         mod = model
         for part in path.split("."):
@@ -289,11 +306,33 @@ def rotary_embedding(model):
                 break
         if mod is not None:
             return mod
-    # fall back to the shallowest module named *rotary_emb (older per-attention rotary modules)
+    # fall back to the shallowest module named *rotary_emb (e.g. transformer.rotary_emb, gpt_neox.rotary_emb)
     found = sorted((n.count("."), n, m) for n, m in model.named_modules() if n.split(".")[-1] == "rotary_emb")
     if found:
         return found[0][2]
+    if not required:
+        return None
     raise KavaError(f"{type(model).__name__} has no rotary embedding; use key_space: post_rope")
+
+
+# config keys that mean "keys are rotated by position" (a family may rotate inside its attention, without a
+# rotary module: GPT-J's rotary_dim)
+_ROTARY_CONFIG_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct",
+                       "rotary_emb_base", "partial_rotary_factor")
+
+
+def uses_rotary(model) -> bool:
+    """Whether the model rotates its keys by position (RoPE): it has a rotary module or its config names
+    rotary parameters. False for learned / sinusoidal absolute positions and ALiBi (GPT-2, OPT, BLOOM,
+    GPT-BigCode, Falcon with alibi), whose cached keys are already position-free."""
+    config = getattr(model, "config", model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    if getattr(config, "alibi", False):
+        return False
+    if rotary_embedding(model, required=False) is not None:
+        return True
+    return any(getattr(config, k, None) is not None for k in _ROTARY_CONFIG_KEYS)
 
 
 # ------------------------------------------------------------------------------------ layer drop
