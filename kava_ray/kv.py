@@ -1,10 +1,17 @@
-"""KV caches as data: extraction from HF caches, RoPE de-rotation, and a compact wire format.
+"""KV caches as data: extraction (pre-RoPE keys exact on every family), and a compact wire format.
 
 A KVBatch holds K and V of the selected layers stacked as [L, B, H_kv, T, D]. Keys are "pre_rope"
-(the k_proj output, comparable across models with different RoPE frequencies; default) or
+(the key before rotation, comparable across models with different RoPE frequencies; default) or
 "post_rope" (as cached). Values are never rotated.
 
-Positions: a forward with a padded batch must use the same position ids the de-rotation uses.
+Pre-RoPE keys are captured where the model computes them: forward hooks on the module whose output
+is the key before rotation (the k-norm when the family has one, else k_proj, else the fused q/k/v
+projection split by the family's layout) and on the value projection. That is exact for full,
+partial, interleaved and per-layer-type rotary, for layers without RoPE and for models without
+rotary (whose keys are served as they are); `teacher_forward_kv` checks the capture against the
+cache it fills. A family whose keys cannot be read this way is refused with one KavaError line.
+
+Positions: a forward with a padded batch must use the same position ids the rotation uses.
 `position_ids_from_mask` is that single convention (HF generation's: cumsum(mask) - 1, pads -> 0);
 `teacher_forward_kv` / `student_forward_kv` pass it to the forward, and `extract_kv` derives it
 from `mask` when no position_ids are given. If you run the forward yourself with a padded batch,
@@ -13,6 +20,7 @@ pass `position_ids=position_ids_from_mask(mask)` to it as well.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -20,7 +28,7 @@ import numpy as np
 import torch
 
 from kava_ray.errors import KavaError
-from kava_ray.models import KVGeometry, rotary_embedding
+from kava_ray.models import KVGeometry, kv_geometry, rotary_embedding, uses_rotary
 
 KEY_SPACES = ("pre_rope", "post_rope")
 WIRE_VERSION = 1
@@ -168,11 +176,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _family(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", "") or type(model).__name__
+
+
+def _llama_rotary_problem(model) -> str | None:
+    """None when the model rotates every layer's keys Llama-style (one rotary module, rotary over the full
+    head_dim, rotate_half pairing), so `_rope` can (un)rotate cached keys exactly; else why not."""
+    rotary = rotary_embedding(model, required=False)
+    if rotary is None:
+        return "no rotary module"
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    if any(getattr(config, k, None) for k in ("no_rope_layers", "no_rope_layer_interval")):
+        return "layers without RoPE"
+    attn = attention_layers(model)
+    family_module = sys.modules.get(type(attn[0]).__module__) if attn else None
+    theirs = getattr(family_module, "rotate_half", None)
+    probe = torch.arange(8, dtype=torch.float32)
+    if theirs is None or not torch.equal(theirs(probe), rotate_half(probe)):
+        return "rotary that is not rotate_half (e.g. interleaved pairs)"
+    dev = getattr(rotary, "inv_freq", probe).device
+    try:
+        cos, _ = rotary(torch.zeros(1, device=dev), torch.zeros(1, 1, dtype=torch.long, device=dev))
+    except TypeError:
+        return "rotary parameters per layer type"
+    if cos.shape[-1] != kv_geometry(model).head_dim:
+        return f"partial rotary ({cos.shape[-1]} of {kv_geometry(model).head_dim} dims)"
+    return None
+
+
 def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
     """Rotate (or un-rotate) keys [L, B, H, T, D] with the model's own rotary embedding, in float32.
 
-    HF applies k * cos + rotate_half(k) * sin with cos/sin already multiplied by attention_scaling s,
-    so the inverse is (k * cos - rotate_half(k) * sin) / s**2 (s = 1 for default RoPE).
+    Only for Llama-style rotary (`_llama_rotary_problem` is None). HF applies k * cos + rotate_half(k) * sin
+    with cos/sin already multiplied by attention_scaling s, so the inverse is
+    (k * cos - rotate_half(k) * sin) / s**2 (s = 1 for default RoPE).
     """
     rotary = rotary_embedding(model)
     x = keys.float()
@@ -186,6 +227,282 @@ def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) 
     else:
         out = x * cos + rotate_half(x) * sin
     return out.to(keys.dtype)
+
+
+def _rotate_outside_forward(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Keys [L, B, H, T, D] between pre- and post-RoPE space without a forward: unchanged for a model
+    without rotary, the model's own rotary for Llama-style rotary, KavaError for other rotary."""
+    if not uses_rotary(model):
+        return keys
+    problem = _llama_rotary_problem(model)
+    if problem is None:
+        return _rope(keys, model, position_ids, inverse=inverse)
+    if inverse:
+        raise KavaError(
+            f"{_family(model)}: cannot de-rotate cached keys ({problem}); teacher_forward_kv / student_forward_kv "
+            "capture exact pre-RoPE keys for this family, or use key_space post_rope"
+        )
+    raise KavaError(
+        f"{_family(model)}: post_rope keys under gradient checkpointing need Llama-style rotary ({problem}); "
+        "turn gradient checkpointing off or use align.key_space: pre_rope"
+    )
+
+
+# ------------------------------------------------------------------------ capture at the projections
+#
+# Pre-RoPE keys are taken where the model computes them: forward hooks on the module whose output is the
+# key before rotation -- the k-norm when the family has one (Qwen3, OLMo2, Gemma3, Cohere, Phi, StableLM,
+# Persimmon), else k_proj, else the fused q/k/v projection split by the family's layout -- and on the
+# value projection (or v-norm). That is exact for every rotary variant (full, partial, interleaved, per
+# layer type, layers without RoPE) and for models without rotary, and it keeps autograd.
+
+_FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn")
+_K_NORMS = ("k_norm", "k_layernorm")
+_V_NORMS = ("v_norm",)
+
+
+def _child(module, name):
+    m = getattr(module, name, None)
+    return m if isinstance(m, torch.nn.Module) else None
+
+
+def attention_layers(model) -> list[torch.nn.Module]:
+    """The decoder's self-attention modules in layer order: modules with a `layer_idx` and a key
+    projection (k_proj + v_proj, or a fused qkv_proj / query_key_value / c_attn)."""
+    mods = [
+        m for m in model.modules()
+        if hasattr(m, "layer_idx")
+        and (
+            (_child(m, "k_proj") is not None and _child(m, "v_proj") is not None)
+            or any(_child(m, n) is not None for n in _FUSED_QKV)
+        )
+    ]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _refuse(model, attn, why: str) -> KavaError:
+    name = type(attn).__name__ if attn is not None else type(model).__name__
+    return KavaError(
+        f"{_family(model)} ({name}): cannot take pre-RoPE keys: {why}; use align.key_space: post_rope"
+    )
+
+
+def _split_concat(out, hq: int, hkv: int, d: int):
+    """[q (hq*d) | k (hkv*d) | v (hkv*d)] (Phi3, GPT-2, multi-query GPT-BigCode and Falcon) -> k, v [B, T, hkv, d]."""
+    B, T = out.shape[:2]
+    q_end, k_end = hq * d, hq * d + hkv * d
+    return out[..., q_end:k_end].reshape(B, T, hkv, d), out[..., k_end : k_end + hkv * d].reshape(B, T, hkv, d)
+
+
+def _split_grouped(out, hq: int, hkv: int, d: int, broadcast: bool = False):
+    """Per KV head [q_1 .. q_g | k | v], g = hq // hkv (GPT-NeoX, BLOOM, Persimmon, GPT-BigCode and Falcon
+    with g = 1; Falcon-40B style with g > 1, which caches K, V broadcast to every query head)."""
+    B, T = out.shape[:2]
+    g = hq // hkv
+    x = out.reshape(B, T, hkv, g + 2, d)
+    k, v = x[..., g, :], x[..., g + 1, :]
+    if broadcast and g > 1:
+        k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    return k, v
+
+
+def _fused_split(model, attn):
+    """How the family lays K and V out in its fused q/k/v projection, or KavaError for an unknown one."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    family, hq, d = getattr(config, "model_type", ""), config.num_attention_heads, kv_geometry(config).head_dim
+    if family == "phi3":
+        return lambda out: _split_concat(out, hq, config.num_key_value_heads, d)
+    if family == "gpt2":
+        return lambda out: _split_concat(out, hq, hq, d)
+    if family == "gpt_bigcode":
+        if getattr(config, "multi_query", False):
+            return lambda out: _split_concat(out, hq, 1, d)
+        return lambda out: _split_grouped(out, hq, hq, d)
+    if family in ("gpt_neox", "bloom", "persimmon"):
+        return lambda out: _split_grouped(out, hq, hq, d)
+    if family == "falcon":
+        if getattr(config, "new_decoder_architecture", False):
+            return lambda out: _split_grouped(out, hq, config.num_kv_heads, d, broadcast=True)
+        if getattr(config, "multi_query", False):
+            return lambda out: _split_concat(out, hq, 1, d)
+        return lambda out: _split_grouped(out, hq, hq, d)
+    raise _refuse(model, attn, "its fused q/k/v projection has no known layout")
+
+
+@dataclass
+class _Tap:
+    """Where one attention layer's pre-RoPE K and V are read."""
+
+    layer: int
+    head_dim: int
+    proj: torch.nn.Module  # k_proj, or the fused q/k/v projection
+    v_proj: torch.nn.Module | None  # None when fused
+    split: object  # fused: projection output -> (k, v) [B, T, H, D]; else None
+    k_norm: torch.nn.Module | None
+    v_norm: torch.nn.Module | None
+
+
+def _taps(model, ids: list[int]) -> list[_Tap]:
+    attn = attention_layers(model)
+    geom = kv_geometry(model)
+    if not attn:
+        raise _refuse(model, None, "no attention layer with k_proj/v_proj or a fused q/k/v projection "
+                                   "(e.g. multi-head latent attention)")
+    if len(attn) != geom.num_layers or [m.layer_idx for m in attn] != list(range(len(attn))):
+        raise _refuse(model, attn[0], f"found {len(attn)} attention layers for {geom.num_layers} decoder layers "
+                                      "(hybrid or shared-attention architecture)")
+    taps = []
+    for i in ids:
+        m = attn[i]
+        fused = next((_child(m, n) for n in _FUSED_QKV if _child(m, n) is not None), None)
+        separate = _child(m, "k_proj") is not None
+        taps.append(_Tap(
+            layer=i,
+            head_dim=geom.head_dim,
+            proj=m.k_proj if separate else fused,
+            v_proj=m.v_proj if separate else None,
+            split=None if separate else _fused_split(model, m),
+            k_norm=next((_child(m, n) for n in _K_NORMS if _child(m, n) is not None), None),
+            v_norm=next((_child(m, n) for n in _V_NORMS if _child(m, n) is not None), None),
+        ))
+    return taps
+
+
+def _heads(t: torch.Tensor, B: int, T: int, D: int, transposed_input: bool) -> torch.Tensor:
+    """A captured key/value tensor -> [B, H, T, D]. Accepts [B, T, H*D], [B, T, H, D] and [B, H, T, D]
+    (a norm applied after the head transpose, as in Phi and StableLM). When T == H the shape cannot tell
+    the last two apart; the norm's input then can: a transposed view of the projection output."""
+    if t.dim() == 3 and tuple(t.shape[:2]) == (B, T) and t.shape[2] % D == 0:
+        return t.reshape(B, T, -1, D).transpose(1, 2)
+    if t.dim() == 4 and t.shape[0] == B and t.shape[3] == D:
+        bthd, bhtd = t.shape[1] == T, t.shape[2] == T
+        if bthd and (not bhtd or not transposed_input):
+            return t.transpose(1, 2)
+        if bhtd:
+            return t
+    raise KavaError(f"captured tensor of shape {tuple(t.shape)} is not [B, T, H*D], [B, T, H, D] or [B, H, T, D] "
+                    f"(B={B}, T={T}, D={D}); use align.key_space: post_rope")
+
+
+class _Capture:
+    """Forward hooks that capture pre-RoPE K and V of the selected layers during one forward.
+
+    Each hooked module must run once per forward; later calls (a shared module) fail loudly. Hooks are
+    removed on exit, so a gradient-checkpointing recompute during backward captures nothing.
+    """
+
+    def __init__(self, model, ids: list[int]):
+        self.model = model
+        self.taps = _taps(model, ids)
+        self.outputs: dict[tuple[int, str], tuple[torch.Tensor, bool]] = {}
+        self.handles: list = []
+
+    def _hook(self, key):
+        def fn(_mod, inputs, out):
+            if key in self.outputs:
+                raise KavaError(f"{_family(self.model)}: layer {key[0]} {key[1]} ran twice in one forward "
+                                "(shared module); cannot take pre-RoPE keys, use align.key_space: post_rope")
+            x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
+            transposed = x is not None and x.dim() == 4 and x.stride(1) < x.stride(2)
+            self.outputs[key] = (out, transposed)
+
+        return fn
+
+    def __enter__(self) -> "_Capture":
+        try:
+            for tap in self.taps:
+                mods = {"proj": tap.proj, "v_proj": tap.v_proj, "k_norm": tap.k_norm, "v_norm": tap.v_norm}
+                for name, mod in mods.items():
+                    if mod is not None:
+                        self.handles.append(mod.register_forward_hook(self._hook((tap.layer, name))))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _get(self, tap: _Tap, name: str):
+        if (tap.layer, name) not in self.outputs:
+            raise _refuse(self.model, None, f"layer {tap.layer}: its {name} did not run in the forward")
+        out, transposed = self.outputs[(tap.layer, name)]
+        if not torch.is_tensor(out):
+            raise _refuse(self.model, None, f"layer {tap.layer}: its {name} returned {type(out).__name__}")
+        return out, transposed
+
+    def _norm_heads(self, tap: _Tap, name: str, B: int, T: int) -> torch.Tensor:
+        out, transposed = self._get(tap, name)
+        return _heads(out, B, T, tap.head_dim, transposed)
+
+    def pairs(self, B: int, T: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per selected layer (K, V), each [B, H_kv, T, D]: K after the k-norm, V after the v-norm, if any."""
+        result = []
+        for tap in self.taps:
+            D = tap.head_dim
+            out, _ = self._get(tap, "proj")
+            if tap.split is not None:
+                k, v = (x.transpose(1, 2) for x in tap.split(out))
+            else:
+                k = _heads(out, B, T, D, False)
+                v = _heads(self._get(tap, "v_proj")[0], B, T, D, False)
+            if (tap.layer, "k_norm") in self.outputs:  # the norm ran: its output is what gets rotated
+                k = self._norm_heads(tap, "k_norm", B, T)
+            if (tap.layer, "v_norm") in self.outputs:
+                v = self._norm_heads(tap, "v_norm", B, T)
+            result.append((k, v))
+        return result
+
+
+def _check_against_cache(model, keys, values, ids: list[int], cache, mask) -> None:
+    """Guard against a wrong capture: per selected layer, the captured V must equal the cached V and the
+    captured K must have the cached K's norm per token and head up to one constant (a rotation keeps
+    norms; rotary attention scaling multiplies them by one factor). Sliding-window layers cache only the
+    last tokens: those are compared. KavaError (one line) on a mismatch."""
+    try:
+        per_layer = _cache_layers(cache)
+    except TypeError:
+        return  # the family returns no standard cache: nothing to compare with
+    if len(per_layer) <= max(ids):
+        return
+    half = keys.dtype in (torch.float16, torch.bfloat16)
+    tol = 3e-2 if half else 1e-3
+    T = keys.shape[3]
+    for j, i in enumerate(ids):
+        kc, vc = per_layer[i]
+        if kc is None or vc is None or kc.dim() != 4 or kc.shape[2] == 0:
+            continue
+        Tc = kc.shape[2]
+        why = None
+        if tuple(kc.shape[:2]) != tuple(keys.shape[1:3]) or kc.shape[3] != keys.shape[4] or Tc > T:
+            why = f"cached K {tuple(kc.shape)} vs captured {tuple(keys.shape[1:])}"
+        else:
+            k, v = keys[j][:, :, T - Tc:].float(), values[j][:, :, T - Tc:].float()
+            kc, vc = kc.to(k.device).float(), vc.to(k.device).float()
+            real = torch.ones(k.shape[0], Tc, dtype=torch.bool, device=k.device) if mask is None else mask[:, T - Tc:]
+            real = real.to(k.device).bool()[:, None, :].expand(k.shape[:3])  # [B, H, Tc]
+            if v.shape != vc.shape:
+                why = f"cached V {tuple(vc.shape)} vs captured {tuple(v.shape)}"
+            elif real.any():
+                v_err = (v - vc).abs().amax(-1)[real].max()
+                if v_err > tol * (vc.abs().amax() + 1e-12):
+                    why = f"values differ by {float(v_err):.3g}"
+                else:
+                    n_pre, n_post = k.norm(dim=-1)[real], kc.norm(dim=-1)[real]
+                    ok = n_pre > 1e-6 * (n_pre.max() + 1e-30)
+                    if ok.any():
+                        ratio = n_post[ok] / n_pre[ok]
+                        scale = ratio.median()
+                        spread = float((ratio - scale).abs().max() / scale)
+                        if spread > tol:
+                            why = f"key norms differ from the cached keys' by up to {spread:.1%}"
+        if why:
+            raise KavaError(
+                f"{_family(model)}: keys captured at the projection are not the cached keys of layer {i} before "
+                f"rotation ({why}); pre-RoPE keys are not supported for this family, use align.key_space: post_rope"
+            )
 
 
 # ------------------------------------------------------------------------------------- extraction
@@ -227,7 +544,10 @@ def extract_kv(
     """Stack the selected layers of a cache into a KVBatch; de-rotate keys for key_space="pre_rope".
 
     position_ids: [B, T] or [T] positions the forward used; default position_ids_from_mask(mask), or
-    arange(T) without a mask. pre_rope needs `model` (for its rotary embedding). Keeps autograd.
+    arange(T) without a mask. pre_rope needs `model`: a model without rotary keeps its cached keys; a
+    Llama-style rotary (full head_dim, rotate_half) is undone with the model's own rotary embedding;
+    other rotary variants raise KavaError -- `teacher_forward_kv` / `student_forward_kv` capture exact
+    pre-RoPE keys at the projections for every family. Keeps autograd.
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -258,7 +578,7 @@ def extract_kv(
         if position_ids is None:
             position_ids = position_ids_from_mask(mask) if mask is not None else torch.arange(T, device=dev)
         position_ids = position_ids.reshape(-1, T)  # [B or 1, T]
-        keys = _rope(keys, model, position_ids, inverse=True)
+        keys = _rotate_outside_forward(keys, model, position_ids, inverse=True)
     return KVBatch(keys, values, ids, mask, key_space)
 
 
@@ -271,55 +591,38 @@ def _forward_inputs(model, input_ids, attention_mask):
     return input_ids, attention_mask, position_ids_from_mask(attention_mask)
 
 
+def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
+    dev = pairs[0][0].device  # with device_map="auto" layers may live on different GPUs
+    keys = torch.stack([k.to(dev) for k, _ in pairs])  # [L, B, H, T, D]
+    values = torch.stack([v.to(dev) for _, v in pairs])
+    return KVBatch(keys, values, ids, attention_mask.to(dev).bool(), key_space)
+
+
 def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope") -> KVBatch:
     """Inference forward (no LM head) with explicit position ids -> KVBatch of the selected layers.
 
+    pre_rope: K and V captured at the projections during the forward (exact on every family; checked
+    against the cache the forward fills); post_rope: K and V as the cache holds them.
     input_ids, attention_mask: [B, T]. The returned tensors are ordinary (not inference-mode)
     tensors on the model's device, in the model's dtype.
     """
+    if key_space not in KEY_SPACES:
+        raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
     input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
     base = getattr(model, "base_model", model)  # the decoder without the LM head: logits are not needed
-    with torch.inference_mode():
-        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
-    with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
-        return extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
-
-
-def _attention_modules(model) -> list:
-    """Attention modules in layer order (modules with k_proj, v_proj and layer_idx)."""
-    mods = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")]
-    return sorted(mods, key=lambda m: m.layer_idx)
-
-
-def _hooked_forward(model, ids, **kwargs):
-    """Forward capturing pre-RoPE K (k_proj, or k_norm when present) and V per selected layer.
-
-    Used when gradient checkpointing is on in training: HF then disables the cache. Hooks are
-    removed before backward, so the checkpoint recompute does not capture twice.
-    """
-    attn = _attention_modules(model)
-    captured: dict[tuple[int, str], torch.Tensor] = {}
-    handles = []
-
-    def hook(key, head_dim):
-        def fn(_mod, _inp, out):
-            B, T = out.shape[0], out.shape[1]
-            captured.setdefault(key, out.reshape(B, T, -1, head_dim).transpose(1, 2))  # [B, H, T, D]
-
-        return fn
-
-    try:
-        for i in ids:
-            m = attn[i]
-            k_mod = m.k_norm if getattr(m, "k_norm", None) is not None else m.k_proj  # Qwen3: norm before RoPE
-            v_mod = m.v_norm if getattr(m, "v_norm", None) is not None else m.v_proj
-            handles.append(k_mod.register_forward_hook(hook((i, "k"), m.head_dim)))
-            handles.append(v_mod.register_forward_hook(hook((i, "v"), m.head_dim)))
-        out = model(**kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return out, [(captured[(i, "k")], captured[(i, "v")]) for i in ids]
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
+    if key_space == "post_rope":
+        with torch.inference_mode():
+            out = base(**kwargs)
+        with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
+            return extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+    ids = _check_layers(layers, kv_geometry(model).num_layers)
+    with _Capture(model, ids) as cap, torch.inference_mode():
+        out = base(**kwargs)
+    with torch.no_grad():
+        kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
+        _check_against_cache(model, kv.keys, kv.values, ids, out.past_key_values, kv.mask)
+    return kv
 
 
 def _checkpointing(model) -> bool:
@@ -337,8 +640,9 @@ def student_forward_kv(
 
     Extra keyword arguments go to the model's forward (e.g. output_hidden_states=True).
 
-    Normally K, V come from the cache. With gradient checkpointing in training mode HF disables the
-    cache, so pre-RoPE K and V are captured from the attention projections instead (same values).
+    pre_rope: K and V captured at the projections, as in `teacher_forward_kv` (checked against the cache
+    when there is one). post_rope: the cache; with gradient checkpointing in training mode HF disables the
+    cache, so the captured keys are rotated with the model's own rotary (Llama-style rotary, or none).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -346,14 +650,17 @@ def student_forward_kv(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, **forward_kwargs)
     if labels is not None:
         kwargs["labels"] = labels.to(input_ids.device)
-    if not (model.training and _checkpointing(model)):
+    cached = not (model.training and _checkpointing(model))
+    if key_space == "post_rope" and cached:
         out = model(**kwargs, use_cache=True)
         return out, extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
-    ids = _check_layers(layers, len(_attention_modules(model)))
-    out, pairs = _hooked_forward(model, ids, use_cache=False, **kwargs)
-    dev = pairs[0][0].device
-    keys = torch.stack([k.to(dev) for k, _ in pairs])  # [L, B, H, T, D], pre-RoPE
-    values = torch.stack([v.to(dev) for _, v in pairs])
+    ids = _check_layers(layers, kv_geometry(model).num_layers)
+    with _Capture(model, ids) as cap:
+        out = model(**kwargs, use_cache=cached)
+    kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
+    if cached:
+        with torch.no_grad():
+            _check_against_cache(model, kv.keys, kv.values, ids, out.past_key_values, kv.mask)
     if key_space == "post_rope":
-        keys = _rope(keys, model, pos, inverse=False)
-    return out, KVBatch(keys, values, ids, attention_mask.to(dev).bool(), key_space)
+        kv.keys = _rotate_outside_forward(kv.keys, model, pos, inverse=False)
+    return out, kv
