@@ -49,11 +49,33 @@ class TeacherConfig(_Section):
         return v
 
 
+# student.precision -> the dtype the student's weights are stored in (kava_ray/precision.py has the policies)
+PRECISION_WEIGHT_DTYPE = {"auto": "float32", "fp32": "float32", "bf16-mixed": "float32", "bf16-sr": "bfloat16"}
+
+
 class StudentConfig(_Section):
     model: str = Field(min_length=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # auto: bf16-mixed on a CUDA GPU with bf16, fp32 elsewhere | fp32 | bf16-mixed (fp32 master weights, bf16
+    # autocast) | bf16-sr (bf16 weights, torchao AdamW with stochastic rounding); see kava_ray/precision.py
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # stored weights: auto = the policy's
     keep_layers: Optional[list[int]] = None  # build the student by keeping these layers of `model`
     gradient_checkpointing: bool = False
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype_follows_precision(cls, v, info):
+        if v == "float16":
+            raise ValueError("float16 student weights are refused (AdamW overflows them to inf without loss "
+                             "scaling); use student.precision: bf16-mixed (fp32 weights, bf16 compute) or fp32")
+        policy = info.data.get("precision")  # absent when precision itself failed validation
+        if v == "auto" or policy is None or v == PRECISION_WEIGHT_DTYPE[policy]:
+            return v
+        if v == "bfloat16":
+            raise ValueError(f"bfloat16 weights train only with student.precision: bf16-sr (plain AdamW rounds "
+                             f"small bf16 updates away), not {policy}; or leave student.dtype: auto")
+        raise ValueError(f"student.precision {policy} stores {PRECISION_WEIGHT_DTYPE[policy]} weights; "
+                         f"leave student.dtype: auto")
 
 
 class DataConfig(_Section):
