@@ -7,15 +7,18 @@ from a short ordered list that makes it fit. Geometry and parameter counts come 
 models table (`kava_ray.known_models`) or from the model's config on the meta device: nothing is
 downloaded and no weights are loaded.
 
-Memory model (B = batch_size, T = max_length, a = activation bytes: 2 under bf16 autocast on a
-GPU, 4 for fp32 on the CPU; h hidden, q = heads*head_dim, i intermediate, kv = kv_heads*head_dim):
+Memory model (B = batch_size, T = max_length, a = activation bytes: 2 under bf16 autocast
+(student.precision bf16-mixed / bf16-sr), 4 for fp32; h hidden, q = heads*head_dim, i intermediate,
+kv = kv_heads*head_dim):
 
-- weights: bf16/fp16 2 B/param, fp32 4; 8-bit ~1.03 B and NF4 ~0.55 B per decoder Linear
+- teacher weights: bf16/fp16 2 B/param, fp32 4; 8-bit ~1.03 B and NF4 ~0.55 B per decoder Linear
   param (4-bit codes + blockwise absmax), embeddings / LM head / norms stay in the compute dtype.
-- student grads: one per param in the param dtype; AdamW: exp_avg + exp_avg_sq in the param
-  dtype (torch keeps states like the param: 8 B/param fp32, 4 B bf16); adamw8bit: 2 B/param.
-  student.dtype auto = bf16 on a GPU, fp32 on the CPU. Projectors and fusion are always fp32
-  (params, grads, states); on a GPU autocast also keeps a bf16 copy of every Linear weight.
+- student, per param, by its precision policy (`kava_ray.precision.student_bytes_per_param`; auto =
+  bf16-mixed on a GPU, fp32 on the CPU): fp32 and bf16-mixed keep fp32 weights and grads (4 + 4 B)
+  and AdamW states (8 B; adamw8bit 2 B); bf16-mixed adds the bf16 copy autocast makes of every weight
+  a matmul reads (decoder Linears and the LM head: 2 B each). bf16-sr keeps bf16 weights and grads
+  (2 + 2 B) and torchao's states (adamw: bf16, 4 B; adamw8bit: 2 B). Projectors and fusion are
+  always fp32 (params, grads, states); under autocast a bf16 copy of every projector Linear weight.
 - student activations, per layer per token, in elements (counted from the tensors autograd saves
   for a HF Qwen2/Llama decoder layer with SDPA; see ACT_* below): 6h + 4q + 4i + T.
   With gradient checkpointing a layer keeps only its input (h) and one layer is recomputed at a
@@ -49,6 +52,7 @@ from kava_ray.errors import KavaError
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.kv import kv_bytes_per_token
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config
+from kava_ray.precision import planned_policy, student_bytes_per_param
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -206,16 +210,21 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     """Bytes of one student worker: weights, grads, optimizer, activations, logits, projectors, KV."""
     g, B, T = s.geometry, cfg.train.batch_size, cfg.train.max_length
     tokens = B * T
-    wb = _dtype_bytes(cfg.student.dtype, on_gpu)
-    a = 2 if on_gpu else wb  # train.py runs the forward under bf16 autocast on a GPU
+    policy = planned_policy(cfg.student.precision, on_gpu)
+    per = student_bytes_per_param(policy, cfg.optim.optimizer)
+    a = 4 if policy == "fp32" else 2  # activations under bf16 autocast
     P = s.total
     adam8 = cfg.optim.optimizer == "adamw8bit"
-    opt_b = 2 if adam8 else 2 * wb
+    label = {"fp32": "fp32", "bf16-mixed": "fp32 master", "bf16-sr": "bf16"}[policy]
+    sr = ", stochastic rounding" if policy == "bf16-sr" else ""
     items = {
-        f"student weights ({_dtype_name(cfg.student.dtype, on_gpu)})": P * wb,
-        "student grads": P * wb,
-        f"student optimizer ({cfg.optim.optimizer})": P * opt_b,
+        f"student weights ({label})": P * per["weights"],
+        "student grads": P * per["grads"],
+        f"student optimizer ({cfg.optim.optimizer}{sr})": P * per["optimizer"],
     }
+    if per["autocast_copy"]:  # decoder Linears + the LM head (the embedding matrix when tied)
+        read_by_matmuls = s.params["linear"] + (s.params["lm_head"] or s.params["embed"])
+        items["student bf16 autocast copies"] = read_by_matmuls * per["autocast_copy"]
     h, q, i, kv, L = g.hidden_size, s.q_dim, s.intermediate, g.kv_dim, g.num_layers
     per_layer = ACT_H * h + ACT_Q * q + ACT_I * i + ACT_T * T  # elements per token
     if cfg.student.gradient_checkpointing:
@@ -230,7 +239,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     # copies autocast keeps of Linear weights, and the activations the projectors save for backward
     Pp = proj["total"]
     p_opt = (Pp - proj["small"]) * 2 + proj["small"] * 8 if adam8 else Pp * 8
-    autocast_copy = proj["linear_weight"] * 2 if on_gpu else 0
+    autocast_copy = proj["linear_weight"] * 2 if policy != "fp32" else 0
     p_acts = tokens * sum(_projector_bytes(cfg, geom, layers_, g, a) for geom, _, layers_ in plans.values())
     items[f"projectors + fusion ({Pp / 1e6:.1f}M params)"] = Pp * 8 + p_opt + autocast_copy + p_acts
 
@@ -247,7 +256,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     depth = cfg.align.prefetch_depth + 1
     items[f"teacher kv buffers ({cfg.align.wire_dtype} x {depth} + fp32)"] = tokens * kv_t * (wire_b * depth + 4)
     if cfg.ray.num_workers > 1:  # DDP gradient buckets are a second copy of the gradients
-        items["ddp gradient buckets"] = P * wb + Pp * 4
+        items["ddp gradient buckets"] = P * per["grads"] + Pp * 4
     return {k: int(v) for k, v in items.items()}
 
 
@@ -367,13 +376,15 @@ def _infos(cfg: JobConfig) -> tuple:
     return s, {t.name: model_info(t.model) for t in cfg.teachers}
 
 
-def _candidates(cfg: JobConfig) -> list[list[str]]:
+def _candidates(cfg: JobConfig, student_gpu: bool = True) -> list[list[str]]:
     """The ordered list of cheap changes that apply to this config, each a list of overrides."""
     out = []
     if not cfg.student.gradient_checkpointing:
         out.append(["student.gradient_checkpointing=true"])
     if cfg.optim.optimizer != "adamw8bit":
         out.append(["optim.optimizer=adamw8bit"])
+    if student_gpu and planned_policy(cfg.student.precision, True) == "bf16-mixed":  # bf16 weights, SR AdamW
+        out.append(["student.precision=bf16-sr"] + (["student.dtype=auto"] if cfg.student.dtype != "auto" else []))
     if cfg.align.mode != "structured":
         out.append(["align.mode=structured"])
     nf4 = [f"teachers.{i}.quantization=4bit" for i, t in enumerate(cfg.teachers) if t.quantization != "4bit"]
@@ -399,7 +410,7 @@ def _advice(cfg: JobConfig, gpu_mem_bytes, infos: tuple, devices: dict) -> Optio
         return None
     name, d = worst
     head = f"does not fit {name} ({d['total'] / GiB:.1f} GiB > {d['capacity'] / GiB:.1f} GiB)"
-    cands = _candidates(cfg)
+    cands = _candidates(cfg, _on_gpu(cfg, gpu_mem_bytes))
 
     def fits(overrides: list[str]) -> bool:
         c = load_config(cfg, overrides)

@@ -65,12 +65,14 @@ def test_presets_load_with_their_recipes():
     assert 0 < t.num_gpus < 1 and 0 < gpu8.ray.gpus_per_worker < 1 and t.num_gpus + gpu8.ray.gpus_per_worker <= 1
     assert (gpu8.train.batch_size, gpu8.optim.accumulation, gpu8.train.max_length) == (2, 16, 512)
     assert gpu8.student.gradient_checkpointing and gpu8.optim.optimizer == "adamw8bit"
+    assert gpu8.student.precision == "bf16-sr"  # bf16 weights + torchao 8-bit AdamW, stochastic rounding
     assert gpu8.align.mode == "structured" and gpu8.ray.use_gpu == "auto"
 
     multi, nf4 = load_config("qwen_multi"), load_config("qwen_multi_nf4")
     assert [t.model.split("/")[1] for t in multi.teachers] == [
         "Qwen2.5-7B-Instruct", "Qwen2.5-14B-Instruct", "Qwen2.5-72B-Instruct"]
     assert multi.student.model == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert multi.student.precision == nf4.student.precision == "auto"  # bf16-mixed on their GPUs
     big, big4 = multi.teacher("qwen72b"), nf4.teacher("qwen72b")
     assert (big.num_gpus, big.quantization, big4.num_gpus, big4.quantization) == (4, "none", 1, "4bit")
     assert big.layers and multi.teacher("qwen14b").layers  # teacher-side layer selection bounds KV volume
@@ -87,17 +89,52 @@ def test_single_gpu_8gb_fits_on_one_shared_gpu():
     assert gpu["total"] <= 7.5 * GiB and gpu["capacity"] == 8 * GiB
     assert gpu["total"] == sum(gpu["items"].values())
     items = gpu["items"]
-    assert {"teacher:qwen1.5b-nf4 weights (nf4)", "student weights (bf16)", "student optimizer (adamw8bit)",
+    sr = "student optimizer (adamw8bit, stochastic rounding)"
+    assert {"teacher:qwen1.5b-nf4 weights (nf4)", "student weights (bf16)", sr,
             "student activations (checkpointed)", "student logits (B*T*vocab)",
             "cuda runtime (2 processes)"} <= set(items)
     # NF4 decoder + bf16 tied embedding of 1.54B params; bf16 0.49B student; adamw8bit 2 B/param
     assert 1.0 * GiB < items["teacher:qwen1.5b-nf4 weights (nf4)"] < 1.3 * GiB
-    assert items["student weights (bf16)"] == items["student optimizer (adamw8bit)"] == 2 * param_count(
+    assert items["student weights (bf16)"] == items[sr] == 2 * param_count(
         "Qwen/Qwen2.5-0.5B")
     # ratio map: 24 of the teacher's 28 layers are shipped, 2 kv heads x 128 x 2 B x (K, V)
     assert p["kv_bytes_per_token"] == {"qwen1.5b-nf4": 24 * 2 * 2 * 128 * 2}
     text = format_plan(plan(load_config("single_gpu_8gb"), 8 * GiB, target_tokens_per_s=1000))
     assert "gpu0" in text and "fits" in text and "GiB" in text and "MiB/s" in text
+
+
+def test_student_bytes_follow_the_precision_policy():
+    """Per student param: fp32 4+4 B weights+grads, bf16-mixed the same plus the bf16 copies autocast makes of
+    what matmuls read, bf16-sr 2+2 B; AdamW states 8 B (fp32) or 4 B (torchao, bf16), adamw8bit 2 B."""
+    P = param_count("Qwen/Qwen2.5-0.5B")
+    copies = P - 24 * 2 * 896  # Linears + the tied embedding/LM head: all but the RMSNorm weights
+    copies -= 896  # ... and the final norm
+
+    def student(precision, optimizer="adamw"):
+        cfg = load_config("single_gpu_8gb", [f"student.precision={precision}", f"optim.optimizer={optimizer}"])
+        items = plan(cfg, 8 * GiB)["devices"]["gpu0"]["items"]
+        return {k: v for k, v in items.items() if k.startswith("student") or k.startswith("projectors")}
+
+    fp32, mixed, sr = student("fp32"), student("bf16-mixed"), student("bf16-sr")
+    assert fp32["student weights (fp32)"] == mixed["student weights (fp32 master)"] == 4 * P
+    assert sr["student weights (bf16)"] == 2 * P
+    assert fp32["student grads"] == mixed["student grads"] == 2 * sr["student grads"] == 4 * P
+    assert fp32["student optimizer (adamw)"] == mixed["student optimizer (adamw)"] == 8 * P
+    assert sr["student optimizer (adamw, stochastic rounding)"] == 4 * P
+    assert student("bf16-mixed", "adamw8bit")["student optimizer (adamw8bit)"] == 2 * P
+    assert mixed["student bf16 autocast copies"] == 2 * copies
+    assert "student bf16 autocast copies" not in fp32 and "student bf16 autocast copies" not in sr
+    # activations: bf16 under both autocast policies, fp32 without
+    act = "student activations (checkpointed)"
+    assert fp32[act] == 2 * mixed[act] and mixed[act] == sr[act]
+    # auto on a GPU is bf16-mixed; on the CPU it is fp32 (no GPU: the CPU's items, fp32 weights and activations)
+    assert student("auto") == mixed
+    cpu = plan(load_config("single_gpu_8gb", ["student.precision=auto", "ray.use_gpu=false",
+                                              "teachers.0.num_gpus=0", "teachers.0.quantization=none"]))
+    assert cpu["devices"]["cpu"]["items"]["student weights (fp32)"] == 4 * P
+    # the advice for a bf16-mixed student that does not fit: bf16 weights with the SR optimizer
+    p = plan(load_config("single_gpu_8gb", ["student.precision=bf16-mixed"]), 8 * GiB)
+    assert p["fits"] is False and p["advice"].endswith(": set student.precision=bf16-sr"), p["advice"]
 
 
 def test_flat_projector_variant_is_the_largest_item():
