@@ -46,7 +46,9 @@ def _prepare(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | N
             raise KavaError(f"KV loss mask must be [B, T]=({B}, {T}), got {tuple(mask.shape)}")
         m = mask.to(student.device) != 0
     m = m[None, :, None, :]  # [1, B, 1, T]
-    target = target.to(student.dtype)
+    # cosines and norms in fp32 at least: under bf16 autocast both sides arrive in bf16
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    student, target = student.to(dtype), target.to(dtype)
     keep = m[..., None]
     student = torch.where(keep, student, torch.ones((), dtype=student.dtype, device=student.device))
     target = torch.where(keep, target, torch.ones((), dtype=student.dtype, device=student.device))

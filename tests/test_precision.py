@@ -92,7 +92,7 @@ def test_bf16_sr_keeps_small_updates_on_average(student_fp32, monkeypatch):
     torchao compiles its per-parameter step; on this CPU (no GPU here) inductor would spend ~30 s
     compiling C++, so the step runs eagerly: the same math and the same rounding.
     """
-    pytest.importorskip("torchao.optim")
+    import torchao.optim  # noqa: F401 - the `sr` extra, which `make test` installs: a missing one fails here
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     prec = resolve_precision("bf16-sr", "cpu")
     assert prec.weight_dtype == torch.bfloat16 and prec.stochastic_rounding
@@ -201,7 +201,7 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
     from kava_ray.worker import DistillRecipe
 
     if policy == "bf16-sr":
-        pytest.importorskip("torchao.optim")
+        import torchao.optim  # noqa: F401 - the `sr` extra (installed by `make test`)
         monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # see test_bf16_sr_keeps_small_updates_on_average
     student_fp32.save_pretrained(tmp_path / "student")
     build_tokenizer().save_pretrained(tmp_path / "student")
