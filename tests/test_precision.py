@@ -13,6 +13,7 @@ from kava_ray.distill import build_optimizer
 from kava_ray.errors import KavaError
 from kava_ray.models import load_student
 from kava_ray.precision import resolve_precision, student_precision
+from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model, build_tokenizer
 
 LR, STEPS = 3e-5, 10
@@ -171,23 +172,6 @@ def test_bf16_sr_without_torchao_is_one_line_with_the_install(monkeypatch):
     assert "\n" not in msg and "bf16-sr needs torchao" in msg and "pip install" in msg, msg
 
 
-class _InProcessTeachers:
-    """A KVFeed source running the teachers in this process (what a TeacherActor serves, without Ray)."""
-
-    def __init__(self, models: dict):
-        self.models = models
-
-    def submit(self, name, request):
-        return request
-
-    def result(self, name, request, _future):
-        from kava_ray.kv import teacher_forward_kv
-
-        _key, ids, mask, layers, wire_dtype = request
-        kv = teacher_forward_kv(self.models[name], torch.as_tensor(ids), torch.as_tensor(mask), layers=layers)
-        return kv.to_wire(wire_dtype)
-
-
 @pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-sr"])
 def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, student_fp32, tmp_path, monkeypatch):
     """DistillRecipe (the Ray Train worker's step) on this CPU: the student is loaded in the policy's dtype,
@@ -214,7 +198,7 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
     cfg = load_config(tmp_path / "job.yaml")
     teacher = {"qwen": load_model(tiny_qwen2_dir, dtype="float32")}
     plans = teacher_plans(cfg, {"qwen": kv_geometry(teacher["qwen"]).to_dict()}, student_geometry(cfg))
-    source = _InProcessTeachers(teacher)
+    source = InProcessSource(teacher)
 
     recipe = DistillRecipe(cfg, plans)  # device cpu: the policy as configured, not auto's fp32
     assert recipe.precision.policy == policy

@@ -20,6 +20,7 @@ from kava_ray.errors import KavaError
 from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
 
@@ -82,21 +83,6 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
     assert history[-1]["cos_sim"] > history[0]["cos_sim"]
     assert set(m) >= {"ce", "contrast_gap", "cos/qwen", "cos/llama", "fusion/qwen", "cos_layer/last"}
     assert abs(sum(v for k, v in m.items() if k.startswith("fusion/")) - 1) < 1e-5
-
-
-class InProcessSource:
-    """A KVFeed source running the teachers in this process: what a TeacherActor serves, without Ray."""
-
-    def __init__(self, models: dict):
-        self.models = models
-
-    def submit(self, name, request):
-        return request
-
-    def result(self, name, request, _future):
-        _key, ids, mask, layers, wire_dtype = request
-        kv = teacher_forward_kv(self.models[name], torch.as_tensor(ids), torch.as_tensor(mask), layers=layers)
-        return kv.to_wire(wire_dtype)
 
 
 def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_process, monkeypatch):
