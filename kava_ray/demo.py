@@ -36,14 +36,17 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
         "wall_s": round(wall_s, 1),
         "steps": last["step"],
         "kv_weight": cfg.loss.kv_weight,
+        "center": cfg.loss.center,
         "cos": {t.name: round(last[f"cos/{t.name}"], 4) for t in cfg.teachers},
         "heldout_cos": {t.name: round(evals[-1][f"eval/cos/{t.name}"], 4) for t in cfg.teachers},
+        "heldout_cos_raw": {t.name: round(evals[-1][f"eval/cos_raw/{t.name}"], 4) for t in cfg.teachers},
         "contrast_gap": round(last["contrast_gap"], 4),
         "heldout_contrast_gap": round(evals[-1]["eval/contrast_gap"], 4),
         "heldout_ce_before": round(evals[0]["eval/ce"], 4),
         "heldout_ce_after": round(evals[-1]["eval/ce"], 4),
         "test_ce": round(test["test/ce"], 4),
         "test_cos": {t.name: round(test[f"test/cos/{t.name}"], 4) for t in cfg.teachers},
+        "test_cos_raw": {t.name: round(test[f"test/cos_raw/{t.name}"], 4) for t in cfg.teachers},
         "test_contrast_gap": round(test["test/contrast_gap"], 4),
         "mean_teacher_wait_s": round(sum(r["teacher_wait_s"] for r in train) / len(train), 3),
         "mean_step_s": round(sum(r["time_s"] for r in train) / len(train), 3),
@@ -54,13 +57,16 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
 def format_summary(s: dict) -> str:
     rows = [[f"KV cos, {name} (last step / validation / test)",
              f"{s['cos'][name]:.3f} / {s['heldout_cos'][name]:.3f} / {s['test_cos'][name]:.3f}"] for name in s["cos"]]
+    rows += [[f"raw KV cos, {name} (validation / test)",
+              f"{s['heldout_cos_raw'][name]:.3f} / {s['test_cos_raw'][name]:.3f}"] for name in s["cos"]]
     rows += [["contrast gap (last step / validation / test)",
               f"{s['contrast_gap']:.3f} / {s['heldout_contrast_gap']:.3f} / {s['test_contrast_gap']:.3f}"],
              ["validation CE before -> after", f"{s['heldout_ce_before']:.3f} -> {s['heldout_ce_after']:.3f}"],
              ["test CE after", f"{s['test_ce']:.3f}"],
              ["mean step / teacher wait", f"{s['mean_step_s']:.2f} s / {s['mean_teacher_wait_s']:.2f} s"],
              ["steps, wall time", f"{s['steps']}, {s['wall_s']:.0f} s"]]
-    return format_table(["demo (kv_weight=%g)" % s["kv_weight"], "value"], rows) + f"\nrun dir: {s['run_dir']}"
+    title = f"demo (kv_weight={s['kv_weight']:g}, center={str(s['center']).lower()}; KV cos is centred)"
+    return format_table([title, "value"], rows) + f"\nrun dir: {s['run_dir']}"
 
 
 def run_demo(overrides: list[str] | None = None, address: str | None = None) -> dict:
