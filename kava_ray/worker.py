@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from kava_ray.config import JobConfig, validate_config
+from kava_ray.precision import student_precision
 
 METRICS = "metrics.jsonl"
 SUMMED = ("tokens", "kv_tokens", "label_tokens")  # counts: summed over micro-batches and ranks; every other metric is a mean
@@ -57,15 +58,6 @@ def _to_device(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _precision(cfg: JobConfig, device: torch.device):
-    """`student.precision` on this device (kava_ray/precision.py): the weight dtype the student is loaded in
-    and the autocast factory of every forward (auto: fp32 master weights + bf16 autocast on a CUDA GPU with
-    bf16, plain fp32 on the CPU). The optimizer follows the weight dtype (`distill.build_optimizer`)."""
-    from kava_ray.precision import student_precision
-
-    return student_precision(cfg.student, device)
-
-
 class DistillRecipe:
     """One rank of a distillation run: `setup()`, then `step(step_no, micro_batches)`, `save(path)`."""
 
@@ -73,7 +65,9 @@ class DistillRecipe:
         self.cfg, self.plans = cfg, plans
         self.rank, self.world = rank, world
         self.device = torch.device(device)
-        self.precision = _precision(cfg, self.device)
+        # student.precision on this device: the weight dtype the student loads in and the autocast of every
+        # forward (auto: fp32 master weights + bf16 autocast on a CUDA GPU with bf16, plain fp32 on a CPU)
+        self.precision = student_precision(cfg.student, self.device)
         self.autocast = self.precision.autocast
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
