@@ -335,6 +335,10 @@ def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
     return out
 
 
+# keys an earlier version had, for the one-line error a config that still uses them gets
+RENAMED = {"data.eval_split": "data.test_split", "data.num_eval": "data.num_test"}
+
+
 def format_validation_error(err: ValidationError, key: Optional[str] = "config key",
                             fields: Iterable[str] = ()) -> str:
     """The first problem pydantic found, as one line that names its key.
@@ -352,7 +356,7 @@ def format_validation_error(err: ValidationError, key: Optional[str] = "config k
         if key is None:
             fields = ", ".join(fields)
             return f"unknown key {loc!r}" + (f" (expected {fields})" if fields and "." not in loc else "")
-        msg = "unknown key"
+        msg = "unknown key" + (f" (renamed to {RENAMED[loc]})" if loc in RENAMED else "")
     elif kind == "missing":
         msg = "required key is missing"
     elif kind == "value_error":

@@ -121,3 +121,11 @@ def test_missing_required_field_and_bad_yaml(run_cli, tmp_path):
 def test_load_config_raises_kava_error_in_process():
     with pytest.raises(KavaError, match="optim.lr_student"):
         load_config("demo_cpu", ["optim.lr_student=-1"])
+
+
+def test_a_renamed_key_says_what_it_is_called_now(capsys):
+    from kava_ray.cli import main
+
+    assert main(["config", "show", "--config", "demo_cpu", "data.num_eval=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: config key 'data.num_eval': unknown key (renamed to data.num_test)"], err
