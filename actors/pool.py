@@ -166,6 +166,7 @@ def _num_restarts(name: str, namespace: str):
 
         # the cluster this driver is connected to (auto-detection fails when a machine runs two Rays)
         found = list_actors(address=ray.get_runtime_context().gcs_address, timeout=5, raise_on_missing_output=False,
+                            detail=True,  # num_restarts is a detail field (None without it)
                             filters=[("name", "=", name), ("ray_namespace", "=", namespace)])
         alive = [a for a in found if a.state != "DEAD"] or found
         return int(alive[0].num_restarts) if alive else "?"

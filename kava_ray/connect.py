@@ -38,7 +38,9 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
         # single-machine mode: every Ray server listens on 127.0.0.1 only (Ray's own switch for it)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
+        # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a killed
+        # one) is on this machine; without it ray.init joins that cluster and refuses num_cpus
+        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
                  runtime_env={"env_vars": {**EMBEDDED_ENV, **(worker_env or {})}})
         return "embedded"

@@ -96,6 +96,10 @@ def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, re
             assert torch.equal(kv[name].keys.to(torch.bfloat16), ref.keys), (key, name)
     assert ray.get(handles["qwen"].stats.remote())["restarted"] is True
     assert len(feed.wait_s) == 6
+    from actors.pool import pool_status
+
+    status = {r["name"]: r for r in pool_status(cfg)}  # what `kava-ray teachers status` prints
+    assert status["qwen"]["restarts"] >= 1 and status["llama"]["restarts"] == 0, status
 
 
 def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path):
