@@ -38,13 +38,19 @@ _ELEM_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp3
 
 @dataclass
 class KVBatch:
-    """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token."""
+    """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token.
+
+    topk_ids / topk_logp: optionally, the teacher's top-k next-token log-probabilities from the same
+    forward, [B, T, k] (ids int64; log-probs at temperature 1, sorted descending), None when not asked for.
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
     layer_ids: list[int]
     mask: torch.Tensor | None
     key_space: str
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
