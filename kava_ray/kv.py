@@ -65,6 +65,8 @@ class KVBatch:
             list(self.layer_ids),
             mask,
             self.key_space,
+            None if self.topk_ids is None else self.topk_ids.to(device),  # top-k keeps its dtypes
+            None if self.topk_logp is None else self.topk_logp.to(device),
         )
 
     def select_layers(self, ids) -> "KVBatch":
@@ -74,7 +76,8 @@ class KVBatch:
         if missing:
             raise KavaError(f"layers {missing} not in this KV batch (has {self.layer_ids})")
         idx = torch.tensor([self.layer_ids.index(i) for i in ids], device=self.keys.device)
-        return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space)
+        return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space,
+                       self.topk_ids, self.topk_logp)
 
     def num_bytes(self) -> int:
         """Bytes held by K and V (not the mask)."""
@@ -89,6 +92,11 @@ class KVBatch:
         fp8 -> uint8 view of float8_e4m3fn plus a float32 scale per (layer, head, head_dim) channel
         (amax over batch and time / 448). A CPU, contiguous tensor already in the wire dtype is not
         copied: the arrays share its memory.
+
+        Top-k log-probs, when the batch has them: `topk_ids` as int32 [B, T, k] and `topk_logp` in the
+        wire dtype (bf16 as a uint16 view, fp16), named by `topk_dtype`; an fp8 wire sends them as fp16
+        (log-probs span a range per-channel fp8 scales do not fit, and they are k values per token, not
+        a KV stack). A batch without them yields a payload without these keys, as before.
         """
         dtype = _wire_dtype(dtype)
         payload = {
@@ -112,13 +120,24 @@ class KVBatch:
                 q = (x / scale).to(torch.float8_e4m3fn)
                 payload[name] = q.to("cpu").contiguous().view(torch.uint8).numpy()
                 payload[name + "_scale"] = scale[:, 0, :, 0, :].to("cpu").contiguous().numpy()  # [L, H, D]
+        if self.topk_ids is not None and self.topk_logp is not None:
+            lp_dtype = "bf16" if dtype == "bf16" else "fp16"  # fp8 wire: log-probs as fp16
+            payload["topk_dtype"] = lp_dtype
+            payload["topk_ids"] = self.topk_ids.detach().to("cpu", torch.int32).contiguous().numpy()
+            lp = self.topk_logp.detach()
+            if lp_dtype == "bf16":
+                payload["topk_logp"] = lp.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
+            else:
+                payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
         return payload
 
     @classmethod
     def from_wire(cls, payload: dict, device=None, dtype: torch.dtype | None = torch.float32) -> "KVBatch":
         """Rebuild a KVBatch from `to_wire` output; the compact arrays move to `device` before the cast.
 
-        dtype=None keeps the wire dtype (bf16/fp16; fp8 is always de-scaled to float32).
+        dtype=None keeps the wire dtype (bf16/fp16; fp8 is always de-scaled to float32). Top-k log-probs,
+        when the payload has them, come back as int64 ids and float32 log-probs (float64 if dtype is
+        float64) on `device`, whatever `dtype` is: they keep at least fp32 precision after decode.
         """
         if payload.get("version") != WIRE_VERSION:
             raise KavaError(f"KV wire version {payload.get('version')!r} not supported (expected {WIRE_VERSION})")
@@ -143,12 +162,33 @@ class KVBatch:
         if mask is not None:
             mask = torch.from_numpy(np.array(mask, dtype=bool))
             mask = mask.to(device) if device is not None else mask
-        return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"])
+        topk_ids = topk_logp = None
+        if payload.get("topk_ids") is not None and payload.get("topk_logp") is not None:
+            topk_ids, topk_logp = _topk_from_wire(payload, device, dtype)
+        return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp)
+
+
+def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    with warnings.catch_warnings():  # read-only arrays from the object store: copied by the casts below
+        warnings.simplefilter("ignore", UserWarning)
+        ids, lp = torch.from_numpy(payload["topk_ids"]), torch.from_numpy(payload["topk_logp"])
+    ids = ids.to(device) if device is not None else ids
+    lp = lp.to(device) if device is not None else lp
+    if payload.get("topk_dtype", "bf16" if lp.dtype == torch.uint16 else "fp16") == "bf16":
+        lp = lp.view(torch.bfloat16)
+    # int32 -> int64 and half -> float32/64 always copy: nothing aliases the (maybe read-only) buffers
+    return ids.to(torch.int64), lp.to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 def wire_nbytes(payload: dict) -> int:
-    """Bytes of the K and V arrays of a wire payload only (not the mask, fp8 scales or metadata)."""
-    return int(payload["k"].nbytes + payload["v"].nbytes)
+    """Bytes of the K and V arrays of a wire payload, plus the top-k ids and log-probs when it has them
+    (not the mask, fp8 scales or metadata)."""
+    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload))
+
+
+def wire_logits_nbytes(payload: dict) -> int:
+    """Bytes of the top-k ids and log-probs of a wire payload (0 without them)."""
+    return int(sum(payload[a].nbytes for a in ("topk_ids", "topk_logp") if payload.get(a) is not None))
 
 
 def _wire_dtype(dtype) -> str:
@@ -166,6 +206,15 @@ def kv_bytes_per_token(geometry: KVGeometry, dtype: str = "bf16", layers=None) -
         raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
     n_layers = geometry.num_layers if layers is None else len(list(layers))
     return 2 * n_layers * geometry.num_kv_heads * geometry.head_dim * _ELEM_BYTES[d]
+
+
+def logits_bytes_per_token(top_k: int, dtype: str = "bf16") -> int:
+    """Wire bytes of the top-k log-probs per token: k * (4 (int32 id) + bytes per log-prob in the wire
+    dtype); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k 0."""
+    d = str(dtype).lower().removeprefix("torch.")
+    if d not in _ELEM_BYTES:
+        raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
+    return int(top_k) * (4 + (2 if d == "fp8" else _ELEM_BYTES[d]))
 
 
 # ------------------------------------------------------------------------------------------- RoPE
@@ -604,30 +653,54 @@ def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
     return KVBatch(keys, values, ids, attention_mask.to(dev).bool(), key_space)
 
 
-def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope") -> KVBatch:
-    """Inference forward (no LM head) with explicit position ids -> KVBatch of the selected layers.
+def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
+                       logits_top_k: int = 0) -> KVBatch:
+    """Inference forward with explicit position ids -> KVBatch of the selected layers.
 
     pre_rope: K and V captured at the projections during the forward (exact on every family; checked
     against the cache the forward fills); post_rope: K and V as the cache holds them.
     input_ids, attention_mask: [B, T]. The returned tensors are ordinary (not inference-mode)
     tensors on the model's device, in the model's dtype.
+
+    logits_top_k 0: the decoder runs without its LM head (no logits). logits_top_k k > 0: the same forward
+    runs the LM head, and the batch carries topk_ids / topk_logp [B, T, k]: log_softmax of the logits in
+    fp32 (temperature 1), then its top k, sorted descending (padding positions included; losses mask them).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
+    logits_top_k = int(logits_top_k)
+    if logits_top_k < 0:
+        raise KavaError(f"logits_top_k must be >= 0, got {logits_top_k}")
     input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
-    base = getattr(model, "base_model", model)  # the decoder without the LM head: logits are not needed
+    # the decoder without the LM head when logits are not needed; the whole model when they are
+    run = model if logits_top_k else getattr(model, "base_model", model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
     if key_space == "post_rope":
         with torch.inference_mode():
-            out = base(**kwargs)
+            out = run(**kwargs)
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
-            return extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+            kv = extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+            return _with_topk(kv, out, logits_top_k)
     ids = _check_layers(layers, kv_geometry(model).num_layers)
     with _Capture(model, ids) as cap, torch.inference_mode():
-        out = base(**kwargs)
+        out = run(**kwargs)
     with torch.no_grad():
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
         _check_against_cache(model, kv.keys, kv.values, ids, out.past_key_values, kv.mask)
+        return _with_topk(kv, out, logits_top_k)
+
+
+def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
+    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0)."""
+    if not k:
+        return kv
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise KavaError("the teacher forward returned no logits: cannot serve top-k log-probs")
+    if k > logits.shape[-1]:
+        raise KavaError(f"logits_top_k {k} exceeds the teacher's vocabulary ({logits.shape[-1]})")
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V] in fp32
+    kv.topk_logp, kv.topk_ids = torch.topk(logp, k, dim=-1, sorted=True)
     return kv
 
 

@@ -318,3 +318,62 @@ def test_gguf_converts_once_to_a_plain_hf_dir(tmp_path):
     assert tok("hi 12 é").input_ids == load_tokenizer(src)("hi 12 é").input_ids
     nf4 = load_model(gguf_path, quantization="4bit", cache_dir=tmp_path / "cache")
     assert type(nf4.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+
+
+# ------------------------------------------------------------------------------- teacher logits (top-k)
+
+
+@pytest.mark.parametrize("name,key_space", [("qwen2", "pre_rope"), ("llama", "post_rope")])
+def test_teacher_topk_logits_equal_log_softmax_of_the_forward(name, key_space, request, batch):
+    model = request.getfixturevalue(name)
+    ids, mask = batch
+    kv = teacher_forward_kv(model, ids, mask, layers=[0, 1], key_space=key_space, logits_top_k=5)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    ref_logp, ref_ids = torch.log_softmax(logits.float(), dim=-1).topk(5, dim=-1)
+    assert kv.topk_ids.dtype == torch.int64 and kv.topk_logp.dtype == torch.float32
+    assert kv.topk_ids.shape == (*ids.shape, 5) and torch.equal(kv.topk_ids, ref_ids)  # same ids, same order
+    assert torch.allclose(kv.topk_logp, ref_logp, atol=1e-5, rtol=0)
+    assert (kv.topk_logp[..., :-1] >= kv.topk_logp[..., 1:]).all()  # sorted descending
+    plain = teacher_forward_kv(model, ids, mask, layers=[0, 1], key_space=key_space)  # k = 0: today's batch
+    assert plain.topk_ids is None and plain.topk_logp is None
+    assert torch.equal(plain.keys, kv.keys) and torch.equal(plain.values, kv.values)
+    # the top-k travels with .to() and select_layers()
+    moved = kv.to(dtype=torch.bfloat16)
+    assert torch.equal(moved.topk_ids, kv.topk_ids) and moved.topk_logp.dtype == torch.float32
+    assert torch.equal(kv.select_layers([1]).topk_logp, kv.topk_logp)
+    with pytest.raises(KavaError, match="exceeds the teacher's vocabulary"):
+        teacher_forward_kv(model, ids, mask, layers=[0], logits_top_k=10**6)
+
+
+def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, batch):
+    from kava_ray.kv import logits_bytes_per_token, wire_logits_nbytes
+
+    ids, mask = batch
+    B, T = ids.shape
+    geom = kv_geometry(llama)
+    kv = teacher_forward_kv(llama, ids, mask, layers=[0, 2], logits_top_k=7)
+    plain = teacher_forward_kv(llama, ids, mask, layers=[0, 2])
+    for dtype, np_dtype, half in (("bf16", np.uint16, torch.bfloat16), ("fp16", np.float16, torch.float16),
+                                  ("fp8", np.float16, torch.float16)):  # fp8 wire: log-probs as fp16
+        payload = kv.to_wire(dtype)
+        assert payload["topk_ids"].dtype == np.int32 and payload["topk_logp"].dtype == np_dtype
+        assert payload["topk_ids"].shape == payload["topk_logp"].shape == (B, T, 7)
+        assert wire_logits_nbytes(payload) == logits_bytes_per_token(7, dtype) * B * T == 7 * (4 + 2) * B * T
+        assert wire_nbytes(payload) == (kv_bytes_per_token(geom, dtype, layers=[0, 2])
+                                        + logits_bytes_per_token(7, dtype)) * B * T
+        for arr in ("topk_ids", "topk_logp"):  # read-only, as Ray's object store hands them back
+            payload[arr] = payload[arr].copy()
+            payload[arr].flags.writeable = False
+        for out_dtype in (torch.float32, None, torch.bfloat16):
+            back = KVBatch.from_wire(payload, dtype=out_dtype)
+            assert back.topk_ids.dtype == torch.int64 and torch.equal(back.topk_ids, kv.topk_ids)
+            assert back.topk_logp.dtype == torch.float32  # at least fp32 after decode
+            assert torch.equal(back.topk_logp, kv.topk_logp.to(half).float())  # exact: one rounding
+        back.topk_logp.add_(1)  # writable, not aliasing the payload
+        bare = plain.to_wire(dtype)  # without top-k: exactly the payload it always was
+        assert set(bare) == set(payload) - {"topk_ids", "topk_logp", "topk_dtype"}
+        assert wire_nbytes(bare) == kv_bytes_per_token(geom, dtype, layers=[0, 2]) * B * T
+        back = KVBatch.from_wire(bare)
+        assert back.topk_ids is None and back.topk_logp is None
+    assert logits_bytes_per_token(0) == 0 and logits_bytes_per_token(64, "fp32") == 64 * 8
