@@ -39,8 +39,8 @@ class ActorSource:
         self.resubmits = 0
 
     def submit(self, name: str, request: tuple) -> Any:
-        key, ids, mask, layers, wire_dtype = request
-        return self.handles[name].kv.remote(key, ids, mask, layers, wire_dtype)
+        key, ids, mask, layers, wire_dtype, logits_top_k = request
+        return self.handles[name].kv.remote(key, ids, mask, layers, wire_dtype, logits_top_k)
 
     def result(self, name: str, request: tuple, ref) -> dict:
         for attempt in range(self.max_retries + 1):
@@ -59,11 +59,15 @@ class KVFeed:
     """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
 
     items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item)`; `item` is passed
-    through untouched (the student's own batch). layers: {teacher: layer ids to ship}.
+    through untouched (the student's own batch). layers: {teacher: layer ids to ship}. logits_top_k > 0:
+    every teacher also serves its top-k log-probs from the same forward (KVBatch.topk_ids / topk_logp).
+
+    A request, as every source receives it: (key, input_ids, attention_mask, layers, wire_dtype, logits_top_k).
     """
 
     def __init__(self, source, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
-                 wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True):
+                 wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True,
+                 logits_top_k: int = 0):
         if depth < 1:
             raise ValueError("depth must be >= 1")
         self.source = source
@@ -71,6 +75,7 @@ class KVFeed:
         self.layers = layers
         self.depth = depth
         self.wire_dtype = wire_dtype
+        self.logits_top_k = int(logits_top_k)
         self.device = device
         self.dtype = dtype
         self.decode = decode  # False: hand back the wire payloads as they arrived (precompute writes them)
@@ -86,7 +91,8 @@ class KVFeed:
                 self._exhausted = True
                 return
             ids, mask = np.ascontiguousarray(ids), np.ascontiguousarray(mask)
-            reqs = {name: (key, ids, mask, layers, self.wire_dtype) for name, layers in self.layers.items()}
+            reqs = {name: (key, ids, mask, layers, self.wire_dtype, self.logits_top_k)
+                    for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))
 

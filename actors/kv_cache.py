@@ -4,7 +4,10 @@ Layout of a cache dir:
   manifest.json                 meta (config hash, data fingerprint, wire dtype, key space, per-teacher
                                 layers + geometry) and {batch key: {file, sha256, bytes}}
   shard-<hash of key>.safetensors  one batch: `<teacher>.k`, `<teacher>.v` (+ `.k_scale`, `.v_scale` for
-                                fp8) and `mask`; the wire metadata in the safetensors header
+                                fp8; + `.topk_ids`, `.topk_logp` when the job serves teacher logits) and
+                                `mask`; the wire metadata in the safetensors header
+The meta records `logits_top_k` when the cache holds top-k log-probs (absent: a cache without logits,
+as every cache written before logits existed), so a job that needs logits refuses one without them.
 Every shard is written to a temp file and renamed, and the manifest is rewritten atomically after
 each shard, so an interrupted precompute resumes where it stopped. Reads verify the checksum.
 """
@@ -24,7 +27,7 @@ from kava_ray._io import atomic_write
 from kava_ray.errors import KavaError
 
 MANIFEST = "manifest.json"
-ARRAYS = ("k", "v", "k_scale", "v_scale")
+ARRAYS = ("k", "v", "k_scale", "v_scale", "topk_ids", "topk_logp")
 
 
 def shard_file(key: str) -> str:
@@ -39,7 +42,7 @@ def encode_shard(payloads: dict[str, dict]) -> bytes:
         for a in ARRAYS:
             if p.get(a) is not None:
                 tensors[f"{name}.{a}"] = np.ascontiguousarray(p[a])
-        meta[name] = {k: p[k] for k in ("version", "dtype", "shape", "layer_ids", "key_space")}
+        meta[name] = {k: p[k] for k in ("version", "dtype", "shape", "layer_ids", "key_space", "topk_dtype") if k in p}
         mask = p.get("mask") if mask is None else mask
     if mask is not None:
         tensors["mask"] = np.ascontiguousarray(mask)
@@ -77,7 +80,14 @@ class KVCache:
                 raise KavaError(f"KV cache {self.root}: manifest.json is not valid JSON") from None
             self.meta, self.shards = manifest["meta"], manifest["shards"]
             if meta is not None:
-                diff = sorted(k for k in set(meta) | set(self.meta) if meta.get(k) != self.meta.get(k))
+                # a reader checks the logits on their own (one line; a job without logits reads a cache with
+                # them); a writer (create) must match exactly, so one cache never mixes batches with and without
+                ignore = set()
+                if not create:
+                    check_logits(self.root, self.meta, meta.get("logits_top_k", 0))
+                    ignore = {"logits_top_k"}
+                diff = sorted(k for k in set(meta) | set(self.meta)
+                              if k not in ignore and meta.get(k) != self.meta.get(k))
                 if diff:
                     raise KavaError(f"KV cache {self.root} was written for another job: {', '.join(diff)} differ")
         elif create:
@@ -138,35 +148,56 @@ class CacheSource:
         if name not in payloads:
             raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' is not in batch {key!r}")
         p = payloads[name]
-        _, _, _, layers, wire_dtype = request
+        _, _, _, layers, wire_dtype, logits_top_k = request
         if layers is not None and list(p["layer_ids"]) != list(layers) or p["dtype"] != wire_dtype:
             raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' has layers {p['layer_ids']} in "
                             f"{p['dtype']}, the job wants {layers} in {wire_dtype}")
+        has = 0 if p.get("topk_ids") is None else int(p["topk_ids"].shape[-1])
+        if logits_top_k and has != logits_top_k:
+            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' batch {key!r} has top-{has} logits, the "
+                            f"job wants top-{logits_top_k}; re-run `kava-ray teachers precompute` for this job")
+        if not logits_top_k and has:  # a job without logits gets the payload it always got
+            p = {k: v for k, v in p.items() if k not in ("topk_ids", "topk_logp", "topk_dtype")}
         return p
 
 
-def cache_meta(cfg, plans: dict, plan_fingerprint: str) -> dict:
-    """What a cache must match to serve a job: data/batching, teachers' layers, wire dtype, key space."""
-    return {
+def check_logits(root, meta: dict, logits_top_k: int) -> None:
+    """A job that needs teacher logits (top-k > 0) refuses a cache written without them (or with another
+    k), in one line. A job without logits reads any cache (it ignores the logits there)."""
+    has = int(meta.get("logits_top_k", 0) or 0)
+    if logits_top_k and has != logits_top_k:
+        what = "without teacher logits" if not has else f"with top-{has} teacher logits"
+        raise KavaError(f"KV cache {root} was written {what}; this job needs top-{logits_top_k} "
+                        f"(loss.logit_weight > 0, loss.logit_top_k): re-run `kava-ray teachers precompute`")
+
+
+def cache_meta(cfg, plans: dict, plan_fingerprint: str, logits_top_k: int = 0) -> dict:
+    """What a cache must match to serve a job: data/batching, teachers' layers, wire dtype, key space, and
+    the top-k of teacher logits (recorded only when > 0, so a cache without logits has the meta it always had)."""
+    meta = {
         "data": plan_fingerprint,
         "wire_dtype": cfg.align.wire_dtype,
         "key_space": cfg.align.key_space,
         "teachers": {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
                          "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()},
     }
+    if logits_top_k:
+        meta["logits_top_k"] = int(logits_top_k)
+    return meta
 
 
 def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None,
-               extra_streams: tuple = ()) -> dict:
+               extra_streams: tuple = (), logits_top_k: int = 0) -> dict:
     """Write `epochs` epochs of the stream's batches of teacher KV to `out_dir`; skips shards already there.
 
     `stream` must be a world_size-1 BatchStream: keys use global batch indices, so the cache serves
     any number of DDP ranks. `extra_streams` (e.g. the held-out split, one epoch each) are cached
-    too, so evaluation during training needs no live teacher. Returns counts (written, skipped, bytes).
+    too, so evaluation during training needs no live teacher. logits_top_k > 0: the teachers' top-k
+    log-probs are cached with the KV. Returns counts (written, skipped, bytes).
     """
     from actors.feed import ActorSource, KVFeed, feed_items
 
-    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint), create=True)
+    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint, logits_top_k), create=True)
     work = [(stream, stream.steps_per_epoch * epochs)] + [(s, s.steps_per_epoch) for s in extra_streams]
     stats = {"written": 0, "skipped": 0, "bytes": 0, "total": sum(n for _, n in work)}
 
@@ -179,7 +210,8 @@ def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1
                 yield item
 
     feed = KVFeed(ActorSource(handles), todo(), {n: p.layers for n, p in plans.items()},
-                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False)
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False,
+                  logits_top_k=logits_top_k)
     for (key, _step, _epoch, _batch), payloads in feed:
         cache.put(key, payloads)
         stats["written"] += 1

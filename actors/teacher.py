@@ -22,7 +22,7 @@ from kava_ray._io import first_line
 from kava_ray.config import TeacherConfig
 from kava_ray.data import tokenizer_fingerprint
 from kava_ray.errors import KavaError
-from kava_ray.kv import teacher_forward_kv, wire_nbytes
+from kava_ray.kv import teacher_forward_kv, wire_logits_nbytes, wire_nbytes
 from kava_ray.models import kv_geometry, load_model, load_tokenizer
 
 
@@ -57,7 +57,7 @@ def weights_fingerprint(spec: str) -> Optional[str]:
 
 
 class TeacherActor:
-    """Loads one teacher and serves `kv(key, input_ids, attention_mask, layers, wire_dtype)`.
+    """Loads one teacher and serves `kv(key, input_ids, attention_mask, layers, wire_dtype, logits_top_k)`.
 
     A load failure does not crash the actor: it is kept and reported by `ping()`, so the pool can
     turn it into one clear line instead of a remote traceback.
@@ -68,7 +68,8 @@ class TeacherActor:
         self.key_space = key_space
         self.cache_size = cache_size
         self._lru: OrderedDict = OrderedDict()
-        self.counters = dict(requests=0, forwards=0, hits=0, forward_s=0.0, bytes_served=0, tokens=0)
+        self.counters = dict(requests=0, forwards=0, hits=0, forward_s=0.0, bytes_served=0, logit_bytes_served=0,
+                             tokens=0)
         self.error: Optional[str] = None
         self.started = time.time()
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed) if ray.is_initialized() else False
@@ -111,13 +112,20 @@ class TeacherActor:
         )
 
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
-           layers: Optional[list[int]] = None, wire_dtype: str = "bf16") -> dict:
+           layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0) -> dict:
         """Wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays).
 
-        `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU.
+        `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
+        the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of
+        the LRU key, so consumers asking for the same batch with the same k share one forward
+        (k = 0 keeps the key it always had). `bytes_served` counts KV and logits, `logit_bytes_served`
+        the logits alone.
         """
         self.counters["requests"] += 1
+        logits_top_k = int(logits_top_k or 0)
         cache_key = None if key is None else (key, tuple(layers) if layers is not None else None, wire_dtype)
+        if cache_key is not None and logits_top_k:
+            cache_key = cache_key + (logits_top_k,)
         if cache_key is not None and cache_key in self._lru:
             self._lru.move_to_end(cache_key)
             self.counters["hits"] += 1
@@ -126,7 +134,8 @@ class TeacherActor:
             t0 = time.perf_counter()
             ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
             mask = torch.tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
-            batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space)
+            batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
+                                       logits_top_k=logits_top_k)
             payload = batch.to_wire(wire_dtype)
             self.counters["forward_s"] += time.perf_counter() - t0
             self.counters["forwards"] += 1
@@ -136,6 +145,7 @@ class TeacherActor:
                 while len(self._lru) > self.cache_size:
                     self._lru.popitem(last=False)
         self.counters["bytes_served"] += wire_nbytes(payload)
+        self.counters["logit_bytes_served"] += wire_logits_nbytes(payload)
         return payload
 
     def stats(self) -> dict:

@@ -55,6 +55,26 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
 # ------------------------------------------------------------------------------------ teachers
 
 
+def logits_top_k(cfg: JobConfig) -> int:
+    """How many top-k teacher log-probs the job asks every teacher for: `loss.logit_top_k` when
+    `loss.logit_weight` > 0, else 0 (KV only). The one place every KVFeed of a job gets its k from."""
+    weight = float(getattr(cfg.loss, "logit_weight", 0.0) or 0.0)
+    return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
+
+
+def check_vocab(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry) -> None:
+    """Teacher logits are read in the student's vocabulary: when the job asks for them, refuse (one line) a
+    teacher whose vocabulary size differs from the student's (e.g. Qwen2.5 <=3B 151936 vs >=7B 152064)."""
+    if not logits_top_k(cfg):
+        return
+    for t in cfg.teachers:
+        v = teacher_geoms[t.name].get("vocab_size")
+        if v is not None and int(v) != s_geom.vocab_size:
+            raise KavaError(f"teacher '{t.name}' has a vocabulary of {v} tokens, the student {s_geom.vocab_size}: "
+                            f"its logits cannot train the student; set loss.logit_weight=0 or use teachers with the "
+                            f"student's vocabulary")
+
+
 def teacher_geometries(handles: dict) -> dict[str, dict]:
     """{teacher: geometry dict} as the running actors report it (layers, heads, dims, tokenizer...)."""
     return dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
@@ -96,7 +116,9 @@ def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
     """Plans for a running pool: its geometries, checked against the student's tokenizer."""
     geoms = teacher_geometries(handles)
     check_tokenizers(cfg, geoms, student_tokenizer(cfg)[1])
-    return teacher_plans(cfg, geoms, student_geometry(cfg))
+    s_geom = student_geometry(cfg)
+    check_vocab(cfg, geoms, s_geom)
+    return teacher_plans(cfg, geoms, s_geom)
 
 
 def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optional[str]:
@@ -129,15 +151,19 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
     A running pool started for another config (model, weights, quantization, dtype, key space) is refused
     in one line, or replaced with `restart` (`--restart-teachers`).
     """
-    from actors.kv_cache import KVCache
+    from actors.kv_cache import KVCache, check_logits
     from actors.pool import check_resources, find_pool, start_pool, stop_pool
 
     if cfg.data.kv_source == "cache":
-        geoms = {n: dict(t["geometry"]) for n, t in KVCache(cfg.data.kv_cache_dir).meta["teachers"].items()}
+        cache = KVCache(cfg.data.kv_cache_dir)
+        check_logits(cache.root, cache.meta, logits_top_k(cfg))
+        geoms = {n: dict(t["geometry"]) for n, t in cache.meta["teachers"].items()}
         missing = [t.name for t in cfg.teachers if t.name not in geoms]
         if missing:
             raise KavaError(f"KV cache {cfg.data.kv_cache_dir} has no teacher {missing[0]!r}")
-        return None, teacher_plans(cfg, geoms, student_geometry(cfg)), False
+        s_geom = student_geometry(cfg)
+        check_vocab(cfg, geoms, s_geom)
+        return None, teacher_plans(cfg, geoms, s_geom), False
     try:
         handles = find_pool(cfg)
     except KavaError:
@@ -175,7 +201,7 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], plan_fingerprint: O
     from actors.pool import find_pool
 
     if cfg.data.kv_source == "cache":
-        meta = cache_meta(cfg, plans, plan_fingerprint) if plan_fingerprint is not None else None
+        meta = cache_meta(cfg, plans, plan_fingerprint, logits_top_k(cfg)) if plan_fingerprint is not None else None
         return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
     return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)))
 
@@ -241,7 +267,7 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
 
     try:
         return write_cache(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=report,
-                           extra_streams=held_out)
+                           extra_streams=held_out, logits_top_k=logits_top_k(cfg))
     finally:
         bar.close()
         if started:

@@ -213,7 +213,7 @@ def train_loop_per_worker(config: dict) -> None:
     from ray.train import Checkpoint
 
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import kv_source, plans_from_payload
+    from kava_ray.job import kv_source, logits_top_k, plans_from_payload
     from kava_ray.report import phase
 
     cfg = validate_config(config["job"])
@@ -233,7 +233,8 @@ def train_loop_per_worker(config: dict) -> None:
     # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
     remaining = max(0, t_cfg.steps - recipe.start_step) * accum
     feed = KVFeed(source, feed_items(stream, remaining), {n: p.layers for n, p in plans.items()},
-                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device)
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device,
+                  logits_top_k=logits_top_k(cfg))
     log = MetricsLog(run_dir / METRICS, recipe.start_step) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric

@@ -134,6 +134,101 @@ def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path
         KVCache(out, dict(cache.meta, teachers={}))
 
 
+# ------------------------------------------------------------------------------- teacher logits (top-k)
+
+
+def logit_job(base, k, monkeypatch, extra=()):
+    """The job with loss.logit_weight > 0 and loss.logit_top_k = k (or, on a LossConfig without the logit
+    loss, the job's one rule for k patched)."""
+    try:
+        return load_config(base, ["loss.logit_weight=1", f"loss.logit_top_k={k}", *extra])
+    except KavaError:
+        monkeypatch.setattr("kava_ray.job.logits_top_k", lambda cfg: k)
+        return load_config(base, list(extra))
+
+
+def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(pool, references):
+    """Top-k log-probs from the teacher's KV forward: equal to the in-process forward's (ids exactly, log-probs
+    to the bf16 wire rounding: the wire has no fp32); two consumers of one batch with one k share one forward."""
+    cfg, handles = pool
+    h = handles["qwen"]
+    (key, ids, mask, _), = batches(cfg, 1)
+    before = ray.get(h.stats.remote())
+    a, b = ray.get([h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8),
+                    h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8)])
+    after = ray.get(h.stats.remote())
+    assert after["forwards"] - before["forwards"] == 1 and after["hits"] - before["hits"] == 1
+    assert after["requests"] - before["requests"] == 2
+    B, T = ids.shape
+    assert after["logit_bytes_served"] - before["logit_bytes_served"] == 2 * B * T * 8 * (4 + 2)
+    assert np.array_equal(a["topk_ids"], b["topk_ids"]) and np.array_equal(a["topk_logp"], b["topk_logp"])
+    served = KVBatch.from_wire(a)
+    torch.set_num_threads(1)
+    ref = teacher_forward_kv(references["qwen"], torch.as_tensor(ids), torch.as_tensor(mask), layers=[0, 3],
+                             logits_top_k=8)
+    assert torch.equal(served.topk_ids, ref.topk_ids)
+    assert torch.equal(served.topk_logp, ref.topk_logp.to(torch.bfloat16).float())  # the one bf16 rounding
+    assert torch.allclose(served.topk_logp, ref.topk_logp, rtol=2 ** -8, atol=1e-5)
+    assert torch.equal(served.keys, ref.keys.to(torch.bfloat16).float())
+    # k = 0 on the same key: its own LRU entry (today's key) and today's payload, no logits
+    c = ray.get(h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16"))
+    assert "topk_ids" not in c and ray.get(h.stats.remote())["forwards"] - after["forwards"] == 1
+    assert np.array_equal(c["k"], a["k"])
+
+
+def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(pool, tmp_path, monkeypatch):
+    from kava_ray.job import kv_source, precompute, setup_teachers
+
+    _, handles = pool
+    cfg = logit_job(pool[0], 4, monkeypatch)
+    out = tmp_path / "kvcache-logits"
+    stats = precompute(cfg, out, epochs=1, progress=False)
+    assert stats["written"] == stats["total"] > 0
+    cache = KVCache(out)
+    assert cache.meta["logits_top_k"] == 4
+    plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
+    layers = {n: p.layers for n, p in plans.items()}
+    items = batches(cfg, 2)
+    cached = list(KVFeed(CacheSource(cache), iter(items), layers, decode=False, logits_top_k=4))
+    live = list(KVFeed(ActorSource(handles), iter(items), layers, decode=False, logits_top_k=4))
+    for (_, pc), (_, pl) in zip(cached, live):
+        for n in layers:  # bit-exact round trip of KV and logits through the shards
+            assert pc[n]["topk_ids"].shape[-1] == 4
+            for arr in ("k", "v", "topk_ids", "topk_logp"):
+                assert pc[n][arr].dtype == pl[n][arr].dtype and np.array_equal(pc[n][arr], pl[n][arr]), (n, arr)
+            back = KVBatch.from_wire(pc[n])
+            assert torch.equal(back.topk_logp, KVBatch.from_wire(pl[n]).topk_logp)
+    # a job without logits reads it and gets today's payloads
+    (_, plain), = list(KVFeed(CacheSource(cache), iter(items[:1]), layers, decode=False))
+    assert all("topk_ids" not in p for p in plain.values())
+    # another k: refused per batch, in one line
+    with pytest.raises(KavaError, match="top-4 logits, the job wants top-8") as info:
+        list(KVFeed(CacheSource(cache), iter(items[:1]), layers, logits_top_k=8))
+    assert "\n" not in str(info.value)
+
+    # a cache written without logits, for a job that needs them: refused in one line
+    bare_dir = tmp_path / "kvcache-bare"
+    KVCache(bare_dir, {k: v for k, v in cache.meta.items() if k != "logits_top_k"}, create=True)
+    job = logit_job(pool[0], 4, monkeypatch, ["data.kv_source=cache", f"data.kv_cache_dir={bare_dir}"])
+    for attempt in (lambda: setup_teachers(job), lambda: kv_source(job, plans, cache.meta["data"])):
+        with pytest.raises(KavaError, match="written without teacher logits; this job needs top-4") as info:
+            attempt()
+        assert "\n" not in str(info.value)
+
+
+def test_logits_refuse_a_teacher_with_another_vocabulary(tiny_job, monkeypatch):
+    from kava_ray.job import check_vocab
+
+    s_geom = student_geometry(load_config(tiny_job))
+    geoms = {n: {"vocab_size": s_geom.vocab_size} for n in ("qwen", "llama")}
+    check_vocab(load_config(tiny_job), dict(geoms, llama={"vocab_size": s_geom.vocab_size + 1}), s_geom)  # no logits
+    cfg = logit_job(tiny_job, 4, monkeypatch)
+    check_vocab(cfg, geoms, s_geom)
+    with pytest.raises(KavaError, match=f"teacher 'llama' has a vocabulary of {s_geom.vocab_size + 1} tokens") as info:
+        check_vocab(cfg, dict(geoms, llama={"vocab_size": s_geom.vocab_size + 1}), s_geom)
+    assert "\n" not in str(info.value)
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "kava_ray.cli", *args], capture_output=True, text=True, timeout=300)
 

@@ -20,7 +20,7 @@ class InProcessSource:
         return request  # computed when asked for: nothing runs ahead
 
     def result(self, name: str, request: tuple, _future) -> dict:
-        _key, ids, mask, layers, wire_dtype = request
+        _key, ids, mask, layers, wire_dtype, logits_top_k = request
         kv = teacher_forward_kv(self.models[name], torch.as_tensor(ids), torch.as_tensor(mask), layers=layers,
-                                key_space=self.key_space)
+                                key_space=self.key_space, logits_top_k=logits_top_k)
         return kv.to_wire(wire_dtype)
