@@ -27,7 +27,9 @@ kv = kv_heads*head_dim):
   CE saved, its incoming gradient and its outgoing gradient are alive together (measured 11.8).
 - projectors and KV loss: what they save for backward, per token (`_projector_bytes`, LOSS_S).
 - KV: the teacher's shipped layers per batch in the wire dtype x (prefetch_depth + 1), plus the
-  fp32 copy the projectors consume.
+  fp32 copy the projectors consume; with teacher logits (loss.logit_weight > 0) each teacher's top-k
+  ids and log-probs too (wire: k x (4 + wire bytes) per token; decoded: int64 ids + fp32 log-probs).
+  The teacher's forward then also holds the logits [B, T, vocab] and their fp32 log-softmax.
 - teachers (inference): weights, the KV cache of all layers, one layer's work, the shipped stacks.
 - GPU: RUNTIME_BYTES per process per GPU (CUDA context, cuBLAS workspaces, allocator slack).
   CPU totals are the growth over an idle Python+torch process (no per-process baseline).
@@ -50,7 +52,7 @@ from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.config import JobConfig, load_config
 from kava_ray.errors import KavaError
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
-from kava_ray.kv import kv_bytes_per_token
+from kava_ray.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config
 from kava_ray.precision import planned_policy, student_bytes_per_param
 
@@ -202,8 +204,16 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
     layer = tokens * (3 * h + 4 * q + 3 * i) * wb
     dequant = h * i * wb if t.quantization != "none" else 0
     shipped_kv = 3 * 2 * len(shipped) * kv * tokens * wb
+    # teacher logits: the LM head's output in the compute dtype, its fp32 copy (if not fp32) and log-softmax
+    logits = tokens * g.vocab_size * (wb + (4 if wb != 4 else 0) + 4) if _top_k(cfg) else 0
     return {f"teacher:{t.name} weights ({label})": int(weights), f"teacher:{t.name} kv cache": int(cache),
-            f"teacher:{t.name} forward": int(layer + dequant + shipped_kv)}
+            f"teacher:{t.name} forward": int(layer + dequant + shipped_kv + logits)}
+
+
+def _top_k(cfg: JobConfig) -> int:
+    from kava_ray.job import logits_top_k  # the job's one rule for the k its teachers serve
+
+    return logits_top_k(cfg)
 
 
 def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu: bool) -> dict[str, int]:
@@ -254,7 +264,12 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     wire_b = 1 if cfg.align.wire_dtype == "fp8" else 2
     kv_t = sum(2 * len(layers_) * geom.kv_dim for geom, _, layers_ in plans.values())  # elements per token
     depth = cfg.align.prefetch_depth + 1
-    items[f"teacher kv buffers ({cfg.align.wire_dtype} x {depth} + fp32)"] = tokens * kv_t * (wire_b * depth + 4)
+    kv_buffers = tokens * kv_t * (wire_b * depth + 4)
+    k = _top_k(cfg)
+    if k:  # top-k ids (int32) + log-probs per teacher on the wire x depth; decoded: int64 ids + fp32 log-probs
+        kv_buffers += tokens * len(plans) * (logits_bytes_per_token(k, cfg.align.wire_dtype) * depth + k * 12)
+    logits_label = f", top-{k} logits" if k else ""
+    items[f"teacher kv buffers ({cfg.align.wire_dtype} x {depth} + fp32{logits_label})"] = kv_buffers
     if cfg.ray.num_workers > 1:  # DDP gradient buckets are a second copy of the gradients
         items["ddp gradient buckets"] = P * per["grads"] + Pp * 4
     return {k: int(v) for k, v in items.items()}
@@ -433,7 +448,8 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
 
     {"devices": {name: {"items": {item: bytes}, "total", "capacity", "fits"}},
      "largest_item": (device, item, bytes), "fits": bool | None, "advice": str | None,
-     "kv_bytes_per_token": {teacher: wire bytes}, "kv_bytes_per_s": {teacher: bytes/s at the target}}
+     "kv_bytes_per_token": {teacher: wire bytes, KV + top-k logits}, "kv_bytes_per_s": {teacher: bytes/s at the
+     target}, "logits_bytes_per_token": {teacher: the top-k logits' share} (0 when loss.logit_weight is 0)}
     """
     if gpu_mem_bytes is not None and int(gpu_mem_bytes) <= 0:
         raise KavaError(f"gpu memory must be > 0 bytes, got {gpu_mem_bytes}")
@@ -442,7 +458,10 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
     largest = max(((n, k, v) for n, d in devices.items() for k, v in d["items"].items()), key=lambda x: x[2])
     verdicts = [d["fits"] for d in devices.values() if d["fits"] is not None]
     plans = _layer_plans(cfg, *infos)
-    per_token = {n: kv_bytes_per_token(g, cfg.align.wire_dtype, layers) for n, (g, _, layers) in plans.items()}
+    k = _top_k(cfg)
+    logit_b = logits_bytes_per_token(k, cfg.align.wire_dtype)
+    per_token = {n: kv_bytes_per_token(g, cfg.align.wire_dtype, layers) + logit_b
+                 for n, (g, _, layers) in plans.items()}
     return {
         "devices": devices,
         "largest_item": largest,
@@ -450,6 +469,8 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
         "advice": _advice(cfg, gpu_mem_bytes, infos, devices),
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_s": {n: b * target_tokens_per_s for n, b in per_token.items()} if target_tokens_per_s else {},
+        "logits_bytes_per_token": {n: logit_b for n in plans},
+        "logits_top_k": k,
     }
 
 
@@ -476,7 +497,9 @@ def format_plan(p: dict) -> str:
     for t, b in p["kv_bytes_per_token"].items():
         rate = p["kv_bytes_per_s"].get(t)
         extra = f", {rate / MiB:.1f} MiB/s at the target rate" if rate else ""
-        lines.append(f"kv wire {t}: {b / 1024:.1f} KiB/token{extra}")
+        lb = p.get("logits_bytes_per_token", {}).get(t, 0)
+        logits = f" (top-{p['logits_top_k']} logits {lb / 1024:.2f} KiB of it)" if lb else ""
+        lines.append(f"kv wire {t}: {b / 1024:.1f} KiB/token{logits}{extra}")
     if p["advice"]:
         lines.append(f"advice: {p['advice']}")
     return "\n".join(lines)

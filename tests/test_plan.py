@@ -347,3 +347,26 @@ def test_plan_cli_exit_codes_fits_does_not_fit_bad_input(capsys):
     assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8 potatoes"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:"), err
+
+
+def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(monkeypatch):
+    from kava_ray.kv import logits_bytes_per_token
+
+    base = load_config("single_gpu_8gb")
+    try:
+        cfg = load_config(base, ["loss.logit_weight=0.5", "loss.logit_top_k=64"])
+    except KavaError:  # a LossConfig without the logit loss: the job's one rule for k, patched
+        cfg = base
+        monkeypatch.setattr("kava_ray.job.logits_top_k", lambda c: 64 if c is cfg else 0)
+    p0, p1 = plan(base, 8 * GiB), plan(cfg, 8 * GiB)
+    assert p0["logits_bytes_per_token"] == {"qwen1.5b-nf4": 0} and p0["logits_top_k"] == 0
+    per_token = logits_bytes_per_token(64, "bf16")
+    assert per_token == 64 * (4 + 2)
+    assert p1["kv_bytes_per_token"]["qwen1.5b-nf4"] == p0["kv_bytes_per_token"]["qwen1.5b-nf4"] + per_token
+    i0, i1 = p0["devices"]["gpu0"]["items"], p1["devices"]["gpu0"]["items"]
+    buf0 = i0["teacher kv buffers (bf16 x 3 + fp32)"]
+    buf1 = i1["teacher kv buffers (bf16 x 3 + fp32, top-64 logits)"]
+    tokens = cfg.train.batch_size * cfg.train.max_length
+    assert buf1 - buf0 == tokens * (per_token * 3 + 64 * 12)  # wire x depth + int64 ids and fp32 log-probs
+    assert i1["teacher:qwen1.5b-nf4 forward"] > i0["teacher:qwen1.5b-nf4 forward"]  # the logits' log-softmax
+    assert "top-64 logits 0.38 KiB of it" in format_plan(p1) and "logits" not in format_plan(p0).split("kv wire")[1]
