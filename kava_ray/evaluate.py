@@ -135,13 +135,14 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     training step's (`Precision.autocast`), so held-out numbers are computed the way training computes.
     """
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import eval_stream
+    from kava_ray.job import eval_stream, logits_top_k
 
     was_training = distiller.training
     distiller.eval()
     stream = eval_stream(split, cfg)
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
-                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype)
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
+                  logits_top_k=logits_top_k(cfg))
     sums: dict = {}
     weights: dict = {"kv_tokens": 0, "label_tokens": 0}
     for (_, _, _, batch), kv in feed:
