@@ -356,7 +356,7 @@ def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(mon
     try:
         cfg = load_config(base, ["loss.logit_weight=0.5", "loss.logit_top_k=64"])
     except KavaError:  # a LossConfig without the logit loss: the job's one rule for k, patched
-        cfg = base
+        cfg = base.model_copy()  # another object than base
         monkeypatch.setattr("kava_ray.job.logits_top_k", lambda c: 64 if c is cfg else 0)
     p0, p1 = plan(base, 8 * GiB), plan(cfg, 8 * GiB)
     assert p0["logits_bytes_per_token"] == {"qwen1.5b-nf4": 0} and p0["logits_top_k"] == 0
