@@ -140,6 +140,12 @@ class LossConfig(_Section):
     # Default on: a constant offset on every key shifts a query's attention logits equally, so
     # softmax ignores it; on the demo it doubled held-out centred cos and gap at equal CE (README)
     center: bool = True
+    # logit KD, the standard baseline (DistillKit, TRL GKD, Megatron offline top-k): forward KL on each
+    # teacher's top-k next-token log-probs, renormalised over the top-k ids, T^2-scaled, on the KV loss's
+    # tokens; teachers combined with the fusion weights. 0 = off (the teachers need not send logits)
+    logit_weight: float = Field(0.0, ge=0)
+    logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
+    logit_temperature: float = Field(1.0, gt=0)  # applied to teacher and student alike
 
 
 class OptimConfig(_Section):

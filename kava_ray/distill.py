@@ -17,7 +17,15 @@ from kava_ray.config import JobConfig, OptimConfig
 from kava_ray.errors import KavaError
 from kava_ray.fusion import Fusion
 from kava_ray.kv import KVBatch, student_forward_kv
-from kava_ray.losses import contrast_gap, cos_metrics, drop_shared_prefix, kv_loss, masked_ce
+from kava_ray.losses import (
+    contrast_gap,
+    cos_metrics,
+    drop_shared_prefix,
+    kv_loss,
+    masked_ce,
+    top1_agreement,
+    topk_kl_loss,
+)
 from kava_ray.models import KVGeometry
 from kava_ray.projectors import TeacherProjector
 
@@ -70,6 +78,43 @@ class Distiller(nn.Module):
             return drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
         return batch["attention_mask"]
 
+    def _logit_weights(self) -> list:
+        """The teachers' shares of the logit KD loss, detached (the logit loss never trains the fusion):
+        fixed / sum: the normalised `fusion.weights` (the prior); gate: the current softmax (mean over
+        layers with per_layer); router: the mean router weight over this batch's counted tokens (its
+        last forward) -- i.e. `Fusion.current_weights()`, which for `sum` is the normalised prior too."""
+        w = self.fusion.current_weights()
+        return [w[n] for n in self.names]
+
+    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor):
+        """Weighted top-k forward KL (`losses.topk_kl_loss`) of every teacher against the student's
+        logits, and its metrics: `logit_kl` (weighted), `logit_kl/<t>`, `top1_agree/<t>`."""
+        c = self.loss_cfg
+        ids, logps = {}, {}
+        for n in self.names:
+            t = teacher_kv[n]
+            if t.topk_ids is None or t.topk_logp is None:
+                raise KavaError(f"teacher '{n}' sent no top-k logits, but loss.logit_weight={c.logit_weight} "
+                                f"needs them (set loss.logit_weight=0 or have the teacher serve them)")
+            ids[n] = t.topk_ids[..., :c.logit_top_k].to(logits.device)
+            logps[n] = t.topk_logp[..., :c.logit_top_k].to(logits.device)
+        vocab = logits.shape[-1]
+        # one host sync for all teachers (a gather past the vocab would be a device-side assert on CUDA)
+        keep = mask.to(logits.device)[..., None] != 0
+        top = torch.stack([torch.where(keep, ids[n], 0).max() for n in self.names])
+        if int(top.max()) >= vocab:
+            worst = self.names[int(top.argmax())]
+            raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
+                            f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
+        metrics, total = {}, 0
+        for n, w in zip(self.names, self._logit_weights()):
+            kl = topk_kl_loss(logits, ids[n], logps[n], mask, temperature=c.logit_temperature)
+            total = total + w.to(kl.device) * kl
+            metrics[f"logit_kl/{n}"] = kl.detach()
+            metrics[f"top1_agree/{n}"] = top1_agreement(logits, ids[n], mask)
+        metrics["logit_kl"] = total.detach()
+        return total, metrics
+
     def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
         """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
 
@@ -77,7 +122,10 @@ class Distiller(nn.Module):
         the worker converts them once per log step). KV metrics: `cos_sim` / `cos/<teacher>` (cosine
         centred per (layer, head) over the batch's counted tokens: a constant target scores 0),
         `cos_raw` / `cos_raw/<teacher>` (plain cosine), `cos_layer/{first,middle,last}` (centred),
-        `contrast_gap` (centred, see `losses.contrast_gap`); all the mean of K and V.
+        `contrast_gap` (centred, see `losses.contrast_gap`); all the mean of K and V. With
+        `loss.logit_weight` > 0 also the logit KD loss (top-k forward KL, every teacher's KVBatch must carry
+        `topk_ids` / `topk_logp`): `logit_kl` (weighted over teachers), `logit_kl/<teacher>`,
+        `top1_agree/<teacher>` (student argmax == teacher's top-1, on the KV loss's tokens).
         """
         mask = batch["attention_mask"]
         kv_mask = self._kv_mask(batch)
@@ -124,6 +172,10 @@ class Distiller(nn.Module):
                       for wi, n in zip(w, self.names))
         c = self.loss_cfg
         loss = c.ce_weight * ce + c.kv_weight * kvl
+        if c.logit_weight > 0:
+            kl, m_logit = self._logit_loss(out.logits, teacher_kv, kv_mask)
+            loss = loss + c.logit_weight * kl
+            metrics.update(m_logit)
         layers = m["cos_per_layer"]
         metrics.update(
             loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"], cos_raw=m["cos_raw"],

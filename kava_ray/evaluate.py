@@ -152,6 +152,8 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
             weights[w] = weights[w] + m[w].double()
         sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
         kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
+        if "logit_kl" in m:  # loss.logit_weight > 0: the logit KD loss counts the KV loss's tokens too
+            kv_keys += ["logit_kl"] + [f"{c}/{t}" for c in ("logit_kl", "top1_agree") for t in plans]
         for k in kv_keys:  # KV: per token the KV loss counts
             sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
     distiller.train(was_training)

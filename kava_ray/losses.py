@@ -1,4 +1,5 @@
-"""KV losses (all masked), the CE anchor, the contrast-gap metric and the shared-prefix token mask.
+"""KV losses (all masked), the CE anchor, the logit KD loss (top-k forward KL, `topk_kl_loss`) and its
+top-1 agreement metric, the contrast-gap metric and the shared-prefix token mask.
 
 Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target
 `[L, B, H, T, D]` and mask `[B, T]` (nonzero = token that counts) and returns
@@ -260,6 +261,73 @@ def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
     shared = torch.cumprod(same.to(torch.int32), dim=0).bool()  # the leading run of identical positions
     keep = m & ~shared[None, :]
     return torch.where(keep.any(), keep, m)
+
+
+# ----------------------------------------------------------------------------- logit KD (top-k forward KL)
+
+
+def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                  mask: torch.Tensor | None):
+    """Check shapes; return ids [B, T, k] (0 at masked positions) and m [B, T] bool."""
+    if student_logits.dim() != 3 or topk_ids.dim() != 3 or tuple(topk_ids.shape) != tuple(topk_logp.shape):
+        raise KavaError(f"top-k KL needs student logits [B, T, V] and top-k ids / log-probs [B, T, k] of one shape, "
+                        f"got {tuple(student_logits.shape)}, {tuple(topk_ids.shape)} and {tuple(topk_logp.shape)}")
+    B, T = student_logits.shape[:2]
+    if tuple(topk_ids.shape[:2]) != (B, T):
+        raise KavaError(f"top-k KL: teacher top-k is [B, T]={tuple(topk_ids.shape[:2])}, student logits ({B}, {T})")
+    if mask is None:
+        m = torch.ones(B, T, dtype=torch.bool, device=student_logits.device)
+    else:
+        if tuple(mask.shape) != (B, T):
+            raise KavaError(f"top-k KL mask must be [B, T]=({B}, {T}), got {tuple(mask.shape)}")
+        m = mask.to(student_logits.device) != 0
+    ids = torch.where(m[..., None], topk_ids.to(student_logits.device).long(), 0)  # garbage ids never gathered
+    return ids, m
+
+
+def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                 mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Forward KL(p_t || p_s) on the teacher's top-k support, T^2-scaled, masked mean over positions.
+
+    student_logits [B, T, V] (position t predicts token t+1, as do the teacher's log-probs at t);
+    topk_ids [B, T, k] int64 and topk_logp [B, T, k] (the teacher's log-probs at temperature 1);
+    mask [B, T] (nonzero = position that counts). Both distributions are renormalised over the k ids:
+    p_t = softmax(topk_logp / T) and q_s = softmax(student_logits[ids] / T), both over those k entries,
+    and the loss is T^2 * sum_k p_t (log p_t - log q_s), averaged over the counted positions.
+
+    Renormalised, not a tail bucket: with a (k+1)-th "everything else" entry the student would also be
+    pushed to match the teacher's tail mass, but the teacher's tail is known only as one number while the
+    student's tail would be a logsumexp over the other V-k logits; renormalising keeps the loss exactly 0
+    when the student's logits equal the teacher's (any temperature) and its gradient touches only the k
+    gathered logits: d loss / d z_j = T * (q_s,j - p_t,j) / n on those k ids (n = counted positions).
+    The student's mass outside the support is left free (as in DistillKit / Megatron's offline top-k).
+
+    Computed in float32 whatever the input dtype (only the k gathered logits are cast). Masked positions
+    (their logits, ids and log-probs may be anything, inf or NaN) change neither the loss nor its gradient.
+    Returns 0 (with grad) if no position counts.
+    """
+    if not temperature > 0:
+        raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
+    ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
+    keep = m[..., None]
+    z = student_logits.gather(-1, ids)  # [B, T, k], before the cast: V-sized tensors stay in their dtype
+    z = torch.where(keep, z.float(), 0.0)
+    t = torch.where(keep, topk_logp.to(student_logits.device).float(), 0.0)
+    log_p = torch.log_softmax(t / temperature, dim=-1)
+    log_q = torch.log_softmax(z / temperature, dim=-1)
+    per = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, T]
+    w = m.float()
+    return (temperature ** 2) * (per * w).sum() / w.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def top1_agreement(student_logits: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Masked mean of (student argmax over the full vocab == teacher's top-1 id, `topk_ids[..., 0]`):
+    a detached 0-d float32 tensor (0 if no position counts)."""
+    ids, m = _topk_prepare(student_logits, topk_ids, topk_ids, mask)
+    agree = (student_logits.argmax(-1) == ids[..., 0]) & m
+    return agree.float().sum() / m.float().sum().clamp_min(1.0)
 
 
 def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
