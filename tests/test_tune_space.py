@@ -64,6 +64,11 @@ def test_shipped_spaces_load_and_give_tune_domains(base):
     dropout = space["align.projector.dropout"]
     assert isinstance(dropout.sampler, Float._Uniform) and (dropout.lower, dropout.upper) == (0.0, 0.2)
     assert (space["optim.lr_projector"].lower, space["optim.lr_projector"].upper) == (1e-4, 3e-3)
+    # the loss mix: KV alignment vs logit KD, each switchable off
+    assert space["loss.kv_weight"].categories == [0.0, 0.5, 1.0]
+    assert space["loss.logit_weight"].categories == [0.0, 0.5, 1.0]
+    trial = apply_params(base, {"loss.kv_weight": 0.0, "loss.logit_weight": 1.0})
+    assert (trial.loss.kv_weight, trial.loss.logit_weight) == (0.0, 1.0)
 
     gpu8 = load_space("single_gpu_8gb", base)
     assert (gpu8.num_samples, gpu8.max_concurrent) == (6, 1)
@@ -132,6 +137,9 @@ BAD_PARAMS = [
      "'align.projector.dropout': value 1.0 is invalid"),
     ("randint high-1 invalid", {"optim.accumulation": {"randint": [0, 3]}}, "'optim.accumulation': value 0 is invalid"),
     ("bad literal in choice", {"fusion.kind": {"choice": ["fixed", "vote"]}}, "'fusion.kind': value 'vote'"),
+    ("negative logit weight", {"loss.logit_weight": {"choice": [-0.5, 1.0]}}, "'loss.logit_weight': value -0.5"),
+    ("zero logit temperature", {"loss.logit_temperature": {"choice": [0.0, 2.0]}},
+     "'loss.logit_temperature': value 0.0 is invalid"),
 ]
 
 
