@@ -225,3 +225,28 @@ def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
         distiller(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
     msg = str(info.value)
     assert "\n" not in msg and "'qwen'" in msg and "10000" in msg and "vocab" in msg, msg
+
+
+def test_heldout_eval_aggregates_the_logit_metrics(job_path):
+    """evaluate_heldout end to end (in-process teachers serving top-k through the KVFeed): eval/logit_kl,
+    eval/logit_kl/<t>, eval/top1_agree/<t>, token-weighted like the KV metrics."""
+    from kava_ray.evaluate import evaluate_heldout
+    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.testing.sources import InProcessSource
+
+    cfg = load_config(job_path, ["loss.logit_weight=1.0", "loss.logit_top_k=4", "fusion.kind=fixed"])
+    tok, _ = student_tokenizer(cfg)
+    _, val = load_splits(cfg, tok)
+    teachers = {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
+    plans = teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    got = evaluate_heldout(distiller, InProcessSource(teachers), plans, val, cfg, "cpu", torch.float32)
+    for t in ("qwen", "llama"):
+        assert got[f"eval/logit_kl/{t}"] > 0 and 0 <= got[f"eval/top1_agree/{t}"] <= 1
+    # fixed equal weights: the weighted KL is the mean of the teachers' (token weighting is linear)
+    assert got["eval/logit_kl"] == pytest.approx((got["eval/logit_kl/qwen"] + got["eval/logit_kl/llama"]) / 2)
+    plain = load_config(job_path)
+    off = evaluate_heldout(Distiller(student, plans, kv_geometry(student), plain), InProcessSource(teachers), plans,
+                           val, plain, "cpu", torch.float32)
+    assert not any("logit" in k or "top1" in k for k in off)
