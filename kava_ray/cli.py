@@ -165,6 +165,17 @@ def cmd_bench_tune_share(args) -> int:
     return 0
 
 
+def cmd_bench_recipes(args) -> int:
+    from kava_ray.bench.recipes import format_recipes, run_recipes_bench
+
+    out = run_recipes_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, out=args.out,
+                            limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
+    print(format_recipes(out))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
 def cmd_plan(args) -> int:
     from kava_ray.plan import format_plan, parse_bytes, plan
 
@@ -349,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     _add_json(p)
     p.set_defaults(func=cmd_bench_tune_share)
+    p = bench_sub.add_parser("recipes", help="ce vs ce+kv vs ce+logits vs ce+kv+logits at equal compute, "
+                                            "over one precomputed teacher cache")
+    p.add_argument("--config", default="demo_cpu", help="base job config (a YAML path or a preset)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", default=None, help="output dir (default: <ray.storage_path>/bench-recipes-<time>)")
+    p.add_argument("--limit", type=int, default=8, help="test problems for greedy exact match (0 = skip)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--address", default=None)
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_recipes)
     return parser
 
 

@@ -171,6 +171,9 @@ class TrainConfig(_Section):
     checkpoint_mode: Literal["max", "min"] = "max"
     max_failures: int = Field(1, ge=0)
     seed: int = 0
+    # the data order's seed (training stream, held-out batching, the KV cache's batch keys); None = `seed`.
+    # Set it to vary only the model-side randomness (projector init, dropout) over one precomputed cache
+    data_seed: Optional[int] = None
 
 
 class RayConfig(_Section):

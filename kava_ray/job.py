@@ -236,11 +236,16 @@ def load_test_split(cfg: JobConfig, tokenizer) -> TokenizedSplit:
     return load_split(d, tokenizer, d.test_split, d.num_test, cfg.train.max_length)
 
 
+def data_seed(cfg: JobConfig) -> int:
+    """The seed every data stream is batched with: `train.data_seed`, else `train.seed`."""
+    return cfg.train.seed if cfg.train.data_seed is None else cfg.train.data_seed
+
+
 def eval_stream(split: TokenizedSplit, cfg: JobConfig):
     """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree)."""
     from kava_ray.data import BatchStream
 
-    return BatchStream(split, cfg.train.batch_size, cfg.train.seed, bucket=False)
+    return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)
 
 
 def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, restart_teachers: bool = False) -> dict:
@@ -256,7 +261,7 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     tok = student_tokenizer(cfg)[0]
     train, val = load_splits(cfg, tok)
-    stream = BatchStream(train, cfg.train.batch_size, cfg.train.seed)
+    stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
     held_out = (eval_stream(val, cfg), eval_stream(load_test_split(cfg, tok), cfg))  # as evaluate_heldout reads them
     bar = tqdm(total=stream.steps_per_epoch * epochs + sum(s.steps_per_epoch for s in held_out), desc="precompute",
                unit="batch", disable=None if progress else True)

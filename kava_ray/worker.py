@@ -80,7 +80,7 @@ class DistillRecipe:
         from kava_ray.checkpoint import check_compatible, load_into
         from kava_ray.data import BatchStream
         from kava_ray.distill import Distiller, build_optimizer, build_scheduler
-        from kava_ray.job import load_splits
+        from kava_ray.job import data_seed, load_splits
         from kava_ray.models import kv_geometry, load_student, load_tokenizer
 
         cfg = self.cfg
@@ -102,7 +102,7 @@ class DistillRecipe:
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
         self.tokenizer = load_tokenizer(cfg.student.model)
         self.train_split, self.val = load_splits(cfg, self.tokenizer)  # the test split is read only by `test()`
-        self.stream = BatchStream(self.train_split, cfg.train.batch_size, cfg.train.seed, rank=self.rank,
+        self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)
         return state
 
