@@ -34,19 +34,22 @@ NORM_EPS = 1e-6
 CENTER_TOL = 1e-3  # centred vectors shorter than this x the (layer, head) RMS norm count as ~zero
 
 
+def _bool_mask(mask: torch.Tensor | None, B: int, T: int, device, what: str) -> torch.Tensor:
+    """[B, T] bool on `device`: True where a position counts (every position when `mask` is None)."""
+    if mask is None:
+        return torch.ones(B, T, dtype=torch.bool, device=device)
+    if tuple(mask.shape) != (B, T):
+        raise KavaError(f"{what} mask must be [B, T]=({B}, {T}), got {tuple(mask.shape)}")
+    return mask.to(device) != 0
+
+
 def _prepare(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None):
     """Check shapes; return student, target with masked positions set to 1, and m [1, B, 1, T] bool."""
     if student.shape != target.shape or student.dim() != 5:
         raise KavaError(f"KV loss needs student and target [L, B, H, T, D] of one shape, "
                         f"got {tuple(student.shape)} and {tuple(target.shape)}")
     L, B, H, T, D = student.shape
-    if mask is None:
-        m = torch.ones(B, T, dtype=torch.bool, device=student.device)
-    else:
-        if tuple(mask.shape) != (B, T):
-            raise KavaError(f"KV loss mask must be [B, T]=({B}, {T}), got {tuple(mask.shape)}")
-        m = mask.to(student.device) != 0
-    m = m[None, :, None, :]  # [1, B, 1, T]
+    m = _bool_mask(mask, B, T, student.device, "KV loss")[None, :, None, :]  # [1, B, 1, T]
     # cosines and norms in fp32 at least: under bf16 autocast both sides arrive in bf16
     dtype = torch.promote_types(student.dtype, torch.float32)
     student, target = student.to(dtype), target.to(dtype)
@@ -275,12 +278,7 @@ def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_log
     B, T = student_logits.shape[:2]
     if tuple(topk_ids.shape[:2]) != (B, T):
         raise KavaError(f"top-k KL: teacher top-k is [B, T]={tuple(topk_ids.shape[:2])}, student logits ({B}, {T})")
-    if mask is None:
-        m = torch.ones(B, T, dtype=torch.bool, device=student_logits.device)
-    else:
-        if tuple(mask.shape) != (B, T):
-            raise KavaError(f"top-k KL mask must be [B, T]=({B}, {T}), got {tuple(mask.shape)}")
-        m = mask.to(student_logits.device) != 0
+    m = _bool_mask(mask, B, T, student_logits.device, "top-k KL")
     ids = torch.where(m[..., None], topk_ids.to(student_logits.device).long(), 0)  # garbage ids never gathered
     return ids, m
 
