@@ -46,13 +46,6 @@ def _mean_std(xs: Sequence[Optional[float]]) -> Optional[dict]:
     return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
-def _read_metrics(run_dir: Path) -> list[dict]:
-    from kava_ray.worker import METRICS
-
-    p = run_dir / METRICS
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
-
-
 def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[int] = None,
                   fit_data: bool = True) -> tuple[JobConfig, dict]:
     """(the precompute config, the run dict every recipe x seed is derived from)."""
@@ -75,14 +68,16 @@ def _run_one(run_cfg: JobConfig, name: str, limit: int, max_new_tokens: int, pro
     from kava_ray.evaluate import gsm8k_accuracy
     from kava_ray.job import load_test_split
     from kava_ray.models import load_model, load_tokenizer
+    from kava_ray.report import read_metrics
     from kava_ray.train import run_training
+    from kava_ray.worker import METRICS
 
     res = run_training(run_cfg, name=name, progress=progress)
     run_dir = Path(res["run_dir"])
-    rows = _read_metrics(run_dir)
-    test = read_state(run_dir / "final").get("test") or next((r for r in rows if r.get("kind") == "test"), {})
-    times = [r["time_s"] for r in rows if r.get("kind") == "train" and "time_s" in r]
-    curve = [(r["step"], r["eval/ce"]) for r in rows if r.get("kind") == "eval" and "eval/ce" in r]
+    train, evals = read_metrics(run_dir / METRICS)  # the last record of each step wins (resumed runs)
+    test = read_state(run_dir / "final")["test"]  # the worker writes the test split's metrics there
+    times = [r["time_s"] for r in train if "time_s" in r]
+    curve = [(r["step"], r["eval/ce"]) for r in evals if "eval/ce" in r]
     acc = None
     if limit > 0:
         student = load_model(run_dir / "final" / "student", dtype="float32")
