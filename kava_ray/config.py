@@ -97,6 +97,8 @@ class ProjectorConfig(_Section):
     kind: Literal["elastic", "linear"] = "elastic"
     mlp_ratio: float = Field(1.0, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
+    # structured mode: one head_dim projector shared by every student head, or one per student head
+    head_proj: Literal["shared", "per_head"] = "shared"
 
 
 class AlignConfig(_Section):
@@ -106,6 +108,9 @@ class AlignConfig(_Section):
     explicit_map: Optional[dict[int, list[int]]] = None  # student layer -> teacher layers (layer_map=explicit)
     cka_path: Optional[str] = None  # JSON written by the CKA calibration (layer_map=cka)
     key_space: Literal["pre_rope", "post_rope"] = "pre_rope"
+    # teachers whose tokenizer differs from the student's: which of the teacher tokens overlapping a student
+    # token's characters give its KV -- their mean, the last (it has seen the whole span) or the first
+    token_align: Literal["mean", "last", "first"] = "mean"
     wire_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
     prefetch_depth: int = Field(2, ge=1, le=64)
     projector: ProjectorConfig = ProjectorConfig()
