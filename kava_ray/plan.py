@@ -18,7 +18,8 @@ kv = kv_heads*head_dim):
   and AdamW states (8 B; adamw8bit 2 B); bf16-mixed adds the bf16 copy autocast makes of every weight
   a matmul reads (decoder Linears and the LM head: 2 B each). bf16-sr keeps bf16 weights and grads
   (2 + 2 B) and torchao's states (adamw: bf16, 4 B; adamw8bit: 2 B). Projectors and fusion are
-  always fp32 (params, grads, states); under autocast a bf16 copy of every projector Linear weight.
+  always fp32 (params, grads, states); under autocast a bf16 copy of every projector Linear weight
+  (head_proj=per_head: its batched [H_s, D_t, D_s] weights too).
 - student activations, per layer per token, in elements (counted from the tensors autograd saves
   for a HF Qwen2/Llama decoder layer with SDPA; see ACT_* below): 6h + 4q + 4i + T.
   With gradient checkpointing a layer keeps only its input (h) and one layer is recomputed at a
@@ -152,7 +153,7 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
     small: params in tensors < 4096 elements (bitsandbytes keeps 32-bit Adam states for those).
     """
     from kava_ray.fusion import Fusion
-    from kava_ray.projectors import TeacherProjector
+    from kava_ray.projectors import TeacherProjector, matmul_weights
 
     a, p = cfg.align, cfg.align.projector
     mods = []
@@ -161,11 +162,11 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                         dropout=p.dropout))
+                                         dropout=p.dropout, head_proj=p.head_proj))
         mods.append(Fusion(cfg.fusion.kind, len(plans), n_layers=s_geom.num_layers, weights=cfg.fusion.weights,
                            per_layer=cfg.fusion.per_layer, feature_dim=s_geom.hidden_size, names=list(plans)))
     params = [q for m in mods for q in m.parameters() if q.requires_grad]
-    linear = sum(m.weight.numel() for mod in mods for m in mod.modules() if isinstance(m, torch.nn.Linear))
+    linear = sum(w.numel() for mod in mods for w in matmul_weights(mod))  # incl. per_head batched weights
     return dict(total=sum(q.numel() for q in params), linear_weight=linear,
                 small=sum(q.numel() for q in params if q.numel() < 4096))
 
@@ -282,7 +283,8 @@ def _projector_bytes(cfg: JobConfig, geom: KVGeometry, layers: list[int], s_geom
     output, the hidden pre-activation and the SiLU/Dropout output (r*d each) plus the dropout mask
     (1 B per hidden unit). flat: d = shipped layers * kv (concat) or kv (mean/weighted). structured,
     per student layer: the gathered mapped teacher layers and their weighted sum, then d = H_s * D_t
-    after head mixing. Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
+    after head mixing — the same for head_proj shared and per_head (each student head's projector
+    sees its own D_t slice). Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
     """
     al, p = cfg.align, cfg.align.projector
     r = p.mlp_ratio if p.kind == "elastic" else 0.0

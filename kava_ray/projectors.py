@@ -8,7 +8,8 @@ returns the student layout `[L_s, B, H_s, T, D_s]`:
   weighted), project the whole vector with one ElasticBottleneck / Linear to
   L_s * H_s * D_s values, reshape — every student layer gets its own slice.
 - `structured`: per student layer, a learnable combination of its mapped teacher
-  layers followed by a HeadwiseProjector (mix heads, project head_dim).
+  layers followed by a HeadwiseProjector (mix heads, project head_dim with one
+  projector shared by every student head, or one per student head: `head_proj`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kava_ray.errors import KavaError
 PROJECTOR_KINDS = ("elastic", "linear")
 MODES = ("flat", "structured")
 AGGREGATIONS = ("concat", "mean", "weighted")
+HEAD_PROJS = ("shared", "per_head")
 
 
 def _init_linear(layer: nn.Linear) -> None:
@@ -33,6 +35,11 @@ def _check_dims(**dims: int) -> None:
     for name, value in dims.items():
         if int(value) < 1:
             raise KavaError(f"{name} must be >= 1, got {value}")
+
+
+def _check_head_proj(head_proj: str) -> None:
+    if head_proj not in HEAD_PROJS:
+        raise KavaError(f"unknown head_proj {head_proj!r} (expected one of {', '.join(HEAD_PROJS)})")
 
 
 class ElasticBottleneck(nn.Module):
@@ -106,11 +113,83 @@ def block_head_mix(h_in: int, h_out: int) -> torch.Tensor:
     return mix
 
 
+class PerHeadLinear(nn.Module):
+    """H independent Linear(d_in, d_out) maps, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
+
+    One batched weight `[H, d_in, d_out]` and bias `[H, d_out]`, applied with one einsum (no loop
+    over heads). Each head's weight is initialised like a LinearProjector's (Xavier-uniform, the
+    same bound as nn.Linear(d_in, d_out)), biases zero.
+    """
+
+    def __init__(self, heads: int, d_in: int, d_out: int):
+        super().__init__()
+        _check_dims(heads=heads, d_in=d_in, d_out=d_out)
+        self.weight = nn.Parameter(torch.empty(heads, d_in, d_out))  # [H, D_in, D_out]
+        self.bias = nn.Parameter(torch.zeros(heads, d_out))  # [H, D_out]
+        for w in self.weight:  # per head: fan_in d_in, fan_out d_out (a 3-D xavier would fold H in)
+            nn.init.xavier_uniform_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.einsum("...htd,hde->...hte", x, self.weight)  # [..., H, T, D_out]
+        return out + self.bias[:, None, :]  # bias [H, 1, D_out] broadcast over T
+
+
+class PerHeadElastic(nn.Module):
+    """H independent ElasticBottlenecks, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
+
+    A ModuleList looped over H (a kv-head count, small) rather than batched weights: a batched
+    LayerNorm with a per-head affine would save one more activation per head for backward than
+    nn.LayerNorm's fused kernel does, and the modules stay the ones the shared path uses.
+    """
+
+    def __init__(self, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0, dropout: float = 0.1):
+        super().__init__()
+        _check_dims(heads=heads, d_in=d_in, d_out=d_out)
+        self.heads = nn.ModuleList(ElasticBottleneck(d_in, d_out, mlp_ratio, dropout) for _ in range(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # head h: [..., T, D_in] -> [..., T, D_out]; stacked back on the head axis -> [..., H, T, D_out]
+        return torch.stack([proj(x[..., h, :, :]) for h, proj in enumerate(self.heads)], dim=-3)
+
+
+def make_head_projector(kind: str, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0,
+                        dropout: float = 0.1) -> nn.Module:
+    """One projector per head: `elastic` -> PerHeadElastic, `linear` -> PerHeadLinear.
+
+    H times the parameters of `make_projector(kind, d_in, d_out)`.
+    """
+    if kind == "elastic":
+        return PerHeadElastic(heads, d_in, d_out, mlp_ratio, dropout)
+    if kind == "linear":
+        return PerHeadLinear(heads, d_in, d_out)
+    raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
+
+
+def matmul_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The weights a module's matmuls read: every nn.Linear weight and every PerHeadLinear weight.
+
+    The planner counts these for the bf16 copies autocast keeps.
+    """
+    out = []
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, PerHeadLinear)):
+            out.append(m.weight)
+    return out
+
+
 class HeadwiseProjector(nn.Module):
-    """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix, then project head_dim.
+    """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix, then project head_dim D_t -> D_s.
 
     [..., H_t, T, D_t] -> [..., H_s, T, D_s]. The mixing matrix starts block-uniform
-    (`block_head_mix`); one projector D_t -> D_s is shared by all heads and tokens.
+    (`block_head_mix`). head_proj decides the head_dim projector:
+
+    - `shared` (default): one projector D_t -> D_s used by every student head and token
+      (`self.proj`, the layout older checkpoints have).
+    - `per_head`: one projector per student head, so each student head can read its own
+      subspace of the mixed teacher heads instead of every head sharing one map. `self.proj`
+      is a PerHeadLinear or PerHeadElastic, whose state_dict keys differ from the shared
+      ones (the two never load into each other). Costs H_s times the projector parameters
+      (the mix is unchanged).
     """
 
     def __init__(
@@ -122,11 +201,17 @@ class HeadwiseProjector(nn.Module):
         kind: str = "linear",
         mlp_ratio: float = 1.0,
         dropout: float = 0.1,
+        head_proj: str = "shared",
     ):
         super().__init__()
         _check_dims(h_in=h_in, d_in=d_in, h_out=h_out, d_out=d_out)
-        self.mix = nn.Parameter(block_head_mix(h_in, h_out))
-        self.proj = make_projector(kind, d_in, d_out, mlp_ratio, dropout)
+        _check_head_proj(head_proj)
+        self.head_proj = head_proj
+        self.mix = nn.Parameter(block_head_mix(h_in, h_out))  # [H_s, H_t]
+        if head_proj == "shared":
+            self.proj = make_projector(kind, d_in, d_out, mlp_ratio, dropout)  # [..., D_t] -> [..., D_s]
+        else:
+            self.proj = make_head_projector(kind, h_out, d_in, d_out, mlp_ratio, dropout)  # one per head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mixed = torch.einsum("sh,...htd->...std", self.mix, x)  # [..., H_s, T, D_t]
@@ -146,7 +231,9 @@ class TeacherProjector(nn.Module):
     to d_out = L_s*H_s*D_s. The layer map only decides which layers are shipped.
     mode="structured": student layer s combines its mapped teacher layers with
     learnable (unnormalised) weights initialised from the layer map, then its own
-    HeadwiseProjector — separately for K and V.
+    HeadwiseProjector — separately for K and V. head_proj (structured only; flat ignores
+    it): `shared` = one head_dim projector for all student heads, `per_head` = one per
+    student head (H_s times the head_dim projector parameters).
     """
 
     def __init__(
@@ -163,6 +250,7 @@ class TeacherProjector(nn.Module):
         kind: str = "elastic",
         mlp_ratio: float = 1.0,
         dropout: float = 0.1,
+        head_proj: str = "shared",
     ):
         super().__init__()
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
@@ -170,6 +258,7 @@ class TeacherProjector(nn.Module):
             raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
         if kind not in PROJECTOR_KINDS:
             raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
+        _check_head_proj(head_proj)
         self.teacher_layers = [int(t) for t in teacher_layers]
         if not self.teacher_layers:
             raise KavaError("teacher_layers is empty: the teacher ships no layers")
@@ -183,6 +272,7 @@ class TeacherProjector(nn.Module):
                 if t not in pos:
                     raise KavaError(f"layer map uses teacher layer {t} (student layer {s}) not in teacher_layers")
         self.mode, self.aggregation, self.kind = mode, aggregation, kind
+        self.head_proj = head_proj if mode == "structured" else "shared"  # flat has no head axis to split
         self.t_heads, self.t_head_dim = int(t_heads), int(t_head_dim)
         self.s_layers, self.s_heads, self.s_head_dim = int(s_layers), int(s_heads), int(s_head_dim)
         n_sel = len(self.teacher_layers)
@@ -207,7 +297,7 @@ class TeacherProjector(nn.Module):
 
             def bank() -> nn.ModuleList:
                 return nn.ModuleList(
-                    HeadwiseProjector(t_heads, t_head_dim, s_heads, s_head_dim, kind, mlp_ratio, dropout)
+                    HeadwiseProjector(t_heads, t_head_dim, s_heads, s_head_dim, kind, mlp_ratio, dropout, head_proj)
                     for _ in range(self.s_layers)
                 )
 

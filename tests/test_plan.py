@@ -370,3 +370,32 @@ def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(mon
     assert buf1 - buf0 == tokens * (per_token * 3 + 64 * 12)  # wire x depth + int64 ids and fp32 log-probs
     assert i1["teacher:qwen1.5b-nf4 forward"] > i0["teacher:qwen1.5b-nf4 forward"]  # the logits' log-softmax
     assert "top-64 logits 0.38 KiB of it" in format_plan(p1) and "logits" not in format_plan(p0).split("kv wire")[1]
+
+
+@pytest.mark.parametrize("kind", ["linear", "elastic"])
+def test_projector_count_follows_head_proj(calibration_job, kind):
+    """head_proj=per_head: H_s head_dim projectors per student layer, counted on the meta device."""
+    import torch
+
+    from kava_ray.plan import _infos, _layer_plans, _projector_params
+    from kava_ray.projectors import TeacherProjector, make_projector, num_parameters
+
+    counts = {}
+    for head_proj in ("shared", "per_head"):
+        cfg = load_config(calibration_job, [f"align.projector.kind={kind}", f"align.projector.head_proj={head_proj}"])
+        s, t_infos = _infos(cfg)
+        plans = _layer_plans(cfg, s, t_infos)
+        counts[head_proj] = _projector_params(cfg, plans, s.geometry)
+        (geom, lm, layers), = plans.values()
+        p = cfg.align.projector
+        tp = TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s.geometry.num_layers,
+                              s.geometry.num_kv_heads, s.geometry.head_dim, lm, mode="structured", kind=kind,
+                              mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=head_proj)
+        assert counts[head_proj]["total"] == tp.num_parameters()  # fixed fusion: no parameters
+    g, L = s.geometry, s.geometry.num_layers
+    one = make_projector(kind, geom.head_dim, g.head_dim, p.mlp_ratio)
+    extra = 2 * L * (g.num_kv_heads - 1)  # K and V, per student layer H_s - 1 more projectors
+    assert counts["per_head"]["total"] - counts["shared"]["total"] == extra * num_parameters(one)
+    # the bf16 autocast copies: per_head's batched [H_s, D_t, D_s] weights count like Linear weights
+    one_w = sum(m.weight.numel() for m in one.modules() if isinstance(m, torch.nn.Linear))
+    assert counts["per_head"]["linear_weight"] - counts["shared"]["linear_weight"] == extra * one_w
