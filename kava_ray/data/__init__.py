@@ -14,6 +14,8 @@ from kava_ray.data.batching import (
     BatchStream,
     batch_key,
     collate,
+    collate_split,
+    collate_view,
     plan_batches,
     shard_batches,
     with_layers,
@@ -23,16 +25,18 @@ from kava_ray.data.synthetic import Example, synthetic_gsm8k
 from kava_ray.data.tokenize import (
     IGNORE_INDEX,
     PLAIN_PROMPT,
+    TeacherView,
     TokenizedSplit,
     encode_example,
     encode_prompt,
     load_split,
+    teacher_view,
     tokenize_split,
     tokenizer_fingerprint,
 )
 
 __all__ = [
-    "IGNORE_INDEX", "PLAIN_PROMPT", "BatchStream", "Example", "TokenizedSplit", "batch_key", "collate",
-    "encode_example", "encode_prompt", "final_answer", "load_examples", "load_split", "normalize_number",
-    "plan_batches", "shard_batches", "synthetic_gsm8k", "tokenize_split", "tokenizer_fingerprint", "with_layers",
+    "IGNORE_INDEX", "PLAIN_PROMPT", "BatchStream", "Example", "TeacherView", "TokenizedSplit", "batch_key", "collate",
+    "collate_split", "collate_view", "encode_example", "encode_prompt", "final_answer", "load_examples", "load_split", "normalize_number",
+    "plan_batches", "shard_batches", "synthetic_gsm8k", "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
 ]

@@ -8,7 +8,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from kava_ray.data.tokenize import IGNORE_INDEX, TokenizedSplit, _sha
+from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit, _sha
 from kava_ray.errors import KavaError
 
 
@@ -59,6 +59,41 @@ def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> 
     return out
 
 
+def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
+                 name: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """A teacher view's part of a batch of examples `indices` (student batch padded to T_s, right-padded).
+
+    teacher_input_ids / teacher_attention_mask [B, T_t] long (right-padded with view.pad_id / 0),
+    align_lo / align_hi [B, T_s] long (0 on student padding). With `name`, every key gets "/<name>"
+    (what BatchStream puts in its batches: `teacher_input_ids/<name>`, ...).
+    """
+    items = [view.items[i] for i in indices]
+    B = len(items)
+    T_t = max((len(it["input_ids"]) for it in items), default=0)
+    out = {"teacher_input_ids": torch.full((B, T_t), view.pad_id, dtype=torch.long),
+           "teacher_attention_mask": torch.zeros((B, T_t), dtype=torch.long),
+           "align_lo": torch.zeros((B, T_s), dtype=torch.long),
+           "align_hi": torch.zeros((B, T_s), dtype=torch.long)}
+    for b, it in enumerate(items):
+        n, m = len(it["input_ids"]), len(it["align_lo"])
+        if m > T_s:
+            raise KavaError(f"teacher view item {indices[b]} aligns {m} student tokens > the batch's {T_s}")
+        out["teacher_input_ids"][b, :n] = torch.tensor(it["input_ids"], dtype=torch.long)
+        out["teacher_attention_mask"][b, :n] = 1
+        out["align_lo"][b, :m] = torch.tensor(it["align_lo"], dtype=torch.long)
+        out["align_hi"][b, :m] = torch.tensor(it["align_hi"], dtype=torch.long)
+    return out if name is None else {f"{k}/{name}": v for k, v in out.items()}
+
+
+def collate_split(split: TokenizedSplit, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    """`collate` of the split's examples `indices` plus, for every teacher view, its `collate_view` keys."""
+    batch = collate([split.items[i] for i in indices], split.pad_id)
+    T_s = batch["input_ids"].shape[1]
+    for name, view in split.views.items():
+        batch.update(collate_view(view, indices, T_s, name))
+    return batch
+
+
 def batch_key(fingerprint: str, epoch: int, batch_index: int, layers: Optional[Iterable[int]] = None) -> str:
     """Key teachers de-duplicate a batch by: same data plan, epoch and batch (and layer set) -> same KV."""
     key = f"{fingerprint}/e{epoch}/b{batch_index}"
@@ -107,7 +142,7 @@ class BatchStream:
         if self.position >= self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
         global_index, idx = self._epoch_batches(self.epoch)[self.position]
-        batch = collate([self.split.items[i] for i in idx], self.split.pad_id)
+        batch = collate_split(self.split, idx)
         out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch)
         self.position += 1
         self.step += 1

@@ -50,12 +50,18 @@ def build_tiny_model(
     vocab_size: int | None = None,
     intermediate_size: int | None = None,
     seed: int = 0,
+    tokenizer=None,
 ) -> Path:
-    """Build a random tiny `family` ("qwen2" | "llama") causal LM + the shared tokenizer in `out_dir`."""
+    """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`.
+
+    tokenizer: any HF tokenizer to build the model around (vocab_size = len(tokenizer) unless given,
+    its pad/eos/bos ids in the config, saved beside the model); default: the shared byte tokenizer.
+    """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    tok = build_tokenizer()
+    tok = build_tokenizer() if tokenizer is None else tokenizer
     vocab_size = vocab_size or len(tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -64,9 +70,9 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
+        pad_token_id=pad_id,
         eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=None if tokenizer is None else tok.bos_token_id,
         tie_word_embeddings=False,
     )
     if family == "qwen2":

@@ -1,0 +1,198 @@
+"""Token (time) alignment across tokenizers: teacher token positions -> student token positions.
+
+A teacher whose tokenizer differs from the student's tokenizes the same example text itself; this
+module maps its positions onto the student's through character offsets (fast tokenizers'
+`offset_mapping`), per example, segment-aware. Pure numpy/torch: no Ray, no tokenizer calls.
+
+Segments. An example has three: `prompt` (the question), `reasoning` (the answer text before its
+final `####` marker) and `answer` (from `####` on). Without `####`, reasoning is the whole answer and
+the answer segment is empty.
+
+Canonical coordinate. Every token span [start, end) of a tokenizer's text is mapped into one character
+coordinate shared by student and teacher (`segment_bounds` -> `canonical_spans`):
+
+  same text     (teacher text == student text: same prompt format / template) the raw offsets of the
+                full text, template text included, cut into segments at the content anchors: prompt =
+                [0, end of question), reasoning = [end of question, start of `####`), answer = the rest.
+  content only  (texts differ) the concatenation question + answer: question chars are [0, |q|), answer
+                chars [|q|, |q| + |a|), `####` at |q| + index of the marker. Template-only tokens (chat
+                markup, "Question: ", BOS/EOS and other specials with empty spans) get no span.
+
+A token crossing a segment boundary goes to the segment holding most of its characters (ties: the
+earlier one) and is clipped to it, so no teacher token is ever used across a segment boundary.
+Canonical segments are disjoint intervals, so overlap in the canonical coordinate implies the same
+segment. If the question (or the answer after it) cannot be found in a tokenizer's text, e.g. a
+template that rewrites content, `segment_bounds` returns None and the example is all-unaligned.
+
+Alignment. `align_positions` gives student token i the contiguous teacher range lo[i]:hi[i] of exactly
+the teacher tokens whose canonical span overlaps its own (hi == lo: unaligned), by two
+`np.searchsorted` calls over the monotone spans. `apply_alignment` turns teacher KV [..., B, H, T_t, D]
+into student time [..., B, H, T_s, D] (mean | last | first of the range; 0 where unaligned), O(T).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+MODES = ("mean", "last", "first")
+SEGMENTS = ("prompt", "reasoning", "answer")
+ANSWER_MARKER = "####"
+NO_SPAN = -1
+
+
+def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Optional[np.ndarray]:
+    """Where the three segments lie in `text` and where they go in the canonical coordinate.
+
+    Returns int64 [3, 3], one row per SEGMENTS entry: (text_start, text_end, canonical_start); a row's
+    canonical span is [canonical_start, canonical_start + text_end - text_start). None when the question,
+    or the answer after it, is not in `text` (the example is then all-unaligned).
+
+    same_text: canonical = raw offsets (canonical_start == text_start), segments cover the whole text.
+    Otherwise canonical = question + answer only, template text between and around them is outside
+    every segment.
+    """
+    q0 = text.find(question)
+    if q0 < 0 or not question:
+        return None
+    q1 = q0 + len(question)
+    a0 = text.find(answer, q1)
+    if a0 < 0:
+        return None
+    a1 = a0 + len(answer)
+    m = answer.rfind(ANSWER_MARKER)
+    m = len(answer) if m < 0 else m
+    if same_text:
+        rows = [(0, q1, 0), (q1, a0 + m, q1), (a0 + m, len(text), a0 + m)]
+    else:
+        nq = len(question)
+        rows = [(q0, q1, 0), (a0, a0 + m, nq), (a0 + m, a1, nq + m)]
+    return np.asarray(rows, dtype=np.int64)
+
+
+def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token offsets [(start, end)] into a text -> canonical (starts, ends, segment), int64 [T] each.
+
+    Each token goes to the segment holding most of its characters (ties: the earlier segment) and is
+    clipped to it; tokens overlapping no segment, empty spans (specials, BOS/EOS) and every token when
+    `bounds` is None get start = end = segment = -1. Vectorised over tokens (3 segments).
+    """
+    n = len(offsets)
+    off = np.asarray(offsets, dtype=np.int64).reshape(n, 2)
+    none = np.full(n, NO_SPAN, dtype=np.int64)
+    if bounds is None or n == 0:
+        return none, none.copy(), none.copy()
+    s, e = off[:, :1], off[:, 1:]  # [T, 1]
+    lo, hi, c = bounds[:, 0][None], bounds[:, 1][None], bounds[:, 2][None]  # [1, 3]
+    cs, ce = np.maximum(s, lo), np.minimum(e, hi)
+    overlap = np.maximum(ce - cs, 0)  # [T, 3]
+    seg = overlap.argmax(axis=1)  # first maximum: ties go to the earlier segment
+    rows = np.arange(n)
+    has = overlap[rows, seg] > 0
+    shift = (c - lo)[0, seg]
+    starts = np.where(has, cs[rows, seg] + shift, NO_SPAN)
+    ends = np.where(has, ce[rows, seg] + shift, NO_SPAN)
+    return starts, ends, np.where(has, seg, NO_SPAN)
+
+
+def align_positions(s_starts, s_ends, t_starts, t_ends) -> tuple[np.ndarray, np.ndarray]:
+    """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own.
+
+    Inputs are canonical spans (`canonical_spans`), -1 = no span. Returns int64 (lo, hi) [T_s];
+    hi == lo means unaligned (no span, or nothing of the teacher overlaps). Spans of tokens with a span
+    are monotone (starts and ends non-decreasing in token order), so the overlapping set
+    {j: t_end[j] > s_start and t_start[j] < s_end} is the contiguous range found by two searchsorted
+    calls. A teacher token without a span is given start = the next spanned token's start and end = the
+    previous spanned token's end: it never matches by itself and keeps both arrays monotone (it lands
+    inside a range only when sandwiched between two tokens that both overlap).
+    """
+    ss, se = np.asarray(s_starts, np.int64), np.asarray(s_ends, np.int64)
+    ts, te = np.asarray(t_starts, np.int64).copy(), np.asarray(t_ends, np.int64).copy()
+    if len(ts):
+        miss = ts < 0
+        big = np.iinfo(np.int64).max
+        te = np.maximum.accumulate(np.where(miss, -1, te))  # previous spanned end (-1: none yet)
+        ts = np.minimum.accumulate(np.where(miss, big, ts)[::-1])[::-1]  # next spanned start (big: none)
+    lo = np.searchsorted(te, ss, side="right")  # first teacher token with end > student start
+    hi = np.searchsorted(ts, se, side="left")  # first teacher token with start >= student end
+    hi = np.where((ss < 0) | (hi < lo), lo, hi)
+    return lo.astype(np.int64), hi.astype(np.int64)
+
+
+def align_texts(s_offsets, s_text: str, t_offsets, t_text: str, question: str, answer: str):
+    """One example end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
+
+    Chooses the canonical coordinate (same text or content only), maps both tokenizations into it and
+    aligns them; an example whose question/answer is missing from either text is all-unaligned.
+    """
+    same = s_text == t_text
+    s_canon = canonical_spans(s_offsets, segment_bounds(s_text, question, answer, same))
+    t_canon = canonical_spans(t_offsets, segment_bounds(t_text, question, answer, same))
+    lo, hi = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1])
+    return lo, hi, s_canon, t_canon
+
+
+def apply_alignment(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mode: str = "mean") -> torch.Tensor:
+    """Teacher-time x [..., B, H, T_t, D] -> student time [..., B, H, T_s, D] (same dtype and device).
+
+    lo, hi: LongTensor [B, T_s] (any device; moved to x's). mean: mean of x[..., lo:hi, :] from float32
+    prefix sums (a zero row prepended, gathered at hi and lo: O(T), no [T_s, T_t] matrix); last:
+    x[..., hi - 1, :]; first: x[..., lo, :]. Unaligned positions (hi == lo) are 0. Not differentiable
+    by design (teacher KV carries no grad); pure torch, so CUDA tensors stay on the GPU.
+    """
+    if mode not in MODES:
+        raise ValueError(f"token alignment mode must be one of {MODES}, not {mode!r}")
+    if x.dim() < 4:
+        raise ValueError(f"apply_alignment wants x [..., B, H, T, D], got shape {tuple(x.shape)}")
+    *lead, B, H, T_t, D = x.shape
+    if lo.shape != hi.shape or lo.dim() != 2 or lo.shape[0] != B:
+        raise ValueError(f"lo/hi must both be [B={B}, T_s], got {tuple(lo.shape)} and {tuple(hi.shape)}")
+    T_s = lo.shape[1]
+    lo, hi = lo.to(x.device, torch.long), hi.to(x.device, torch.long)
+    ok = hi > lo  # [B, T_s]
+    if T_t == 0 or T_s == 0:
+        return x.new_zeros(*lead, B, H, T_s, D)
+    out_shape = (*lead, B, H, T_s, D)
+
+    def index(pos: torch.Tensor) -> torch.Tensor:
+        return pos.view(B, 1, T_s, 1).expand(out_shape)
+
+    with torch.no_grad():
+        if mode == "mean":
+            cs = torch.cumsum(x.float(), dim=-2)
+            cs = torch.cat([cs.new_zeros(*lead, B, H, 1, D), cs], dim=-2)  # cs[..., j, :] = sum x[..., :j, :]
+            hi_c, lo_c = hi.clamp(0, T_t), lo.clamp(0, T_t)
+            total = cs.gather(-2, index(hi_c)) - cs.gather(-2, index(lo_c))
+            count = (hi_c - lo_c).clamp(min=1).to(total.dtype).view(B, 1, T_s, 1)
+            out = total / count
+        else:
+            pos = (hi - 1) if mode == "last" else lo
+            out = x.gather(-2, index(pos.clamp(0, T_t - 1)))
+        out = out * ok.view(B, 1, T_s, 1).to(out.dtype)
+    return out.to(x.dtype)
+
+
+def aligned_mask(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """BoolTensor [B, T_s]: the student positions that use at least one teacher token (hi > lo)."""
+    return hi > lo
+
+
+def alignment_stats(lo: torch.Tensor, hi: torch.Tensor, student_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Alignment coverage over the real student tokens (student_mask [B, T_s], 1 = real token).
+
+    Returns detached 0-d tensors on lo's device (metrics-style, no host sync):
+      aligned_fraction     float32, aligned real tokens / real tokens (0 when there are none)
+      teacher_per_student  float32, mean hi - lo over the aligned real tokens (0 when none)
+      unaligned            int64, number of real student tokens with no teacher token
+    """
+    real = student_mask.to(lo.device).bool()
+    ok = aligned_mask(lo, hi) & real
+    n_real, n_ok = real.sum(), ok.sum()
+    width = torch.where(ok, (hi - lo).float(), torch.zeros((), device=lo.device)).sum()
+    return {
+        "aligned_fraction": (n_ok.float() / n_real.clamp(min=1).float()).detach(),
+        "teacher_per_student": (width / n_ok.clamp(min=1).float()).detach(),
+        "unaligned": (n_real - n_ok).to(torch.int64).detach(),
+    }
