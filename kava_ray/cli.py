@@ -120,6 +120,22 @@ def format_status(rows: list[dict]) -> str:
     return format_table(header, out)
 
 
+# ----------------------------------------------------------------------------- align
+
+
+def cmd_align_cka(args) -> int:
+    from kava_ray.calibrate import format_cka, measure_cka
+
+    cfg = _job_config(args)
+    out = measure_cka(cfg, samples=args.samples, top_k=args.top_k, features=args.features, out=args.out,
+                      address=args.address)
+    print(format_cka(out, " ".join([args.config, *args.overrides])))
+    if args.json:
+        _print_json_last({k: v for k, v in out.items() if k != "teachers"}
+                         | {"teachers": {n: {"layer_map": e["layer_map"]} for n, e in out["teachers"].items()}})
+    return 0
+
+
 # ----------------------------------------------------------------------------- train
 
 
@@ -287,6 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
             p.add_argument("--epochs", type=int, default=1)
         p.set_defaults(func=cmd_teachers)
+
+    p_align = sub.add_parser("align", help="measure teacher/student layer alignment")
+    align_sub = p_align.add_subparsers(dest="align_command", required=True)
+    p = align_sub.add_parser("cka", help="linear CKA of every teacher layer vs every student layer on training "
+                                        "examples -> one JSON of per-teacher layer maps (align.layer_map=cka) + heat maps")
+    _add_config_args(p)
+    p.add_argument("--samples", type=int, default=64, help="the first N training examples to measure on")
+    p.add_argument("--top-k", type=int, default=1, help="teacher layers per student layer (weights: their CKA)")
+    p.add_argument("--features", choices=("k", "v", "kv"), default="kv",
+                   help="compare keys, values, or both (the mean of the two CKAs)")
+    p.add_argument("--out", default=None, help="the JSON (default: <ray.storage_path>/cka/<config name>.json); "
+                                               "a PNG per teacher goes next to it")
+    _add_address(p)
+    _add_json(p)
+    p.set_defaults(func=cmd_align_cka)
 
     p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
     _add_config_args(p)

@@ -7,7 +7,8 @@ A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of
 
 Kinds: `ratio` (one teacher layer per student layer, spread evenly, first and last
 teacher layer included), `uniform` (contiguous groups, every teacher layer used),
-`explicit` (user spec), `cka` (measured with linear CKA and stored as JSON).
+`explicit` (user spec), `cka` (measured with linear CKA by `kava-ray align cka` and stored as JSON, one
+map per teacher).
 """
 
 from __future__ import annotations
@@ -159,6 +160,27 @@ def cka_matrix(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tens
     return torch.tensor([[linear_cka(t, s) for t in teacher_feats] for s in student_feats], dtype=torch.float64)
 
 
+def top_k_map(scores: torch.Tensor, top_k: int = 1, teacher_layers: list[int] | None = None) -> LayerMap:
+    """For each student layer (row of `scores` [L_s, L_t]), its top-k teacher layers (columns).
+
+    Weights are the scores normalised to sum to 1 (equal if all are 0); pairs are listed best first.
+    `teacher_layers` names the real teacher layer id of each column (default: the column index).
+    """
+    n_t = scores.shape[1]
+    if not 1 <= top_k <= n_t:
+        raise KavaError(f"cka_map: top_k={top_k} must be in [1, {n_t}]")
+    ids = list(range(n_t)) if teacher_layers is None else [int(t) for t in teacher_layers]
+    if len(ids) != n_t:
+        raise KavaError(f"top_k_map: {len(ids)} teacher layer ids for {n_t} columns")
+    out: LayerMap = []
+    for s in range(scores.shape[0]):
+        vals, idx = scores[s].double().topk(top_k)
+        total = float(vals.clamp(min=0).sum())
+        ws = [max(float(v), 0.0) / total for v in vals] if total > 0 else [1.0 / top_k] * top_k
+        out.append((s, [(ids[int(t)], w) for t, w in zip(idx.tolist(), ws)]))
+    return out
+
+
 def cka_map(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tensor], top_k: int = 1) -> LayerMap:
     """For each student layer, its top-k teacher layers by linear CKA.
 
@@ -170,38 +192,121 @@ def cka_map(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tensor]
         raise KavaError("cka_map needs features for at least one teacher and one student layer")
     if not 1 <= top_k <= len(teacher_feats):
         raise KavaError(f"cka_map: top_k={top_k} must be in [1, {len(teacher_feats)}]")
-    scores = cka_matrix(teacher_feats, student_feats)  # [L_s, L_t]
-    out: LayerMap = []
-    for s in range(len(student_feats)):
-        vals, idx = scores[s].topk(top_k)
-        total = float(vals.sum())
-        ws = [float(v) / total for v in vals] if total > 0 else [1.0 / top_k] * top_k
-        out.append((s, [(int(t), w) for t, w in zip(idx.tolist(), ws)]))
-    return out
+    return top_k_map(cka_matrix(teacher_feats, student_feats), top_k)
+
+
+class CKAStats:
+    """Streaming linear CKA between every teacher and every student layer, without keeping features.
+
+    Linear CKA needs only second moments: with column-centred X [N, d_t] and Y [N, d_s],
+    CKA = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), and Xc^T Yc = X^T Y - N mx my^T. `update` adds
+    one chunk of tokens to float64 sums of X^T Y (all layer pairs in one matrix product), X^T X, Y^T Y
+    and the column sums; memory is O(L_t d_t * L_s d_s) whatever the number of tokens, and the result
+    equals `cka_matrix` on the concatenated features. Features are shifted by the first chunk's mean
+    before they are multiplied (covariances do not change), so large common offsets (biased K
+    projections) do not cancel catastrophically.
+    """
+
+    def __init__(self):
+        self.n = 0
+        self._shift: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, teacher: torch.Tensor, student: torch.Tensor) -> None:
+        """teacher [L_t, n, d_t], student [L_s, n, d_s]: the same n tokens, every layer."""
+        if teacher.dim() != 3 or student.dim() != 3 or teacher.shape[1] != student.shape[1]:
+            raise KavaError(f"CKAStats.update needs [L_t, n, d_t] and [L_s, n, d_s], got {tuple(teacher.shape)} "
+                            f"and {tuple(student.shape)}")
+        n = teacher.shape[1]
+        if n == 0:
+            return
+        X, Y = teacher.detach().float().cpu(), student.detach().float().cpu()
+        if self._shift is None:
+            self._shift = (X.mean(1, keepdim=True), Y.mean(1, keepdim=True))
+            (Lt, _, dt), (Ls, _, ds) = X.shape, Y.shape
+            self.shape = (Lt, dt, Ls, ds)
+            self.sx = torch.zeros(Lt, dt, dtype=torch.float64)
+            self.sy = torch.zeros(Ls, ds, dtype=torch.float64)
+            self.xx = torch.zeros(Lt, dt, dt, dtype=torch.float64)
+            self.yy = torch.zeros(Ls, ds, ds, dtype=torch.float64)
+            self.xy = torch.zeros(Lt * dt, Ls * ds, dtype=torch.float64)
+        elif (X.shape[0], X.shape[2], Y.shape[0], Y.shape[2]) != self.shape:
+            raise KavaError(f"CKAStats.update: layer/feature sizes changed from {self.shape}")
+        X, Y = X - self._shift[0], Y - self._shift[1]
+        self.sx += X.sum(1).double()
+        self.sy += Y.sum(1).double()
+        self.xx += torch.bmm(X.transpose(1, 2), X).double()
+        self.yy += torch.bmm(Y.transpose(1, 2), Y).double()
+        Xf = X.permute(1, 0, 2).reshape(n, -1)  # [n, L_t * d_t]
+        Yf = Y.permute(1, 0, 2).reshape(n, -1)
+        self.xy += (Xf.T @ Yf).double()
+        self.n += n
+
+    def matrix(self) -> torch.Tensor:
+        """[L_s, L_t] linear CKA of every student layer (rows) with every teacher layer (columns)."""
+        if self.n < 2:
+            raise KavaError(f"CKAStats: {self.n} token(s) seen; CKA needs at least 2")
+        Lt, dt, Ls, ds = self.shape
+        mx, my = self.sx / self.n, self.sy / self.n
+        cxx = self.xx - self.n * mx[:, :, None] * mx[:, None, :]
+        cyy = self.yy - self.n * my[:, :, None] * my[:, None, :]
+        cxy = self.xy.view(Lt, dt, Ls, ds) - self.n * mx[:, :, None, None] * my[None, None, :, :]
+        num = cxy.pow(2).sum((1, 3))  # [L_t, L_s]
+        den = torch.linalg.matrix_norm(cxx)[:, None] * torch.linalg.matrix_norm(cyy)[None, :]
+        cka = torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num)).clamp(0.0, 1.0)
+        return cka.T.contiguous()
+
+
+def layer_map_json(layer_map: LayerMap) -> list:
+    """A map as plain JSON data: [[student, [[teacher, weight], ...]], ...]."""
+    return [[int(s), [[int(t), float(w)] for t, w in pairs]] for s, pairs in layer_map]
 
 
 def save_layer_map(layer_map: LayerMap, path: str | Path) -> None:
     """Write a map as JSON: {"layer_map": [[student, [[teacher, weight], ...]], ...]}."""
-    data = {"layer_map": [[int(s), [[int(t), float(w)] for t, w in pairs]] for s, pairs in layer_map]}
-    Path(path).write_text(json.dumps(data, indent=1))
+    Path(path).write_text(json.dumps({"layer_map": layer_map_json(layer_map)}, indent=1))
 
 
-def load_layer_map(path: str | Path) -> LayerMap:
-    """Read a map written by `save_layer_map`."""
+def _parse_map(entries) -> LayerMap:
+    return [(int(s), [(int(t), float(w)) for t, w in pairs]) for s, pairs in entries]
+
+
+def load_layer_map(path: str | Path, teacher: str | None = None) -> LayerMap:
+    """Read a map: a single map `{"layer_map": ...}` (`save_layer_map`; any teacher may use it) or one
+    map per teacher `{"teachers": {name: {"layer_map": ...}}}` (`kava-ray align cka`), read by `teacher`.
+
+    A per-teacher file read without a teacher name is accepted only when it holds exactly one teacher.
+    """
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-        return [(int(s), [(int(t), float(w)) for t, w in pairs]) for s, pairs in data["layer_map"]]
     except FileNotFoundError:
         raise KavaError(f"layer map file not found: {p}") from None
-    except (ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        raise KavaError(f"layer map file {p} is not a saved layer map") from None
+    try:
+        if isinstance(data, dict) and "teachers" in data and "layer_map" not in data:
+            maps = data["teachers"]
+            if not isinstance(maps, dict) or not maps:
+                raise TypeError
+            if teacher is None:
+                if len(maps) != 1:
+                    raise KavaError(f"layer map file {p} holds maps for teachers {', '.join(sorted(maps))}: "
+                                    f"say which teacher reads it")
+                teacher = next(iter(maps))
+            if teacher not in maps:
+                raise KavaError(f"layer map file {p} has no map for teacher {teacher!r} "
+                                f"(it has {', '.join(sorted(maps))}); measure one with kava-ray align cka")
+            return _parse_map(maps[teacher]["layer_map"])
+        return _parse_map(data["layer_map"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise KavaError(f"layer map file {p} is not a saved layer map") from None
 
 
 def build_layer_map(
-    kind: str, n_teacher: int, n_student: int, explicit: dict | None = None, cka_path: str | Path | None = None
+    kind: str, n_teacher: int, n_student: int, explicit: dict | None = None, cka_path: str | Path | None = None,
+    teacher: str | None = None,
 ) -> LayerMap:
-    """Dispatch on `kind` in ratio | uniform | explicit | cka (the latter loads `cka_path`)."""
+    """Dispatch on `kind` in ratio | uniform | explicit | cka (the latter loads `teacher`'s map from `cka_path`)."""
     if kind == "ratio":
         return ratio_map(n_teacher, n_student)
     if kind == "uniform":
@@ -212,8 +317,13 @@ def build_layer_map(
         return explicit_map(explicit, n_teacher, n_student)
     if kind == "cka":
         if cka_path is None:
-            raise KavaError("layer map kind 'cka' needs cka_path (a JSON file from save_layer_map)")
-        return validate_layer_map(load_layer_map(cka_path), n_teacher, n_student)
+            raise KavaError("layer map kind 'cka' needs cka_path (a JSON file from kava-ray align cka)")
+        layer_map = load_layer_map(cka_path, teacher)
+        try:
+            return validate_layer_map(layer_map, n_teacher, n_student)
+        except KavaError as e:
+            who = f" (teacher {teacher!r})" if teacher else ""
+            raise KavaError(f"layer map file {cka_path}{who}: {e}") from None
     raise KavaError(f"unknown layer map kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 
@@ -224,13 +334,14 @@ def teacher_layers_used(layer_map: LayerMap) -> list[int]:
 
 def plan_teacher_layers(
     kind: str, n_teacher: int, n_student: int, mode: str = "structured", selected: list[int] | None = None,
-    explicit: dict | None = None, cka_path: str | Path | None = None,
+    explicit: dict | None = None, cka_path: str | Path | None = None, teacher: str | None = None,
 ) -> tuple[LayerMap, list[int]]:
     """(layer map in real teacher layer ids, the teacher layers to ship) for one teacher.
 
     `selected` (the teacher config's `layers`) restricts which teacher layers may be used — the way
     to bound KV volume for a large teacher; ratio/uniform maps are then built over the selected
     layers. Explicit and CKA maps name real layer ids and must stay inside the selection.
+    `teacher` names the teacher whose map a per-teacher CKA file holds.
     Structured mode ships exactly the layers its map uses; flat mode aggregates whole stacks, so it
     ships every selected layer (all layers when nothing is selected).
     """
@@ -241,7 +352,8 @@ def plan_teacher_layers(
         virtual = build_layer_map(kind, len(candidates), n_student)
         layer_map = [(s, [(candidates[t], w) for t, w in pairs]) for s, pairs in virtual]
     else:
-        layer_map = build_layer_map(kind, n_teacher, n_student, explicit=explicit, cka_path=cka_path)
+        layer_map = build_layer_map(kind, n_teacher, n_student, explicit=explicit, cka_path=cka_path,
+                                    teacher=teacher)
         outside = sorted(set(teacher_layers_used(layer_map)) - set(candidates))
         if outside:
             raise KavaError(f"layer map uses teacher layers {outside} outside the selected layers {candidates}")
