@@ -59,8 +59,11 @@ class KVFeed:
     """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
 
     items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item)`; `item` is passed
-    through untouched (the student's own batch). layers: {teacher: layer ids to ship}. logits_top_k > 0:
-    every teacher also serves its top-k log-probs from the same forward (KVBatch.topk_ids / topk_logp).
+    through untouched (the student's own batch). input_ids / attention_mask may instead be dicts
+    {teacher: array}, with the key None for every teacher not named: a teacher of another tokenizer gets
+    its own tokenization of the batch (`feed_items` builds these). layers: {teacher: layer ids to ship}.
+    logits_top_k > 0 (an int for every teacher, or {teacher: k}): the teacher also serves its top-k
+    log-probs from the same forward (KVBatch.topk_ids / topk_logp).
 
     A request, as every source receives it: (key, input_ids, attention_mask, layers, wire_dtype, logits_top_k).
     """
@@ -75,7 +78,7 @@ class KVFeed:
         self.layers = layers
         self.depth = depth
         self.wire_dtype = wire_dtype
-        self.logits_top_k = int(logits_top_k)
+        self.logits_top_k = logits_top_k if isinstance(logits_top_k, dict) else {n: int(logits_top_k) for n in layers}
         self.device = device
         self.dtype = dtype
         self.decode = decode  # False: hand back the wire payloads as they arrived (precompute writes them)
@@ -90,8 +93,8 @@ class KVFeed:
             except StopIteration:
                 self._exhausted = True
                 return
-            ids, mask = np.ascontiguousarray(ids), np.ascontiguousarray(mask)
-            reqs = {name: (key, ids, mask, layers, self.wire_dtype, self.logits_top_k)
+            reqs = {name: (key, _for(ids, name), _for(mask, name), layers, self.wire_dtype,
+                           int(self.logits_top_k.get(name, 0)))
                     for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))
@@ -122,10 +125,25 @@ class KVFeed:
         return self.wait_s[-1] if self.wait_s else 0.0
 
 
+def _for(x, name: str) -> np.ndarray:
+    """A teacher's input array: its own entry of a per-teacher dict (default: the None entry), or `x`."""
+    if isinstance(x, dict):
+        x = x.get(name, x[None])
+    return np.ascontiguousarray(x)
+
+
 def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
-    """(key, input_ids, attention_mask, (key, step, epoch, batch)) for KVFeed, `steps` batches or forever."""
+    """(key, input_ids, attention_mask, (key, step, epoch, batch)) for KVFeed, `steps` batches or forever.
+
+    A teacher of another tokenizer (the batch carries `teacher_input_ids/<teacher>`) gets its own ids and
+    mask: input_ids / attention_mask are then {teacher: array, None: the student's}."""
     n = 0
     while steps is None or n < steps:
         key, step, epoch, batch = item = stream.next()
-        yield key, batch["input_ids"].numpy(), batch["attention_mask"].numpy(), item
+        ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
+        own = [k.split("/", 1)[1] for k in batch if k.startswith("teacher_input_ids/")]
+        if own:
+            ids = {None: ids, **{t: batch[f"teacher_input_ids/{t}"].numpy() for t in own}}
+            mask = {None: mask, **{t: batch[f"teacher_attention_mask/{t}"].numpy() for t in own}}
+        yield key, ids, mask, item
         n += 1

@@ -3,6 +3,8 @@
 Layout of a cache dir:
   manifest.json                 meta (config hash, data fingerprint, wire dtype, key space, per-teacher
                                 layers + geometry) and {batch key: {file, sha256, bytes}}
+  tokenizers/<teacher>/         the tokenizer of a teacher whose tokenizer differs from the student's
+                                (its positions are aligned by characters from the same text)
   shard-<hash of key>.safetensors  one batch: `<teacher>.k`, `<teacher>.v` (+ `.k_scale`, `.v_scale` for
                                 fp8; + `.topk_ids`, `.topk_logp` when the job serves teacher logits) and
                                 `mask`; the wire metadata in the safetensors header
@@ -23,10 +25,11 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from kava_ray._io import atomic_write
+from kava_ray._io import atomic_dir, atomic_write
 from kava_ray.errors import KavaError
 
 MANIFEST = "manifest.json"
+TOKENIZERS = "tokenizers"
 ARRAYS = ("k", "v", "k_scale", "v_scale", "topk_ids", "topk_logp")
 
 
@@ -174,12 +177,16 @@ def check_logits(root, meta: dict, logits_top_k: int) -> None:
 def cache_meta(cfg, plans: dict, plan_fingerprint: str, logits_top_k: int = 0) -> dict:
     """What a cache must match to serve a job: data/batching, teachers' layers, wire dtype, key space, and
     the top-k of teacher logits (recorded only when > 0, so a cache without logits has the meta it always had)."""
+    teachers = {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
+                    "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()}
+    for n, p in plans.items():  # a teacher of another tokenizer: the cache keeps a copy to align positions with
+        if p.aligned:
+            teachers[n].update(tokenizer=f"{TOKENIZERS}/{n}", tokenizer_fingerprint=p.tokenizer_fingerprint)
     meta = {
         "data": plan_fingerprint,
         "wire_dtype": cfg.align.wire_dtype,
         "key_space": cfg.align.key_space,
-        "teachers": {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
-                         "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()},
+        "teachers": teachers,
     }
     if logits_top_k:
         meta["logits_top_k"] = int(logits_top_k)
@@ -187,17 +194,24 @@ def cache_meta(cfg, plans: dict, plan_fingerprint: str, logits_top_k: int = 0) -
 
 
 def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None,
-               extra_streams: tuple = (), logits_top_k: int = 0) -> dict:
+               extra_streams: tuple = (), logits_top_k=0, tokenizers: Optional[dict] = None) -> dict:
     """Write `epochs` epochs of the stream's batches of teacher KV to `out_dir`; skips shards already there.
 
     `stream` must be a world_size-1 BatchStream: keys use global batch indices, so the cache serves
     any number of DDP ranks. `extra_streams` (e.g. the held-out split, one epoch each) are cached
     too, so evaluation during training needs no live teacher. logits_top_k > 0: the teachers' top-k
-    log-probs are cached with the KV. Returns counts (written, skipped, bytes).
+    log-probs are cached with the KV (an int, or {teacher: k}). `tokenizers`: {teacher: tokenizer} of the
+    teachers aligned by characters, saved under `tokenizers/<teacher>/` so a job reading the cache can align
+    positions without the teacher's model. Returns counts (written, skipped, bytes).
     """
     from actors.feed import ActorSource, KVFeed, feed_items
 
-    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint, logits_top_k), create=True)
+    k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)
+    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint, k), create=True)
+    for name, tok in (tokenizers or {}).items():
+        if not (cache.root / TOKENIZERS / name).is_dir():
+            with atomic_dir(cache.root / TOKENIZERS / name) as tmp:
+                tok.save_pretrained(tmp)
     work = [(stream, stream.steps_per_epoch * epochs)] + [(s, s.steps_per_epoch) for s in extra_streams]
     stats = {"written": 0, "skipped": 0, "bytes": 0, "total": sum(n for _, n in work)}
 

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
+from kava_ray.align.tokens import aligned_mask, apply_alignment
 from kava_ray.config import JobConfig, OptimConfig
 from kava_ray.errors import KavaError
 from kava_ray.fusion import Fusion
@@ -43,13 +44,21 @@ class Distiller(nn.Module):
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                dropout=p.dropout)
+                                dropout=p.dropout, head_proj=p.head_proj)
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,
                              feature_dim=s_geom.hidden_size, names=self.names)
         self.loss_cfg = cfg.loss
         self.key_space = a.key_space
+        # teachers of another tokenizer: their KV is mapped to student positions by characters
+        # (`align.token_align`); their logits name other strings, so only the others' logits train the student
+        self.aligned = [n for n in self.names if getattr(plans[n], "aligned", False)]
+        self.token_align = a.token_align
+        self.logit_names = [n for n in self.names if n not in self.aligned]
+        if cfg.loss.logit_weight > 0 and not self.logit_names:
+            raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs a teacher that shares the student's "
+                            f"tokenizer; {', '.join(self.aligned)} are aligned by characters (KV only)")
 
     def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
         c = self.loss_cfg
@@ -84,14 +93,15 @@ class Distiller(nn.Module):
         layers with per_layer); router: the mean router weight over this batch's counted tokens (its
         last forward) -- i.e. `Fusion.current_weights()`, which for `sum` is the normalised prior too."""
         w = self.fusion.current_weights()
-        return [w[n] for n in self.names]
+        total = sum(w[n] for n in self.logit_names)  # renormalised over the teachers whose logits count
+        return [w[n] / total for n in self.logit_names]
 
     def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor):
         """Weighted top-k forward KL (`losses.topk_kl_loss`) of every teacher against the student's
         logits, and its metrics: `logit_kl` (weighted), `logit_kl/<t>`, `top1_agree/<t>`."""
         c = self.loss_cfg
         ids, logps = {}, {}
-        for n in self.names:
+        for n in self.logit_names:
             t = teacher_kv[n]
             if t.topk_ids is None or t.topk_logp is None:
                 raise KavaError(f"teacher '{n}' sent no top-k logits, but loss.logit_weight={c.logit_weight} "
@@ -101,19 +111,35 @@ class Distiller(nn.Module):
         vocab = logits.shape[-1]
         # one host sync for all teachers (a gather past the vocab would be a device-side assert on CUDA)
         keep = mask.to(logits.device)[..., None] != 0
-        top = torch.stack([torch.where(keep, ids[n], 0).max() for n in self.names])
+        top = torch.stack([torch.where(keep, ids[n], 0).max() for n in self.logit_names])
         if int(top.max()) >= vocab:
-            worst = self.names[int(top.argmax())]
+            worst = self.logit_names[int(top.argmax())]
             raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
                             f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
         metrics, total = {}, 0
-        for n, w in zip(self.names, self._logit_weights()):
+        for n, w in zip(self.logit_names, self._logit_weights()):
             kl = topk_kl_loss(logits, ids[n], logps[n], mask, temperature=c.logit_temperature)
             total = total + w.to(kl.device) * kl
             metrics[f"logit_kl/{n}"] = kl.detach()
             metrics[f"top1_agree/{n}"] = top1_agreement(logits, ids[n], mask)
         metrics["logit_kl"] = total.detach()
         return total, metrics
+
+    def _to_student_time(self, n: str, t: KVBatch, batch: dict, kv_mask: torch.Tensor):
+        """(keys, values, mask) of teacher `n` on the student's positions.
+
+        Same tokenizer: its KV as sent and the KV mask. Another tokenizer: `align.tokens.apply_alignment`
+        maps [L_t, B, H_t, T_t, D_t] to [L_t, B, H_t, T_s, D_t] (the batch's `align_lo/<n>`, `align_hi/<n>`),
+        and student positions no teacher token overlaps leave the mask (counted as `aligned/<n>`)."""
+        if n not in self.aligned:
+            return t.keys, t.values, kv_mask
+        if f"align_lo/{n}" not in batch:
+            raise KavaError(f"teacher '{n}' uses another tokenizer than the student, but the batch carries no token "
+                            f"alignment for it (splits must be built with job.teacher_tokenizers)")
+        lo, hi = batch[f"align_lo/{n}"].to(t.keys.device), batch[f"align_hi/{n}"].to(t.keys.device)
+        keys = apply_alignment(t.keys, lo, hi, self.token_align)
+        values = apply_alignment(t.values, lo, hi, self.token_align)
+        return keys, values, kv_mask * aligned_mask(lo, hi).to(kv_mask.device, kv_mask.dtype)
 
     def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
         """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
@@ -126,6 +152,9 @@ class Distiller(nn.Module):
         `loss.logit_weight` > 0 also the logit KD loss (top-k forward KL, every teacher's KVBatch must carry
         `topk_ids` / `topk_logp`): `logit_kl` (weighted over teachers), `logit_kl/<teacher>`,
         `top1_agree/<teacher>` (student argmax == teacher's top-1, on the KV loss's tokens).
+        Teachers of another tokenizer are first mapped to the student's positions (`_to_student_time`):
+        with a fused target the KV loss counts the positions every teacher covers, per-teacher metrics (and
+        `fusion.kind: sum`'s losses) each teacher's own; `aligned/<teacher>` is the share it covers.
         """
         mask = batch["attention_mask"]
         kv_mask = self._kv_mask(batch)
@@ -133,7 +162,7 @@ class Distiller(nn.Module):
         out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
                                       output_hidden_states=router)
         ce = masked_ce(out.logits, batch["labels"])
-        projected = {}
+        projected, masks, metrics, base_mask = {}, {}, {}, kv_mask
         for n in self.names:
             t = teacher_kv[n]
             if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
@@ -141,22 +170,27 @@ class Distiller(nn.Module):
                                 f"(align.key_space)")
             if t.layer_ids != self.layers[n]:
                 raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
-            projected[n] = self.projectors[n](t.keys, t.values)  # each [L_s, B, H_s, T, D_s]
-        metrics: dict = {}
+            keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
+            projected[n] = self.projectors[n](keys, values)  # each [L_s, B, H_s, T, D_s]
+        if self.aligned:  # a fused target exists where every teacher has one
+            for n in self.aligned:
+                metrics[f"aligned/{n}"] = (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
+            if self.fusion.fuses_targets:
+                kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)  # the logit loss keeps base_mask
         if self.fusion.fuses_targets:
             feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
             tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
             tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
             kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
             for n in self.names:
-                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], kv_mask),
-                                     cos_metrics(skv.values, projected[n][1], kv_mask))
+                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
+                                     cos_metrics(skv.values, projected[n][1], masks[n]))
                 metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
             gap = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
         else:
             losses, ms = [], []
             for n in self.names:
-                loss_n, m_n = self._kv_pair_loss(skv, *projected[n], kv_mask)
+                loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
                 losses.append(loss_n)
                 ms.append(m_n)
                 metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
@@ -167,13 +201,13 @@ class Distiller(nn.Module):
                  "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
                                    for i in range(len(ms[0]["cos_per_layer"]))]}
             # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
-            gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], kv_mask)
-                            + contrast_gap(skv.values, projected[n][1], kv_mask)) / 2
+            gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
+                            + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
                       for wi, n in zip(w, self.names))
         c = self.loss_cfg
         loss = c.ce_weight * ce + c.kv_weight * kvl
         if c.logit_weight > 0:
-            kl, m_logit = self._logit_loss(out.logits, teacher_kv, kv_mask)
+            kl, m_logit = self._logit_loss(out.logits, teacher_kv, base_mask)
             loss = loss + c.logit_weight * kl
             metrics.update(m_logit)
         layers = m["cos_per_layer"]

@@ -135,14 +135,14 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     training step's (`Precision.autocast`), so held-out numbers are computed the way training computes.
     """
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import eval_stream, logits_top_k
+    from kava_ray.job import eval_stream, teacher_logits_top_k
 
     was_training = distiller.training
     distiller.eval()
     stream = eval_stream(split, cfg)
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
-                  logits_top_k=logits_top_k(cfg))
+                  logits_top_k=teacher_logits_top_k(cfg, plans))
     sums: dict = {}
     weights: dict = {"kv_tokens": 0, "label_tokens": 0}
     for (_, _, _, batch), kv in feed:
@@ -153,7 +153,8 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
         sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
         kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
         if "logit_kl" in m:  # loss.logit_weight > 0: the logit KD loss counts the KV loss's tokens too
-            kv_keys += ["logit_kl"] + [f"{c}/{t}" for c in ("logit_kl", "top1_agree") for t in plans]
+            kv_keys += ["logit_kl"] + [k for k in m if k.startswith(("logit_kl/", "top1_agree/"))]
+        kv_keys += [k for k in m if k.startswith("aligned/")]  # teachers of another tokenizer: share covered
         for k in kv_keys:  # KV: per token the KV loss counts
             sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
     distiller.train(was_training)
@@ -189,7 +190,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     from kava_ray.checkpoint import load_into, read_state
     from kava_ray.config import validate_config
     from kava_ray.distill import Distiller
-    from kava_ray.job import connect_job, kv_source, load_test_split, setup_teachers
+    from kava_ray.job import connect_job, kv_source, load_test_split, setup_teachers, teacher_tokenizers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
 
     ckpt = find_checkpoint(path)
@@ -197,11 +198,11 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     cfg = validate_config(state["config"])
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
-    test = load_test_split(cfg, tokenizer)  # the test split: what a run reports once at its end
-    out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
     connected = connect_job(cfg, address)
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     try:
+        test = load_test_split(cfg, tokenizer, teacher_tokenizers(plans))  # what a run reports once at its end
+        out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
         torch.manual_seed(0)
         distiller = Distiller(student, plans, kv_geometry(student), cfg)
         load_into(ckpt, distiller)

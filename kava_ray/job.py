@@ -21,12 +21,25 @@ from kava_ray.models import KVGeometry, kv_geometry, load_model_config, load_tok
 
 @dataclass
 class TeacherPlan:
-    """One teacher as the student sees it: its geometry, the layer map and the layers it ships."""
+    """One teacher as the student sees it: its geometry, the layer map and the layers it ships.
+
+    `tokenizer`: None when the teacher shares the student's tokenizer (positions align one to one); else
+    where the student side loads the teacher's tokenizer from (its model, or the KV cache's copy) to
+    tokenize the same text and align positions by characters (`kava_ray.align.tokens`), checked against
+    `tokenizer_fingerprint` (what the teacher itself reports).
+    """
 
     name: str
     geometry: KVGeometry
     layer_map: LayerMap
     layers: list[int]
+    tokenizer: Optional[str] = None
+    tokenizer_fingerprint: Optional[str] = None
+
+    @property
+    def aligned(self) -> bool:
+        """True when this teacher's positions are mapped across tokenizers (not one to one)."""
+        return self.tokenizer is not None
 
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -62,17 +75,36 @@ def logits_top_k(cfg: JobConfig) -> int:
     return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
 
 
-def check_vocab(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry) -> None:
-    """Teacher logits are read in the student's vocabulary: when the job asks for them, refuse (one line) a
-    teacher whose vocabulary size differs from the student's (e.g. Qwen2.5 <=3B 151936 vs >=7B 152064)."""
+def logit_teachers(plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """The teachers whose logits can train the student: those sharing its tokenizer (hence its vocabulary).
+    A teacher of another tokenizer contributes KV only (its token ids name other strings)."""
+    return [n for n, p in plans.items() if not p.aligned]
+
+
+def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"], s_geom: KVGeometry) -> None:
+    """Teacher logits are read in the student's vocabulary: when the job asks for them, at least one teacher
+    must share the student's tokenizer, and those that do must have its vocabulary size (e.g. Qwen2.5 <=3B
+    151936 vs >=7B 152064 share a tokenizer but not the LM head's size)."""
     if not logits_top_k(cfg):
         return
-    for t in cfg.teachers:
-        v = teacher_geoms[t.name].get("vocab_size")
+    usable = logit_teachers(plans)
+    if not usable:
+        raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
+                        f"student's tokenizer ({', '.join(plans)} are aligned by characters, KV only); set "
+                        f"loss.logit_weight=0")
+    for n in usable:
+        v = plans[n].geometry.vocab_size
         if v is not None and int(v) != s_geom.vocab_size:
-            raise KavaError(f"teacher '{t.name}' has a vocabulary of {v} tokens, the student {s_geom.vocab_size}: "
+            raise KavaError(f"teacher '{n}' has a vocabulary of {v} tokens, the student {s_geom.vocab_size}: "
                             f"its logits cannot train the student; set loss.logit_weight=0 or use teachers with the "
                             f"student's vocabulary")
+
+
+def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
+    """{teacher: top-k log-probs to ask it for}: `logits_top_k(cfg)` for teachers sharing the student's
+    tokenizer, 0 for the others (their logits would be wasted work)."""
+    k, usable = logits_top_k(cfg), set(logit_teachers(plans))
+    return {n: (k if n in usable else 0) for n in plans}
 
 
 def teacher_geometries(handles: dict) -> dict[str, dict]:
@@ -89,36 +121,55 @@ def student_tokenizer(cfg: JobConfig):
     return tok, tokenizer_fingerprint(tok)
 
 
-def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry) -> dict[str, TeacherPlan]:
-    """Layer map + shipped layers per teacher, from the geometries the teacher actors report."""
+def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry,
+                  student_fp: Optional[str] = None, tokenizer_dirs: Optional[dict[str, str]] = None
+                  ) -> dict[str, TeacherPlan]:
+    """Layer map + shipped layers per teacher, from the geometries the teachers report, and how each one's
+    positions meet the student's: one to one (same tokenizer fingerprint as `student_fp`, default the
+    student's) or aligned by characters (its tokenizer loaded from `tokenizer_dirs[name]`, else its model)."""
+    if student_fp is None:
+        student_fp = student_tokenizer(cfg)[1]
     plans = {}
     for t in cfg.teachers:
-        g = KVGeometry.from_dict(teacher_geoms[t.name])
+        geom = teacher_geoms[t.name]
+        g = KVGeometry.from_dict(geom)
         layer_map, shipped = plan_teacher_layers(
             cfg.align.layer_map, g.num_layers, s_geom.num_layers, mode=cfg.align.mode, selected=t.layers,
-            explicit=cfg.align.explicit_map, cka_path=cfg.align.cka_path)
-        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped)
+            explicit=cfg.align.explicit_map, cka_path=cfg.align.cka_path, teacher=t.name)
+        fp = geom.get("tokenizer_fingerprint")
+        tokenizer = None
+        if fp is not None and fp != student_fp:
+            tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
+        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp)
     return plans
 
 
-def check_tokenizers(cfg: JobConfig, teacher_geoms: dict[str, dict], student_fp: str) -> None:
-    """Teachers and student must share a tokenizer: KV positions are aligned one to one.
+def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
+    """{teacher: its tokenizer} for the teachers aligned by characters (none for same-tokenizer teachers).
 
-    (Char-offset alignment across tokenizers is DESIGN's align/tokens.py and not built yet.)
+    Loaded where the student tokenizes (a train worker, an evaluation); a tokenizer that does not match
+    what the teacher reported (another revision on this node) is refused in one line, because its token
+    positions would not be the ones the teacher's KV is indexed by.
     """
-    for t in cfg.teachers:
-        if teacher_geoms[t.name]["tokenizer_fingerprint"] != student_fp:
-            raise KavaError(f"teacher '{t.name}' uses a different tokenizer than the student; "
-                            f"kava-ray aligns tokens one to one, so teachers must share the student's tokenizer")
+    out = {}
+    for n, p in plans.items():
+        if not p.aligned:
+            continue
+        tok = load_tokenizer(p.tokenizer)
+        if p.tokenizer_fingerprint is not None and tokenizer_fingerprint(tok) != p.tokenizer_fingerprint:
+            raise KavaError(f"teacher '{n}': the tokenizer loaded from {p.tokenizer} differs from the one the teacher "
+                            f"uses (another revision?); its token positions would not match its KV")
+        out[n] = tok
+    return out
 
 
 def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
-    """Plans for a running pool: its geometries, checked against the student's tokenizer."""
+    """Plans for a running pool: its geometries; teachers of another tokenizer are aligned by characters."""
     geoms = teacher_geometries(handles)
-    check_tokenizers(cfg, geoms, student_tokenizer(cfg)[1])
     s_geom = student_geometry(cfg)
-    check_vocab(cfg, geoms, s_geom)
-    return teacher_plans(cfg, geoms, s_geom)
+    plans = teacher_plans(cfg, geoms, s_geom, student_tokenizer(cfg)[1])
+    check_vocab(cfg, plans, s_geom)
+    return plans
 
 
 def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optional[str]:
@@ -157,13 +208,19 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
     if cfg.data.kv_source == "cache":
         cache = KVCache(cfg.data.kv_cache_dir)
         check_logits(cache.root, cache.meta, logits_top_k(cfg))
-        geoms = {n: dict(t["geometry"]) for n, t in cache.meta["teachers"].items()}
-        missing = [t.name for t in cfg.teachers if t.name not in geoms]
+        meta = cache.meta["teachers"]
+        missing = [t.name for t in cfg.teachers if t.name not in meta]
         if missing:
             raise KavaError(f"KV cache {cfg.data.kv_cache_dir} has no teacher {missing[0]!r}")
+        student_fp = student_tokenizer(cfg)[1]
+        # a teacher of another tokenizer: the cache holds a copy of its tokenizer (no teacher model needed)
+        geoms = {n: dict(t["geometry"], tokenizer_fingerprint=t.get("tokenizer_fingerprint", student_fp))
+                 for n, t in meta.items()}
+        dirs = {n: str(cache.root / t["tokenizer"]) for n, t in meta.items() if t.get("tokenizer")}
         s_geom = student_geometry(cfg)
-        check_vocab(cfg, geoms, s_geom)
-        return None, teacher_plans(cfg, geoms, s_geom), False
+        plans = teacher_plans(cfg, geoms, s_geom, student_fp, dirs)
+        check_vocab(cfg, plans, s_geom)
+        return None, plans, False
     try:
         handles = find_pool(cfg)
     except KavaError:
@@ -182,13 +239,15 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
 
 def plans_payload(plans: dict[str, TeacherPlan]) -> dict:
     """TeacherPlans as plain data (for a Train loop config or a Tune setup)."""
-    return {n: {"geometry": p.geometry.to_dict(), "layer_map": p.layer_map, "layers": p.layers}
+    return {n: {"geometry": p.geometry.to_dict(), "layer_map": p.layer_map, "layers": p.layers,
+                "tokenizer": p.tokenizer, "tokenizer_fingerprint": p.tokenizer_fingerprint}
             for n, p in plans.items()}
 
 
 def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
     return {n: TeacherPlan(n, KVGeometry.from_dict(p["geometry"]),
-                           [(s, [tuple(x) for x in pairs]) for s, pairs in p["layer_map"]], p["layers"])
+                           [(s, [tuple(x) for x in pairs]) for s, pairs in p["layer_map"]], p["layers"],
+                           p.get("tokenizer"), p.get("tokenizer_fingerprint"))
             for n, p in payload.items()}
 
 
@@ -209,12 +268,15 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], plan_fingerprint: O
 # ---------------------------------------------------------------------------------------- data
 
 
-def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
+def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
+                ) -> tuple[TokenizedSplit, TokenizedSplit]:
     """(train, val): the training data, with its last `data.num_val` examples carved off for validation.
 
     Validation drives evaluation during training, `train.checkpoint_score` and Tune; the test split
     (`load_test_split`) is never read before training ends. The training examples are the first
-    `num_train` of the training data, as without a validation split.
+    `num_train` of the training data, as without a validation split. `teacher_toks` ({teacher: tokenizer},
+    `teacher_tokenizers`): each split also carries those teachers' tokenization of the same text and its
+    alignment to the student's positions (`TokenizedSplit.views`).
     """
     d = cfg.data
     examples = load_examples(d.source, d.train_split, d.num_train + d.num_val, d.seed, d.hub_config)
@@ -225,15 +287,25 @@ def load_splits(cfg: JobConfig, tokenizer) -> tuple[TokenizedSplit, TokenizedSpl
     train_ex, val_ex = examples[:-d.num_val], examples[-d.num_val:]
 
     def split(ex, source_id):
-        return tokenize_split(tokenizer, ex, cfg.train.max_length, d.prompt_format, d.overlength, source_id)
+        out = tokenize_split(tokenizer, ex, cfg.train.max_length, d.prompt_format, d.overlength, source_id)
+        return with_views(out, cfg, teacher_toks)
 
     return split(train_ex, f"{base}|n={len(train_ex)}"), split(val_ex, f"{base}|val|n={len(val_ex)}")
 
 
-def load_test_split(cfg: JobConfig, tokenizer) -> TokenizedSplit:
+def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dict]) -> TokenizedSplit:
+    """Attach every character-aligned teacher's view of `split` (its token ids + the alignment)."""
+    from kava_ray.data import teacher_view
+
+    for name, tok in (teacher_toks or {}).items():
+        split.views[name] = teacher_view(split, tok, cfg.data.prompt_format, cfg.train.max_length)
+    return split
+
+
+def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
     """The test split (`data.test_split`, `data.num_test` examples): for the end of a run and `kava-ray eval`."""
     d = cfg.data
-    return load_split(d, tokenizer, d.test_split, d.num_test, cfg.train.max_length)
+    return with_views(load_split(d, tokenizer, d.test_split, d.num_test, cfg.train.max_length), cfg, teacher_toks)
 
 
 def data_seed(cfg: JobConfig) -> int:
@@ -260,9 +332,10 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"kv_source": "live"})})
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     tok = student_tokenizer(cfg)[0]
-    train, val = load_splits(cfg, tok)
+    teacher_toks = teacher_tokenizers(plans)
+    train, val = load_splits(cfg, tok, teacher_toks)
     stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
-    held_out = (eval_stream(val, cfg), eval_stream(load_test_split(cfg, tok), cfg))  # as evaluate_heldout reads them
+    held_out = (eval_stream(val, cfg), eval_stream(load_test_split(cfg, tok, teacher_toks), cfg))  # as evaluate_heldout
     bar = tqdm(total=stream.steps_per_epoch * epochs + sum(s.steps_per_epoch for s in held_out), desc="precompute",
                unit="batch", disable=None if progress else True)
 
@@ -272,7 +345,8 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
 
     try:
         return write_cache(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=report,
-                           extra_streams=held_out, logits_top_k=logits_top_k(cfg))
+                           extra_streams=held_out, logits_top_k=teacher_logits_top_k(cfg, plans),
+                           tokenizers=teacher_toks)
     finally:
         bar.close()
         if started:

@@ -271,10 +271,16 @@ def load_model(
 
 
 def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=None):
-    """Load the tokenizer for `spec` (same resolution rules as `load_model`); pad token falls back to eos."""
+    """Load the tokenizer for `spec` (same resolution rules as `load_model`, plus a directory holding only a
+    saved tokenizer, as the KV cache keeps for teachers of another tokenizer); pad token falls back to eos."""
     from transformers import AutoTokenizer
 
-    source, gguf_name = _resolve(spec, gguf_file)
+    local = Path(str(spec)).expanduser()
+    if gguf_file is None and local.is_dir() and not (local / "config.json").is_file() \
+            and (local / "tokenizer_config.json").is_file():
+        source, gguf_name = str(local), None
+    else:
+        source, gguf_name = _resolve(spec, gguf_file)
     kwargs = dict(trust_remote_code=trust_remote_code is True)
     if gguf_name is not None:
         gguf_path = Path(source) / gguf_name

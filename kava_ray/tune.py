@@ -51,7 +51,9 @@ def trial_fn(config: dict, setup: dict) -> None:
     from kava_ray.tune_space import apply_params
 
     cfg = apply_params(validate_config(setup["base"]), config["params"])
-    plans = teacher_plans(cfg, setup["geometries"], KVGeometry.from_dict(setup["student_geometry"]))
+    geoms = setup["geometries"]
+    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]),
+                          tokenizer_dirs={n: g["tokenizer"] for n, g in geoms.items() if g.get("tokenizer")})
     fit(build_trainer(cfg, plans, trial_dir(cfg) / "run", setup["use_gpu"], callbacks=[TuneReportCallback()]))
 
 
@@ -107,7 +109,9 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     if trial is None:
         check_resources(cfg)
         handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
-        geoms = {n: p.geometry.to_dict() for n, p in plans.items()}
+        # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
+        geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
+                         tokenizer=p.tokenizer) for n, p in plans.items()}
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
              "use_gpu": use_gpu}

@@ -80,7 +80,7 @@ class DistillRecipe:
         from kava_ray.checkpoint import check_compatible, load_into
         from kava_ray.data import BatchStream
         from kava_ray.distill import Distiller, build_optimizer, build_scheduler
-        from kava_ray.job import data_seed, load_splits
+        from kava_ray.job import data_seed, load_splits, teacher_tokenizers
         from kava_ray.models import kv_geometry, load_student, load_tokenizer
 
         cfg = self.cfg
@@ -101,7 +101,8 @@ class DistillRecipe:
         self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
         self.tokenizer = load_tokenizer(cfg.student.model)
-        self.train_split, self.val = load_splits(cfg, self.tokenizer)  # the test split is read only by `test()`
+        self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
+        self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
         self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)
         return state
@@ -162,7 +163,7 @@ class DistillRecipe:
         from kava_ray.evaluate import evaluate_heldout
         from kava_ray.job import load_test_split
 
-        split = load_test_split(self.cfg, self.tokenizer)
+        split = load_test_split(self.cfg, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
                                 prefix="test", autocast=self.autocast)
 
@@ -213,7 +214,7 @@ def train_loop_per_worker(config: dict) -> None:
     from ray.train import Checkpoint
 
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import kv_source, logits_top_k, plans_from_payload
+    from kava_ray.job import kv_source, plans_from_payload, teacher_logits_top_k
     from kava_ray.report import phase
 
     cfg = validate_config(config["job"])
@@ -234,7 +235,7 @@ def train_loop_per_worker(config: dict) -> None:
     remaining = max(0, t_cfg.steps - recipe.start_step) * accum
     feed = KVFeed(source, feed_items(stream, remaining), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device,
-                  logits_top_k=logits_top_k(cfg))
+                  logits_top_k=teacher_logits_top_k(cfg, plans))
     log = MetricsLog(run_dir / METRICS, recipe.start_step) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric

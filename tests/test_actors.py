@@ -217,15 +217,25 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
 
 
 def test_logits_refuse_a_teacher_with_another_vocabulary(tiny_job, monkeypatch):
-    from kava_ray.job import check_vocab
+    from dataclasses import replace
+
+    from kava_ray.job import TeacherPlan, check_vocab, logit_teachers
 
     s_geom = student_geometry(load_config(tiny_job))
-    geoms = {n: {"vocab_size": s_geom.vocab_size} for n in ("qwen", "llama")}
-    check_vocab(load_config(tiny_job), dict(geoms, llama={"vocab_size": s_geom.vocab_size + 1}), s_geom)  # no logits
+    plans = {n: TeacherPlan(n, s_geom, [], []) for n in ("qwen", "llama")}
+    bigger = dict(plans, llama=replace(plans["llama"], geometry=replace(s_geom, vocab_size=s_geom.vocab_size + 1)))
+    check_vocab(load_config(tiny_job), bigger, s_geom)  # no logits asked for: nothing to check
     cfg = logit_job(tiny_job, 4, monkeypatch)
-    check_vocab(cfg, geoms, s_geom)
+    check_vocab(cfg, plans, s_geom)
     with pytest.raises(KavaError, match=f"teacher 'llama' has a vocabulary of {s_geom.vocab_size + 1} tokens") as info:
-        check_vocab(cfg, dict(geoms, llama={"vocab_size": s_geom.vocab_size + 1}), s_geom)
+        check_vocab(cfg, bigger, s_geom)
+    assert "\n" not in str(info.value)
+    # a teacher of another tokenizer gives KV only: its vocabulary is not checked, its logits are not used
+    other = dict(bigger, llama=replace(bigger["llama"], tokenizer="elsewhere", tokenizer_fingerprint="x"))
+    check_vocab(cfg, other, s_geom)
+    assert logit_teachers(other) == ["qwen"]
+    with pytest.raises(KavaError, match="no teacher shares the student's tokenizer") as info:
+        check_vocab(cfg, {"llama": other["llama"]}, s_geom)
     assert "\n" not in str(info.value)
 
 

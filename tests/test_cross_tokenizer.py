@@ -1,0 +1,175 @@
+"""Teachers of another tokenizer and geometry: the Distiller step, the KV cache and a 2-worker run.
+
+The student and teacher `qwen` share the tiny byte-level tokenizer; teacher `qtok` is a tiny random Llama
+(other layers, heads and head_dim) built around the real Qwen2 tokenizer (from the llama-cpp-python source
+distribution, fetched at install: `kava_ray.testing.tokenizers`). Its KV reaches the student through the
+character alignment of `kava_ray.align.tokens`.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs import write_job
+from kava_ray.config import load_config
+from kava_ray.data import BatchStream
+from kava_ray.distill import Distiller, build_optimizer
+from kava_ray.errors import KavaError
+from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_plans, teacher_tokenizers
+from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.tiny import build_tiny_model
+from kava_ray.testing.tokenizers import real_tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen_tok_teacher_dir(tmp_path_factory):
+    """3 layers, 1 KV head of 24 dims, the real Qwen2 tokenizer (151k tokens: a small hidden size keeps it light)."""
+    return build_tiny_model(tmp_path_factory.mktemp("qtok"), family="llama", num_layers=3, hidden_size=48,
+                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("qwen2"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def xjob(tmp_path_factory, tiny_qwen2_dir, qwen_tok_teacher_dir, tiny_student_dir):
+    tmp = tmp_path_factory.mktemp("xtok")
+    return write_job(tmp, tiny_qwen2_dir, qwen_tok_teacher_dir, tiny_student_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
+                               {"name": "qtok", "model": str(qwen_tok_teacher_dir), "dtype": "float32"}],
+                     data={"num_train": 48, "num_val": 8, "num_test": 8},
+                     train={"steps": 12, "save_steps": 4, "eval_steps": 6, "batch_size": 2, "max_length": 320,
+                            "num_to_keep": 3},
+                     ray={"namespace": "kava-test-xtok", "num_workers": 2})
+
+
+def in_process(cfg):
+    models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
+    geoms = {}
+    for n, m in models.items():
+        from kava_ray.data import tokenizer_fingerprint
+        from kava_ray.models import load_tokenizer
+
+        geoms[n] = dict(kv_geometry(m).to_dict(), tokenizer_fingerprint=tokenizer_fingerprint(
+            load_tokenizer(cfg.teacher(n).model)))
+    return models, teacher_plans(cfg, geoms, student_geometry(cfg))
+
+
+def test_plans_align_only_the_teacher_of_another_tokenizer(xjob):
+    cfg = load_config(xjob)
+    _, plans = in_process(cfg)
+    assert not plans["qwen"].aligned and plans["qtok"].aligned
+    toks = teacher_tokenizers(plans)
+    assert list(toks) == ["qtok"] and len(toks["qtok"]) > 150_000
+    train, _ = load_splits(cfg, student_tokenizer(cfg)[0], toks)
+    _, _, _, batch = BatchStream(train, 2, 0).next()
+    T = batch["input_ids"].shape[1]
+    assert batch["align_lo/qtok"].shape == batch["align_hi/qtok"].shape == (2, T)
+    assert batch["teacher_input_ids/qtok"].shape[1] < T  # Qwen2's BPE needs fewer tokens than bytes
+    assert "align_lo/qwen" not in batch  # the same-tokenizer teacher keeps one-to-one positions
+
+
+def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
+    """5 steps on one batch: both teachers' centred cos rise; `aligned/qtok` is the share of student tokens it
+    covers; a batch without the alignment is refused in one line."""
+    from actors.feed import KVFeed, feed_items
+
+    cfg = load_config(xjob)
+    models, plans = in_process(cfg)
+    train, _ = load_splits(cfg, student_tokenizer(cfg)[0], teacher_tokenizers(plans))
+    feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
+                  {n: p.layers for n, p in plans.items()}, depth=1)
+    (_, _, _, batch), kv = next(feed)
+    assert kv["qtok"].keys.shape[3] == batch["teacher_input_ids/qtok"].shape[1]  # teacher time, not student time
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    opt = build_optimizer(distiller, cfg.optim)
+    history = []
+    for _ in range(6):
+        loss, m = distiller(batch, kv)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append({k: float(v) for k, v in m.items()})
+    for n in ("qwen", "qtok"):
+        assert history[-1][f"cos/{n}"] > history[0][f"cos/{n}"] + 0.05, n
+    assert 0.5 < history[0]["aligned/qtok"] <= 1.0
+    real = int(batch["attention_mask"].sum())
+    assert history[0]["kv_tokens"] <= real  # the fused target exists only where both teachers have one
+    with pytest.raises(KavaError, match="carries no token alignment") as info:
+        distiller({k: v for k, v in batch.items() if not k.startswith("align_")}, kv)
+    assert "\n" not in str(info.value)
+
+
+def test_logits_come_only_from_the_teacher_sharing_the_tokenizer(xjob):
+    cfg = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])
+    models, plans = in_process(cfg)
+    from kava_ray.job import teacher_logits_top_k
+
+    assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    assert distiller.logit_names == ["qwen"]
+    solo = {"qtok": plans["qtok"]}
+    with pytest.raises(KavaError, match="needs a teacher that shares the student's tokenizer"):
+        Distiller(load_student(cfg.student.model, dtype="float32"), solo, kv_geometry(student), cfg)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def xrun(ray_session, xjob):
+    from kava_ray.train import run_training
+
+    cfg = load_config(xjob)
+    return cfg, run_training(cfg, name="xtok", progress=False)
+
+
+def test_two_workers_train_with_a_teacher_of_another_tokenizer(xrun):
+    """2 DDP workers, live teacher actors: centred cos rises for both teachers, the contrast gap is positive,
+    and the held-out metrics carry the aligned share."""
+    cfg, out = xrun
+    records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    for n in ("qwen", "qtok"):
+        first = sum(r[f"cos/{n}"] for r in train[:3]) / 3
+        last = sum(r[f"cos/{n}"] for r in train[-3:]) / 3
+        assert last > first + 0.05, (n, first, last)
+        assert evals[-1][f"eval/cos/{n}"] > evals[0][f"eval/cos/{n}"], n
+    assert train[-1]["contrast_gap"] > 0 and evals[-1]["eval/contrast_gap"] > 0
+    assert all(0.5 < r["aligned/qtok"] <= 1 for r in train)
+
+
+def test_resume_with_a_teacher_of_another_tokenizer_is_exact(xrun):
+    """From the step-8 checkpoint, steps 9..12 repeat the uninterrupted run's numbers."""
+    from kava_ray.train import run_training
+
+    cfg, ref = xrun
+    ckpts = {json.loads((p / "state.json").read_text())["step"]: p
+             for p in Path(ref["run_dir"]).glob("checkpoint_2*")}
+    out = run_training(cfg, resume=str(ckpts[8]), name="xtok-resumed", progress=False)
+    want = {r["step"]: r for r in read_jsonl(Path(ref["run_dir"]) / "metrics.jsonl") if r["kind"] == "train"}
+    got = {r["step"]: r for r in read_jsonl(Path(out["run_dir"]) / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(got) == [9, 10, 11, 12]
+    for step in got:
+        for key in ("loss", "ce", "kv_loss", "cos_sim", "cos/qtok", "contrast_gap", "aligned/qtok"):
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+
+
+def test_kv_cache_keeps_the_teacher_tokenizer(xrun, xjob, tmp_path):
+    """`teachers precompute` stores the tokenizer of the teacher of another tokenizer; a job reading the cache
+    aligns with it and never needs the teacher's model."""
+    from kava_ray.job import precompute, setup_teachers
+
+    cfg, _ = xrun
+    cache = tmp_path / "cache"
+    precompute(cfg, cache, progress=False)
+    meta = json.loads((cache / "manifest.json").read_text())["meta"]["teachers"]
+    assert "tokenizer" not in meta["qwen"] and meta["qtok"]["tokenizer"] == "tokenizers/qtok"
+    cached = load_config(xjob, ["data.kv_source=cache", f"data.kv_cache_dir={cache}"])
+    _, plans, _ = setup_teachers(cached)
+    assert plans["qtok"].tokenizer == str(cache / "tokenizers" / "qtok") and not plans["qwen"].aligned
+    assert len(teacher_tokenizers(plans)["qtok"]) == len(real_tokenizer("qwen2"))
