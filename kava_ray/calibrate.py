@@ -127,7 +127,15 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     from actors.pool import stop_pool
     from kava_ray._io import atomic_write
     from kava_ray.data import BatchStream
-    from kava_ray.job import connect_job, data_seed, kv_source, load_splits, setup_teachers, student_tokenizer
+    from kava_ray.job import (
+        connect_job,
+        data_seed,
+        kv_source,
+        load_splits,
+        setup_teachers,
+        student_tokenizer,
+        teacher_tokenizers,
+    )
     from kava_ray.kv import student_forward_kv
     from kava_ray.models import load_student
 
@@ -151,7 +159,9 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
                 raise KavaError(f"--top-k {top_k} exceeds teacher '{t.name}''s {len(chosen)} candidate layers")
             layers[t.name] = chosen
         tok = student_tokenizer(cal)[0]
-        split = load_splits(cal, tok)[0]  # the first `samples` training examples (validation comes after)
+        # the first `samples` training examples (validation comes after), with the views of teachers of another
+        # tokenizer: feed_items sends those their own ids, and the batches carry the alignment
+        split = load_splits(cal, tok, teacher_tokenizers(plans))[0]
         batch_size = max(b for b in range(1, min(cal.train.batch_size, len(split)) + 1) if len(split) % b == 0)
         stream = BatchStream(split, batch_size, data_seed(cal), bucket=False)  # every example once
         steps = stream.steps_per_epoch

@@ -151,6 +151,28 @@ def test_cli_typo_in_a_config_key_exits_2_with_one_line(tiny_job, capsys):
     assert "at least 2" in capsys.readouterr().err
 
 
+def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny_job, tmp_path):
+    from kava_ray.calibrate import calibration_config, default_out
+    from kava_ray.config import load_config
+
+    cfg = load_config(tiny_job, ["align.layer_map=cka", f"align.cka_path={tmp_path / 'missing.json'}",
+                                 "data.kv_source=cache", f"data.kv_cache_dir={tmp_path}"])
+    cal = calibration_config(cfg, 8)
+    assert cal.align.layer_map == "ratio" and cal.data.kv_source == "live" and cal.data.num_train == 8
+    assert cal.data.num_val == cfg.data.num_val and cfg.align.layer_map == "cka"  # the job's config untouched
+    from kava_ray.job import load_splits, student_tokenizer
+
+    tok = student_tokenizer(cfg)[0]
+    train, val = load_splits(cfg, tok)
+    cal_train = load_splits(cal, tok)[0]
+    assert [x["input_ids"] for x in cal_train.items] == [x["input_ids"] for x in train.items[:8]]  # its first 8
+    assert not {tuple(x["input_ids"]) for x in cal_train.items} & {tuple(x["input_ids"]) for x in val.items}
+    with pytest.raises(KavaError, match="exceeds data.num_train=64"):
+        calibration_config(cfg, 65)
+    out = default_out(cfg)
+    assert out.is_absolute() and out.parts[-2:] == ("cka", "tiny.json")
+
+
 # ------------------------------------------------------------------------------------------- Ray
 
 
@@ -159,8 +181,9 @@ def measured(ray_session, tiny_job, tmp_path_factory):
     from kava_ray.calibrate import measure_cka
     from kava_ray.config import load_config
 
-    cfg = load_config(tiny_job)
     out = tmp_path_factory.mktemp("cka") / "maps.json"
+    # the config already names the map this measures (not there yet): the calibration plans with ratio
+    cfg = load_config(tiny_job, ["align.layer_map=cka", f"align.cka_path={out}"])
     return cfg, measure_cka(cfg, samples=8, top_k=2, features="kv", out=out, progress=False)
 
 
@@ -209,3 +232,32 @@ def test_training_runs_on_the_measured_map(measured, tiny_job, monkeypatch):
         assert [[t for t, _ in pairs] for _, pairs in plan.layer_map] == [[t for t, _ in p] for _, p in want]
         assert [[w for _, w in pairs] for _, pairs in plan.layer_map] == \
             [pytest.approx([w for _, w in p]) for _, p in want]
+
+
+@pytest.fixture(scope="module")
+def qwen_tok_teacher_dir(tmp_path_factory):
+    """A tiny random Llama around the real Qwen2 tokenizer (not the student's byte-level one)."""
+    from kava_ray.testing.tiny import build_tiny_model
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    return build_tiny_model(tmp_path_factory.mktemp("qtok"), family="llama", num_layers=3, hidden_size=48,
+                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("qwen2"), seed=5)
+
+
+def test_align_cka_with_a_teacher_of_another_tokenizer(ray_session, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
+                                                      tiny_student_dir, qwen_tok_teacher_dir):
+    """The teacher of another tokenizer gets its own ids; its KV is compared in student time, at the real
+    student positions that have a teacher token (fewer than the same-tokenizer teacher's)."""
+    from jobs import write_job
+    from kava_ray.calibrate import measure_cka
+    from kava_ray.config import load_config
+
+    job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                    teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
+                              {"name": "qtok", "model": str(qwen_tok_teacher_dir), "dtype": "float32"}],
+                    ray={"namespace": "kava-test-cka-xtok"})
+    res = measure_cka(load_config(job), samples=4, features="k", out=tmp_path / "x.json", progress=False)
+    same, other = res["teachers"]["qwen"], res["teachers"]["qtok"]
+    assert torch.tensor(other["cka"]).shape == (2, 3) and "cka_k" not in other
+    assert 0 < other["tokens"] <= same["tokens"]
+    assert load_layer_map(res["path"], "qtok")[0][1][0][0] in (0, 1, 2)
