@@ -192,6 +192,16 @@ def cmd_bench_recipes(args) -> int:
     return 0
 
 
+def cmd_bench_align(args) -> int:
+    from kava_ray.bench.align import format_align_bench, run_align_bench
+
+    out = run_align_bench(args.config, args.overrides, steps=args.steps, out=args.out, cka_samples=args.cka_samples)
+    print(format_align_bench(out))
+    if args.json:
+        _print_json_last(out)
+    return 0
+
+
 def cmd_plan(args) -> int:
     from kava_ray.plan import format_plan, parse_bytes, plan
 
@@ -403,6 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
     _add_json(p)
     p.set_defaults(func=cmd_bench_recipes)
+    p = bench_sub.add_parser("align", help="layer maps (ratio vs CKA), head projection (shared vs per_head) and token "
+                                          "alignment modes (teacher of another tokenizer) at equal steps")
+    p.add_argument("--config", default="demo_cpu", help="base job config (a YAML path or a preset)")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--cka-samples", type=int, default=32, help="training examples the CKA map is measured on")
+    p.add_argument("--out", default=None, help="output dir (default: <ray.storage_path>/bench-align)")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_align)
     return parser
 
 

@@ -1,0 +1,195 @@
+"""`kava-ray bench align`: layer maps, head projection and token alignment side by side, at equal steps.
+
+Two parts, each a set of variants trained for the same number of steps from the same start (student,
+projector seed, batches):
+
+- same tokenizer (the demo's real SmolLM2-135M teacher -> its 6-layer student): layer map `ratio` vs a
+  `cka` map measured by `kava-ray align cka` on the training data, x `head_proj` shared vs per_head;
+- another tokenizer (a tiny random Llama built around the real Llama-3 tokenizer -> the same student):
+  `align.token_align` mean vs last vs first. The teacher's weights are random, so its numbers show what the
+  alignment does to a teacher whose KV depends on its tokens, not what a trained Llama-3 would teach.
+
+Every variant runs the production step (`worker.DistillRecipe.step`) and the validation evaluation
+(`DistillRecipe.evaluate`, what Tune and checkpoint selection read) in this process; teacher KV comes from
+the production forward (`kv.teacher_forward_kv`, via `testing.InProcessSource`) outside the timed step.
+Reported: validation centred cos, contrast gap and CE, median step time; for the aligned teacher also the
+share of student tokens aligned, teacher tokens per student token, and the alignment's own time per batch
+(building it from text and applying it to the KV).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kava_ray._io import atomic_write, format_table
+from kava_ray.config import JobConfig, load_config
+
+CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is built around
+
+
+def _plans(cfg: JobConfig, models: dict) -> dict:
+    """Teacher plans from in-process models (what the actors would report)."""
+    from kava_ray.data import tokenizer_fingerprint
+    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.models import kv_geometry, load_tokenizer
+
+    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
+                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
+             for t in cfg.teachers}
+    return teacher_plans(cfg, geoms, student_geometry(cfg))
+
+
+def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
+    """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import teacher_logits_top_k
+    from kava_ray.testing.sources import InProcessSource
+    from kava_ray.worker import DistillRecipe
+
+    plans = _plans(cfg, models)
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    source = InProcessSource(models, cfg.align.key_space)
+    accum = cfg.optim.accumulation
+    feed = KVFeed(source, feed_items(recipe.stream, steps * accum), {n: p.layers for n, p in plans.items()},
+                  depth=1, wire_dtype=cfg.align.wire_dtype, logits_top_k=teacher_logits_top_k(cfg, plans))
+    times, last = [], {}
+    for step in range(1, steps + 1):
+        micro = [(item[3], kv) for item, kv in (next(feed) for _ in range(accum))]  # teachers: outside the clock
+        t0 = time.perf_counter()
+        last = recipe.step(step, micro)
+        times.append(time.perf_counter() - t0)
+    ev = recipe.evaluate(source)
+    out = {"eval_cos": ev["eval/cos_sim"], "eval_gap": ev["eval/contrast_gap"], "eval_ce": ev["eval/ce"],
+           "train_cos": float(last["cos_sim"]), "step_s": statistics.median(times)}
+    out.update({k[len("eval/"):]: v for k, v in ev.items() if k.startswith("eval/aligned/")})
+    return out
+
+
+def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
+    """The aligned teacher's own figures over the training split: share of student tokens aligned, teacher
+    tokens per student token, and time per batch to build the alignment from text and to apply it."""
+    from kava_ray.align.tokens import alignment_stats, apply_alignment
+    from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
+    from kava_ray.job import data_seed
+    from kava_ray.models import load_tokenizer
+
+    d = cfg.data
+    s_tok, t_tok = load_tokenizer(cfg.student.model), load_tokenizer(cfg.teacher(name).model)
+    examples = load_examples(d.source, d.train_split, batches * cfg.train.batch_size, d.seed, d.hub_config)
+    split = tokenize_split(s_tok, examples, cfg.train.max_length, d.prompt_format, d.overlength, "bench-align")
+    t0 = time.perf_counter()
+    split.views[name] = teacher_view(split, t_tok, d.prompt_format, cfg.train.max_length)
+    build_s = (time.perf_counter() - t0) / batches
+    stream = BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)
+    sums = {"aligned": 0.0, "tokens": 0.0, "per": 0.0}
+    apply_s = []
+    for _ in range(batches):
+        _, _, _, b = stream.next()
+        lo, hi = b[f"align_lo/{name}"], b[f"align_hi/{name}"]
+        stats = alignment_stats(lo, hi, b["attention_mask"])
+        n_real = float(b["attention_mask"].sum())
+        sums["tokens"] += n_real
+        sums["aligned"] += float(stats["aligned_fraction"]) * n_real
+        sums["per"] += float(stats["teacher_per_student"]) * float(stats["aligned_fraction"]) * n_real
+        kv = torch.randn(4, lo.shape[0], 2, b[f"teacher_input_ids/{name}"].shape[1], 64)  # [L, B, H, T_t, D]
+        t1 = time.perf_counter()
+        apply_alignment(kv, lo, hi, cfg.align.token_align)
+        apply_s.append(time.perf_counter() - t1)
+    return {"aligned_fraction": sums["aligned"] / sums["tokens"],
+            "teacher_per_student": sums["per"] / max(sums["aligned"], 1.0),
+            "build_ms_per_batch": 1000 * build_s, "apply_ms_per_batch": 1000 * statistics.median(apply_s)}
+
+
+def cross_teacher_dir(out: Path, tokenizer: str = CROSS_TOKENIZER) -> Path:
+    """A tiny random Llama (4 layers, 2 KV heads of 32) around a real tokenizer: another family's teacher."""
+    from kava_ray.testing.tiny import build_tiny_model
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    path = out / f"teacher-{tokenizer}"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, family="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
+                         head_dim=32, tokenizer=real_tokenizer(tokenizer), seed=11)
+    return path
+
+
+def run_align_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: int = 24,
+                    out: Optional[str] = None, cka_samples: int = 32, progress: bool = True) -> dict:
+    """Both parts; returns {"same_tokenizer": {variant: figures}, "cross_tokenizer": {...}, "alignment": {...}}."""
+    from kava_ray.calibrate import measure_cka
+    from kava_ray.models import load_model
+
+    base = load_config(config, overrides)
+    first = base.teachers[0]
+    out_dir = Path(out or Path(base.ray.storage_path).expanduser() / "bench-align").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say = print if progress else (lambda *a, **k: None)
+
+    one = _with(load_config(config, list(overrides or []) + [f"train.steps={steps}"]),
+                teachers=[first.model_dump()])
+    models = {first.name: load_model(first.model, dtype=first.dtype, quantization=first.quantization)}
+    say(f"measuring a CKA layer map ({cka_samples} samples) ...")
+    cka_path = out_dir / "cka.json"
+    measure_cka(one, samples=cka_samples, top_k=1, features="kv", out=str(cka_path), progress=progress)
+    same = {}
+    for layer_map in ("ratio", "cka"):
+        for head_proj in ("shared", "per_head"):
+            name = f"{layer_map} / {head_proj}"
+            say(f"same tokenizer: {name} ...")
+            cfg = _with(one, align={"layer_map": layer_map, "cka_path": str(cka_path) if layer_map == "cka" else None,
+                                    "projector": {"head_proj": head_proj}})
+            same[name] = run_variant(cfg, models, steps)
+
+    teacher = cross_teacher_dir(out_dir)
+    xname = f"random-llama-{CROSS_TOKENIZER}"
+    cross_base = _with(one, teachers=[{"name": xname, "model": str(teacher), "dtype": "float32"}])
+    xmodels = {xname: load_model(str(teacher), dtype="float32")}
+    cross = {}
+    for mode in ("mean", "last", "first"):
+        say(f"another tokenizer: token_align={mode} ...")
+        cross[mode] = run_variant(_with(cross_base, align={"token_align": mode}), xmodels, steps)
+    result = {"config": config, "steps": steps, "same_tokenizer": same, "cross_tokenizer": cross,
+              "alignment": alignment_figures(cross_base, xname), "teacher": first.name, "cross_teacher": xname,
+              "cka_map": str(cka_path), "out": str(out_dir)}
+    atomic_write(out_dir / "bench_align.json", json.dumps(result, indent=1).encode())
+    return result
+
+
+def _with(cfg: JobConfig, **sections) -> JobConfig:
+    """`cfg` with sections merged (nested dicts merge, lists replace), validated again."""
+    from kava_ray.config import validate_config
+
+    def merge(a, b):
+        return {k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                for k, v in {**a, **b}.items()} if isinstance(b, dict) else b
+
+    d = cfg.to_dict()
+    for k, v in sections.items():
+        d[k] = merge(d.get(k, {}), v) if isinstance(v, dict) else v
+    return validate_config(d)
+
+
+def format_align_bench(r: dict) -> str:
+    def rows(part):
+        return [[name, f"{f['eval_cos']:.3f}", f"{f['eval_gap']:.3f}", f"{f['eval_ce']:.3f}", f"{f['step_s']:.2f}"]
+                for name, f in part.items()]
+
+    head = ["variant", "val centred cos", "val gap", "val CE", "step s"]
+    a = r["alignment"]
+    return "\n".join([
+        f"same tokenizer ({r['teacher']} -> student), {r['steps']} steps each: layer map / head projection",
+        format_table(head, rows(r["same_tokenizer"])),
+        "",
+        f"another tokenizer ({r['cross_teacher']}, random weights -> student): align.token_align",
+        format_table(head, rows(r["cross_tokenizer"])),
+        "",
+        f"alignment: {100 * a['aligned_fraction']:.1f} % of student tokens aligned, "
+        f"{a['teacher_per_student']:.2f} teacher tokens per aligned student token, "
+        f"{a['build_ms_per_batch']:.1f} ms/batch to build from text, {a['apply_ms_per_batch']:.2f} ms/batch to apply",
+    ])
