@@ -138,7 +138,9 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     )
     from kava_ray.kv import student_forward_kv
     from kava_ray.models import load_student
+    from kava_ray.preflight import preflight
 
+    preflight(cfg, "align cka", out=out, address=address)  # data, models, output dir: before Ray starts
     if features not in FEATURES:
         raise KavaError(f"--features {features!r}: expected one of {', '.join(FEATURES)}")
     if samples < 2:

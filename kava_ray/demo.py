@@ -14,14 +14,8 @@ from pathlib import Path
 
 from kava_ray._io import format_table
 from kava_ray.config import JobConfig, load_config
-from kava_ray.models import PYPI_SCHEME, resolve_packaged_file
-
-
-def check_model_files(cfg: JobConfig) -> None:
-    """Every pypi:// model file of the job must be installed (KavaError names the pip command)."""
-    for spec in [t.model for t in cfg.teachers] + [cfg.student.model]:
-        if spec.startswith(PYPI_SCHEME):
-            resolve_packaged_file(spec)
+from kava_ray.preflight import check_model_files as check_model_files  # moved to preflight; bench imports it here
+from kava_ray.preflight import preflight
 
 
 def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
@@ -75,7 +69,7 @@ def run_demo(overrides: list[str] | None = None, address: str | None = None) -> 
 
     t0 = time.time()
     cfg = load_config("demo_cpu", overrides)
-    check_model_files(cfg)
+    preflight(cfg, "demo", address=address)  # the model files (pip command if missing), storage: before Ray starts
     out = run_training(cfg, address=address)
     run_dir = Path(out["run_dir"])
     write_report(run_dir)

@@ -10,7 +10,6 @@ byte noise); it is meaningful only for real instruction-tuned models (the demo's
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -18,6 +17,8 @@ import torch
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
 from kava_ray.errors import KavaError
 from kava_ray.losses import masked_ce
+from kava_ray.preflight import checkpoint_config, preflight
+from kava_ray.preflight import find_checkpoint as find_checkpoint  # moved to preflight; train imports it from here
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
 
@@ -165,21 +166,6 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
 # ----------------------------------------------------------------------------- a checkpoint, end to end
 
 
-def find_checkpoint(path, for_resume: bool = False) -> Path:
-    """A checkpoint dir from a checkpoint path or a run dir.
-
-    For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
-    checkpoint (which carries the optimizer state final/ leaves out).
-    """
-    p = Path(path).expanduser()
-    latest = sorted(p.glob("checkpoint_2*"), reverse=True)
-    order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
-    for candidate in order:
-        if (candidate / "state.json").is_file():
-            return candidate
-    raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no state.json)")
-
-
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
                         restart_teachers: bool = False) -> dict:
     """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
@@ -187,15 +173,13 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     import ray
 
     from actors.pool import stop_pool
-    from kava_ray.checkpoint import load_into, read_state
-    from kava_ray.config import validate_config
+    from kava_ray.checkpoint import load_into
     from kava_ray.distill import Distiller
     from kava_ray.job import connect_job, kv_source, load_test_split, setup_teachers, teacher_tokenizers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
 
-    ckpt = find_checkpoint(path)
-    state = read_state(ckpt)
-    cfg = validate_config(state["config"])
+    ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
+    preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
     connected = connect_job(cfg, address)

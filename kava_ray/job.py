@@ -327,7 +327,9 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
 
     from actors.kv_cache import precompute as write_cache
     from kava_ray.data import BatchStream
+    from kava_ray.preflight import preflight
 
+    preflight(cfg, "teachers precompute", out=out_dir)  # before any teacher starts
     if cfg.data.kv_source != "live":  # precompute always asks live teachers
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"kv_source": "live"})})
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)

@@ -93,8 +93,10 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.evaluate import find_checkpoint
     from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.preflight import preflight
     from kava_ray.progress import follow_metrics
 
+    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)  # before Ray starts
     if resume:
         resume = str(find_checkpoint(resume, for_resume=True))
         check_compatible(resume, cfg, allow_run_changes=resume_override)  # fail before anything starts

@@ -1,0 +1,246 @@
+"""Preflight (`kava_ray.preflight`): every bad input of a Ray-starting command is one `error:` line, exit 2,
+in well under 5 s, before Ray starts or any teacher loads.
+
+Each case runs the real CLI in process (`kava_ray.cli.main`, what the console script calls) on the tiny job;
+one test runs the installed `kava-ray train` to time the whole command (imports + preflight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kava_ray.cli import main
+
+pytestmark = pytest.mark.unit
+MAX_S = 5.0
+
+
+@pytest.fixture
+def no_start(monkeypatch):
+    """Record (and refuse) any attempt to connect to Ray or start a teacher pool."""
+    import actors.pool
+    import kava_ray.job
+
+    calls = []
+
+    def refuse(name):
+        def f(*a, **k):
+            calls.append(name)
+            raise AssertionError(f"{name} called: preflight should have failed first")
+        return f
+
+    monkeypatch.setattr(kava_ray.job, "connect_job", refuse("connect_job"))
+    monkeypatch.setattr(actors.pool, "start_pool", refuse("start_pool"))
+    return calls
+
+
+@pytest.fixture
+def run_cli(capsys, no_start):
+    """`kava-ray ARGS` in this process -> .returncode, .stdout, .stderr, .wall_s; checks Ray stayed down."""
+    import ray
+
+    def run(*args):
+        capsys.readouterr()
+        t0 = time.perf_counter()
+        code = main([str(a) for a in args])
+        wall = time.perf_counter() - t0
+        out = capsys.readouterr()
+        assert not ray.is_initialized(), "preflight let Ray start"
+        assert no_start == [], f"started before failing: {no_start}"
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err, wall_s=wall)
+    return run
+
+
+def assert_one_line(r, *needles):
+    """Exit 2, one `error:` line on stderr naming every needle, no traceback, under MAX_S."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert str(n) in lines[0], (n, lines[0])
+    assert r.wall_s < MAX_S, f"{r.wall_s:.2f} s: {lines[0]}"
+
+
+def train(run_cli, tiny_job, *overrides, extra=()):
+    return run_cli("train", "--config", tiny_job, *extra, *overrides)
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+def test_missing_data_file(run_cli, tiny_job, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert_one_line(train(run_cli, tiny_job, "data.source=data/trian.jsonl"), "data.source", "data/trian.jsonl",
+                    "not found")
+
+
+def test_typo_of_synthetic(run_cli, tiny_job):
+    assert_one_line(train(run_cli, tiny_job, "data.source=synthetc"), "data.source", "synthetc")
+
+
+def test_misspelt_path_without_extension_next_to_a_local_dir(run_cli, tiny_job, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert_one_line(train(run_cli, tiny_job, "data.source=data/trian"), "data/trian", "local directory")
+
+
+def test_empty_jsonl(run_cli, tiny_job, tmp_path):
+    f = tmp_path / "empty.jsonl"
+    f.write_text("")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), "empty")
+
+
+def test_malformed_jsonl_names_the_line(run_cli, tiny_job, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    good = json.dumps({"question": "1+1?", "answer": "#### 2"})
+    f.write_text(f"{good}\n{good}\n{{\"question\": \"3+3?\", \"answer\": \n{good}\n")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), "line 3", "not valid JSON")
+
+
+def test_jsonl_without_the_fields(run_cli, tiny_job, tmp_path):
+    f = tmp_path / "fields.jsonl"
+    f.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), "line 1", "'question'")
+
+
+def test_bad_test_split_fails_before_training(run_cli, tiny_job, tmp_path):
+    """`{split}` paths: the test split is read only at the end of a run, so preflight checks it first."""
+    good = json.dumps({"question": "1+1?", "answer": "#### 2"})
+    (tmp_path / "train.jsonl").write_text("\n".join([good] * 20) + "\n")
+    r = train(run_cli, tiny_job, f"data.source={tmp_path}/{{split}}.jsonl")
+    assert_one_line(r, str(tmp_path / "test.jsonl"), "not found")
+
+
+# ------------------------------------------------------------------------------------- output, resume
+
+
+def test_unwritable_storage_path(run_cli, tiny_job, tmp_path):
+    if os.geteuid() == 0:  # root writes through chmod 0o500: a path under an existing *file* instead
+        parent = tmp_path / "a-file"
+        parent.write_text("")
+        storage = parent / "runs"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        storage = ro / "runs"
+    try:
+        assert_one_line(train(run_cli, tiny_job, f"ray.storage_path={storage}"), "ray.storage_path", str(storage))
+    finally:
+        if os.geteuid() != 0:
+            (tmp_path / "ro").chmod(0o700)
+
+
+@pytest.mark.parametrize("text", ['{"step": 2, "config_hash": "ab', "not json at all", ""])
+def test_resume_with_corrupt_state_json(run_cli, tiny_job, tmp_path, text):
+    ckpt = tmp_path / "run" / "checkpoint_2024-01-01_00-00-00.000000"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(text)
+    r = train(run_cli, tiny_job, extra=("--resume", tmp_path / "run"))
+    assert_one_line(r, str(ckpt / "state.json"))
+
+
+def test_resume_of_a_missing_run(run_cli, tiny_job, tmp_path):
+    assert_one_line(train(run_cli, tiny_job, extra=("--resume", tmp_path / "nope")), str(tmp_path / "nope"))
+
+
+# ------------------------------------------------------------------------------------ layer map, models
+
+
+def test_cka_layer_map_without_its_file(run_cli, tiny_job):
+    r = train(run_cli, tiny_job, "align.layer_map=cka", "align.cka_path=/nope.json")
+    assert_one_line(r, "align.cka_path", "/nope.json")
+
+
+def test_student_dir_without_config_json(run_cli, tiny_job, tmp_path, tiny_student_dir):
+    student = tmp_path / "student"
+    shutil.copytree(tiny_student_dir, student)
+    (student / "config.json").unlink()
+    assert_one_line(train(run_cli, tiny_job, f"student.model={student}"), "student.model", str(student),
+                    "config.json")
+
+
+def test_missing_teacher_gguf(run_cli, tiny_job, tmp_path):
+    r = train(run_cli, tiny_job, f"teachers.0.model={tmp_path}/teacher.gguf")
+    assert_one_line(r, "teachers[qwen].model", "teacher.gguf")
+
+
+def test_uninstalled_pypi_teacher(run_cli, tiny_job):
+    r = train(run_cli, tiny_job, "teachers.1.model=pypi://no-such-dist-kava/model.gguf")
+    assert_one_line(r, "teachers[llama].model", "pip install")
+
+
+# -------------------------------------------------------------------------------- the other commands
+
+
+def test_every_ray_command_runs_preflight(run_cli, tiny_job, tmp_path):
+    bad = "data.source=synthetc"
+    assert_one_line(run_cli("tune", "--config", tiny_job, "--space", "default", bad), "synthetc")
+    assert_one_line(run_cli("align", "cka", "--config", tiny_job, "--samples", 4, bad), "synthetc")
+    assert_one_line(run_cli("demo", bad), "synthetc")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text("{")
+    assert_one_line(run_cli("eval", ckpt), str(ckpt / "state.json"))
+
+
+def test_precompute_runs_preflight_before_teachers(tiny_job, tmp_path, no_start):
+    """`job.precompute` itself (the CLI's `teachers precompute` connects to Ray before calling it: see
+    cli.cmd_teachers), so here the function, not the command."""
+    import ray
+
+    from kava_ray.config import load_config
+    from kava_ray.errors import KavaError
+    from kava_ray.job import precompute
+
+    t0 = time.perf_counter()
+    with pytest.raises(KavaError) as e:
+        precompute(load_config(str(tiny_job), ["data.source=synthetc"]), tmp_path / "cache")
+    assert "synthetc" in str(e.value) and "\n" not in str(e.value)
+    assert time.perf_counter() - t0 < MAX_S and not ray.is_initialized() and no_start == []
+    parent = tmp_path / "a-file"
+    parent.write_text("")
+    with pytest.raises(KavaError) as e:
+        precompute(load_config(str(tiny_job)), parent / "cache")
+    assert str(e.value).startswith("--out=") and "a-file" in str(e.value)
+
+
+def test_tune_space_is_checked_first(run_cli, tiny_job):
+    r = run_cli("tune", "--config", tiny_job, "--space", "no-such-space", "data.source=synthetc")
+    assert_one_line(r, "no-such-space")
+
+
+def test_a_good_config_passes(tiny_job):
+    from kava_ray.config import load_config
+    from kava_ray.preflight import preflight
+
+    t0 = time.perf_counter()
+    preflight(load_config(str(tiny_job)), "train")
+    assert time.perf_counter() - t0 < MAX_S
+
+
+# ------------------------------------------------------------------------------------ the whole command
+
+
+def test_installed_train_with_a_bad_source_fails_in_one_line_fast(tiny_job):
+    exe = shutil.which("kava-ray", path=str(Path(sys.executable).parent))
+    assert exe, "the kava-ray console script is not installed next to this Python"
+    t0 = time.perf_counter()
+    r = subprocess.run([exe, "train", "--config", str(tiny_job), "data.source=data/trian.jsonl"],
+                       capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - t0
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "data/trian.jsonl" in lines[0], r.stderr
+    assert wall < 10, f"{wall:.1f} s"
