@@ -97,8 +97,10 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     from actors.pool import check_resources, stop_pool
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.job import connect_job, setup_teachers, student_geometry
+    from kava_ray.preflight import preflight
     from kava_ray.tune_space import load_space, make_scheduler, make_search_alg, to_param_space
 
+    preflight(cfg, "tune", resume=resume, space=space, address=address)  # the space first, then data, models...
     spec = load_space(space, base=cfg)  # every space error before anything starts
     exp_dir = experiment_dir(cfg, name, resume)
     if resume and not tune.Tuner.can_restore(str(exp_dir)):
