@@ -7,11 +7,16 @@ means teacher work is hidden behind the student's step.
 
 Teacher answers come from a `KVSource`: live actors (`ActorSource`) or the on-disk cache written by
 `kava-ray teachers precompute` (`actors.kv_cache.CacheSource`).
+
+A batch whose decoded K or V holds NaN/Inf (`on_bad_kv`, the worker passes `train.on_bad_kv`) is either
+skipped — the feed hands back the next batch instead, counts it in `skipped` and logs one warning line —
+or stops the run with `BadKV`, one line naming the teacher and the batch key.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Any, Iterable, Iterator, Optional
 
@@ -20,7 +25,10 @@ import ray
 import torch
 
 from kava_ray.data import BatchStream
+from kava_ray.errors import KavaError
 from kava_ray.kv import KVBatch
+
+log = logging.getLogger(__name__)
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
@@ -55,6 +63,14 @@ class ActorSource:
         raise AssertionError("unreachable")
 
 
+class BadKV(KavaError):
+    """A teacher's K or V holds NaN/Inf (`on_bad_kv="stop"`); `teacher`, `key` name the batch."""
+
+    def __init__(self, teacher: str, key, what: str):
+        self.teacher, self.key = teacher, key
+        super().__init__(f"teacher '{teacher}' sent non-finite {what} (NaN/Inf) for batch {key}")
+
+
 class KVFeed:
     """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
 
@@ -66,13 +82,20 @@ class KVFeed:
     log-probs from the same forward (KVBatch.topk_ids / topk_logp).
 
     A request, as every source receives it: (key, input_ids, attention_mask, layers, wire_dtype, logits_top_k).
+
+    on_bad_kv: None (no check), "skip" (a batch with non-finite K/V from any teacher is dropped and the next
+    one delivered; `skipped` counts them) or "stop" (raise `BadKV`). One `isfinite().all()` per decoded
+    tensor and one sync per batch. limit: deliver at most `limit` batches and never read ahead past them
+    (each skipped batch extends the read by one), so `items` may be endless.
     """
 
     def __init__(self, source, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
                  wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True,
-                 logits_top_k: int = 0):
+                 logits_top_k: int = 0, on_bad_kv: Optional[str] = None, limit: Optional[int] = None):
         if depth < 1:
             raise ValueError("depth must be >= 1")
+        if on_bad_kv not in (None, "skip", "stop"):
+            raise ValueError(f"on_bad_kv must be None, 'skip' or 'stop', not {on_bad_kv!r}")
         self.source = source
         self.items: Iterator[tuple] = iter(items)
         self.layers = layers
@@ -85,9 +108,14 @@ class KVFeed:
         self._inflight: collections.deque = collections.deque()
         self.wait_s: list[float] = []  # per delivered batch
         self._exhausted = False
+        self.on_bad_kv = on_bad_kv
+        self.limit = limit
+        self.skipped = 0  # batches dropped for non-finite K/V (on_bad_kv="skip")
+        self._taken = 0  # batches taken from `items`
 
     def _fill(self) -> None:
-        while not self._exhausted and len(self._inflight) < self.depth:
+        while (not self._exhausted and len(self._inflight) < self.depth
+               and (self.limit is None or self._taken < self.limit + self.skipped)):
             try:
                 key, ids, mask, item = next(self.items)
             except StopIteration:
@@ -98,22 +126,48 @@ class KVFeed:
                     for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))
+            self._taken += 1
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[Any, dict[str, KVBatch]]:
-        self._fill()
-        if not self._inflight:
-            raise StopIteration
-        item, reqs, refs = self._inflight.popleft()
-        t0 = time.perf_counter()
-        payloads = {name: self.source.result(name, reqs[name], refs[name]) for name in refs}
-        self.wait_s.append(time.perf_counter() - t0)
-        self._fill()  # top the pipeline up before the student starts computing on this batch
-        if not self.decode:
-            return item, payloads
-        return item, {name: KVBatch.from_wire(p, device=self.device, dtype=self.dtype) for name, p in payloads.items()}
+        waited = 0.0
+        while True:
+            self._fill()
+            if not self._inflight:
+                raise StopIteration
+            item, reqs, refs = self._inflight.popleft()
+            t0 = time.perf_counter()
+            payloads = {name: self.source.result(name, reqs[name], refs[name]) for name in refs}
+            waited += time.perf_counter() - t0
+            self._fill()  # top the pipeline up before the student starts computing on this batch
+            if not self.decode:
+                self.wait_s.append(waited)
+                return item, payloads
+            kv = {name: KVBatch.from_wire(p, device=self.device, dtype=self.dtype) for name, p in payloads.items()}
+            bad = self._bad(kv) if self.on_bad_kv else None
+            if bad is None:
+                self.wait_s.append(waited)
+                return item, kv
+            name, what = bad
+            key = reqs[name][0]
+            if self.on_bad_kv == "stop":
+                raise BadKV(name, key, what)
+            self.skipped += 1
+            log.warning("teacher '%s' sent non-finite %s (NaN/Inf) for batch %s: skipped (train.on_bad_kv=skip, "
+                        "%d so far)", name, what, key, self.skipped)
+
+    @staticmethod
+    def _bad(kv: dict[str, KVBatch]) -> Optional[tuple[str, str]]:
+        """(teacher, "K" | "V") of the first non-finite tensor, else None; one device sync for the batch."""
+        checks = [(name, what, torch.isfinite(t).all()) for name, b in kv.items()
+                  for what, t in (("K", b.keys), ("V", b.values))]
+        ok = torch.stack([c for _, _, c in checks]).cpu()
+        if bool(ok.all()):
+            return None
+        i = int((~ok).nonzero()[0])
+        return checks[i][0], checks[i][1]
 
     @property
     def in_flight(self) -> int:

@@ -4,7 +4,13 @@
   projectors.safetensors   every teacher's projector, keys `<teacher>.<param>`
   fusion.safetensors       fusion parameters and buffers
   optimizer.pt             optimizer + LR scheduler state (loaded with weights_only=True)
-  state.json               step, data-stream position, RNG scheme, config hash and the full config
+  state.json               step, data-stream position, RNG scheme, config hash, the full config and the
+                           size of every other file (`files`), written last
+
+A checkpoint that cannot be used — state.json not JSON, a file missing or of another size than state.json
+records (a partial copy into storage, a full disk), a tensor file that does not parse — is one KavaError
+line naming the file; a write that fails (unwritable storage, disk full) is one line too, and never
+replaces the checkpoint that was there.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kava_ray._io import atomic_dir
+from kava_ray._io import atomic_dir, first_line
 from kava_ray.config import JobConfig, config_hash, diff_keys, validate_config
 from kava_ray.errors import KavaError
 
@@ -28,6 +35,16 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
     replaced only once the new one is complete."""
     path = Path(path)
+    try:
+        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra)
+    except OSError as e:  # unwritable storage, disk full, file size limit: the previous checkpoint stays
+        raise KavaError(f"cannot write checkpoint {path}: {e.strerror or first_line(e)}"
+                        f"{f' ({e.filename})' if e.filename else ''}") from None
+    except (SafetensorError, RuntimeError) as e:  # the same from safetensors' / torch.save's own writers
+        raise KavaError(f"cannot write checkpoint {path}: {first_line(e)}") from None
+
+
+def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra) -> Path:
     with atomic_dir(path) as tmp:
         distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
         if tokenizer is not None:
@@ -41,20 +58,68 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
                        tmp / "optimizer.pt")
         state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
-                 **(extra or {})}
+                 **(extra or {}),
+                 "files": {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                           if f.is_file()}}
         (tmp / STATE).write_text(json.dumps(state, indent=1))
     return path
+
+
+def _load_tensors(f: Path) -> dict:
+    if not f.is_file():
+        raise KavaError(f"checkpoint {f.parent}: {f} is missing (an incomplete checkpoint)")
+    try:
+        return load_file(f)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a truncated header/data
+        raise KavaError(f"checkpoint {f.parent}: {f} is corrupt ({first_line(e, with_type=True)})") from None
+
+
+def _recorded_files(path: Path) -> Optional[dict]:
+    try:
+        return json.loads((path / STATE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _contiguous(sd: dict) -> dict:
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
-def read_state(path) -> dict:
+def read_state(path, verify: bool = True) -> dict:
+    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded size
+    (else one KavaError line naming the file)."""
     p = Path(path) / STATE
     if not p.is_file():
         raise KavaError(f"checkpoint {path}: no {STATE} (not a kava-ray checkpoint)")
-    return json.loads(p.read_text())
+    try:
+        state = json.loads(p.read_text())
+        if not isinstance(state, dict) or "step" not in state or "config" not in state:
+            raise ValueError("not a checkpoint state")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KavaError(f"checkpoint {path}: {p} is corrupt ({first_line(e)})") from None
+    if verify:
+        problem = incomplete(path, state)
+        if problem:
+            raise KavaError(f"checkpoint {path}: {problem}")
+    return state
+
+
+def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
+    """What makes `path` an incomplete checkpoint (a file missing or of another size than state.json
+    records), or None. Checkpoints written before state.json recorded its files are not checked."""
+    path = Path(path)
+    if state is None:
+        try:
+            state = json.loads((path / STATE).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return f"{path / STATE} is missing or corrupt"
+    for rel, size in (state.get("files") or {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing (an incomplete checkpoint)"
+        if f.stat().st_size != size:
+            return f"{f} is truncated or corrupt ({f.stat().st_size} bytes, state.json records {size})"
+    return None
 
 
 RUN_SECTIONS = ("optim", "train", "data")  # what a resumed run would otherwise silently keep from the checkpoint
@@ -93,11 +158,17 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
     The student itself is loaded by the caller with from_pretrained(path / "student").
     """
     path = Path(path)
-    distiller.projectors.load_state_dict(load_file(path / "projectors.safetensors"))
-    fusion = {k: v for k, v in load_file(path / "fusion.safetensors").items() if k != "_empty"}
+    distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
+    fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
     distiller.fusion.load_state_dict(fusion)
-    if optimizer is not None and (path / "optimizer.pt").is_file():
-        blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt_file = path / "optimizer.pt"
+    if optimizer is not None and not opt_file.is_file() and "optimizer.pt" in (_recorded_files(path) or {}):
+        raise KavaError(f"checkpoint {path}: {opt_file} is missing (an incomplete checkpoint)")
+    if optimizer is not None and opt_file.is_file():
+        try:
+            blob = torch.load(opt_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line naming it
+            raise KavaError(f"checkpoint {path}: {opt_file} is corrupt ({first_line(e, with_type=True)})") from None
         optimizer.load_state_dict(blob["optimizer"])
         if scheduler is not None and blob.get("scheduler") is not None:
             scheduler.load_state_dict(blob["scheduler"])

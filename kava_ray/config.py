@@ -179,6 +179,9 @@ class TrainConfig(_Section):
     # the data order's seed (training stream, held-out batching, the KV cache's batch keys); None = `seed`.
     # Set it to vary only the model-side randomness (projector init, dropout) over one precomputed cache
     data_seed: Optional[int] = None
+    # a teacher batch with NaN/Inf in K or V: skip it (the step takes the next batch; counted in
+    # `skipped_batches`) or stop the run with one line naming the teacher, batch key and step
+    on_bad_kv: Literal["skip", "stop"] = "skip"
 
 
 class RayConfig(_Section):

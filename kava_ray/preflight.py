@@ -125,8 +125,10 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     p = Path(path).expanduser()
     latest = sorted(p.glob("checkpoint_2*"), reverse=True)
     order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
-    for candidate in order:
-        if (candidate / STATE).is_file():
+    from kava_ray.checkpoint import incomplete
+
+    for candidate in order:  # a run dir's partial checkpoint (Ray Train's copy into storage cut off) is passed over
+        if (candidate / STATE).is_file() and (candidate == p or incomplete(candidate) is None):
             return candidate
     if not p.exists():
         raise KavaError(f"{path}: no such run dir or checkpoint")

@@ -29,7 +29,7 @@ from kava_ray.config import JobConfig, validate_config
 from kava_ray.precision import student_precision
 
 METRICS = "metrics.jsonl"
-SUMMED = ("tokens", "kv_tokens", "label_tokens")  # counts: summed over micro-batches and ranks; every other metric is a mean
+SUMMED = ("tokens", "kv_tokens", "label_tokens", "skipped_batches")  # counts: summed over micro-batches and ranks; every other metric is a mean
 
 
 class MetricsLog:
@@ -105,6 +105,7 @@ class DistillRecipe:
         self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
         self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)
+        self.skipped_before = skip_resumed(self.stream, state["stream"] if state else None)  # train.on_bad_kv
         return state
 
     def _adopt_optim_settings(self) -> None:
@@ -182,19 +183,66 @@ def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, flo
     return dict(zip(keys, flat.tolist()))
 
 
-def stream_state_after(stream, feed) -> dict:
-    """The stream position just after the last batch the student trained on.
+def stream_state_after(stream, feed, skipped: Optional[list[int]] = None) -> dict:
+    """The stream position just after the last batch the student trained on, with every rank's skips.
 
     The feed reads ahead by `depth` batches, so the stream itself is ahead: step back by the
-    batches still in flight.
+    batches still in flight. Batches skipped for non-finite teacher KV (train.on_bad_kv=skip) differ
+    between ranks (each rank reads its own shard), so the saved position counts only the batches trained
+    on — the same on every rank — and `skipped` lists each rank's cumulative skips (`skipped_by_rank`);
+    on resume each rank steps forward by its own count (`skip_resumed`).
     """
     s = stream.state()
-    behind = feed.in_flight
+    own = int(skipped[stream.rank]) if skipped else 0
+    behind = feed.in_flight + own
     pos, epoch, step = s["position"] - behind, s["epoch"], s["step"] - behind
     while pos < 0:
         epoch -= 1
         pos += stream.steps_per_epoch
-    return dict(s, position=pos, epoch=epoch, step=step)
+    out = dict(s, position=pos, epoch=epoch, step=step)
+    if skipped and any(skipped):
+        out["skipped"] = [int(n) for n in skipped]
+    return out
+
+
+def skip_resumed(stream, state: Optional[dict]) -> int:
+    """Step a restored stream past the batches this rank had skipped (a `stream_state_after` state's
+    `skipped`); returns that count, where this rank's cumulative `skipped_batches` continues from."""
+    skipped = (state or {}).get("skipped") or []
+    n = int(skipped[stream.rank]) if stream.rank < len(skipped) else 0
+    stream.position += n
+    stream.step += n
+    while stream.position > stream.steps_per_epoch:  # position == steps_per_epoch: next() starts the next epoch
+        stream.epoch += 1
+        stream.position -= stream.steps_per_epoch
+    return n
+
+
+def skipped_by_rank(own: int, rank: int, world: int, device) -> list[int]:
+    """Every rank's cumulative skipped-batch count (one all-reduce; every rank calls it at save steps)."""
+    if world == 1:
+        return [int(own)]
+    import torch.distributed as dist
+
+    counts = torch.zeros(world, dtype=torch.float64, device=device)
+    counts[rank] = own
+    dist.all_reduce(counts)
+    return [int(round(c)) for c in counts.tolist()]
+
+
+def micro_batches(feed, accum: int, step: int, wait: list):
+    """The step's `accum` (batch, {teacher: KVBatch}) from the feed; a batch of non-finite teacher KV with
+    train.on_bad_kv=stop becomes one line naming the teacher, batch key and step."""
+    from actors.feed import BadKV
+    from kava_ray.errors import KavaError
+
+    for _ in range(accum):
+        try:
+            (_, _, _, batch), kv = next(feed)
+        except BadKV as e:
+            raise KavaError(f"{e} at step {step} (train.on_bad_kv=stop)") from None
+        wait.append(feed.last_wait_s)
+        yield batch, kv
 
 
 def _quiet_train_logs() -> None:
@@ -233,9 +281,10 @@ def train_loop_per_worker(config: dict) -> None:
     source = kv_source(cfg, plans, stream.plan_fingerprint)
     # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
     remaining = max(0, t_cfg.steps - recipe.start_step) * accum
-    feed = KVFeed(source, feed_items(stream, remaining), {n: p.layers for n, p in plans.items()},
+    # (a skipped batch, train.on_bad_kv=skip, extends the read by one: `limit`)
+    feed = KVFeed(source, feed_items(stream), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device,
-                  logits_top_k=teacher_logits_top_k(cfg, plans))
+                  logits_top_k=teacher_logits_top_k(cfg, plans), on_bad_kv=t_cfg.on_bad_kv, limit=remaining)
     log = MetricsLog(run_dir / METRICS, recipe.start_step) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
@@ -246,17 +295,14 @@ def train_loop_per_worker(config: dict) -> None:
     if state and recipe.start_step >= t_cfg.steps:  # restored after the last step: re-announce the final result
         ray.train.report(state.get("metrics", {"step": recipe.start_step}))
 
-    def micro_batches(wait: list):
-        for _ in range(accum):
-            (_, _, _, batch), kv = next(feed)
-            wait.append(feed.last_wait_s)
-            yield batch, kv
-
+    skips = [recipe.skipped_before] * world  # every rank's cumulative skips at the last save (final/ reuses them)
     for step in range(recipe.start_step + 1, t_cfg.steps + 1):
         t0 = time.perf_counter()
         waits: list = []
-        values = recipe.step(step, micro_batches(waits))
+        values = recipe.step(step, micro_batches(feed, accum, step, waits))
         values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=values["grad_norm"].device)
+        values["skipped_batches"] = torch.tensor(float(recipe.skipped_before + feed.skipped), dtype=torch.float64,
+                                                 device=values["grad_norm"].device)  # cumulative, summed over ranks
         dt = time.perf_counter() - t0
         lr_student, lr_projector = recipe.last_lrs[0], recipe.last_lrs[-1]
         is_save = step % t_cfg.save_steps == 0 or step == t_cfg.steps
@@ -268,6 +314,7 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = reduce_metrics(values, world)  # every rank joins the all-reduce
         metrics.pop("label_tokens")
         metrics.pop("kv_tokens")
+        metrics["skipped_batches"] = int(metrics["skipped_batches"])
         metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop("tokens") / dt,
                        phase=phase(metrics["cos_sim"]), lr_student=lr_student, lr_projector=lr_projector)
         if rank == 0:
@@ -278,10 +325,12 @@ def train_loop_per_worker(config: dict) -> None:
             metrics.update(last_eval)
         report = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if is_save:
+            skips = skipped_by_rank(recipe.skipped_before + feed.skipped, rank, world, values["grad_norm"].device)
             with tempfile.TemporaryDirectory() as tmp:
                 ck = None
                 if rank == 0:
-                    recipe.save(Path(tmp) / "ckpt", step, stream_state_after(stream, feed), extra={"metrics": report})
+                    recipe.save(Path(tmp) / "ckpt", step, stream_state_after(stream, feed, skips),
+                                extra={"metrics": report})
                     ck = Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
                 ray.train.report(report, checkpoint=ck)
         else:
@@ -290,5 +339,5 @@ def train_loop_per_worker(config: dict) -> None:
     if rank == 0 and recipe.start_step < t_cfg.steps:  # the final outputs, outside Ray's checkpoint dirs
         test = recipe.test(source)  # the test split, read once, after every selection decision
         log.write({"step": t_cfg.steps, "kind": "test", **test})
-        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed), with_optimizer=False,
+        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed, skips), with_optimizer=False,
                     extra={"test": test})

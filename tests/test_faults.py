@@ -1,0 +1,447 @@
+"""Fault suite: what a run does when a part of it fails, each case with a bounded time.
+
+    teacher killed mid-training      the run finishes on the uninterrupted curve (1e-5)
+    driver SIGINT, then --resume     exit 130 in one line, its embedded Ray gone; the resumed curve is exact
+    disk full / partial copy         one line; the previous checkpoint is never replaced and still loads
+    NaN/Inf teacher KV               train.on_bad_kv: skip (counted, resume stays exact) | stop (one line)
+    corrupt / truncated checkpoint   one line naming the file, for --resume and `kava-ray eval`
+
+Fast cases run the real DistillRecipe + KVFeed in process (`InProcessSource`); the Ray cases share one
+reference run (`ref_run`) on the session's Ray, and the SIGINT case runs `kava-ray train` as a subprocess
+with its own embedded Ray (marked `ray` explicitly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.feed import BadKV, KVFeed, feed_items
+from jobs import write_job
+from kava_ray.config import load_config
+from kava_ray.errors import KavaError
+from kava_ray.testing.sources import InProcessSource
+
+STEPS, SAVE = 12, 3
+KEYS = ("loss", "ce", "kv_loss", "cos_sim")
+KVCLI = str(Path(sys.executable).with_name("kava-ray"))
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def train_steps(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def assert_same_curve(got: dict, want: dict, steps) -> None:
+    for step in steps:
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
+    """One fp32 teacher -> the 2-layer student; 12 steps, a checkpoint every 3, evaluation only at 0 and 12."""
+    return write_job(tmp_path_factory.mktemp("faults"), tiny_qwen2_dir, None, tiny_student_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"}],
+                     data={"num_train": 64, "num_val": 4, "num_test": 4},
+                     train={"steps": STEPS, "save_steps": SAVE, "eval_steps": 1000, "batch_size": 2,
+                            "num_to_keep": 2})
+
+
+# ------------------------------------------------------------------------ in process: NaN KV, checkpoints
+
+
+class PoisonSource(InProcessSource):
+    """The real teacher forward, with NaN written into one teacher's K (or V) for the batch keys in `poison`."""
+
+    def __init__(self, models: dict, poison: set, teacher: str = "qwen", what: str = "keys"):
+        super().__init__(models)
+        self.poison, self.teacher, self.what = poison, teacher, what
+
+    def result(self, name, request, future):
+        payload = super().result(name, request, future)
+        if name == self.teacher and request[0] in self.poison:
+            from kava_ray.kv import KVBatch
+
+            kv = KVBatch.from_wire(payload, dtype=torch.float32)
+            getattr(kv, self.what)[..., 0] = float("nan") if self.what == "keys" else float("inf")
+            payload = kv.to_wire(request[4])
+        return payload
+
+
+@pytest.fixture(scope="module")
+def teachers(job):
+    from kava_ray.models import load_model
+
+    cfg = load_config(job)
+    return {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
+
+
+@pytest.fixture(scope="module")
+def plans(job, teachers):
+    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.models import kv_geometry
+
+    cfg = load_config(job)
+    return teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
+
+
+def stream_keys(cfg, n: int) -> list[str]:
+    from kava_ray.data import BatchStream
+    from kava_ray.job import data_seed, load_splits, student_tokenizer
+
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
+    return [stream.next()[0] for _ in range(n)]
+
+
+def run_recipe(cfg, plans, source, steps: int, ckpt_dir=None, resume=None, save_at=None):
+    """The worker loop in process (one rank): steps from the checkpoint `resume` (or 0) to `steps`;
+    `save_at`: write a checkpoint into `ckpt_dir` after that step. Returns ({step: metrics}, recipe, feed)."""
+    from kava_ray.worker import DistillRecipe, micro_batches, stream_state_after
+
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup(resume)
+    feed = KVFeed(source, feed_items(recipe.stream), {n: p.layers for n, p in plans.items()}, depth=2,
+                  on_bad_kv=cfg.train.on_bad_kv, limit=(steps - recipe.start_step) * cfg.optim.accumulation)
+    out = {}
+    for step in range(recipe.start_step + 1, steps + 1):
+        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []))
+        out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
+        if step == save_at:
+            recipe.save(ckpt_dir, step, stream_state_after(recipe.stream, feed, [recipe.skipped_before + feed.skipped]))
+    return out, recipe, feed
+
+
+def test_on_bad_kv_config(job):
+    assert load_config(job).train.on_bad_kv == "skip"
+    assert load_config(job, ["train.on_bad_kv=stop"]).train.on_bad_kv == "stop"
+    with pytest.raises(KavaError) as e:
+        load_config(job, ["train.on_bad_kv=ignore"])
+    assert "on_bad_kv" in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, tmp_path, caplog):
+    """Two poisoned batches (one before the checkpoint, one in flight at it): each is dropped with one warning,
+    the step takes the next batch, `skipped` counts both, and a run resumed from the checkpoint continues on
+    the same curve (the saved stream position accounts for the skip)."""
+    cfg = load_config(job, ["optim.accumulation=1"])
+    keys = stream_keys(cfg, 8)
+    poison = {keys[1], keys[4]}  # b1 before the step-3 checkpoint; b4 is in flight when it is written
+    clean, _, _ = run_recipe(cfg, plans, InProcessSource(teachers), 3)
+    with caplog.at_level("WARNING", logger="actors.feed"):
+        full, _, feed = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, tmp_path / "ck", save_at=3)
+    warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert len(warned) == 2 and keys[1] in warned[0] and "qwen" in warned[0], warned
+    assert feed.skipped == 2 and [full[s]["skipped"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 2]
+    assert full[1]["loss"] == pytest.approx(clean[1]["loss"], abs=1e-6)  # b0 both times
+    assert full[2]["loss"] != pytest.approx(clean[2]["loss"], abs=1e-6)  # b2 instead of b1
+    state = json.loads((tmp_path / "ck" / "state.json").read_text())
+    assert state["stream"]["skipped"] == [1] and state["stream"]["position"] == 3  # trained-on batches only
+    resumed, recipe, feed2 = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, resume=str(tmp_path / "ck"))
+    assert recipe.skipped_before == 1 and feed2.skipped == 1  # b4 skipped again, after the restored b1
+    for step in (4, 5, 6):
+        for k in ("loss", "ce", "kv_loss", "cos_sim", "grad_norm"):
+            assert resumed[step][k] == pytest.approx(full[step][k], abs=1e-6), (step, k)
+        assert resumed[step]["skipped"] == full[step]["skipped"]
+
+
+def test_skip_accounting_per_rank_under_ddp_sharding(job):
+    """Ranks skip different batches (each reads its own shard): the checkpoint saves the trained-on position
+    (the same for all ranks) plus each rank's count, and each rank resumes past exactly its own skips."""
+    from types import SimpleNamespace
+
+    from kava_ray.data import BatchStream
+    from kava_ray.job import data_seed, load_splits, student_tokenizer
+    from kava_ray.worker import skip_resumed, stream_state_after
+
+    cfg = load_config(job)
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    streams = [BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2) for r in (0, 1)]
+    skips, in_flight, trained = [0, 3], 2, 5
+    for r, s in enumerate(streams):
+        for _ in range(trained + skips[r] + in_flight):
+            s.next()
+    states = [stream_state_after(s, SimpleNamespace(in_flight=in_flight), skips) for s in streams]
+    assert states[0]["position"] == states[1]["position"] == trained and states[0]["skipped"] == skips
+    for r in (0, 1):
+        restored = BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2, state=states[0])
+        assert skip_resumed(restored, states[0]) == skips[r]
+        expect = BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2)
+        for _ in range(trained + skips[r]):
+            expect.next()
+        assert restored.next()[0] == expect.next()[0]
+    wrap = BatchStream(train, 2, data_seed(cfg))
+    wrap.position = wrap.steps_per_epoch - 1
+    skip_resumed(wrap, {"skipped": [3]})
+    assert (wrap.epoch, wrap.position) == (1, 2)
+
+
+def test_nan_kv_stop_is_one_line_naming_teacher_key_and_step(job, teachers, plans):
+    cfg = load_config(job, ["train.on_bad_kv=stop", "optim.accumulation=1"])
+    keys = stream_keys(cfg, 3)
+    with pytest.raises(KavaError) as e:
+        run_recipe(cfg, plans, PoisonSource(teachers, {keys[2]}, what="values"), 4)
+    msg = str(e.value)
+    assert msg == f"teacher 'qwen' sent non-finite V (NaN/Inf) for batch {keys[2]} at step 3 (train.on_bad_kv=stop)"
+    feed = KVFeed(PoisonSource(teachers, {keys[0]}), feed_items(_stream(cfg), 1), {"qwen": plans["qwen"].layers},
+                  on_bad_kv="stop")
+    with pytest.raises(BadKV) as e2:
+        next(feed)
+    assert e2.value.teacher == "qwen" and e2.value.key == keys[0]
+
+
+def _stream(cfg):
+    from kava_ray.data import BatchStream
+    from kava_ray.job import data_seed, load_splits, student_tokenizer
+
+    tok, _ = student_tokenizer(cfg)
+    return BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(job, teachers, plans, tmp_path_factory):
+    """A checkpoint after 2 steps (with optimizer state)."""
+    cfg = load_config(job)
+    path = tmp_path_factory.mktemp("good") / "checkpoint_2000-01-01_00-00-00.000000"
+    run_recipe(cfg, plans, InProcessSource(teachers), 2, ckpt_dir=path, save_at=2)
+    return path
+
+
+def _cli(capsys, *argv) -> tuple[int, list[str]]:
+    from kava_ray.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, [ln for ln in err.strip().splitlines() if ln.strip()]
+
+
+CORRUPTIONS = {
+    "state_not_json": ("state.json", lambda f: f.write_text('{"step": 2, "stre')),
+    "student_truncated": ("student/model.safetensors", lambda f: f.write_bytes(f.read_bytes()[:1000])),
+    "projectors_truncated": ("projectors.safetensors", lambda f: f.write_bytes(f.read_bytes()[:-7])),
+    "optimizer_missing": ("optimizer.pt", lambda f: f.unlink()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("command", ["eval", "resume"])
+def test_corrupt_checkpoint_is_one_line_naming_the_file(good_ckpt, job, tmp_path, capsys, case, command):
+    """Before any Ray starts: `kava-ray eval CKPT` and `kava-ray train --resume CKPT` exit 2 with one line."""
+    rel, corrupt = CORRUPTIONS[case]
+    ck = tmp_path / good_ckpt.name
+    shutil.copytree(good_ckpt, ck)
+    corrupt(ck / rel)
+    argv = ["eval", str(ck)] if command == "eval" else ["train", "--config", str(job), "--resume", str(ck)]
+    rc, err = _cli(capsys, *argv)
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and rel in err[0], err
+
+
+def test_corrupt_tensor_file_without_a_size_record_is_one_line(good_ckpt, job, plans, tmp_path):
+    """A checkpoint whose state.json has no size record (older versions): load_into names the bad file."""
+    from kava_ray.checkpoint import load_into, read_state
+    from kava_ray.distill import Distiller
+    from kava_ray.models import kv_geometry, load_student
+
+    ck = tmp_path / "old"
+    shutil.copytree(good_ckpt, ck)
+    state = json.loads((ck / "state.json").read_text())
+    del state["files"]
+    (ck / "state.json").write_text(json.dumps(state))
+    (ck / "fusion.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    read_state(ck)
+    student = load_student(str(ck / "student"), dtype="float32")
+    with pytest.raises(KavaError, match=r"fusion.safetensors is corrupt") as e:
+        load_into(ck, Distiller(student, plans, kv_geometry(student), load_config(job)))
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, job, plans, tmp_path):
+    """A write that hits the file size limit (RLIMIT_FSIZE, what a full disk looks like to the writer) over
+    an existing checkpoint: one line, the old checkpoint is untouched and loads, no temp dir is left."""
+    ck = tmp_path / good_ckpt.name
+    shutil.copytree(good_ckpt, ck)
+    before = {p.relative_to(ck): p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    script = textwrap.dedent(f"""
+        import sys
+        from kava_ray.config import load_config
+        from kava_ray.errors import KavaError
+        from kava_ray.job import student_geometry, teacher_plans
+        from kava_ray.worker import DistillRecipe
+        cfg = load_config({str(job)!r})
+        plans = teacher_plans(cfg, {json.dumps({n: p.geometry.to_dict() for n, p in plans.items()})},
+                              student_geometry(cfg))
+        recipe = DistillRecipe(cfg, plans)
+        recipe.setup({str(ck)!r})
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+        try:
+            recipe.save({str(ck)!r}, 3, recipe.stream.state())
+        except KavaError as e:
+            print(f"error: {{e}}", file=sys.stderr)
+            sys.exit(2)
+    """)
+
+    def no_sigxfsz():  # an ignored SIGXFSZ survives exec: the write fails with EFBIG instead of killing
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       preexec_fn=no_sigxfsz, cwd=str(Path(__file__).parent))
+    err = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]  # (loading bars and warnings aside)
+    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert err[0].startswith(f"error: cannot write checkpoint {ck}: ") and "File too large" in err[0], err
+    after = {q.relative_to(ck): q.read_bytes() for q in ck.rglob("*") if q.is_file()}
+    assert after == before
+    assert sorted(q.name for q in ck.parent.iterdir()) == [ck.name]  # no temp or .old dir left
+    from kava_ray.checkpoint import read_state
+
+    assert read_state(ck)["step"] == 2
+
+
+def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys):
+    """Ray Train copies a checkpoint into storage file by file (not atomically): a copy cut off (disk full)
+    leaves a newer checkpoint_* with a file missing or short. --resume / eval of the run dir take the
+    previous complete one; the partial one given by name is one line naming the file."""
+    from kava_ray.evaluate import find_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(good_ckpt, run / "checkpoint_2000-01-01_00-00-00.000000")
+    partial = run / "checkpoint_2000-01-01_00-00-09.000000"
+    shutil.copytree(good_ckpt, partial)
+    f = partial / "student" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert find_checkpoint(run, for_resume=True).name == "checkpoint_2000-01-01_00-00-00.000000"
+    assert find_checkpoint(run).name == "checkpoint_2000-01-01_00-00-00.000000"
+    rc, err = _cli(capsys, "eval", str(partial))
+    assert rc == 2 and len(err) == 1 and "student/model.safetensors is truncated" in err[0], err
+
+
+# ------------------------------------------------------------------------ on Ray: teacher killed, SIGINT
+
+
+@pytest.fixture(scope="module")
+def ref_run(ray_session, job):
+    """The uninterrupted run every Ray case is compared with."""
+    from kava_ray.train import run_training
+
+    out = run_training(load_config(job), name="ref", progress=False)
+    steps = train_steps(out["run_dir"])
+    assert sorted(steps) == list(range(1, STEPS + 1)) and all(r["skipped_batches"] == 0 for r in steps.values())
+    return out
+
+
+def _actors(**filters):
+    import ray
+    from ray.util.state import list_actors
+
+    return list_actors(address=ray.get_runtime_context().gcs_address, limit=1000, raise_on_missing_output=False,
+                       detail=True, filters=list(filters.items()))
+
+
+def test_teacher_killed_mid_training_finishes_on_the_same_curve(ref_run, job):
+    """SIGKILL the teacher actor's process once step >= 4 is logged: it restarts (max_restarts), the feed's
+    requests are retried, and every step equals the uninterrupted run's."""
+    from kava_ray.train import run_training
+
+    cfg = load_config(job)
+    run_dir = Path(ref_run["run_dir"]).parent / "teacher-killed"
+    killed = {}
+
+    def killer():
+        deadline = time.time() + 120
+        while time.time() < deadline and not killed:
+            steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+            if steps and max(steps) >= 4:
+                alive = _actors(name="kava-teacher-qwen", state="ALIVE", ray_namespace=cfg.ray.namespace)
+                if alive:
+                    killed.update(pid=alive[0].pid, step=max(steps), actor_id=alive[0].actor_id)
+                    os.kill(alive[0].pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    out = run_training(cfg, name="teacher-killed", progress=False)
+    thread.join()
+    assert killed and killed["step"] < STEPS, killed
+    got = train_steps(out["run_dir"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_same_curve(got, train_steps(ref_run["run_dir"]), range(1, STEPS + 1))
+    restarts = [a.num_restarts for a in _actors(actor_id=killed["actor_id"])]
+    assert restarts and int(restarts[0]) >= 1, restarts
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (what a `kava-ray` started with start_new_session left behind)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.ray  # `kava-ray train` starts its own embedded Ray
+def test_sigint_exits_in_one_line_then_resume_continues_the_curve(ref_run, job, tmp_path):
+    """SIGINT the driver once a checkpoint exists: exit 130 with one `error: interrupted` line within 60 s and
+    nothing of its embedded Ray left; `--resume RUN_DIR` then finishes the run on the reference curve."""
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS")
+    name = "sigint"
+    cmd = [KVCLI, "train", "--config", str(job), "--name", name]
+    run_dir = Path(load_config(job).ray.storage_path) / name
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+            if steps and max(steps) >= SAVE + 1:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"finished before the interrupt: {proc.stderr.read()}"
+        sent = time.time()
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert proc.returncode in (130, 2) and lines == ["error: interrupted"], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    deadline = time.time() + 30
+    while _session_pids(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _session_pids(proc.pid), "the interrupted run's Ray processes outlived it"
+    interrupted_at = max(train_steps(run_dir))
+    assert interrupted_at < STEPS and list(run_dir.glob("checkpoint_*")), interrupted_at
+
+    resume = subprocess.run([KVCLI, "train", "--config", str(job), "--name", name, "--resume", str(run_dir)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    got = train_steps(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_same_curve(got, train_steps(ref_run["run_dir"]), range(1, STEPS + 1))
+    print(f"SIGINT at step {interrupted_at}: exited in {elapsed:.1f} s")
