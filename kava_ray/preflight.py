@@ -127,9 +127,15 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
     from kava_ray.checkpoint import incomplete
 
+    passed_over = []
     for candidate in order:  # a run dir's partial checkpoint (Ray Train's copy into storage cut off) is passed over
-        if (candidate / STATE).is_file() and (candidate == p or incomplete(candidate) is None):
-            return candidate
+        if (candidate / STATE).is_file():
+            problem = None if candidate == p else incomplete(candidate)
+            if problem is None:
+                return candidate
+            passed_over.append(problem)
+    if passed_over:  # only unusable ones: name why the newest is (e.g. its state.json is corrupt)
+        raise KavaError(f"{path}: no complete checkpoint ({passed_over[0]})")
     if not p.exists():
         raise KavaError(f"{path}: no such run dir or checkpoint")
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
