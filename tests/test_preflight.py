@@ -244,3 +244,23 @@ def test_installed_train_with_a_bad_source_fails_in_one_line_fast(tiny_job):
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and "data/trian.jsonl" in lines[0], r.stderr
     assert wall < 10, f"{wall:.1f} s"
+
+
+def test_tune_resume_checks_the_sweep(run_cli, tiny_job, tmp_path):
+    assert_one_line(run_cli("tune", "--config", tiny_job, "--space", "default", "--resume", tmp_path / "nope"),
+                    str(tmp_path / "nope"), "nothing to resume")
+    state = tmp_path / "sweep" / "trial_0" / "run" / "checkpoint_2024-01-01_00-00-00.000000" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text('{"step": 1, "con')
+    assert_one_line(run_cli("tune", "--config", tiny_job, "--space", "default", "--resume", tmp_path / "sweep"),
+                    str(state))
+
+
+def test_a_hub_id_is_left_to_the_loader():
+    """`org/name` passes (whether the hub has it needs the network: the loader's one line); a bare word does not."""
+    from kava_ray.data.sources import check_source
+    from kava_ray.errors import KavaError
+
+    check_source("openai/gsm8k", "train")
+    with pytest.raises(KavaError, match="gsm8k"):
+        check_source("gsm8k", "train")
