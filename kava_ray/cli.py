@@ -8,6 +8,7 @@ config show` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -60,6 +61,27 @@ def cmd_bench_feed(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- quiet console
+
+
+def _quiet(args, command: str, storage_path: Optional[str] = None):
+    """`--verbose` off: the command's chatter goes to `<ray.storage_path>/logs/<command>-<time>/`
+    (kava_ray.console.quiet); its own output (printed after this block) stays on the terminal."""
+    from datetime import datetime
+
+    from kava_ray.config import RayConfig
+    from kava_ray.console import quiet
+
+    storage = storage_path or RayConfig().storage_path
+    return quiet(Path(storage).expanduser() / "logs" / f"{command}-{datetime.now():%Y%m%d-%H%M%S}", args.verbose)
+
+
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's, the workers' and the libraries' log lines live (default: only status lines "
+                        "and the progress bar; the rest goes to the run's logs/ dir)")
+
+
 # ----------------------------------------------------------------------------- teachers
 
 
@@ -85,7 +107,11 @@ def cmd_teachers(args) -> int:
 
     cfg = _select_teachers(_job_config(args), args.teacher)
     action = args.teachers_command
-    connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
+    stats = None
+    with _quiet(args, "precompute", cfg.ray.storage_path) if action == "precompute" else contextlib.nullcontext():
+        connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
+        if action == "precompute":
+            stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)
     if action == "up":
         handles = pool.start_pool(cfg, detached=True)
         print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(handles)}")
@@ -98,7 +124,6 @@ def cmd_teachers(args) -> int:
         if args.json:
             _print_json_last({"teachers": rows})
     elif action == "precompute":
-        stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)
         print(f"KV cache {args.out}: {stats['written']} shard(s) written, {stats['skipped']} already there, "
               f"{stats['bytes'] / 2**20:.1f} MiB")
         if args.json:
@@ -127,8 +152,9 @@ def cmd_align_cka(args) -> int:
     from kava_ray.calibrate import format_cka, measure_cka
 
     cfg = _job_config(args)
-    out = measure_cka(cfg, samples=args.samples, top_k=args.top_k, features=args.features, out=args.out,
-                      address=args.address)
+    with _quiet(args, "align-cka", cfg.ray.storage_path):
+        out = measure_cka(cfg, samples=args.samples, top_k=args.top_k, features=args.features, out=args.out,
+                          address=args.address)
     print(format_cka(out, " ".join([args.config, *args.overrides])))
     if args.json:
         _print_json_last({k: v for k, v in out.items() if k != "teachers"}
@@ -144,7 +170,8 @@ def cmd_train(args) -> int:
 
     cfg = _job_config(args)
     out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
-                       resume_override=args.resume_override, restart_teachers=args.restart_teachers)
+                       resume_override=args.resume_override, restart_teachers=args.restart_teachers,
+                       verbose=args.verbose)
     print(format_final(out))
     if args.json:
         _print_json_last(out)
@@ -163,8 +190,10 @@ def cmd_tune(args) -> int:
     from kava_ray.tune import format_results, run_tune
 
     cfg = _job_config(args)
-    out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
-                   resume=args.resume, name=args.name, address=args.address, restart_teachers=args.restart_teachers)
+    with _quiet(args, "tune", cfg.ray.storage_path):
+        out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
+                       resume=args.resume, name=args.name, address=args.address,
+                       restart_teachers=args.restart_teachers)
     print(format_results(out))
     if args.json:
         _print_json_last(out)
@@ -219,7 +248,7 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from kava_ray.demo import format_summary, run_demo
 
-    summary = run_demo(args.overrides, address=args.address)
+    summary = run_demo(args.overrides, address=args.address, verbose=args.verbose)
     print(format_summary(summary))
     if args.json:
         _print_json_last(summary)
@@ -229,8 +258,9 @@ def cmd_demo(args) -> int:
 def cmd_eval(args) -> int:
     from kava_ray.evaluate import evaluate_checkpoint
 
-    out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address,
-                              restart_teachers=args.restart_teachers)
+    with _quiet(args, "eval"):
+        out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                  address=args.address, restart_teachers=args.restart_teachers)
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]
     print(format_table(["metric", "value"], rows))
     if args.json:
@@ -310,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_json(p)
         if name == "precompute":
             _add_restart_teachers(p)
+            _add_verbose(p)
             p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
             p.add_argument("--epochs", type=int, default=1)
         p.set_defaults(func=cmd_teachers)
@@ -327,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "a PNG per teacher goes next to it")
     _add_address(p)
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_align_cka)
 
     p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
@@ -339,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_name(p, "run")
     _add_restart_teachers(p)
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tune", help="Ray Tune search over projector/loss hyper-parameters (shared teachers)")
@@ -352,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted sweep: its directory (or its name); finished trials stay")
     _add_address(p)
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("plan", help="memory / KV-throughput plan of a config; does it fit the GPUs?")
@@ -365,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
     _add_address(p)
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("eval", help="held-out CE, KV cos, contrast gap and GSM8K accuracy of a checkpoint")
@@ -374,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     _add_restart_teachers(p)
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("report", help="plots + Markdown summary of a run dir's metrics.jsonl")

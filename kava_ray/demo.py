@@ -63,14 +63,18 @@ def format_summary(s: dict) -> str:
     return format_table([title, "value"], rows) + f"\nrun dir: {s['run_dir']}"
 
 
-def run_demo(overrides: list[str] | None = None, address: str | None = None) -> dict:
+def run_demo(overrides: list[str] | None = None, address: str | None = None, verbose: bool = False) -> dict:
+    """The demo's run (status lines + a progress bar on stderr unless `verbose`); its summary for the table."""
+    from kava_ray.console import status
     from kava_ray.report import write_report
     from kava_ray.train import run_training
 
     t0 = time.time()
     cfg = load_config("demo_cpu", overrides)
     preflight(cfg, "demo", address=address)  # the model files (pip command if missing), storage: before Ray starts
-    out = run_training(cfg, address=address)
+    status(f"demo: {', '.join(t.name for t in cfg.teachers)} -> a {cfg.train.steps}-step student on CPU "
+           f"(a few minutes)")
+    out = run_training(cfg, address=address, verbose=verbose)
     run_dir = Path(out["run_dir"])
     write_report(run_dir)
     return demo_summary(run_dir, time.time() - t0, cfg)

@@ -11,11 +11,17 @@ import json
 import threading
 from pathlib import Path
 
+BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {postfix} [{elapsed}<{remaining}]"
+
 
 def _follow(path: Path, total: int, stop: threading.Event) -> None:
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="train", unit="step", disable=None, dynamic_ncols=True)
+    from kava_ray.console import console
+
+    # on the terminal even while kava_ray.console.quiet sends stderr to the run's logs; none when not a tty
+    bar = tqdm(total=total, desc="train", unit="step", disable=None, dynamic_ncols=True, file=console(),
+               bar_format=BAR_FORMAT)
     seen = 0
     while not stop.is_set():
         if path.exists():
@@ -27,10 +33,10 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
                     seen -= 1
                     break
                 if r.get("kind") == "train":
-                    bar.n = r["step"]
-                    bar.set_postfix(loss=f"{r['loss']:.3f}", cos=f"{r['cos_sim']:.3f}",
-                                    gap=f"{r['contrast_gap']:.3f}", wait=f"{r['teacher_wait_s']:.2f}s",
-                                    phase=r["phase"], refresh=False)
+                    bar.update(r["step"] - bar.n)
+                    # cos: centred KV cosine (the figure a constant projector cannot game); wait: teacher wait
+                    bar.set_postfix_str(f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
+                                        f"  wait {r['teacher_wait_s']:.2f}s", refresh=False)
                     bar.refresh()
         stop.wait(0.5)
     bar.close()

@@ -8,6 +8,7 @@ the teachers' geometry and plan their layers (all through `kava_ray.job`), then
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import datetime
 from pathlib import Path
@@ -49,11 +50,17 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
 
 
 def fit(trainer):
-    """trainer.fit(), with a failed run turned into one line."""
+    """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on)."""
+    from kava_ray.console import with_logs
+
+    # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
+    # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
+    # waits ~15 s, prints a traceback and exits 1
+    trainer._register_sigint_handler = lambda controller: None
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as e:
-        raise KavaError(f"training failed: {_root_cause(e)}") from None
+        raise KavaError(with_logs(f"training failed: {_root_cause(e)}")) from None
 
 
 def _root_cause(e: BaseException) -> str:
@@ -81,34 +88,62 @@ def check_memory(cfg: JobConfig) -> None:
 
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
                  address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
-                 restart_teachers: bool = False) -> dict:
+                 restart_teachers: bool = False, verbose: bool = False) -> dict:
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
 
     resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from; resume_override: let
     optim.*/train.*/data.* differ from the checkpoint's (the new values win); restart_teachers: replace a
-    running pool that was started for another config instead of refusing it.
+    running pool that was started for another config instead of refusing it. The run dir is named before
+    Ray starts: the console stays quiet (status lines + the progress bar; every other line in
+    `RUN_DIR/logs/`, `kava_ray.console`) unless `verbose`.
     """
-    from actors.pool import check_resources, stop_pool
-    from kava_ray.checkpoint import check_compatible
-    from kava_ray.connect import resolve_use_gpu
+    from kava_ray.console import quiet, with_logs
     from kava_ray.evaluate import find_checkpoint
-    from kava_ray.job import connect_job, setup_teachers
     from kava_ray.preflight import preflight
-    from kava_ray.progress import follow_metrics
 
     preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)  # before Ray starts
     if resume:
+        from kava_ray.checkpoint import check_compatible
+
         resume = str(find_checkpoint(resume, for_resume=True))
         check_compatible(resume, cfg, allow_run_changes=resume_override)  # fail before anything starts
-    connect_job(cfg, address)
+    name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
+    with quiet(run_dir / "logs", verbose):
+        try:
+            return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
+        except KavaError as e:
+            if "(logs: " in str(e):
+                raise
+            raise KavaError(with_logs(str(e))) from None
+
+
+def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
+         restart_teachers: bool, verbose: bool) -> dict:
+    from actors.pool import check_resources, stop_pool
+    from kava_ray.connect import resolve_use_gpu
+    from kava_ray.console import status
+    from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.progress import follow_metrics
+
+    t0 = time.time()
+    connected = connect_job(cfg, address)
+    status(f"connecting: {_describe_ray(connected)} in {time.time() - t0:.0f} s")
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
     if use_gpu:
         check_memory(cfg)
+    t1 = time.time()
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
-    name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
+    names = ", ".join(plans)
+    if handles is None:
+        status(f"teachers: {len(plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
+    else:
+        status(f"teachers: {len(plans)} {'ready' if started else 'already running'} ({names}) "
+               f"in {time.time() - t1:.0f} s")
     trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume, resume_override=resume_override)
+    workers = cfg.ray.num_workers
+    status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
     t0 = time.time()
     try:
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
@@ -116,5 +151,44 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     finally:
         if started:
             stop_pool(cfg)
+    test = _test_line(run_dir / METRICS)
+    if test:
+        status(test)
+    if not verbose:
+        status(f"logs: {run_dir / 'logs'}")
     return {"run_dir": str(run_dir), "wall_s": time.time() - t0, "metrics": dict(result.metrics or {}),
             "checkpoint": result.checkpoint.path if result.checkpoint else None}
+
+
+def _describe_ray(connected: str) -> str:
+    """`embedded Ray (8 CPUs, 127.0.0.1)` / `Ray at ADDRESS (16 CPUs, 2 GPUs)`."""
+    res = ray.cluster_resources()
+    parts = [f"{res.get('CPU', 0):.0f} CPUs"] + ([f"{res['GPU']:.0f} GPUs"] if res.get("GPU") else [])
+    if connected in ("embedded", "existing"):
+        with contextlib.suppress(Exception):
+            parts.append(ray.util.get_node_ip_address())
+        kind = "embedded Ray" if connected == "embedded" else "this process's Ray"
+        return f"{kind} ({', '.join(parts)})"
+    return f"Ray at {connected} ({', '.join(parts)})"
+
+
+def _test_line(metrics_path: Path) -> Optional[str]:
+    """`test: CE 4.77, centred cos 0.25, gap 0.21` from the run's test record (None when there is none)."""
+    import json
+
+    if not metrics_path.exists():
+        return None
+    test = None
+    for line in metrics_path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            r = json.loads(line)
+            if r.get("kind") == "test":
+                test = r
+    if not test or "test/ce" not in test:
+        return None
+    out = f"test: CE {test['test/ce']:.2f}"
+    if "test/cos_sim" in test:
+        out += f", centred cos {test['test/cos_sim']:.2f}"
+    if "test/contrast_gap" in test:
+        out += f", gap {test['test/contrast_gap']:.2f}"
+    return out
