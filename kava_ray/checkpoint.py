@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kava_ray._io import atomic_dir, first_line
-from kava_ray.config import JobConfig, config_hash, diff_keys, validate_config
+from kava_ray.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.errors import KavaError
 
 STATE = "state.json"
@@ -140,12 +140,13 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     checkpoint's optimizer state and schedule would otherwise quietly win over the new values.
     """
     state = read_state(path)
-    if state["config_hash"] != config_hash(cfg):
-        keys = diff_keys(_saved_config(path, state), cfg)
-        raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys) or 'unknown keys'}"
+    # a config saved before load_config made its paths absolute: its relative paths match ours
+    saved = resolve_paths(_saved_config(path, state), like=cfg)
+    if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
+        raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
     if not allow_run_changes:
-        changed = diff_keys(_saved_config(path, state), cfg, RUN_SECTIONS)
+        changed = diff_keys(saved, cfg, RUN_SECTIONS)
         if changed:
             raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
                             f"to continue with the new values")

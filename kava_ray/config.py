@@ -407,12 +407,66 @@ def validate_config(data: dict) -> JobConfig:
 
 
 def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional[list[str]] = None) -> JobConfig:
-    """A validated JobConfig from a YAML path or preset name, with dotted KEY=VALUE overrides."""
+    """A validated JobConfig from a YAML path or preset name, with dotted KEY=VALUE overrides; its local
+    paths absolute (`resolve_paths`)."""
     if isinstance(path_or_preset, JobConfig):
         raw = path_or_preset.to_dict()
     else:
         raw = read_raw_config(path_or_preset)
-    return validate_config(apply_overrides(raw, overrides))
+    return resolve_paths(validate_config(apply_overrides(raw, overrides)))
+
+
+def _absolute(p: str) -> str:
+    return os.path.abspath(os.path.expanduser(p))  # abspath, not resolve(): a symlinked x.gguf keeps its name
+
+
+def _local(spec: str) -> bool:
+    """A model / data spec that names something on this machine (a hub id, `synthetic`, a URI do not)."""
+    if "://" in spec or spec == "synthetic":
+        return False
+    return os.path.exists(os.path.expanduser(spec.replace("{split}", "train"))) \
+        or spec.startswith(("/", "./", "../", "~"))
+
+
+def resolve_paths(cfg: JobConfig, like: Optional[JobConfig] = None) -> JobConfig:
+    """Every path of a job made absolute once, in the driver (relative to its CWD, `~` expanded), before
+    any Ray task reads it: a Tune trial or a Train worker runs in a working dir of Ray's, where a relative
+    `./kava_runs` would land in Ray's session dir. ray.storage_path, data.kv_cache_dir, align.cka_path
+    always (URIs untouched); data.source and teachers[].model / student.model only when they name
+    something local (hub ids, `synthetic`, pypi:// stay as they are).
+
+    like: a config to match (checkpoint.check_compatible): a relative path of `cfg` whose absolute form in
+    `like` ends with it takes that form, from any CWD (a checkpoint saved before paths were resolved)."""
+    d, ref = cfg.to_dict(), (like.to_dict() if like is not None else None)
+
+    def fix(entry: dict, key: str, ref_entry: Optional[dict], always: bool) -> None:
+        value = entry.get(key)
+        if not value or "://" in value or os.path.isabs(value):
+            return
+        target, tail = (ref_entry or {}).get(key), os.path.normpath(value)
+        while tail.startswith(".." + os.sep):
+            tail = tail[3:]
+        if isinstance(target, str) and os.path.isabs(target) and (
+                target == _absolute(value) or target.endswith(os.sep + tail)):
+            entry[key] = target
+        elif always or _local(value):
+            entry[key] = _absolute(value)
+
+    def at(*keys):
+        node = ref
+        for k in keys:
+            if node is None:
+                return None
+            node = node[k] if isinstance(node, dict) else (node[k] if k < len(node) else None)
+        return node
+
+    for section, key in (("ray", "storage_path"), ("data", "kv_cache_dir"), ("align", "cka_path")):
+        fix(d[section], key, at(section), always=True)
+    fix(d["data"], "source", at("data"), always=False)
+    fix(d["student"], "model", at("student"), always=False)
+    for i, t in enumerate(d["teachers"]):
+        fix(t, "model", at("teachers", i), always=False)
+    return validate_config(d)
 
 
 def config_hash(cfg: JobConfig, sections: tuple[str, ...] = SHAPE_SECTIONS) -> str:

@@ -1,12 +1,22 @@
 """Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an embedded one.
 
+No address: a fresh embedded Ray of this process's own, in Ray's single-machine mode (every server it
+starts listens on 127.0.0.1 only, and its node IP is 127.0.0.1), even when a `ray start --head` runs on
+this machine. An address: a TCP probe first (an address nothing answers at is one error line in
+seconds, not minutes of GCS retries); a loopback cluster (`ray start --head --node-ip-address
+127.0.0.1`) is joined in single-machine mode too, any other exactly as Ray does it.
+
 Token authentication stays on (Ray 2.60's default): an embedded Ray generates a token in
 ~/.ray/auth_token; a client of a remote cluster needs that cluster's token (README: "Token auth").
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+import sys
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -17,15 +27,119 @@ from kava_ray.errors import KavaError
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
 # run that reports every step would be throttled to one step per 2 s. Poll faster on our own Ray.
 EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "TRANSFORMERS_VERBOSITY": "error"}
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node IP
+PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
+LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.console.quiet turns it off (workers' lines stay in Ray's logs)
+
+
+def _note(line: str) -> None:
+    """A status line on the terminal: kava_ray.console's (the saved terminal while `quiet` redirects fd 2) when
+    that module is in use, else stderr. Looked up, not imported: connect sits below the console in no contract."""
+    status = getattr(sys.modules.get("kava_ray.console"), "status", None)
+    if status is not None:
+        status(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def single_machine_mode() -> None:
+    """Ray's single-machine mode for this process and every process it starts: 127.0.0.1 stays 127.0.0.1.
+
+    On Linux Ray rewrites a loopback node IP / address to the machine's routable IP and binds every
+    server (GCS, raylet, object manager, workers, dashboard, agents) to it, unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0. Ray reads that variable once, at `import ray`, into
+    `ray_constants.ENABLE_RAY_CLUSTER`, which `services.get_node_ip_address` and
+    `resolve_ip_for_localhost` read at call time: the variable reaches the processes Ray starts, the
+    constant this (already importing) driver. The constant is the one Ray private API kava-ray sets;
+    tests/test_service_ray.py (every listening socket of an embedded Ray on loopback) guards it.
+    """
+    from ray._private import ray_constants
+
+    os.environ[SINGLE_MACHINE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_address_file() -> Path:
+    """Where `ray start` records the last head's GCS address and `ray.init(address="auto")` reads it:
+    `<$RAY_TMPDIR or $TMPDIR or /tmp>/ray/ray_current_cluster` (Ray's own default temp dir rule)."""
+    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
+    return Path(base or "/tmp") / "ray" / "ray_current_cluster"
+
+
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """'ray://h:p' / 'h:p' / '[::1]:p' -> (h, p); None when it is not of that shape."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connect to the address's host:port succeeds within `timeout_s`."""
+    hp = _host_port(address)
+    if hp is None:
+        return False
+    try:
+        with socket.create_connection(hp, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def is_loopback(address: str) -> bool:
+    hp = _host_port(address)
+    if hp is None:
+        return False
+    if hp[0] == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(hp[0])
+    except ValueError:
+        return False
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def running_head() -> Optional[str]:
+    """The GCS address of a `ray start --head` on this machine that answers, from Ray's address file."""
+    try:
+        addr = ray_address_file().read_text().strip()
+    except OSError:
+        return None
+    return addr if addr and answers(addr, timeout_s=0.5) else None
+
+
+def _resolve_auto() -> str:
+    """`--address auto`: $RAY_ADDRESS, else the last `ray start --head` of this machine (Ray's address file)."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env and env != "auto":
+        return env
+    path = ray_address_file()
+    try:
+        addr = path.read_text().strip()
+    except OSError:
+        addr = ""
+    if not addr:
+        raise KavaError("--address auto: no running Ray cluster on this machine (start one with `ray start --head`, "
+                        "or pass its host:port)")
+    return addr
 
 
 def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = None,
-            require_cluster: bool = False, worker_env: Optional[dict] = None) -> str:
+            require_cluster: bool = False, worker_env: Optional[dict] = None,
+            storage_path: Optional[str] = None) -> str:
     """Initialise Ray once per process; returns 'embedded' or the address connected to.
 
     address None -> an embedded local Ray with `num_cpus` logical CPUs (may exceed the physical
     cores: Ray only counts them), unless `require_cluster` (service mode needs a lasting cluster).
     `worker_env`: extra environment variables for every worker and actor of an embedded Ray.
+    `storage_path`: the job's ray.storage_path; on a cluster of more than one node a local path gets a note.
     """
     if ray.is_initialized():
         return "existing"
@@ -34,21 +148,53 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         if require_cluster:
             raise KavaError("this command needs a running Ray cluster: start one with `ray start --head` "
                             "and pass --address auto")
+        head = running_head()
+        if head:
+            _note(f"note: a Ray cluster is running on this machine ({head}); kava-ray uses its own embedded Ray "
+                  f"unless you pass --address auto")
+        single_machine_mode()
+        # Fixed defaults (44227, 44217) that a second Ray on this machine would already hold; read by the
+        # dashboard and autoscaler processes ray.init starts. (The dashboard agent's HTTP port, 52365, has
+        # no ray.init setting: when taken, that agent only serves no HTTP, which an embedded Ray never uses.)
+        os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())
+        os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
         # The dashboard process also serves Ray's state API, which Train's controller and
         # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
-        # single-machine mode: every Ray server listens on 127.0.0.1 only (Ray's own switch for it)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a killed
         # one) is on this machine; without it ray.init joins that cluster and refuses num_cpus
         ray.init(address="local", num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
+                 log_to_driver=LOG_TO_DRIVER,
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
+                 _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": {**EMBEDDED_ENV, **(worker_env or {})}})
         return "embedded"
+    target = _resolve_auto() if address == "auto" else address
+    if _host_port(target) is None:
+        raise KavaError(f"cannot connect to Ray at {address!r}: not host:port (or ray://host:port, auto)")
+    if not answers(target):
+        via = ""
+        if target != address:
+            via = f" ({target}, from {'$RAY_ADDRESS' if os.environ.get('RAY_ADDRESS') else ray_address_file()})"
+        raise KavaError(f"cannot connect to Ray at {address!r}{via}: nothing answers within {PROBE_TIMEOUT_S:.0f} s "
+                        f"(is the cluster up? `ray status --address {target}`)")
+    if is_loopback(target):
+        single_machine_mode()  # else Ray rewrites 127.0.0.1 to this machine's routable IP and never connects
     try:
-        ray.init(address=address, namespace=namespace, logging_level="WARNING")
+        ray.init(address=target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}") from None
+    note_shared_storage(storage_path)
     return address
+
+
+def note_shared_storage(storage_path: Optional[str]) -> None:
+    """One `note:` line when a local ray.storage_path meets a cluster of more than one node."""
+    if not storage_path or "://" in storage_path:
+        return
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    if nodes > 1:
+        _note(f"note: ray.storage_path {storage_path} is a local path on a {nodes}-node cluster: every node writes "
+              f"there, so it must be shared storage mounted at that path on every node (NFS/EFS)")
 
 
 def resolve_use_gpu(use_gpu) -> bool:

@@ -62,7 +62,8 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
     from kava_ray.connect import connect
 
     return connect(address or cfg.ray.address, cfg.ray.namespace,
-                   num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster)
+                   num_cpus=cfg.ray.num_cpus or embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster,
+                   storage_path=cfg.ray.storage_path)
 
 
 # ------------------------------------------------------------------------------------ teachers

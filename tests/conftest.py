@@ -131,7 +131,7 @@ TIERS = ("unit", "ray", "cluster")
 # `kava-ray` command that starts its own embedded Ray). Prefer an explicit `@pytest.mark.ray` in the
 # test file; this list is for tests whose file cannot say so.
 STARTS_RAY: set[str] = set()
-CLUSTER_FILES = ("test_cluster.py",)
+CLUSTER_FILES = ("test_cluster.py", "test_service_ray.py")
 
 
 def _tier_of(item) -> tuple[list[str], str]:

@@ -1,0 +1,191 @@
+"""kava-ray's own Ray on one machine: loopback only, its own (never a `ray start --head`'s), a sweep joining a
+loopback head writes under the driver's relative storage path, and an address nothing answers at fails fast.
+
+Every Ray here runs in a subprocess (the test session's own Ray is left alone) with RAY_TMPDIR pointing at
+a temp dir of the test: Ray reads `<RAY_TMPDIR>/ray/ray_current_cluster` (the last `ray start --head`'s GCS
+address), so the test writes that file there instead of touching the machine's /tmp/ray. Subprocesses run
+without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (conftest sets it for the test session): kava_ray.connect alone
+must give loopback. The head (test_cluster.Head) is stopped by its own pids, never `ray stop`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import write_job
+from test_cluster import BIN, Head, _client_env
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _env(ray_tmpdir: Path) -> dict:
+    """A user's shell: token auth on (the head's too), no RAY_ADDRESS, no single-machine switch of its own."""
+    env = _client_env(RAY_TMPDIR=str(ray_tmpdir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    return env
+
+
+@pytest.fixture(scope="module")
+def address_dir():
+    """make(address): a RAY_TMPDIR whose ray/ray_current_cluster names `address` (in /tmp, short: Ray's
+    socket paths live under it); removed after the module (its embedded Rays have exited by then)."""
+    made = []
+
+    def make(address: str) -> Path:
+        d = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))
+        (d / "ray").mkdir()
+        (d / "ray" / "ray_current_cluster").write_text(address)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sessions(ray_tmpdir: Path) -> list[Path]:
+    return sorted(p for p in (ray_tmpdir / "ray").glob("session_2*") if p.is_dir())
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A `ray start --head` on loopback with token auth (README "Three ways to run"), 8 logical CPUs."""
+    h = Head(num_cpus=8)
+    try:
+        h.wait_started()
+        yield h
+    finally:
+        left = h.stop()
+        assert not left, f"head processes survived: {left}"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    root = tmp_path_factory.mktemp("svc")
+    return write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                     train={"steps": 2, "eval_steps": 2, "save_steps": 2, "max_length": 160},
+                     data={"num_train": 32, "num_test": 4, "num_val": 4})
+
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    import psutil, ray
+    from kava_ray.config import load_config
+    from kava_ray.job import connect_job
+
+    connect_job(load_config(sys.argv[1]))  # what `kava-ray demo` / `train` do without --address
+    ray.get(ray.remote(lambda: 0).remote())  # a worker up, listening too
+    node = ray._private.worker._global_node
+    roots = [psutil.Process()] + [psutil.Process(i.process.pid) for infos in node.all_processes.values()
+                                  for i in infos]
+    procs = {p.pid: p for r in roots for p in [r] + r.children(recursive=True)}
+    rows = []
+    for p in procs.values():
+        try:
+            rows += [[c.laddr.ip, c.laddr.port, p.pid, p.name()] for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    print(json.dumps({"node_ip": ray.util.get_node_ip_address(), "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
+                      "gcs": node.gcs_address, "processes": len(procs), "listening": rows}))
+    ray.shutdown()
+""")
+
+
+def test_embedded_ray_listens_on_loopback_only_beside_a_running_head(head, job, address_dir, own_train):
+    tmpdir = address_dir(head.gcs_address)  # Ray's address file names the live head
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", PROBE, str(job)], env=_env(tmpdir), capture_output=True, text=True,
+                         timeout=120)
+    print(f"embedded probe: {time.monotonic() - t0:.1f} s")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for ip, port, pid, name in sorted(got["listening"], key=lambda r: r[3]):
+        print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} pid={pid:<7} {name}")
+    assert got["node_ip"] == "127.0.0.1" and got["nodes"] == ["127.0.0.1"]
+    assert len(got["listening"]) >= 5  # gcs, raylet (2), dashboard, agents, the worker
+    assert not [r for r in got["listening"] if r[0] not in LOOPBACK], got["listening"]
+    # its own Ray: a session of its own under RAY_TMPDIR, not the head's GCS; one note line about the head
+    assert got["gcs"] != head.gcs_address and len(_sessions(tmpdir)) == 1
+    notes = [line for line in out.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: a Ray cluster is running on this machine ({head.gcs_address}); kava-ray uses its own "
+                     f"embedded Ray unless you pass --address auto"], out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def own_train(head, job, address_dir, tmp_path_factory):
+    """`kava-ray train` without --address, beside the head and with a stale Ray address file, started in the
+    background as soon as the head is up: it runs while the other tests of this module do (they mostly wait
+    on Ray's start-up, not on the 2 cores), and its test collects it."""
+    tmpdir = address_dir("127.0.0.1:1")  # the address file of a killed head: nothing answers there
+    cwd = tmp_path_factory.mktemp("own")
+    cfg = yaml.safe_load(job.read_text())
+    cfg["ray"]["storage_path"] = "runs"  # relative to its CWD
+    (cwd / "job.yaml").write_text(yaml.safe_dump(cfg))
+    with open(cwd / "out.txt", "w") as out, open(cwd / "err.txt", "w") as err:  # files: a pipe could fill up
+        proc = subprocess.Popen([str(BIN / "kava-ray"), "train", "--config", "job.yaml", "--name", "own"], cwd=cwd,
+                                env=_env(tmpdir), stdout=out, stderr=err)
+    yield proc, cwd, tmpdir, time.monotonic()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path(head, job, tmp_path, address_dir,
+                                                                                  own_train):
+    tmpdir = address_dir(head.gcs_address)  # `--address auto` finds the head through Ray's address file
+    cfg = yaml.safe_load(job.read_text())
+    cfg["ray"]["storage_path"] = "sweeps"  # relative: to the CWD of the `kava-ray tune` below
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({
+        "metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "num_samples": 1,
+        "params": {"optim.lr_projector": {"grid": [1e-2, 3e-3]}}}))
+    t0 = time.monotonic()
+    out = subprocess.run([str(BIN / "kava-ray"), "tune", "--config", "job.yaml", "--space", "space.yaml",
+                          "--address", "auto", "--name", "usersweep", "--max-concurrent", "2"],
+                         cwd=tmp_path, env=_env(tmpdir), capture_output=True, text=True, timeout=240)
+    print(f"sweep: {time.monotonic() - t0:.1f} s")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert not _sessions(tmpdir)  # joined the head: no Ray of its own
+    sweep = tmp_path / "sweeps" / "usersweep"
+    trials = sorted(p for p in sweep.glob("trial_fn_*") if p.is_dir())
+    assert len(trials) == 2, sorted(p.name for p in sweep.iterdir())
+    for t in trials:
+        assert (t / "run" / "metrics.jsonl").is_file(), sorted(str(p) for p in t.rglob("*"))[:20]
+        assert (t / "run" / "final" / "student" / "config.json").is_file()
+    assert (sweep / "best.yaml").is_file()
+    # nothing landed in the head's working dirs (Ray's session dir, where a trial's CWD is)
+    stray = [p for p in Path(head.temp_dir).rglob("*") if p.name in ("metrics.jsonl", "best.yaml")]
+    assert not stray, stray
+
+
+def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_address_file(own_train):
+    proc, cwd, tmpdir, t0 = own_train
+    proc.wait(timeout=240)
+    stdout, stderr = (cwd / "out.txt").read_text(), (cwd / "err.txt").read_text()
+    print(f"train (in the background since the head was up): {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
+    assert "note: a Ray cluster" not in stderr  # the file's cluster is dead: nothing to mention
+    assert (cwd / "runs" / "own" / "final" / "student" / "config.json").is_file()
+
+
+def test_an_address_nothing_answers_at_fails_in_one_line(job, address_dir):
+    t0 = time.monotonic()
+    out = subprocess.run([str(BIN / "kava-ray"), "train", "--config", str(job), "--address", "127.0.0.1:1"],
+                         env=_env(address_dir("127.0.0.1:1")), capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    print(f"--address 127.0.0.1:1: exit {out.returncode} in {took:.1f} s: {out.stderr.strip()}")
+    assert out.returncode == 2 and took < 30
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot connect to Ray at '127.0.0.1:1'"), out.stderr
