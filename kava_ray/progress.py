@@ -11,7 +11,8 @@ import json
 import threading
 from pathlib import Path
 
-BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| {postfix} [{elapsed}<{remaining}]"
+# "{desc}" carries the step's figures after the bar (tqdm's "{postfix}" would start with ", ")
+BAR_FORMAT = "train {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]"
 
 
 def _follow(path: Path, total: int, stop: threading.Event) -> None:
@@ -20,7 +21,7 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
     from kava_ray.console import console
 
     # on the terminal even while kava_ray.console.quiet sends stderr to the run's logs; none when not a tty
-    bar = tqdm(total=total, desc="train", unit="step", disable=None, dynamic_ncols=True, file=console(),
+    bar = tqdm(total=total, desc="", unit="step", disable=None, dynamic_ncols=True, file=console(),
                bar_format=BAR_FORMAT)
     seen = 0
     while not stop.is_set():
@@ -35,8 +36,8 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
                 if r.get("kind") == "train":
                     bar.update(r["step"] - bar.n)
                     # cos: centred KV cosine (the figure a constant projector cannot game); wait: teacher wait
-                    bar.set_postfix_str(f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
-                                        f"  wait {r['teacher_wait_s']:.2f}s", refresh=False)
+                    bar.set_description_str(f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
+                                            f"  wait {r['teacher_wait_s']:.2f}s", refresh=False)
                     bar.refresh()
         stop.wait(0.5)
     bar.close()
