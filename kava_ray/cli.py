@@ -109,6 +109,10 @@ def cmd_teachers(args) -> int:
     action = args.teachers_command
     stats = None
     with _quiet(args, "precompute", cfg.ray.storage_path) if action == "precompute" else contextlib.nullcontext():
+        if action == "precompute":  # its inputs checked before Ray starts (precompute checks again: cheap)
+            from kava_ray.preflight import preflight
+
+            preflight(cfg, "teachers precompute", address=args.address, out=args.out)
         connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
         if action == "precompute":
             stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)

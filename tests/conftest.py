@@ -24,8 +24,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Ray's single-machine mode (servers on 127.0.0.1): connect() sets the same default for an embedded Ray;
-# set here too so every subprocess a test starts (`kava-ray ...`, `ray ...`) inherits it.
+# Ray's single-machine mode (every server on 127.0.0.1): connect() puts an embedded Ray in it by itself
+# (tests/test_service_ray.py checks that with this variable removed); set here so the `ray start --head`
+# clusters the cluster-tier tests start are loopback-only too.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402
