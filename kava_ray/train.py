@@ -53,6 +53,10 @@ def fit(trainer):
     """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on)."""
     from kava_ray.console import with_logs
 
+    # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
+    # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
+    # waits ~15 s, prints a traceback and exits 1
+    trainer._register_sigint_handler = lambda controller: None
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as e:
