@@ -298,7 +298,7 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
 def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_student_dir, tmp_path, capsys, override,
                                                       field):
     """A pool is found by name; a train whose teachers differ from it fails in one line naming the field,
-    exit 2, before any training starts (no run dir)."""
+    exit 2, before any training starts (no metrics, no checkpoint)."""
     from kava_ray.cli import main
 
     cfg, _ = pool
@@ -309,7 +309,8 @@ def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_studen
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: running teacher") and f"{field}=" in err[0], err
     assert "--restart-teachers" in err[0]
-    assert not storage.exists()  # nothing trained
+    # nothing trained: the run dir holds only the driver's logs of the refused start
+    assert not list(storage.glob("*/metrics.jsonl")) and not list(storage.glob("*/checkpoint_*"))
 
 
 def test_restart_teachers_replaces_a_mismatched_pool(pool, tiny_job):
