@@ -26,9 +26,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check kava_ray actors tests
 	$(BIN)/lint-imports --no-logo
 
-# Every tier: unit, ray (one embedded Ray for the session), cluster (starts its own Ray head). CI runs this.
+# Every tier: unit, ray (one embedded Ray per test process), cluster (starts its own Ray heads). CI runs this.
+# Two test processes, a file each at a time (--dist loadfile: a file's module fixtures, e.g. one reference
+# run, are built once): most of a Ray test's time is waiting on process starts, which two processes overlap.
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 # Lint + the unit tier only (no Ray): under a minute on a 2-core box.
 test-fast: lint
