@@ -307,6 +307,14 @@ def _add_name(p: argparse.ArgumentParser, what: str) -> None:
                                                 "(default: the config's name and the time)")
 
 
+def _add_bench_job(p: argparse.ArgumentParser, default_out: str) -> None:
+    """A bench that trains real runs: its base job (default the demo's), overrides, output dir, --json."""
+    p.add_argument("--config", default="demo_cpu", help="base job config (a YAML path or a preset)")
+    p.add_argument("--out", default=None, help=f"output dir (default: {default_out})")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
+    _add_json(p)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="a YAML file or a preset name (see `kava-ray config presets`)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr_student=3e-5")
@@ -443,24 +451,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_tune_share)
     p = bench_sub.add_parser("recipes", help="ce vs ce+kv vs ce+logits vs ce+kv+logits at equal compute, "
                                             "over one precomputed teacher cache")
-    p.add_argument("--config", default="demo_cpu", help="base job config (a YAML path or a preset)")
+    _add_bench_job(p, "<ray.storage_path>/bench-recipes-<time>")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--out", default=None, help="output dir (default: <ray.storage_path>/bench-recipes-<time>)")
     p.add_argument("--limit", type=int, default=8, help="test problems for greedy exact match (0 = skip)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--address", default=None)
-    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
-    _add_json(p)
     p.set_defaults(func=cmd_bench_recipes)
     p = bench_sub.add_parser("align", help="layer maps (ratio vs CKA), head projection (shared vs per_head) and token "
                                           "alignment modes (teacher of another tokenizer) at equal steps")
-    p.add_argument("--config", default="demo_cpu", help="base job config (a YAML path or a preset)")
+    _add_bench_job(p, "<ray.storage_path>/bench-align")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--cka-samples", type=int, default=32, help="training examples the CKA map is measured on")
-    p.add_argument("--out", default=None, help="output dir (default: <ray.storage_path>/bench-align)")
-    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
-    _add_json(p)
     p.set_defaults(func=cmd_bench_align)
     return parser
 

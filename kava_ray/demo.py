@@ -14,7 +14,6 @@ from pathlib import Path
 
 from kava_ray._io import format_table
 from kava_ray.config import JobConfig, load_config
-from kava_ray.preflight import check_model_files as check_model_files  # moved to preflight; bench imports it here
 from kava_ray.preflight import preflight
 
 

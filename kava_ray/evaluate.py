@@ -18,7 +18,6 @@ from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final
 from kava_ray.errors import KavaError
 from kava_ray.losses import masked_ce
 from kava_ray.preflight import checkpoint_config, preflight
-from kava_ray.preflight import find_checkpoint as find_checkpoint  # moved to preflight; train imports it from here
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
 

@@ -145,6 +145,15 @@ def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeom
     return plans
 
 
+def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
+    """Plans for teachers loaded in this process ({teacher: model}, e.g. `testing.InProcessSource`'s): the
+    geometry and tokenizer fingerprint each would report as an actor."""
+    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
+                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
+             for t in cfg.teachers}
+    return teacher_plans(cfg, geoms, student_geometry(cfg))
+
+
 def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
     """{teacher: its tokenizer} for the teachers aligned by characters (none for same-tokenizer teachers).
 

@@ -98,15 +98,12 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     `RUN_DIR/logs/`, `kava_ray.console`) unless `verbose`.
     """
     from kava_ray.console import quiet, with_logs
-    from kava_ray.evaluate import find_checkpoint
-    from kava_ray.preflight import preflight
+    from kava_ray.preflight import find_checkpoint, preflight
 
-    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)  # before Ray starts
+    # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
+    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)
     if resume:
-        from kava_ray.checkpoint import check_compatible
-
-        resume = str(find_checkpoint(resume, for_resume=True))
-        check_compatible(resume, cfg, allow_run_changes=resume_override)  # fail before anything starts
+        resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir the preflight checked
     name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
     run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
     with quiet(run_dir / "logs", verbose):

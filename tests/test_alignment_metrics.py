@@ -202,20 +202,13 @@ def test_distiller_reports_centred_and_raw_cosines(distill_setup, fusion):
 @pytest.mark.parametrize("kind", ["mercator", "hybrid"])
 def test_center_loss_trains(distill_setup, kind):
     """loss.center=true: the centred KV loss falls and the centred cosine rises over a few steps."""
-    from kava_ray.distill import build_optimizer
+    from kava_ray.config import load_config
+    from tiny_models import train_on_one_batch
 
     distiller, batch, kv = _distiller(distill_setup, ["loss.center=true", f"loss.kind={kind}", "fusion.kind=gate"])
     assert distiller.loss_cfg.center is True
-    from kava_ray.config import load_config
-
-    opt = build_optimizer(distiller, load_config(distill_setup[0]).optim)
-    history = []
-    for _ in range(5):
-        loss, m = distiller(batch, kv)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        history.append({k: float(v) for k, v in m.items() if isinstance(v, torch.Tensor)})
+    history = [{k: float(v) for k, v in m.items() if isinstance(v, torch.Tensor)}
+               for m in train_on_one_batch(distiller, load_config(distill_setup[0]).optim, batch, kv, steps=5)]
     assert history[-1]["kv_loss"] < history[0]["kv_loss"]
     assert history[-1]["cos_sim"] > history[0]["cos_sim"]
 

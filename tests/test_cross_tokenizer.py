@@ -14,13 +14,14 @@ import pytest
 from jobs import write_job
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
-from kava_ray.distill import Distiller, build_optimizer
+from kava_ray.distill import Distiller
 from kava_ray.errors import KavaError
-from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_plans, teacher_tokenizers
+from kava_ray.job import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.models import kv_geometry, load_model, load_student
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
+from tiny_models import train_on_one_batch
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +45,7 @@ def xjob(tmp_path_factory, tiny_qwen2_dir, qwen_tok_teacher_dir, tiny_student_di
 
 def in_process(cfg):
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
-    geoms = {}
-    for n, m in models.items():
-        from kava_ray.data import tokenizer_fingerprint
-        from kava_ray.models import load_tokenizer
-
-        geoms[n] = dict(kv_geometry(m).to_dict(), tokenizer_fingerprint=tokenizer_fingerprint(
-            load_tokenizer(cfg.teacher(n).model)))
-    return models, teacher_plans(cfg, geoms, student_geometry(cfg))
+    return models, in_process_plans(cfg, models)
 
 
 def test_plans_align_only_the_teacher_of_another_tokenizer(xjob):
@@ -82,14 +76,8 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
     assert kv["qtok"].keys.shape[3] == batch["teacher_input_ids/qtok"].shape[1]  # teacher time, not student time
     student = load_student(cfg.student.model, dtype="float32")
     distiller = Distiller(student, plans, kv_geometry(student), cfg)
-    opt = build_optimizer(distiller, cfg.optim)
-    history = []
-    for _ in range(6):
-        loss, m = distiller(batch, kv)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        history.append({k: float(v) for k, v in m.items()})
+    history = [{k: float(v) for k, v in m.items()}
+               for m in train_on_one_batch(distiller, cfg.optim, batch, kv, steps=6)]
     for n in ("qwen", "qtok"):
         assert history[-1][f"cos/{n}"] > history[0][f"cos/{n}"] + 0.05, n
     assert 0.5 < history[0]["aligned/qtok"] <= 1.0

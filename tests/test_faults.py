@@ -320,7 +320,7 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     """Ray Train copies a checkpoint into storage file by file (not atomically): a copy cut off (disk full)
     leaves a newer checkpoint_* with a file missing or short. --resume / eval of the run dir take the
     previous complete one; the partial one given by name is one line naming the file."""
-    from kava_ray.evaluate import find_checkpoint
+    from kava_ray.preflight import find_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(good_ckpt, run / "checkpoint_2000-01-01_00-00-00.000000")

@@ -11,12 +11,13 @@ from jobs import write_job
 from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.config import load_config, set_dotted, validate_config
 from kava_ray.data import BatchStream
-from kava_ray.distill import Distiller, build_optimizer
+from kava_ray.distill import Distiller
 from kava_ray.errors import KavaError
 from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.losses import top1_agreement, topk_kl_loss
 from kava_ray.models import kv_geometry, load_model, load_student
+from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit
 
@@ -178,14 +179,7 @@ def make(setup, *overrides):
 def test_distiller_logit_kd_trains(setup, fusion, kv_weight):
     distiller, cfg, batch, kv = make(setup, f"fusion.kind={fusion}", "loss.logit_weight=1.0",
                                      f"loss.kv_weight={kv_weight}", "loss.logit_top_k=4", "loss.logit_temperature=2.0")
-    opt = build_optimizer(distiller, cfg.optim)
-    history = []
-    for _ in range(6):
-        loss, m = distiller(batch, kv)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        history.append(m)
+    history = train_on_one_batch(distiller, cfg.optim, batch, kv, steps=6)
     first, last = history[0], history[-1]
     for k in ("logit_kl", "logit_kl/qwen", "logit_kl/llama", "top1_agree/qwen", "top1_agree/llama"):
         assert isinstance(last[k], torch.Tensor) and last[k].dim() == 0 and not last[k].requires_grad, k

@@ -2,3 +2,19 @@
 
 from kava_ray.testing.gguf import write_tiny_gguf  # noqa: F401
 from kava_ray.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, build_tokenizer  # noqa: F401
+
+
+def train_on_one_batch(distiller, optim_cfg, batch, kv, steps: int) -> list[dict]:
+    """`steps` optimizer steps of a Distiller (its production optimizer) on one batch and its teacher KV; the
+    metrics of each step, as the Distiller returns them (detached 0-d tensors)."""
+    from kava_ray.distill import build_optimizer
+
+    opt = build_optimizer(distiller, optim_cfg)
+    history = []
+    for _ in range(steps):
+        loss, m = distiller(batch, kv)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(m)
+    return history

@@ -33,26 +33,14 @@ from kava_ray.config import JobConfig, load_config
 CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is built around
 
 
-def _plans(cfg: JobConfig, models: dict) -> dict:
-    """Teacher plans from in-process models (what the actors would report)."""
-    from kava_ray.data import tokenizer_fingerprint
-    from kava_ray.job import student_geometry, teacher_plans
-    from kava_ray.models import kv_geometry, load_tokenizer
-
-    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
-                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
-             for t in cfg.teachers}
-    return teacher_plans(cfg, geoms, student_geometry(cfg))
-
-
 def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
     """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import teacher_logits_top_k
+    from kava_ray.job import in_process_plans, teacher_logits_top_k
     from kava_ray.testing.sources import InProcessSource
     from kava_ray.worker import DistillRecipe
 
-    plans = _plans(cfg, models)
+    plans = in_process_plans(cfg, models)
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
     source = InProcessSource(models, cfg.align.key_space)

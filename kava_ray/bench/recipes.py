@@ -138,9 +138,9 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
     """Every recipe x seed (seeds `train.seed`, +1, ...) over one precomputed teacher cache; see the module doc."""
     import ray
 
-    from kava_ray.demo import check_model_files
     from kava_ray.errors import KavaError
     from kava_ray.job import connect_job, load_splits, load_test_split, precompute, student_tokenizer
+    from kava_ray.preflight import check_model_files
 
     names = list(recipes or RECIPES)
     unknown = [n for n in names if n not in RECIPES]
