@@ -20,6 +20,7 @@ pass `position_ids=position_ids_from_mask(mask)` to it as well.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from dataclasses import dataclass
@@ -654,7 +655,7 @@ def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
 
 
 def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
-                       logits_top_k: int = 0) -> KVBatch:
+                       logits_top_k: int = 0, stop_early: bool = True) -> KVBatch:
     """Inference forward with explicit position ids -> KVBatch of the selected layers.
 
     pre_rope: K and V captured at the projections during the forward (exact on every family; checked
@@ -665,6 +666,9 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     logits_top_k 0: the decoder runs without its LM head (no logits). logits_top_k k > 0: the same forward
     runs the LM head, and the batch carries topk_ids / topk_logp [B, T, k]: log_softmax of the logits in
     fp32 (temperature 1), then its top k, sorted descending (padding positions included; losses mask them).
+
+    stop_early (with logits_top_k 0): the forward stops right after the attention of the deepest selected
+    layer has filled the cache (`_StopAfter`): the layers below it, the final norm and the LM head never run.
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -675,19 +679,71 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     # the decoder without the LM head when logits are not needed; the whole model when they are
     run = model if logits_top_k else getattr(model, "base_model", model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
+    ids = _check_layers(layers, kv_geometry(model).num_layers)
+    stop = _StopAfter.at(model, max(ids)) if stop_early and not logits_top_k else contextlib.nullcontext()
+    out = None  # stays None when the forward is stopped early
     if key_space == "post_rope":
-        with torch.inference_mode():
+        with stop, torch.inference_mode():
             out = run(**kwargs)
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
-            kv = extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+            kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
             return _with_topk(kv, out, logits_top_k)
-    ids = _check_layers(layers, kv_geometry(model).num_layers)
-    with _Capture(model, ids) as cap, torch.inference_mode():
+    with _Capture(model, ids) as cap, stop, torch.inference_mode():
         out = run(**kwargs)
     with torch.no_grad():
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
-        _check_against_cache(model, kv.keys, kv.values, ids, out.past_key_values, kv.mask)
+        _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
         return _with_topk(kv, out, logits_top_k)
+
+
+class _Stopped(Exception):
+    """Raised by `_StopAfter`'s hook to end a forward early (never escapes `_StopAfter`)."""
+
+
+class _StopAfter:
+    """Ends a forward right after attention layer `last` has run: its K/V are captured and cached, and nothing
+    deeper runs (the rest of the decoder, the final norm, the LM head). A forward hook on that attention module
+    keeps the cache it was handed (`cache`) and raises; `__exit__` swallows exactly that exception."""
+
+    def __init__(self, module):
+        self.module = module
+        self.cache = None
+        self.stopped = False
+
+    @classmethod
+    def at(cls, model, last: int):
+        """A stopper after attention layer `last`, or a no-op where the attention modules are not one per
+        decoder layer (latent attention, hybrids: the forward then runs whole)."""
+        attn = attention_layers(model)
+        if len(attn) != kv_geometry(model).num_layers:
+            return contextlib.nullcontext()
+        return cls(attn[last])
+
+    def _hook(self, _mod, args, kwargs, _out):
+        from transformers.cache_utils import Cache
+
+        # families name the argument differently (past_key_values, layer_past, ...): take the Cache passed in
+        self.cache = next((a for a in (*kwargs.values(), *args) if isinstance(a, Cache)), None)
+        self.stopped = True
+        raise _Stopped
+
+    def __enter__(self) -> "_StopAfter":
+        self.handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        self.handle.remove()
+        return exc_type is _Stopped
+
+
+def _cache_of(out, stop):
+    """The cache a forward filled: the one the stopped forward's hook kept, else the output's."""
+    if getattr(stop, "stopped", False):
+        if stop.cache is None:
+            raise KavaError("the teacher forward was stopped early but its attention got no cache; "
+                            "pass stop_early=False")
+        return stop.cache
+    return out.past_key_values
 
 
 def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:

@@ -415,3 +415,30 @@ def test_post_rope_keeps_serving_the_cache(teachers, family_dirs):
         _, kv = student_forward_kv(student, ids, mask, layers=[1], key_space="post_rope")
         assert kv.keys.requires_grad and kv.key_space == "post_rope"
         _assert_close_real(kv.keys[0], ref.keys[0], mask, f"{family} post_rope under checkpointing")
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_teacher_forward_stops_at_the_deepest_served_layer(key_space, teachers):
+    """Serving the first half of the layers runs only those: nothing deeper (no later attention, no final norm,
+    no LM head) runs, and K/V equal the full forward's exactly, on every family (with padding)."""
+    ids, mask = _batch("left")
+    # post_rope serves only full-length cache layers: Gemma's first layers are sliding-window ones
+    for family in sorted(f for f in FAMILIES if key_space == "pre_rope" or not f.startswith("gemma")):
+        model = teachers(family)
+        n = kv_geometry(model).num_layers
+        served = list(range(max(1, n // 2)))
+        attn = attention_layers(model)
+        ran = []
+        hooks = [m.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, m in enumerate(attn)]
+        hooks.append(model.get_output_embeddings().register_forward_hook(lambda *_: ran.append("lm_head")))
+        try:
+            full = teacher_forward_kv(model, ids, mask, layers=served, key_space=key_space, stop_early=False)
+            assert ran == list(range(n)) + ["lm_head"] or ran == list(range(n)), (family, ran)
+            ran.clear()
+            early = teacher_forward_kv(model, ids, mask, layers=served, key_space=key_space)
+            assert ran == served, (family, ran)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert torch.equal(early.keys, full.keys) and torch.equal(early.values, full.values), family
+        assert torch.equal(early.mask, full.mask) and early.layer_ids == full.layer_ids == served
