@@ -36,6 +36,10 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 class ActorSource:
     """Live teacher actors: `submit` sends the request and returns an ObjectRef; `result` waits for it.
 
+    handles: {teacher: actor handle or `TeacherReplicas`}. A teacher with replicas gets each batch at the
+    replica its key routes to (`TeacherReplicas.route`), so batches spread over the replicas while every
+    consumer of one batch asks the same replica; results still come back in the feed's order.
+
     A teacher that dies mid-request restarts (max_restarts) and Ray retries the call
     (max_task_retries); if Ray gives up on the call, it is submitted again, up to `max_retries` times.
     """
@@ -48,7 +52,9 @@ class ActorSource:
 
     def submit(self, name: str, request: tuple) -> Any:
         key, ids, mask, layers, wire_dtype, logits_top_k = request
-        return self.handles[name].kv.remote(key, ids, mask, layers, wire_dtype, logits_top_k)
+        h = self.handles[name]
+        h = h.route(key) if hasattr(h, "route") else h
+        return h.kv.remote(key, ids, mask, layers, wire_dtype, logits_top_k)
 
     def result(self, name: str, request: tuple, ref) -> dict:
         for attempt in range(self.max_retries + 1):

@@ -9,7 +9,10 @@ request that was in flight (`max_task_retries`).
 
 from __future__ import annotations
 
+import itertools
+import re
 import time
+import zlib
 from typing import Optional
 
 import ray
@@ -18,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.teacher import TeacherActor
 from kava_ray._io import first_line
-from kava_ray.config import JobConfig, TeacherConfig
+from kava_ray.config import JobConfig, TeacherConfig, replica_label
 from kava_ray.errors import KavaError
 
 ACTOR_PREFIX = "kava-teacher-"
@@ -26,8 +29,59 @@ TASK_RETRIES = 5
 RemoteTeacher = ray.remote(TeacherActor)
 
 
-def actor_name(teacher_name: str) -> str:
-    return f"{ACTOR_PREFIX}{teacher_name}"
+def actor_name(teacher_name: str, replica: int = 0) -> str:
+    """The Ray actor name of a teacher's replica: `kava-teacher-<name>`, then `kava-teacher-<name>#1`, ..."""
+    return f"{ACTOR_PREFIX}{replica_label(teacher_name, replica)}"
+
+
+_BATCH_INDEX = re.compile(r"/e(\d+)/b(\d+)(?:/|$)")
+
+
+def replica_for(key: Optional[str], n: int) -> Optional[int]:
+    """The replica that serves batch `key` of a teacher with n replicas; None for key None (any replica).
+
+    A function of the key alone, so every consumer of a batch (DDP ranks, Tune trials) asks the same replica
+    and its LRU serves them all from one forward. A `batch_key` goes by its global batch index mod n:
+    consecutive batches take turns, so a feed with n batches in flight keeps all n replicas busy (a hash
+    would send ~1/n of neighbouring batches to one replica). Any other key goes by its CRC32.
+    """
+    if n == 1:
+        return 0
+    if key is None:
+        return None
+    m = _BATCH_INDEX.search(key)
+    if m:
+        return int(m.group(2)) % n
+    return zlib.crc32(key.encode()) % n
+
+
+class TeacherReplicas:
+    """The actor handles of one teacher's replicas (`teachers[].replicas`), in replica order.
+
+    `route(key)` picks the replica for a batch (`replica_for`; key None: round robin). Anything else —
+    `geometry`, `ping`, `stats` — is replica 0's: replicas of one teacher are the same model.
+    """
+
+    def __init__(self, name: str, handles: list):
+        if not handles:
+            raise ValueError("a teacher needs at least one replica")
+        self.name, self.handles = name, list(handles)
+        self._next = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def route(self, key: Optional[str]):
+        r = replica_for(key, len(self.handles))
+        return self.handles[next(self._next) % len(self.handles) if r is None else r]
+
+    def __getattr__(self, attr):  # geometry / ping / stats / kv of replica 0
+        if attr.startswith("__") or attr in ("name", "handles", "_next"):
+            raise AttributeError(attr)
+        return getattr(self.handles[0], attr)
+
+    def __reduce__(self):  # the round-robin counter does not travel
+        return TeacherReplicas, (self.name, self.handles)
 
 
 def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
@@ -36,7 +90,8 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
     Ray would otherwise wait forever for resources that do not exist.
     """
     total = ray.cluster_resources()
-    need = {"GPU": sum(t.num_gpus for t in cfg.teachers), "CPU": sum(t.num_cpus for t in cfg.teachers)}
+    need = {"GPU": sum(t.num_gpus * t.replicas for t in cfg.teachers),
+            "CPU": sum(t.num_cpus * t.replicas for t in cfg.teachers)}
     for k, v in (extra or {}).items():
         need[k] = need.get(k, 0) + v
     for t in cfg.teachers:
@@ -50,9 +105,9 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
                             f"but the cluster has {have:g}")
 
 
-def _actor_options(t: TeacherConfig, namespace: str, detached: bool) -> dict:
+def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: int = 0) -> dict:
     opts = dict(
-        name=actor_name(t.name),
+        name=actor_name(t.name, replica),
         namespace=namespace,
         num_cpus=t.num_cpus,
         num_gpus=t.num_gpus,
@@ -65,23 +120,26 @@ def _actor_options(t: TeacherConfig, namespace: str, detached: bool) -> dict:
     )
     if t.num_gpus > 1:  # one teacher across several GPUs: keep them on one node
         pg = placement_group([{"GPU": t.num_gpus, "CPU": t.num_cpus}], strategy="PACK",
-                             name=f"{actor_name(t.name)}-pg", lifetime="detached" if detached else None)
+                             name=f"{actor_name(t.name, replica)}-pg", lifetime="detached" if detached else None)
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
     return opts
 
 
 def start_pool(cfg: JobConfig, detached: bool = False, timeout_s: float = 600.0) -> dict:
-    """Start (or attach to) every teacher of `cfg`; returns {name: actor handle} once all are loaded.
+    """Start (or attach to) every teacher of `cfg`, every replica; returns {name: TeacherReplicas} once all
+    are loaded.
 
     Raises KavaError with one line if a teacher cannot be scheduled or cannot load its model.
     """
     check_resources(cfg)
-    handles = {}
+    replicas = {}
     for t in cfg.teachers:
-        handles[t.name] = RemoteTeacher.options(**_actor_options(t, cfg.ray.namespace, detached)).remote(
-            t.model_dump(), key_space=cfg.align.key_space)
-    wait_ready(handles, timeout_s)
-    return handles
+        replicas[t.name] = TeacherReplicas(t.name, [
+            RemoteTeacher.options(**_actor_options(t, cfg.ray.namespace, detached, r)).remote(
+                t.model_dump(), key_space=cfg.align.key_space)
+            for r in range(t.replicas)])
+    wait_ready({replica_label(n, r): h for n, rs in replicas.items() for r, h in enumerate(rs.handles)}, timeout_s)
+    return replicas
 
 
 def wait_ready(handles: dict, timeout_s: float = 600.0) -> None:
@@ -103,17 +161,34 @@ def wait_ready(handles: dict, timeout_s: float = 600.0) -> None:
 
 
 def find_pool(cfg: JobConfig, names: Optional[list[str]] = None) -> dict:
-    """Handles of a running pool (all teachers of cfg, or `names`); KavaError naming a missing one."""
+    """{name: TeacherReplicas} of a running pool (all teachers of cfg, or `names`), as many replicas as the
+    config asks for; KavaError naming a missing one."""
     wanted = names if names is not None else [t.name for t in cfg.teachers]
-    handles = {}
+    found = {}
     for name in wanted:
-        cfg.teacher(name)  # unknown teacher name -> KavaError listing the known ones
+        t = cfg.teacher(name)  # unknown teacher name -> KavaError listing the known ones
+        handles = []
+        for r in range(t.replicas):
+            try:
+                handles.append(ray.get_actor(actor_name(name, r), namespace=cfg.ray.namespace))
+            except ValueError:
+                raise KavaError(f"teacher '{replica_label(name, r)}' is not running in namespace "
+                                f"'{cfg.ray.namespace}' (start it with: kava-ray teachers up --config ...)") from None
+        found[name] = TeacherReplicas(name, handles)
+    return found
+
+
+def _running_replicas(t: TeacherConfig, namespace: str) -> list[tuple[int, object]]:
+    """(replica, handle) of every running replica of t: the config's count, and any more a pool started with a
+    larger `replicas` left running."""
+    out, r = [], 0
+    while True:
         try:
-            handles[name] = ray.get_actor(actor_name(name), namespace=cfg.ray.namespace)
+            out.append((r, ray.get_actor(actor_name(t.name, r), namespace=namespace)))
         except ValueError:
-            raise KavaError(f"teacher '{name}' is not running in namespace '{cfg.ray.namespace}' "
-                            f"(start it with: kava-ray teachers up --config ...)") from None
-    return handles
+            if r >= t.replicas:
+                return out
+        r += 1
 
 
 def stop_pool(cfg: JobConfig) -> list[str]:
@@ -122,17 +197,14 @@ def stop_pool(cfg: JobConfig) -> list[str]:
 
     stopped = []
     for t in cfg.teachers:
-        try:
-            h = ray.get_actor(actor_name(t.name), namespace=cfg.ray.namespace)
-        except ValueError:
-            continue
-        ray.kill(h, no_restart=True)
-        stopped.append(t.name)
-        if t.num_gpus > 1:
-            try:
-                remove_placement_group(get_placement_group(f"{actor_name(t.name)}-pg"))
-            except ValueError:
-                pass
+        for r, h in _running_replicas(t, cfg.ray.namespace):
+            ray.kill(h, no_restart=True)
+            stopped.append(replica_label(t.name, r))
+            if t.num_gpus > 1:
+                try:
+                    remove_placement_group(get_placement_group(f"{actor_name(t.name, r)}-pg"))
+                except ValueError:
+                    pass
     return stopped
 
 
@@ -143,20 +215,36 @@ def pool_status(cfg: JobConfig) -> list[dict]:
 
     rows = []
     for t in cfg.teachers:
-        row = dict(name=t.name, model=t.model, quantization=t.quantization, running=False)
-        try:
-            h = ray.get_actor(actor_name(t.name), namespace=cfg.ray.namespace)
-            geom, stats = ray.get([h.geometry.remote(), h.stats.remote()], timeout=60)
-        except (ValueError, ray.exceptions.RayError):
+        running = dict(_running_replicas(t, cfg.ray.namespace))
+        for r in sorted(set(range(t.replicas)) | set(running)):
+            row = dict(name=replica_label(t.name, r), model=t.model, quantization=t.quantization, running=False)
             rows.append(row)
-            continue
-        g = KVGeometry.from_dict(geom)
-        row.update(running=True, device=geom["device"], dtype=geom["dtype"],
-                   geometry=f"{g.num_layers}x{g.num_kv_heads}x{g.head_dim}",
-                   kv_bytes_per_token=kv_bytes_per_token(g, "bf16", t.layers),
-                   restarts=_num_restarts(actor_name(t.name), cfg.ray.namespace), **stats)
-        rows.append(row)
+            try:
+                geom, stats = ray.get([running[r].geometry.remote(), running[r].stats.remote()], timeout=60)
+            except (KeyError, ray.exceptions.RayError):
+                continue
+            g = KVGeometry.from_dict(geom)
+            row.update(running=True, device=geom["device"], dtype=geom["dtype"],
+                       geometry=f"{g.num_layers}x{g.num_kv_heads}x{g.head_dim}",
+                       kv_bytes_per_token=kv_bytes_per_token(g, "bf16", t.layers),
+                       restarts=_num_restarts(actor_name(t.name, r), cfg.ray.namespace), **stats)
     return rows
+
+
+def pool_stats(handles: dict) -> dict:
+    """{teacher: its counters summed over its replicas} (requests, forwards, hits, bytes, ...), and
+    `replicas`: how many answered. Accepts bare actor handles too."""
+    flat = [(n, h) for n, hs in handles.items() for h in getattr(hs, "handles", [hs])]
+    out: dict = {}
+    for (n, _), st in zip(flat, ray.get([h.stats.remote() for _, h in flat])):
+        acc = out.setdefault(n, {"replicas": 0})
+        acc["replicas"] += 1
+        for k, v in st.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "mean_forward_ms":
+                acc[k] = acc.get(k, 0) + v
+    for acc in out.values():
+        acc["mean_forward_ms"] = 1000 * acc["forward_s"] / acc["forwards"] if acc.get("forwards") else 0.0
+    return out
 
 
 def _num_restarts(name: str, namespace: str):

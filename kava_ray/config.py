@@ -31,8 +31,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def replica_label(teacher: str, replica: int) -> str:
+    """How replica `replica` of a teacher is named in status, plans and errors: `t` for the first, `t#1`, ..."""
+    return teacher if replica == 0 else f"{teacher}#{replica}"
+
+
 class TeacherConfig(_Section):
-    name: str = Field(min_length=1)
+    # names key batch fields (`teacher_input_ids/<name>`) and replicas (`<name>#1`): no '/', '#' or spaces
+    name: str = Field(min_length=1, pattern=r"^[^/#\s]+$")
     model: str = Field(min_length=1)  # hub id, local dir, .gguf path, or pypi://dist/path/in/dist
     quantization: Literal["none", "4bit", "8bit"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -40,6 +46,8 @@ class TeacherConfig(_Section):
     num_cpus: float = Field(1.0, gt=0)
     layers: Optional[list[int]] = None  # teacher layers to ship; None = the ones the layer map uses
     max_restarts: int = Field(3, ge=0)
+    # copies of this teacher, each an actor with its own num_gpus/num_cpus; batch keys are spread over them
+    replicas: int = Field(1, ge=1)
 
     @field_validator("layers")
     @classmethod

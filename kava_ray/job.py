@@ -232,19 +232,18 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
         check_vocab(cfg, plans, s_geom)
         return None, plans, False
     try:
-        handles = find_pool(cfg)
-    except KavaError:
-        handles = None
-    if handles is not None:
-        mismatch = identity_mismatch(cfg, teacher_geometries(handles))
-        if mismatch is None:
-            return handles, live_plans(cfg, handles), False
+        handles, started = find_pool(cfg), False
+    except KavaError:  # none or part of the pool runs (fewer replicas): attach to what runs, start the rest
+        check_resources(cfg)
+        handles, started = start_pool(cfg), True
+    mismatch = identity_mismatch(cfg, teacher_geometries(handles))
+    if mismatch is not None:
         if not restart:
             raise KavaError(f"{mismatch}; stop it (kava-ray teachers down) or pass --restart-teachers")
         stop_pool(cfg)
-    check_resources(cfg)
-    handles = start_pool(cfg)
-    return handles, live_plans(cfg, handles), True
+        check_resources(cfg)
+        handles, started = start_pool(cfg), True
+    return handles, live_plans(cfg, handles), started
 
 
 def plans_payload(plans: dict[str, TeacherPlan]) -> dict:

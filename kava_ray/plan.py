@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 
 from kava_ray.align.layers import plan_teacher_layers
-from kava_ray.config import JobConfig, load_config
+from kava_ray.config import JobConfig, load_config, replica_label
 from kava_ray.errors import KavaError
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.kv import kv_bytes_per_token, logits_bytes_per_token
@@ -205,7 +205,9 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
     # returns; one layer's transient work (norm, q, repeated k/v, attention out, gate/up/product) and
     # a dequantized weight (bitsandbytes); the shipped layers stacked and de-rotated (K: cat, 2 muls,
     # sub) before the copy to the wire.
-    cache = 2 * g.num_layers * kv * tokens * wb
+    # without logits the forward stops after the deepest shipped layer (`teacher_forward_kv`, stop_early)
+    cached_layers = g.num_layers if _top_k(cfg) or not shipped else max(shipped) + 1
+    cache = 2 * cached_layers * kv * tokens * wb
     layer = tokens * (3 * h + 4 * q + 3 * i) * wb
     dequant = h * i * wb if t.quantization != "none" else 0
     shipped_kv = 3 * 2 * len(shipped) * kv * tokens * wb
@@ -358,16 +360,21 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
     for t in cfg.teachers:
         on_gpu = t.num_gpus > 0
         items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu)
-        if not on_gpu:
-            cpu.update(items)
-        elif t.num_gpus < 1:
-            add_fraction(t.num_gpus, items)
-        else:  # device_map=auto splits weights and cache by layer; the forward's work peaks on one GPU
-            n = t.num_gpus
-            per_gpu = {k: (v if k.endswith(" forward") else v / n) for k, v in items.items()}
+        if not on_gpu:  # replicas on the CPU: N copies of every item
+            cpu.update({(f"{k} x {t.replicas} replicas" if t.replicas > 1 else k): v * t.replicas
+                        for k, v in items.items()})
+            continue
+        for r in range(t.replicas):  # each replica its own GPU share
+            name = replica_label(t.name, r)
+            r_items = {k.replace(f"teacher:{t.name} ", f"teacher:{name} ", 1): v for k, v in items.items()}
+            if t.num_gpus < 1:
+                add_fraction(t.num_gpus, r_items)
+                continue
+            n = t.num_gpus  # device_map=auto splits weights and cache by layer; the forward's work peaks on one GPU
+            per_gpu = {k: (v if k.endswith(" forward") else v / n) for k, v in r_items.items()}
             per_gpu["cuda runtime"] = RUNTIME_BYTES
             label = f"{n:g} GPU" + ("s" if n != 1 else "")
-            devices[f"teacher:{t.name} ({label})"] = _device(per_gpu, gpu_mem_bytes)
+            devices[f"teacher:{name} ({label})"] = _device(per_gpu, gpu_mem_bytes)
     s_items = student_items(cfg, s, plans, proj, student_gpu)
     share = cfg.ray.gpus_per_worker
     if not student_gpu:

@@ -121,7 +121,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     """
     from ray import tune
 
-    from actors.pool import check_resources, stop_pool
+    from actors.pool import check_resources, pool_stats, stop_pool
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.job import connect_job, setup_teachers, student_geometry
     from kava_ray.preflight import preflight
@@ -160,8 +160,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
                 run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
                                           callbacks=tracker_callbacks(cfg, exp_dir)))
         grid = tuner.fit()
-        teacher_stats = (dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
-                         if handles else {})
+        teacher_stats = pool_stats(handles) if handles else {}
     finally:
         if started:
             stop_pool(cfg)

@@ -21,7 +21,7 @@ from kava_ray.models import load_model
 
 @pytest.fixture(scope="module")
 def pool(ray_session, tiny_job):
-    cfg = load_config(tiny_job)
+    cfg = load_config(tiny_job, ["teachers.1.replicas=2"])  # the NF4 llama runs as two replicas
     handles = start_pool(cfg)
     yield cfg, handles
     stop_pool(cfg)
@@ -77,6 +77,34 @@ def test_two_consumers_same_key_cost_one_forward(pool):
     assert np.array_equal(a["k"], b["k"])
 
 
+def test_replicas_spread_batches_and_two_consumers_of_a_batch_cost_one_forward(pool, references):
+    """A 2-replica teacher: two consumers (two Tune trials' feeds) reading the same keyed batches get every batch
+    in order, bit-equal to the in-process forward; consecutive batches alternate replicas, and each batch costs one
+    forward in all (the second consumer hits the LRU of the replica its key routes to)."""
+    from actors.pool import pool_status
+
+    cfg, handles = pool
+    llama = handles["llama"]
+    assert len(llama) == 2 and len(handles["qwen"]) == 1
+    assert len({ray.get(h.geometry.remote())["pid"] for h in llama.handles}) == 2  # two processes
+    items = [(key + "/replicas", ids, mask, item) for key, ids, mask, item in batches(cfg, 4)]
+    before = [ray.get(h.stats.remote()) for h in llama.handles]
+    first = list(KVFeed(ActorSource(handles), iter(items), {"llama": [0, 2]}, depth=2))
+    second = list(KVFeed(ActorSource(find_pool(cfg, ["llama"])), iter(items), {"llama": [0, 2]}, depth=2))
+    after = [ray.get(h.stats.remote()) for h in llama.handles]
+    forwards = [a["forwards"] - b["forwards"] for a, b in zip(after, before)]
+    hits = [a["hits"] - b["hits"] for a, b in zip(after, before)]
+    assert forwards == [2, 2] and hits == [2, 2], (forwards, hits)  # batch index mod 2; one forward per batch
+    for (key, ids, mask, _), (i1, a), (i2, b) in zip(items, first, second):
+        assert i1[0] == i2[0] == key[:-len("/replicas")]  # in the feed's order
+        ref = local_kv(references["llama"], ids, mask, [0, 2])
+        assert torch.equal(a["llama"].keys.to(torch.bfloat16), ref.keys)
+        assert torch.equal(a["llama"].keys, b["llama"].keys) and torch.equal(a["llama"].values, b["llama"].values)
+    rows = {r["name"]: r for r in pool_status(cfg)}  # `kava-ray teachers status`: one row per replica
+    assert {"qwen", "llama", "llama#1"} <= set(rows) and rows["llama#1"]["running"]
+    assert rows["llama#1"]["forwards"] == after[1]["forwards"]
+
+
 def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, references):
     import ray
 
@@ -88,7 +116,7 @@ def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, re
     for i, (item, kv) in enumerate(feed):
         got.append((item[0], kv))
         if i == 1:  # requests for batches 2 and 3 are in flight
-            ray.kill(handles["qwen"], no_restart=False)
+            ray.kill(handles["qwen"].handles[0], no_restart=False)
     assert [k for k, _ in got] == [it[0] for it in items]  # every batch, in order
     for (key, ids, mask, _), (_, kv) in zip(items, got):
         for name in layers:

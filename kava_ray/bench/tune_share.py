@@ -57,10 +57,9 @@ def forwards_per_batch(stats: list[dict], distinct_batches: int) -> float:
 def own_teachers_trial(config: dict, setup: dict) -> None:
     """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
     namespace of its own, then runs the production trial (`kava_ray.tune.trial_fn`) against them."""
-    import ray
     from ray import tune
 
-    from actors.pool import start_pool, stop_pool
+    from actors.pool import pool_stats, start_pool, stop_pool
     from kava_ray.config import validate_config
     from kava_ray.job import teacher_geometries
     from kava_ray.tune import trial_dir, trial_fn
@@ -72,7 +71,7 @@ def own_teachers_trial(config: dict, setup: dict) -> None:
     try:
         trial_fn(config, dict(setup, base=cfg.to_dict(), geometries=teacher_geometries(handles)))
     finally:
-        stats = dict(zip(handles, ray.get([h.stats.remote() for h in handles.values()])))
+        stats = pool_stats(handles)
         (trial_dir(cfg) / "teacher_stats.json").write_text(json.dumps(stats))
         stop_pool(cfg)
 
