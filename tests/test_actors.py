@@ -310,14 +310,30 @@ def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, exp
 
 
 def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
+    """Every part of `kava-ray bench feed` at toy sizes: timed regimes (1 and 2 teachers), replicas, the real
+    teacher, early stop and transport. Asserts what the bench computes, never how fast this box was."""
     from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
-    r = run_feed_bench(steps=2, batch=2, tokens=16, depths=(1, 2), transport_mib=2, repeats=2, rounds=1)
-    assert set(r["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in r["pipelined_s"].values())
-    assert r["overlap_efficiency"]["2"] == pytest.approx(max(r["teacher_s"], r["student_s"]) / r["pipelined_s"]["2"])
+    r = run_feed_bench(steps=4, batch=2, tokens=16, depths=(1, 2), ratios=(0.5, 2.0), teacher_counts=(1, 2),
+                       replicas=(1, 2), real_layers=(2,), transport_mib=2, repeats=2)
+    regimes = r["regimes"]
+    assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("timed", 1), ("timed", 2), ("timed", 2),
+                                                              ("real", 1)]
+    for g in regimes:
+        assert set(g["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in g["pipelined_s"].values())
+        best = max(max(g["T_s"]), g["S_s"])
+        assert g["efficiency"]["2"] == pytest.approx(best / g["pipelined_s"]["2"])
+        if g["mode"] == "timed":  # each teacher waits its delay at least: T/S and its speed step of the slowest
+            target = [g["t_over_s_target"] * g["S_s"] * f for f in r["config"]["speed_steps"][:g["teachers"]]]
+            assert all(t >= 0.99 * d for t, d in zip(g["T_s"], target)), (g["T_s"], target)
+    assert [x["replicas"] for x in r["replicas"]] == [1, 2] and r["replicas"][1]["depth"] == 4
+    assert r["replicas"][1]["forwards_per_replica"] == [2, 2]  # batch keys alternate replicas, one forward each
+    e = r["early_stop"]
+    assert e["served_layers"] == [0, 1, 2, 3] and e["full_ms"] > 0 and e["stopped_ms"] > 0
     t = r["transport"]
     assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
-    assert "KVFeed depth 2" in format_feed_bench(r)
+    text = format_feed_bench(r)
+    assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 2" in text
 
 
 @pytest.mark.parametrize("override,field", [("teachers.0.model={student}", "model"),

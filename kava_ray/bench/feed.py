@@ -1,17 +1,22 @@
-"""`kava-ray bench feed`: does the KVFeed hide teacher time behind the student's step?
+"""`kava-ray bench feed`: does the KVFeed hide teacher time behind the student's step, in every regime?
 
-Measured side by side in one run on an embedded Ray, one thread each for teacher and student:
-  T  teacher alone: one `kv()` round trip per step (forward + wire + object store), no student
-  S  student alone: one production training step (`worker.DistillRecipe.step`: Distiller forward,
-     projector, fusion, Mercator + CE, backward, AdamW) on KV that is already there
-  sequential: ask, wait, then train — the predecessor's way, ~T + S per step
-  pipelined:  KVFeed at depth 1, 2, 4 — ideally max(T, S) per step
-overlap efficiency = max(T, S) / pipelined step time (1.0 = teacher time fully hidden).
-Each mode runs `rounds` times, interleaved, and keeps its fastest round.
+S is one production training step (`worker.DistillRecipe.step`: Distiller forward, projectors, fusion,
+Mercator + CE, backward, AdamW; decoding the wire payloads included), one thread, measured alone. T is one
+teacher's `kv()` round trip (forward or wait + wire + object store), measured alone. Pipelined: the KVFeed at
+depth 1, 2, 4 feeding that step; in steady state (from the first delivered batch on: the pipeline's fill is
+not a per-step cost). Overlap efficiency = max(T_slowest, S) / pipelined step (1.0 = teacher time fully hidden).
 
-Transport: bytes/s of one KV payload from an actor to the driver as the wire format (numpy views,
-received zero-copy and viewed as bf16 tensors), as pickled torch tensors, and an in-process memcpy
-of the same bytes (median of `repeats`, after `warmup` calls that fault in the object store's pages).
+Two kinds of teacher, labelled in the output:
+- timed: `TimedTeacher` actors (a teacher on a GPU of its own: real geometry and wire payload, a fixed delay
+  per batch, no CPU while busy) at T/S = 0.25 ... 4, with 1, 2 and 3 teachers of different speeds (the
+  slowest at T/S, the others at 1/2 and 1/4 of it); and replica scaling: one teacher at T/S = 4 served by
+  N = 1, 2, 4 replicas (`TeacherReplicas`, batches routed by key as in production), against max(T / N, S).
+- real: the production teacher actor (`start_pool`) with a tiny random Qwen2 of 8 and 32 layers; on a 2-core
+  CPU it shares the cores with the student, so only these points are real.
+
+Also: teacher ms per batch serving the first half of its layers, the forward run whole vs stopped after the
+deepest served layer (`teacher_forward_kv(stop_early=...)`); and the transport of one KV payload from an actor
+as the wire format (numpy views), as pickled torch tensors, and an in-process memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -26,24 +31,28 @@ import ray
 import torch
 
 from actors.feed import ActorSource, KVFeed
-from actors.pool import start_pool, stop_pool
+from actors.pool import TeacherReplicas, start_pool, stop_pool
 from kava_ray._io import format_table
+from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.connect import connect
-from kava_ray.job import embedded_cpus, live_plans
-from kava_ray.kv import KVBatch
+from kava_ray.data.batching import batch_key
+from kava_ray.job import embedded_cpus, live_plans, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.kv import KVBatch, teacher_forward_kv
+from kava_ray.models import kv_geometry, load_model, load_model_config
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.worker import DistillRecipe
 
 TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2)
+SPEED_STEPS = (1.0, 0.5, 0.25)  # teacher i of a multi-teacher regime runs at this fraction of the slowest's T
 
 
-def bench_config(t_dir: Path, s_dir: Path, storage: Path) -> JobConfig:
-    """The bench's job: the tiny teacher and student, structured linear projector, Mercator + CE, AdamW."""
+def bench_config(t_dirs: dict, s_dir: Path, storage: Path) -> JobConfig:
+    """The bench's job: tiny teachers {name: dir} and student, structured linear projector, Mercator + CE, AdamW."""
     return validate_config({
         "name": "bench-feed",
-        "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
+        "teachers": [{"name": n, "model": str(d), "dtype": "float32"} for n, d in t_dirs.items()],
         "student": {"model": str(s_dir), "dtype": "float32"},
         "data": {"num_train": 8, "num_test": 4, "num_val": 4},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
@@ -62,88 +71,207 @@ def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list
     return out
 
 
-def _items(batches):
-    for b in batches:  # key None: every request is a real forward (no LRU hits)
-        yield None, b["input_ids"].numpy(), b["attention_mask"].numpy(), b
+def _items(batches, keyed: bool):
+    """KVFeed items. keyed: batch keys as training uses them (routing to replicas); else None (a real teacher's
+    LRU would otherwise answer a repeated run from memory)."""
+    for i, b in enumerate(batches):
+        yield (batch_key("bench", 0, i) if keyed else None), b["input_ids"].numpy(), b["attention_mask"].numpy(), b
 
 
-def _per_step(fn, n: int) -> float:
+class _Student:
+    """One production training step (DistillRecipe.step, rank 0) for a set of teacher plans."""
+
+    def __init__(self, cfg: JobConfig, plans: dict):
+        self.recipe = DistillRecipe(cfg, plans)
+        self.recipe.setup()
+        self.n = 0
+
+    def step(self, batch: dict, kv: dict) -> None:
+        self.n += 1
+        self.recipe.step(self.n, [(batch, kv)])
+
+    def alone(self, data: list, payloads: list) -> float:
+        """S: per step, on payloads already received (decoding them is part of the step, as in the feed)."""
+        t0 = time.perf_counter()
+        for b, p in zip(data, payloads):
+            self.step(b, {n: KVBatch.from_wire(w) for n, w in p.items()})
+        return (time.perf_counter() - t0) / len(data)
+
+    def pipelined(self, source, layers: dict, data: list, depth: int, keyed: bool) -> float:
+        """Per step in steady state: from the first delivered batch to the end of the last step."""
+        feed = iter(KVFeed(source, _items(data, keyed), layers, depth=depth))
+        b, kv = next(feed)
+        t0 = time.perf_counter()
+        self.step(b, kv)
+        for b, kv in feed:
+            self.step(b, kv)
+        return (time.perf_counter() - t0) / len(data)
+
+    def sequential(self, handles: dict, layers: dict, data: list) -> float:
+        """Ask, wait, then train (the predecessor's loop): ~T + S per step."""
+        t0 = time.perf_counter()
+        for key, ids, mask, b in _items(data, keyed=False):
+            payloads = ray.get([h.kv.remote(key, ids, mask, layers[n], "bf16") for n, h in handles.items()])
+            self.step(b, {n: KVBatch.from_wire(w) for n, w in zip(handles, payloads)})
+        return (time.perf_counter() - t0) / len(data)
+
+
+def _teacher_alone(handle, layers, data: list, keyed: bool) -> float:
+    """T: one teacher's round trips, back to back, nothing else running."""
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) / n
+    for key, ids, mask, _ in _items(data, keyed):
+        ray.get(handle.kv.remote(key, ids, mask, layers, "bf16"))
+    return (time.perf_counter() - t0) / len(data)
 
 
-def run_feed_bench(steps: int = 32, batch: int = 4, tokens: int = 128, depths=(1, 2, 4),
-                   transport_mib: int = 64, repeats: int = 15,
-                   rounds: int = 2) -> dict:
-    """Run every measurement once, side by side, and return the figures (seconds per step, bytes/s)."""
+def _local_payloads(plans: dict, geoms: dict, data: list) -> list[dict]:
+    """Wire payloads shaped like the teachers' (what S consumes; their values do not change its cost)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for b in data:
+        B, T = b["input_ids"].shape
+        p = {}
+        for n, plan in plans.items():
+            geo = geoms[n]
+            shape = (len(plan.layers), B, geo.num_kv_heads, T, geo.head_dim)
+            p[n] = KVBatch(torch.randn(shape, generator=g), torch.randn(shape, generator=g), plan.layers,
+                           b["attention_mask"].bool(), "pre_rope").to_wire("bf16")
+        out.append(p)
+    return out
+
+
+def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths) -> tuple[list, dict]:
+    """The timed-teacher regime table, and the one-teacher student (S, plans, cfg) the replica part reuses."""
+    rows, one = [], {}
+    s_fp = student_tokenizer(bench_config({"t": t_dir}, s_dir, storage))[1]
+    geom = dict(kv_geometry(load_model_config(str(t_dir))).to_dict(), tokenizer_fingerprint=s_fp)
+    for k in teacher_counts:
+        names = [f"t{i}" for i in range(k)]
+        cfg = bench_config({n: t_dir for n in names}, s_dir, storage)
+        plans = teacher_plans(cfg, {n: geom for n in names}, student_geometry(cfg), s_fp)
+        layers = {n: p.layers for n, p in plans.items()}
+        student = _Student(cfg, plans)
+        student.alone(data[:1], _local_payloads(plans, {n: p.geometry for n, p in plans.items()}, data[:1]))  # warm-up
+        S = student.alone(data, _local_payloads(plans, {n: p.geometry for n, p in plans.items()}, data))
+        actors = {n: TimedTeacher.remote(geom, 0.0, seed=i) for i, n in enumerate(names)}
+        source = ActorSource(actors)
+        for r in ratios:
+            delays = [r * S * SPEED_STEPS[i] for i in range(k)]
+            ray.get([actors[n].set_delay.remote(d) for n, d in zip(names, delays)])
+            T = [_teacher_alone(actors[n], layers[n], data[: max(3, len(data) // 4)], keyed=True) for n in names]
+            pipe = {d: student.pipelined(source, layers, data, d, keyed=True) for d in depths}
+            best = max(max(T), S)
+            rows.append({"mode": "timed", "teachers": k, "t_over_s_target": r, "T_s": T, "S_s": S,
+                         "t_over_s": max(T) / S, "pipelined_s": {str(d): p for d, p in pipe.items()},
+                         "efficiency": {str(d): best / p for d, p in pipe.items()},
+                         "step_over_slowest_teacher": {str(d): p / max(T) for d, p in pipe.items()}})
+        for a in actors.values():
+            ray.kill(a)
+        if k == 1:
+            one = {"S": S, "plans": plans, "cfg": cfg, "student": student, "geom": geom, "layers": layers}
+    return rows, one
+
+
+def _replica_scaling(one: dict, data: list, ratio: float, replicas) -> list[dict]:
+    """One teacher at T/S = ratio behind N replicas (depth 2N): step time vs max(T / N, S)."""
+    S, student, layers, geom = one["S"], one["student"], one["layers"], one["geom"]
+    rows = []
+    for n in replicas:
+        actors = [TimedTeacher.remote(geom, ratio * S, seed=i) for i in range(n)]
+        T = _teacher_alone(actors[0], layers["t0"], data[:3], keyed=True)
+        source = ActorSource({"t0": TeacherReplicas("t0", actors)})
+        depth = 2 * n
+        before = [st["forwards"] for st in ray.get([a.stats.remote() for a in actors])]
+        step = student.pipelined(source, layers, data, depth, keyed=True)
+        expected = max(T / n, S)
+        served = [st["forwards"] - b for st, b in zip(ray.get([a.stats.remote() for a in actors]), before)]
+        rows.append({"replicas": n, "depth": depth, "T_s": T, "S_s": S, "step_s": step, "expected_s": expected,
+                     "step_over_expected": step / expected, "forwards_per_replica": served})
+        for a in actors:
+            ray.kill(a)
+    return rows
+
+
+def _real_teachers(tmp: Path, s_dir, storage, data, layer_counts, depths) -> list[dict]:
+    """The production teacher actor with a real tiny model (one thread), at a few sizes."""
+    rows = []
+    for L in layer_counts:
+        t_dir = build_tiny_model(tmp / f"teacher{L}", **dict(TEACHER, num_layers=L), seed=0)
+        cfg = bench_config({"t": t_dir}, s_dir, storage)
+        handles = start_pool(cfg)  # named, with restarts: what `kava-ray train` talks to
+        try:
+            plans = live_plans(cfg, handles)
+            layers = {"t": plans["t"].layers}
+            student = _Student(cfg, plans)
+            payloads = [{"t": ray.get(handles["t"].kv.remote(None, b["input_ids"].numpy(),
+                                                             b["attention_mask"].numpy(), layers["t"], "bf16"))}
+                        for b in data]
+            student.alone(data[:1], payloads[:1])  # warm-up
+            S = student.alone(data, payloads)
+            T = _teacher_alone(handles["t"], layers["t"], data, keyed=False)
+            seq = student.sequential(handles, layers, data)
+            pipe = {d: student.pipelined(ActorSource(handles), layers, data, d, keyed=False) for d in depths}
+        finally:
+            stop_pool(cfg)
+        best = max(T, S)
+        rows.append({"mode": "real", "teachers": 1, "teacher_layers": L, "served_layers": layers["t"],
+                     "T_s": [T], "S_s": S, "t_over_s": T / S, "sequential_s": seq,
+                     "pipelined_s": {str(d): p for d, p in pipe.items()},
+                     "efficiency": {str(d): best / p for d, p in pipe.items()},
+                     "step_over_slowest_teacher": {str(d): p / T for d, p in pipe.items()}})
+    return rows
+
+
+def _early_stop(t_dir: Path, batch: int, tokens: int, rounds: int = 3, reps: int = 6) -> dict:
+    """Teacher ms per batch serving the first half of its layers: the whole forward vs stopped at the last served."""
+    model = load_model(str(t_dir), dtype="float32")
+    n = kv_geometry(model).num_layers
+    layers = list(range(n // 2))
+    ids = torch.randint(0, 200, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    times: dict = {False: [], True: []}
+    for _ in range(rounds):
+        for stop in (False, True):
+            teacher_forward_kv(model, ids, mask, layers=layers, stop_early=stop)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                teacher_forward_kv(model, ids, mask, layers=layers, stop_early=stop)
+            times[stop].append((time.perf_counter() - t0) / reps)
+    full, stopped = min(times[False]), min(times[True])
+    return {"teacher_layers": n, "served_layers": layers, "full_ms": 1000 * full, "stopped_ms": 1000 * stopped,
+            "stopped_over_full": stopped / full}
+
+
+def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1, 2, 4),
+                   ratios=(0.25, 0.5, 1.0, 2.0, 4.0), teacher_counts=(1, 2, 3), replicas=(1, 2, 4),
+                   replica_ratio: float = 4.0, real_layers=(8, 32), transport_mib: int = 64,
+                   repeats: int = 15) -> dict:
+    """Every measurement once, side by side in one Ray; returns the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
     started_ray = not ray.is_initialized()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            t_dir = build_tiny_model(Path(tmp) / "teacher", **TEACHER, seed=0)
-            s_dir = build_tiny_model(Path(tmp) / "student", **STUDENT, seed=1)
-            cfg = bench_config(t_dir, s_dir, Path(tmp) / "runs")
+            tmp = Path(tmp)
+            t_dir = build_tiny_model(tmp / "teacher", **TEACHER, seed=0)
+            s_dir = build_tiny_model(tmp / "student", **STUDENT, seed=1)
+            storage = tmp / "runs"
             if started_ray:  # sized by the one rule every command uses (the transport probe takes the worker's CPU)
-                connect(None, cfg.ray.namespace, num_cpus=embedded_cpus(cfg), worker_env={"OMP_NUM_THREADS": "1"})
-            teacher = start_pool(cfg)["t"]  # the production teacher actor, named, with restarts
-            plans = live_plans(cfg, {"t": teacher})
-            layers = plans["t"].layers
-            recipe = DistillRecipe(cfg, plans)  # the production training step, one rank
-            recipe.setup()
-            n_step = iter(range(1, 10**9))
-
-            def step(batch, kv):  # one production optimizer step on one micro-batch
-                recipe.step(next(n_step), [(batch, {"t": kv})])
-            data = _batches(steps + 1, batch, tokens, 256)
-            source = ActorSource({"t": teacher})
-
-            def teacher_only():
-                for _, ids, mask, _b in _items(data[1:]):
-                    ray.get(teacher.kv.remote(None, ids, mask, layers, "bf16"))
-
-            def student_only(kvs):
-                for b, kv in zip(data[1:], kvs):
-                    step(b, KVBatch.from_wire(kv))
-
-            def sequential():
-                for _, ids, mask, b in _items(data[1:]):
-                    step(b, KVBatch.from_wire(ray.get(teacher.kv.remote(None, ids, mask, layers, "bf16"))))
-
-            def pipelined(depth):
-                def run():
-                    for b, kv in KVFeed(source, _items(data[1:]), {"t": layers}, depth=depth):
-                        step(b, kv["t"])
-                return run
-
-            # warm-up: first forward/backward of each model pays one-off allocation costs
-            step(data[0], KVBatch.from_wire(ray.get(teacher.kv.remote(None, data[0]["input_ids"].numpy(),
-                                                                      data[0]["attention_mask"].numpy(),
-                                                                      layers, "bf16"))))
-            payloads = [ray.get(teacher.kv.remote(None, b["input_ids"].numpy(), b["attention_mask"].numpy(),
-                                                  layers, "bf16")) for b in data[1:]]
-            # `rounds` interleaved rounds; each mode keeps its fastest round (least disturbed by the box)
-            runs: dict = {}
-            for _ in range(rounds):
-                for name, fn in [("T", teacher_only), ("S", lambda: student_only(payloads)), ("seq", sequential)] + \
-                                [(d, pipelined(d)) for d in depths]:
-                    runs.setdefault(name, []).append(_per_step(fn, steps))
-            T, S, seq = min(runs["T"]), min(runs["S"]), min(runs["seq"])
-            pipe = {d: min(runs[d]) for d in depths}
+                connect(None, "kava-bench", num_cpus=embedded_cpus(bench_config({"t": t_dir}, s_dir, storage)),
+                        worker_env={"OMP_NUM_THREADS": "1"})
+            data = _batches(steps, batch, tokens, 256)
+            early = _early_stop(t_dir, batch, tokens)
+            timed, one = _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths)
+            scaling = _replica_scaling(one, data, replica_ratio, replicas) if one else []
+            real = _real_teachers(tmp, s_dir, storage, data, real_layers, depths)
             transport = _transport(transport_mib, repeats)
-            stop_pool(cfg)
     finally:
         if started_ray:
             ray.shutdown()
-    best = max(T, S)
     return {
-        "config": {"steps": steps, "batch": batch, "tokens": tokens, "rounds": rounds, "teacher": TEACHER, "student": STUDENT,
-                   "threads": "1 teacher + 1 student"},
-        "teacher_s": T, "student_s": S, "t_over_s": T / S, "sequential_s": seq,
-        "pipelined_s": {str(d): p for d, p in pipe.items()},
-        "overlap_efficiency": {str(d): best / p for d, p in pipe.items()},
-        "speedup_vs_sequential": {str(d): seq / p for d, p in pipe.items()},
-        "transport": transport,
+        "config": {"steps": steps, "batch": batch, "tokens": tokens, "teacher": TEACHER, "student": STUDENT,
+                   "threads": "1 per teacher + 1 student", "speed_steps": list(SPEED_STEPS),
+                   "replica_ratio": replica_ratio},
+        "regimes": timed + real, "replicas": scaling, "early_stop": early, "transport": transport,
     }
 
 
@@ -200,17 +328,40 @@ def _transport(mib: int, repeats: int, warmup: int = 10) -> dict:
     return out
 
 
+def _ms(s: float) -> str:
+    return f"{1000 * s:.0f} ms"
+
+
 def format_feed_bench(r: dict) -> str:
-    ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
-    rows = [["teacher alone (T)", ms(r["teacher_s"]), "", ""],
-            ["student alone (S)", ms(r["student_s"]), "", ""],
-            ["sequential (T + S)", ms(r["sequential_s"]), f"{max(r['teacher_s'], r['student_s']) / r['sequential_s']:.2f}", "1.00"]]
-    for d, p in r["pipelined_s"].items():
-        rows.append([f"KVFeed depth {d}", ms(p), f"{r['overlap_efficiency'][d]:.2f}", f"{r['speedup_vs_sequential'][d]:.2f}"])
     c = r["config"]
-    out = [f"feed bench: {c['steps']} steps of {c['batch']} x {c['tokens']} tokens, {c['threads']}; "
-           f"T/S = {r['t_over_s']:.2f}",
-           format_table(["mode", "per step", "overlap eff. max(T,S)/step", "speedup vs sequential"], rows)]
+    depths = list(r["regimes"][0]["pipelined_s"]) if r["regimes"] else []
+    out = [f"feed bench: {c['steps']} steps of {c['batch']} x {c['tokens']} tokens, {c['threads']}; steady state",
+           "overlap efficiency max(T_slowest, S) / pipelined step (1.00 = teacher time hidden); "
+           "step / T_slowest where teachers are the bottleneck",
+           "timed: teachers on GPUs of their own, stood in by a fixed delay (several teachers: the others at "
+           f"{', '.join(f'{x:g}' for x in c['speed_steps'][1:])} of the slowest's T); real: the production teacher "
+           "actor on this CPU"]
+    rows = []
+    for g in r["regimes"]:
+        label = f"{g['mode']} {g['teachers']}" + (f" ({g['teacher_layers']} layers)" if g["mode"] == "real" else "")
+        bottleneck = g["t_over_s"] > 1
+        rows.append([label, f"{g['t_over_s']:.2f}", _ms(max(g["T_s"])), _ms(g["S_s"])]
+                    + [_ms(g["pipelined_s"][d]) for d in depths]
+                    + [f"{g['efficiency'][d]:.2f}" for d in depths]
+                    + [f"{g['step_over_slowest_teacher']['2']:.2f}" if bottleneck and "2" in depths else "—"])
+    out.append(format_table(["teachers", "T/S", "T slowest", "S"] + [f"step d{d}" for d in depths]
+                            + [f"eff d{d}" for d in depths] + ["step/T d2"], rows))
+    if r["replicas"]:
+        out += ["", f"replica scaling (timed, one teacher at T/S = {c['replica_ratio']:g}, depth 2N, batches routed "
+                    "by key):",
+                format_table(["replicas N", "T", "S", "step", "max(T/N, S)", "step / max(T/N, S)", "forwards per replica"],
+                             [[str(x["replicas"]), _ms(x["T_s"]), _ms(x["S_s"]), _ms(x["step_s"]), _ms(x["expected_s"]),
+                               f"{x['step_over_expected']:.2f}", "/".join(map(str, x["forwards_per_replica"]))]
+                              for x in r["replicas"]])]
+    e = r["early_stop"]
+    out += ["", f"teacher forward serving layers {e['served_layers'][0]}-{e['served_layers'][-1]} of {e['teacher_layers']}: "
+                f"whole {e['full_ms']:.1f} ms, stopped after the last served layer {e['stopped_ms']:.1f} ms "
+                f"({e['stopped_over_full']:.2f}x)"]
     t = r["transport"]
     gbs = lambda b: f"{b / 1e9:.2f} GB/s"  # noqa: E731
     out += ["", f"transport of one {t['bytes'] / 2**20:.0f} MiB bf16 KV payload, actor -> driver (median):",
