@@ -226,6 +226,29 @@ def cmd_bench_recipes(args) -> int:
     return 0
 
 
+def cmd_bench_all(args) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from kava_ray.bench.all import check_readme, format_all, performance_block, run_all, write_readme
+
+    readme = None if args.no_readme else Path(args.readme)
+    if readme is not None:
+        check_readme(readme)
+    result = run_all()
+    machine = (f"1 {torch.cuda.get_device_name(0)} + {os.cpu_count()} CPU cores" if torch.cuda.is_available()
+               else f"a {os.cpu_count()}-core CPU, no GPU")
+    print(format_all(result))
+    if readme is not None:
+        write_readme(readme, performance_block(result, machine))
+        print(f"wrote the Performance table of {readme}")
+    if args.json:
+        _print_json_last(result)
+    return 0
+
+
 def cmd_bench_align(args) -> int:
     from kava_ray.bench.align import format_align_bench, run_align_bench
 
@@ -467,6 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_recipes)
+    p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) at small defaults, ~10 min; "
+                                         "rewrites the README's Performance table")
+    p.add_argument("--readme", default="README.md", help="the README whose Performance block is rewritten")
+    p.add_argument("--no-readme", action="store_true", help="print only; leave the README alone")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_all)
     p = bench_sub.add_parser("align", help="layer maps (ratio vs CKA), head projection (shared vs per_head) and token "
                                           "alignment modes (teacher of another tokenizer) at equal steps")
     _add_bench_job(p, "<ray.storage_path>/bench-align")

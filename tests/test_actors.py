@@ -309,13 +309,13 @@ def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, exp
     assert "Traceback" not in r.stderr
 
 
-def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
+def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
     """Every part of `kava-ray bench feed` at toy sizes: timed regimes (1 and 2 teachers), replicas, the real
     teacher, early stop and transport. Asserts what the bench computes, never how fast this box was."""
     from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
     r = run_feed_bench(steps=4, batch=2, tokens=16, depths=(1, 2), ratios=(0.5, 2.0), teacher_counts=(1, 2),
-                       replicas=(1, 2), real_layers=(2,), transport_mib=2, repeats=2)
+                       replicas=(1, 2), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2)
     regimes = r["regimes"]
     assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("timed", 1), ("timed", 2), ("timed", 2),
                                                               ("real", 1)]
@@ -334,6 +334,18 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session):
     assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
     text = format_feed_bench(r)
     assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 2" in text
+    # `kava-ray bench all` writes these figures into a README's Performance block, each row naming its command
+    from kava_ray.bench.all import PERF_BEGIN, PERF_END, performance_block, summary_rows, write_readme
+
+    rows = summary_rows({"feed": r})
+    assert rows and all(row[-1] == "`kava-ray bench feed`" for row in rows)
+    assert any(f"{r['replicas'][1]['step_over_expected']:.2f}" in row[1] for row in rows)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{PERF_BEGIN}\nold\n{PERF_END}\n\n## after\n")
+    write_readme(readme, performance_block({"feed": r, "wall_s": {"feed": 60.0}}, "a test box"))
+    out = readme.read_text()
+    assert "old" not in out and out.startswith("# x") and out.endswith("## after\n") and "replica scaling" in out
+    assert out.count(PERF_BEGIN) == out.count(PERF_END) == 1 and "| figure | measured | target | regenerate |" in out
 
 
 @pytest.mark.parametrize("override,field", [("teachers.0.model={student}", "model"),

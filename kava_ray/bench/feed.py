@@ -22,6 +22,7 @@ as the wire format (numpy views), as pickled torch tensors, and an in-process me
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,14 +99,15 @@ class _Student:
         return (time.perf_counter() - t0) / len(data)
 
     def pipelined(self, source, layers: dict, data: list, depth: int, keyed: bool) -> float:
-        """Per step in steady state: from the first delivered batch to the end of the last step."""
+        """Per step in steady state: the time between the first and the last delivered batch over the steps
+        between them (the pipeline's fill before the first batch is not a per-step cost)."""
         feed = iter(KVFeed(source, _items(data, keyed), layers, depth=depth))
-        b, kv = next(feed)
-        t0 = time.perf_counter()
-        self.step(b, kv)
+        t0 = None
         for b, kv in feed:
+            t_last = time.perf_counter()
+            t0 = t0 or t_last
             self.step(b, kv)
-        return (time.perf_counter() - t0) / len(data)
+        return (t_last - t0) / (len(data) - 1)
 
     def sequential(self, handles: dict, layers: dict, data: list) -> float:
         """Ask, wait, then train (the predecessor's loop): ~T + S per step."""
@@ -117,11 +119,19 @@ class _Student:
 
 
 def _teacher_alone(handle, layers, data: list, keyed: bool) -> float:
-    """T: one teacher's round trips, back to back, nothing else running."""
+    """T: one teacher's round trips, back to back, nothing else running (after one unmeasured request: a new
+    actor's first call pays its start)."""
+    key, ids, mask, _ = next(_items(data[:1], keyed))
+    ray.get(handle.kv.remote(key, ids, mask, layers, "bf16"))
     t0 = time.perf_counter()
     for key, ids, mask, _ in _items(data, keyed):
         ray.get(handle.kv.remote(key, ids, mask, layers, "bf16"))
     return (time.perf_counter() - t0) / len(data)
+
+
+def _log(msg: str, t0: float) -> None:
+    """One progress line on stderr (the tables go to stdout)."""
+    print(f"bench feed [{time.perf_counter() - t0:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _local_payloads(plans: dict, geoms: dict, data: list) -> list[dict]:
@@ -140,7 +150,7 @@ def _local_payloads(plans: dict, geoms: dict, data: list) -> list[dict]:
     return out
 
 
-def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths) -> tuple[list, dict]:
+def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths, t0: float) -> tuple[list, dict]:
     """The timed-teacher regime table, and the one-teacher student (S, plans, cfg) the replica part reuses."""
     rows, one = [], {}
     s_fp = student_tokenizer(bench_config({"t": t_dir}, s_dir, storage))[1]
@@ -167,6 +177,7 @@ def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths) 
                          "step_over_slowest_teacher": {str(d): p / max(T) for d, p in pipe.items()}})
         for a in actors.values():
             ray.kill(a)
+        _log(f"timed regimes, {k} teacher(s)", t0)
         if k == 1:
             one = {"S": S, "plans": plans, "cfg": cfg, "student": student, "geom": geom, "layers": layers}
     return rows, one
@@ -244,7 +255,7 @@ def _early_stop(t_dir: Path, batch: int, tokens: int, rounds: int = 3, reps: int
 
 def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1, 2, 4),
                    ratios=(0.25, 0.5, 1.0, 2.0, 4.0), teacher_counts=(1, 2, 3), replicas=(1, 2, 4),
-                   replica_ratio: float = 4.0, real_layers=(8, 32), transport_mib: int = 64,
+                   replica_ratio: float = 4.0, replica_steps: int = 16, real_layers=(8, 32), transport_mib: int = 64,
                    repeats: int = 15) -> dict:
     """Every measurement once, side by side in one Ray; returns the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
@@ -259,11 +270,17 @@ def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1
                 connect(None, "kava-bench", num_cpus=embedded_cpus(bench_config({"t": t_dir}, s_dir, storage)),
                         worker_env={"OMP_NUM_THREADS": "1"})
             data = _batches(steps, batch, tokens, 256)
+            t0 = time.perf_counter()
             early = _early_stop(t_dir, batch, tokens)
-            timed, one = _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths)
-            scaling = _replica_scaling(one, data, replica_ratio, replicas) if one else []
+            _log("teacher early stop", t0)
+            timed, one = _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths, t0)
+            scaling = _replica_scaling(one, _batches(replica_steps, batch, tokens, 256), replica_ratio,
+                                       replicas) if one else []
+            _log("replica scaling", t0)
             real = _real_teachers(tmp, s_dir, storage, data, real_layers, depths)
+            _log("real teachers", t0)
             transport = _transport(transport_mib, repeats)
+            _log("transport", t0)
     finally:
         if started_ray:
             ray.shutdown()

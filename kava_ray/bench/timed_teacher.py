@@ -48,7 +48,8 @@ class TimedTeacher:
         if (B, T, tuple(ids)) not in self._kv:
             self._kv[(B, T, tuple(ids))] = tuple(torch.randn(shape, generator=self.gen).bfloat16() for _ in "kv")
         k, v = self._kv[(B, T, tuple(ids))]
-        payload = KVBatch(k, v, ids, torch.as_tensor(np.asarray(attention_mask)).bool(), "pre_rope").to_wire(wire_dtype)
+        mask = torch.from_numpy(np.array(attention_mask, dtype=bool))  # a copy: Ray hands read-only arrays
+        payload = KVBatch(k, v, ids, mask, "pre_rope").to_wire(wire_dtype)
         time.sleep(max(0.0, self.delay_s - (time.perf_counter() - t0)))  # the GPU is busy for delay_s per batch
         self.counters["requests"] += 1
         self.counters["forwards"] += 1
