@@ -51,7 +51,7 @@ def embedded_cpus(cfg: JobConfig, concurrent_runs: int = 1) -> int:
 
     The one place this is decided. Ray only counts logical CPUs, so this may exceed the machine's cores.
     """
-    teachers = sum(t.num_cpus for t in cfg.teachers) if cfg.data.kv_source == "live" else 0
+    teachers = sum(t.num_cpus * t.replicas for t in cfg.teachers) if cfg.data.kv_source == "live" else 0
     per_run = cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1
     return int(teachers + concurrent_runs * per_run + 1 + 0.999)
 

@@ -60,7 +60,8 @@ def trial_fn(config: dict, setup: dict) -> None:
 def derive_max_concurrent(cfg: JobConfig, use_gpu: bool) -> int:
     """How many trials fit at once: free CPUs (and GPUs) after the shared teachers, per trial's workers."""
     total = ray.cluster_resources()
-    teachers = {"CPU": sum(t.num_cpus for t in cfg.teachers), "GPU": sum(t.num_gpus for t in cfg.teachers)}
+    teachers = {"CPU": sum(t.num_cpus * t.replicas for t in cfg.teachers),
+                "GPU": sum(t.num_gpus * t.replicas for t in cfg.teachers)}
     per_trial = {"CPU": cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1,  # + Train's controller
                  "GPU": cfg.ray.num_workers * cfg.ray.gpus_per_worker if use_gpu else 0}
     fits = [math.floor((total.get(k, 0) - teachers[k]) / v + 1e-9) for k, v in per_trial.items() if v > 0]
