@@ -29,6 +29,7 @@ def run_all(feed_kwargs: Optional[dict] = None, step_kwargs: Optional[dict] = No
     from kava_ray.bench.step import run_step_bench
 
     out, wall = {}, {}
+    step_kwargs = {"memory": True} if step_kwargs is None else step_kwargs
     for name, fn, kw in (("feed", run_feed_bench, feed_kwargs), ("step", run_step_bench, step_kwargs)):
         t0 = time.perf_counter()
         out[name] = fn(**(kw or {}))
