@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from kava_ray.align.tokens import aligned_mask, apply_alignment
 from kava_ray.config import JobConfig, OptimConfig
@@ -159,69 +160,75 @@ class Distiller(nn.Module):
         mask = batch["attention_mask"]
         kv_mask = self._kv_mask(batch)
         router = self.fusion.kind == "router"
-        out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
-                                      output_hidden_states=router)
-        ce = masked_ce(out.logits, batch["labels"])
-        projected, masks, metrics, base_mask = {}, {}, {}, kv_mask
-        for n in self.names:
-            t = teacher_kv[n]
-            if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
-                raise KavaError(f"teacher '{n}' sent {t.key_space} keys, the student aligns {self.key_space} keys "
-                                f"(align.key_space)")
-            if t.layer_ids != self.layers[n]:
-                raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
-            keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
-            projected[n] = self.projectors[n](keys, values)  # each [L_s, B, H_s, T, D_s]
-        if self.aligned:  # a fused target exists where every teacher has one
-            for n in self.aligned:
-                metrics[f"aligned/{n}"] = (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
+        with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
+            out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
+                                          output_hidden_states=router)
+        with record_function("kava/projectors"):
+            projected, masks, metrics, base_mask = {}, {}, {}, kv_mask
+            for n in self.names:
+                t = teacher_kv[n]
+                if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
+                    raise KavaError(f"teacher '{n}' sent {t.key_space} keys, the student aligns {self.key_space} keys "
+                                    f"(align.key_space)")
+                if t.layer_ids != self.layers[n]:
+                    raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
+                keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
+                projected[n] = self.projectors[n](keys, values)  # each [L_s, B, H_s, T, D_s]
+        with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
+            ce = masked_ce(out.logits, batch["labels"])
+            if self.aligned:  # a fused target exists where every teacher has one
+                for n in self.aligned:
+                    metrics[f"aligned/{n}"] = (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
+                if self.fusion.fuses_targets:
+                    kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)  # the logit loss keeps base_mask
             if self.fusion.fuses_targets:
-                kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)  # the logit loss keeps base_mask
-        if self.fusion.fuses_targets:
-            feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
-            tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
-            tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
-            kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
-            for n in self.names:
-                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
-                                     cos_metrics(skv.values, projected[n][1], masks[n]))
-                metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
-            gap = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
-        else:
-            losses, ms = [], []
-            for n in self.names:
-                loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
-                losses.append(loss_n)
-                ms.append(m_n)
-                metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
-            kvl = self.fusion.combine_losses(losses)
-            w = self.fusion.prior.tolist()
-            m = {"cos_sim": sum(wi * mi["cos_sim"] for wi, mi in zip(w, ms)),
-                 "cos_raw": sum(wi * mi["cos_raw"] for wi, mi in zip(w, ms)),
-                 "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
-                                   for i in range(len(ms[0]["cos_per_layer"]))]}
-            # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
-            gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
-                            + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
-                      for wi, n in zip(w, self.names))
-        c = self.loss_cfg
-        loss = c.ce_weight * ce + c.kv_weight * kvl
-        if c.logit_weight > 0:
-            kl, m_logit = self._logit_loss(out.logits, teacher_kv, base_mask)
-            loss = loss + c.logit_weight * kl
-            metrics.update(m_logit)
-        layers = m["cos_per_layer"]
-        metrics.update(
-            loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"], cos_raw=m["cos_raw"],
-            **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
-               "cos_layer/last": layers[-1]},
-            contrast_gap=gap,
-            tokens=mask.sum(),
-            kv_tokens=(kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
-            label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
-        )
-        metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
-        return loss, metrics
+                feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
+                tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
+                tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
+                kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
+                for n in self.names:
+                    if tk is projected[n][0] and tv is projected[n][1]:  # one teacher, fixed: it is the target
+                        m_n = m
+                    else:
+                        m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
+                                             cos_metrics(skv.values, projected[n][1], masks[n]))
+                    metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
+                gap = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
+            else:
+                losses, ms = [], []
+                for n in self.names:
+                    loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
+                    losses.append(loss_n)
+                    ms.append(m_n)
+                    metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
+                kvl = self.fusion.combine_losses(losses)
+                w = self.fusion.prior.tolist()
+                m = {"cos_sim": sum(wi * mi["cos_sim"] for wi, mi in zip(w, ms)),
+                     "cos_raw": sum(wi * mi["cos_raw"] for wi, mi in zip(w, ms)),
+                     "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
+                                       for i in range(len(ms[0]["cos_per_layer"]))]}
+                # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
+                gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
+                                + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
+                          for wi, n in zip(w, self.names))
+            c = self.loss_cfg
+            loss = c.ce_weight * ce + c.kv_weight * kvl
+            if c.logit_weight > 0:
+                kl, m_logit = self._logit_loss(out.logits, teacher_kv, base_mask)
+                loss = loss + c.logit_weight * kl
+                metrics.update(m_logit)
+            layers = m["cos_per_layer"]
+            metrics.update(
+                loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"], cos_raw=m["cos_raw"],
+                **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
+                   "cos_layer/last": layers[-1]},
+                contrast_gap=gap,
+                tokens=mask.sum(),
+                kv_tokens=(kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
+                label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
+            )
+            metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
+            return loss, metrics
 
 
 # ------------------------------------------------------------------------------------ optimisation

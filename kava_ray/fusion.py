@@ -137,6 +137,11 @@ class Fusion(nn.Module):
                 raise KavaError(f"fusion: target {i} has shape {tuple(p.shape)}, expected 5-D {tuple(shape)}")
         if not self.fuses_targets:
             return None
+        if self.kind == "fixed" and self.n_teachers == 1:
+            # one teacher's target as projected: what fuse_by_direction gives up to its 1e-6 norm eps, without
+            # the ~10 ms (K and V) a 1-teacher fusion costs a small CPU step (`kava-ray bench step`). Gate and
+            # router keep their one-entry softmax: a parameter outside the graph would fail DDP
+            return projected[0]
         stacked = torch.stack(projected, dim=-1)  # [L, B, H, T, D, n]
         w = self.weights(feature)
         if self.kind == "fixed":

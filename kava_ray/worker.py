@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.precision import student_precision
@@ -136,14 +137,16 @@ class DistillRecipe:
             no_sync = self.world > 1 and micro < accum - 1
             with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
                 loss, m = self.model(_to_device(batch, self.device), kv)
-            (loss / accum).backward()
+            with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
+                (loss / accum).backward()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
-        self.last_lrs = [g["lr"] for g in self.opt.param_groups]  # the rates this step uses (before the schedule moves)
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
+        with record_function("kava/optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
+            self.last_lrs = [g["lr"] for g in self.opt.param_groups]  # this step's rates (before the schedule moves)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
         out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
         out["grad_norm"] = grad_norm.detach().double()
         return out
