@@ -62,6 +62,16 @@ def cmd_bench_feed(args) -> int:
     return 0
 
 
+def cmd_bench_step(args) -> int:
+    from kava_ray.bench.step import format_step_bench, run_step_bench
+
+    result = run_step_bench(steps=args.steps, rounds=args.rounds, memory=args.memory)
+    print(format_step_bench(result))
+    if args.json:
+        _print_json_last(result)
+    return 0
+
+
 # ----------------------------------------------------------------------------- quiet console
 
 
@@ -476,6 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport-mib", type=int, default=64)
     _add_json(p)
     p.set_defaults(func=cmd_bench_feed)
+    p = bench_sub.add_parser("step", help="plain CE step vs CE+KV (structured, flat, + logits): time per phase, "
+                                         "KV capture cost; --memory: measured vs planned memory per recipe")
+    p.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each variant keeps its fastest)")
+    p.add_argument("--memory", action="store_true", help="also measure each recipe's memory beside kava-ray plan "
+                                                         "(a fresh process per recipe)")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_step)
     p = bench_sub.add_parser("tune-share", help="a tiny sweep with one shared teacher pool vs teachers per trial")
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)

@@ -37,8 +37,9 @@ kv = kv_heads*head_dim):
 
 A device's total is the sum of its items, each at its own peak: a slight over-count of the live
 peak (grads and the recomputed layer come after the forward's end); on the CPU plus
-CPU_ALLOCATOR_SLACK of it (RSS keeps freed heap blocks). tests/test_plan.py compares the CPU total
-with the peak RSS growth of a real run.
+CPU_ALLOCATOR_SLACK of the items allocated again every step (RSS keeps freed heap blocks; not of weights
+and optimizer states). tests/test_plan.py and `kava-ray bench step --memory` (`kava_ray.bench.memory`)
+compare the CPU items of a student worker and of its teacher with the peak RSS growth of a real run.
 """
 
 from __future__ import annotations
@@ -77,8 +78,21 @@ LOGIT_BYTES = 12  # fp32 log-softmax output + its gradient in + gradient out, pe
 # CUDA context (~0.3-0.4 GiB with lazy module loading) + cuBLAS workspaces + allocator slack.
 RUNTIME_BYTES = 512 * MiB
 # glibc keeps freed heap blocks resident, so a CPU process's RSS peaks above its live heap: measured
-# ~+30 % on tests/test_plan.py's calibration job (mallinfo2's live peak vs RSS)
+# ~+30 % on tests/test_plan.py's calibration job (mallinfo2's live peak vs RSS). It applies to what is freed
+# and allocated again every step (activations, logits, grads, KV buffers, a teacher's forward), not to the
+# weights (mmapped from safetensors, or allocated once) and optimizer states (allocated once): with the slack
+# on every item, `kava-ray bench step --memory`'s job (6-layer hidden-384 student, 12-layer hidden-512
+# teacher, vocab 8192, 4 x 256 tokens; weights and AdamW states ~55 % of the total) was planned at +11..+23 %
+# (student worker) and +5..+28 % (teacher) of the measured peak RSS growth of each of its 6 recipes, the
+# calibration job (~15 % weights and states) at -7..-3 % and -12..+14 %; on these items only, +2..+14 % and
+# -9..+7 %, and -10..-5 % and -16..+11 % (`cpu_allocator_slack`; measured by `kava_ray.bench.memory`).
 CPU_ALLOCATOR_SLACK = 0.25
+PERSISTENT_ITEMS = ("weights", "optimizer")  # items named so get no allocator slack
+
+
+def cpu_allocator_slack(items: dict) -> int:
+    """CPU_ALLOCATOR_SLACK of the items a CPU process frees and allocates again (all but PERSISTENT_ITEMS)."""
+    return int(CPU_ALLOCATOR_SLACK * sum(v for k, v in items.items() if not any(w in k for w in PERSISTENT_ITEMS)))
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -392,7 +406,7 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
         shared[f"gpu{k}"] = _device({**b["items"], **runtime}, gpu_mem_bytes)
     devices = {**shared, **devices}
     if cpu:
-        cpu["allocator slack (glibc)"] = CPU_ALLOCATOR_SLACK * sum(cpu.values())
+        cpu["allocator slack (glibc)"] = cpu_allocator_slack(cpu)
         devices["cpu"] = _device(cpu, None)
     return devices
 

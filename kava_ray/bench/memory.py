@@ -1,0 +1,185 @@
+"""Measured memory of a job's student worker and teacher beside `kava-ray plan`'s estimate.
+
+`measure_peak(cfg, steps)` runs the job in a fresh Python process (this module's `__main__`), in two parts,
+each measured from a settled baseline (imports done, one warm-up forward/backward, freed heap handed back
+to the OS, the peak RSS reset):
+
+1. the teachers, as their actors would: `kv.teacher_forward_kv` for every batch the steps read (the shipped
+   layers, and top-k log-probs when the loss uses logits), kept as pickled wire payloads; then freed.
+   Its peak RSS growth is compared with the plan's `teacher:*` items.
+2. the student worker: `steps` optimizer steps of the Distiller (student + projectors + fusion + losses,
+   backward, AdamW), each micro-batch's payload unpickled as the KVFeed receives it, `align.prefetch_depth`
+   batches in flight. Two steps reach the peak: the second runs with AdamW's states allocated by the first.
+   CPU: its peak RSS growth (VmHWM), compared with the plan's student-worker items. CUDA (when
+   `torch.cuda.is_available()`): `torch.cuda.max_memory_allocated()`, compared with the plan's student
+   worker on a GPU less its CUDA runtime item (a context and allocator slack that it does not count).
+
+On the CPU both sides get the planner's allocator slack (`plan.cpu_allocator_slack`), as its `cpu` device
+does. Used by `kava-ray bench step --memory` and tests/test_plan.py (the planner within 30 %).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kava_ray.config import JobConfig, load_config
+from kava_ray.errors import KavaError
+
+
+def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: float = 300) -> dict:
+    """{"device": "cpu" | "cuda", "peak": bytes} of `steps` steps of `cfg`, measured in a fresh process."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.yaml"
+        job.write_text(cfg.to_yaml())
+        out = subprocess.run([sys.executable, "-m", "kava_ray.bench.memory", str(job), str(int(steps))],
+                             capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode != 0:
+        raise KavaError(f"memory measurement of {cfg.name} failed: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def planned_bytes(cfg: JobConfig, device: str) -> dict:
+    """{"student", "teacher"}: what the planner says `measure_peak` measures (see the module docstring)."""
+    from kava_ray.plan import RUNTIME_BYTES, cpu_allocator_slack, plan
+
+    def with_slack(items: dict) -> int:  # the planner's CPU rule, on one process's items
+        return sum(items.values()) + cpu_allocator_slack(items)
+
+    on_cpu = [f"teachers.{i}.num_gpus=0" for i in range(len(cfg.teachers))]
+    items = plan(load_config(cfg, ["ray.use_gpu=false"] + on_cpu))["devices"]["cpu"]["items"]
+    teacher = {k: v for k, v in items.items() if k.startswith("teacher:")}
+    out = {"teacher": with_slack(teacher)}
+    if device == "cpu":  # the student worker's items: not the teachers', not the cpu device's slack
+        out["student"] = with_slack({k: v for k, v in items.items() if k not in teacher and "slack" not in k})
+    else:
+        gpu = load_config(cfg, ["ray.use_gpu=true", "ray.gpus_per_worker=1", "ray.num_workers=1"] + on_cpu)
+        out["student"] = plan(gpu)["devices"]["student worker"]["total"] - RUNTIME_BYTES
+    return out
+
+
+def compare_with_plan(cfg: JobConfig, steps: int = 2, threads: int = 2) -> dict:
+    """The student worker's {"device", "measured", "planned", "error"} and the same for its teachers under
+    "teacher" (on the CPU); error = (planned - measured) / measured."""
+    m = measure_peak(cfg, steps, threads)
+    p = planned_bytes(cfg, m["device"])
+
+    def row(measured: int, planned: int) -> dict:
+        return {"measured": measured, "planned": planned, "error": (planned - measured) / measured}
+
+    return {"device": m["device"], **row(m["peak"], p["student"]),
+            "teacher": {"device": "cpu", **row(m["teacher_peak"], p["teacher"])}}
+
+
+# ----------------------------------------------------------------------------- the measuring process
+
+
+def _settled() -> int:
+    """Free what is garbage, hand freed heap back to the OS, reset the peak RSS; the RSS now (bytes)."""
+    import ctypes
+    import gc
+    import resource
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _peak() -> int:
+    """The peak RSS since the last `_settled` (bytes): VmHWM. Not getrusage's ru_maxrss, which also keeps the
+    peak of the process this one was forked from (a large pytest or bench process: measured 1.6 GiB here)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise KavaError("no VmHWM in /proc/self/status: the memory measurement needs Linux")
+
+
+def _run(job: str, steps: int) -> dict:
+    """The measuring process: the job's teacher payloads first (then the teachers are freed), then the
+    student worker's Distiller and optimizer, `steps` steps, reading each payload as the KVFeed receives it."""
+    import collections
+    import pickle
+
+    from kava_ray.distill import Distiller, build_optimizer
+    from kava_ray.job import in_process_plans, teacher_logits_top_k
+    from kava_ray.kv import KVBatch, teacher_forward_kv
+    from kava_ray.models import kv_geometry, load_model, load_student
+    from kava_ray.precision import student_precision
+
+    cfg = load_config(job)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    precision = student_precision(cfg.student, device)
+    B, T = cfg.train.batch_size, cfg.train.max_length
+    accum, depth = cfg.optim.accumulation, cfg.align.prefetch_depth + 1
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():  # [B, T], the first sequence half padding (real batches are padded)
+        ids = torch.randint(0, 256, (B, T), generator=gen)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, T // 2:] = 0
+        labels = torch.where(mask.bool(), ids, -100)
+        labels[:, : T // 4] = -100  # prompt tokens
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "answer_mask": (labels != -100).long()}
+
+    # warm up one-time allocations (lazy imports, kernels), then hand freed heap back to the OS
+    warm = load_student(cfg.student.model, dtype="float32")
+    warm(input_ids=torch.ones(1, 8, dtype=torch.long)).logits.sum().backward()
+    del warm
+    base = _settled()
+
+    # the teachers' side first, alone (a teacher actor's process): what each sends for every batch
+    # (the shipped layers, and top-k log-probs when the loss uses logits) in the wire format, pickled: bytes
+    # inside the baseline, unpickled into new arrays inside the measurement as a KVFeed receives them
+    teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
+    plans = in_process_plans(cfg, teachers)
+    top_k = teacher_logits_top_k(cfg, plans)
+    batches = [batch() for _ in range(steps * accum + depth - 1)]
+    sent = [pickle.dumps({n: teacher_forward_kv(teachers[n], b["input_ids"], b["attention_mask"], layers=p.layers,
+                                                logits_top_k=top_k[n]).to_wire(cfg.align.wire_dtype)
+                          for n, p in plans.items()}, protocol=5) for b in batches]
+    teacher_peak = _peak() - base
+    del teachers
+    base = _settled()  # then the student worker's, alone
+
+    student = load_student(cfg.student.model, dtype=precision.weight_dtype,
+                           gradient_checkpointing=cfg.student.gradient_checkpointing)
+    distiller = Distiller(student, plans, kv_geometry(student), cfg).to(device)
+    opt = build_optimizer(distiller, cfg.optim)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    inflight = collections.deque()  # like KVFeed: prefetch_depth batches stay in flight, received as wire payloads
+    pending = iter(range(len(batches)))
+    for _ in range(steps):
+        for _ in range(accum):
+            while len(inflight) < depth:
+                i = next(pending)
+                inflight.append((batches[i], pickle.loads(sent[i])))
+            b, payload = inflight.popleft()
+            kv = {n: KVBatch.from_wire(w, device=device, dtype=torch.float32) for n, w in payload.items()}
+            del payload
+            with precision.autocast():
+                loss, _ = distiller({k: v.to(device) for k, v in b.items()}, kv)
+            del kv
+            (loss / accum).backward()
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if cuda:
+        return {"device": "cuda", "peak": torch.cuda.max_memory_allocated(), "teacher_peak": teacher_peak}
+    return {"device": "cpu", "peak": _peak() - base, "teacher_peak": teacher_peak}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run(sys.argv[1], int(sys.argv[2]))))

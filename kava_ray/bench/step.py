@@ -1,0 +1,326 @@
+"""`kava-ray bench step`: what KV distillation adds to a training step, and where the time goes.
+
+The same student, batch and optimizer settings, one optimizer step each, side by side in one process:
+
+  ce                 plain fine-tuning: the student alone (HF forward with labels, backward, gradient
+                     clipping, AdamW, schedule) -- no capture hooks, no projectors
+  ce+kv structured   the production step (`worker.DistillRecipe.step`, what `kava-ray train` runs) with
+                     the default recipe: structured elastic projectors, Mercator (centred) + CE
+  ce+kv flat         the same with `align.mode: flat` (concat of the shipped layers, one projector)
+  ce+kv+logits       structured, plus the top-k logit KD loss (`loss.logit_weight: 1`)
+
+Teacher KV (and top-k log-probs) are computed once beforehand with `kv.teacher_forward_kv`, sent through
+the wire format (`to_wire` -> `KVBatch.from_wire`), so only the student is timed. Variants are interleaved
+over `rounds` rounds (the order rotates); each keeps its fastest round. The per-phase breakdown comes from
+separate profiled steps (torch.profiler, the `kava/*` record_function scopes in `distill.Distiller.forward`
+and `DistillRecipe.step`, which cost nothing without a profiler): student forward (incl. KV capture; for
+`ce` also its CE), projectors, fusion + losses + metrics, backward, optimizer, and `other` (the rest of
+the profiled step). The KV capture's own cost: the student's training forward with and without the
+capture hooks (`kv.student_forward_kv` vs a plain forward), interleaved the same way.
+
+fp32 on the CPU with one thread (a Ray Train CPU worker gets OMP_NUM_THREADS = its 1 CPU), bf16-mixed on
+a CUDA GPU when there is one (`student.precision: auto`). `memory=True` also measures each recipe's memory
+in a fresh process (`kava_ray.bench.memory`) beside `kava-ray plan`'s estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kava_ray._io import format_table
+from kava_ray.config import JobConfig, load_config, validate_config
+from kava_ray.errors import KavaError
+
+# a small student: ~25% of its forward FLOPs in the LM head, as in Qwen2.5-0.5B (vocab 8192 at hidden 384)
+STUDENT = dict(family="qwen2", num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024,
+               vocab_size=8192)
+TEACHER = dict(family="qwen2", num_layers=12, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1536,
+               vocab_size=8192)
+PLAIN = "ce"
+# variant -> overrides of the bench job (None: the plain fine-tuning step)
+VARIANTS: dict[str, Optional[list[str]]] = {
+    PLAIN: None,
+    "ce+kv structured": [],
+    "ce+kv flat": ["align.mode=flat"],
+    "ce+kv+logits": ["loss.logit_weight=1"],
+}
+PHASES = ("student_forward", "projectors", "fusion_loss", "backward", "optimizer")
+TARGET = ("ce+kv structured", 1.25)  # the KV step may cost at most this much more than the plain one
+# recipes whose memory `memory=True` measures (every kind the planner plans)
+MEMORY_RECIPES: dict[str, list[str]] = {
+    "ce (kv_weight 0)": ["loss.kv_weight=0"],
+    "ce+kv structured elastic": [],
+    "ce+kv structured linear": ["align.projector.kind=linear"],
+    "ce+kv flat elastic": ["align.mode=flat"],
+    "ce+kv flat linear": ["align.mode=flat", "align.projector.kind=linear"],
+    "ce+kv+logits": ["loss.logit_weight=1"],
+}
+
+
+def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) -> JobConfig:
+    """The bench's base job: production defaults (structured elastic projectors, Mercator + CE, AdamW)."""
+    return validate_config({
+        "name": "bench-step",
+        "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
+        "student": {"model": str(s_dir)},
+        "data": {"num_train": 8, "num_test": 4, "num_val": 4},
+        "optim": {"warmup_steps": 0, "schedule": "constant"},
+        "train": {"batch_size": batch, "max_length": tokens},
+        "ray": {"storage_path": str(storage), "num_workers": 1},
+    })
+
+
+def _batch(batch: int, tokens: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, tokens), generator=g)
+    mask = torch.ones_like(ids)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "answer_mask": mask}
+
+
+class _Plain:
+    """Plain fine-tuning of the student alone, with the recipe's precision and optimizer settings."""
+
+    def __init__(self, cfg: JobConfig, device, batch: dict):
+        from kava_ray.distill import build_scheduler
+        from kava_ray.models import load_student
+        from kava_ray.precision import student_precision
+
+        self.precision = student_precision(cfg.student, device)
+        self.model = load_student(cfg.student.model, dtype=self.precision.weight_dtype).to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr_student, weight_decay=o.weight_decay)
+        self.sched = build_scheduler(self.opt, o, cfg.train.steps)
+        self.grad_clip = o.grad_clip
+        self.batch = {k: v.to(device) for k, v in batch.items()}
+
+    def step(self) -> None:
+        b = self.batch
+        with self.precision.autocast(), record_function("kava/student_forward"):  # incl. HF's CE
+            out = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
+        with record_function("kava/backward"):
+            out.loss.backward()
+        with record_function("kava/optimizer"):
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, n: int, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 to /dev/null: kineto writes a line there at every profiler start and stop."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _profiled(fn, n: int, device) -> dict:
+    """Seconds per step of each `kava/*` scope over `n` profiled steps, and the profiled step ("step")."""
+    cuda = device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    with _native_stderr_muted():
+        prof.start()
+    try:
+        for _ in range(n):
+            with record_function("kava/step"):
+                fn()
+        _sync(device)
+    finally:
+        with _native_stderr_muted():
+            prof.stop()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key.startswith("kava/"):
+            t = (getattr(e, "device_time_total", 0) if cuda else 0) or e.cpu_time_total  # microseconds
+            out[e.key[5:]] = max(out.get(e.key[5:], 0.0), t / 1e6 / n)
+    return out
+
+
+def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int = 256, threads: int = 1,
+                   profile_steps: int = 1, student: Optional[dict] = None, teacher: Optional[dict] = None,
+                   memory: bool = False, memory_steps: int = 2) -> dict:
+    """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
+    down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
+    from kava_ray.job import in_process_plans, teacher_logits_top_k
+    from kava_ray.kv import KVBatch, student_forward_kv, teacher_forward_kv
+    from kava_ray.models import load_model
+    from kava_ray.testing.tiny import build_tiny_model
+    from kava_ray.worker import DistillRecipe
+
+    for name, value in (("steps", steps), ("rounds", rounds), ("profile_steps", profile_steps), ("batch", batch),
+                        ("tokens", tokens), ("threads", threads), ("memory_steps", memory_steps)):
+        if int(value) < 1:
+            raise KavaError(f"bench step: {name} must be >= 1, got {value}")
+    student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            t_dir = build_tiny_model(Path(tmp) / "teacher", **teacher, seed=0)
+            s_dir = build_tiny_model(Path(tmp) / "student", **student, seed=1)
+            base = bench_job(t_dir, s_dir, Path(tmp) / "runs", batch, tokens)
+            data = _batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
+            t_model = load_model(str(t_dir), dtype="float32")
+            steppers, payloads = {}, {}
+            for name, overrides in VARIANTS.items():
+                if overrides is None:
+                    plain = _Plain(base, device, data)
+                    steppers[name] = plain.step
+                    continue
+                cfg = load_config(base, overrides)
+                plans = in_process_plans(cfg, {"t": t_model})
+                layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
+                if (tuple(layers), k) not in payloads:  # the teacher runs once per distinct request
+                    wire = teacher_forward_kv(t_model, data["input_ids"], data["attention_mask"], layers=layers,
+                                              key_space=cfg.align.key_space, logits_top_k=k)
+                    payloads[(tuple(layers), k)] = wire.to_wire(cfg.align.wire_dtype)
+                kv = {"t": KVBatch.from_wire(payloads[(tuple(layers), k)], device=device)}
+                recipe = DistillRecipe(cfg, plans, device=device)
+                recipe.setup()
+                counter = iter(range(1, 10**9))
+                steppers[name] = (lambda r=recipe, kv=kv, c=counter: r.step(next(c), [(data, kv)]))
+            del t_model
+            precision = plain.precision.policy
+
+            names = list(steppers)
+            for fn in steppers.values():  # warm-up: first-step allocations, the optimizer's states
+                fn()
+            times: dict[str, list] = {n: [] for n in names}
+            prof: dict[str, dict] = {}
+            fwd: dict[str, list] = {"plain": [], "capture": []}
+            ids, mask = plain.batch["input_ids"], plain.batch["attention_mask"]
+
+            def forward_plain():
+                with plain.precision.autocast():
+                    plain.model(input_ids=ids, attention_mask=mask)
+
+            def forward_capture():
+                with plain.precision.autocast():
+                    student_forward_kv(plain.model, ids, mask, key_space=base.align.key_space)
+
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for n in order:
+                    times[n].append(_timed(steppers[n], steps, device))
+                for n in order:  # the breakdown: separate profiled steps; the least disturbed round is kept
+                    p = _profiled(steppers[n], profile_steps, device)
+                    if n not in prof or p["step"] < prof[n]["step"]:
+                        prof[n] = p
+                pair = [("plain", forward_plain), ("capture", forward_capture)]
+                for k, fn in (pair if r % 2 == 0 else pair[::-1]):
+                    fwd[k].append(_timed(fn, steps, device))
+    finally:
+        torch.set_num_threads(old_threads)
+
+    plain_s = min(times[PLAIN])
+    variants = {}
+    for n in names:
+        p = prof[n]
+        phases = {ph: p[ph] for ph in PHASES if ph in p}
+        variants[n] = {"step_s": min(times[n]), "rounds_s": times[n], "ratio": min(times[n]) / plain_s,
+                       "phases_s": phases, "profiled_step_s": p["step"], "other_s": p["step"] - sum(phases.values())}
+    f_plain, f_cap = min(fwd["plain"]), min(fwd["capture"])
+    target, limit = TARGET
+    out = {
+        "config": {"steps": steps, "rounds": rounds, "batch": batch, "tokens": tokens, "threads": threads,
+                   "profile_steps": profile_steps, "memory_steps": memory_steps, "student": student, "teacher": teacher,
+                   "device": device.type, "precision": precision},
+        "variants": variants,
+        "capture": {"forward_s": f_plain, "forward_capture_s": f_cap, "overhead": f_cap / f_plain - 1},
+        "target": {"variant": target, "max_ratio": limit, "ratio": variants[target]["ratio"],
+                   "met": variants[target]["ratio"] <= limit},
+    }
+    if memory:
+        out["memory"] = memory_table(student=student, teacher=teacher, batch=batch, tokens=tokens,
+                                     steps=memory_steps)
+    return out
+
+
+def memory_table(student: Optional[dict] = None, teacher: Optional[dict] = None, batch: int = 4,
+                 tokens: int = 256, steps: int = 2, recipes: Optional[dict] = None) -> dict:
+    """{recipe: {"device", "measured", "planned", "error"}}: each recipe of the bench job measured in a fresh
+    process (`kava_ray.bench.memory.compare_with_plan`) beside `kava-ray plan`'s estimate."""
+    from kava_ray.bench.memory import compare_with_plan
+    from kava_ray.testing.tiny import build_tiny_model
+
+    student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t_dir = build_tiny_model(Path(tmp) / "teacher", **teacher, seed=0)
+        s_dir = build_tiny_model(Path(tmp) / "student", **student, seed=1)
+        base = bench_job(t_dir, s_dir, Path(tmp) / "runs", batch, tokens)
+        for name, overrides in (recipes or MEMORY_RECIPES).items():
+            out[name] = compare_with_plan(load_config(base, overrides), steps=steps)
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{1000 * s:.0f}" if s >= 0.01 else f"{1000 * s:.1f}"
+
+
+def format_step_bench(r: dict) -> str:
+    c, s = r["config"], r["config"]["student"]
+    t = c["teacher"]
+    out = [f"step bench: {s['num_layers']}-layer Qwen2 student (hidden {s['hidden_size']}, vocab {s['vocab_size']}), "
+           f"{t['num_layers']}-layer teacher (hidden {t['hidden_size']}), batch {c['batch']} x {c['tokens']} tokens, "
+           f"{c['precision']} on {c['device']}, {c['threads']} thread(s); fastest of {c['rounds']} interleaved rounds "
+           f"x {c['steps']} steps",
+           "phases: ms per step in separately profiled steps (torch.profiler, kava/* scopes)"]
+    heads = ["variant", "ms/step", "vs ce", "fwd", "proj", "fusion+loss", "backward", "optim", "other"]
+    rows = []
+    for name, v in r["variants"].items():
+        ph = v["phases_s"]
+        rows.append([name, _ms(v["step_s"]), f"{v['ratio']:.2f}"]
+                    + [_ms(ph[p]) if p in ph else "-" for p in PHASES] + [_ms(v["other_s"])])
+    out.append(format_table(heads, rows))
+    cap = r["capture"]
+    out.append(f"KV capture: student training forward {_ms(cap['forward_s'])} ms without hooks, "
+               f"{_ms(cap['forward_capture_s'])} ms with (student_forward_kv): {100 * cap['overhead']:+.1f} %")
+    tg = r["target"]
+    out.append(f"target: {tg['variant']} <= {tg['max_ratio']:.2f} x ce: {tg['ratio']:.2f} "
+               f"({'met' if tg['met'] else 'NOT met'})")
+    if r.get("memory"):
+        mem = r["memory"]
+        dev = next(iter(mem.values()))["device"]
+        what = "peak RSS growth" if dev == "cpu" else "torch.cuda.max_memory_allocated"
+        mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+        rows = [[n, mib(m["measured"]), mib(m["planned"]), f"{100 * m['error']:+.0f} %",
+                 mib(m["teacher"]["measured"]), mib(m["teacher"]["planned"]), f"{100 * m['teacher']['error']:+.0f} %"]
+                for n, m in mem.items()]
+        out += ["", f"memory in MiB, {c['batch']} x {c['tokens']} tokens, each in a fresh process: the student "
+                    f"worker's {what} over {c.get('memory_steps', 2)} steps, the teacher's peak RSS growth over its "
+                    f"forwards; beside kava-ray plan's items (with its CPU allocator slack):",
+                format_table(["recipe", "student measured", "plan", "error", "teacher measured", "plan", "error"],
+                             rows)]
+    return "\n".join(out)
