@@ -129,7 +129,8 @@ def cmd_teachers(args) -> int:
             stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)
     if action == "up":
         handles = pool.start_pool(cfg, detached=True)
-        print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(handles)}")
+        names = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
+        print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(names)}")
     elif action == "down":
         stopped = pool.stop_pool(cfg)
         print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
