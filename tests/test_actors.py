@@ -314,11 +314,10 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
     teacher, early stop and transport. Asserts what the bench computes, never how fast this box was."""
     from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
-    r = run_feed_bench(steps=4, batch=2, tokens=16, depths=(1, 2), ratios=(0.5, 2.0), teacher_counts=(1, 2),
+    r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1, 2),
                        replicas=(1, 2), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2)
     regimes = r["regimes"]
-    assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("timed", 1), ("timed", 2), ("timed", 2),
-                                                              ("real", 1)]
+    assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("timed", 2), ("real", 1)]
     for g in regimes:
         assert set(g["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in g["pipelined_s"].values())
         best = max(max(g["T_s"]), g["S_s"])
