@@ -174,5 +174,4 @@ def pytest_collection_modifyitems(config, items):
 
 
 LONGEST_FILES = ("test_tune.py", "test_train.py", "test_service_ray.py", "test_faults.py", "test_cross_tokenizer.py",
-                 "test_bench_recipes.py", "test_actors.py", "test_cluster.py", "test_align_cka.py", "test_console.py",
-                 "test_trackers.py")
+                 "test_bench_recipes.py", "test_actors.py", "test_cluster.py", "test_align_cka.py", "test_console.py")

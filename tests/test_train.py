@@ -204,8 +204,11 @@ def read_jsonl(path):
 def e2e_run(ray_session, job_path):
     from kava_ray.train import run_training
 
-    cfg = load_config(job_path)
-    out = run_training(cfg, name="e2e", progress=False)
+    cfg = load_config(job_path, ["train.loggers=[tensorboard, mlflow]"])  # the run also checks the trackers
+    with pytest.MonkeyPatch.context() as mp:  # local stores: no tracking server or W&B settings from the shell
+        for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+            mp.delenv(var, raising=False)
+        out = run_training(cfg, name="e2e", progress=False)
     return cfg, out
 
 
@@ -229,6 +232,35 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
     student = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "student")
     assert student.config.num_hidden_layers == 2 and student.config.num_key_value_heads == 1
     assert len(list(run_dir.glob("checkpoint_2*"))) == cfg.train.num_to_keep
+
+
+def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):
+    """TensorBoard and MLflow hold every number of metrics.jsonl at its step (train, eval and test records of
+    the 2-worker run), MLflow the config as params and the final student as artifacts."""
+    from kava_ray.trackers import metric_values, mlflow_key
+    from test_trackers import history, mlflow_run, tb_scalars
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for reading back here (open_trackers sets it itself)
+    cfg, out = e2e_run
+    run_dir = Path(out["run_dir"])
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert {r["kind"] for r in records} == {"train", "eval", "test"}
+    want: dict = {}
+    for r in records:
+        for k, v in metric_values(r).items():
+            want.setdefault(k, []).append((r["step"], v))
+    assert [s for s, _ in want["train/loss"]] == list(range(1, 21))
+    tb = tb_scalars(run_dir)
+    client, run = mlflow_run(run_dir)
+    assert set(tb) == set(want)
+    for key, points in want.items():
+        assert [s for s, _ in tb[key]] == [s for s, _ in points], key
+        assert [v for _, v in tb[key]] == pytest.approx([v for _, v in points], rel=1e-6), key  # float32
+        assert history(client, run, mlflow_key(key)) == points, key
+    assert run.data.params["optim.lr_student"] == str(cfg.optim.lr_student)
+    assert run.data.params["train.loggers"] == "['tensorboard', 'mlflow']"
+    assert "final/student" in [a.path for a in client.list_artifacts(run.info.run_id, "final")]
+    assert run.info.status == "FINISHED"
 
 
 def train_workers(state: str = "ALIVE") -> list:
