@@ -89,7 +89,7 @@ def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     try:
         with socket.create_connection(hp, timeout=timeout_s):
             return True
-    except OSError:
+    except (OSError, UnicodeError, ValueError):  # unreachable, or a host name no resolver takes ("'1.2..")
         return False
 
 

@@ -268,3 +268,12 @@ def test_a_hub_id_is_left_to_the_loader():
     check_source("openai/gsm8k", "train")
     with pytest.raises(KavaError, match="gsm8k"):
         check_source("gsm8k", "train")
+
+
+def test_an_address_no_resolver_takes_is_unreachable_not_a_traceback():
+    """A mangled --address (a quote, an empty label) makes getaddrinfo raise UnicodeError, not OSError: the probe
+    says "nothing answers" (one line, exit 2) instead of crashing."""
+    from kava_ray.connect import answers
+
+    assert answers("'19.0..:6399", timeout_s=0.5) is False
+    assert answers("127.0.0.1:notaport") is False
