@@ -182,7 +182,10 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
     try:
         ray.init(address=target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}") from None
+        # something answers but refuses us: most often a token cluster and a client that sends no token
+        hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
+                " (a cluster started with RAY_AUTH_MODE=token needs it here too: export RAY_AUTH_MODE=token)")
+        raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}{hint}") from None
     note_shared_storage(storage_path)
     return address
 
