@@ -679,8 +679,9 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     # the decoder without the LM head when logits are not needed; the whole model when they are
     run = model if logits_top_k else getattr(model, "base_model", model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
-    ids = _check_layers(layers, kv_geometry(model).num_layers)
-    stop = _StopAfter.at(model, max(ids)) if stop_early and not logits_top_k else contextlib.nullcontext()
+    n_layers = kv_geometry(model).num_layers
+    ids = _check_layers(layers, n_layers)
+    stop = _StopAfter.at(model, max(ids), n_layers) if stop_early and not logits_top_k else contextlib.nullcontext()
     out = None  # stays None when the forward is stopped early
     if key_space == "post_rope":
         with stop, torch.inference_mode():
@@ -711,11 +712,11 @@ class _StopAfter:
         self.stopped = False
 
     @classmethod
-    def at(cls, model, last: int):
+    def at(cls, model, last: int, num_layers: int):
         """A stopper after attention layer `last`, or a no-op where the attention modules are not one per
-        decoder layer (latent attention, hybrids: the forward then runs whole)."""
+        decoder layer of the model's `num_layers` (latent attention, hybrids: the forward then runs whole)."""
         attn = attention_layers(model)
-        if len(attn) != kv_geometry(model).num_layers:
+        if len(attn) != num_layers:
             return contextlib.nullcontext()
         return cls(attn[last])
 
