@@ -26,6 +26,14 @@ def _print_json_last(obj: dict) -> None:
     print(json.dumps(obj, sort_keys=True, default=float))
 
 
+def _show(args, text: str, result: dict) -> int:
+    """A command's result: its table, then with `--json` the whole result as the last line; exit 0."""
+    print(text)
+    if args.json:
+        _print_json_last(result)
+    return 0
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -44,10 +52,7 @@ def cmd_bench_projector_ab(args) -> int:
     from kava_ray.bench.projector import format_projector_ab, run_projector_ab
 
     result = run_projector_ab(seeds=args.seeds, steps=args.steps, lr=args.lr)
-    print(format_projector_ab(result))
-    if args.json:
-        _print_json_last(result)
-    return 0
+    return _show(args, format_projector_ab(result), result)
 
 
 def cmd_bench_feed(args) -> int:
@@ -56,20 +61,14 @@ def cmd_bench_feed(args) -> int:
     result = run_feed_bench(steps=args.steps, batch=args.batch, tokens=args.tokens, ratios=args.ratios,
                             teacher_counts=args.teachers, replicas=args.replicas, real_layers=args.real_layers,
                             transport_mib=args.transport_mib)
-    print(format_feed_bench(result))
-    if args.json:
-        _print_json_last(result)
-    return 0
+    return _show(args, format_feed_bench(result), result)
 
 
 def cmd_bench_step(args) -> int:
     from kava_ray.bench.step import format_step_bench, run_step_bench
 
     result = run_step_bench(steps=args.steps, rounds=args.rounds, memory=args.memory)
-    print(format_step_bench(result))
-    if args.json:
-        _print_json_last(result)
-    return 0
+    return _show(args, format_step_bench(result), result)
 
 
 # ----------------------------------------------------------------------------- quiet console
@@ -188,10 +187,7 @@ def cmd_train(args) -> int:
     out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
                        resume_override=args.resume_override, restart_teachers=args.restart_teachers,
                        verbose=args.verbose)
-    print(format_final(out))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_final(out), out)
 
 
 def format_final(out: dict) -> str:
@@ -210,20 +206,14 @@ def cmd_tune(args) -> int:
         out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
                        resume=args.resume, name=args.name, address=args.address,
                        restart_teachers=args.restart_teachers)
-    print(format_results(out))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_results(out), out)
 
 
 def cmd_bench_tune_share(args) -> int:
     from kava_ray.bench.tune_share import format_tune_share, run_tune_share
 
     out = run_tune_share(trials=args.trials, steps=args.steps)
-    print(format_tune_share(out))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_tune_share(out), out)
 
 
 def cmd_bench_recipes(args) -> int:
@@ -231,10 +221,7 @@ def cmd_bench_recipes(args) -> int:
 
     out = run_recipes_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, out=args.out,
                             limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
-    print(format_recipes(out))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_recipes(out), out)
 
 
 def cmd_bench_all(args) -> int:
@@ -264,10 +251,7 @@ def cmd_bench_align(args) -> int:
     from kava_ray.bench.align import format_align_bench, run_align_bench
 
     out = run_align_bench(args.config, args.overrides, steps=args.steps, out=args.out, cka_samples=args.cka_samples)
-    print(format_align_bench(out))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_align_bench(out), out)
 
 
 def cmd_plan(args) -> int:
@@ -288,10 +272,7 @@ def cmd_demo(args) -> int:
     from kava_ray.demo import format_summary, run_demo
 
     summary = run_demo(args.overrides, address=args.address, verbose=args.verbose)
-    print(format_summary(summary))
-    if args.json:
-        _print_json_last(summary)
-    return 0
+    return _show(args, format_summary(summary), summary)
 
 
 def cmd_eval(args) -> int:
