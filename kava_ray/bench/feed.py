@@ -134,7 +134,7 @@ def _log(msg: str, t0: float) -> None:
     print(f"bench feed [{time.perf_counter() - t0:5.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def _local_payloads(plans: dict, geoms: dict, data: list) -> list[dict]:
+def _local_payloads(plans: dict, data: list) -> list[dict]:
     """Wire payloads shaped like the teachers' (what S consumes; their values do not change its cost)."""
     g = torch.Generator().manual_seed(1)
     out = []
@@ -142,8 +142,7 @@ def _local_payloads(plans: dict, geoms: dict, data: list) -> list[dict]:
         B, T = b["input_ids"].shape
         p = {}
         for n, plan in plans.items():
-            geo = geoms[n]
-            shape = (len(plan.layers), B, geo.num_kv_heads, T, geo.head_dim)
+            shape = (len(plan.layers), B, plan.geometry.num_kv_heads, T, plan.geometry.head_dim)
             p[n] = KVBatch(torch.randn(shape, generator=g), torch.randn(shape, generator=g), plan.layers,
                            b["attention_mask"].bool(), "pre_rope").to_wire("bf16")
         out.append(p)
@@ -161,8 +160,9 @@ def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths, 
         plans = teacher_plans(cfg, {n: geom for n in names}, student_geometry(cfg), s_fp)
         layers = {n: p.layers for n, p in plans.items()}
         student = _Student(cfg, plans)
-        student.alone(data[:1], _local_payloads(plans, {n: p.geometry for n, p in plans.items()}, data[:1]))  # warm-up
-        S = student.alone(data, _local_payloads(plans, {n: p.geometry for n, p in plans.items()}, data))
+        payloads = _local_payloads(plans, data)
+        student.alone(data[:1], payloads[:1])  # warm-up
+        S = student.alone(data, payloads)
         actors = {n: TimedTeacher.remote(geom, 0.0, seed=i) for i, n in enumerate(names)}
         source = ActorSource(actors)
         for r in ratios:
