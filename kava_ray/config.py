@@ -112,7 +112,9 @@ class ProjectorConfig(_Section):
 class AlignConfig(_Section):
     mode: Literal["flat", "structured"] = "structured"
     aggregation: Literal["concat", "mean", "weighted"] = "concat"
-    layer_map: Literal["ratio", "uniform", "explicit", "cka"] = "ratio"
+    # auto: identity for a student built by keep_layers from the teacher's own model (student layer i <- the
+    # teacher layer it was copied from), else ratio
+    layer_map: Literal["auto", "identity", "ratio", "uniform", "explicit", "cka"] = "auto"
     explicit_map: Optional[dict[int, list[int]]] = None  # student layer -> teacher layers (layer_map=explicit)
     cka_path: Optional[str] = None  # JSON written by the CKA calibration (layer_map=cka)
     key_space: Literal["pre_rope", "post_rope"] = "pre_rope"
@@ -149,16 +151,19 @@ class LossConfig(_Section):
     # template's system prompt; nothing is dropped for a batch of one sample)
     loss_tokens: Literal["all", "answer", "no_shared_prefix"] = "all"
     # centre student and target per (layer, head) over the batch's counted tokens before the cosine
-    # term of mercator/hybrid (a constant target then scores 0); the magnitude term is unchanged.
-    # Default on: a constant offset on every key shifts a query's attention logits equally, so
-    # softmax ignores it; on the demo it doubled held-out centred cos and gap at equal CE (README)
+    # term of mercator/hybrid (a constant target then scores 0; teachers are fused on their centred
+    # projections too); the magnitude term is unchanged. Default on: it is alignment above the constant
+    # baseline a bias can reach (README "Reading the metrics")
     center: bool = True
-    # logit KD, the standard baseline (DistillKit, TRL GKD, Megatron offline top-k): forward KL on each
-    # teacher's top-k next-token log-probs, renormalised over the top-k ids, T^2-scaled, on the KV loss's
-    # tokens; teachers combined with the fusion weights. 0 = off (the teachers need not send logits)
+    # logit KD, the standard baseline (DistillKit's sparse_kl_div, Megatron offline top-k, TRL): forward KL on
+    # each teacher's top-k next-token log-probs, the student normalised over its full vocabulary, T^2-scaled,
+    # on the positions CE counts; teachers combined with the fusion weights. 0 = off (no teacher logits)
     logit_weight: float = Field(0.0, ge=0)
     logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
     logit_temperature: float = Field(1.0, gt=0)  # applied to teacher and student alike
+    # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside
+    # them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k ids: ZERO)
+    logit_tail: Literal["bucket", "none"] = "bucket"
 
 
 class OptimConfig(_Section):

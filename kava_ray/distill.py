@@ -22,11 +22,13 @@ from kava_ray.kv import KVBatch, student_forward_kv
 from kava_ray.losses import (
     contrast_gap,
     cos_metrics,
-    drop_shared_prefix,
     kv_loss,
+    log_normalizer,
     masked_ce,
+    position_masks,
     top1_agreement,
     topk_kl_loss,
+    topk_tail,
 )
 from kava_ray.models import KVGeometry
 from kava_ray.projectors import TeacherProjector
@@ -49,7 +51,7 @@ class Distiller(nn.Module):
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,
-                             feature_dim=s_geom.hidden_size, names=self.names)
+                             feature_dim=s_geom.hidden_size, names=self.names, center=cfg.loss.center)
         self.loss_cfg = cfg.loss
         self.key_space = a.key_space
         # teachers of another tokenizer: their KV is mapped to student positions by characters
@@ -79,15 +81,6 @@ class Distiller(nn.Module):
         lv, mv = self._kv_loss(skv.values, tv, mask)
         return (lk + lv) / 2, self._kv_means(mk, mv)
 
-    def _kv_mask(self, batch: dict) -> torch.Tensor:
-        """The tokens the KV loss and KV metrics count (`loss.loss_tokens`)."""
-        tokens = self.loss_cfg.loss_tokens
-        if tokens == "answer":
-            return batch["answer_mask"]
-        if tokens == "no_shared_prefix":
-            return drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
-        return batch["attention_mask"]
-
     def _logit_weights(self) -> list:
         """The teachers' shares of the logit KD loss, detached (the logit loss never trains the fusion):
         fixed / sum: the normalised `fusion.weights` (the prior); gate: the current softmax (mean over
@@ -97,11 +90,13 @@ class Distiller(nn.Module):
         total = sum(w[n] for n in self.logit_names)  # renormalised over the teachers whose logits count
         return [w[n] / total for n in self.logit_names]
 
-    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor):
-        """Weighted top-k forward KL (`losses.topk_kl_loss`) of every teacher against the student's
-        logits, and its metrics: `logit_kl` (weighted), `logit_kl/<t>`, `top1_agree/<t>`."""
+    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor,
+                    lse: torch.Tensor | None = None):
+        """Weighted top-k forward KL (`losses.topk_kl_loss`: the student over its full vocabulary, the tail
+        as a bucket with `loss.logit_tail`) of every teacher against the student's logits on the next-token
+        positions `mask`, and its metrics: `logit_kl` (weighted), `logit_kl/<t>`, `top1_agree/<t>`."""
         c = self.loss_cfg
-        ids, logps = {}, {}
+        ids, logps, tails = {}, {}, {}
         for n in self.logit_names:
             t = teacher_kv[n]
             if t.topk_ids is None or t.topk_logp is None:
@@ -109,6 +104,8 @@ class Distiller(nn.Module):
                                 f"needs them (set loss.logit_weight=0 or have the teacher serve them)")
             ids[n] = t.topk_ids[..., :c.logit_top_k].to(logits.device)
             logps[n] = t.topk_logp[..., :c.logit_top_k].to(logits.device)
+            if c.logit_tail == "bucket":  # what lies outside the first logit_top_k ids
+                tails[n] = topk_tail(t.topk_logp, t.topk_tail, c.logit_top_k).to(logits.device)
         vocab = logits.shape[-1]
         # one host sync for all teachers (a gather past the vocab would be a device-side assert on CUDA)
         keep = mask.to(logits.device)[..., None] != 0
@@ -119,7 +116,8 @@ class Distiller(nn.Module):
                             f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
         metrics, total = {}, 0
         for n, w in zip(self.logit_names, self._logit_weights()):
-            kl = topk_kl_loss(logits, ids[n], logps[n], mask, temperature=c.logit_temperature)
+            kl = topk_kl_loss(logits, ids[n], logps[n], mask, temperature=c.logit_temperature, tail=c.logit_tail,
+                              teacher_tail=tails.get(n), lse=lse)
             total = total + w.to(kl.device) * kl
             metrics[f"logit_kl/{n}"] = kl.detach()
             metrics[f"top1_agree/{n}"] = top1_agreement(logits, ids[n], mask)
@@ -152,19 +150,20 @@ class Distiller(nn.Module):
         `contrast_gap` (centred, see `losses.contrast_gap`); all the mean of K and V. With
         `loss.logit_weight` > 0 also the logit KD loss (top-k forward KL, every teacher's KVBatch must carry
         `topk_ids` / `topk_logp`): `logit_kl` (weighted over teachers), `logit_kl/<teacher>`,
-        `top1_agree/<teacher>` (student argmax == teacher's top-1, on the KV loss's tokens).
+        `top1_agree/<teacher>` (student argmax == teacher's top-1), on the positions CE counts
+        (`losses.position_masks`: logits at t predict t + 1); KV losses count token positions.
         Teachers of another tokenizer are first mapped to the student's positions (`_to_student_time`):
         with a fused target the KV loss counts the positions every teacher covers, per-teacher metrics (and
         `fusion.kind: sum`'s losses) each teacher's own; `aligned/<teacher>` is the share it covers.
         """
         mask = batch["attention_mask"]
-        kv_mask = self._kv_mask(batch)
+        kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
         router = self.fusion.kind == "router"
         with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
             out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
                                           output_hidden_states=router)
         with record_function("kava/projectors"):
-            projected, masks, metrics, base_mask = {}, {}, {}, kv_mask
+            projected, masks, metrics = {}, {}, {}
             for n in self.names:
                 t = teacher_kv[n]
                 if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
@@ -175,12 +174,16 @@ class Distiller(nn.Module):
                 keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
                 projected[n] = self.projectors[n](keys, values)  # each [L_s, B, H_s, T, D_s]
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
-            ce = masked_ce(out.logits, batch["labels"])
+            c = self.loss_cfg
+            kd = c.logit_weight > 0
+            # one logsumexp over the vocabulary per position for CE and (at T = 1) the KD's full-vocab normaliser
+            lse = log_normalizer(out.logits) if kd and c.logit_temperature == 1.0 else None
+            ce = masked_ce(out.logits, batch["labels"], lse=lse)
             if self.aligned:  # a fused target exists where every teacher has one
                 for n in self.aligned:
                     metrics[f"aligned/{n}"] = (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
                 if self.fusion.fuses_targets:
-                    kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)  # the logit loss keeps base_mask
+                    kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
             if self.fusion.fuses_targets:
                 feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
                 tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
@@ -211,10 +214,9 @@ class Distiller(nn.Module):
                 gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
                                 + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
                           for wi, n in zip(w, self.names))
-            c = self.loss_cfg
             loss = c.ce_weight * ce + c.kv_weight * kvl
-            if c.logit_weight > 0:
-                kl, m_logit = self._logit_loss(out.logits, teacher_kv, base_mask)
+            if kd:
+                kl, m_logit = self._logit_loss(out.logits, teacher_kv, next_mask, lse)
                 loss = loss + c.logit_weight * kl
                 metrics.update(m_logit)
             layers = m["cos_per_layer"]
@@ -225,7 +227,7 @@ class Distiller(nn.Module):
                 contrast_gap=gap,
                 tokens=mask.sum(),
                 kv_tokens=(kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
-                label_tokens=(batch["labels"][:, 1:] != -100).sum(),  # what CE averages over
+                label_tokens=next_mask.sum(),  # what CE and logit KD average over
             )
             metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
             return loss, metrics

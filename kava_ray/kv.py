@@ -34,6 +34,7 @@ from kava_ray.models import KVGeometry, kv_geometry, rotary_embedding, uses_rota
 KEY_SPACES = ("pre_rope", "post_rope")
 WIRE_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+TOPK_ARRAYS = ("topk_ids", "topk_logp", "topk_tail")  # what a payload carries of the teacher's logits
 _ELEM_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp32": 4, "float32": 4}
 
 
@@ -42,7 +43,9 @@ class KVBatch:
     """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token.
 
     topk_ids / topk_logp: optionally, the teacher's top-k next-token log-probabilities from the same
-    forward, [B, T, k] (ids int64; log-probs at temperature 1, sorted descending), None when not asked for.
+    forward, [B, T, k] (ids int64; log-probs at temperature 1 over the full vocabulary, sorted descending),
+    None when not asked for; topk_tail [B, T]: the log of the mass outside those k ids (the tail bucket of
+    `losses.topk_kl_loss`), None in batches from before it was served.
     """
 
     keys: torch.Tensor
@@ -52,6 +55,7 @@ class KVBatch:
     key_space: str
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
+    topk_tail: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -68,6 +72,7 @@ class KVBatch:
             self.key_space,
             None if self.topk_ids is None else self.topk_ids.to(device),  # top-k keeps its dtypes
             None if self.topk_logp is None else self.topk_logp.to(device),
+            None if self.topk_tail is None else self.topk_tail.to(device),
         )
 
     def select_layers(self, ids) -> "KVBatch":
@@ -78,7 +83,55 @@ class KVBatch:
             raise KavaError(f"layers {missing} not in this KV batch (has {self.layer_ids})")
         idx = torch.tensor([self.layer_ids.index(i) for i in ids], device=self.keys.device)
         return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space,
-                       self.topk_ids, self.topk_logp)
+                       self.topk_ids, self.topk_logp, self.topk_tail)
+
+    def row(self, b: int) -> "KVBatch":
+        """Sample `b` alone ([L, 1, H, n, D]), cut to its n real tokens (right padding: mask[b] is 1...1 0...0)."""
+        n = int(self.mask[b].sum()) if self.mask is not None else self.keys.shape[3]
+
+        def kv(x):  # [L, B, H, T, D]
+            return x[:, b:b + 1, :, :n]
+
+        def tok(x):  # [B, T, ...]
+            return None if x is None else x[b:b + 1, :n]
+
+        return KVBatch(kv(self.keys), kv(self.values), list(self.layer_ids), tok(self.mask), self.key_space,
+                       tok(self.topk_ids), tok(self.topk_logp), tok(self.topk_tail))
+
+    @classmethod
+    def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
+        """Samples (`row` outputs, n_b real tokens each) as one right-padded batch for `mask` [B, T]: zeros
+        past each sample's tokens. Every row must have exactly its mask row's count of tokens."""
+        mask = torch.as_tensor(mask).bool()
+        B, T = mask.shape
+        first = rows[0]
+        L, _, H, _, D = first.keys.shape
+        for b, r in enumerate(rows):
+            n = r.keys.shape[3]
+            if n != int(mask[b].sum()) or not bool(mask[b, :n].all()):
+                raise KavaError(f"KV row {b} has {n} tokens, the batch's mask row {int(mask[b].sum())} "
+                                f"(rows are right-padded samples)")
+
+        def fill(get, shape, dtype, time_dim):
+            if get(first) is None:
+                return None
+            out = torch.zeros(shape, dtype=dtype)
+            for b, r in enumerate(rows):
+                x = get(r)
+                n = x.shape[time_dim]
+                if time_dim == 3:
+                    out[:, b, :, :n] = x[:, 0]
+                else:
+                    out[b, :n] = x[0]
+            return out
+
+        k = first.topk_ids.shape[-1] if first.topk_ids is not None else 0
+        return cls(fill(lambda r: r.keys, (L, B, H, T, D), first.keys.dtype, 3),
+                   fill(lambda r: r.values, (L, B, H, T, D), first.values.dtype, 3),
+                   list(first.layer_ids), mask, first.key_space,
+                   fill(lambda r: r.topk_ids, (B, T, k), torch.int64, 1),
+                   fill(lambda r: r.topk_logp, (B, T, k), torch.float32, 1),
+                   fill(lambda r: r.topk_tail, (B, T), torch.float32, 1))
 
     def num_bytes(self) -> int:
         """Bytes held by K and V (not the mask)."""
@@ -97,7 +150,8 @@ class KVBatch:
         Top-k log-probs, when the batch has them: `topk_ids` as int32 [B, T, k] and `topk_logp` in the
         wire dtype (bf16 as a uint16 view, fp16), named by `topk_dtype`; an fp8 wire sends them as fp16
         (log-probs span a range per-channel fp8 scales do not fit, and they are k values per token, not
-        a KV stack). A batch without them yields a payload without these keys, as before.
+        a KV stack); `topk_tail` [B, T] float32 (the log mass outside the k ids: small, and its precision
+        decides the tail bucket). A batch without them yields a payload without these keys, as before.
         """
         dtype = _wire_dtype(dtype)
         payload = {
@@ -130,6 +184,8 @@ class KVBatch:
                 payload["topk_logp"] = lp.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
             else:
                 payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
+            if self.topk_tail is not None:
+                payload["topk_tail"] = self.topk_tail.detach().to("cpu", torch.float32).contiguous().numpy()
         return payload
 
     @classmethod
@@ -163,13 +219,14 @@ class KVBatch:
         if mask is not None:
             mask = torch.from_numpy(np.array(mask, dtype=bool))
             mask = mask.to(device) if device is not None else mask
-        topk_ids = topk_logp = None
+        topk_ids = topk_logp = topk_tail = None
         if payload.get("topk_ids") is not None and payload.get("topk_logp") is not None:
-            topk_ids, topk_logp = _topk_from_wire(payload, device, dtype)
-        return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp)
+            topk_ids, topk_logp, topk_tail = _topk_from_wire(payload, device, dtype)
+        return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp,
+                   topk_tail)
 
 
-def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     with warnings.catch_warnings():  # read-only arrays from the object store: copied by the casts below
         warnings.simplefilter("ignore", UserWarning)
         ids, lp = torch.from_numpy(payload["topk_ids"]), torch.from_numpy(payload["topk_logp"])
@@ -178,7 +235,14 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
     if payload.get("topk_dtype", "bf16" if lp.dtype == torch.uint16 else "fp16") == "bf16":
         lp = lp.view(torch.bfloat16)
     # int32 -> int64 and half -> float32/64 always copy: nothing aliases the (maybe read-only) buffers
-    return ids.to(torch.int64), lp.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    out = torch.float64 if dtype == torch.float64 else torch.float32
+    tail = payload.get("topk_tail")
+    if tail is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            tail = torch.from_numpy(np.array(tail, dtype=np.float32)).to(device if device is not None else "cpu")
+        tail = tail.to(out)
+    return ids.to(torch.int64), lp.to(out), tail
 
 
 def wire_nbytes(payload: dict) -> int:
@@ -189,7 +253,7 @@ def wire_nbytes(payload: dict) -> int:
 
 def wire_logits_nbytes(payload: dict) -> int:
     """Bytes of the top-k ids and log-probs of a wire payload (0 without them)."""
-    return int(sum(payload[a].nbytes for a in ("topk_ids", "topk_logp") if payload.get(a) is not None))
+    return int(sum(payload[a].nbytes for a in TOPK_ARRAYS if payload.get(a) is not None))
 
 
 def _wire_dtype(dtype) -> str:
@@ -211,11 +275,13 @@ def kv_bytes_per_token(geometry: KVGeometry, dtype: str = "bf16", layers=None) -
 
 def logits_bytes_per_token(top_k: int, dtype: str = "bf16") -> int:
     """Wire bytes of the top-k log-probs per token: k * (4 (int32 id) + bytes per log-prob in the wire
-    dtype); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k 0."""
+    dtype) + 4 (the float32 tail); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k 0."""
     d = str(dtype).lower().removeprefix("torch.")
     if d not in _ELEM_BYTES:
         raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
-    return int(top_k) * (4 + (2 if d == "fp8" else _ELEM_BYTES[d]))
+    if not top_k:
+        return 0
+    return int(top_k) * (4 + (2 if d == "fp8" else _ELEM_BYTES[d])) + 4
 
 
 # ------------------------------------------------------------------------------------------- RoPE
@@ -758,6 +824,8 @@ def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
         raise KavaError(f"logits_top_k {k} exceeds the teacher's vocabulary ({logits.shape[-1]})")
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V] in fp32
     kv.topk_logp, kv.topk_ids = torch.topk(logp, k, dim=-1, sorted=True)
+    # the mass outside the k ids, exactly (1 - sum p would lose a small tail to rounding): the tail bucket
+    kv.topk_tail = logp.scatter(-1, kv.topk_ids, float("-inf")).logsumexp(-1)  # [B, T]
     return kv
 
 

@@ -24,6 +24,8 @@ cosine term of mercator/hybrid uses the centred cosine (the magnitude term is un
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -81,16 +83,22 @@ def _raw_cos(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(s, t, dim=-1, eps=COS_EPS)  # [L, B, H, T]
 
 
+def token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean of x [L, B, H, T, D] over the tokens where m [1, B, 1, T] is True (B and T): [L, 1, H, 1, D].
+    Masked positions are zeroed first (their values, NaN included, never count)."""
+    keep = m[..., None]  # [1, B, 1, T, 1]
+    n = keep.sum(dim=(1, 3), keepdim=True).clamp_min(1).to(x.dtype)
+    return torch.where(keep, x, 0.0).sum(dim=(1, 3), keepdim=True) / n
+
+
 def _centre(x: torch.Tensor, m: torch.Tensor):
     """x [L, B, H, T, D] (masked positions already constant) minus the mean of each (layer, head) over
     the tokens where m [1, B, 1, T] is True; and the norm floor [L, 1, H, 1] (detached)."""
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    w = m[..., None].to(x.dtype)  # [1, B, 1, T, 1]
-    n = w.sum(dim=(1, 3), keepdim=True).clamp_min(1.0)
-    mu = (x * w).sum(dim=(1, 3), keepdim=True) / n  # [L, 1, H, 1, D]
+    mu = token_mean(x, m)  # [L, 1, H, 1, D]
     with torch.no_grad():
-        ms = ((x.detach() ** 2).sum(-1, keepdim=True) * w).sum(dim=(1, 3), keepdim=True) / n
+        ms = token_mean((x.detach() ** 2).sum(-1, keepdim=True), m)  # mean squared norm [L, 1, H, 1, 1]
         floor = (CENTER_TOL * ms.sqrt() + COS_EPS)[..., 0]  # [L, 1, H, 1]
     return x - mu, floor
 
@@ -283,6 +291,70 @@ def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
 
 # ----------------------------------------------------------------------------- logit KD (top-k forward KL)
 
+LOGIT_TAILS = ("bucket", "none")
+TAIL_FLOOR = 1e-6  # a tail mass below this is float noise (fp32 log-probs): both sides are floored to it
+
+
+def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the positions whose logits CE counts, i.e. t where labels[t + 1] != -100 (the last
+    position never counts). Logit KD counts exactly these: logits at t predict token t + 1."""
+    return F.pad(labels[:, 1:] != -100, (0, 1), value=False)
+
+
+def position_masks(batch: dict, loss_tokens: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+    """(KV mask, next-token mask), both [B, T] bool, from one batch: the one rule every loss follows.
+
+    KV losses count token positions (a token's key and value describe the token itself): `loss_tokens`
+    all = the real tokens, answer = `answer_mask`, no_shared_prefix = the real tokens minus the leading
+    positions every sample shares (`drop_shared_prefix`). CE and logit KD count next-token positions: t
+    where labels[t + 1] carries a loss (`next_token_mask`), under every `loss_tokens` -- so with `answer`,
+    KD scores the position before the first answer token and stops at the one before the last."""
+    if loss_tokens == "answer":
+        kv = batch["answer_mask"] != 0
+    elif loss_tokens == "no_shared_prefix":
+        kv = drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
+    elif loss_tokens == "all":
+        kv = batch["attention_mask"] != 0
+    else:
+        raise KavaError(f"loss_tokens must be all, answer or no_shared_prefix, not {loss_tokens!r}")
+    return kv, next_token_mask(batch["labels"])
+
+
+def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def log_normalizer(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log sum_v exp(logits[..., v] / T) in float32 at least, [B, T]: the one logsumexp over the vocabulary per
+    position that CE and (at T = 1) logit KD share."""
+    z = _at_least_f32(logits)
+    return torch.logsumexp(z if temperature == 1.0 else z / temperature, dim=-1)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _tail_of(logp: torch.Tensor) -> torch.Tensor:
+    """log of the mass outside the ids of `logp` [..., k] (log-probs normalised over the full vocabulary),
+    floored at TAIL_FLOOR."""
+    total = torch.logsumexp(logp, dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
+    return _log1mexp(total)
+
+
+def topk_tail(topk_logp: torch.Tensor, served_tail: torch.Tensor | None, k: int) -> torch.Tensor:
+    """The teacher's log mass outside its first `k` ids [B, T]: the served tail (what was outside all the ids
+    it sent) plus the mass of the ids past k; without a served tail, 1 - sum p over the k (a bf16 wire's
+    rounding then limits it to ~1e-3)."""
+    lp = topk_logp.float()
+    if served_tail is None:
+        return _tail_of(lp[..., :k])
+    tail = served_tail.float()
+    if k < lp.shape[-1]:
+        tail = torch.logaddexp(tail, torch.logsumexp(lp[..., k:], dim=-1))
+    return tail
+
 
 def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
                   mask: torch.Tensor | None):
@@ -299,36 +371,51 @@ def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_log
 
 
 def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
-                 mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-    """Forward KL(p_t || p_s) on the teacher's top-k support, T^2-scaled, masked mean over positions.
+                 mask: torch.Tensor | None = None, temperature: float = 1.0, tail: str = "bucket",
+                 teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled, masked mean.
 
-    student_logits [B, T, V] (position t predicts token t+1, as do the teacher's log-probs at t);
-    topk_ids [B, T, k] int64 and topk_logp [B, T, k] (the teacher's log-probs at temperature 1);
-    mask [B, T] (nonzero = position that counts). Both distributions are renormalised over the k ids:
-    p_t = softmax(topk_logp / T) and q_s = softmax(student_logits[ids] / T), both over those k entries,
-    and the loss is T^2 * sum_k p_t (log p_t - log q_s), averaged over the counted positions.
+    student_logits [B, T, V]; topk_ids [B, T, k] and topk_logp [B, T, k]: the teacher's top-k ids and their
+    log-probs at temperature 1, normalised over the teacher's full vocabulary (what a teacher serves);
+    teacher_tail [B, T]: log of the teacher's mass outside those ids (served with them; else 1 - sum p);
+    mask [B, T]: the positions that count (`next_token_mask`: logits at t predict t + 1); lse [B, T]: the
+    student's `log_normalizer(logits, temperature)` when the caller has it (CE's, at T = 1).
 
-    Renormalised, not a tail bucket: with a (k+1)-th "everything else" entry the student would also be
-    pushed to match the teacher's tail mass, but the teacher's tail is known only as one number while the
-    student's tail would be a logsumexp over the other V-k logits; renormalising keeps the loss exactly 0
-    when the student's logits equal the teacher's (any temperature) and its gradient touches only the k
-    gathered logits: d loss / d z_j = T * (q_s,j - p_t,j) / n on those k ids (n = counted positions).
-    The student's mass outside the support is left free (as in DistillKit / Megatron's offline top-k).
-
-    Computed in float32 whatever the input dtype (only the k gathered logits are cast). Masked positions
-    (their logits, ids and log-probs may be anything, inf or NaN) change neither the loss nor its gradient.
-    Returns 0 (with grad) if no position counts.
+    Matches DistillKit (`distillkit/lossfuncs/kl.py`, `sparse_kl_div`, with `get_logprobs` in
+    `lossfuncs/common.py`): the student's log-probs are `logits[ids] / T - logsumexp(logits / T)` over the
+    whole vocabulary, so its mass outside the teacher's ids stays visible to the loss and its gradient.
+    - tail "bucket" (DistillKit's `MissingProbabilityHandling.SYMMETRIC_UNIFORM`): a (k+1)-th entry holds the
+      mass outside the ids, the teacher's tail against the student's 1 - sum_k p_s; the teacher at temperature
+      T is (p_i^(1/T), tail^(1/T)) renormalised over the k + 1 entries (DistillKit's `get_target_logprobs`).
+      The loss is exactly 0 (and its gradient 0) when the student's distribution equals the teacher's at T = 1,
+      and a student whose mass sits off the teacher's support pays log(tail_t / tail_s)-weighted terms whose
+      gradient moves that mass onto the support.
+    - tail "none" (DistillKit's `ZERO`): the teacher renormalised over its k ids, no tail term; the student
+      still normalised over its full vocabulary (sum_k q_t (log q_t - log p_s) >= KL over the k ids).
+    Tail masses are floored at TAIL_FLOOR on both sides (fp32 noise). Computed in float32 at least (only the k
+    gathered logits and the [B, T] normaliser are cast); masked positions (their logits, ids and log-probs
+    may be anything, inf or NaN) change neither the loss nor its gradient. Returns 0 (with grad) if no
+    position counts.
     """
     if not temperature > 0:
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
+    if tail not in LOGIT_TAILS:
+        raise KavaError(f"top-k KL tail must be one of {', '.join(LOGIT_TAILS)}, not {tail!r}")
     ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
     keep = m[..., None]
+    if lse is None:
+        lse = log_normalizer(student_logits, temperature)
     z = student_logits.gather(-1, ids)  # [B, T, k], before the cast: V-sized tensors stay in their dtype
-    z = torch.where(keep, z.float(), 0.0)
-    t = torch.where(keep, topk_logp.to(student_logits.device).float(), 0.0)
-    log_p = torch.log_softmax(t / temperature, dim=-1)
-    log_q = torch.log_softmax(z / temperature, dim=-1)
-    per = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, T]
+    log_s = torch.where(keep, _at_least_f32(z) / temperature - lse[..., None], -1.0)  # student, full vocabulary
+    t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)  # teacher, T = 1
+    if tail == "bucket":
+        t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
+        t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
+        t = torch.cat([t, t_tail[..., None]], dim=-1)  # [B, T, k + 1]
+        log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)
+    a = t / temperature
+    log_p = a - torch.logsumexp(a, dim=-1, keepdim=True)  # the teacher at T, over its k (+ 1) entries
+    per = (log_p.exp() * (log_p - log_s)).sum(-1)  # [B, T]
     w = m.float()
     return (temperature ** 2) * (per * w).sum() / w.sum().clamp_min(1.0)
 
@@ -343,17 +430,26 @@ def top1_agreement(student_logits: torch.Tensor, topk_ids: torch.Tensor, mask: t
     return agree.float().sum() / m.float().sum().clamp_min(1.0)
 
 
-def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
+def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
+              lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-LM cross entropy: logits [B, T, V], labels [B, T] with -100 ignored.
 
-    With `shift`, position t predicts label t+1. Returns 0 (with grad) if no label counts.
-    The labels are shifted, not the logits (the last position gets -100): slicing [B, T, V] logits would
-    copy them, and its backward fill and copy a second [B, T, V] gradient (~20 ms of a ~700 ms CPU step,
-    `kava-ray bench step`); Hugging Face's causal-LM loss does the same.
+    With `shift`, position t predicts label t+1 (the positions `next_token_mask` names). Returns 0 (with
+    grad) if no label counts. The labels are shifted, not the logits (the last position gets -100): slicing
+    [B, T, V] logits would copy them, and its backward fill and copy a second [B, T, V] gradient (~20 ms of a
+    ~700 ms CPU step, `kava-ray bench step`); Hugging Face's causal-LM loss does the same.
+    lse [B, T]: the logits' `log_normalizer` when the caller computed it for logit KD too; CE is then
+    lse - logits[label] (one logsumexp per position for both losses) instead of `F.cross_entropy`.
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-    flat_labels = labels.reshape(-1).to(logits.device)
+    labels = labels.to(logits.device)
+    if lse is not None:
+        valid = labels != -100
+        z = logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0].float()  # [B, T]
+        nll = torch.where(valid, lse - z, 0.0)
+        return nll.sum() / valid.sum().clamp_min(1)
+    flat_labels = labels.reshape(-1)
     if not (flat_labels != -100).any():
         return logits.sum() * 0.0
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100)

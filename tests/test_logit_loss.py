@@ -3,6 +3,7 @@ loss.logit_weight > 0 (teacher top-k log-probs built in process, no Ray)."""
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -15,7 +16,15 @@ from kava_ray.distill import Distiller
 from kava_ray.errors import KavaError
 from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.kv import teacher_forward_kv
-from kava_ray.losses import top1_agreement, topk_kl_loss
+from kava_ray.losses import (
+    log_normalizer,
+    masked_ce,
+    next_token_mask,
+    position_masks,
+    top1_agreement,
+    topk_kl_loss,
+    topk_tail,
+)
 from kava_ray.models import kv_geometry, load_model, load_student
 from tiny_models import train_on_one_batch
 
@@ -23,9 +32,11 @@ pytestmark = pytest.mark.unit
 
 
 def teacher_topk(logits: torch.Tensor, k: int):
-    """(ids [B, T, k] int64, log-probs [B, T, k]) at temperature 1, sorted descending: what a teacher sends."""
-    logp, ids = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
-    return ids, logp
+    """(ids [B, T, k] int64, log-probs [B, T, k], tail [B, T]) at temperature 1, sorted descending: what a
+    teacher sends (the log-probs normalised over the full vocabulary, the tail = log mass outside the k ids)."""
+    full = torch.log_softmax(logits.float(), -1)
+    logp, ids = full.topk(k, dim=-1)
+    return ids, logp, full.scatter(-1, ids, float("-inf")).logsumexp(-1)
 
 
 def example(seed=0, B=2, T=5, V=11, k=4):
@@ -34,88 +45,155 @@ def example(seed=0, B=2, T=5, V=11, k=4):
     student = torch.randn(B, T, V, generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, -2:] = 0  # padding
-    ids, logp = teacher_topk(teacher, k)
-    return student, ids, logp, mask
+    ids, logp, tail = teacher_topk(teacher, k)
+    return student, ids, logp, tail, mask
+
+
+def by_hand(student, ids, logp, tail, mask, T=1.0, bucket=True):
+    """The KD of one tiny vocabulary in plain Python, position by position (DistillKit's sparse_kl_div)."""
+    total, n = 0.0, 0
+    for b in range(student.shape[0]):
+        for t in range(student.shape[1]):
+            if not mask[b, t]:
+                continue
+            z = [float(x) / T for x in student[b, t]]
+            lse = math.log(sum(math.exp(x) for x in z))
+            s = [z[int(i)] - lse for i in ids[b, t]]  # the student over its FULL vocabulary
+            p = [float(x) for x in logp[b, t]]
+            if bucket:
+                s.append(math.log(1 - sum(math.exp(x) for x in s)))
+                p.append(float(tail[b, t]))
+            a = [x / T for x in p]
+            z_t = math.log(sum(math.exp(x) for x in a))
+            q = [x - z_t for x in a]  # the teacher at T over its k (+ 1) entries
+            total += sum(math.exp(qi) * (qi - si) for qi, si in zip(q, s))
+            n += 1
+    return T * T * total / n
 
 
 # ----------------------------------------------------------------------------- the loss
 
 
-@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
-def test_kl_is_zero_when_student_equals_teacher(temperature):
-    _, ids, logp, mask = example()
+@pytest.mark.parametrize("bucket", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_full_vocab_kd_equals_a_hand_computation(bucket, temperature):
+    student, ids, logp, tail, mask = example()
+    got = topk_kl_loss(student, ids, logp, mask, temperature=temperature, tail="bucket" if bucket else "none",
+                       teacher_tail=tail)
+    assert float(got) == pytest.approx(by_hand(student, ids, logp, tail, mask, temperature, bucket), rel=1e-5)
+    # the shared normaliser (CE's logsumexp) gives the same number
+    lse = log_normalizer(student, temperature)
+    assert torch.allclose(topk_kl_loss(student, ids, logp, mask, temperature, "bucket" if bucket else "none",
+                                       tail, lse), got)
+    # without a served tail, the bucket is 1 - sum p (what older caches give)
+    if bucket:
+        derived = topk_kl_loss(student, ids, logp, mask, temperature=temperature)
+        assert float(derived) == pytest.approx(float(got), rel=1e-4)
+
+
+def test_renormalising_the_student_over_the_k_ids_would_hide_its_mass_elsewhere():
+    """The bug this loss replaces: a student whose logits on the k ids have the teacher's shape but whose mass
+    sits elsewhere scored 0 when renormalised over the k ids; over the full vocabulary it pays."""
+    V, k = 50, 4
+    teacher = torch.full((1, 1, V), -10.0)
+    teacher[0, 0, :k] = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    ids, logp, tail = teacher_topk(teacher, k)
+    student = teacher.clone()
+    student[0, 0, k:] = 6.0  # the same shape on the ids, >= 97 % of its mass on the other 46 tokens
+    renormalised = torch.log_softmax(logp, -1), torch.log_softmax(student.gather(-1, ids), -1)
+    assert float((renormalised[0].exp() * (renormalised[0] - renormalised[1])).sum()) < 1e-6
+    for mode in ("bucket", "none"):
+        assert float(topk_kl_loss(student, ids, logp, teacher_tail=tail, tail=mode)) > 3.0, mode
+
+
+@pytest.mark.parametrize("mode", ["bucket", "none"])
+def test_mass_off_the_support_gives_a_large_loss_that_one_step_lowers(mode):
+    torch.manual_seed(0)
+    B, T, V, k = 2, 6, 40, 5
+    teacher = torch.randn(B, T, V) * 3
+    ids, logp, tail = teacher_topk(teacher, k)
+    student = torch.randn(B, T, V)
+    student.scatter_(-1, ids, -4.0)  # the student's mass sits off the teacher's top-k
+
+    def off_support(z):
+        return 1 - torch.softmax(z, -1).gather(-1, ids).sum(-1)
+
+    assert float(off_support(student).min()) >= 0.9
+    z = torch.nn.Parameter(student.clone())
+    opt = torch.optim.Adam([z], lr=0.5)
+    loss = topk_kl_loss(z, ids, logp, teacher_tail=tail, tail=mode)
+    assert float(loss.detach()) > 1.0
+    loss.backward()
+    assert float(z.grad.gather(-1, ids).sum()) < 0  # the support, as a whole, is pushed up
+    opt.step()
+    after = off_support(z.detach())
+    assert (after < off_support(student)).all() and float(after.mean()) < float(off_support(student).mean()) - 0.002
+    assert float(topk_kl_loss(z.detach(), ids, logp, teacher_tail=tail, tail=mode)) < float(loss) - 0.5
+
+
+def test_zero_loss_and_zero_gradient_when_the_student_is_the_teacher():
     g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(2, 5, 11, generator=g)
-    ids, logp = teacher_topk(teacher, 4)
-    for student in (teacher, teacher + 3.0, teacher.bfloat16()):  # a constant shift changes no distribution
-        loss = topk_kl_loss(student, ids, logp, mask, temperature=temperature)
+    teacher = torch.randn(2, 5, 11, generator=g) * 2
+    ids, logp, tail = teacher_topk(teacher, 4)
+    mask = torch.ones(2, 5)
+    for student in (teacher, teacher + 3.0):  # a constant shift changes no distribution
+        z = student.clone().requires_grad_(True)
+        loss = topk_kl_loss(z, ids, logp, mask, teacher_tail=tail)
         assert loss.dtype == torch.float32 and loss.dim() == 0
-        tol = 1e-2 if student.dtype == torch.bfloat16 else 1e-6
-        assert abs(float(loss)) < tol, (student.dtype, float(loss))
-    assert float(topk_kl_loss(teacher.roll(1, -1), ids, logp, mask)) > 0.1
+        loss.backward()
+        assert abs(float(loss)) < 1e-6 and float(z.grad.abs().max()) < 1e-6, (float(loss), float(z.grad.abs().max()))
+    assert abs(float(topk_kl_loss(teacher.bfloat16(), ids, logp, mask, teacher_tail=tail))) < 1e-2
+    assert float(topk_kl_loss(teacher.roll(1, -1), ids, logp, mask, teacher_tail=tail)) > 0.1
 
 
-def test_gradient_matches_the_closed_form_and_finite_differences():
-    student, ids, logp, mask = example()
+def test_gradient_matches_finite_differences_on_the_whole_vocabulary():
+    student, ids, logp, tail, mask = example()
     T = 2.0
-    z = student.clone().requires_grad_(True)
-    topk_kl_loss(z, ids, logp, mask, temperature=T).backward()
-    # closed form: T * (q_s - p_t) on the k gathered logits, times mask / n; 0 elsewhere
-    m = mask.float()[..., None]
-    q = torch.softmax(student.gather(-1, ids) / T, -1)
-    p = torch.softmax(logp / T, -1)
-    want = torch.zeros_like(student).scatter(-1, ids, T * (q - p) * m / mask.sum())
-    torch.testing.assert_close(z.grad, want, atol=1e-6, rtol=1e-5)
+    z = student.clone().double().requires_grad_(True)
+    topk_kl_loss(z, ids, logp, mask, temperature=T, teacher_tail=tail).backward()
     assert (z.grad[1, -2:] == 0).all()  # padding gets no gradient
-    # finite differences on a few entries, in float64 arithmetic on float32 losses
-    eps = 1e-2
-    for b, t, v in [(0, 0, int(ids[0, 0, 0])), (1, 2, int(ids[1, 2, 3])), (0, 4, int(ids[0, 4, 1]))]:
-        up, down = student.clone(), student.clone()
+    off = [v for v in range(11) if v not in ids[0, 0].tolist()][0]  # a token outside the support gets one too
+    assert z.grad[0, 0, off] != 0
+    eps = 1e-4
+    for b, t, v in [(0, 0, int(ids[0, 0, 0])), (1, 2, int(ids[1, 2, 3])), (0, 0, off)]:
+        up, down = student.clone().double(), student.clone().double()
         up[b, t, v] += eps
         down[b, t, v] -= eps
-        fd = (float(topk_kl_loss(up, ids, logp, mask, T)) - float(topk_kl_loss(down, ids, logp, mask, T))) / (2 * eps)
-        assert abs(fd - float(z.grad[b, t, v])) < 1e-3, (b, t, v, fd, float(z.grad[b, t, v]))
+        fd = (float(topk_kl_loss(up, ids, logp, mask, T, teacher_tail=tail))
+              - float(topk_kl_loss(down, ids, logp, mask, T, teacher_tail=tail))) / (2 * eps)
+        assert abs(fd - float(z.grad[b, t, v])) < 1e-4, (b, t, v, fd, float(z.grad[b, t, v]))
 
 
-def test_masked_positions_change_nothing():
-    student, ids, logp, mask = example()
+def test_masked_teacher_positions_change_nothing():
+    student, ids, logp, tail, mask = example()
     z = student.clone().requires_grad_(True)
-    clean = topk_kl_loss(z, ids, logp, mask)
+    clean = topk_kl_loss(z, ids, logp, mask, teacher_tail=tail)
     clean.backward()
-    bad_s, bad_ids, bad_logp = student.clone(), ids.clone(), logp.clone()
-    bad_s[1, -2:] = float("nan")
-    bad_s[1, -1, 0] = float("inf")
+    bad_ids, bad_logp, bad_tail = ids.clone(), logp.clone(), tail.clone()
     bad_ids[1, -2:] = 10 ** 9  # past any vocab: never gathered
     bad_logp[1, -2:] = float("nan")
-    z2 = bad_s.clone().requires_grad_(True)
-    dirty = topk_kl_loss(z2, bad_ids, bad_logp, mask)
+    bad_tail[1, -2:] = float("nan")
+    z2 = student.clone().requires_grad_(True)
+    dirty = topk_kl_loss(z2, bad_ids, bad_logp, mask, teacher_tail=bad_tail)
     dirty.backward()
     assert torch.equal(clean.detach(), dirty.detach())
     torch.testing.assert_close(z2.grad, z.grad, atol=0, rtol=0)
-    assert float(top1_agreement(bad_s, bad_ids, mask)) == float(top1_agreement(student, ids, mask))
-    # the mean is over counted positions: a position-wise equal loss does not depend on how many are masked
+    assert float(top1_agreement(student, bad_ids, mask)) == float(top1_agreement(student, ids, mask))
     none = torch.zeros_like(mask)
     assert float(topk_kl_loss(student, ids, logp, none)) == 0.0
-
-
-def test_temperature_scales_by_t_squared_and_large_t_flattens():
-    student, ids, logp, mask = example(seed=3)
-    zs = student.gather(-1, ids)
-    for T in (0.5, 1.0, 3.0):
-        p = torch.log_softmax(logp / T, -1)
-        q = torch.log_softmax(zs / T, -1)
-        kl = (p.exp() * (p - q)).sum(-1)
-        want = T ** 2 * (kl * mask).sum() / mask.sum()
-        torch.testing.assert_close(topk_kl_loss(student, ids, logp, mask, temperature=T), want)
-    # large T: both sides flatten (the unscaled KL -> 0), and T^2 * KL -> Hinton's limit 0.5 * Var_k(z_s - logp_t)
-    unscaled = [float(topk_kl_loss(student, ids, logp, mask, temperature=T)) / T ** 2 for T in (1, 4, 16, 64)]
-    assert all(a > b for a, b in zip(unscaled, unscaled[1:])) and unscaled[-1] < 1e-3
-    d = zs - logp
-    limit = (0.5 * d.var(-1, unbiased=False) * mask).sum() / mask.sum()
-    near = [abs(float(topk_kl_loss(student, ids, logp, mask, temperature=T)) - float(limit)) for T in (3, 10, 100)]
-    assert near[0] > near[1] > near[2] and near[2] < 5e-3 * float(limit), near  # (fp32 limits larger T)
     with pytest.raises(KavaError):
         topk_kl_loss(student, ids, logp, mask, temperature=0.0)
+    with pytest.raises(KavaError):
+        topk_kl_loss(student, ids, logp, mask, tail="renormalise")
+
+
+def test_a_shorter_top_k_moves_the_dropped_mass_into_the_tail():
+    g = torch.Generator().manual_seed(2)
+    teacher = torch.randn(1, 3, 30, generator=g) * 2
+    ids, logp, tail = teacher_topk(teacher, 8)
+    ids4, logp4, tail4 = teacher_topk(teacher, 4)
+    torch.testing.assert_close(topk_tail(logp, tail, 4), tail4)
+    torch.testing.assert_close(topk_tail(logp, None, 4), tail4, atol=1e-5, rtol=1e-5)
 
 
 def test_top1_agreement_is_a_masked_mean_tensor():
@@ -126,6 +204,45 @@ def test_top1_agreement_is_a_masked_mean_tensor():
     assert isinstance(agree, torch.Tensor) and agree.dim() == 0 and not agree.requires_grad
     assert float(agree) == 0.5
     assert float(top1_agreement(logits, ids)) == pytest.approx(2 / 3)
+
+
+def test_ce_with_the_shared_normaliser_equals_cross_entropy():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 13, generator=g)
+    labels = torch.randint(0, 13, (2, 6), generator=g)
+    labels[0, :3] = -100
+    labels[1, -1] = -100
+    torch.testing.assert_close(masked_ce(logits, labels, lse=log_normalizer(logits)), masked_ce(logits, labels))
+
+
+@pytest.mark.parametrize("tokens", ["all", "answer", "no_shared_prefix"])
+def test_kd_and_ce_count_the_same_positions_under_every_loss_tokens(tokens):
+    """Logits at t predict t + 1: CE and KD both count t where labels[t + 1] carries a loss, whatever
+    `loss_tokens` says the KV loss counts."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 0], [1, 2, 7, 8, 9, 0, 0]])
+    attn = (ids != 0).long()
+    labels = torch.where(attn.bool(), ids, -100)
+    labels[:, :3] = -100  # a 3-token prompt
+    answer = (labels != -100).long()
+    batch = {"input_ids": ids, "attention_mask": attn, "labels": labels, "answer_mask": answer}
+    kv, nxt = position_masks(batch, tokens)
+    want = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(nxt, want)  # the position before the first answer token counts, the last answer token not
+    assert torch.equal(kv, {"all": attn.bool(), "answer": answer.bool(),
+                            "no_shared_prefix": attn.bool() & (torch.arange(7) >= 2)}[tokens])
+    # CE averages over exactly these positions: a logit change elsewhere changes neither CE nor KD
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 7, 10, generator=g)
+    t_ids, t_logp, t_tail = teacher_topk(torch.randn(2, 7, 10, generator=g), 3)
+    poked = logits.clone()
+    poked[~nxt] += torch.randn(int((~nxt).sum()), 10, generator=g)
+    for f in (lambda z: masked_ce(z, labels), lambda z: topk_kl_loss(z, t_ids, t_logp, nxt, teacher_tail=t_tail)):
+        assert torch.equal(f(logits), f(poked))
+    poked_in = logits.clone()
+    poked_in[0, 2, int(labels[0, 3])] += 1.0  # the position that predicts the first answer token counts for both
+    assert not torch.equal(masked_ce(logits, labels), masked_ce(poked_in, labels))
+    assert not torch.equal(topk_kl_loss(logits, t_ids, t_logp, nxt, teacher_tail=t_tail),
+                           topk_kl_loss(poked_in, t_ids, t_logp, nxt, teacher_tail=t_tail))
 
 
 # ----------------------------------------------------------------------------- the Distiller
@@ -156,9 +273,9 @@ def setup(job_path):
         plans[t.name] = TeacherPlan(t.name, g, lm, layers)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        ids, logp = teacher_topk(logits * SHARPEN, 8)
+        ids, logp, tail = teacher_topk(logits * SHARPEN, 8)
         kv_t = teacher_forward_kv(model, batch["input_ids"], batch["attention_mask"], layers=layers)
-        kv[t.name] = dataclasses.replace(kv_t.to(dtype=torch.float32), topk_ids=ids, topk_logp=logp)
+        kv[t.name] = dataclasses.replace(kv_t.to(dtype=torch.float32), topk_ids=ids, topk_logp=logp, topk_tail=tail)
     return cfg.to_dict(), batch, plans, kv, s_geom
 
 
@@ -183,7 +300,9 @@ def test_distiller_logit_kd_trains(setup, fusion, kv_weight):
     first, last = history[0], history[-1]
     for k in ("logit_kl", "logit_kl/qwen", "logit_kl/llama", "top1_agree/qwen", "top1_agree/llama"):
         assert isinstance(last[k], torch.Tensor) and last[k].dim() == 0 and not last[k].requires_grad, k
-    assert last["logit_kl"] < 0.9 * first["logit_kl"], (float(first["logit_kl"]), float(last["logit_kl"]))
+    # over the full vocabulary the near-uniform tiny student must move real mass: the KL falls steadily, slowly
+    kls = [float(h["logit_kl"]) for h in history]
+    assert all(b < a for a, b in zip(kls, kls[1:])) and kls[-1] < 0.985 * kls[0], kls
     for t in ("qwen", "llama"):
         assert last[f"top1_agree/{t}"] >= first[f"top1_agree/{t}"], t
     # the loss is ce_weight * CE + kv_weight * KV + logit_weight * KL, with the fusion weights over teachers
@@ -196,25 +315,27 @@ def test_distiller_logit_kd_trains(setup, fusion, kv_weight):
 
 def test_logit_weight_zero_is_exactly_as_before(setup):
     off, _, batch, kv = make(setup)
-    plain = {n: dataclasses.replace(b, topk_ids=None, topk_logp=None) for n, b in kv.items()}
+    plain = {n: dataclasses.replace(b, topk_ids=None, topk_logp=None, topk_tail=None) for n, b in kv.items()}
     loss_a, m_a = off(batch, kv)
     loss_b, m_b = off(batch, plain)  # no logits needed, none used
     assert torch.equal(loss_a, loss_b) and not any(k.startswith(("logit_kl", "top1_agree")) for k in m_a)
     on, _, _, _ = make(setup, "loss.logit_weight=0.5")
     loss_c, m_c = on(batch, kv)
-    assert torch.equal(m_c["ce"], m_a["ce"]) and torch.equal(m_c["kv_loss"], m_a["kv_loss"])
-    assert float(loss_c) == pytest.approx(float(loss_a) + 0.5 * float(m_c["logit_kl"]), rel=1e-6)
+    # CE from the normaliser it shares with the KD: equal to F.cross_entropy's to float rounding
+    assert float(m_c["ce"]) == pytest.approx(float(m_a["ce"]), rel=1e-6) and torch.equal(m_c["kv_loss"], m_a["kv_loss"])
+    assert float(loss_c) == pytest.approx(float(loss_a) + 0.5 * float(m_c["logit_kl"]), rel=1e-5)
 
 
 def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
     distiller, _, batch, kv = make(setup, "loss.logit_weight=1.0")
-    no_llama = {**kv, "llama": dataclasses.replace(kv["llama"], topk_ids=None, topk_logp=None)}
+    no_llama = {**kv, "llama": dataclasses.replace(kv["llama"], topk_ids=None, topk_logp=None, topk_tail=None)}
     with pytest.raises(KavaError) as info:
         distiller(batch, no_llama)
     msg = str(info.value)
     assert "\n" not in msg and "'llama'" in msg and "loss.logit_weight" in msg, msg
     big = kv["qwen"].topk_ids.clone()
-    big[0, 3, 1] = 10_000
+    b, t = next_token_mask(batch["labels"]).nonzero()[0].tolist()  # a position the KD counts
+    big[b, t, 1] = 10_000
     with pytest.raises(KavaError) as info:
         distiller(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
     msg = str(info.value)

@@ -335,6 +335,10 @@ def test_teacher_topk_logits_equal_log_softmax_of_the_forward(name, key_space, r
     assert kv.topk_ids.shape == (*ids.shape, 5) and torch.equal(kv.topk_ids, ref_ids)  # same ids, same order
     assert torch.allclose(kv.topk_logp, ref_logp, atol=1e-5, rtol=0)
     assert (kv.topk_logp[..., :-1] >= kv.topk_logp[..., 1:]).all()  # sorted descending
+    # the tail: the exact log mass outside the k ids (the log-probs plus it sum to one)
+    assert kv.topk_tail.shape == ids.shape
+    torch.testing.assert_close(torch.logaddexp(kv.topk_logp.logsumexp(-1), kv.topk_tail), torch.zeros(ids.shape),
+                               atol=1e-5, rtol=0)
     plain = teacher_forward_kv(model, ids, mask, layers=[0, 1], key_space=key_space)  # k = 0: today's batch
     assert plain.topk_ids is None and plain.topk_logp is None
     assert torch.equal(plain.keys, kv.keys) and torch.equal(plain.values, kv.values)
@@ -359,10 +363,12 @@ def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, ba
         payload = kv.to_wire(dtype)
         assert payload["topk_ids"].dtype == np.int32 and payload["topk_logp"].dtype == np_dtype
         assert payload["topk_ids"].shape == payload["topk_logp"].shape == (B, T, 7)
-        assert wire_logits_nbytes(payload) == logits_bytes_per_token(7, dtype) * B * T == 7 * (4 + 2) * B * T
+        assert payload["topk_tail"].dtype == np.float32 and payload["topk_tail"].shape == (B, T)
+        # k ids (int32) and log-probs (2 bytes) plus the float32 tail, per token
+        assert wire_logits_nbytes(payload) == logits_bytes_per_token(7, dtype) * B * T == (7 * (4 + 2) + 4) * B * T
         assert wire_nbytes(payload) == (kv_bytes_per_token(geom, dtype, layers=[0, 2])
                                         + logits_bytes_per_token(7, dtype)) * B * T
-        for arr in ("topk_ids", "topk_logp"):  # read-only, as Ray's object store hands them back
+        for arr in ("topk_ids", "topk_logp", "topk_tail"):  # read-only, as Ray's object store hands them back
             payload[arr] = payload[arr].copy()
             payload[arr].flags.writeable = False
         for out_dtype in (torch.float32, None, torch.bfloat16):
@@ -370,10 +376,11 @@ def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, ba
             assert back.topk_ids.dtype == torch.int64 and torch.equal(back.topk_ids, kv.topk_ids)
             assert back.topk_logp.dtype == torch.float32  # at least fp32 after decode
             assert torch.equal(back.topk_logp, kv.topk_logp.to(half).float())  # exact: one rounding
+            assert torch.equal(back.topk_tail, kv.topk_tail)  # the tail travels in float32: exact
         back.topk_logp.add_(1)  # writable, not aliasing the payload
         bare = plain.to_wire(dtype)  # without top-k: exactly the payload it always was
-        assert set(bare) == set(payload) - {"topk_ids", "topk_logp", "topk_dtype"}
+        assert set(bare) == set(payload) - {"topk_ids", "topk_logp", "topk_tail", "topk_dtype"}
         assert wire_nbytes(bare) == kv_bytes_per_token(geom, dtype, layers=[0, 2]) * B * T
         back = KVBatch.from_wire(bare)
         assert back.topk_ids is None and back.topk_logp is None
-    assert logits_bytes_per_token(0) == 0 and logits_bytes_per_token(64, "fp32") == 64 * 8
+    assert logits_bytes_per_token(0) == 0 and logits_bytes_per_token(64, "fp32") == 64 * 8 + 4

@@ -293,7 +293,7 @@ def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(mon
     p0, p1 = plan(base, 8 * GiB), plan(cfg, 8 * GiB)
     assert p0["logits_bytes_per_token"] == {"qwen1.5b-nf4": 0} and p0["logits_top_k"] == 0
     per_token = logits_bytes_per_token(64, "bf16")
-    assert per_token == 64 * (4 + 2)
+    assert per_token == 64 * (4 + 2) + 4  # ids, bf16 log-probs and the float32 tail
     assert p1["kv_bytes_per_token"]["qwen1.5b-nf4"] == p0["kv_bytes_per_token"]["qwen1.5b-nf4"] + per_token
     i0, i1 = p0["devices"]["gpu0"]["items"], p1["devices"]["gpu0"]["items"]
     buf0 = i0["teacher kv buffers (bf16 x 3 + fp32)"]
