@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs import write_job
 from kava_ray.config import load_config
@@ -80,7 +81,8 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
                for m in train_on_one_batch(distiller, cfg.optim, batch, kv, steps=6)]
     for n in ("qwen", "qtok"):
         assert history[-1][f"cos/{n}"] > history[0][f"cos/{n}"] + 0.05, n
-    assert 0.5 < history[0]["aligned/qtok"] <= 1.0
+    # causal: a byte of the student takes a Qwen2 token only where that token ends (its last byte), ~1/3 here
+    assert 0.25 < history[0]["aligned/qtok"] < 0.6
     real = int(batch["attention_mask"].sum())
     assert history[0]["kv_tokens"] <= real  # the fused target exists only where both teachers have one
     with pytest.raises(KavaError, match="carries no token alignment") as info:
@@ -128,7 +130,7 @@ def test_two_workers_train_with_a_teacher_of_another_tokenizer(xrun):
         assert last > first + 0.05, (n, first, last)
         assert evals[-1][f"eval/cos/{n}"] > evals[0][f"eval/cos/{n}"], n
     assert train[-1]["contrast_gap"] > 0 and evals[-1]["eval/contrast_gap"] > 0
-    assert all(0.5 < r["aligned/qtok"] <= 1 for r in train)
+    assert all(0.25 < r["aligned/qtok"] < 0.6 for r in train)  # causal: a byte takes a Qwen2 token where it ends
 
 
 def test_resume_with_a_teacher_of_another_tokenizer_is_exact(xrun):
@@ -161,3 +163,18 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xrun, xjob, tmp_path):
     _, plans, _ = setup_teachers(cached)
     assert plans["qtok"].tokenizer == str(cache / "tokenizers" / "qtok") and not plans["qwen"].aligned
     assert len(teacher_tokenizers(plans)["qtok"]) == len(real_tokenizer("qwen2"))
+    # batches of another seed, assembled from the examples: each teacher's rows padded to its own tokens
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import kv_source
+
+    models, _ = in_process(cfg)
+    train, _ = load_splits(cached, student_tokenizer(cached)[0], teacher_tokenizers(plans))
+    layers = {n: p.layers for n, p in plans.items()}
+    for (item, kc), (_, kl) in zip(
+            KVFeed(kv_source(cached, plans, train.fingerprint), feed_items(BatchStream(train, 3, 5), 2), layers),
+            KVFeed(InProcessSource(models), feed_items(BatchStream(train, 3, 5), 2), layers)):
+        batch = item[3]
+        for n, mask in (("qwen", batch["attention_mask"]), ("qtok", batch["teacher_attention_mask/qtok"])):
+            m = mask.bool()[None, :, None, :, None]
+            assert kc[n].keys.shape == kl[n].keys.shape
+            assert torch.allclose(kc[n].keys * m, kl[n].keys * m, rtol=2 ** -7, atol=1e-3), n

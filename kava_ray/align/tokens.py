@@ -24,9 +24,13 @@ Canonical segments are disjoint intervals, so overlap in the canonical coordinat
 segment. If the question (or the answer after it) cannot be found in a tokenizer's text, e.g. a
 template that rewrites content, `segment_bounds` returns None and the example is all-unaligned.
 
-Alignment. `align_positions` gives student token i the contiguous teacher range lo[i]:hi[i] of exactly
-the teacher tokens whose canonical span overlaps its own (hi == lo: unaligned), by two
-`np.searchsorted` calls over the monotone spans. `apply_alignment` turns teacher KV [..., B, H, T_t, D]
+Alignment (causal). `align_positions` gives student token i the contiguous teacher range lo[i]:hi[i] of
+exactly the teacher tokens whose canonical span overlaps its own AND ends at or before its end (hi == lo:
+unaligned), by `np.searchsorted` calls over the monotone spans. A teacher token ending after the student
+token has read characters the student has not (SmolLM2 cuts "123" into "1", "2", "3", Llama-3 keeps "123":
+the teacher's "123" has seen "23" when the student is at "1"), so a causal student could not match its KV;
+such student positions stay unaligned (counted as `causal_unaligned`). `causal=False` gives the plain
+overlap. `apply_alignment` turns teacher KV [..., B, H, T_t, D]
 into student time [..., B, H, T_s, D] (mean | last | first of the range; 0 where unaligned), O(T).
 """
 
@@ -97,16 +101,17 @@ def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np
     return starts, ends, np.where(has, seg, NO_SPAN)
 
 
-def align_positions(s_starts, s_ends, t_starts, t_ends) -> tuple[np.ndarray, np.ndarray]:
-    """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own.
+def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own and,
+    with `causal`, ends at or before its end (no teacher token that has read characters past it).
 
     Inputs are canonical spans (`canonical_spans`), -1 = no span. Returns int64 (lo, hi) [T_s];
-    hi == lo means unaligned (no span, or nothing of the teacher overlaps). Spans of tokens with a span
-    are monotone (starts and ends non-decreasing in token order), so the overlapping set
-    {j: t_end[j] > s_start and t_start[j] < s_end} is the contiguous range found by two searchsorted
-    calls. A teacher token without a span is given start = the next spanned token's start and end = the
-    previous spanned token's end: it never matches by itself and keeps both arrays monotone (it lands
-    inside a range only when sandwiched between two tokens that both overlap).
+    hi == lo means unaligned (no span, or no teacher token qualifies). Spans of tokens with a span
+    are monotone (starts and ends non-decreasing in token order), so the set
+    {j: t_end[j] > s_start and t_start[j] < s_end (and t_end[j] <= s_end)} is the contiguous range found
+    by searchsorted calls. A teacher token without a span is given start = the next spanned token's start
+    and end = the previous spanned token's end: it never matches by itself and keeps both arrays monotone
+    (it lands inside a range only when sandwiched between two tokens that both qualify).
     """
     ss, se = np.asarray(s_starts, np.int64), np.asarray(s_ends, np.int64)
     ts, te = np.asarray(t_starts, np.int64).copy(), np.asarray(t_ends, np.int64).copy()
@@ -117,6 +122,8 @@ def align_positions(s_starts, s_ends, t_starts, t_ends) -> tuple[np.ndarray, np.
         ts = np.minimum.accumulate(np.where(miss, big, ts)[::-1])[::-1]  # next spanned start (big: none)
     lo = np.searchsorted(te, ss, side="right")  # first teacher token with end > student start
     hi = np.searchsorted(ts, se, side="left")  # first teacher token with start >= student end
+    if causal:  # ... and before the first teacher token that ends past the student's end
+        hi = np.minimum(hi, np.searchsorted(te, se, side="right"))
     hi = np.where((ss < 0) | (hi < lo), lo, hi)
     return lo.astype(np.int64), hi.astype(np.int64)
 
@@ -125,7 +132,7 @@ def align_texts(s_offsets, s_text: str, t_offsets, t_text: str, question: str, a
     """One example end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
 
     Chooses the canonical coordinate (same text or content only), maps both tokenizations into it and
-    aligns them; an example whose question/answer is missing from either text is all-unaligned.
+    aligns them causally; an example whose question/answer is missing from either text is all-unaligned.
     """
     same = s_text == t_text
     s_canon = canonical_spans(s_offsets, segment_bounds(s_text, question, answer, same))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from kava_ray.align.tokens import align_texts
+from kava_ray.align.tokens import align_positions, align_texts
 from kava_ray.data.sources import load_examples
 from kava_ray.data.synthetic import Example
 from kava_ray.errors import KavaError
@@ -185,20 +185,22 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     The teacher uses the same `prompt_format` setting (with `auto` it applies its own chat template if it
     has one). Alignment per example: `kava_ray.align.tokens.align_texts` (character offsets, segment-aware).
     Truncation: the student items are already cut to max_length; for a truncated student item, teacher
-    tokens whose canonical start lies at or beyond the student's last covered character are dropped (a
+    tokens that end past the student's last covered character (unusable by the causal alignment) are dropped (a
     teacher token without a span stays only if a kept one follows it; an untruncated item keeps the whole
     teacher sequence, so a teacher sharing the student's tokenizer gets exactly the student's ids), then
     the teacher sequence is capped at max_length tokens; student positions the cap cuts off entirely
     become unaligned (counted). At least one teacher token is kept.
 
     stats (python numbers): aligned_fraction (aligned student tokens / student tokens), teacher_per_student
-    (mean range width over aligned tokens), unaligned (student tokens), student_tokens, teacher_tokens,
+    (mean range width over aligned tokens), unaligned (student tokens), causal_unaligned (student tokens that
+    some teacher token overlaps but every one ends after them: left out by the causal rule, within
+    `unaligned`), student_tokens, teacher_tokens,
     unanchored (examples whose question/answer is missing from either text: all-unaligned), teacher_capped
     (examples the max_length cap cut), same_text (examples where teacher and student texts are identical).
     `mode_unused` is accepted for call-site symmetry; the reduction mode is applied at training time.
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    items, n_tok, n_ok, width, n_t, unanchored, capped, same = [], 0, 0, 0, 0, 0, 0, 0
+    items, n_tok, n_ok, width, n_t, unanchored, capped, same, causal = [], 0, 0, 0, 0, 0, 0, 0, 0
     for i, (ex, s_item) in enumerate(zip(split.examples, split.items)):
         if s_item.get("offsets") is None or "text" not in s_item:
             raise KavaError("cross-tokenizer alignment needs fast (Rust) tokenizers with offset mappings; "
@@ -213,19 +215,21 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
             unanchored += 1
         ids = t_item["input_ids"]
         n_keep = len(ids)
-        if s_item.get("truncated"):  # drop what lies beyond the student's last covered character
+        if s_item.get("truncated"):  # drop what the causal alignment cannot use: tokens ending past the student's text
             covered = int(s_canon[1].max()) if len(s_canon[1]) else -1
-            keep = np.flatnonzero((t_canon[0] >= 0) & (t_canon[0] < covered))
+            keep = np.flatnonzero((t_canon[0] >= 0) & (t_canon[1] <= covered))
             n_keep = int(keep[-1]) + 1 if len(keep) else 0
         capped += n_keep > max_length
         n_keep = max(1, min(n_keep, max_length)) if ids else 0
         hi = np.minimum(hi, n_keep)
         lo = np.minimum(lo, hi)
         ok = hi > lo
+        lo_o, hi_o = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1], causal=False)
+        causal += int(((np.minimum(hi_o, n_keep) > np.minimum(lo_o, n_keep)) & ~ok).sum())
         n_tok, n_ok, width, n_t = n_tok + len(lo), n_ok + int(ok.sum()), width + int((hi - lo).sum()), n_t + n_keep
         items.append({"input_ids": list(ids[:n_keep]), "align_lo": lo.tolist(), "align_hi": hi.tolist()})
     stats = {"aligned_fraction": n_ok / max(n_tok, 1), "teacher_per_student": width / max(n_ok, 1),
-             "unaligned": n_tok - n_ok, "student_tokens": n_tok, "teacher_tokens": n_t,
+             "unaligned": n_tok - n_ok, "causal_unaligned": causal, "student_tokens": n_tok, "teacher_tokens": n_t,
              "unanchored": unanchored, "teacher_capped": capped, "same_text": same}
     return TeacherView(items, pad if pad is not None else 0, tokenizer_fingerprint(tokenizer), stats)
 
