@@ -18,6 +18,12 @@ teachers' log-norms (a weighted geometric mean of norms). Log-norms because the 
 is an MSE on log-norms, whose minimiser over the teachers is exactly that weighted mean; a weighted
 mean of norms would be pulled toward the largest teacher's scale. So the logged `fusion/<teacher>` weights are the teachers' real shares of the direction,
 and a projector's output scale changes only the fused magnitude (through its log-norm share).
+
+Centred fusion (`center=True`, on with `loss.center`): the loss compares centred vectors (each (layer, head)
+minus its mean over the batch's counted tokens), so the teachers are fused on their centred projections
+-- the direction the loss trains -- and the weighted mean of their means is added back (it keeps the raw
+magnitudes the Mercator beta term reads). `fusion/<teacher>` is then each teacher's share of what is trained;
+fusing raw unit vectors would let a teacher's large mean direction outweigh its centred share.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from kava_ray.errors import KavaError
+from kava_ray.losses import token_mean
 
 FUSION_KINDS = ("fixed", "gate", "router", "sum")
 DIR_EPS = 1e-8  # a projected vector shorter than this has no direction (its unit vector is ~0)
@@ -60,6 +67,7 @@ class Fusion(nn.Module):
         per_layer: bool = False,
         feature_dim: int | None = None,
         names: list[str] | None = None,
+        center: bool = False,
     ):
         super().__init__()
         if kind not in FUSION_KINDS:
@@ -69,6 +77,7 @@ class Fusion(nn.Module):
         if int(n_layers) < 1:
             raise KavaError(f"fusion n_layers must be >= 1, got {n_layers}")
         self.kind, self.n_teachers, self.n_layers, self.per_layer = kind, int(n_teachers), int(n_layers), per_layer
+        self.center = center
         self.names = list(names) if names is not None else [f"teacher_{i}" for i in range(self.n_teachers)]
         if len(self.names) != self.n_teachers:
             raise KavaError(f"fusion names has {len(self.names)} entries for {n_teachers} teachers")
@@ -126,8 +135,8 @@ class Fusion(nn.Module):
         """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`);
         None for `sum`.
 
-        `feature` [B, T, F] drives the router; `mask` [B, T] only restricts which
-        tokens count for the logged router weights.
+        `feature` [B, T, F] drives the router; `mask` [B, T] restricts which tokens count for the logged
+        router weights and, with `center`, for each teacher's mean (centred fusion, module docstring).
         """
         if len(projected) != self.n_teachers:
             raise KavaError(f"fusion got {len(projected)} teacher targets, expected {self.n_teachers}")
@@ -156,7 +165,15 @@ class Fusion(nn.Module):
                                 f"targets have B, T={shape[1]}, {shape[3]}")
             self._log_router(w, mask)
             w = w[None, :, None, :, None, :]  # [1, B, 1, T, 1, n]
-        return fuse_by_direction(stacked, w)
+        if not self.center:
+            return fuse_by_direction(stacked, w)
+        B, T = shape[1], shape[3]
+        m = (torch.ones(B, T, dtype=torch.bool, device=stacked.device) if mask is None
+             else mask.to(stacked.device) != 0)[None, :, None, :]  # [1, B, 1, T]
+        x = stacked.float() if stacked.dtype in (torch.float16, torch.bfloat16) else stacked
+        mus = torch.stack([token_mean(x[..., i], m) for i in range(self.n_teachers)], dim=-1)  # [L, 1, H, 1, D, n]
+        fused = fuse_by_direction(x - mus, w) + (mus * w.to(mus.dtype)).sum(-1)
+        return fused.to(stacked.dtype)
 
     def _log_router(self, w: torch.Tensor, mask: torch.Tensor | None) -> None:
         w = w.detach().reshape(-1, self.n_teachers)

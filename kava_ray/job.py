@@ -134,15 +134,34 @@ def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeom
     for t in cfg.teachers:
         geom = teacher_geoms[t.name]
         g = KVGeometry.from_dict(geom)
-        layer_map, shipped = plan_teacher_layers(
-            cfg.align.layer_map, g.num_layers, s_geom.num_layers, mode=cfg.align.mode, selected=t.layers,
-            explicit=cfg.align.explicit_map, cka_path=cfg.align.cka_path, teacher=t.name)
+        layer_map, shipped = layer_plan(cfg, t.name, g.num_layers, s_geom.num_layers)
         fp = geom.get("tokenizer_fingerprint")
         tokenizer = None
         if fp is not None and fp != student_fp:
             tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
         plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp)
     return plans
+
+
+def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> tuple[LayerMap, list[int]]:
+    """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
+    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise."""
+    a = cfg.align
+    kind = a.layer_map
+    if kind == "auto":
+        kind = "identity" if copied_layers(cfg, teacher) is not None else "ratio"
+    return plan_teacher_layers(kind, n_teacher, n_student, mode=a.mode, selected=cfg.teacher(teacher).layers,
+                               explicit=a.explicit_map, cka_path=a.cka_path, teacher=teacher,
+                               sources=cfg.student.keep_layers)
+
+
+def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
+    """The teacher layers the student's layers were copied from -- `student.keep_layers` when the student is
+    built from this teacher's own model -- else None. Such a pair shares its per-layer geometry, so
+    `align.layer_map: auto` maps layer to source layer (identity) and KV compares without a projector
+    (`kava_ray.probe`)."""
+    keep = cfg.student.keep_layers
+    return list(keep) if keep and cfg.teacher(teacher).model == cfg.student.model else None
 
 
 def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
@@ -260,16 +279,17 @@ def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
             for n, p in payload.items()}
 
 
-def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], plan_fingerprint: Optional[str] = None,
+def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: Optional[str] = None,
               handles: Optional[dict] = None):
-    """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked
-    against this job when `plan_fingerprint` is given) or the live actors (`handles`, else found by name)."""
+    """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked against
+    this job when `data_fingerprint`, the training split's fingerprint, is given) or the live actors
+    (`handles`, else found by name)."""
     from actors.feed import ActorSource
     from actors.kv_cache import CacheSource, KVCache, cache_meta
     from actors.pool import find_pool
 
     if cfg.data.kv_source == "cache":
-        meta = cache_meta(cfg, plans, plan_fingerprint, logits_top_k(cfg)) if plan_fingerprint is not None else None
+        meta = cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg)) if data_fingerprint is not None else None
         return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
     return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)))
 
@@ -329,13 +349,13 @@ def eval_stream(split: TokenizedSplit, cfg: JobConfig):
     return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)
 
 
-def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, restart_teachers: bool = False) -> dict:
-    """`kava-ray teachers precompute`: the training split's (and the validation and test splits') teacher KV
-    to disk, from the running pool (checked against the config) or one started for it."""
+def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers: bool = False) -> dict:
+    """`kava-ray teachers precompute`: the teacher KV of every example of the training, validation and test
+    splits to disk, once each (`actors.kv_cache`: any batch size, data seed or number of epochs reads it), from
+    the running pool (checked against the config) or one started for it."""
     from tqdm import tqdm
 
     from actors.kv_cache import precompute as write_cache
-    from kava_ray.data import BatchStream
     from kava_ray.preflight import preflight
 
     preflight(cfg, "teachers precompute", out=out_dir)  # before any teacher starts
@@ -344,20 +364,16 @@ def precompute(cfg: JobConfig, out_dir, epochs: int = 1, progress: bool = True, 
     handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
     tok = student_tokenizer(cfg)[0]
     teacher_toks = teacher_tokenizers(plans)
-    train, val = load_splits(cfg, tok, teacher_toks)
-    stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
-    held_out = (eval_stream(val, cfg), eval_stream(load_test_split(cfg, tok, teacher_toks), cfg))  # as evaluate_heldout
-    bar = tqdm(total=stream.steps_per_epoch * epochs + sum(s.steps_per_epoch for s in held_out), desc="precompute",
-               unit="batch", disable=None if progress else True)
+    splits = [*load_splits(cfg, tok, teacher_toks), load_test_split(cfg, tok, teacher_toks)]
+    bar = tqdm(total=sum(len(s) for s in splits), desc="precompute", unit="example", disable=None if progress else True)
 
     def report(stats):
         bar.n = stats["written"] + stats["skipped"]
         bar.refresh()
 
     try:
-        return write_cache(cfg, handles, plans, stream, out_dir, epochs=epochs, progress=report,
-                           extra_streams=held_out, logits_top_k=teacher_logits_top_k(cfg, plans),
-                           tokenizers=teacher_toks)
+        return write_cache(cfg, handles, plans, splits, out_dir, progress=report,
+                           logits_top_k=teacher_logits_top_k(cfg, plans), tokenizers=teacher_toks)
     finally:
         bar.close()
         if started:

@@ -51,9 +51,9 @@ from typing import Optional
 
 import torch
 
-from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.config import JobConfig, load_config, replica_label
 from kava_ray.errors import KavaError
+from kava_ray.job import layer_plan
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config
@@ -339,9 +339,7 @@ def _layer_plans(cfg: JobConfig, s: ModelInfo, t_infos: dict) -> dict:
     out = {}
     for t in cfg.teachers:
         g = t_infos[t.name].geometry
-        layer_map, shipped = plan_teacher_layers(cfg.align.layer_map, g.num_layers, s.geometry.num_layers,
-                                                 mode=cfg.align.mode, selected=t.layers,
-                                                 explicit=cfg.align.explicit_map, cka_path=cfg.align.cka_path)
+        layer_map, shipped = layer_plan(cfg, t.name, g.num_layers, s.geometry.num_layers)
         out[t.name] = (g, layer_map, shipped)
     return out
 

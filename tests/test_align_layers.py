@@ -158,3 +158,29 @@ def test_plan_teacher_layers_respects_selection_and_mode():
         plan_teacher_layers("explicit", 6, 2, selected=[0, 1], explicit={0: [0], 1: [5]})
     with pytest.raises(KavaError, match="only 6 layers"):
         plan_teacher_layers("ratio", 6, 2, selected=[2, 7])
+
+
+def test_identity_map_of_a_layer_dropped_student(tmp_path):
+    """student.keep_layers from the teacher's own model: `auto` maps student layer i to the teacher layer it was
+    copied from (identity); `ratio` stays available; another teacher model gets ratio."""
+    from kava_ray.align.layers import identity_map
+    from kava_ray.config import validate_config
+    from kava_ray.job import copied_layers, layer_plan
+
+    assert identity_map(30, 6, [0, 5, 10, 15, 20, 25]) == [(i, [(5 * i, 1.0)]) for i in range(6)]
+    assert identity_map(4, 3) == [(0, [(0, 1.0)]), (1, [(1, 1.0)]), (2, [(2, 1.0)])]
+    with pytest.raises(KavaError, match="out of range"):
+        identity_map(20, 6, [0, 5, 10, 15, 20, 25])
+    job = {"teachers": [{"name": "same", "model": "m"}, {"name": "other", "model": "o"}],
+           "student": {"model": "m", "keep_layers": [0, 5, 10, 15, 20, 25]}}
+    cfg = validate_config(job)
+    assert cfg.align.layer_map == "auto"
+    assert copied_layers(cfg, "same") == [0, 5, 10, 15, 20, 25] and copied_layers(cfg, "other") is None
+    lm, shipped = layer_plan(cfg, "same", 30, 6)
+    assert lm == identity_map(30, 6, [0, 5, 10, 15, 20, 25]) and shipped == [0, 5, 10, 15, 20, 25]
+    assert layer_plan(cfg, "other", 30, 6)[0] == ratio_map(30, 6)  # not copied from it: ratio
+    ratio = validate_config({**job, "align": {"layer_map": "ratio"}})
+    assert layer_plan(ratio, "same", 30, 6)[0] == ratio_map(30, 6) != lm
+    selected = validate_config({**job, "teachers": [{"name": "same", "model": "m", "layers": [0, 5, 10]}]})
+    with pytest.raises(KavaError, match="outside the selected layers"):
+        layer_plan(selected, "same", 30, 6)

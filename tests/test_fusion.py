@@ -163,3 +163,37 @@ def test_fusion_by_direction_is_eps_safe_and_keeps_dtype():
     assert all(torch.isfinite(x.grad).all() for x in p)
     half = Fusion("fixed", 2)([x.detach().bfloat16() for x in p])
     assert half.dtype == torch.bfloat16 and torch.isfinite(half.float()).all()
+
+
+def test_centred_fusion_fuses_the_centred_directions_and_keeps_the_means():
+    """With loss.center, each teacher is centred per (layer, head) over the counted tokens, the centred vectors
+    are fused by direction, and the weighted mean of the means is added back, so each teacher's weight is its
+    share of the centred target the loss compares."""
+    from kava_ray.losses import token_mean
+
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(SHAPE, generator=g) for _ in range(2))
+    a = a + 50.0  # teacher a: a huge constant direction on every token
+    mask = torch.ones(SHAPE[1], SHAPE[3])
+    mask[1, -2:] = 0
+    m = (mask != 0)[None, :, None, :]
+    w = [0.5, 0.5]
+    fused = Fusion("fixed", 2, center=True)([a, b], mask=mask)
+    mus = [token_mean(x, m) for x in (a, b)]
+    want = by_direction([a - mus[0], b - mus[1]], w) + 0.5 * (mus[0] + mus[1])
+    assert torch.allclose(fused, want, atol=1e-4)
+    # the fused centred direction weighs both teachers equally: its cosine with each centred teacher is the same
+    fc = fused - 0.5 * (mus[0] + mus[1])
+    def mean_cos(x, y):
+        c = torch.nn.functional.cosine_similarity(x, y, dim=-1)  # [L, B, H, T]
+        return (c * m).sum() / m.expand_as(c).sum()
+
+    cos = [mean_cos(fc, x - mu) for x, mu in zip((a, b), mus)]
+    assert abs(float(cos[0] - cos[1])) < 0.02, cos
+    # raw fusion at the same weights: teacher a's unit vectors are nearly its constant mean, which centring
+    # removes, so what is trained follows teacher b alone -- its logged 0.5 is not its share
+    raw = Fusion("fixed", 2)([a, b])
+    rc = raw - token_mean(raw, m)
+    raw_cos = [mean_cos(rc, x - mu) for x, mu in zip((a, b), mus)]
+    assert float(raw_cos[1] - raw_cos[0]) > 0.5, (raw_cos, cos)
+    assert torch.allclose(Fusion("fixed", 1, center=True)([a], mask=mask), a)  # one teacher: its own target

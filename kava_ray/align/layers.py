@@ -5,8 +5,10 @@ A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of
 
     [(0, [(0, 1.0)]), (1, [(2, 0.5), (3, 0.5)]), ...]
 
-Kinds: `ratio` (one teacher layer per student layer, spread evenly, first and last
-teacher layer included), `uniform` (contiguous groups, every teacher layer used),
+Kinds: `identity` (student layer i <- the teacher layer it was copied from: a student built by
+`student.keep_layers` from the teacher's own model; layer i without keep_layers), `ratio` (one teacher
+layer per student layer, spread evenly, first and last teacher layer included), `uniform` (contiguous
+groups, every teacher layer used),
 `explicit` (user spec), `cka` (measured with linear CKA by `kava-ray align cka` and stored as JSON, one
 map per teacher).
 """
@@ -23,7 +25,7 @@ from kava_ray.errors import KavaError
 
 LayerMap = list[tuple[int, list[tuple[int, float]]]]
 
-KINDS = ("ratio", "uniform", "explicit", "cka")
+KINDS = ("identity", "ratio", "uniform", "explicit", "cka")
 
 
 def _check_counts(n_teacher: int, n_student: int) -> None:
@@ -45,6 +47,20 @@ def ratio_map(n_teacher: int, n_student: int) -> LayerMap:
     den = n_student - 1
     # exact integer round-half-up of s*(n_t-1)/den (Python's round() is banker's rounding)
     return [(s, [((2 * s * (n_teacher - 1) + den) // (2 * den), 1.0)]) for s in range(n_student)]
+
+
+def identity_map(n_teacher: int, n_student: int, sources: list[int] | None = None) -> LayerMap:
+    """Student layer s <- teacher layer sources[s] (the layer it was copied from: `student.keep_layers`),
+    or layer s itself without `sources`."""
+    _check_counts(n_teacher, n_student)
+    src = list(range(n_student)) if sources is None else [int(t) for t in sources]
+    if len(src) != n_student:
+        raise KavaError(f"layer map identity: {len(src)} source layers for a {n_student}-layer student")
+    bad = [t for t in src if not 0 <= t < n_teacher]
+    if bad:
+        raise KavaError(f"layer map identity: teacher layer {bad[0]} out of range [0, {n_teacher}) "
+                        f"(the student has {n_student} layers{'' if sources is None else f', copied from {src}'})")
+    return [(s, [(t, 1.0)]) for s, t in enumerate(src)]
 
 
 def uniform_map(n_teacher: int, n_student: int) -> LayerMap:
@@ -304,9 +320,12 @@ def load_layer_map(path: str | Path, teacher: str | None = None) -> LayerMap:
 
 def build_layer_map(
     kind: str, n_teacher: int, n_student: int, explicit: dict | None = None, cka_path: str | Path | None = None,
-    teacher: str | None = None,
+    teacher: str | None = None, sources: list[int] | None = None,
 ) -> LayerMap:
-    """Dispatch on `kind` in ratio | uniform | explicit | cka (the latter loads `teacher`'s map from `cka_path`)."""
+    """Dispatch on `kind` in identity | ratio | uniform | explicit | cka (identity reads `sources`, the student's
+    `keep_layers`; cka loads `teacher`'s map from `cka_path`)."""
+    if kind == "identity":
+        return identity_map(n_teacher, n_student, sources)
     if kind == "ratio":
         return ratio_map(n_teacher, n_student)
     if kind == "uniform":
@@ -335,12 +354,14 @@ def teacher_layers_used(layer_map: LayerMap) -> list[int]:
 def plan_teacher_layers(
     kind: str, n_teacher: int, n_student: int, mode: str = "structured", selected: list[int] | None = None,
     explicit: dict | None = None, cka_path: str | Path | None = None, teacher: str | None = None,
+    sources: list[int] | None = None,
 ) -> tuple[LayerMap, list[int]]:
     """(layer map in real teacher layer ids, the teacher layers to ship) for one teacher.
 
     `selected` (the teacher config's `layers`) restricts which teacher layers may be used — the way
     to bound KV volume for a large teacher; ratio/uniform maps are then built over the selected
-    layers. Explicit and CKA maps name real layer ids and must stay inside the selection.
+    layers. Identity, explicit and CKA maps name real layer ids and must stay inside the selection
+    (identity: `sources`, the layers a `keep_layers` student was copied from).
     `teacher` names the teacher whose map a per-teacher CKA file holds.
     Structured mode ships exactly the layers its map uses; flat mode aggregates whole stacks, so it
     ships every selected layer (all layers when nothing is selected).
@@ -353,7 +374,7 @@ def plan_teacher_layers(
         layer_map = [(s, [(candidates[t], w) for t, w in pairs]) for s, pairs in virtual]
     else:
         layer_map = build_layer_map(kind, n_teacher, n_student, explicit=explicit, cka_path=cka_path,
-                                    teacher=teacher)
+                                    teacher=teacher, sources=sources)
         outside = sorted(set(teacher_layers_used(layer_map)) - set(candidates))
         if outside:
             raise KavaError(f"layer map uses teacher layers {outside} outside the selected layers {candidates}")
