@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import ray
@@ -31,6 +31,24 @@ from kava_ray.kv import KVBatch
 log = logging.getLogger(__name__)
 
 RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+class KVRequest(NamedTuple):
+    """What a KV source is asked for one batch of one teacher (`KVFeed` builds it; every source reads it).
+
+    key: the batch key the teacher's LRU de-duplicates by; input_ids / attention_mask [B, T] this teacher's
+    own tokens; layers: the teacher layers to ship; logits_top_k: top-k log-probs too (0: none);
+    examples: (split fingerprint, example indices of the batch's rows), what an example-indexed KV cache
+    assembles the batch from (None when the items name no split).
+    """
+
+    key: Optional[str]
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    layers: Optional[list[int]]
+    wire_dtype: str
+    logits_top_k: int = 0
+    examples: Optional[tuple[str, tuple[int, ...]]] = None
 
 
 class ActorSource:
@@ -50,13 +68,13 @@ class ActorSource:
         self.retry_wait_s = retry_wait_s
         self.resubmits = 0
 
-    def submit(self, name: str, request: tuple) -> Any:
-        key, ids, mask, layers, wire_dtype, logits_top_k = request
+    def submit(self, name: str, request: KVRequest) -> Any:
+        r = request
         h = self.handles[name]
-        h = h.route(key) if hasattr(h, "route") else h
-        return h.kv.remote(key, ids, mask, layers, wire_dtype, logits_top_k)
+        h = h.route(r.key) if hasattr(h, "route") else h
+        return h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k)
 
-    def result(self, name: str, request: tuple, ref) -> dict:
+    def result(self, name: str, request: KVRequest, ref) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
                 return ray.get(ref)
@@ -80,14 +98,15 @@ class BadKV(KavaError):
 class KVFeed:
     """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
 
-    items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item)`; `item` is passed
-    through untouched (the student's own batch). input_ids / attention_mask may instead be dicts
+    items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item[, examples])`; `item` is passed
+    through untouched (the student's own batch); `examples` (split fingerprint, row indices) goes into the
+    request for an example-indexed KV cache (`feed_items` adds it). input_ids / attention_mask may instead be dicts
     {teacher: array}, with the key None for every teacher not named: a teacher of another tokenizer gets
     its own tokenization of the batch (`feed_items` builds these). layers: {teacher: layer ids to ship}.
     logits_top_k > 0 (an int for every teacher, or {teacher: k}): the teacher also serves its top-k
     log-probs from the same forward (KVBatch.topk_ids / topk_logp).
 
-    A request, as every source receives it: (key, input_ids, attention_mask, layers, wire_dtype, logits_top_k).
+    Every source receives a `KVRequest` per teacher and batch.
 
     on_bad_kv: None (no check), "skip" (a batch with non-finite K/V from any teacher is dropped and the next
     one delivered; `skipped` counts them) or "stop" (raise `BadKV`). One `isfinite().all()` per decoded
@@ -123,12 +142,12 @@ class KVFeed:
         while (not self._exhausted and len(self._inflight) < self.depth
                and (self.limit is None or self._taken < self.limit + self.skipped)):
             try:
-                key, ids, mask, item = next(self.items)
+                key, ids, mask, item, *examples = next(self.items)
             except StopIteration:
                 self._exhausted = True
                 return
-            reqs = {name: (key, _for(ids, name), _for(mask, name), layers, self.wire_dtype,
-                           int(self.logits_top_k.get(name, 0)))
+            reqs = {name: KVRequest(key, _for(ids, name), _for(mask, name), layers, self.wire_dtype,
+                                    int(self.logits_top_k.get(name, 0)), examples[0] if examples else None)
                     for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))
@@ -157,7 +176,7 @@ class KVFeed:
                 self.wait_s.append(waited)
                 return item, kv
             name, what = bad
-            key = reqs[name][0]
+            key = reqs[name].key
             if self.on_bad_kv == "stop":
                 raise BadKV(name, key, what)
             self.skipped += 1
@@ -192,18 +211,24 @@ def _for(x, name: str) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
-    """(key, input_ids, attention_mask, (key, step, epoch, batch)) for KVFeed, `steps` batches or forever.
+def request_arrays(batch: dict) -> tuple:
+    """(input_ids, attention_mask) of a batch as the teachers get them: the student's arrays, or, when a
+    teacher of another tokenizer has its own (`teacher_input_ids/<teacher>`), {teacher: array, None: the
+    student's}."""
+    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
+    own = [k.split("/", 1)[1] for k in batch if k.startswith("teacher_input_ids/")]
+    if own:
+        ids = {None: ids, **{t: batch[f"teacher_input_ids/{t}"].numpy() for t in own}}
+        mask = {None: mask, **{t: batch[f"teacher_attention_mask/{t}"].numpy() for t in own}}
+    return ids, mask
 
-    A teacher of another tokenizer (the batch carries `teacher_input_ids/<teacher>`) gets its own ids and
-    mask: input_ids / attention_mask are then {teacher: array, None: the student's}."""
+
+def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
+    """(key, input_ids, attention_mask, (key, step, epoch, batch), examples) for KVFeed, `steps` batches or
+    forever; arrays as `request_arrays`, examples = (the split's fingerprint, the batch's example indices)."""
     n = 0
     while steps is None or n < steps:
-        key, step, epoch, batch = item = stream.next()
-        ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
-        own = [k.split("/", 1)[1] for k in batch if k.startswith("teacher_input_ids/")]
-        if own:
-            ids = {None: ids, **{t: batch[f"teacher_input_ids/{t}"].numpy() for t in own}}
-            mask = {None: mask, **{t: batch[f"teacher_attention_mask/{t}"].numpy() for t in own}}
-        yield key, ids, mask, item
+        key, step, epoch, batch, idx = stream.next_indexed()
+        ids, mask = request_arrays(batch)
+        yield key, ids, mask, (key, step, epoch, batch), (stream.split.fingerprint, tuple(idx))
         n += 1

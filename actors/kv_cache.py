@@ -1,36 +1,54 @@
 """Teacher KV on disk: `kava-ray teachers precompute` writes it, `data.kv_source: cache` reads it.
 
+The cache is indexed by example: every example of the training, validation and test splits is run through
+the teachers once (in batches of `train.batch_size`, in split order) and stored on its own, cut to its real
+tokens. A job assembles each batch it trains on from its examples, whatever its batch size, data seed
+(`train.data_seed`), number of epochs or DDP ranks, so one precompute serves every run and every seed of a
+bench with one teacher forward per example.
+
 Layout of a cache dir:
-  manifest.json                 meta (config hash, data fingerprint, wire dtype, key space, per-teacher
-                                layers + geometry) and {batch key: {file, sha256, bytes}}
+  manifest.json                 meta: `layout: examples`, the training split's fingerprint (`data`), wire dtype,
+                                key space, per-teacher layers + geometry (+ `logits_top_k` with teacher logits)
+  index.jsonl                   one line per stored example: {key, file, sha256, bytes}, key = `<split>/x<i>`
+                                (appended as examples are written: an interrupted precompute resumes)
   tokenizers/<teacher>/         the tokenizer of a teacher whose tokenizer differs from the student's
                                 (its positions are aligned by characters from the same text)
-  shard-<hash of key>.safetensors  one batch: `<teacher>.k`, `<teacher>.v` (+ `.k_scale`, `.v_scale` for
-                                fp8; + `.topk_ids`, `.topk_logp` when the job serves teacher logits) and
-                                `mask`; the wire metadata in the safetensors header
-The meta records `logits_top_k` when the cache holds top-k log-probs (absent: a cache without logits,
-as every cache written before logits existed), so a job that needs logits refuses one without them.
-Every shard is written to a temp file and renamed, and the manifest is rewritten atomically after
-each shard, so an interrupted precompute resumes where it stopped. Reads verify the checksum.
+  shard-<hash of key>.safetensors  one example: `<teacher>.k`, `<teacher>.v` [L, 1, H, n, D] (+ `.k_scale`,
+                                `.v_scale` for fp8; + `.topk_ids`, `.topk_logp`, `.topk_tail` with teacher logits);
+                                the wire metadata in the safetensors header
+A cache written before this layout (one shard per batch key, listed in manifest.json's `shards`) is still
+read by batch key. Every shard is written to a temp file and renamed before its index line is appended;
+reads verify the checksum. An fp8 cache read in another batch composition is re-quantized per batch (one
+more fp8 rounding); bf16 and fp16 round-trip exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from kava_ray._io import atomic_dir, atomic_write
 from kava_ray.errors import KavaError
+from kava_ray.kv import TOPK_ARRAYS, KVBatch
 
 MANIFEST = "manifest.json"
+INDEX = "index.jsonl"
 TOKENIZERS = "tokenizers"
-ARRAYS = ("k", "v", "k_scale", "v_scale", "topk_ids", "topk_logp")
+LAYOUT = "examples"
+ARRAYS = ("k", "v", "k_scale", "v_scale", *TOPK_ARRAYS)
+
+
+def example_key(split_fingerprint: str, index: int) -> str:
+    """The cache key of example `index` of the split whose fingerprint is given."""
+    return f"{split_fingerprint}/x{int(index)}"
 
 
 def shard_file(key: str) -> str:
@@ -71,7 +89,8 @@ def _header_meta(data: bytes) -> dict:
 
 
 class KVCache:
-    """A cache dir: `meta` must match what the job expects; shards are addressed by batch key."""
+    """A cache dir: `meta` must match what the job expects; shards are addressed by key (an example's
+    `example_key`, or a batch key in a cache of the old layout)."""
 
     def __init__(self, root, meta: Optional[dict] = None, create: bool = False):
         self.root = Path(root)
@@ -79,9 +98,12 @@ class KVCache:
         if path.is_file():
             try:
                 manifest = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                raise KavaError(f"KV cache {self.root}: manifest.json is not valid JSON") from None
-            self.meta, self.shards = manifest["meta"], manifest["shards"]
+            except (OSError, ValueError):
+                raise KavaError(f"KV cache {path} is not valid JSON") from None
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("meta"), dict):
+                raise KavaError(f"KV cache {path} is not a kava-ray cache manifest")
+            self.meta, self.shards = manifest["meta"], dict(manifest.get("shards", {}))
+            self.shards.update(_read_index(self.root / INDEX))
             if meta is not None:
                 # a reader checks the logits on their own (one line; a job without logits reads a cache with
                 # them); a writer (create) must match exactly, so one cache never mixes batches with and without
@@ -92,7 +114,8 @@ class KVCache:
                 diff = sorted(k for k in set(meta) | set(self.meta)
                               if k not in ignore and meta.get(k) != self.meta.get(k))
                 if diff:
-                    raise KavaError(f"KV cache {self.root} was written for another job: {', '.join(diff)} differ")
+                    raise KavaError(f"KV cache {self.root} was written for another job: {', '.join(diff)} differ "
+                                    f"(re-run `kava-ray teachers precompute` for this job into another --out)")
         elif create:
             if meta is None:
                 raise KavaError(f"KV cache {self.root}: meta is required to create a cache")
@@ -100,21 +123,35 @@ class KVCache:
             self.meta, self.shards = meta, {}
             self._save_manifest()
         else:
-            raise KavaError(f"KV cache {self.root}: no manifest.json (run `kava-ray teachers precompute` first)")
+            raise KavaError(f"KV cache {self.root}: no manifest.json (write the cache with kava-ray teachers precompute)")
+
+    @property
+    def by_example(self) -> bool:
+        """True for the example-indexed layout (batches are assembled from their examples)."""
+        return self.meta.get("layout") == LAYOUT
 
     def _save_manifest(self) -> None:
-        atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, "shards": self.shards}, indent=1).encode())
+        legacy = {} if self.by_example else {"shards": self.shards}  # new entries live in index.jsonl
+        atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, **legacy}, indent=1).encode())
 
     def has(self, key: str) -> bool:
         entry = self.shards.get(key)
         return entry is not None and (self.root / entry["file"]).is_file()
 
     def put(self, key: str, payloads: dict[str, dict]) -> None:
+        """Store one shard ({teacher: wire payload}) under `key`: the file first, then its index entry."""
         data = encode_shard(payloads)
         name = shard_file(key)
         atomic_write(self.root / name, data)
-        self.shards[key] = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        self._save_manifest()
+        entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        self.shards[key] = entry
+        if not self.by_example:
+            self._save_manifest()
+            return
+        with open(self.root / INDEX, "a") as f:  # one line per entry: O(1) per example, whatever the cache's size
+            f.write(json.dumps({"key": key, **entry}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def get(self, key: str) -> dict[str, dict]:
         """{teacher: wire payload} of one batch; KavaError naming the shard if it is missing or corrupt."""
@@ -135,33 +172,68 @@ class KVCache:
 
 
 class CacheSource:
-    """A KVFeed source that reads precomputed shards instead of asking live teachers."""
+    """A KVFeed source that reads precomputed shards instead of asking live teachers: a batch is assembled from
+    its examples' shards (`KVRequest.examples`), or, in a cache of the old layout, read by its batch key."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
-        self._last: tuple[Optional[str], dict] = (None, {})
+        self._last: tuple[object, dict] = (None, {})
 
-    def submit(self, name: str, request: tuple):
-        return request[0]  # the batch key is the future
+    def submit(self, name: str, request):
+        return request.examples if self.cache.by_example else request.key  # the future: what names the batch
 
-    def result(self, name: str, request: tuple, key: str) -> dict:
-        if self._last[0] != key:  # one read per batch, shared by all teachers
-            self._last = (key, self.cache.get(key))
-        payloads = self._last[1]
-        if name not in payloads:
-            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' is not in batch {key!r}")
-        p = payloads[name]
-        _, _, _, layers, wire_dtype, logits_top_k = request
-        if layers is not None and list(p["layer_ids"]) != list(layers) or p["dtype"] != wire_dtype:
-            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' has layers {p['layer_ids']} in "
-                            f"{p['dtype']}, the job wants {layers} in {wire_dtype}")
-        has = 0 if p.get("topk_ids") is None else int(p["topk_ids"].shape[-1])
-        if logits_top_k and has != logits_top_k:
-            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' batch {key!r} has top-{has} logits, the "
-                            f"job wants top-{logits_top_k}; re-run `kava-ray teachers precompute` for this job")
-        if not logits_top_k and has:  # a job without logits gets the payload it always got
-            p = {k: v for k, v in p.items() if k not in ("topk_ids", "topk_logp", "topk_dtype")}
+    def _read(self, what) -> dict:
+        """{teacher: payload} of one batch (old layout) or {teacher: [payload per example]}; one read per batch,
+        shared by all teachers."""
+        if self._last[0] != what:
+            if not self.cache.by_example:
+                data = self.cache.get(what)
+            else:
+                rows = [self.cache.get(example_key(what[0], i)) for i in what[1]]
+                data = {n: [r[n] for r in rows] for n in rows[0]} if rows else {}
+            self._last = (what, data)
+        return self._last[1]
+
+    def result(self, name: str, request, what) -> dict:
+        if self.cache.by_example and what is None:
+            raise KavaError(f"KV cache {self.cache.root} is indexed by example, but the request names no examples "
+                            f"(batch {request.key!r})")
+        data = self._read(what)
+        if name not in data:
+            raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' is not in batch {request.key!r}")
+        p = data[name][0] if self.cache.by_example else data[name]
+        _check_payload(self.cache.root, name, request, p)
+        if self.cache.by_example:
+            rows = [KVBatch.from_wire(r, dtype=None) for r in data[name]]
+            p = KVBatch.stack(rows, torch.as_tensor(request.attention_mask)).to_wire(p["dtype"])
+        if not request.logits_top_k:  # a job without logits gets the payload it always got
+            p = {k: v for k, v in p.items() if k not in (*TOPK_ARRAYS, "topk_dtype")}
         return p
+
+
+def _check_payload(root, name: str, request, p: dict) -> None:
+    """A stored payload must have the layers, wire dtype and top-k the request asks for (one line if not)."""
+    layers, k = request.layers, request.logits_top_k
+    if layers is not None and list(p["layer_ids"]) != list(layers) or p["dtype"] != request.wire_dtype:
+        raise KavaError(f"KV cache {root}: teacher '{name}' has layers {p['layer_ids']} in "
+                        f"{p['dtype']}, the job wants {layers} in {request.wire_dtype}")
+    has = 0 if p.get("topk_ids") is None else int(p["topk_ids"].shape[-1])
+    if k and has != k:
+        raise KavaError(f"KV cache {root}: teacher '{name}' batch {request.key!r} has top-{has} logits, the "
+                        f"job wants top-{k}; re-run `kava-ray teachers precompute` for this job")
+
+
+def _read_index(path: Path) -> dict:
+    """{key: entry} from index.jsonl; a torn last line (an interrupted write) is ignored."""
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+                out[e.pop("key")] = e
+            except (json.JSONDecodeError, KeyError, AttributeError):
+                continue
+    return out
 
 
 def check_logits(root, meta: dict, logits_top_k: int) -> None:
@@ -174,16 +246,18 @@ def check_logits(root, meta: dict, logits_top_k: int) -> None:
                         f"(loss.logit_weight > 0, loss.logit_top_k): re-run `kava-ray teachers precompute`")
 
 
-def cache_meta(cfg, plans: dict, plan_fingerprint: str, logits_top_k: int = 0) -> dict:
-    """What a cache must match to serve a job: data/batching, teachers' layers, wire dtype, key space, and
-    the top-k of teacher logits (recorded only when > 0, so a cache without logits has the meta it always had)."""
+def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0) -> dict:
+    """What a cache must match to serve a job: its training split (`data`: the split's fingerprint, which
+    depends on the data, tokenizer and max_length, not on batching), teachers' layers, wire dtype, key space,
+    and the top-k of teacher logits (recorded only when > 0)."""
     teachers = {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
                     "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()}
     for n, p in plans.items():  # a teacher of another tokenizer: the cache keeps a copy to align positions with
         if p.aligned:
             teachers[n].update(tokenizer=f"{TOKENIZERS}/{n}", tokenizer_fingerprint=p.tokenizer_fingerprint)
     meta = {
-        "data": plan_fingerprint,
+        "layout": LAYOUT,
+        "data": data_fingerprint,
         "wire_dtype": cfg.align.wire_dtype,
         "key_space": cfg.align.key_space,
         "teachers": teachers,
@@ -193,43 +267,49 @@ def cache_meta(cfg, plans: dict, plan_fingerprint: str, logits_top_k: int = 0) -
     return meta
 
 
-def precompute(cfg, handles: dict, plans: dict, stream, out_dir, epochs: int = 1, progress=None,
-               extra_streams: tuple = (), logits_top_k=0, tokenizers: Optional[dict] = None) -> dict:
-    """Write `epochs` epochs of the stream's batches of teacher KV to `out_dir`; skips shards already there.
-
-    `stream` must be a world_size-1 BatchStream: keys use global batch indices, so the cache serves
-    any number of DDP ranks. `extra_streams` (e.g. the held-out split, one epoch each) are cached
-    too, so evaluation during training needs no live teacher. logits_top_k > 0: the teachers' top-k
-    log-probs are cached with the KV (an int, or {teacher: k}). `tokenizers`: {teacher: tokenizer} of the
-    teachers aligned by characters, saved under `tokenizers/<teacher>/` so a job reading the cache can align
-    positions without the teacher's model. Returns counts (written, skipped, bytes).
+def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=None, logits_top_k=0,
+               tokenizers: Optional[dict] = None) -> dict:
+    """Run every example of `splits` (TokenizedSplits; the first is the training split the cache is checked
+    against) through the teachers once, in batches of `train.batch_size` in split order, and store each
+    example on its own (`example_key`); examples already stored are skipped (an interrupted precompute
+    resumes). logits_top_k > 0: the teachers' top-k log-probs are cached with the KV (an int, or {teacher:
+    k}). `tokenizers`: {teacher: tokenizer} of the teachers aligned by characters, saved under
+    `tokenizers/<teacher>/`. Returns counts in examples (written, skipped, total), bytes and the teacher
+    forwards (batches) run.
     """
-    from actors.feed import ActorSource, KVFeed, feed_items
+    from actors.feed import ActorSource, KVFeed, request_arrays
+    from kava_ray.data import collate_split
 
     k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)
-    cache = KVCache(out_dir, cache_meta(cfg, plans, stream.plan_fingerprint, k), create=True)
+    cache = KVCache(out_dir, cache_meta(cfg, plans, splits[0].fingerprint, k), create=True)
     for name, tok in (tokenizers or {}).items():
         if not (cache.root / TOKENIZERS / name).is_dir():
             with atomic_dir(cache.root / TOKENIZERS / name) as tmp:
                 tok.save_pretrained(tmp)
-    work = [(stream, stream.steps_per_epoch * epochs)] + [(s, s.steps_per_epoch) for s in extra_streams]
-    stats = {"written": 0, "skipped": 0, "bytes": 0, "total": sum(n for _, n in work)}
+    B = cfg.train.batch_size
+    stats = {"written": 0, "skipped": 0, "bytes": 0, "forwards": 0, "total": sum(len(s) for s in splits)}
 
     def todo():
-        for st, n in work:
-            for item in feed_items(st, n):
-                if cache.has(item[0]):
-                    stats["skipped"] += 1
-                    continue
-                yield item
+        for split in splits:
+            fp = split.fingerprint
+            for start in range(0, len(split), B):
+                idx = [i for i in range(start, min(start + B, len(split))) if not cache.has(example_key(fp, i))]
+                stats["skipped"] += min(B, len(split) - start) - len(idx)
+                if idx:
+                    ids, mask = request_arrays(collate_split(split, idx))
+                    yield f"{fp}/x{idx[0]}+{len(idx)}", ids, mask, (fp, idx)
 
     feed = KVFeed(ActorSource(handles), todo(), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False,
                   logits_top_k=logits_top_k)
-    for (key, _step, _epoch, _batch), payloads in feed:
-        cache.put(key, payloads)
-        stats["written"] += 1
-        stats["bytes"] += cache.shards[key]["bytes"]
+    for (fp, idx), payloads in feed:
+        batches = {n: KVBatch.from_wire(p, dtype=None) for n, p in payloads.items()}
+        for b, i in enumerate(idx):
+            key = example_key(fp, i)
+            cache.put(key, {n: kv.row(b).to_wire(payloads[n]["dtype"]) for n, kv in batches.items()})
+            stats["written"] += 1
+            stats["bytes"] += cache.shards[key]["bytes"]
+        stats["forwards"] += 1
         if progress is not None:
             progress(stats)
     return stats

@@ -217,20 +217,13 @@ def check_data(cfg: JobConfig, split: str) -> None:
 
 def check_kv_cache(cfg: JobConfig, command: str) -> None:
     """`data.kv_source=cache` reads teacher KV from `data.kv_cache_dir`: its manifest must be there and parse
-    (precompute writes it, so it is not checked there)."""
+    (`actors.kv_cache.KVCache` reads it; precompute writes it, so it is not checked there)."""
+    from actors.kv_cache import KVCache
+
     if cfg.data.kv_source != "cache" or command == "teachers precompute":
         return
-    root = Path(cfg.data.kv_cache_dir).expanduser()
-    manifest = root / "manifest.json"
     with about("data.kv_cache_dir"):
-        if not manifest.is_file():
-            raise KavaError(f"KV cache {root}: no manifest.json (write the cache with kava-ray teachers precompute)")
-        try:
-            data = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            raise KavaError(f"KV cache {manifest} is not valid JSON") from None
-        if not isinstance(data, dict) or "meta" not in data or "shards" not in data:
-            raise KavaError(f"KV cache {manifest} is not a kava-ray cache manifest")
+        KVCache(Path(cfg.data.kv_cache_dir).expanduser())
 
 
 def check_layer_map(cfg: JobConfig, command: str) -> None:

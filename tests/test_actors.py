@@ -34,10 +34,28 @@ def references(pool):
     return {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
 
 
-def batches(cfg, n):
+def batches(cfg, n, seed=None, batch_size=None):
     tok, _ = student_tokenizer(cfg)
     train, _ = load_splits(cfg, tok)
-    return list(feed_items(BatchStream(train, cfg.train.batch_size, cfg.train.seed), n))
+    stream = BatchStream(train, batch_size or cfg.train.batch_size, cfg.train.seed if seed is None else seed)
+    return list(feed_items(stream, n))
+
+
+def canonical_batches(cfg, n):
+    """The first n batches as `teachers precompute` runs them (consecutive examples of the training split):
+    what a cached example was computed in, so live and cached answers are bit-equal."""
+    from actors.feed import request_arrays
+    from kava_ray.data import collate_split
+
+    tok, _ = student_tokenizer(cfg)
+    train, _ = load_splits(cfg, tok)
+    B = cfg.train.batch_size
+    out = []
+    for s in range(0, n * B, B):
+        idx = list(range(s, s + B))
+        ids, mask = request_arrays(collate_split(train, idx))
+        out.append((f"canonical/{s}", ids, mask, None, (train.fingerprint, tuple(idx))))
+    return out
 
 
 def local_kv(model, ids, mask, layers):
@@ -48,7 +66,7 @@ def local_kv(model, ids, mask, layers):
 
 def test_served_kv_equals_in_process_extraction_bit_exact(pool, references):
     cfg, handles = pool
-    (key, ids, mask, _), = batches(cfg, 1)
+    (key, ids, mask, *_), = batches(cfg, 1)
     geoms = {n: ray.get(h.geometry.remote()) for n, h in handles.items()}
     assert (geoms["qwen"]["num_layers"], geoms["qwen"]["head_dim"]) == (4, 16)
     assert (geoms["llama"]["num_layers"], geoms["llama"]["head_dim"]) == (3, 32)
@@ -67,7 +85,7 @@ def test_two_consumers_same_key_cost_one_forward(pool):
 
     cfg, handles = pool
     h = handles["qwen"]
-    (key, ids, mask, _), = batches(cfg, 1)
+    (key, ids, mask, *_), = batches(cfg, 1)
     before = ray.get(h.stats.remote())
     a, b = ray.get([h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16"),
                     h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16")])
@@ -87,7 +105,7 @@ def test_replicas_spread_batches_and_two_consumers_of_a_batch_cost_one_forward(p
     llama = handles["llama"]
     assert len(llama) == 2 and len(handles["qwen"]) == 1
     assert len({ray.get(h.geometry.remote())["pid"] for h in llama.handles}) == 2  # two processes
-    items = [(key + "/replicas", ids, mask, item) for key, ids, mask, item in batches(cfg, 4)]
+    items = [(key + "/replicas", ids, mask, item) for key, ids, mask, item, _ in batches(cfg, 4)]
     before = [ray.get(h.stats.remote()) for h in llama.handles]
     first = list(KVFeed(ActorSource(handles), iter(items), {"llama": [0, 2]}, depth=2))
     second = list(KVFeed(ActorSource(find_pool(cfg, ["llama"])), iter(items), {"llama": [0, 2]}, depth=2))
@@ -95,7 +113,7 @@ def test_replicas_spread_batches_and_two_consumers_of_a_batch_cost_one_forward(p
     forwards = [a["forwards"] - b["forwards"] for a, b in zip(after, before)]
     hits = [a["hits"] - b["hits"] for a, b in zip(after, before)]
     assert forwards == [2, 2] and hits == [2, 2], (forwards, hits)  # batch index mod 2; one forward per batch
-    for (key, ids, mask, _), (i1, a), (i2, b) in zip(items, first, second):
+    for (key, ids, mask, *_), (i1, a), (i2, b) in zip(items, first, second):
         assert i1[0] == i2[0] == key[:-len("/replicas")]  # in the feed's order
         ref = local_kv(references["llama"], ids, mask, [0, 2])
         assert torch.equal(a["llama"].keys.to(torch.bfloat16), ref.keys)
@@ -118,7 +136,7 @@ def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, re
         if i == 1:  # requests for batches 2 and 3 are in flight
             ray.kill(handles["qwen"].handles[0], no_restart=False)
     assert [k for k, _ in got] == [it[0] for it in items]  # every batch, in order
-    for (key, ids, mask, _), (_, kv) in zip(items, got):
+    for (key, ids, mask, *_), (_, kv) in zip(items, got):
         for name in layers:
             ref = local_kv(references[name], ids, mask, layers[name])
             assert torch.equal(kv[name].keys.to(torch.bfloat16), ref.keys), (key, name)
@@ -131,32 +149,50 @@ def test_killed_teacher_restarts_and_feed_delivers_every_batch_in_order(pool, re
 
 
 def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path):
+    """Every example once, read back in any batch composition: bit-equal to the live teachers on the batches
+    it was computed in, equal to the bf16 rounding on a reshuffled stream of another seed and batch size."""
+    from actors.kv_cache import example_key
     from kava_ray.job import precompute
 
     cfg, handles = pool
     out = tmp_path / "kvcache"
-    stats = precompute(cfg, out, epochs=1, progress=False)
-    assert stats["written"] == stats["total"] > 0 and stats["skipped"] == 0
-    again = precompute(cfg, out, epochs=1, progress=False)  # resumes: nothing left to do
-    assert again["written"] == 0 and again["skipped"] == stats["total"]
-
+    stats = precompute(cfg, out, progress=False)
+    sizes = (cfg.data.num_train, cfg.data.num_val, cfg.data.num_test)  # train, validation, test
+    assert stats["written"] == stats["total"] == sum(sizes) and stats["skipped"] == 0
+    assert stats["forwards"] == sum(-(-n // cfg.train.batch_size) for n in sizes)  # each example once
+    again = precompute(cfg, out, progress=False)  # resumes: nothing left to do
+    assert again["written"] == again["forwards"] == 0 and again["skipped"] == stats["total"]
 
     plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
     layers = {n: p.layers for n, p in plans.items()}
-    items = batches(cfg, 3)
+    def real(kv, mask):  # padding carries whatever the forward put there live, zeros from the cache
+        m = torch.as_tensor(mask).bool()[None, :, None, :, None]
+        return kv.keys * m, kv.values * m
+
+    items = canonical_batches(cfg, 3)
     cached = list(KVFeed(CacheSource(KVCache(out)), iter(items), layers, depth=2))
     live = list(KVFeed(ActorSource(handles), iter(items), layers, depth=2))
-    for (_, kc), (_, kl) in zip(cached, live):
+    for item, (_, kc), (_, kl) in zip(items, cached, live):
         for n in layers:
-            assert torch.equal(kc[n].keys, kl[n].keys) and torch.equal(kc[n].values, kl[n].values)
+            assert all(torch.equal(a, b) for a, b in zip(real(kc[n], item[2]), real(kl[n], item[2])))
+    # another data seed and batch size: the same examples in other batches, assembled from the cache
+    other = batches(cfg, 4, seed=7, batch_size=3)
+    cached = list(KVFeed(CacheSource(KVCache(out)), iter(other), layers, depth=2))
+    live = list(KVFeed(ActorSource(handles), iter(other), layers, depth=2))
+    assert len(cached) == 4
+    for item, (_, kc), (_, kl) in zip(other, cached, live):
+        for n in layers:  # other padding, other matmul shapes: equal to one bf16 rounding step
+            for a, b in zip(real(kc[n], item[2]), real(kl[n], item[2])):
+                assert a.shape == b.shape and torch.allclose(a, b, rtol=2 ** -7, atol=1e-3)
 
     cache = KVCache(out)
-    shard = out / cache.shards[items[1][0]]["file"]
+    fp, idx = other[1][4]
+    shard = out / cache.shards[example_key(fp, idx[0])]["file"]
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(KavaError, match=f"{shard.name}.*checksum mismatch"):
-        list(KVFeed(CacheSource(KVCache(out)), iter(items), layers, depth=1))
+        list(KVFeed(CacheSource(KVCache(out)), iter(other), layers, depth=1))
     # a cache written for another layer set is refused by name
     with pytest.raises(KavaError, match="teachers"):
         KVCache(out, dict(cache.meta, teachers={}))
@@ -180,7 +216,7 @@ def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(poo
     to the bf16 wire rounding: the wire has no fp32); two consumers of one batch with one k share one forward."""
     cfg, handles = pool
     h = handles["qwen"]
-    (key, ids, mask, _), = batches(cfg, 1)
+    (key, ids, mask, *_), = batches(cfg, 1)
     before = ray.get(h.stats.remote())
     a, b = ray.get([h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8),
                     h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8)])
@@ -188,7 +224,7 @@ def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(poo
     assert after["forwards"] - before["forwards"] == 1 and after["hits"] - before["hits"] == 1
     assert after["requests"] - before["requests"] == 2
     B, T = ids.shape
-    assert after["logit_bytes_served"] - before["logit_bytes_served"] == 2 * B * T * 8 * (4 + 2)
+    assert after["logit_bytes_served"] - before["logit_bytes_served"] == 2 * B * T * (8 * (4 + 2) + 4)  # + the tail
     assert np.array_equal(a["topk_ids"], b["topk_ids"]) and np.array_equal(a["topk_logp"], b["topk_logp"])
     served = KVBatch.from_wire(a)
     torch.set_num_threads(1)
@@ -210,22 +246,27 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
     _, handles = pool
     cfg = logit_job(pool[0], 4, monkeypatch)
     out = tmp_path / "kvcache-logits"
-    stats = precompute(cfg, out, epochs=1, progress=False)
+    stats = precompute(cfg, out, progress=False)
     assert stats["written"] == stats["total"] > 0
     cache = KVCache(out)
     assert cache.meta["logits_top_k"] == 4
     plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
     layers = {n: p.layers for n, p in plans.items()}
-    items = batches(cfg, 2)
+    items = canonical_batches(cfg, 2)
     cached = list(KVFeed(CacheSource(cache), iter(items), layers, decode=False, logits_top_k=4))
     live = list(KVFeed(ActorSource(handles), iter(items), layers, decode=False, logits_top_k=4))
-    for (_, pc), (_, pl) in zip(cached, live):
+    for item, (_, pc), (_, pl) in zip(items, cached, live):
+        m = torch.as_tensor(item[2]).bool()  # the real positions (padding: zeros in the cache)
         for n in layers:  # bit-exact round trip of KV and logits through the shards
             assert pc[n]["topk_ids"].shape[-1] == 4
-            for arr in ("k", "v", "topk_ids", "topk_logp"):
-                assert pc[n][arr].dtype == pl[n][arr].dtype and np.array_equal(pc[n][arr], pl[n][arr]), (n, arr)
-            back = KVBatch.from_wire(pc[n])
-            assert torch.equal(back.topk_logp, KVBatch.from_wire(pl[n]).topk_logp)
+            for arr in ("k", "v", "topk_ids", "topk_logp", "topk_tail"):
+                assert pc[n][arr].dtype == pl[n][arr].dtype and pc[n][arr].shape == pl[n][arr].shape, (n, arr)
+            c, live_kv = KVBatch.from_wire(pc[n], dtype=None), KVBatch.from_wire(pl[n], dtype=None)
+            for x, y in ((c.keys, live_kv.keys), (c.values, live_kv.values)):
+                assert torch.equal(x.transpose(2, 3)[:, m], y.transpose(2, 3)[:, m]), n
+            for x, y in ((c.topk_ids, live_kv.topk_ids), (c.topk_logp, live_kv.topk_logp),
+                         (c.topk_tail, live_kv.topk_tail)):
+                assert torch.equal(x[m], y[m]), n
     # a job without logits reads it and gets today's payloads
     (_, plain), = list(KVFeed(CacheSource(cache), iter(items[:1]), layers, decode=False))
     assert all("topk_ids" not in p for p in plain.values())

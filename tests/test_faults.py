@@ -74,12 +74,12 @@ class PoisonSource(InProcessSource):
 
     def result(self, name, request, future):
         payload = super().result(name, request, future)
-        if name == self.teacher and request[0] in self.poison:
+        if name == self.teacher and request.key in self.poison:
             from kava_ray.kv import KVBatch
 
             kv = KVBatch.from_wire(payload, dtype=torch.float32)
             getattr(kv, self.what)[..., 0] = float("nan") if self.what == "keys" else float("inf")
-            payload = kv.to_wire(request[4])
+            payload = kv.to_wire(request.wire_dtype)
         return payload
 
 

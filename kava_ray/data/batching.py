@@ -139,11 +139,15 @@ class BatchStream:
 
     def next(self) -> tuple[str, int, int, dict[str, torch.Tensor]]:
         """(key, step, epoch, batch) for the next batch; advances the stream."""
+        return self.next_indexed()[:4]
+
+    def next_indexed(self) -> tuple[str, int, int, dict[str, torch.Tensor], list[int]]:
+        """`next()` plus the batch's example indices into the split (what an example-indexed KV cache reads)."""
         if self.position >= self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
         global_index, idx = self._epoch_batches(self.epoch)[self.position]
         batch = collate_split(self.split, idx)
-        out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch)
+        out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch, list(idx))
         self.position += 1
         self.step += 1
         return out

@@ -16,11 +16,11 @@ class InProcessSource:
         self.models = models  # {teacher name: loaded model}
         self.key_space = key_space
 
-    def submit(self, name: str, request: tuple):
+    def submit(self, name: str, request):
         return request  # computed when asked for: nothing runs ahead
 
-    def result(self, name: str, request: tuple, _future) -> dict:
-        _key, ids, mask, layers, wire_dtype, logits_top_k = request
-        kv = teacher_forward_kv(self.models[name], torch.as_tensor(ids), torch.as_tensor(mask), layers=layers,
-                                key_space=self.key_space, logits_top_k=logits_top_k)
-        return kv.to_wire(wire_dtype)
+    def result(self, name: str, request, _future) -> dict:
+        r = request  # an `actors.feed.KVRequest`
+        kv = teacher_forward_kv(self.models[name], torch.as_tensor(r.input_ids), torch.as_tensor(r.attention_mask),
+                                layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k)
+        return kv.to_wire(r.wire_dtype)
