@@ -1,7 +1,7 @@
 """Ray Tune search spaces as YAML: dotted JobConfig keys -> distributions, plus metric/scheduler/search.
 
-    metric: eval/cos_sim
-    mode: max
+    metric: eval/ce
+    mode: min
     num_samples: 8
     scheduler: {kind: asha, grace_period: 2, reduction_factor: 2}
     search: {kind: random}
@@ -66,8 +66,8 @@ class SearchSpec(_Strict):
 class SpaceSpec(_Strict):
     """A parsed search space; `params` maps a dotted JobConfig key to one `{distribution: args}`."""
 
-    metric: str = "eval/cos_sim"
-    mode: Literal["max", "min"] = "max"
+    metric: str = "eval/ce"  # the task loss: a KV metric (eval/cos_sim) would favour kv_weight > 0 by construction
+    mode: Literal["max", "min"] = "min"
     num_samples: int = Field(8, ge=1)
     max_concurrent: Optional[int] = Field(None, ge=1)
     scheduler: SchedulerSpec = SchedulerSpec()
