@@ -125,7 +125,7 @@ def cmd_teachers(args) -> int:
             preflight(cfg, "teachers precompute", address=args.address, out=args.out)
         connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
         if action == "precompute":
-            stats = precompute(cfg, args.out, args.epochs, restart_teachers=args.restart_teachers)
+            stats = precompute(cfg, args.out, restart_teachers=args.restart_teachers)
     if action == "up":
         handles = pool.start_pool(cfg, detached=True)
         names = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
@@ -139,8 +139,8 @@ def cmd_teachers(args) -> int:
         if args.json:
             _print_json_last({"teachers": rows})
     elif action == "precompute":
-        print(f"KV cache {args.out}: {stats['written']} shard(s) written, {stats['skipped']} already there, "
-              f"{stats['bytes'] / 2**20:.1f} MiB")
+        print(f"KV cache {args.out}: {stats['written']} example(s) written in {stats['forwards']} teacher batch(es), "
+              f"{stats['skipped']} already there, {stats['bytes'] / 2**20:.1f} MiB")
         if args.json:
             _print_json_last(stats)
     ray.shutdown()
@@ -220,7 +220,8 @@ def cmd_bench_recipes(args) -> int:
     from kava_ray.bench.recipes import format_recipes, run_recipes_bench
 
     out = run_recipes_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, out=args.out,
-                            limit=args.limit, max_new_tokens=args.max_new_tokens, address=args.address)
+                            limit=args.limit, max_new_tokens=args.max_new_tokens, num_test=args.num_test,
+                            address=args.address)
     return _show(args, format_recipes(out), out)
 
 
@@ -369,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "precompute":
             _add_restart_teachers(p)
             _add_verbose(p)
-            p.add_argument("--out", required=True, help="cache directory (manifest.json + safetensors shards)")
-            p.add_argument("--epochs", type=int, default=1)
+            p.add_argument("--out", required=True, help="cache directory (manifest.json + one safetensors shard per "
+                                                        "example: any batch size, data seed or epoch count reads it)")
         p.set_defaults(func=cmd_teachers)
 
     p_align = sub.add_parser("align", help="measure teacher/student layer alignment")
@@ -486,8 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_job(p, "<ray.storage_path>/bench-recipes-<time>")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--limit", type=int, default=8, help="test problems for greedy exact match (0 = skip)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--limit", type=int, default=64, help="test problems for greedy exact match (0 = skip)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="generation budget (SmolLM2 needs ~70 tokens to "
+                                                                   "reach '#### <answer>' on the synthetic problems)")
+    p.add_argument("--num-test", type=int, default=128, help="test examples every student is scored on")
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_recipes)
     p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) at small defaults, ~10 min; "

@@ -129,10 +129,10 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
     as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
 
-    CE is weighted by answer tokens (what it averages over), the KV metrics by the tokens the KV loss counts
-    (`loss.loss_tokens`). Sums stay
-    float64 tensors until the end: one conversion, not one per batch. `autocast`: a context factory, the
-    training step's (`Precision.autocast`), so held-out numbers are computed the way training computes.
+    CE, logit KL and top-1 agreement are weighted by the next-token positions CE counts (`label_tokens`), the
+    KV metrics by the tokens the KV loss counts (`loss.loss_tokens`). Sums stay float64 tensors until the
+    end: one conversion, not one per batch. `autocast`: a context factory -- the training step's
+    (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
     """
     from actors.feed import KVFeed, feed_items
     from kava_ray.job import eval_stream, teacher_logits_top_k
@@ -150,16 +150,108 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
             _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
         for w in weights:
             weights[w] = weights[w] + m[w].double()
-        sums["ce"] = sums.get("ce", 0) + m["ce"].double() * m["label_tokens"]  # CE: per answer token
+        # CE and the logit KD: per next-token position CE counts
+        label_keys = ["ce"] + [k for k in m if k == "logit_kl" or k.startswith(("logit_kl/", "top1_agree/"))]
+        for k in label_keys:
+            sums[k] = sums.get(k, 0) + m[k].double() * m["label_tokens"]
         kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
-        if "logit_kl" in m:  # loss.logit_weight > 0: the logit KD loss counts the KV loss's tokens too
-            kv_keys += ["logit_kl"] + [k for k in m if k.startswith(("logit_kl/", "top1_agree/"))]
         kv_keys += [k for k in m if k.startswith("aligned/")]  # teachers of another tokenizer: share covered
         for k in kv_keys:  # KV: per token the KV loss counts
             sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
     distiller.train(was_training)
-    return {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k == "ce" else "kv_tokens"]), 1))
+    by_label = {k for k in sums if k == "ce" or k == "logit_kl" or k.startswith(("logit_kl/", "top1_agree/"))}
+    return {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k in by_label else "kv_tokens"]), 1))
             for k, v in sums.items()}
+
+
+# ----------------------------------------------------------------------------- figures every recipe shares
+
+
+@torch.no_grad()
+def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, device="cpu", logit_top_k: int = 0,
+                  alignment: Optional[dict] = None) -> dict:
+    """The held-out figures that do not depend on how a student was trained, computed the same way for every
+    recipe (a `ce` run included): one pass over `split` with the teachers' outputs from `source`.
+
+    - `ce`: next-token CE over the label positions, token-weighted, fp32 without autocast (as `heldout_ce`
+      and `kava-ray eval`); `tokens`: how many positions it averages over;
+    - with `logit_top_k` > 0, per teacher sharing the student's tokenizer: `kl/<t>`, the full-vocabulary
+      top-k KL(teacher || student) with the tail bucket at T = 1 (`losses.topk_kl_loss`, the KD loss itself),
+      and `top1_agree/<t>`, on the same positions;
+    - `alignment` {teacher: `probe.KVAlignment`, already fit when it probes}: `kv_cos_free/<t>`, the
+      projector-free centred KV cosine (see `kava_ray.probe`), over the real tokens.
+    """
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import eval_stream, logit_teachers
+    from kava_ray.kv import student_forward_kv
+    from kava_ray.losses import next_token_mask, top1_agreement, topk_kl_loss, topk_tail
+
+    stream = eval_stream(split, cfg)
+    logit_names = logit_teachers(plans) if logit_top_k else []
+    feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device,
+                  logits_top_k={n: (logit_top_k if n in logit_names else 0) for n in plans})
+    sums: dict = {}
+    n_lab = 0
+    with _inference(student):
+        for (_, _, _, batch), kv in feed:
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space)
+            nxt = next_token_mask(batch["labels"]).to(device)
+            n = int(nxt.sum())
+            n_lab += n
+            sums["ce"] = sums.get("ce", 0.0) + float(masked_ce(out.logits, batch["labels"])) * n
+            for t in logit_names:
+                b = kv[t]
+                tail = topk_tail(b.topk_logp, b.topk_tail, logit_top_k)
+                kl = topk_kl_loss(out.logits, b.topk_ids[..., :logit_top_k], b.topk_logp[..., :logit_top_k], nxt,
+                                  teacher_tail=tail)
+                sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(kl) * n
+                sums[f"top1_agree/{t}"] = sums.get(f"top1_agree/{t}", 0.0) + float(
+                    top1_agreement(out.logits, b.topk_ids, nxt)) * n
+            for t, kva in (alignment or {}).items():
+                kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
+    out = {k: v / max(n_lab, 1) for k, v in sums.items()}
+    out["tokens"] = n_lab
+    for t, kva in (alignment or {}).items():
+        out[f"kv_cos_free/{t}"] = kva.result()["kv_cos_free"]
+        out["kv_cos_free_method"] = kva.result()["method"]
+    return out
+
+
+def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
+                 device="cpu", fit_batches: int = 16) -> dict:
+    """{teacher: `probe.KVAlignment`} ready to score: direct for a teacher the student was copied from by
+    `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`), else a linear probe from
+    each student layer to the heaviest teacher layer of its layer map, fit on the first `fit_batches`
+    batches of `train_split` (the frozen student's KV against the teacher's)."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import eval_stream
+    from kava_ray.kv import student_forward_kv
+    from kava_ray.probe import KVAlignment
+
+    out, probes = {}, {}
+    for t, p in plans.items():
+        src = copied.get(t)
+        if src is not None and all(layer in p.layers for layer in src):
+            out[t] = KVAlignment([p.layers.index(layer) for layer in src])
+        elif not p.aligned:  # a teacher of another tokenizer would need its KV in student time first
+            heaviest = [max(pairs, key=lambda tw: tw[1])[0] for _, pairs in p.layer_map]
+            out[t] = probes[t] = KVAlignment([p.layers.index(layer) for layer in heaviest], probe=True)
+    if probes:
+        stream = eval_stream(train_split, cfg)
+        n = min(fit_batches, stream.steps_per_epoch)
+        feed = KVFeed(source, feed_items(stream, n), {t: plans[t].layers for t in probes},
+                      depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device)
+        with _inference(student):
+            for (_, _, _, batch), kv in feed:
+                mask = batch["attention_mask"].to(device)
+                _, skv = student_forward_kv(student, batch["input_ids"].to(device), mask, key_space=cfg.align.key_space)
+                for t, kva in probes.items():
+                    kva.fit_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
+        for kva in probes.values():
+            kva.fit()
+    return out
 
 
 # ----------------------------------------------------------------------------- a checkpoint, end to end

@@ -166,13 +166,14 @@ class DistillRecipe:
                                 autocast=self.autocast)
 
     def test(self, source) -> dict[str, float]:
-        """`test/*` on the test split, once, after the last step (never used to select anything)."""
+        """`test/*` on the test split, once, after the last step (never used to select anything), in fp32
+        without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
         from kava_ray.evaluate import evaluate_heldout
         from kava_ray.job import load_test_split
 
         split = load_test_split(self.cfg, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
-                                prefix="test", autocast=self.autocast)
+                                prefix="test")
 
 
 def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
@@ -285,7 +286,7 @@ def train_loop_per_worker(config: dict) -> None:
         state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=config.get("resume_override", False))
     t_cfg, accum = cfg.train, cfg.optim.accumulation
     stream = recipe.stream
-    source = kv_source(cfg, plans, stream.plan_fingerprint)
+    source = kv_source(cfg, plans, stream.split.fingerprint)
     # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
     remaining = max(0, t_cfg.steps - recipe.start_step) * accum
     # (a skipped batch, train.on_bad_kv=skip, extends the read by one: `limit`)

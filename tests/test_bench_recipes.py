@@ -1,10 +1,13 @@
-"""`kava-ray bench recipes` on the tiny models: four recipes over one precomputed teacher cache."""
+"""`kava-ray bench recipes` on the tiny models: four recipes over one precomputed teacher cache, every student
+scored alike, paired against `ce`; and the paired statistics on numbers worked by hand."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+import pytest
 
 from jobs import write_job
 
@@ -13,22 +16,47 @@ def test_bench_recipes_tiny(ray_session, tmp_path, tiny_qwen2_dir, tiny_llama_di
     from kava_ray.bench.recipes import RECIPES, format_recipes, run_recipes_bench
     from kava_ray.cli import _print_json_last
 
-    job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
-                    loss={"logit_top_k": 8})
+    job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
     # 1 seed keeps the test near a minute on 2 cores (each TorchTrainer run costs ~15 s); the bench defaults to 3
     out = run_recipes_bench(str(job), steps=2, seeds=1, out=str(tmp_path / "bench"), limit=2, max_new_tokens=4,
-                            eval_steps=1, progress=False)
-    assert list(out["recipes"]) == list(RECIPES)
-    for name, r in out["recipes"].items():
-        assert math.isfinite(r["test_ce"]["mean"]), name
-        assert len(r["runs"]) == 1 and r["eval_ce_curve"], name
-        has_logits = RECIPES[name][1] > 0
-        assert all((r["top1_agree"][t] is not None) == has_logits for t in ("qwen", "llama")), name
-    assert 0 < out["teacher_forwards_per_sample"] <= 1.0
+                            num_test=8, eval_steps=1, progress=False)
+    assert list(out["summary"]) == list(RECIPES)
+    for name, runs in out["arms"].items():
+        (run,) = runs
+        f = run["figures"]
+        assert math.isfinite(f["test_ce"]) and f["kl"] > 0 and 0 <= f["top1"] <= 1, name  # the ce arm scored too
+        assert run["eval_ce"] and run["score"]["tokens"] == out["test_tokens"] > 0, name
+        assert -1 <= f["kv_cos_free"] <= 1 and f["exact"] is not None, name
+        if name != "ce":  # one seed: a difference, no interval
+            d = out["summary"][name]["vs_base"]["test_ce"]
+            assert d["n"] == 1 and d["lo"] is None and d["mean"] == pytest.approx(f["test_ce"] - out["arms"]["ce"][0]
+                                                                                  ["figures"]["test_ce"])
+    assert out["teacher_forwards_per_sample"] == 1.0 and out["cached_examples"] > out["train_examples"]
+    assert set(out["teacher_rows"]) == {"qwen", "llama"} and all(math.isfinite(r["test_ce"])
+                                                                  for r in out["teacher_rows"].values())
     assert Path(out["plot"]).is_file() and Path(out["plot"]).stat().st_size > 0
     text = format_recipes(out)
-    assert "ce+kv+logits" in text and "teacher forwards per training sample" in text
+    assert "ce+kv+logits" in text and "teacher forwards per training sample: 1.00" in text and "teacher qwen" in text
     capsys.readouterr()
     _print_json_last(out)
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert json.loads(last)["recipes"].keys() == out["recipes"].keys()
+    assert json.loads(last)["summary"].keys() == out["summary"].keys()
+
+
+def test_paired_intervals_by_hand():
+    from kava_ray.bench.recipes import summarize
+    from kava_ray.bench.stats import fmt_interval, paired, t_quantile
+
+    assert t_quantile(0.975, 2) == pytest.approx(4.3027, abs=1e-4)
+    assert t_quantile(0.975, 9) == pytest.approx(2.2622, abs=1e-4)
+    p = paired([3.0, 3.2, 3.1], [3.5, 3.6, 3.7])  # differences -0.5, -0.4, -0.6: mean -0.5, sd 0.1
+    half = 4.3027 * 0.1 / math.sqrt(3)
+    assert p["mean"] == pytest.approx(-0.5) and p["hi"] == pytest.approx(-0.5 + half, abs=1e-4) and p["excludes_zero"]
+    assert fmt_interval(p, 2).endswith("*")
+    noisy = paired([3.0, 3.9, 3.1], [3.5, 3.6, 3.7])
+    assert not noisy["excludes_zero"] and not fmt_interval(noisy).endswith("*")
+    # a seed's difference is paired with the same seed's baseline, not pooled: the shared seed effect cancels
+    arms = {"ce": [{"figures": {"test_ce": 3.0 + s}} for s in (0.0, 1.0, 2.0)],
+            "kd": [{"figures": {"test_ce": 2.9 + s}} for s in (0.0, 1.0, 2.0)]}
+    d = summarize(arms)["kd"]["vs_base"]["test_ce"]
+    assert d["mean"] == pytest.approx(-0.1) and d["hi"] == pytest.approx(-0.1) and d["excludes_zero"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 import torch
@@ -35,10 +34,8 @@ ANNOT = re.compile(r"<<([0-9+\-*/]+)=(-?\d+)>>(-?\d+)")
 # ---------------------------------------------------------------- synthetic generator
 
 
-def test_synthetic_deterministic_fast_and_varied():
-    t = time.perf_counter()
+def test_synthetic_deterministic_and_varied():
     big = synthetic_gsm8k(10_000, seed=0)
-    assert time.perf_counter() - t < 1.0
     assert synthetic_gsm8k(50, seed=0) == big[:50]
     assert not set(synthetic_gsm8k(50, seed=1)) & set(big[:50])
     steps = {ex.answer.count("<<") for ex in big}

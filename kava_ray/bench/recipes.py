@@ -1,24 +1,24 @@
-"""`kava-ray bench recipes`: which recipe gives the better student at equal compute.
+"""`kava-ray bench recipes`: which recipe gives the better student at equal compute, with error bars.
 
-The same student, data, batch, steps, optimizer and seeds under four recipes — `ce` (plain fine-tuning),
-`ce+kv` (this product's default), `ce+logits` (standard top-k logit KD) and `ce+kv+logits` — each run by
-the production `kava_ray.train.run_training` in one Ray. The teachers run once: `kava_ray.job.precompute`
-writes every batch's KV and top-k logits to one cache, which every recipe x seed reads
-(`data.kv_source: cache`). Seeds vary only the model-side randomness (`train.seed`: projector init, dropout);
-the data order is `train.data_seed`, fixed, so every run reads the same cached batches. By default the
-training split is sized to exactly the batches the runs train on (one epoch), so no batch is computed that
-no run reads.
+The same student, data, batch, steps and optimizer under four recipes -- `ce` (plain fine-tuning), `ce+kv`
+(this product's default), `ce+logits` (the field's top-k logit KD: the student normalised over its full
+vocabulary, the teacher's tail as a bucket) and `ce+kv+logits` -- each run by the production
+`kava_ray.train.run_training`. The teachers run once: `kava_ray.job.precompute` stores every example's KV
+and top-64 log-probs in the example-indexed cache that every run reads (`data.kv_source: cache`), so a
+seed may reshuffle the data and still costs no teacher forward.
 
-Reported per recipe, mean ± std over seeds: test-split answer-token CE, greedy exact-match accuracy on the
-first `limit` test problems, centred KV cos and contrast gap, top-1 agreement with each teacher (only
-recipes that train on logits have the teachers' logits at evaluation: `—` otherwise), wall time per step;
-the teacher forwards per training sample across the whole bench; a PNG of the validation CE curves.
+A seed draws both the data order (`train.data_seed`) and the initialisation (`train.seed`); within a seed
+every recipe sees the same batches. Every finished student is then scored the same way, whatever trained
+it (`evaluate.score_student`, from the cache): test CE (fp32, as `kava-ray eval`), KL(teacher || student)
+and top-1 agreement with each teacher, the projector-free KV cosine (`kava_ray.probe`), and greedy exact
+match on `limit` test problems with a budget that reaches `#### <answer>`. Differences against `ce` are
+paired per seed, with a 95 % t-interval (`bench.stats.paired`); the teachers' own CE and exact match are a
+row of their own.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -27,47 +27,53 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from kava_ray._io import format_table
+from kava_ray.bench.stats import fmt_interval, paired
 from kava_ray.config import JobConfig, load_config, validate_config
 
 # recipe: (loss.kv_weight, loss.logit_weight)
-RECIPES: dict[str, tuple[float, float]] = {"ce": (0.0, 0.0), "ce+kv": (1.0, 0.0), "ce+logits": (0.0, 1.0),
+RECIPES: dict[str, tuple[float, float]] = {"ce": (0.0, 0.0), "ce+logits": (0.0, 1.0), "ce+kv": (1.0, 0.0),
                                            "ce+kv+logits": (1.0, 1.0)}
+BASE = "ce"
+TOP_K = 64  # teacher log-probs cached for every recipe (scoring reads them for the `ce` runs too)
 CURVES_PNG = "eval_ce_curves.png"
+# figure -> (label, lower is better, digits, scale)
+FIGURES = {"test_ce": ("test CE", True, 4, 1.0), "kl": ("KL(teacher||student)", True, 3, 1.0),
+           "top1": ("top-1 agree %", False, 1, 100.0), "kv_cos_free": ("KV cos, no projector", False, 3, 1.0),
+           "exact": ("exact match %", False, 1, 100.0)}
 
 
 def _merge(d: dict, **sections) -> dict:
     return {**d, **{k: {**d[k], **v} for k, v in sections.items()}}
 
 
-def _mean_std(xs: Sequence[Optional[float]]) -> Optional[dict]:
+def _mean_sd(xs: Sequence[Optional[float]]) -> Optional[dict]:
     xs = [float(x) for x in xs if x is not None]
     if not xs:
         return None
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+    return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
 def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[int] = None,
-                  fit_data: bool = True) -> tuple[JobConfig, dict]:
-    """(the precompute config, the run dict every recipe x seed is derived from)."""
+                  fit_data: bool = True, num_test: Optional[int] = None) -> tuple[JobConfig, dict]:
+    """(the precompute config, the run dict every recipe x seed is derived from). fit_data: the training
+    split holds exactly the examples one run trains on (one epoch; every seed reshuffles the same examples)."""
     d = base.to_dict()
     t, o = base.train, base.optim
-    batches = steps * o.accumulation * base.ray.num_workers  # global batches every run trains on
-    train = {"steps": steps, "eval_steps": eval_steps or max(1, steps // 8), "save_steps": steps,
-             "data_seed": t.seed if t.data_seed is None else t.data_seed}
+    train = {"steps": steps, "eval_steps": eval_steps or max(1, steps // 8), "save_steps": steps}
     data = {"kv_cache_dir": str(out / "kv_cache")}
-    if fit_data:  # one epoch = exactly the batches the runs train on (validation is carved off on top)
-        data["num_train"] = batches * t.batch_size
+    if fit_data:
+        data["num_train"] = steps * o.accumulation * base.ray.num_workers * t.batch_size
+    if num_test:
+        data["num_test"] = num_test
     d = _merge(d, train=train, data=data, ray={"storage_path": str(out / "runs")})
     pre = validate_config(_merge(d, data={"kv_source": "live"},
-                                 loss={"logit_weight": max(1.0, base.loss.logit_weight)}))
+                                 loss={"logit_weight": max(1.0, base.loss.logit_weight),
+                                       "logit_top_k": max(TOP_K, base.loss.logit_top_k)}))
     return pre, _merge(d, data={"kv_source": "cache"})
 
 
-def _run_one(run_cfg: JobConfig, name: str, limit: int, max_new_tokens: int, progress: bool) -> dict:
-    from kava_ray.checkpoint import read_state
-    from kava_ray.evaluate import gsm8k_accuracy
-    from kava_ray.job import load_test_split
-    from kava_ray.models import load_model, load_tokenizer
+def run_arm(run_cfg: JobConfig, name: str, progress: bool) -> dict:
+    """One production training run: its run dir, wall time, seconds per step and validation CE curve."""
     from kava_ray.report import read_metrics
     from kava_ray.train import run_training
     from kava_ray.worker import METRICS
@@ -75,56 +81,100 @@ def _run_one(run_cfg: JobConfig, name: str, limit: int, max_new_tokens: int, pro
     res = run_training(run_cfg, name=name, progress=progress)
     run_dir = Path(res["run_dir"])
     train, evals = read_metrics(run_dir / METRICS)  # the last record of each step wins (resumed runs)
-    test = read_state(run_dir / "final")["test"]  # the worker writes the test split's metrics there
     times = [r["time_s"] for r in train if "time_s" in r]
-    curve = [(r["step"], r["eval/ce"]) for r in evals if "eval/ce" in r]
-    acc = None
-    if limit > 0:
-        student = load_model(run_dir / "final" / "student", dtype="float32")
-        tok = load_tokenizer(run_dir / "final" / "student")
-        examples = load_test_split(run_cfg, tok).examples[:limit]
-        acc = gsm8k_accuracy(student, tok, examples, run_cfg.data.prompt_format, max_new_tokens)["accuracy"]
-    return {"run_dir": str(run_dir), "wall_s": res["wall_s"], "test": test, "gsm8k_accuracy": acc,
-            "s_per_step": statistics.fmean(times) if times else None, "eval_ce": curve}
+    return {"run_dir": str(run_dir), "wall_s": res["wall_s"], "s_per_step": statistics.fmean(times) if times else None,
+            "eval_ce": [(r["step"], r["eval/ce"]) for r in evals if "eval/ce" in r]}
 
 
-def _aggregate(runs: list[dict], teachers: list[str]) -> dict:
-    def test_metric(k):
-        return _mean_std([r["test"].get(k) for r in runs])
+class Scorer:
+    """Scores finished students the same way, whatever trained them: `score_student` on the test split from
+    the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
 
-    agg = {"test_ce": test_metric("test/ce"), "gsm8k_accuracy": _mean_std([r["gsm8k_accuracy"] for r in runs]),
-           "cos_sim": test_metric("test/cos_sim"), "contrast_gap": test_metric("test/contrast_gap"),
-           "top1_agree": {t: test_metric(f"test/top1_agree/{t}") for t in teachers},
-           "s_per_step": _mean_std([r["s_per_step"] for r in runs])}
-    steps = sorted({s for r in runs for s, _ in r["eval_ce"]})
-    curve = []
-    for s in steps:
-        ms = _mean_std([dict(r["eval_ce"]).get(s) for r in runs])
-        if ms:
-            curve.append({"step": s, **ms})
-    agg["eval_ce_curve"] = curve
-    return agg
+    def __init__(self, cache_cfg: JobConfig, limit: int, max_new_tokens: int):
+        from kava_ray.job import copied_layers, kv_source, load_splits, load_test_split, setup_teachers
+        from kava_ray.models import load_tokenizer
+
+        self.cfg, self.limit, self.max_new_tokens = cache_cfg, limit, max_new_tokens
+        _, self.plans, _ = setup_teachers(cache_cfg)  # the cache: no Ray, no teacher model
+        self.source = kv_source(cache_cfg, self.plans)
+        tok = load_tokenizer(cache_cfg.student.model)
+        self.train_split = load_splits(cache_cfg, tok)[0]
+        self.test = load_test_split(cache_cfg, tok)
+        self.copied = {t: copied_layers(cache_cfg, t) for t in self.plans}
+
+    def student(self, path) -> dict:
+        from kava_ray.evaluate import gsm8k_accuracy, kv_alignment, score_student
+        from kava_ray.models import load_model, load_tokenizer
+
+        model = load_model(Path(path) / "student", dtype="float32")
+        align = kv_alignment(model, self.source, self.plans, self.train_split, self.cfg, self.copied)
+        out = score_student(model, self.source, self.plans, self.test, self.cfg, logit_top_k=TOP_K, alignment=align)
+        if self.limit > 0:
+            tok = load_tokenizer(Path(path) / "student")
+            acc = gsm8k_accuracy(model, tok, self.test.examples[:self.limit], self.cfg.data.prompt_format,
+                                 self.max_new_tokens)
+            out.update(exact=acc["accuracy"], exact_n=acc["n"], exact_samples=acc["samples"][:2])
+        return out
+
+    def teacher(self, name: str) -> dict:
+        from kava_ray.evaluate import gsm8k_accuracy, heldout_ce
+        from kava_ray.models import load_model, load_tokenizer
+
+        t = self.cfg.teacher(name)
+        model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
+        out = {"test_ce": heldout_ce(model, self.test)}
+        if self.limit > 0:
+            acc = gsm8k_accuracy(model, load_tokenizer(t.model), self.test.examples[:self.limit],
+                                 self.cfg.data.prompt_format, self.max_new_tokens)
+            out.update(exact=acc["accuracy"], exact_n=acc["n"])
+        return out
 
 
-def plot_curves(recipes: dict, path: Path) -> None:
-    """Validation CE over steps, one line per recipe (seed mean), shaded ± std."""
+def figures_of(score: dict, teachers: list[str]) -> dict:
+    """A run's score -> the bench's figures (KL, top-1 and KV cosine averaged over the teachers)."""
+    def mean(prefix):
+        xs = [score[f"{prefix}/{t}"] for t in teachers if f"{prefix}/{t}" in score]
+        return statistics.fmean(xs) if xs else None
+
+    return {"test_ce": score["ce"], "kl": mean("kl"), "top1": mean("top1_agree"), "kv_cos_free": mean("kv_cos_free"),
+            "exact": score.get("exact")}
+
+
+def summarize(arms: dict, base: str = BASE) -> dict:
+    """Per arm: mean ± sd of every figure over seeds, and the paired difference against `base` per seed."""
+    out = {}
+    for name, runs in arms.items():
+        figs = [r["figures"] for r in runs]
+        out[name] = {"mean": {k: _mean_sd([f.get(k) for f in figs]) for k in FIGURES},
+                     "s_per_step": _mean_sd([r.get("s_per_step") for r in runs])}
+        if name != base and base in arms:
+            ref = [r["figures"] for r in arms[base]]
+            out[name]["vs_base"] = {k: paired([f.get(k) for f in figs], [f.get(k) for f in ref]) for k in FIGURES}
+    return out
+
+
+def plot_curves(arms: dict, path: Path, log_y: bool = False, teacher_ce: Optional[float] = None) -> None:
+    """Validation CE over steps, one line per arm (mean over seeds), shaded min-max; the teacher as a line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for name, r in recipes.items():
-        c = r["eval_ce_curve"]
-        if not c:
-            continue
-        xs, ms, sd = [p["step"] for p in c], [p["mean"] for p in c], [p["std"] for p in c]
-        line, = ax.plot(xs, ms, marker="o", markersize=3, label=name)
-        ax.fill_between(xs, [m - s for m, s in zip(ms, sd)], [m + s for m, s in zip(ms, sd)],
-                        color=line.get_color(), alpha=0.2)
+    for name, runs in arms.items():
+        steps = sorted({s for r in runs for s, _ in r["eval_ce"]})
+        per = [[dict(r["eval_ce"]).get(s) for r in runs] for s in steps]
+        ms = [statistics.fmean([v for v in p if v is not None]) for p in per]
+        line, = ax.plot(steps, ms, marker="o", markersize=3, label=name)
+        ax.fill_between(steps, [min(v for v in p if v is not None) for p in per],
+                        [max(v for v in p if v is not None) for p in per], color=line.get_color(), alpha=0.15)
+    if teacher_ce is not None:
+        ax.axhline(teacher_ce, color="black", linestyle="--", linewidth=1, label="teacher")
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("validation CE (answer tokens)")
-    ax.set_title("validation CE per recipe (mean ± std over seeds)")
+    ax.set_ylabel("validation CE")
+    ax.set_title("validation CE per arm (mean over seeds, min-max shaded)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -132,14 +182,14 @@ def plot_curves(recipes: dict, path: Path) -> None:
 
 
 def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, steps: int = 40, seeds: int = 3,
-                      out: Optional[str] = None, limit: int = 8, max_new_tokens: int = 32,
+                      out: Optional[str] = None, limit: int = 64, max_new_tokens: int = 192, num_test: int = 128,
                       eval_steps: Optional[int] = None, recipes: Optional[Sequence[str]] = None,
-                      fit_data: bool = True, address: Optional[str] = None, progress: bool = True) -> dict:
-    """Every recipe x seed (seeds `train.seed`, +1, ...) over one precomputed teacher cache; see the module doc."""
+                      address: Optional[str] = None, progress: bool = True) -> dict:
+    """Every recipe x seed over one precomputed teacher cache, every student scored alike; see the module doc."""
     import ray
 
     from kava_ray.errors import KavaError
-    from kava_ray.job import connect_job, load_splits, load_test_split, precompute, student_tokenizer
+    from kava_ray.job import connect_job, precompute
     from kava_ray.preflight import check_model_files
 
     names = list(recipes or RECIPES)
@@ -152,79 +202,97 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
     root = Path(out or Path(base.ray.storage_path) / f"bench-recipes-{datetime.now():%Y%m%d-%H%M%S}")
     root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    pre, run_dict = bench_configs(base, steps, root, eval_steps, fit_data)
+    pre, run_dict = bench_configs(base, steps, root, eval_steps, num_test=num_test)
+    seed_values = [base.train.seed + i for i in range(seeds)]
 
-    tok = student_tokenizer(pre)[0]
-    train_split, val = load_splits(pre, tok)
-    b = pre.train.batch_size
-    per_epoch = len(train_split) // b
-    train_batches = steps * pre.optim.accumulation * pre.ray.num_workers
-    distinct = train_batches + len(val) // b + len(load_test_split(pre, tok)) // b
-    epochs = math.ceil(train_batches / max(per_epoch, 1))
+    def say(msg):
+        print(f"[bench recipes] {msg}", file=sys.stderr, flush=True)
 
     t_start = time.time()
     connected = connect_job(pre, address)  # sized for the teachers + one run; every run below reuses it
+    arms: dict = {n: [] for n in names}
     try:
         t0 = time.time()
-        stats = precompute(pre, root / "kv_cache", epochs=epochs, progress=progress)
+        stats = precompute(pre, root / "kv_cache", progress=progress)
         precompute_s = time.time() - t0
-        print(f"[bench recipes] teacher cache: {stats['written']} batches written, {stats['skipped']} already there "
-              f"({precompute_s:.0f} s)", file=sys.stderr, flush=True)
-        results: dict = {}
-        for name in names:
-            kv_w, logit_w = RECIPES[name]
-            runs = []
-            for i in range(seeds):
-                seed = base.train.seed + i
+        say(f"teacher cache: {stats['written']} examples in {stats['forwards']} teacher batches, "
+            f"{stats['skipped']} already there ({precompute_s:.0f} s)")
+        for seed in seed_values:
+            for name in names:
+                kv_w, logit_w = RECIPES[name]
                 cfg = validate_config(_merge(run_dict, loss={"kv_weight": kv_w, "logit_weight": logit_w},
-                                             train={"seed": seed}))
-                run_name = f"{name.replace('+', '_')}-seed{seed}"
-                runs.append(_run_one(cfg, run_name, limit, max_new_tokens, progress))
-                print(f"[bench recipes] {name} seed {seed}: test CE {runs[-1]['test'].get('test/ce')}, "
-                      f"{runs[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
-            results[name] = {"kv_weight": kv_w, "logit_weight": logit_w,
-                             **_aggregate(runs, [t.name for t in pre.teachers]), "runs": runs}
+                                             train={"seed": seed, "data_seed": seed}))
+                run = run_arm(cfg, f"{name.replace('+', '_')}-seed{seed}", progress)
+                arms[name].append({"seed": seed, **run})
+                say(f"{name} seed {seed}: {run['wall_s']:.0f} s")
     finally:
         if connected == "embedded":
             ray.shutdown()
+    cache_cfg = validate_config(run_dict)
+    scorer = Scorer(cache_cfg, limit, max_new_tokens)
+    teachers = [t.name for t in pre.teachers]
+    for name, runs in arms.items():
+        for r in runs:
+            r["score"] = scorer.student(Path(r["run_dir"]) / "final")
+            r["figures"] = figures_of(r["score"], teachers)
+            say(f"scored {name} seed {r['seed']}: test CE {r['figures']['test_ce']:.4f}")
+    teacher_rows = {t: scorer.teacher(t) for t in teachers}
     png = root / CURVES_PNG
-    plot_curves(results, png)
-    result = {"config": str(config), "out": str(root), "steps": steps, "seeds": seeds,
-              "seed_values": [base.train.seed + i for i in range(seeds)], "data_seed": pre.train.data_seed,
-              "batch_size": b, "accumulation": pre.optim.accumulation, "num_workers": pre.ray.num_workers,
-              "teachers": [t.name for t in pre.teachers], "limit": limit, "max_new_tokens": max_new_tokens,
-              "teacher_forwards": stats["written"], "cache_batches_skipped": stats["skipped"],
-              "distinct_batches": distinct, "teacher_forwards_per_sample": stats["written"] / distinct,
-              "precompute_s": precompute_s, "wall_s": time.time() - t_start, "plot": str(png), "recipes": results}
+    plot_curves(arms, png, teacher_ce=teacher_rows[teachers[0]]["test_ce"])
+    result = {"config": str(config), "out": str(root), "steps": steps, "seeds": seed_values,
+              "batch_size": pre.train.batch_size, "accumulation": pre.optim.accumulation,
+              "num_workers": pre.ray.num_workers, "teachers": teachers, "base": BASE,
+              "test_examples": len(scorer.test), "test_tokens": arms[names[0]][0]["score"]["tokens"],
+              "limit": limit, "max_new_tokens": max_new_tokens,
+              "teacher_forwards": stats["forwards"], "cached_examples": stats["written"] + stats["skipped"],
+              "train_examples": len(scorer.train_split),
+              "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1),
+              "precompute_s": precompute_s, "wall_s": time.time() - t_start, "plot": str(png),
+              "teacher_rows": teacher_rows, "summary": summarize(arms), "arms": arms}
     (root / "bench_recipes.json").write_text(json.dumps(result, indent=1, default=float))
     return result
 
 
-def _fmt(ms: Optional[dict], digits: int = 4, pct: bool = False) -> str:
+def _cell(ms: Optional[dict], key: str) -> str:
     if ms is None:
         return "—"
-    k = 100.0 if pct else 1.0
-    return f"{ms['mean'] * k:.{digits}f} ± {ms['std'] * k:.{digits}f}"
+    _, _, digits, scale = FIGURES[key]
+    return f"{ms['mean'] * scale:.{digits}f} ± {ms['sd'] * scale:.{digits}f}"
+
+
+def format_table_of(out: dict, title: str) -> str:
+    """The per-arm table (mean ± sd over seeds, teachers' row first) and the paired-difference table."""
+    keys = [k for k in FIGURES if any(s["mean"].get(k) for s in out["summary"].values())]
+    headers = ["arm"] + [FIGURES[k][0] for k in keys] + ["s/step"]
+    rows = []
+    for t, row in out["teacher_rows"].items():
+        cells = [f"{row[k] * FIGURES[k][3]:.{FIGURES[k][2]}f}" if row.get(k) is not None else "—" for k in keys]
+        rows.append([f"teacher {t}", *cells, "—"])
+    for name, s in out["summary"].items():
+        sps = s["s_per_step"]
+        rows.append([name] + [_cell(s["mean"].get(k), k) for k in keys] + [f"{sps['mean']:.2f}" if sps else "—"])
+    base = out["base"]
+    d_headers = ["arm", *[f"Δ {FIGURES[k][0]}" for k in keys]]
+    d_rows = [[name] + [fmt_interval(s["vs_base"].get(k), FIGURES[k][2] + 1, FIGURES[k][3]) for k in keys]
+              for name, s in out["summary"].items() if "vs_base" in s]
+    return "\n".join([
+        title,
+        format_table(headers, rows),
+        "",
+        f"paired differences against {base}, per seed (mean [95 % t-interval]; * = the interval excludes 0; "
+        f"lower CE and KL are better):",
+        format_table(d_headers, d_rows)])
 
 
 def format_recipes(out: dict) -> str:
-    teachers = out["teachers"]
-    headers = (["recipe", "test CE", f"exact match % (n={out['limit']})", "centred KV cos", "contrast gap"]
-               + [f"top-1 agree {t}" for t in teachers] + ["s/step"])
-    rows = []
-    for name, r in out["recipes"].items():
-        rows.append([name, _fmt(r["test_ce"]), _fmt(r["gsm8k_accuracy"], 1, pct=True), _fmt(r["cos_sim"]),
-                     _fmt(r["contrast_gap"])] + [_fmt(r["top1_agree"].get(t), 3) for t in teachers]
-                    + [_fmt(r["s_per_step"], 2)])
-    best = min((n for n in out["recipes"] if out["recipes"][n]["test_ce"]),
-               key=lambda n: out["recipes"][n]["test_ce"]["mean"], default=None)
+    em = (f"exact match: greedy, <= {out['max_new_tokens']} new tokens, first {out['limit']} test problems"
+          if out["limit"] else "exact match: not run (--limit 0)")
     return "\n".join([
-        f"recipes bench ({out['config']}): {out['steps']} steps x batch {out['batch_size']}, seeds "
-        f"{out['seed_values']} (model-side only; data order seed {out['data_seed']}), mean ± std over seeds",
-        format_table(headers, rows),
-        f"lowest test CE: {best}" if best else "",
+        format_table_of(out, f"recipes bench ({out['config']}): {out['steps']} steps x batch {out['batch_size']}, "
+                             f"seeds {out['seeds']} (each draws the data order and the initialisation)"),
+        f"test split: {out['test_examples']} examples, {out['test_tokens']} next-token positions (CE, KL, top-1); "
+        f"{em}",
         f"teacher forwards per training sample: {out['teacher_forwards_per_sample']:.2f} "
-        f"({out['teacher_forwards']} batches computed once, {out['distinct_batches']} distinct batches read by "
-        f"{len(out['recipes'])} recipes x {out['seeds']} seeds; precompute {out['precompute_s']:.0f} s)",
-        "top-1 agree: — for recipes without logit_weight (their evaluation does not ask the teachers for logits)",
+        f"({out['cached_examples']} examples computed once in {out['teacher_forwards']} teacher batches, read by "
+        f"{len(out['summary'])} recipes x {len(out['seeds'])} seeds; precompute {out['precompute_s']:.0f} s)",
         f"validation CE curves: {out['plot']}; wall {out['wall_s'] / 60:.1f} min; runs under {out['out']}"])

@@ -1,0 +1,87 @@
+"""Paired comparisons across seeds: per-seed differences of an arm against a baseline, their mean and a
+Student-t confidence interval (what `bench recipes` and `bench heal` report).
+
+A seed draws the data order and the initialisation; every arm of one seed sees the same batches, so the
+per-seed difference removes what the seed alone explains, and the t-interval over seeds is the error bar
+of the mean difference. The t quantile comes from the regularised incomplete beta function (no SciPy).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional, Sequence
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (bisection on `t_cdf`; t_quantile(0.975, 2) = 4.303)."""
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def paired(arm: Sequence[Optional[float]], base: Sequence[Optional[float]], level: float = 0.95) -> Optional[dict]:
+    """Per-seed differences arm - base (seeds where both exist): {mean, lo, hi, n, diffs, excludes_zero}.
+    With one seed there is no interval (lo = hi = None)."""
+    d = [float(a) - float(b) for a, b in zip(arm, base) if a is not None and b is not None]
+    if not d:
+        return None
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return {"mean": mean, "lo": None, "hi": None, "n": 1, "diffs": d, "excludes_zero": False}
+    half = t_quantile(0.5 + level / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(d), "diffs": d,
+            "excludes_zero": mean - half > 0 or mean + half < 0}
+
+
+def fmt_interval(p: Optional[dict], digits: int = 3, scale: float = 1.0) -> str:
+    """'-0.012 [-0.020, -0.004] *' (a star: the interval excludes 0), or '—'."""
+    if p is None:
+        return "—"
+    m = p["mean"] * scale
+    if p["lo"] is None:
+        return f"{m:+.{digits}f}"
+    star = " *" if p["excludes_zero"] else ""
+    return f"{m:+.{digits}f} [{p['lo'] * scale:+.{digits}f}, {p['hi'] * scale:+.{digits}f}]{star}"
