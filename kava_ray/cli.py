@@ -337,6 +337,23 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr_student=3e-5")
 
 
+def cmd_data_pydoc(args) -> int:
+    from kava_ray.datacmd import format_pydoc, pydoc_corpus
+
+    with _quiet(args, "data-pydoc"):
+        out = pydoc_corpus(args.out, config=args.config, block=args.block, overrides=args.overrides,
+                           models=not args.no_models)
+    return _show(args, format_pydoc(out), out)
+
+
+def cmd_bench_data(args) -> int:
+    from kava_ray.bench.data import format_data_bench, run_data_bench
+
+    out = run_data_bench(sizes_mb=args.sizes, max_length=args.max_length, batch_size=args.batch_size,
+                         batches=args.batches, out=args.out)
+    return _show(args, format_data_bench(out), out)
+
+
 def cmd_config_presets(args) -> int:
     from kava_ray.config import preset_names
 
@@ -355,6 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config_show)
     p = cfg_sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_config_presets)
+
+    p_data = sub.add_parser("data", help="datasets: the offline Python-docs corpus")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    p = data_sub.add_parser("pydoc", help="write CPython's reference docs as train/validation/test JSONL (split by "
+                                         "topic) and print their tokens and the teacher's and student's test CE")
+    p.add_argument("--out", required=True, help="the corpus directory (train.jsonl, validation.jsonl, test.jsonl)")
+    p.add_argument("--config", default="demo_cpu", help="the job whose tokenizer, teacher and student measure it")
+    p.add_argument("--block", type=int, default=128, help="packed block length (train.max_length)")
+    p.add_argument("--no-models", action="store_true", help="only write and count (no teacher / student CE)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the job config")
+    _add_verbose(p)
+    _add_json(p)
+    p.set_defaults(func=cmd_data_pydoc)
 
     p_t = sub.add_parser("teachers", help="the teacher pool: up, status, down, precompute")
     t_sub = p_t.add_subparsers(dest="teachers_command", required=True)
@@ -482,6 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     _add_json(p)
     p.set_defaults(func=cmd_bench_tune_share)
+    p = bench_sub.add_parser("data", help="driver and worker peak RSS, time to the first batch and stream tokens/s "
+                                         "for generated text corpora of growing size (packed, datasets/Arrow)")
+    p.add_argument("--sizes", type=float, nargs="+", default=[10, 100, 1000], help="corpus sizes in MB")
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batches", type=int, default=200, help="batches the worker takes to time the stream")
+    p.add_argument("--out", default=None, help="where corpora and caches go (default: a temp dir)")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_data)
     p = bench_sub.add_parser("recipes", help="ce vs ce+kv vs ce+logits vs ce+kv+logits at equal compute, "
                                             "over one precomputed teacher cache")
     _add_bench_job(p, "<ray.storage_path>/bench-recipes-<time>")

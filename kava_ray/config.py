@@ -86,19 +86,50 @@ class StudentConfig(_Section):
                          f"leave student.dtype: auto")
 
 
+RECORD_FIELDS = ("text", "prompt", "completion", "messages", "question", "answer")  # what data.columns may rename
+
+
 class DataConfig(_Section):
-    source: str = "synthetic"  # "synthetic", a hub id (e.g. openai/gsm8k), or a local .jsonl/.parquet
+    # "synthetic", a hub id (e.g. openai/gsm8k), or local .jsonl / .json / .parquet / .csv files or a directory of
+    # them (`{split}` in the path is replaced by the split's name)
+    source: str = "synthetic"
     hub_config: Optional[str] = "main"
+    # the record format (kava_ray/data/records.py): detected from the columns, or one of them
+    format: Literal["auto", "text", "prompt_completion", "messages", "gsm8k"] = "auto"
+    columns: Optional[dict[str, str]] = None  # a record field -> the dataset's column, e.g. {prompt: instruction}
+    packing: Optional[bool] = None  # text: documents joined with EOS, cut into max_length blocks (None = on for text)
+    group_by_length: bool = True  # other formats: batches of similar lengths (less padding)
     train_split: str = "train"
+    val_split: Optional[str] = None  # a split of its own for validation; None = carved from the training data
     test_split: str = "test"  # evaluated once at the end of a run (final/) and by `kava-ray eval`, never for selection
-    num_train: int = Field(512, ge=1)  # synthetic generator size, or a cap on real data
-    num_val: int = Field(32, ge=1)  # carved from the end of the training data: eval during training, checkpoint_score, Tune
-    num_test: int = Field(64, ge=1)
+    num_train: Optional[int] = Field(512, ge=1)  # synthetic generator size, or a cap on real data (null: every record)
+    num_val: Optional[int] = Field(32, ge=1)  # validation records (eval during training, checkpoint_score, Tune)
+    num_test: Optional[int] = Field(64, ge=1)
     seed: int = 0
-    prompt_format: Literal["auto", "chat", "plain"] = "auto"
+    prompt_format: Literal["auto", "chat", "plain"] = "auto"  # gsm8k rows: the chat template or "Question: ..."
     overlength: Literal["truncate", "error"] = "truncate"
+    cache_dir: Optional[str] = None  # tokenized splits (Arrow); None = $KAVA_RAY_CACHE or ~/.cache/kava-ray, /data
     kv_source: Literal["live", "cache"] = "live"
     kv_cache_dir: Optional[str] = None
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v):
+        bad = [k for k in (v or {}) if k not in RECORD_FIELDS]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a record field ({', '.join(RECORD_FIELDS)}): map a field to "
+                             f"your column, e.g. {{prompt: instruction}}")
+        return v
+
+    @model_validator(mode="after")
+    def _counts(self):
+        for key in ("num_train", "num_val", "num_test"):
+            if getattr(self, key) is None and self.source == "synthetic":
+                raise ValueError(f"data.{key}: the synthetic generator needs a number")
+        if self.num_val is None and self.val_split is None:
+            raise ValueError("data.num_val: null needs data.val_split (validation carved from the training data "
+                             "needs a size)")
+        return self
 
 
 class ProjectorConfig(_Section):
@@ -473,7 +504,7 @@ def resolve_paths(cfg: JobConfig, like: Optional[JobConfig] = None) -> JobConfig
             node = node[k] if isinstance(node, dict) else (node[k] if k < len(node) else None)
         return node
 
-    for section, key in (("ray", "storage_path"), ("data", "kv_cache_dir"), ("align", "cka_path")):
+    for section, key in (("ray", "storage_path"), ("data", "kv_cache_dir"), ("data", "cache_dir"), ("align", "cka_path")):
         fix(d[section], key, at(section), always=True)
     fix(d["data"], "source", at("data"), always=False)
     fix(d["student"], "model", at("student"), always=False)

@@ -8,13 +8,15 @@ teacher layers ship, which batch a key names and where a worker's teacher KV com
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import ray
 
 from kava_ray.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.config import JobConfig
-from kava_ray.data import TokenizedSplit, load_examples, load_split, tokenize_split, tokenizer_fingerprint
+from kava_ray.data import TokenizedSplit, tokenize_split, tokenizer_fingerprint
+from kava_ray.data.sources import load_records, source_fingerprint
 from kava_ray.errors import KavaError
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config, load_tokenizer
 
@@ -297,29 +299,59 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
 # ---------------------------------------------------------------------------------------- data
 
 
+def data_cache_dir(cfg: JobConfig) -> Path:
+    """Where tokenized splits are cached (Arrow): `data.cache_dir`, else $KAVA_RAY_CACHE or ~/.cache/kava-ray, /data."""
+    from kava_ray.gguf import default_cache_dir
+
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir() / "data"
+
+
+def split_records(cfg: JobConfig, split: str, n: Optional[int]):
+    """The records of one split (`data.source`, `data.columns` applied): a `datasets.Dataset`."""
+    d = cfg.data
+    return load_records(d.source, split, n, d.seed, d.hub_config, d.columns)
+
+
+def tokenize_records(cfg: JobConfig, tokenizer, records, source_id: str, with_text: bool, what: str) -> TokenizedSplit:
+    """`tokenize_split` with the job's data settings; cached on disk unless the records live in memory."""
+    d = cfg.data
+    on_disk = bool(getattr(records, "cache_files", None))
+    return tokenize_split(tokenizer, records, cfg.train.max_length, d.prompt_format, d.overlength, source_id,
+                          fmt=d.format, packing=d.packing, with_text=with_text,
+                          cache_dir=data_cache_dir(cfg) if on_disk else None, where=f"data source '{d.source}' {what}")
+
+
 def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
                 ) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, val): the training data, with its last `data.num_val` examples carved off for validation.
+    """(train, val): the training records, and validation -- `data.val_split` when set, else the last
+    `data.num_val` training records carved off.
 
     Validation drives evaluation during training, `train.checkpoint_score` and Tune; the test split
-    (`load_test_split`) is never read before training ends. The training examples are the first
-    `num_train` of the training data, as without a validation split. `teacher_toks` ({teacher: tokenizer},
+    (`load_test_split`) is never read before training ends. `teacher_toks` ({teacher: tokenizer},
     `teacher_tokenizers`): each split also carries those teachers' tokenization of the same text and its
     alignment to the student's positions (`TokenizedSplit.views`).
     """
     d = cfg.data
-    examples = load_examples(d.source, d.train_split, d.num_train + d.num_val, d.seed, d.hub_config)
-    if len(examples) <= d.num_val:
-        raise KavaError(f"data '{d.source}' split {d.train_split!r} has {len(examples)} examples: too few to carve "
-                        f"data.num_val={d.num_val} for validation and keep any for training")
-    base = f"{d.source}|{d.hub_config}|{d.train_split}|seed={d.seed}"
-    train_ex, val_ex = examples[:-d.num_val], examples[-d.num_val:]
+    base = source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)
+    if d.val_split is not None:
+        train = split_records(cfg, d.train_split, d.num_train)
+        val = split_records(cfg, d.val_split, d.num_val)
+        val_id = source_fingerprint(d.source, d.val_split, d.num_val, d.seed, d.hub_config, d.columns)
+    else:
+        records = split_records(cfg, d.train_split, None if d.num_train is None else d.num_train + d.num_val)
+        if len(records) <= d.num_val:
+            raise KavaError(f"data '{d.source}' split {d.train_split!r} has {len(records)} examples: too few to carve "
+                            f"data.num_val={d.num_val} for validation and keep any for training")
+        n = len(records) - d.num_val
+        train, val = records.select(range(n)), records.select(range(n, len(records)))
+        val_id = f"{base}|val|n={d.num_val}"
 
-    def split(ex, source_id):
-        out = tokenize_split(tokenizer, ex, cfg.train.max_length, d.prompt_format, d.overlength, source_id)
+    def split(records, source_id, what):
+        out = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), what)
         return with_views(out, cfg, teacher_toks)
 
-    return split(train_ex, f"{base}|n={len(train_ex)}"), split(val_ex, f"{base}|val|n={len(val_ex)}")
+    return (split(train, f"{base}|train|n={len(train)}", f"split {d.train_split!r}"),
+            split(val, val_id, "(validation)"))
 
 
 def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dict]) -> TokenizedSplit:
@@ -332,9 +364,21 @@ def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dic
 
 
 def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
-    """The test split (`data.test_split`, `data.num_test` examples): for the end of a run and `kava-ray eval`."""
+    """The test split (`data.test_split`, `data.num_test` records): for the end of a run and `kava-ray eval`."""
     d = cfg.data
-    return with_views(load_split(d, tokenizer, d.test_split, d.num_test, cfg.train.max_length), cfg, teacher_toks)
+    records = split_records(cfg, d.test_split, d.num_test)
+    source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
+    split = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), f"split {d.test_split!r}")
+    return with_views(split, cfg, teacher_toks)
+
+
+def prepare_data(cfg: JobConfig) -> dict:
+    """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
+    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts."""
+    tok = load_tokenizer(cfg.student.model)
+    train, val = load_splits(cfg, tok)
+    test = load_test_split(cfg, tok)
+    return {"train": len(train), "validation": len(val), "test": len(test)}
 
 
 def data_seed(cfg: JobConfig) -> int:

@@ -203,16 +203,16 @@ def data_splits(cfg: JobConfig, command: str) -> list[str]:
         return [d.test_split]
     if command == "align cka":
         return [d.train_split]
-    return list(dict.fromkeys([d.train_split, d.test_split]))
+    return list(dict.fromkeys([d.train_split, *([d.val_split] if d.val_split else []), d.test_split]))
 
 
 def check_data(cfg: JobConfig, split: str) -> None:
-    """`data.source` for `split`: synthetic, a local file whose first records parse and carry question and
-    answer, or something shaped like a hub id (`check_source`)."""
+    """`data.source` for `split`: synthetic, a local file whose first records parse and are valid records of
+    one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
     from kava_ray.data.sources import check_source
 
     with about("data.source"):
-        check_source(cfg.data.source, split)
+        check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
 
 
 def check_kv_cache(cfg: JobConfig, command: str) -> None:

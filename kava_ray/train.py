@@ -120,9 +120,13 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     from actors.pool import check_resources, stop_pool
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.console import status
-    from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.job import connect_job, prepare_data, setup_teachers
     from kava_ray.progress import follow_metrics
 
+    t0 = time.time()
+    prepared = prepare_data(cfg)  # tokenized (and packed) once, cached: a bad record deep in the data stops us here
+    status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
+           f"({cfg.data.source}) in {time.time() - t0:.0f} s")
     t0 = time.time()
     connected = connect_job(cfg, address)
     status(f"connecting: {_describe_ray(connected)} in {time.time() - t0:.0f} s")

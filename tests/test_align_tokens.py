@@ -364,7 +364,7 @@ def test_alignment_time_8x512(smollm2_tokenizer, llama3_tokenizer):
     t0 = time.perf_counter()
     items = []
     for ex, s, t in zip(exs, s_items, t_items):
-        lo, hi, _, _ = align_texts(s["offsets"], s["text"], t["offsets"], t["text"], ex.question, ex.answer)
+        lo, hi, _, _ = align_texts(s["offsets"], s["text"], s["segments"], t["offsets"], t["text"], t["segments"])
         n = min(int(hi.max()), 512)
         items.append({"input_ids": t["input_ids"][:n], "align_lo": np.minimum(lo, n).tolist(),
                       "align_hi": np.minimum(hi, n).tolist()})

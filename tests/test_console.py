@@ -39,12 +39,13 @@ def test_train_console_is_short_and_the_chatter_is_in_the_run_logs(tmp_path, tin
     run_dir = tmp_path / "runs" / "quiet"
     err = proc.stderr.splitlines()
     # status lines, in order, and nothing else on stderr (no tty: no progress bar)
-    assert [line.split(":")[0] for line in err] == ["connecting", "teachers", "training", "test", "logs"], err
-    assert "embedded Ray (" in err[0] and "127.0.0.1" in err[0]
-    assert err[1].startswith("teachers: 2 ready (qwen, llama) in ")
-    assert err[2] == f"training: 2 steps, 1 worker -> {run_dir}"
-    assert err[3].startswith("test: CE ") and "centred cos" in err[3]
-    assert err[4] == f"logs: {run_dir / 'logs'}"
+    assert [line.split(":")[0] for line in err] == ["data", "connecting", "teachers", "training", "test", "logs"], err
+    assert err[0].startswith("data: ") and " training, " in err[0] and "(synthetic)" in err[0]
+    assert "embedded Ray (" in err[1] and "127.0.0.1" in err[1]
+    assert err[2].startswith("teachers: 2 ready (qwen, llama) in ")
+    assert err[3] == f"training: 2 steps, 1 worker -> {run_dir}"
+    assert err[4].startswith("test: CE ") and "centred cos" in err[4]
+    assert err[5] == f"logs: {run_dir / 'logs'}"
     assert proc.stdout.splitlines()[-1].startswith(f"run dir: {run_dir}")  # the command's own output: the table
     for word in CHATTER:
         assert word not in console, (word, console)

@@ -116,7 +116,35 @@ def test_malformed_jsonl_names_the_line(run_cli, tiny_job, tmp_path):
 def test_jsonl_without_the_fields(run_cli, tiny_job, tmp_path):
     f = tmp_path / "fields.jsonl"
     f.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n")
-    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), "line 1", "'question'")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), "line 1", "no known format", "(it has: q, a)",
+                    "question+answer", "data.columns")
+    # named by the format: the missing field
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}", "data.format=gsm8k"), str(f), "no 'question' field")
+
+
+CHAT_OK = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
+
+
+@pytest.mark.parametrize("rows,needles", [
+    ([CHAT_OK, {"messages": [{"role": "user", "content": "hi"}]}], ["line 2 (row 1)", "no assistant turn"]),
+    ([CHAT_OK, {"text": "plain prose"}], ["line 2 (row 1)", "is a text record, but", "is messages"]),
+    ([{"messages": [{"role": "robot", "content": "x"}]}], ["line 1 (row 0)", "message 0 needs a role"]),
+    ([{"prompt": "p"}], ["line 1 (row 0)", "no known format", "(it has: prompt)"]),
+], ids=["no-assistant", "mixed", "bad-role", "half-a-pair"])
+def test_bad_record_formats_are_one_line_naming_file_and_row(run_cli, tiny_job, tmp_path, rows, needles):
+    f = tmp_path / "records.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), str(f), *needles)
+
+
+def test_renamed_columns_are_checked(run_cli, tiny_job, tmp_path):
+    f = tmp_path / "alpaca.jsonl"
+    f.write_text(json.dumps({"instruction": "Say hi", "output": "hi"}) + "\n")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}"), "no known format", "instruction, output")
+    r = train(run_cli, tiny_job, f"data.source={f}", "data.columns={prompt: instruction, completion: outptu}")
+    assert_one_line(r, "data.columns", "'outptu' is not in data file", "instruction, output")
+    assert_one_line(train(run_cli, tiny_job, f"data.source={f}", "data.columns={prompt: instruction, answr: output}"),
+                    "data.columns", "'answr' is not a record field")
 
 
 def test_bad_test_split_fails_before_training(run_cli, tiny_job, tmp_path):

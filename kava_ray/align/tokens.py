@@ -1,28 +1,25 @@
 """Token (time) alignment across tokenizers: teacher token positions -> student token positions.
 
-A teacher whose tokenizer differs from the student's tokenizes the same example text itself; this
-module maps its positions onto the student's through character offsets (fast tokenizers'
-`offset_mapping`), per example, segment-aware. Pure numpy/torch: no Ray, no tokenizer calls.
+A teacher whose tokenizer differs from the student's renders the same record itself; this module maps its
+positions onto the student's through character offsets (fast tokenizers' `offset_mapping`), per record,
+within its content segments. Pure numpy/torch: no Ray, no tokenizer calls.
 
-Segments. An example has three: `prompt` (the question), `reasoning` (the answer text before its
-final `####` marker) and `answer` (from `####` on). Without `####`, reasoning is the whole answer and
-the answer segment is empty.
+Segments. A record's content, in a fixed order, as spans of each side's rendered text (`data.records`):
+each message of a conversation, a prompt and its completion, a (packed) document, or GSM8K's question,
+reasoning and final answer (from its `####` marker). No teacher token is used across a segment boundary.
 
 Canonical coordinate. Every token span [start, end) of a tokenizer's text is mapped into one character
-coordinate shared by student and teacher (`segment_bounds` -> `canonical_spans`):
+coordinate shared by student and teacher (`segment_table` -> `canonical_spans`):
 
-  same text     (teacher text == student text: same prompt format / template) the raw offsets of the
-                full text, template text included, cut into segments at the content anchors: prompt =
-                [0, end of question), reasoning = [end of question, start of `####`), answer = the rest.
-  content only  (texts differ) the concatenation question + answer: question chars are [0, |q|), answer
-                chars [|q|, |q| + |a|), `####` at |q| + index of the marker. Template-only tokens (chat
-                markup, "Question: ", BOS/EOS and other specials with empty spans) get no span.
+  same text     (teacher text == student text) the raw offsets, template text included: segment i runs
+                from the end of segment i-1 (0 for the first) to its own end (the text's end for the last).
+  content only  (texts differ) the concatenation of the segments' contents: segment i's characters map to
+                [C_i, C_i + its length), C_i = the lengths before it. Template-only tokens (chat markup,
+                BOS/EOS and other specials with empty spans) get no span.
 
 A token crossing a segment boundary goes to the segment holding most of its characters (ties: the
-earlier one) and is clipped to it, so no teacher token is ever used across a segment boundary.
-Canonical segments are disjoint intervals, so overlap in the canonical coordinate implies the same
-segment. If the question (or the answer after it) cannot be found in a tokenizer's text, e.g. a
-template that rewrites content, `segment_bounds` returns None and the example is all-unaligned.
+earlier one) and is clipped to it. If the two sides' segments do not hold the same content (a template that
+rewrites text), the record is all-unaligned.
 
 Alignment (causal). `align_positions` gives student token i the contiguous teacher range lo[i]:hi[i] of
 exactly the teacher tokens whose canonical span overlaps its own AND ends at or before its end (hi == lo:
@@ -30,8 +27,8 @@ unaligned), by `np.searchsorted` calls over the monotone spans. A teacher token 
 token has read characters the student has not (SmolLM2 cuts "123" into "1", "2", "3", Llama-3 keeps "123":
 the teacher's "123" has seen "23" when the student is at "1"), so a causal student could not match its KV;
 such student positions stay unaligned (counted as `causal_unaligned`). `causal=False` gives the plain
-overlap. `apply_alignment` turns teacher KV [..., B, H, T_t, D]
-into student time [..., B, H, T_s, D] (mean | last | first of the range; 0 where unaligned), O(T).
+overlap. `apply_alignment` turns teacher KV [..., B, H, T_t, D] into student time [..., B, H, T_s, D]
+(mean | last | first of the range; 0 where unaligned), O(T).
 """
 
 from __future__ import annotations
@@ -42,22 +39,32 @@ import numpy as np
 import torch
 
 MODES = ("mean", "last", "first")
-SEGMENTS = ("prompt", "reasoning", "answer")
 ANSWER_MARKER = "####"
 NO_SPAN = -1
 
 
+def segment_table(spans, text_len: int, same_text: bool) -> Optional[np.ndarray]:
+    """Segment spans [(start, end)] of a text -> int64 [n, 3] rows (text_start, text_end, canonical_start): a
+    row's canonical span is [canonical_start, canonical_start + text_end - text_start). None for no segments.
+    same_text: canonical = raw offsets and the segments cover the whole text; else the contents concatenated."""
+    spans = [(int(a), int(b)) for a, b in (spans or [])]
+    if not spans:
+        return None
+    rows, prev, c = [], 0, 0
+    for i, (s, e) in enumerate(spans):
+        if same_text:
+            end = text_len if i == len(spans) - 1 else e
+            rows.append((prev, end, prev))
+            prev = end
+        else:
+            rows.append((s, e, c))
+            c += e - s
+    return np.asarray(rows, dtype=np.int64)
+
+
 def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Optional[np.ndarray]:
-    """Where the three segments lie in `text` and where they go in the canonical coordinate.
-
-    Returns int64 [3, 3], one row per SEGMENTS entry: (text_start, text_end, canonical_start); a row's
-    canonical span is [canonical_start, canonical_start + text_end - text_start). None when the question,
-    or the answer after it, is not in `text` (the example is then all-unaligned).
-
-    same_text: canonical = raw offsets (canonical_start == text_start), segments cover the whole text.
-    Otherwise canonical = question + answer only, template text between and around them is outside
-    every segment.
-    """
+    """A GSM8K record's `segment_table`: question, reasoning and final answer (from the last `####`), found in
+    `text`; None when the question, or the answer after it, is not there."""
     q0 = text.find(question)
     if q0 < 0 or not question:
         return None
@@ -65,15 +72,9 @@ def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Op
     a0 = text.find(answer, q1)
     if a0 < 0:
         return None
-    a1 = a0 + len(answer)
     m = answer.rfind(ANSWER_MARKER)
     m = len(answer) if m < 0 else m
-    if same_text:
-        rows = [(0, q1, 0), (q1, a0 + m, q1), (a0 + m, len(text), a0 + m)]
-    else:
-        nq = len(question)
-        rows = [(q0, q1, 0), (a0, a0 + m, nq), (a0 + m, a1, nq + m)]
-    return np.asarray(rows, dtype=np.int64)
+    return segment_table([(q0, q1), (a0, a0 + m), (a0 + m, a0 + len(answer))], len(text), same_text)
 
 
 def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -128,15 +129,19 @@ def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> 
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
-def align_texts(s_offsets, s_text: str, t_offsets, t_text: str, question: str, answer: str):
-    """One example end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
+def align_texts(s_offsets, s_text: str, s_segments, t_offsets, t_text: str, t_segments):
+    """One record end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
 
-    Chooses the canonical coordinate (same text or content only), maps both tokenizations into it and
-    aligns them causally; an example whose question/answer is missing from either text is all-unaligned.
+    `*_segments`: each side's content spans in its own text, in one order. Chooses the canonical coordinate
+    (same text or content only), maps both tokenizations into it and aligns them causally; a record whose
+    segments differ in number or content between the two sides is all-unaligned.
     """
     same = s_text == t_text
-    s_canon = canonical_spans(s_offsets, segment_bounds(s_text, question, answer, same))
-    t_canon = canonical_spans(t_offsets, segment_bounds(t_text, question, answer, same))
+    s_segs, t_segs = list(s_segments or []), list(t_segments or [])
+    anchored = len(s_segs) == len(t_segs) and all(
+        s_text[a:b] == t_text[c:d] for (a, b), (c, d) in zip(s_segs, t_segs))
+    s_canon = canonical_spans(s_offsets, segment_table(s_segs, len(s_text), same) if anchored else None)
+    t_canon = canonical_spans(t_offsets, segment_table(t_segs, len(t_text), same) if anchored else None)
     lo, hi = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1])
     return lo, hi, s_canon, t_canon
 

@@ -1,9 +1,12 @@
-"""GSM8K-style data, one module per job:
+"""Data, one module per job:
 
+  records    the record formats (text, prompt/completion, messages, gsm8k): detection, checks, rendering
+  sources    load_records: synthetic, local .jsonl/.json/.parquet/.csv files or shard dirs, or a hub dataset
+             (Hugging Face `datasets`); check_source (the driver's fail-fast read of the first records)
   synthetic  the synthetic GSM8K-format generator (deterministic per seed)
-  sources    load_examples: synthetic, a local .jsonl/.json/.parquet file, or a hub dataset
+  corpus     the offline natural-text corpus (Python's own reference documentation, split by topic)
   answers    final_answer / normalize_number
-  tokenize   prompt and example encoding with label masking, TokenizedSplit, load_split
+  tokenize   rendering + tokenization with loss masks over Dataset.map, packing, TokenizedSplit, teacher views
   batching   length-bucketed deterministic batches, DDP sharding, collate, batch keys, BatchStream
 
 Pure Python/torch/HF (no Ray). The public names are re-exported here: `from kava_ray.data import X`.
@@ -20,23 +23,24 @@ from kava_ray.data.batching import (
     shard_batches,
     with_layers,
 )
-from kava_ray.data.sources import load_examples
+from kava_ray.data.records import FORMATS, PLAIN_PROMPT
+from kava_ray.data.sources import load_examples, load_records
 from kava_ray.data.synthetic import Example, synthetic_gsm8k
 from kava_ray.data.tokenize import (
     IGNORE_INDEX,
-    PLAIN_PROMPT,
     TeacherView,
     TokenizedSplit,
     encode_example,
     encode_prompt,
-    load_split,
+    encode_record,
     teacher_view,
     tokenize_split,
     tokenizer_fingerprint,
 )
 
 __all__ = [
-    "IGNORE_INDEX", "PLAIN_PROMPT", "BatchStream", "Example", "TeacherView", "TokenizedSplit", "batch_key", "collate",
-    "collate_split", "collate_view", "encode_example", "encode_prompt", "final_answer", "load_examples", "load_split", "normalize_number",
-    "plan_batches", "shard_batches", "synthetic_gsm8k", "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
+    "FORMATS", "IGNORE_INDEX", "PLAIN_PROMPT", "BatchStream", "Example", "TeacherView", "TokenizedSplit", "batch_key",
+    "collate", "collate_split", "collate_view", "encode_example", "encode_prompt", "encode_record", "final_answer",
+    "load_examples", "load_records", "normalize_number", "plan_batches", "shard_batches", "synthetic_gsm8k",
+    "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
 ]

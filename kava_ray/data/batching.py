@@ -17,31 +17,37 @@ def _rng(*parts) -> np.random.Generator:
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, bucket: bool = True,
-                 drop_last: bool = True) -> list[list[int]]:
-    """One epoch's batches (lists of example indices), deterministic for (seed, epoch).
+                 drop_last: bool = True) -> np.ndarray:
+    """One epoch's batches as an int64 array [n_batches, batch_size] of row indices, deterministic for
+    (seed, epoch); numpy throughout, so millions of rows cost megabytes, not Python lists.
 
-    bucket: shuffle, sort by length within chunks of 50 * batch_size so each batch holds similar
-    lengths (little padding), then shuffle the batch order.
+    bucket: shuffle, sort by length within chunks of 50 * batch_size so each batch holds similar lengths
+    (little padding), then shuffle the batch order. drop_last=False keeps a short last batch (a list of arrays).
     """
     rng = _rng("plan", seed, epoch)
-    order = rng.permutation(len(lengths)).tolist()
+    n = len(lengths)
+    order = rng.permutation(n)
     if bucket:
-        chunk = 50 * batch_size
         lens = np.asarray(lengths)
-        order = [i for s in range(0, len(order), chunk)
-                 for i in sorted(order[s:s + chunk], key=lambda j: -lens[j])]
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    if drop_last and batches and len(batches[-1]) < batch_size:
-        batches.pop()
+        chunk = 50 * batch_size
+        for s in range(0, n, chunk):
+            part = order[s:s + chunk]
+            order[s:s + chunk] = part[np.argsort(-lens[part], kind="stable")]
+    n_batches = n // batch_size
+    batches = order[:n_batches * batch_size].reshape(n_batches, batch_size)
+    if not drop_last and n % batch_size:  # a ragged plan: a list of arrays, the last one short
+        batches = [*batches, order[n_batches * batch_size:]]
+        n_batches += 1
     if bucket:
-        batches = [batches[i] for i in rng.permutation(len(batches))]
+        perm = rng.permutation(n_batches)
+        batches = batches[perm] if isinstance(batches, np.ndarray) else [batches[i] for i in perm]
     return batches
 
 
-def shard_batches(batches: Sequence[list[int]], rank: int, world_size: int) -> list[list[int]]:
+def shard_batches(batches, rank: int, world_size: int):
     """Every world_size-th batch from `rank`, cut to the same count on every rank (DDP steps in lockstep)."""
     per_rank = len(batches) // world_size
-    return list(batches[rank::world_size][:per_rank])
+    return batches[rank::world_size][:per_rank]
 
 
 def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
@@ -67,7 +73,7 @@ def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
     align_lo / align_hi [B, T_s] long (0 on student padding). With `name`, every key gets "/<name>"
     (what BatchStream puts in its batches: `teacher_input_ids/<name>`, ...).
     """
-    items = [view.items[i] for i in indices]
+    items = view.items.many(indices) if hasattr(view.items, "many") else [view.items[i] for i in indices]
     B = len(items)
     T_t = max((len(it["input_ids"]) for it in items), default=0)
     out = {"teacher_input_ids": torch.full((B, T_t), view.pad_id, dtype=torch.long),
@@ -87,7 +93,7 @@ def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
 
 def collate_split(split: TokenizedSplit, indices: Sequence[int]) -> dict[str, torch.Tensor]:
     """`collate` of the split's examples `indices` plus, for every teacher view, its `collate_view` keys."""
-    batch = collate([split.items[i] for i in indices], split.pad_id)
+    batch = collate(split.items.many(indices), split.pad_id)
     T_s = batch["input_ids"].shape[1]
     for name, view in split.views.items():
         batch.update(collate_view(view, indices, T_s, name))
@@ -128,13 +134,14 @@ class BatchStream:
         else:
             self.epoch, self.position = divmod(start_step, self.steps_per_epoch)
             self.step = start_step
-        self._cached: tuple[int, list] = (-1, [])
+        self._cached: tuple = (-1, None)
 
-    def _epoch_batches(self, epoch: int) -> list[tuple[int, list[int]]]:
-        """(global batch index, example indices) for this rank in `epoch`."""
+    def _epoch_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global batch indices [n], example indices [n, B]) of this rank's batches in `epoch`."""
         if self._cached[0] != epoch:
             plan = plan_batches(self.split.lengths, self.batch_size, self.seed, epoch, bucket=self.bucket)
-            self._cached = (epoch, shard_batches(list(enumerate(plan)), self.rank, self.world_size))
+            ids = shard_batches(np.arange(len(plan)), self.rank, self.world_size)
+            self._cached = (epoch, (ids, plan[ids]))
         return self._cached[1]
 
     def next(self) -> tuple[str, int, int, dict[str, torch.Tensor]]:
@@ -145,9 +152,10 @@ class BatchStream:
         """`next()` plus the batch's example indices into the split (what an example-indexed KV cache reads)."""
         if self.position >= self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        global_index, idx = self._epoch_batches(self.epoch)[self.position]
+        ids, rows = self._epoch_batches(self.epoch)
+        global_index, idx = int(ids[self.position]), rows[self.position].tolist()
         batch = collate_split(self.split, idx)
-        out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch, list(idx))
+        out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch, idx)
         self.position += 1
         self.step += 1
         return out

@@ -1,20 +1,30 @@
-"""Where examples come from: the synthetic generator, a local .jsonl/.json/.parquet file, or a hub dataset."""
+"""Where records come from, as Hugging Face `datasets`: the synthetic generator, local files (.jsonl, .json,
+.parquet, .csv, or a directory of such shards, `{split}` in the path), or a hub dataset id.
+
+`load_records` returns a `datasets.Dataset` (Arrow, memory-mapped from the datasets cache for files and the hub)
+with `data.columns` applied; `check_source` reads only a source's first records, in the driver, before
+anything starts (`kava_ray.preflight`), and checks they are records of one format (`data.records`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import glob
+import hashlib
 import json
 import logging
 import os
 import re
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 from kava_ray._io import first_line
+from kava_ray.data.records import formats_of, record_format
 from kava_ray.data.synthetic import Example, synthetic_split
 from kava_ray.errors import KavaError
 
 _FILE_LIKE_EXTS = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx")
-FIELDS = ("question", "answer")  # what every example row must carry
+READABLE = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # extension -> datasets builder
 # a hub dataset id: `org/name` (Hub names: letters, digits, - _ .); a bare `name` is no longer a Hub dataset id
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -32,52 +42,103 @@ def source_path(source: str, split: str) -> Optional[str]:
     return None
 
 
-def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 0,
-                  hub_config: Optional[str] = "main") -> list[Example]:
-    """Examples of `split` from "synthetic", a local .jsonl/.json/.parquet file, or a hub dataset id.
+def data_files(path: str) -> list[str]:
+    """The files of a local source: the file itself, or a directory's shards (every readable file in it,
+    sorted; one file type)."""
+    if not os.path.isdir(path):
+        return [path]
+    files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.splitext(f)[1].lower() in READABLE)
+    if not files:
+        raise KavaError(f"data directory {path} holds no .jsonl/.json/.parquet/.csv shards")
+    if len({READABLE[os.path.splitext(f)[1].lower()] for f in files}) > 1:
+        raise KavaError(f"data directory {path} mixes file types: one type per source")
+    return files
 
-    Synthetic: `synthetic_split` (train and every other split never overlap).
-    A local path may contain `{split}` (e.g. `data/{split}.jsonl`). Real data is capped to its first `n` rows.
+
+def source_fingerprint(source: str, split: str, n: Optional[int], seed: int = 0, hub_config: Optional[str] = None,
+                       columns: Optional[Mapping] = None) -> str:
+    """What identifies a split's records without reading them: local files by path, size and mtime; the hub
+    by id, config and split; synthetic by size and seed."""
+    path = source_path(source, split) if source != "synthetic" else None
+    files = []
+    if path is not None and os.path.exists(path):
+        files = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in data_files(path)]
+    blob = json.dumps([source, split, n, seed, hub_config, dict(columns or {}), files], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_records(source: str, split: str, n: Optional[int] = None, seed: int = 0,
+                 hub_config: Optional[str] = "main", columns: Optional[Mapping] = None):
+    """The records of `split` as a `datasets.Dataset`, `data.columns` applied, capped to the first `n` rows.
+
+    synthetic: `synthetic_split` (train and every other split never overlap). A local path may contain
+    `{split}` (e.g. `data/{split}.jsonl`) and name a directory of shards. Nothing is read into Python lists:
+    files and hub datasets are Arrow tables the datasets library memory-maps from its cache.
     """
+    import datasets
+
     if source == "synthetic":
         if n is None:
-            raise KavaError("data.source=synthetic needs a number of examples (data.num_train / data.num_val / data.num_test)")
-        return synthetic_split(n, seed, split)
-    path = source_path(source, split)
-    if path is not None:
-        where_rows = list(_read_local(path))
-        where = f"data file {path}"
+            raise KavaError("data.source=synthetic needs a number of examples (data.num_train / data.num_val / "
+                            "data.num_test)")
+        ds = datasets.Dataset.from_list([{"question": e.question, "answer": e.answer}
+                                         for e in synthetic_split(n, seed, split)])
     else:
-        where_rows = [(f"row {i}", row) for i, row in enumerate(_read_hub(source, split, hub_config, n))]
-        where = f"data source '{source}'"
-    if n is not None:
-        where_rows = where_rows[:n]
-    if not where_rows:
+        path = source_path(source, split)
+        ds = _load_local(path) if path is not None else _load_hub(source, split, hub_config)
+    if columns:
+        missing = [v for v in columns.values() if v not in ds.column_names]
+        if missing:
+            raise KavaError(f"data.columns: column {missing[0]!r} is not in data source '{source}' (split {split}; "
+                            f"it has {', '.join(ds.column_names)})")
+        ds = ds.rename_columns({v: k for k, v in columns.items() if v != k})
+    if n is not None and n < len(ds):
+        ds = ds.select(range(n))
+    if len(ds) == 0:
         raise KavaError(f"data source '{source}' (split {split}) has no examples")
+    return ds
+
+
+def _load_local(path: str):
+    import datasets
+
+    files = data_files(path)
+    for f in files:
+        if not os.path.isfile(f):
+            raise KavaError(f"data file not found: {f}")
+        if os.path.getsize(f) == 0:
+            raise KavaError(f"data file {f} is empty (no examples)")
+    ext = os.path.splitext(files[0])[1].lower()
+    if ext not in READABLE:
+        raise KavaError(f"data file {files[0]}: unknown extension '{ext}' (use .jsonl, .json, .parquet or .csv)")
+    try:
+        with _quiet_hub_retries():
+            return datasets.load_dataset(READABLE[ext], data_files=files, split="train")
+    except Exception as e:  # noqa: BLE001 - a file the Arrow readers cannot read (mixed types, bad JSON...)
+        raise KavaError(f"data file {path}: cannot read it as a table ({first_line(e)}); every row must have the "
+                        f"same fields and types") from None
+
+
+def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 0,
+                  hub_config: Optional[str] = "main") -> list[Example]:
+    """GSM8K examples (question, answer) of a split: `load_records` as Examples (for small splits)."""
+    ds = load_records(source, split, n, seed, hub_config)
+    where = f"data source '{source}'" if source_path(source, split) is None else f"data file {source_path(source, split)}"
     out = []
-    for at, row in where_rows:
-        _check_row(where, at, row)
-        out.append(Example(str(row["question"]), str(row["answer"])))
+    for i, row in enumerate(ds):
+        record_format(row, "gsm8k", f"{where}: row {i}")
+        out.append(Example(row["question"], row["answer"]))
     return out
 
 
-def _check_row(where: str, at: str, row) -> None:
-    """One line naming the file, the line (or row) and what the loader needs there."""
-    if not isinstance(row, dict):
-        raise KavaError(f"{where}: {at} is not an object with {' and '.join(FIELDS)} fields "
-                        f"(got {type(row).__name__})")
-    for key in FIELDS:
-        if row.get(key) is None:
-            raise KavaError(f"{where}: {at} has no '{key}' field (it has: {', '.join(map(str, row)) or 'none'})")
-
-
-def check_source(source: str, split: str, records: int = 16) -> None:
+def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
+                 columns: Optional[Mapping] = None) -> None:
     """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`kava_ray.preflight`).
 
-    synthetic: nothing to check. A local file (see `source_path`): exists, is a file, is not empty, and its
-    first `records` records parse and carry question/answer (one line naming the file and the line). Else
-    the source must look like a hub id `org/name` (a typo such as `synthetc` is refused here); whether the
-    hub has it (network, cache) stays the loader's business.
+    synthetic: nothing to check. A local file or directory (see `source_path`): exists, is not empty, and its
+    first `records` records parse and are valid records of one format (`data.records.formats_of`: one line
+    naming the file, the row and what was expected). Else the source must look like a hub id `org/name` (a
+    typo such as `synthetc` is refused here); whether the hub has it stays the loader's business.
     """
     if source == "synthetic":
         return
@@ -85,12 +146,17 @@ def check_source(source: str, split: str, records: int = 16) -> None:
     if path is None:
         _check_hub_id(source)
         return
-    rows = _read_local(path, limit=records)
+    first_file = data_files(path)[0] if os.path.isdir(path) else path
+    rows = _read_local(first_file, limit=records)
     first = next(rows, None)
     if first is None:
-        raise KavaError(f"data file {path} has no examples (only blank lines)")
-    for at, row in [first, *rows]:
-        _check_row(f"data file {path}", at, row)
+        raise KavaError(f"data file {first_file} has no examples (only blank lines)")
+    if columns and isinstance(first[1], Mapping):
+        missing = [v for v in columns.values() if v not in first[1]]
+        if missing:
+            raise KavaError(f"data.columns: column {missing[0]!r} is not in data file {first_file} (its first record "
+                            f"has: {', '.join(first[1]) or 'nothing'})")
+    formats_of(((f"data file {first_file}: {at}", row) for at, row in [first, *rows]), fmt, columns)
 
 
 def _check_hub_id(source: str) -> None:
@@ -104,19 +170,20 @@ def _check_hub_id(source: str) -> None:
 
 
 def _read_local(path: str, limit: Optional[int] = None) -> Iterator[tuple[str, object]]:
-    """(where, row) of a local file, where = 'line N (row i)' (JSONL), 'item i' (a JSON array) or 'row i' (parquet);
-    only the first `limit` rows are parsed when given (a JSONL file is read line by line)."""
+    """(where, row) of a local file, where = 'line N (row i)' (JSONL, CSV), 'item i' (a JSON array) or 'row i'
+    (parquet); only the first `limit` rows are parsed when given (JSONL and CSV are read line by line)."""
     ext = os.path.splitext(path)[1].lower()
-    if os.path.isdir(path):
-        raise KavaError(f"data file {path} is a directory, not a .jsonl/.json/.parquet file")
     if not os.path.isfile(path):
         raise KavaError(f"data file not found: {path}")
-    if ext not in (".jsonl", ".json", ".parquet"):
-        raise KavaError(f"data file {path}: unknown extension '{ext}' (use .jsonl, .json or .parquet)")
+    if ext not in READABLE:
+        raise KavaError(f"data file {path}: unknown extension '{ext}' (use .jsonl, .json, .parquet or .csv)")
     if os.path.getsize(path) == 0:
         raise KavaError(f"data file {path} is empty (no examples)")
     if ext == ".parquet":
         yield from _read_parquet(path, limit)
+        return
+    if ext == ".csv":
+        yield from _read_csv(path, limit)
         return
     try:
         with open(path, encoding="utf-8") as f:
@@ -147,22 +214,27 @@ def _read_local(path: str, limit: Optional[int] = None) -> Iterator[tuple[str, o
         raise KavaError(f"data file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _read_csv(path: str, limit: Optional[int]) -> Iterator[tuple[str, object]]:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            for i, row in enumerate(csv.DictReader(f)):
+                if limit is not None and i >= limit:
+                    return
+                yield f"line {i + 2} (row {i})", {k: (v if v != "" else None) for k, v in row.items()}
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise KavaError(f"data file {path}: not a readable CSV ({first_line(e)})") from None
+
+
 def _read_parquet(path: str, limit: Optional[int]) -> Iterator[tuple[str, object]]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
-        missing = [k for k in FIELDS if k not in names]
-        if missing:
-            raise KavaError(f"data file {path}: no '{missing[0]}' column (columns: {names})")
         if limit is not None:  # the first row groups only
-            rows = next(pf.iter_batches(batch_size=limit, columns=list(FIELDS)), None)
+            rows = next(pf.iter_batches(batch_size=limit), None)
             rows = rows.to_pylist() if rows is not None else []
         else:
-            rows = pf.read(columns=list(FIELDS)).to_pylist()
-    except KavaError:
-        raise
+            rows = pf.read().to_pylist()
     except Exception as e:  # noqa: BLE001 - any pyarrow failure is a bad file
         raise KavaError(f"data file {path}: cannot read parquet ({first_line(e)})") from None
     yield from ((f"row {i}", row) for i, row in enumerate(rows))
@@ -183,15 +255,12 @@ def _quiet_hub_retries():
             lg.setLevel(level)
 
 
-def _read_hub(source: str, split: str, hub_config: Optional[str], n: Optional[int]) -> list[dict]:
+def _load_hub(source: str, split: str, hub_config: Optional[str]):
     try:
         import datasets
 
         with _quiet_hub_retries():
-            ds = datasets.load_dataset(source, hub_config, split=split)
-        if n is not None:
-            ds = ds.select(range(min(n, len(ds))))
-        return ds.to_list()
+            return datasets.load_dataset(source, hub_config, split=split)
     except Exception as e:  # noqa: BLE001 - wrapped into one user-facing line
         raise KavaError(
             f"cannot load dataset '{source}' (config {hub_config}, split {split}): {first_line(e)}; "

@@ -1,4 +1,11 @@
-"""Tokenization with label masking: prompts (chat template or plain), examples, whole splits.
+"""Tokenization with loss masks, on Hugging Face `datasets`: records -> token rows (-> packed blocks).
+
+`encode_record` renders one record (`records.render`: its pieces, loss spans and content segments) and
+tokenizes it with character offsets; a token carries loss when it overlaps a loss span (and the template's
+end-of-turn token after an assistant turn does too). `tokenize_split` runs it over a whole split with
+`Dataset.map` -- Arrow on disk, memory-mapped, cached under the split's fingerprint -- and, for `text` with
+`data.packing`, joins the documents (each ending with EOS) and cuts them into `max_length` blocks, so no
+position is padding. A `TokenizedSplit` reads rows on demand: nothing holds the split as Python objects.
 
 Labels follow the HF convention: unshifted, -100 where no loss.
 """
@@ -9,17 +16,31 @@ import hashlib
 import json
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from kava_ray.align.tokens import align_positions, align_texts
-from kava_ray.data.sources import load_examples
+from kava_ray.data.records import (
+    PLAIN_PROMPT,
+    Rendered,
+    detect_format,
+    generation_prompt,
+    record_format,
+    rename,
+    render,
+    use_chat,
+)
 from kava_ray.data.synthetic import Example
 from kava_ray.errors import KavaError
 
 IGNORE_INDEX = -100
-PLAIN_PROMPT = "Question: {q}\nAnswer: "
+CODE_VERSION = 2  # bump when the encoding changes: it is part of every split's fingerprint (and cache file)
+MAP_BATCH = 256  # records per Dataset.map batch (and documents per packing group)
+
+__all__ = ["IGNORE_INDEX", "PLAIN_PROMPT", "TeacherView", "TokenizedSplit", "encode_example", "encode_prompt",
+           "encode_record", "teacher_view", "tokenize_split", "tokenizer_fingerprint"]
 
 
 def _sha(*parts) -> str:
@@ -42,134 +63,298 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return _sha(vocab, specials, list(probe["input_ids"]))
 
 
-def _use_chat(tokenizer, prompt_format: str) -> bool:
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if prompt_format == "chat" and not has_template:
-        raise KavaError("data.prompt_format=chat but the tokenizer has no chat template (use auto or plain)")
-    if prompt_format not in ("auto", "chat", "plain"):
-        raise KavaError(f"data.prompt_format must be auto, chat or plain, not '{prompt_format}'")
-    return prompt_format == "chat" or (prompt_format == "auto" and has_template)
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pad if pad is not None else 0
 
 
-def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+# ------------------------------------------------------------------------------------------ one record
 
 
-def _ids_offsets(tokenizer, text: str, special: bool = False) -> tuple[list[int], Optional[list[tuple[int, int]]]]:
-    """Token ids and (start, end) char offsets into `text` (offsets None for slow tokenizers)."""
+def _loss_of(ids: list[int], offs: np.ndarray, spans, specials: set) -> np.ndarray:
+    """Per token: overlaps one of `spans`, or is the special token right after a span's last token."""
+    loss = np.zeros(len(ids), dtype=np.int8)
+    for s, e in spans:
+        hit = np.flatnonzero((offs[:, 0] < e) & (offs[:, 1] > s))
+        if len(hit):
+            loss[hit] = 1
+            nxt = hit[-1] + 1
+            if nxt < len(ids) and ids[nxt] in specials:
+                loss[nxt] = 1  # the end-of-turn token: the student learns to stop
+    return loss
+
+
+def encode_rendered(tokenizer, r: Rendered, max_length: int, overlength: str = "truncate",
+                    where: str = "example") -> dict:
+    """input_ids, loss_mask (1 = carries loss), offsets [(start, end)] into `text`, text, segments, truncated."""
     if not getattr(tokenizer, "is_fast", False):
-        return _ids(tokenizer, text, special), None
-    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+        raise KavaError("kava-ray needs a fast (Rust) tokenizer: its character offsets place the loss and the "
+                        "alignment (AutoTokenizer.from_pretrained(..., use_fast=True))")
+    specials = set(tokenizer.all_special_ids)
+    eos = tokenizer.eos_token_id
+    ids, offs, loss, pos = [], [], [], 0
+    for i, p in enumerate(r.pieces):
+        enc = tokenizer(p.text, add_special_tokens=p.specials, return_offsets_mapping=True)
+        pid, poff = list(enc["input_ids"]), np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        if i < len(r.pieces) - 1 and pid and eos is not None and pid[-1] == eos:
+            pid, poff = pid[:-1], poff[:-1]  # some tokenizers append EOS: a prompt must stay open
+        poff = poff + pos
+        if isinstance(p.loss, bool):
+            pl = np.full(len(pid), int(p.loss), dtype=np.int8)
+        else:
+            pl = _loss_of(pid, poff, p.loss, specials)
+        ids += pid
+        offs.append(poff)
+        loss.append(pl)
+        pos += len(p.text)
+    if r.eos and eos is not None:
+        ids.append(eos)
+        offs.append(np.array([[pos, pos]], dtype=np.int64))
+        loss.append(np.ones(1, dtype=np.int8))
+    offsets = np.concatenate(offs) if offs else np.zeros((0, 2), np.int64)
+    mask = np.concatenate(loss) if loss else np.zeros(0, np.int8)
+    truncated = len(ids) > max_length
+    if truncated and overlength == "error":
+        raise KavaError(f"{where} has {len(ids)} tokens > train.max_length={max_length} "
+                        "(raise max_length or set data.overlength=truncate)")
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length].tolist(),
+            "offsets": offsets[:max_length].tolist(), "text": r.text, "segments": [list(s) for s in r.segments],
+            "truncated": truncated}
 
 
-def _prompt_text(tokenizer, question: str, chat: bool) -> str:
-    if chat:
-        msgs = [{"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return PLAIN_PROMPT.format(q=question)
-
-
-def _encode_prompt(tokenizer, question: str, chat: bool) -> tuple[list[int], Optional[list], str]:
-    """(ids, offsets into the prompt text, prompt text)."""
-    text = _prompt_text(tokenizer, question, chat)
-    if chat:
-        ids, offs = _ids_offsets(tokenizer, text)
-        return ids, offs, text
-    ids, offs = _ids_offsets(tokenizer, text, special=True)  # BOS if the tokenizer adds one
-    if ids and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]  # some tokenizers append EOS; the prompt must stay open
-        offs = offs[:-1] if offs is not None else None
-    return ids, offs, text
-
-
-def encode_prompt(tokenizer, question: str, prompt_format: str = "auto") -> list[int]:
-    """Token ids of the prompt alone (what generation starts from in GSM8K evaluation)."""
-    return _encode_prompt(tokenizer, question, _use_chat(tokenizer, prompt_format))[0]
+def encode_record(tokenizer, row: Mapping, fmt: str, max_length: int, prompt_format: str = "auto",
+                  overlength: str = "truncate", where: str = "example") -> dict:
+    """One record (a checked row of format `fmt`) -> `encode_rendered`'s dict."""
+    try:
+        r = render(row, fmt, tokenizer, prompt_format)
+    except KavaError as e:
+        raise KavaError(f"{where}: {e}") from None
+    return encode_rendered(tokenizer, r, max_length, overlength, where)
 
 
 def encode_example(tokenizer, ex: Example, max_length: int, prompt_format: str = "auto",
                    overlength: str = "truncate", index: Optional[int] = None) -> dict:
-    """Token ids + labels (-100 on the prompt) + answer_mask for one example; truncates or raises.
+    """A GSM8K example: `encode_record` plus `labels` and `answer_mask` (the row form `TokenizedSplit.items` has)."""
+    where = f"example {index}" if index is not None else "example"
+    out = encode_record(tokenizer, {"question": ex.question, "answer": ex.answer}, "gsm8k", max_length,
+                        prompt_format, overlength, where)
+    return _with_labels(out)
 
-    Also `text`, the exact string the example was tokenized as (chat template applied, or the plain
-    prompt + answer), and `offsets`, each token's (start, end) char offsets into it (empty spans for
-    specials not in the text, e.g. BOS/EOS; None for a slow tokenizer). The plain format tokenizes prompt
-    and answer separately (ids unchanged); its offsets index their concatenation.
-    """
-    chat = _use_chat(tokenizer, prompt_format)
-    prompt, prompt_offs, prompt_text = _encode_prompt(tokenizer, ex.question, chat)
-    if chat:
-        msgs = [{"role": "user", "content": ex.question}, {"role": "assistant", "content": ex.answer}]
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
-        ids, offsets = _ids_offsets(tokenizer, text)
-        n_prompt = 0  # the prompt is a token prefix of the full text; stop at the first difference
-        while n_prompt < min(len(prompt), len(ids)) and prompt[n_prompt] == ids[n_prompt]:
-            n_prompt += 1
-    else:
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        answer_ids, answer_offs = _ids_offsets(tokenizer, ex.answer)
-        ids, n_prompt = prompt + answer_ids + eos, len(prompt)
-        text, k = prompt_text + ex.answer, len(prompt_text)
-        offsets = None if prompt_offs is None else (
-            prompt_offs + [(a + k, b + k) for a, b in answer_offs] + [(len(text), len(text))] * len(eos))
-    truncated = len(ids) > max_length
-    if truncated and overlength == "error":
-        where = f"example {index}" if index is not None else "example"
-        raise KavaError(f"{where} has {len(ids)} tokens > train.max_length={max_length} "
-                        "(raise max_length or set data.overlength=truncate)")
-    ids = ids[:max_length]
-    labels = [IGNORE_INDEX] * min(n_prompt, len(ids)) + ids[n_prompt:]
-    return {"input_ids": ids, "labels": labels, "answer_mask": [int(lab != IGNORE_INDEX) for lab in labels],
-            "truncated": truncated, "offsets": offsets[:max_length] if offsets is not None else None,
-            "text": text}
+
+def encode_prompt(tokenizer, question: str, prompt_format: str = "auto") -> list[int]:
+    """Token ids of a GSM8K prompt alone (what generation starts from): the first piece of its rendering."""
+    text = generation_prompt({"question": question}, "gsm8k", tokenizer, prompt_format)
+    chat = use_chat(tokenizer, prompt_format)
+    ids = list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+    if not chat and ids and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return ids
+
+
+def _with_labels(row: dict) -> dict:
+    mask = row["loss_mask"]
+    return {**row, "labels": [t if m else IGNORE_INDEX for t, m in zip(row["input_ids"], mask)],
+            "answer_mask": list(mask)}
+
+
+# ------------------------------------------------------------------------------------------ a split
+
+
+class Rows(Sequence):
+    """Rows of a tokenized Dataset as dicts with `labels` and `answer_mask` (= the loss mask), read on demand."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return _with_labels(self.dataset[int(i)])
+
+    def many(self, indices: Sequence[int]) -> list[dict]:
+        """Rows `indices`, one Arrow read."""
+        cols = self.dataset[list(map(int, indices))]
+        return [_with_labels({k: cols[k][j] for k in cols}) for j in range(len(indices))]
 
 
 @dataclass
 class TokenizedSplit:
-    """The encoded examples of one split, identified by `fingerprint` (content + settings hash)."""
+    """One split's token rows (a `datasets.Dataset`, read on demand), identified by `fingerprint`.
 
-    items: list[dict]  # encode_example outputs, in example order
-    examples: list[Example]  # the source texts (teachers with other tokenizers, evaluation)
+    records: the source rows (a Dataset, canonical column names) when rows are records one to one (not packed),
+    for teachers of another tokenizer and GSM8K evaluation. lengths: tokens per row (numpy).
+    """
+
+    dataset: object
     fingerprint: str
-    num_truncated: int
     pad_id: int
-    lengths: list[int] = field(default_factory=list)
-    views: dict[str, "TeacherView"] = field(default_factory=dict)  # teacher name -> its own tokenization
+    format: str
+    records: object = None
+    num_truncated: int = 0
+    packed: bool = False
+    views: dict = field(default_factory=dict)  # teacher name -> TeacherView
 
     def __post_init__(self):
-        self.lengths = [len(it["input_ids"]) for it in self.items]
+        self.items = Rows(self.dataset)
+        self.lengths = np.asarray(self.dataset.with_format("numpy")["length"], dtype=np.int64)  # one Arrow column
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.dataset)
+
+    @property
+    def examples(self) -> list[Example]:
+        """The GSM8K examples (question, answer) of a gsm8k split, for greedy exact match."""
+        if self.format != "gsm8k" or self.records is None:
+            raise KavaError(f"exact match needs gsm8k records; this split holds {self.format} rows")
+        return [Example(q, a) for q, a in zip(self.records["question"], self.records["answer"])]
+
+    def padded_share(self, batch_size: int, batches: Sequence[Sequence[int]]) -> float:
+        """Share of positions that are padding over `batches` (lists of row indices) padded to their longest."""
+        total = real = 0
+        for b in batches:
+            n = self.lengths[list(b)]
+            total += int(n.max()) * len(b)
+            real += int(n.sum())
+        return 1.0 - real / max(total, 1)
 
 
-def tokenize_split(tokenizer, examples: Sequence[Example], max_length: int, prompt_format: str = "auto",
-                   overlength: str = "truncate", source_id: str = "") -> TokenizedSplit:
-    """Encode every example; `source_id` names the data (e.g. "synthetic/train/n=512/seed=0")."""
-    items = [encode_example(tokenizer, ex, max_length, prompt_format, overlength, index=i)
-             for i, ex in enumerate(examples)]
-    n_trunc = sum(it["truncated"] for it in items)
+def _cache_file(cache_dir, name: str) -> Optional[str]:
+    if cache_dir is None:
+        return None
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(cache_dir) / f"{name}.arrow")
+
+
+def _as_dataset(records):
+    import datasets
+
+    if isinstance(records, datasets.Dataset):
+        return records
+    rows = [({"question": r.question, "answer": r.answer} if isinstance(r, Example) else dict(r)) for r in records]
+    return datasets.Dataset.from_list(rows)
+
+
+def _map(ds, fn, fingerprint: str, cache_dir, **kw):
+    """`Dataset.map` with our fingerprint (and its Arrow cache file under `cache_dir`), quiet."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return ds.map(fn, batched=True, batch_size=MAP_BATCH, new_fingerprint=fingerprint,
+                      cache_file_name=_cache_file(cache_dir, fingerprint), load_from_cache_file=True, **kw)
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "auto", overlength: str = "truncate",
+                   source_id: str = "", fmt: str = "auto", packing: Optional[bool] = None,
+                   columns: Optional[Mapping] = None, with_text: bool = True, cache_dir=None,
+                   where: str = "data") -> TokenizedSplit:
+    """Encode every record (a list of Examples / dicts, or a `datasets.Dataset`) of one split.
+
+    fmt: a format or auto (detected from the first row; every row must share it); columns: `data.columns`;
+    packing: pack `text` records into max_length blocks (None = True for text, never for other formats);
+    with_text: keep each row's rendered text, offsets and segments (what teachers of another tokenizer align
+    with; off for plain runs of large corpora); cache_dir: where the Arrow cache files go (None: in memory).
+    `source_id` names the data; with the tokenizer and the settings it makes the split's fingerprint.
+    """
+    ds = _as_dataset(records)
+    if columns:
+        ds = ds.rename_columns({v: k for k, v in columns.items() if v in ds.column_names and v != k})
+    if len(ds) == 0:
+        raise KavaError(f"{where}: no records")
+    first = record_format(rename(ds[0], None), fmt, f"{where}: row 0")
+    packing = (first == "text") if packing is None else bool(packing and first == "text")
+    fp = _sha(source_id, CODE_VERSION, tokenizer_fingerprint(tokenizer), max_length, prompt_format, overlength, first,
+              packing, with_text, len(ds))
+    keep = ("input_ids", "loss_mask", "truncated", "length") + (("offsets", "text", "segments") if with_text else ())
+
+    def encode(batch, indices):
+        out = {k: [] for k in keep}
+        for j, i in enumerate(indices):
+            row = {k: batch[k][j] for k in batch}
+            found = detect_format(row)
+            if fmt == "auto" and found not in (None, first):
+                raise KavaError(f"{where}: row {i} is a {found} record, but row 0 is {first}: one source holds one "
+                                f"format (set data.format, or split the file)")
+            f = record_format(row, first, f"{where}: row {i}")
+            enc = encode_record(tokenizer, row, f, max_length if not packing else 1 << 40, prompt_format,
+                                overlength, f"{where}: row {i}")
+            enc["length"] = len(enc["input_ids"])
+            for k in keep:
+                out[k].append(enc[k])
+        return out
+
+    tok = _map(ds, encode, f"tok-{fp}", cache_dir, remove_columns=ds.column_names, with_indices=True)
+    n_trunc = int(sum(tok["truncated"])) if not packing else 0
     if n_trunc:
-        warnings.warn(f"{n_trunc} of {len(items)} examples ({source_id}) exceed max_length={max_length} "
+        warnings.warn(f"{n_trunc} of {len(tok)} records ({source_id}) exceed max_length={max_length} "
                       "tokens and were truncated", stacklevel=2)
-    content = b"".join(np.asarray(it["input_ids"] + [-1, it["answer_mask"].count(0)], np.int64).tobytes()
-                       for it in items)
-    fp = _sha(source_id, tokenizer_fingerprint(tokenizer), max_length, prompt_format, content)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TokenizedSplit(items, list(examples), fp, n_trunc, pad if pad is not None else 0)
+    if packing:
+        tok = _map(tok, _packer(max_length, with_text), f"pack-{fp}", cache_dir, remove_columns=tok.column_names,
+                   with_indices=True)
+        if len(tok) == 0:
+            raise KavaError(f"{where}: fewer than train.max_length={max_length} tokens: nothing to pack")
+    return TokenizedSplit(tok, fp, _pad_id(tokenizer), first, None if packing else ds, n_trunc, packing)
+
+
+def _packer(block: int, with_text: bool):
+    """A batched map: documents (each already ending with EOS) joined and cut into `block`-token rows; the
+    remainder of each group of MAP_BATCH documents is dropped (as Hugging Face's run_clm does). Each block
+    records its pieces [document row, first token, end token] and, with text, the pieces' characters."""
+
+    def pack(batch, indices):
+        ids = [t for doc in batch["input_ids"] for t in doc]
+        owner = np.repeat(np.asarray(indices, dtype=np.int64), [len(d) for d in batch["input_ids"]])
+        local = np.concatenate([np.arange(len(d)) for d in batch["input_ids"]]) if ids else np.zeros(0, np.int64)
+        out = {"input_ids": [], "loss_mask": [], "pieces": [], "length": []}
+        if with_text:
+            out.update(offsets=[], text=[], segments=[])
+            offs = [np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in batch["offsets"]]
+        first_row = indices[0] if indices else 0
+        for s in range(0, len(ids) - block + 1, block):
+            e = s + block
+            out["input_ids"].append(ids[s:e])
+            out["loss_mask"].append([1] * block)
+            out["length"].append(block)
+            docs = owner[s:e]
+            cuts = np.flatnonzero(np.diff(docs)) + 1
+            starts, ends = np.r_[0, cuts], np.r_[cuts, block]
+            pieces = [[int(docs[a]), int(local[s + a]), int(local[s + b - 1]) + 1] for a, b in zip(starts, ends)]
+            out["pieces"].append(pieces)
+            if with_text:
+                text, o, segs = "", [], []
+                for d, t0, t1 in pieces:
+                    doc_offs, doc_text = offs[d - first_row], batch["text"][d - first_row]
+                    c0, c1 = int(doc_offs[t0:t1, 0].min()), int(doc_offs[t0:t1, 1].max())
+                    o.append(np.clip(doc_offs[t0:t1], c0, c1) - c0 + len(text))
+                    segs.append([len(text), len(text) + c1 - c0])
+                    text += doc_text[c0:c1]
+                out["offsets"].append(np.concatenate(o).tolist())
+                out["text"].append(text)
+                out["segments"].append(segs)
+        return out
+
+    return pack
+
+
+# ------------------------------------------------------------------------------------------ teacher views
 
 
 @dataclass
 class TeacherView:
     """A split as a teacher with its own tokenizer sees it, aligned to the split's student tokens.
 
-    items[i]: `input_ids` (the teacher's tokens of example i, cut as described in `teacher_view`),
-    `align_lo` / `align_hi` (one per student token: student token j uses teacher tokens
-    align_lo[j]:align_hi[j]; equal = unaligned). stats: over the whole split (`teacher_view`).
+    items[i]: `input_ids` (the teacher's tokens of row i), `align_lo` / `align_hi` (one per student token:
+    student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned). stats: over the split.
     """
 
-    items: list[dict]
+    items: object
     pad_id: int
     tokenizer_fingerprint: str
     stats: dict = field(default_factory=dict)
@@ -178,44 +363,49 @@ class TeacherView:
         return len(self.items)
 
 
+def _teacher_rendering(split: TokenizedSplit, i: int, s_item: dict, tokenizer, prompt_format: str) -> Rendered:
+    """The same content as student row i, as the teacher renders it: the record with its own template, or a
+    packed block's pieces (tokenized one by one, each a segment)."""
+    from kava_ray.data.records import Piece
+
+    if split.packed:
+        segs = s_item["segments"]
+        pieces = [Piece(s_item["text"][a:b], False) for a, b in segs]
+        return Rendered(pieces, [tuple(s) for s in segs])
+    row = split.records[int(i)]
+    return render(row, split.format, tokenizer, prompt_format, teacher=True)
+
+
 def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_length: int,
                  mode_unused=None) -> TeacherView:
-    """Encode every example of `split` with a teacher's `tokenizer` and align it to the student's tokens.
+    """Encode every row of `split` with a teacher's `tokenizer` and align it to the student's tokens.
 
-    The teacher uses the same `prompt_format` setting (with `auto` it applies its own chat template if it
-    has one). Alignment per example: `kava_ray.align.tokens.align_texts` (character offsets, segment-aware).
-    Truncation: the student items are already cut to max_length; for a truncated student item, teacher
-    tokens that end past the student's last covered character (unusable by the causal alignment) are dropped (a
-    teacher token without a span stays only if a kept one follows it; an untruncated item keeps the whole
-    teacher sequence, so a teacher sharing the student's tokenizer gets exactly the student's ids), then
-    the teacher sequence is capped at max_length tokens; student positions the cap cuts off entirely
-    become unaligned (counted). At least one teacher token is kept.
+    The teacher renders the same record (with `auto` it applies its own chat template if it has one; a packed
+    block: the same document pieces). Alignment per row: `kava_ray.align.tokens.align_texts` (character
+    offsets within the record's content segments, causal). Truncation: for a truncated student row, teacher
+    tokens that end past the student's last covered character (unusable by the causal alignment) are dropped,
+    then the teacher row is capped at max_length tokens; student positions the cap cuts off become unaligned.
 
-    stats (python numbers): aligned_fraction (aligned student tokens / student tokens), teacher_per_student
-    (mean range width over aligned tokens), unaligned (student tokens), causal_unaligned (student tokens that
-    some teacher token overlaps but every one ends after them: left out by the causal rule, within
-    `unaligned`), student_tokens, teacher_tokens,
-    unanchored (examples whose question/answer is missing from either text: all-unaligned), teacher_capped
-    (examples the max_length cap cut), same_text (examples where teacher and student texts are identical).
-    `mode_unused` is accepted for call-site symmetry; the reduction mode is applied at training time.
+    stats (python numbers): aligned_fraction, teacher_per_student (mean range width over aligned tokens),
+    unaligned, causal_unaligned (student tokens some teacher token overlaps but every one ends after them),
+    student_tokens, teacher_tokens, unanchored (rows whose content was not found in either text),
+    teacher_capped, same_text.
     """
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if "text" not in split.dataset.column_names:
+        raise KavaError("teachers of another tokenizer need the split's texts and offsets (tokenize with_text)")
     items, n_tok, n_ok, width, n_t, unanchored, capped, same, causal = [], 0, 0, 0, 0, 0, 0, 0, 0
-    for i, (ex, s_item) in enumerate(zip(split.examples, split.items)):
-        if s_item.get("offsets") is None or "text" not in s_item:
-            raise KavaError("cross-tokenizer alignment needs fast (Rust) tokenizers with offset mappings; "
-                            f"example {i} of the student split has no offsets")
-        t_item = encode_example(tokenizer, ex, 1 << 30, prompt_format, "truncate", index=i)
-        if t_item["offsets"] is None:
-            raise KavaError("cross-tokenizer alignment needs a fast (Rust) teacher tokenizer with offset mappings")
-        lo, hi, s_canon, t_canon = align_texts(s_item["offsets"], s_item["text"], t_item["offsets"],
-                                               t_item["text"], ex.question, ex.answer)
+    for i in range(len(split)):
+        s_item = split.items[i]
+        r = _teacher_rendering(split, i, s_item, tokenizer, prompt_format)
+        t_item = encode_rendered(tokenizer, r, 1 << 30)
+        lo, hi, s_canon, t_canon = align_texts(s_item["offsets"], s_item["text"], s_item["segments"],
+                                               t_item["offsets"], t_item["text"], t_item["segments"])
         same += s_item["text"] == t_item["text"]
         if (s_canon[2] < 0).all() or (t_canon[2] < 0).all():
             unanchored += 1
         ids = t_item["input_ids"]
         n_keep = len(ids)
-        if s_item.get("truncated"):  # drop what the causal alignment cannot use: tokens ending past the student's text
+        if s_item.get("truncated"):
             covered = int(s_canon[1].max()) if len(s_canon[1]) else -1
             keep = np.flatnonzero((t_canon[0] >= 0) & (t_canon[1] <= covered))
             n_keep = int(keep[-1]) + 1 if len(keep) else 0
@@ -231,12 +421,5 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     stats = {"aligned_fraction": n_ok / max(n_tok, 1), "teacher_per_student": width / max(n_ok, 1),
              "unaligned": n_tok - n_ok, "causal_unaligned": causal, "student_tokens": n_tok, "teacher_tokens": n_t,
              "unanchored": unanchored, "teacher_capped": capped, "same_text": same}
-    return TeacherView(items, pad if pad is not None else 0, tokenizer_fingerprint(tokenizer), stats)
+    return TeacherView(items, _pad_id(tokenizer), tokenizer_fingerprint(tokenizer), stats)
 
-
-def load_split(data_cfg, tokenizer, split: str, n: int, max_length: int) -> TokenizedSplit:
-    """load_examples + tokenize_split from a `DataConfig` (the glue train/eval use)."""
-    c = data_cfg
-    examples = load_examples(c.source, split, n, c.seed, c.hub_config)
-    source_id = f"{c.source}|{c.hub_config}|{split}|n={n}|seed={c.seed}"
-    return tokenize_split(tokenizer, examples, max_length, c.prompt_format, c.overlength, source_id)

@@ -1,0 +1,55 @@
+"""An offline natural-text corpus every Python install ships: CPython's reference documentation
+(`pydoc_data.topics`, ~465k characters in 79 topics), as `text` records split by topic.
+
+`kava-ray data pydoc --out DIR` writes DIR/train.jsonl, DIR/validation.jsonl and DIR/test.jsonl: one record
+{"text": ..., "topic": ...} per topic, every topic in exactly one split (in the order of a hash of its name, until
+validation and test each hold 10 % of the characters: the split never depends on dict order). A job reads them with
+`data.source: DIR/{split}.jsonl`, `data.val_split: validation` (packed into `train.max_length` blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from kava_ray._io import atomic_write
+
+SPLITS = ("train", "validation", "test")
+SHARES = {"validation": 0.1, "test": 0.1}  # the rest trains
+
+
+def pydoc_topics() -> dict[str, str]:
+    """{topic: text} of this Python's reference documentation."""
+    from pydoc_data.topics import topics
+
+    return {k: v for k, v in topics.items() if v.strip()}
+
+
+def split_topics(topics: dict[str, str]) -> dict[str, list[str]]:
+    """Every topic in one split: topics ordered by sha256 of their name go to test until it holds 10 % of the
+    characters, then to validation until it does too; the rest trains."""
+    order = sorted(topics, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
+    total = sum(len(topics[n]) for n in order)
+    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    held = {s: 0 for s in SHARES}
+    for n in order:
+        split = next((s for s in ("test", "validation") if held[s] < SHARES[s] * total), "train")
+        out[split].append(n)
+        if split in held:
+            held[split] += len(topics[n])
+    return {s: sorted(v) for s, v in out.items()}
+
+
+def write_pydoc_corpus(out_dir) -> dict:
+    """Write the three splits as JSONL (atomically, one file each); returns {split: {topics, records, chars,
+    path}}."""
+    topics = pydoc_topics()
+    out = Path(out_dir).expanduser().resolve()
+    result = {}
+    for split, names in split_topics(topics).items():
+        lines = [json.dumps({"text": topics[n], "topic": n}) for n in names]
+        path = atomic_write(out / f"{split}.jsonl", "\n".join(lines) + "\n")
+        result[split] = {"topics": len(names), "records": len(lines), "chars": sum(len(topics[n]) for n in names),
+                         "path": str(path)}
+    return {split: result[split] for split in SPLITS}
