@@ -176,6 +176,7 @@ class LossConfig(_Section):
     beta: float = Field(0.0, ge=0)
     hybrid_weight: float = Field(0.5, ge=0, le=1)
     kv_weight: float = Field(1.0, ge=0)
+    kv_parts: Literal["both", "keys", "values"] = "both"  # which of K and V the KV loss trains (metrics: both)
     ce_weight: float = Field(1.0, ge=0)
     # which tokens the KV loss and KV metrics count: all real tokens; the answer tokens only; or all
     # real tokens minus the leading positions identical in every sample of the batch (the chat

@@ -76,10 +76,13 @@ class Distiller(nn.Module):
                 "cos_per_layer": per_layer}
 
     def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
-        """Mean of the K and V losses; metrics averaged over K and V."""
+        """The KV loss -- mean of the K and V losses, or one of them (`loss.kv_parts`); metrics averaged over K and V
+        either way."""
         lk, mk = self._kv_loss(skv.keys, tk, mask)
         lv, mv = self._kv_loss(skv.values, tv, mask)
-        return (lk + lv) / 2, self._kv_means(mk, mv)
+        parts = self.loss_cfg.kv_parts
+        loss = lk if parts == "keys" else lv if parts == "values" else (lk + lv) / 2
+        return loss, self._kv_means(mk, mv)
 
     def _logit_weights(self) -> list:
         """The teachers' shares of the logit KD loss, detached (the logit loss never trains the fusion):

@@ -159,11 +159,23 @@ def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> 
 
 def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
     """The teacher layers the student's layers were copied from -- `student.keep_layers` when the student is
-    built from this teacher's own model -- else None. Such a pair shares its per-layer geometry, so
-    `align.layer_map: auto` maps layer to source layer (identity) and KV compares without a projector
-    (`kava_ray.probe`)."""
-    keep = cfg.student.keep_layers
-    return list(keep) if keep and cfg.teacher(teacher).model == cfg.student.model else None
+    built from this teacher's own model, or the provenance a saved layer-dropped student carries
+    (`models.copied_from`: a warm start, a checkpoint's student) -- else None. Such a pair shares its per-layer
+    geometry, so `align.layer_map: auto` maps layer to source layer (identity) and KV compares without a
+    projector (`kava_ray.probe`)."""
+    from kava_ray.models import copied_from
+
+    keep, source = cfg.student.keep_layers, cfg.student.model
+    if not keep:
+        prov = copied_from(load_model_config(cfg.student.model)) if _is_local_dir(source) else None
+        if prov is None:
+            return None
+        keep, source = prov["layers"], prov["model"]
+    return list(keep) if cfg.teacher(teacher).model == source else None
+
+
+def _is_local_dir(spec: str) -> bool:
+    return "://" not in spec and Path(spec).expanduser().is_dir()
 
 
 def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:

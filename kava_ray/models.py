@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -376,11 +377,26 @@ def keep_layers(model, keep: list[int]):
     return model
 
 
+COPIED_FROM = "kava_copied_from"  # config key: {"model": spec, "layers": [...]} of a layer-dropped student
+
+
+def copied_from(config) -> Optional[dict]:
+    """A layer-dropped student's provenance, saved in its config: {"model": the spec it was cut from, "layers":
+    the source layer of each of its layers}; None for any other model."""
+    prov = getattr(config, COPIED_FROM, None)
+    return prov if isinstance(prov, dict) and "model" in prov and "layers" in prov else None
+
+
 def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None):
-    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train mode."""
+    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train mode.
+    A layer-dropped student records where its layers came from (`copied_from`), so a copy saved from it (a
+    warm start, a checkpoint's student/) still maps each layer to its source."""
     model = load_model(spec, dtype=dtype)
     if keep:
+        prev = copied_from(model.config)
         keep_layers(model, keep)
+        layers = [prev["layers"][i] for i in keep] if prev else [int(i) for i in keep]
+        setattr(model.config, COPIED_FROM, {"model": prev["model"] if prev else str(spec), "layers": layers})
     if device is not None:
         model.to(device)
     if gradient_checkpointing:

@@ -142,13 +142,18 @@ class DistillRecipe:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
         with record_function("kava/optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
+            # clipped per group: the projectors' gradients (a KV loss's, large at first) never shrink the student's
+            limit = self.cfg.optim.grad_clip or float("inf")
+            norms = {g.get("name", str(i)): torch.nn.utils.clip_grad_norm_(g["params"], limit)
+                     for i, g in enumerate(self.opt.param_groups)}
             self.last_lrs = [g["lr"] for g in self.opt.param_groups]  # this step's rates (before the schedule moves)
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
         out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
-        out["grad_norm"] = grad_norm.detach().double()
+        out["grad_norm"] = norms["student"].detach().double()  # the student's gradient norm (before clipping)
+        if "projector" in norms:
+            out["grad_norm_projector"] = norms["projector"].detach().double()
         return out
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,

@@ -35,27 +35,16 @@ CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is bui
 
 def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
     """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.job import in_process_plans, teacher_logits_top_k
+    from kava_ray.bench.inprocess import train_in_process
+    from kava_ray.job import in_process_plans
     from kava_ray.testing.sources import InProcessSource
-    from kava_ray.worker import DistillRecipe
 
     plans = in_process_plans(cfg, models)
-    recipe = DistillRecipe(cfg, plans)
-    recipe.setup()
     source = InProcessSource(models, cfg.align.key_space)
-    accum = cfg.optim.accumulation
-    feed = KVFeed(source, feed_items(recipe.stream, steps * accum), {n: p.layers for n, p in plans.items()},
-                  depth=1, wire_dtype=cfg.align.wire_dtype, logits_top_k=teacher_logits_top_k(cfg, plans))
-    times, last = [], {}
-    for step in range(1, steps + 1):
-        micro = [(item[3], kv) for item, kv in (next(feed) for _ in range(accum))]  # teachers: outside the clock
-        t0 = time.perf_counter()
-        last = recipe.step(step, micro)
-        times.append(time.perf_counter() - t0)
-    ev = recipe.evaluate(source)
+    run = train_in_process(cfg, plans, source, steps)
+    ev = run["recipe"].evaluate(source)
     out = {"eval_cos": ev["eval/cos_sim"], "eval_gap": ev["eval/contrast_gap"], "eval_ce": ev["eval/ce"],
-           "train_cos": float(last["cos_sim"]), "step_s": statistics.median(times)}
+           "train_cos": float(run["last"]["cos_sim"]), "step_s": run["step_s"]}
     out.update({k[len("eval/"):]: v for k, v in ev.items() if k.startswith("eval/aligned/")})
     return out
 

@@ -103,15 +103,20 @@ class Scorer:
         self.copied = {t: copied_layers(cache_cfg, t) for t in self.plans}
 
     def student(self, path) -> dict:
-        from kava_ray.evaluate import gsm8k_accuracy, kv_alignment, score_student
+        """Score the student saved under `path` (a run's final/)."""
         from kava_ray.models import load_model, load_tokenizer
 
-        model = load_model(Path(path) / "student", dtype="float32")
+        return self.model(load_model(Path(path) / "student", dtype="float32"), load_tokenizer(Path(path) / "student"))
+
+    def model(self, model, tokenizer, split=None) -> dict:
+        """Score a student model on `split` (default the test split); exact match on gsm8k records only."""
+        from kava_ray.evaluate import gsm8k_accuracy, kv_alignment, score_student
+
+        split = self.test if split is None else split
         align = kv_alignment(model, self.source, self.plans, self.train_split, self.cfg, self.copied)
-        out = score_student(model, self.source, self.plans, self.test, self.cfg, logit_top_k=TOP_K, alignment=align)
-        if self.limit > 0:
-            tok = load_tokenizer(Path(path) / "student")
-            acc = gsm8k_accuracy(model, tok, self.test.examples[:self.limit], self.cfg.data.prompt_format,
+        out = score_student(model, self.source, self.plans, split, self.cfg, logit_top_k=TOP_K, alignment=align)
+        if self.limit > 0 and split.format == "gsm8k":
+            acc = gsm8k_accuracy(model, tokenizer, split.examples[:self.limit], self.cfg.data.prompt_format,
                                  self.max_new_tokens)
             out.update(exact=acc["accuracy"], exact_n=acc["n"], exact_samples=acc["samples"][:2])
         return out
@@ -123,7 +128,7 @@ class Scorer:
         t = self.cfg.teacher(name)
         model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
         out = {"test_ce": heldout_ce(model, self.test)}
-        if self.limit > 0:
+        if self.limit > 0 and self.test.format == "gsm8k":
             acc = gsm8k_accuracy(model, load_tokenizer(t.model), self.test.examples[:self.limit],
                                  self.cfg.data.prompt_format, self.max_new_tokens)
             out.update(exact=acc["accuracy"], exact_n=acc["n"])

@@ -211,6 +211,16 @@ class TokenizedSplit:
             raise KavaError(f"exact match needs gsm8k records; this split holds {self.format} rows")
         return [Example(q, a) for q, a in zip(self.records["question"], self.records["answer"])]
 
+    def head(self, n: int) -> "TokenizedSplit":
+        """Its first n rows. Row i is the parent's row i, so the fingerprint (and an example-indexed KV cache's
+        keys) stay the parent's."""
+        n = min(int(n), len(self))
+        sub = TokenizedSplit(self.dataset.select(range(n)), self.fingerprint, self.pad_id, self.format,
+                             None if self.records is None else self.records.select(range(n)), 0, self.packed)
+        sub.views = {t: TeacherView(v.items[:n], v.pad_id, v.tokenizer_fingerprint, v.stats)
+                     for t, v in self.views.items()}
+        return sub
+
     def padded_share(self, batch_size: int, batches: Sequence[Sequence[int]]) -> float:
         """Share of positions that are padding over `batches` (lists of row indices) padded to their longest."""
         total = real = 0

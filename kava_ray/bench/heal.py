@@ -1,0 +1,334 @@
+"""`kava-ray bench heal`: does it distil? A pruned student healed on natural text, with a positive control,
+paired seeds and a decision rule fixed before the run.
+
+The regime where the literature says distillation works (Minitron: a student pruned from its teacher recovers
+far more with logit KD than with cross-entropy alone): the demo's SmolLM2-135M teacher (fp32) and its
+layer-dropped copy (`student.keep_layers`), on the Python-docs corpus (`kava-ray data pydoc`), packed into
+128-token blocks, loss on every token.
+
+1. The teacher's outputs are computed once, for every block of every split, into the example-indexed KV cache
+   (KV and the top-64 log-probs with their tail); every run reads it.
+2. Gate: the teacher's and the pruned student's test CE; the bench stops with one line unless the teacher is
+   at least `min_gap` nats better (nothing to distil otherwise).
+3. A shared warm start: `warm_steps` CE-only steps from the pruned student, saved once (its config keeps
+   where its layers came from); every arm branches from it, so the first steps' recalibration from ~17 nats
+   does not drown the comparison.
+4. Arms: `ce`, `ce+logits` (the positive control: the field's full-vocabulary top-k KD), `ce+kv`,
+   `ce+kv+logits`, `logits` alone; a short warm-up then a constant learning rate; gradients clipped per
+   group (the student's own norm). Paired seeds: a seed draws the block order and the initialisation; within
+   a seed every arm sees the same blocks. Each run is the production step (`worker.DistillRecipe.step`) in
+   this process (`bench.inprocess`).
+5. Per arm, on the test split: CE, the share of the teacher-student gap recovered
+   GR = (CE_start - CE_arm) / (CE_start - CE_teacher) (CE_start: the warm start), KL(teacher || student) with
+   the tail, top-1 agreement, the projector-free KV cosine; paired differences against `ce` per seed with a
+   95 % t-interval; the decision rule below, printed before the run and with the result.
+6. Plots: held-out CE against step per arm (log scale, the teacher as a line) and GR per arm with its interval.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kava_ray._io import atomic_write, format_table
+from kava_ray.bench.stats import fmt_interval, paired
+from kava_ray.config import JobConfig, load_config, validate_config
+from kava_ray.errors import KavaError
+
+# arm: (loss.ce_weight, loss.kv_weight, loss.logit_weight)
+ARMS: dict[str, tuple[float, float, float]] = {
+    "ce": (1.0, 0.0, 0.0), "ce+logits": (1.0, 0.0, 1.0), "ce+kv": (1.0, 1.0, 0.0), "ce+kv+logits": (1.0, 1.0, 1.0),
+    "logits": (0.0, 0.0, 1.0)}
+BASE, CONTROL = "ce", "ce+logits"
+MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
+DECISION = (f"an arm helps when its paired test-CE difference against {BASE} has a 95 % interval that excludes 0 and "
+            f"its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
+TOP_K = 64
+DEFAULTS = {"steps": 40, "seeds": 3, "warm_steps": 10, "eval_every": 10, "block": 128, "batch_size": 8,
+            "eval_blocks": 24}
+QUICK = {"steps": 3, "seeds": 2, "warm_steps": 2, "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4}
+
+
+def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int) -> JobConfig:
+    """The bench's job: the base job's first teacher and its student, the corpus packed into `block`-token rows,
+    top-k logits cached, a constant learning rate after a short warm-up."""
+    d = base.to_dict()
+    d["teachers"] = d["teachers"][:1]
+    d["fusion"] = {**d["fusion"], "weights": None}
+    d["data"] = {**d["data"], "source": f"{corpus}/{{split}}.jsonl", "format": "text", "val_split": "validation",
+                 "num_train": None, "num_val": None, "num_test": None, "packing": True,
+                 "kv_cache_dir": str(root / "kv_cache")}
+    d["train"] = {**d["train"], "max_length": block, "batch_size": batch_size}
+    d["loss"] = {**d["loss"], "logit_top_k": TOP_K, "logit_tail": "bucket"}
+    d["optim"] = {**d["optim"], "schedule": "constant", "warmup_steps": 2}
+    d["ray"] = {**d["ray"], "storage_path": str(root / "runs")}
+    return validate_config(d)
+
+
+def _with(cfg: JobConfig, **sections) -> JobConfig:
+    d = cfg.to_dict()
+    for k, v in sections.items():
+        d[k] = {**d[k], **v}
+    return validate_config(d)
+
+
+def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int) -> JobConfig:
+    ce_w, kv_w, logit_w = ARMS[arm]
+    return _with(job, loss={"ce_weight": ce_w, "kv_weight": kv_w, "logit_weight": logit_w},
+                 train={"seed": seed, "data_seed": seed, "steps": steps},
+                 student={"model": student, "keep_layers": None}, data={"kv_source": "cache"})
+
+
+def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
+    return (ce_start - ce) / (ce_start - ce_teacher)
+
+
+def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: Optional[int] = None,
+                   seeds: Optional[int] = None, arms: Optional[Sequence[str]] = None, quick: bool = False,
+                   out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
+                   address: Optional[str] = None, progress: bool = True) -> dict:
+    """The whole bench (see the module docstring); returns its JSON-able result."""
+    import ray
+
+    from kava_ray.bench.inprocess import train_in_process
+    from kava_ray.bench.recipes import Scorer, plot_curves
+    from kava_ray.data.corpus import write_pydoc_corpus
+    from kava_ray.evaluate import heldout_ce
+    from kava_ray.job import connect_job, load_test_split, precompute
+    from kava_ray.models import load_model, load_student, load_tokenizer
+    from kava_ray.preflight import check_model_files
+
+    p = dict(QUICK if quick else DEFAULTS)
+    p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
+    names = list(arms or ARMS)
+    names += [a for a in (arm_overrides or {}) if a not in names]
+    unknown = [a for a in names if a not in ARMS and a not in (arm_overrides or {})]
+    if unknown or BASE not in names or p["seeds"] < 1 or p["steps"] < 1:
+        raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} and include {BASE} (got {names}); "
+                        f"seeds and steps >= 1")
+    base = load_config(config, overrides)
+    check_model_files(base)
+    if not base.student.keep_layers:
+        raise KavaError(f"bench heal needs a pruned student: {config} has no student.keep_layers")
+    root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    def say(msg):
+        if progress:
+            print(f"[bench heal] {msg}", file=sys.stderr, flush=True)
+
+    say(f"decision rule, fixed before the run: {DECISION}")
+    corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
+    job = heal_job(base, corpus, root, p["block"], p["batch_size"])
+    teacher = job.teachers[0]
+    tok = load_tokenizer(job.student.model)
+
+    # 1. the gate (before anything starts)
+    test = load_test_split(job, tok)
+    t_model = load_model(teacher.model, dtype=teacher.dtype, quantization=teacher.quantization)
+    ce_teacher = heldout_ce(t_model, test)
+    del t_model
+    pruned = load_student(job.student.model, dtype="float32", keep=job.student.keep_layers)
+    ce_pruned = heldout_ce(pruned, test)
+    gate = {"teacher_ce": ce_teacher, "student_ce": ce_pruned, "gap": ce_pruned - ce_teacher, "min_gap": min_gap}
+    say(f"gate: teacher {ce_teacher:.3f} nats, pruned student {ce_pruned:.3f} nats on the test split "
+        f"({int(test.lengths.sum())} tokens)")
+    if gate["gap"] < min_gap:
+        raise KavaError(f"bench heal: the teacher ({ce_teacher:.2f} nats) is not {min_gap:g} nat(s) better than the "
+                        f"student ({ce_pruned:.2f} nats) on the test split: nothing to distil")
+
+    # 2. the teacher's outputs, every block once
+    pre = _with(job, data={"kv_source": "live"}, loss={"logit_weight": 1.0})
+    t0 = time.time()
+    connected = connect_job(pre, address)
+    try:
+        stats = precompute(pre, root / "kv_cache", progress=progress)
+    finally:
+        if connected == "embedded":
+            ray.shutdown()
+    precompute_s = time.time() - t0
+    say(f"teacher cache: {stats['written']} blocks in {stats['forwards']} teacher batches ({precompute_s:.0f} s)")
+
+    cache_job = _with(job, data={"kv_source": "cache"})
+    scorer = Scorer(cache_job, 0, 0)
+    test = scorer.test
+
+    # 3. the shared warm start
+    warm_dir = root / "warm_start"
+    warm_cfg = _with(cache_job, loss={"ce_weight": 1.0, "kv_weight": 0.0, "logit_weight": 0.0},
+                     train={"steps": p["warm_steps"], "seed": 0, "data_seed": 0})
+    warm = train_in_process(warm_cfg, scorer.plans, scorer.source, p["warm_steps"])
+    warm["recipe"].distiller.student.save_pretrained(warm_dir)
+    tok.save_pretrained(warm_dir)
+    ce_start = heldout_ce(warm["recipe"].distiller.student, test)
+    say(f"warm start: {p['warm_steps']} CE steps -> {ce_start:.3f} nats ({warm_dir})")
+
+    # the job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0, evaluated at the end only
+    tune_job = _with(arm_config(job, "ce+kv", 0, str(warm_dir), p["steps"]),
+                     train={"eval_steps": p["steps"], "save_steps": p["steps"]})
+    atomic_write(root / "heal_job.yaml", tune_job.to_yaml().encode())
+
+    # 4. the arms, paired per seed
+    val_head = load_splits_head(cache_job, tok, p["eval_blocks"])
+    runs: dict = {a: [] for a in names}
+    for seed in range(p["seeds"]):
+        for arm in names:
+            cfg = arm_config(job, arm if arm in ARMS else BASE, seed, str(warm_dir), p["steps"])
+            if arm_overrides and arm in arm_overrides:
+                cfg = validate_config(_apply(cfg.to_dict(), arm_overrides[arm]))
+            t1 = time.time()
+
+            def evaluate(recipe):
+                return heldout_ce(recipe.distiller.student, val_head)
+
+            run = train_in_process(cfg, scorer.plans, scorer.source, p["steps"], p["eval_every"], evaluate)
+            student = run["recipe"].distiller.student
+            score = scorer.model(student, tok)
+            fig = {"test_ce": score["ce"], "gr": gap_recovered(ce_start, score["ce"], ce_teacher),
+                   "kl": score.get(f"kl/{teacher.name}"), "top1": score.get(f"top1_agree/{teacher.name}"),
+                   "kv_cos_free": score.get(f"kv_cos_free/{teacher.name}")}
+            runs[arm].append({"seed": seed, "figures": fig, "curve": run["curve"], "step_s": run["step_s"],
+                              "wall_s": time.time() - t1, "score": score})
+            say(f"{arm} seed {seed}: test CE {fig['test_ce']:.4f}, GR {100 * fig['gr']:.1f} % "
+                f"({time.time() - t1:.0f} s)")
+
+    # 5. figures, paired differences, decisions
+    summary = summarize(runs)
+    control = summary.get(CONTROL, {}).get("decision")
+    ce_png, gr_png = root / "heal_ce_curves.png", root / "heal_gap_recovered.png"
+    curves = {a: [{"eval_ce": r["curve"]} for r in rs] for a, rs in runs.items()}
+    plot_curves(curves, ce_png, log_y=True, teacher_ce=ce_teacher)
+    plot_gr(summary, gr_png)
+    result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "decision_rule": DECISION,
+              "gate": gate, "ce_start": ce_start, "teacher": teacher.name, "teacher_ce": ce_teacher,
+              "test_tokens": int(test.lengths.sum()), "train_blocks": len(scorer.train_split),
+              "teacher_forwards": stats["forwards"], "cached_blocks": stats["written"] + stats["skipped"],
+              "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1),
+              "precompute_s": precompute_s, "control_passes": bool(control and control["helps"]),
+              "summary": summary, "runs": runs, "plots": {"ce": str(ce_png), "gr": str(gr_png)},
+              "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
+              "wall_s": time.time() - t_start}
+    atomic_write(root / "bench_heal.json", json.dumps(result, indent=1, default=float).encode())
+    return result
+
+
+def parse_recipe(text: str) -> tuple[str, dict]:
+    """`NAME:key=value,key=value` (an arm of its own on top of `ce`, e.g. a Tune sweep's winner) ->
+    (NAME, {dotted key: value}); values are YAML."""
+    import yaml
+
+    name, sep, rest = text.partition(":")
+    if not sep or not name or name in ARMS:
+        raise KavaError(f"--recipe {text!r}: expected NAME:key=value,... with a new name (not one of {', '.join(ARMS)})")
+    out = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise KavaError(f"--recipe {text!r}: {item!r} is not key=value")
+        out[key.strip()] = yaml.safe_load(value)
+    return name, out
+
+
+def load_splits_head(cfg: JobConfig, tok, n: int):
+    """The first `n` blocks of the validation split: the curve's held-out CE, cheap enough every few steps."""
+    from kava_ray.job import load_splits
+
+    return load_splits(cfg, tok)[1].head(n)
+
+
+def _apply(d: dict, overrides: dict) -> dict:
+    """Dotted {key: value} overrides on a config dict (an arm's own recipe, e.g. from a Tune sweep)."""
+    from kava_ray.config import set_dotted
+
+    for k, v in overrides.items():
+        set_dotted(d, k.split("."), v)
+    return d
+
+
+def summarize(runs: dict) -> dict:
+    """Per arm: mean ± sd of each figure; per non-base arm: paired differences against the base and the
+    decision (gains are positive: CE and KL differences are reported as base - arm)."""
+    from kava_ray.bench.recipes import _mean_sd
+
+    out = {}
+    base = runs.get(BASE, [])
+    for arm, rs in runs.items():
+        figs = [r["figures"] for r in rs]
+        s = {"mean": {k: _mean_sd([f.get(k) for f in figs]) for k in figs[0]},
+             "step_s": _mean_sd([r["step_s"] for r in rs])}
+        if arm != BASE and base:
+            ref = [r["figures"] for r in base]
+            s["vs_base"] = {k: paired([f.get(k) for f in figs], [f.get(k) for f in ref]) for k in figs[0]}
+            d_ce, d_gr = s["vs_base"]["test_ce"], s["vs_base"]["gr"]
+            helps = bool(d_ce and d_ce["excludes_zero"] and d_ce["mean"] < 0
+                         and (-d_ce["mean"] >= MIN_NATS or d_gr["mean"] >= MIN_GR))
+            hurts = bool(d_ce and d_ce["excludes_zero"] and d_ce["mean"] > 0)
+            s["decision"] = {"helps": helps, "verdict": "helps" if helps else "hurts" if hurts else "no measurable gain"}
+        out[arm] = s
+    return out
+
+
+def plot_gr(summary: dict, path: Path) -> None:
+    """The gap recovered per arm (mean over seeds) with the 95 % interval of its paired difference to the base."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    arms = list(summary)
+    means = [100 * summary[a]["mean"]["gr"]["mean"] for a in arms]
+    base = means[arms.index(BASE)] if BASE in arms else 0.0
+    err = []
+    for a, m in zip(arms, means):
+        d = summary[a].get("vs_base", {}).get("gr")
+        err.append(100 * (d["hi"] - d["mean"]) if d and d["lo"] is not None else 0.0)
+    ax.bar(arms, means, yerr=err, capsize=4, color=["#999999" if a == BASE else "#4477aa" for a in arms])
+    ax.axhline(base, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("gap recovered, % (error bar: 95 % interval vs ce)")
+    ax.set_title("share of the teacher-student gap recovered per arm")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+
+
+def format_heal(r: dict) -> str:
+    g = r["gate"]
+    keys = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
+            ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]
+    rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
+    for arm, s in r["summary"].items():
+        cells = []
+        for k, _, d, sc in keys:
+            ms = s["mean"].get(k)
+            cells.append("—" if ms is None else f"{ms['mean'] * sc:.{d}f} ± {ms['sd'] * sc:.{d}f}")
+        rows.append([arm, *cells, f"{s['step_s']['mean']:.2f}" if s.get("step_s") else "—",
+                     s.get("decision", {}).get("verdict", "(base)")])
+    d_rows = []
+    for arm, s in r["summary"].items():
+        if "vs_base" not in s:
+            continue
+        v = s["vs_base"]
+        d_rows.append([arm, fmt_interval(v["test_ce"], 4), fmt_interval(v["gr"], 1, 100.0), fmt_interval(v["kl"], 3),
+                       fmt_interval(v["top1"], 1, 100.0), fmt_interval(v["kv_cos_free"], 3)])
+    return "\n".join([
+        f"heal bench ({r['config']}): teacher {r['teacher']}, its pruned student, Python-docs text in "
+        f"{r['block']}-token blocks x {r['batch_size']}; warm start {r['warm_steps']} CE steps, then {r['steps']} "
+        f"steps per arm; seeds {list(range(r['seeds']))} (each draws the block order and the initialisation)",
+        f"gate: teacher {g['teacher_ce']:.3f} nats vs pruned student {g['student_ce']:.3f} nats on the test split "
+        f"({r['test_tokens']} tokens): gap {g['gap']:.2f} nats (needs >= {g['min_gap']:g}); warm start "
+        f"{r['ce_start']:.3f} nats (GR measured from here)",
+        format_table(["arm", *[k[1] for k in keys], "s/step", "decision"], rows),
+        "",
+        f"paired differences against {BASE} (arm - {BASE}, mean [95 % t-interval], * = excludes 0):",
+        format_table(["arm", "Δ test CE", "Δ GR %", "Δ KL", "Δ top-1 %", "Δ KV cos"], d_rows),
+        f"decision rule (fixed before the run): {r['decision_rule']}",
+        f"positive control ({CONTROL}): {'passes' if r['control_passes'] else 'FAILS: no conclusion about KV'}",
+        f"teacher forwards per training sample: {r['teacher_forwards_per_sample']:.2f} ({r['cached_blocks']} blocks "
+        f"computed once in {r['teacher_forwards']} teacher batches, read by every arm and seed)",
+        f"plots: {r['plots']['ce']}, {r['plots']['gr']}; wall {r['wall_s'] / 60:.1f} min; out {r['out']}"])

@@ -1,0 +1,41 @@
+"""Training runs inside the bench's own process: the production step without Ray Train.
+
+`train_in_process` builds the production `worker.DistillRecipe` (Distiller, optimizer, schedule, resumable
+batch stream), feeds it teacher KV through the production `KVFeed` from any source (the example-indexed KV
+cache, or teachers in this process), runs `steps` optimizer steps and, on request, scores a held-out split
+every `eval_every` steps. What a Ray Train worker does per step, minus the process boundary (which costs a
+TorchTrainer start, ~15 s here, per run): the benches that compare many short runs use it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+
+def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
+                     evaluate: Optional[Callable] = None, device: str = "cpu") -> dict:
+    """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
+    "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.job import teacher_logits_top_k
+    from kava_ray.worker import DistillRecipe
+
+    recipe = DistillRecipe(cfg, plans, device=device)
+    recipe.setup()
+    accum = cfg.optim.accumulation
+    feed = KVFeed(source, feed_items(recipe.stream, steps * accum), {n: p.layers for n, p in plans.items()},
+                  depth=1, wire_dtype=cfg.align.wire_dtype, logits_top_k=teacher_logits_top_k(cfg, plans),
+                  device=device)
+    times, last, curve = [], {}, []
+    if evaluate is not None:
+        curve.append((0, evaluate(recipe)))
+    for step in range(1, steps + 1):
+        micro = [(item[3], kv) for item, kv in (next(feed) for _ in range(accum))]  # teachers: outside the clock
+        t0 = time.perf_counter()
+        last = recipe.step(step, micro)
+        times.append(time.perf_counter() - t0)
+        if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps):
+            curve.append((step, evaluate(recipe)))
+    return {"recipe": recipe, "last": last, "step_s": statistics.median(times) if times else None, "curve": curve}

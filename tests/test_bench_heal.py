@@ -1,0 +1,87 @@
+"""`kava-ray bench heal --quick` end to end on tiny models: the gate, the warm start, every arm over one cache,
+the paired table, both plots, the JSON; and the gate refusing a teacher that is no better than its student."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import write_job
+
+
+@pytest.fixture(scope="module")
+def trained_teacher(tmp_path_factory):
+    """A 4-layer tiny Llama trained for a few dozen steps on the Python docs (byte tokens): a teacher that knows
+    the text better than a copy of it with half its layers dropped."""
+    from kava_ray.data.corpus import pydoc_topics
+    from kava_ray.models import load_model, load_tokenizer
+    from kava_ray.testing.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("heal") / "teacher", family="llama", num_layers=4,
+                            hidden_size=64, num_heads=4, num_kv_heads=2, seed=5)
+    model = load_model(path, dtype="float32").train()
+    text = "\n".join(pydoc_topics().values())[:200_000]
+    ids = torch.tensor(load_tokenizer(path)(text)["input_ids"], dtype=torch.long)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        starts = torch.randint(0, len(ids) - 65, (16,), generator=g)
+        batch = torch.stack([ids[s:s + 64] for s in starts])
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(path)
+    return path
+
+
+def heal_job(tmp_path, teacher, student_keep=(0, 3)):
+    return write_job(tmp_path, teacher, teacher, teacher,
+                     teachers=[{"name": "tiny", "model": str(teacher), "dtype": "float32"}],
+                     student={"model": str(teacher), "dtype": "float32", "keep_layers": list(student_keep)})
+
+
+def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, capsys):
+    from kava_ray.bench.heal import ARMS, format_heal, run_heal_bench
+    from kava_ray.cli import _print_json_last
+
+    job = heal_job(tmp_path, trained_teacher)
+    r = run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), min_gap=0.05, progress=False)
+    assert r["gate"]["gap"] >= 0.05 and r["gate"]["teacher_ce"] < r["gate"]["student_ce"]
+    assert r["ce_start"] < r["gate"]["student_ce"]  # the shared warm start already healed some of it
+    assert Path(r["out"], "warm_start", "config.json").is_file()
+    assert list(r["summary"]) == list(ARMS) and all(len(r["runs"][a]) == 2 for a in ARMS)
+    for arm, runs in r["runs"].items():
+        for run in runs:
+            f = run["figures"]
+            assert math.isfinite(f["test_ce"]) and math.isfinite(f["gr"]) and f["kl"] > 0, arm
+            assert f["kv_cos_free"] is not None and -1 <= f["kv_cos_free"] <= 1, arm  # direct: the layers' sources
+            assert [s for s, _ in run["curve"]] == [0, 3], arm
+        if arm != "ce":
+            d = r["summary"][arm]["vs_base"]["test_ce"]
+            assert d["n"] == 2 and d["lo"] <= d["mean"] <= d["hi"], arm
+            assert r["summary"][arm]["decision"]["verdict"] in ("helps", "hurts", "no measurable gain")
+    # seed 0's arms saw the same blocks: their first eval (step 0, the warm start) is the same number
+    assert len({runs[0]["curve"][0][1] for runs in r["runs"].values()}) == 1
+    assert r["teacher_forwards_per_sample"] == 1.0
+    assert all(Path(p).stat().st_size > 0 for p in r["plots"].values())
+    text = format_heal(r)
+    assert "decision rule" in text and "positive control (ce+logits)" in text and "teacher tiny" in text
+    capsys.readouterr()
+    _print_json_last(r)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"gate", "summary", "runs", "decision_rule", "control_passes", "wall_s"} <= set(out)
+
+
+def test_the_gate_refuses_a_teacher_no_better_than_its_student(tmp_path, tiny_student_dir):
+    from kava_ray.bench.heal import run_heal_bench
+    from kava_ray.errors import KavaError
+
+    job = heal_job(tmp_path, tiny_student_dir, student_keep=(0, 1))  # a random teacher: a copy is as good
+    with pytest.raises(KavaError, match="is not 1 nat.* better than the student") as e:
+        run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "heal" / "warm_start").exists()
+    assert not (tmp_path / "heal" / "kv_cache").exists()  # refused before any teacher ran
