@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.teacher import TeacherActor
+from kava_ray import resources
 from kava_ray._io import first_line
 from kava_ray.config import JobConfig, TeacherConfig, replica_label
 from kava_ray.errors import KavaError
@@ -90,8 +91,7 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
     Ray would otherwise wait forever for resources that do not exist.
     """
     total = ray.cluster_resources()
-    need = {"GPU": sum(t.num_gpus * t.replicas for t in cfg.teachers),
-            "CPU": sum(t.num_cpus * t.replicas for t in cfg.teachers)}
+    need = resources.pool(cfg)
     for k, v in (extra or {}).items():
         need[k] = need.get(k, 0) + v
     for t in cfg.teachers:

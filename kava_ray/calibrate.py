@@ -127,17 +127,10 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     from actors.pool import stop_pool
     from kava_ray._io import atomic_write
     from kava_ray.data import BatchStream
-    from kava_ray.job import (
-        connect_job,
-        data_seed,
-        kv_source,
-        load_splits,
-        setup_teachers,
-        student_tokenizer,
-        teacher_tokenizers,
-    )
+    from kava_ray.job import connect_job, kv_source, setup_teachers
     from kava_ray.kv import student_forward_kv
     from kava_ray.models import load_student
+    from kava_ray.plans import data_seed, load_splits, student_tokenizer, teacher_tokenizers
     from kava_ray.preflight import preflight
 
     preflight(cfg, "align cka", out=out, address=address)  # data, models, output dir: before Ray starts

@@ -7,6 +7,9 @@
   state.json               step, data-stream position, RNG scheme, config hash, the full config and the
                            size of every other file (`files`), written last
 
+The torch and safetensors imports are local to the functions that write or load tensors: `kava_ray.preflight`
+reads checkpoints through this module before anything heavy is imported.
+
 A checkpoint that cannot be used — state.json not JSON, a file missing or of another size than state.json
 records (a partial copy into storage, a full disk), a tensor file that does not parse — is one KavaError
 line naming the file; a write that fails (unwritable storage, disk full) is one line too, and never
@@ -19,10 +22,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
 from kava_ray._io import atomic_dir, first_line
 from kava_ray.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.errors import KavaError
@@ -34,6 +33,8 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
                     cfg: JobConfig, extra: Optional[dict] = None) -> Path:
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
     replaced only once the new one is complete."""
+    from safetensors import SafetensorError
+
     path = Path(path)
     try:
         return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra)
@@ -45,6 +46,9 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
 
 
 def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
     with atomic_dir(path) as tmp:
         distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
         if tokenizer is not None:
@@ -66,6 +70,8 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
 
 
 def _load_tensors(f: Path) -> dict:
+    from safetensors.torch import load_file
+
     if not f.is_file():
         raise KavaError(f"checkpoint {f.parent}: {f} is missing (an incomplete checkpoint)")
     try:
@@ -86,22 +92,65 @@ def _contiguous(sd: dict) -> dict:
 
 
 def read_state(path, verify: bool = True) -> dict:
-    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded size
-    (else one KavaError line naming the file)."""
+    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded size.
+    Not a checkpoint, a state.json that is not JSON (truncated, overwritten) or lacks the keys a resume reads,
+    a missing or truncated file: one KavaError line naming the file."""
     p = Path(path) / STATE
     if not p.is_file():
         raise KavaError(f"checkpoint {path}: no {STATE} (not a kava-ray checkpoint)")
     try:
         state = json.loads(p.read_text())
-        if not isinstance(state, dict) or "step" not in state or "config" not in state:
-            raise ValueError("not a checkpoint state")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise KavaError(f"checkpoint {path}: {p} is corrupt ({first_line(e)})") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise KavaError(f"checkpoint {p} is not valid JSON ({why}): corrupt or truncated") from None
+    missing = [k for k in ("step", "config_hash", "config") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise KavaError(f"checkpoint {p} has no {missing[0]!r} (not a complete kava-ray checkpoint)")
     if verify:
         problem = incomplete(path, state)
         if problem:
             raise KavaError(f"checkpoint {path}: {problem}")
     return state
+
+
+def find_checkpoint(path, for_resume: bool = False) -> Path:
+    """A checkpoint dir from a checkpoint path or a run dir.
+
+    For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
+    checkpoint (which carries the optimizer state final/ leaves out). A run dir's partial checkpoint (Ray
+    Train's copy into storage cut off) is passed over.
+    """
+    p = Path(path).expanduser()
+    latest = sorted(p.glob("checkpoint_2*"), reverse=True)
+    order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
+    passed_over = []
+    for candidate in order:
+        if (candidate / STATE).is_file():
+            problem = None if candidate == p else incomplete(candidate)
+            if problem is None:
+                return candidate
+            passed_over.append(problem)
+    if passed_over:  # only unusable ones: name why the newest is (e.g. its state.json is corrupt)
+        raise KavaError(f"{path}: no complete checkpoint ({passed_over[0]})")
+    if not p.exists():
+        raise KavaError(f"{path}: no such run dir or checkpoint")
+    raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
+
+
+def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
+    """(checkpoint dir, its state, its job config) of a run or checkpoint dir, every problem in one line."""
+    ckpt = find_checkpoint(path)
+    state = read_state(ckpt)
+    return ckpt, state, _saved_config(ckpt, state)
+
+
+def check_files(ckpt) -> None:
+    """A readable state.json and the files loading a checkpoint reads (the student, projectors, fusion)."""
+    ckpt = Path(ckpt)
+    read_state(ckpt)
+    for rel in ("student/config.json", "projectors.safetensors", "fusion.safetensors"):
+        if not (ckpt / rel).is_file():
+            raise KavaError(f"checkpoint {ckpt}: {rel} is missing (an incomplete checkpoint)")
 
 
 def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
@@ -158,6 +207,8 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
 
     The student itself is loaded by the caller with from_pretrained(path / "student").
     """
+    import torch
+
     path = Path(path)
     distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}

@@ -31,8 +31,8 @@ def pydoc_corpus(out, config: str = "demo_cpu", block: int = 128, overrides: Opt
     split's CE (and perplexity) under the job's first teacher and its student as built (`keep_layers`)."""
     from kava_ray.data.corpus import write_pydoc_corpus
     from kava_ray.evaluate import heldout_ce
-    from kava_ray.job import load_splits, load_test_split
     from kava_ray.models import load_model, load_student, load_tokenizer
+    from kava_ray.plans import load_splits, load_test_split
     from kava_ray.preflight import check_model_files
 
     written = write_pydoc_corpus(out)

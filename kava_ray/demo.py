@@ -20,7 +20,7 @@ from kava_ray.preflight import preflight
 def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
     """The headline numbers of a finished run: its metrics.jsonl (train, validation) and final/ (test)."""
     from kava_ray.checkpoint import read_state
-    from kava_ray.report import read_metrics
+    from kava_ray.metrics_file import read_metrics
 
     train, evals = read_metrics(run_dir / "metrics.jsonl")
     test = read_state(run_dir / "final")["test"]

@@ -31,13 +31,14 @@ from kava_ray.losses import (
     topk_tail,
 )
 from kava_ray.models import KVGeometry
+from kava_ray.plans import TeacherPlan, logit_teachers
 from kava_ray.projectors import TeacherProjector
 
 
 class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
 
-    def __init__(self, student: nn.Module, plans: dict, s_geom: KVGeometry, cfg: JobConfig):
+    def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig):
         super().__init__()
         a, p = cfg.align, cfg.align.projector
         self.student = student
@@ -56,12 +57,10 @@ class Distiller(nn.Module):
         self.key_space = a.key_space
         # teachers of another tokenizer: their KV is mapped to student positions by characters
         # (`align.token_align`); their logits name other strings, so only the others' logits train the student
-        self.aligned = [n for n in self.names if getattr(plans[n], "aligned", False)]
+        # (`plans.check_vocab` refused a job whose logits no teacher can give)
+        self.aligned = [n for n in self.names if plans[n].aligned]
         self.token_align = a.token_align
-        self.logit_names = [n for n in self.names if n not in self.aligned]
-        if cfg.loss.logit_weight > 0 and not self.logit_names:
-            raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs a teacher that shares the student's "
-                            f"tokenizer; {', '.join(self.aligned)} are aligned by characters (KV only)")
+        self.logit_names = logit_teachers(plans)
 
     def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
         c = self.loss_cfg

@@ -16,10 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from kava_ray.checkpoint import checkpoint_config
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
 from kava_ray.errors import KavaError
 from kava_ray.losses import masked_ce
-from kava_ray.preflight import checkpoint_config, preflight
+from kava_ray.preflight import preflight
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
 
@@ -137,7 +138,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
     """
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import eval_stream, teacher_logits_top_k
+    from kava_ray.plans import eval_stream, teacher_logits_top_k
 
     was_training = distiller.training
     distiller.eval()
@@ -187,9 +188,9 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
       projector-free centred KV cosine (see `kava_ray.probe`), over the real tokens.
     """
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import eval_stream, logit_teachers
     from kava_ray.kv import student_forward_kv
     from kava_ray.losses import next_token_mask, top1_agreement, topk_kl_loss, topk_tail
+    from kava_ray.plans import eval_stream, logit_teachers
 
     stream = eval_stream(split, cfg)
     logit_names = logit_teachers(plans) if logit_top_k else []
@@ -231,8 +232,8 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
     each student layer to the heaviest teacher layer of its layer map, fit on the first `fit_batches`
     batches of `train_split` (the frozen student's KV against the teacher's)."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import eval_stream
     from kava_ray.kv import student_forward_kv
+    from kava_ray.plans import eval_stream
     from kava_ray.probe import KVAlignment
 
     out, probes = {}, {}
@@ -271,8 +272,9 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     from actors.pool import stop_pool
     from kava_ray.checkpoint import load_into
     from kava_ray.distill import Distiller
-    from kava_ray.job import connect_job, kv_source, load_test_split, setup_teachers, teacher_tokenizers
+    from kava_ray.job import connect_job, kv_source, setup_teachers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
+    from kava_ray.plans import load_test_split, teacher_tokenizers
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts

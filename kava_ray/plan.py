@@ -53,10 +53,10 @@ import torch
 
 from kava_ray.config import JobConfig, load_config, replica_label
 from kava_ray.errors import KavaError
-from kava_ray.job import layer_plan
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.models import KVGeometry, kv_geometry, load_model_config
+from kava_ray.plans import layer_plan
 from kava_ray.precision import planned_policy, student_bytes_per_param
 
 GiB = 1024 ** 3

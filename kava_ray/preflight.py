@@ -24,7 +24,6 @@ What stays the loaders' business: whether a hub id (dataset or model) exists, wh
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -34,7 +33,6 @@ from kava_ray.config import JobConfig
 from kava_ray.errors import KavaError
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
-STATE = "state.json"  # kava_ray.checkpoint.STATE (not imported: this module stays light to import)
 
 
 def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = None, *,
@@ -55,7 +53,9 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
         if command == "tune":
             check_sweep(cfg, resume)
         elif command == "eval":
-            check_checkpoint_files(resume)
+            from kava_ray.checkpoint import check_files
+
+            check_files(resume)
         else:
             check_resume(cfg, resume, resume_override)
     for split in data_splits(cfg, command):
@@ -107,88 +107,24 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
     exp = sweep_dir(cfg, resume)
     if not exp.is_dir():
         raise KavaError(f"tune --resume {resume}: nothing to resume at {exp} (pass the directory of an earlier sweep)")
+    from kava_ray.checkpoint import STATE, read_state
+
     for i, state in enumerate(sorted(exp.glob(f"*/run/*/{STATE}"))):
         if i >= limit:
             break
-        read_checkpoint_state(state.parent)
+        read_state(state.parent, verify=False)
 
 
 # ------------------------------------------------------------------------------------- checkpoints
 
 
-def find_checkpoint(path, for_resume: bool = False) -> Path:
-    """A checkpoint dir from a checkpoint path or a run dir.
-
-    For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
-    checkpoint (which carries the optimizer state final/ leaves out).
-    """
-    p = Path(path).expanduser()
-    latest = sorted(p.glob("checkpoint_2*"), reverse=True)
-    order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
-    from kava_ray.checkpoint import incomplete
-
-    passed_over = []
-    for candidate in order:  # a run dir's partial checkpoint (Ray Train's copy into storage cut off) is passed over
-        if (candidate / STATE).is_file():
-            problem = None if candidate == p else incomplete(candidate)
-            if problem is None:
-                return candidate
-            passed_over.append(problem)
-    if passed_over:  # only unusable ones: name why the newest is (e.g. its state.json is corrupt)
-        raise KavaError(f"{path}: no complete checkpoint ({passed_over[0]})")
-    if not p.exists():
-        raise KavaError(f"{path}: no such run dir or checkpoint")
-    raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
-
-
-def read_checkpoint_state(ckpt) -> dict:
-    """`checkpoint.read_state`, with a state.json that is not JSON (truncated, overwritten) or lacks the
-    keys a resume reads named in one line instead of a JSONDecodeError / KeyError traceback."""
-    from kava_ray.checkpoint import read_state
-
-    file = Path(ckpt) / STATE
-    try:
-        state = read_state(ckpt)
-    except KavaError:
-        raise
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
-        raise KavaError(f"checkpoint {file} is not valid JSON ({why}): corrupt or truncated") from None
-    missing = [k for k in ("step", "config_hash", "config") if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise KavaError(f"checkpoint {file} has no {missing[0]!r} (not a complete kava-ray checkpoint)")
-    return state
-
-
-def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
-    """(checkpoint dir, its state, its job config) of a run or checkpoint dir, every problem in one line."""
-    from kava_ray.config import validate_config
-
-    ckpt = find_checkpoint(path)
-    state = read_checkpoint_state(ckpt)
-    try:
-        cfg = validate_config(state["config"])
-    except KavaError as e:
-        raise KavaError(f"checkpoint {ckpt} was written with a config this version cannot read ({e})") from None
-    return ckpt, state, cfg
-
-
-def check_checkpoint_files(ckpt) -> None:
-    """The files loading a checkpoint reads (the student, projectors, fusion) are there."""
-    ckpt = Path(ckpt)
-    read_checkpoint_state(ckpt)
-    for rel in ("student/config.json", "projectors.safetensors", "fusion.safetensors"):
-        if not (ckpt / rel).is_file():
-            raise KavaError(f"checkpoint {ckpt}: {rel} is missing (an incomplete checkpoint)")
-
-
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
     """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
     the keys that differ, in one line)."""
-    from kava_ray.checkpoint import check_compatible
+    from kava_ray.checkpoint import check_compatible, check_files, find_checkpoint
 
     ckpt = find_checkpoint(resume, for_resume=True)
-    check_checkpoint_files(ckpt)
+    check_files(ckpt)
     check_compatible(ckpt, cfg, allow_run_changes=resume_override)
 
 

@@ -7,9 +7,10 @@ with shared storage, and needs nothing from the workers but the records they alr
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from pathlib import Path
+
+from kava_ray.metrics_file import parse
 
 # "{desc}" carries the step's figures after the bar (tqdm's "{postfix}" would start with ", ")
 BAR_FORMAT = "train {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]"
@@ -26,14 +27,12 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
     seen = 0
     while not stop.is_set():
         if path.exists():
-            for line in path.read_text().splitlines()[seen:]:
+            text = path.read_text()
+            lines = text.splitlines()[:None if text.endswith("\n") else -1]  # the last line may be mid-write
+            for line in lines[seen:]:
                 seen += 1
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:  # a line being written: read it again next time
-                    seen -= 1
-                    break
-                if r.get("kind") == "train":
+                r = parse(line)
+                if r is not None and r["kind"] == "train":
                     bar.update(r["step"] - bar.n)
                     # cos: centred KV cosine (the figure a constant projector cannot game); wait: teacher wait
                     bar.set_description_str(f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"

@@ -12,15 +12,14 @@ run re-logs steps: the last record of a (kind, step) wins. Records of other kind
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
 
 from kava_ray._io import atomic_path, atomic_write, format_table
 from kava_ray.errors import KavaError
+from kava_ray.metrics_file import METRICS, read_metrics
 
-METRICS_FILE = "metrics.jsonl"
 REPORT_DIR = "report"
 COLLAPSE_GAP = 0.01  # a final contrast gap below this means nothing sample-specific was learned
 COLLAPSE_WARNING = ("the student matches other samples' targets as well as its own — nothing "
@@ -37,31 +36,9 @@ def phase(cos: float) -> str:
 # ------------------------------------------------------------------------------------------ reading
 
 
-def read_metrics(path) -> tuple[list[dict], list[dict]]:
-    """(train_records, eval_records), each sorted by step, the last record of a (kind, step) winning."""
-    path = Path(path)
-    if not path.is_file():
-        raise KavaError(f"metrics file not found: {path}")
-    latest: dict[tuple[str, int], dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KavaError(f"{path}: line {lineno} is not valid JSON ({e.msg})") from None
-            step = rec.get("step") if isinstance(rec, dict) else None
-            if not isinstance(step, int) or isinstance(step, bool) or not isinstance(rec.get("kind"), str):
-                raise KavaError(f"{path}: line {lineno} is not a metrics record (needs an int 'step' and a 'kind')")
-            latest[(rec["kind"], step)] = rec
-    ordered = [latest[k] for k in sorted(latest, key=lambda k: k[1])]
-    return [r for r in ordered if r["kind"] == "train"], [r for r in ordered if r["kind"] == "eval"]
-
-
 def _metrics_path(run_dir) -> Path:
     p = Path(run_dir)
-    return p if p.is_file() else p / METRICS_FILE
+    return p if p.is_file() else p / METRICS
 
 
 def _load(run_dir) -> tuple[list[dict], list[dict]]:

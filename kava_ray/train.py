@@ -16,13 +16,11 @@ from typing import Optional
 
 import ray
 
+from kava_ray import resources
 from kava_ray.config import JobConfig
 from kava_ray.errors import KavaError
-from kava_ray.worker import METRICS, train_loop_per_worker
-
-
-def worker_resources(cfg: JobConfig, use_gpu: bool) -> dict:
-    return {"CPU": cfg.ray.cpus_per_worker, **({"GPU": cfg.ray.gpus_per_worker} if use_gpu else {})}
+from kava_ray.metrics_file import METRICS
+from kava_ray.worker import train_loop_per_worker
 
 
 def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
@@ -31,7 +29,7 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from kava_ray.job import plans_payload
+    from kava_ray.plans import plans_payload
 
     return TorchTrainer(
         train_loop_per_worker,
@@ -39,7 +37,7 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
                            "resume": str(Path(resume).resolve()) if resume else None,
                            "resume_override": resume_override},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=worker_resources(cfg, use_gpu)),
+                                     resources_per_worker=resources.worker(cfg, use_gpu)),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent), callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(
                                  num_to_keep=cfg.train.num_to_keep,
@@ -97,8 +95,9 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.console`) unless `verbose`.
     """
+    from kava_ray.checkpoint import find_checkpoint
     from kava_ray.console import quiet, with_logs
-    from kava_ray.preflight import find_checkpoint, preflight
+    from kava_ray.preflight import preflight
 
     # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
     preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)
@@ -120,7 +119,8 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     from actors.pool import check_resources, stop_pool
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.console import status
-    from kava_ray.job import connect_job, prepare_data, setup_teachers
+    from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.plans import prepare_data
     from kava_ray.progress import follow_metrics
 
     t0 = time.time()
@@ -131,7 +131,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     connected = connect_job(cfg, address)
     status(f"connecting: {_describe_ray(connected)} in {time.time() - t0:.0f} s")
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-    check_resources(cfg, extra={k: v * cfg.ray.num_workers for k, v in worker_resources(cfg, use_gpu).items()})
+    check_resources(cfg, extra=resources.run(cfg, use_gpu))
     if use_gpu:
         check_memory(cfg)
     t1 = time.time()
@@ -175,16 +175,9 @@ def _describe_ray(connected: str) -> str:
 
 def _test_line(metrics_path: Path) -> Optional[str]:
     """`test: CE 4.77, centred cos 0.25, gap 0.21` from the run's test record (None when there is none)."""
-    import json
+    from kava_ray.metrics_file import last
 
-    if not metrics_path.exists():
-        return None
-    test = None
-    for line in metrics_path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            r = json.loads(line)
-            if r.get("kind") == "test":
-                test = r
+    test = last(metrics_path, "test")
     if not test or "test/ce" not in test:
         return None
     out = f"test: CE {test['test/ce']:.2f}"

@@ -21,6 +21,7 @@ from typing import Optional
 
 import ray
 
+from kava_ray import resources
 from kava_ray._io import atomic_path, atomic_write, first_line, format_table
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.errors import KavaError
@@ -46,7 +47,7 @@ def trial_fn(config: dict, setup: dict) -> None:
     """
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from kava_ray.job import teacher_plans
+    from kava_ray.plans import teacher_plans
     from kava_ray.train import build_trainer, fit
     from kava_ray.tune_space import apply_params
 
@@ -60,10 +61,7 @@ def trial_fn(config: dict, setup: dict) -> None:
 def derive_max_concurrent(cfg: JobConfig, use_gpu: bool) -> int:
     """How many trials fit at once: free CPUs (and GPUs) after the shared teachers, per trial's workers."""
     total = ray.cluster_resources()
-    teachers = {"CPU": sum(t.num_cpus * t.replicas for t in cfg.teachers),
-                "GPU": sum(t.num_gpus * t.replicas for t in cfg.teachers)}
-    per_trial = {"CPU": cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1,  # + Train's controller
-                 "GPU": cfg.ray.num_workers * cfg.ray.gpus_per_worker if use_gpu else 0}
+    teachers, per_trial = resources.pool(cfg), resources.run(cfg, use_gpu)
     fits = [math.floor((total.get(k, 0) - teachers[k]) / v + 1e-9) for k, v in per_trial.items() if v > 0]
     n = min(fits) if fits else 1
     if n < 1:
@@ -124,7 +122,8 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
 
     from actors.pool import check_resources, pool_stats, stop_pool
     from kava_ray.connect import resolve_use_gpu
-    from kava_ray.job import connect_job, setup_teachers, student_geometry
+    from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.plans import student_geometry
     from kava_ray.preflight import preflight
     from kava_ray.tune_space import load_space, make_scheduler, make_search_alg, to_param_space
 

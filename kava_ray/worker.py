@@ -15,7 +15,6 @@ step from (seed, step, rank).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
@@ -27,35 +26,10 @@ import torch
 from torch.profiler import record_function
 
 from kava_ray.config import JobConfig, validate_config
+from kava_ray.metrics_file import METRICS, MetricsLog
 from kava_ray.precision import student_precision
 
-METRICS = "metrics.jsonl"
 SUMMED = ("tokens", "kv_tokens", "label_tokens", "skipped_batches")  # counts: summed over micro-batches and ranks; every other metric is a mean
-
-
-class MetricsLog:
-    """Rank 0's metrics.jsonl. On resume, records past the resumed step are dropped first, and so is a
-    torn last line (a worker killed mid-write). trackers (train.loggers, `kava_ray.trackers`): every
-    record written is also logged there."""
-
-    def __init__(self, path: Path, resume_step: int, trackers=None):
-        self.path, self.trackers = path, trackers
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            keep = []
-            for line in path.read_text().splitlines():
-                try:
-                    if line.strip() and json.loads(line)["step"] <= resume_step:
-                        keep.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue
-            path.write_text("".join(line + "\n" for line in keep))
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.trackers is not None:
-            self.trackers.log(record)
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -84,8 +58,8 @@ class DistillRecipe:
         from kava_ray.checkpoint import check_compatible, load_into
         from kava_ray.data import BatchStream
         from kava_ray.distill import Distiller, build_optimizer, build_scheduler
-        from kava_ray.job import data_seed, load_splits, teacher_tokenizers
         from kava_ray.models import kv_geometry, load_student, load_tokenizer
+        from kava_ray.plans import data_seed, load_splits, teacher_tokenizers
 
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
@@ -174,7 +148,7 @@ class DistillRecipe:
         """`test/*` on the test split, once, after the last step (never used to select anything), in fp32
         without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
         from kava_ray.evaluate import evaluate_heldout
-        from kava_ray.job import load_test_split
+        from kava_ray.plans import load_test_split
 
         split = load_test_split(self.cfg, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
@@ -274,7 +248,8 @@ def train_loop_per_worker(config: dict) -> None:
     from ray.train import Checkpoint
 
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import kv_source, plans_from_payload, teacher_logits_top_k
+    from kava_ray.job import kv_source
+    from kava_ray.plans import plans_from_payload, teacher_logits_top_k
     from kava_ray.report import phase
     from kava_ray.trackers import open_trackers
 

@@ -14,9 +14,10 @@ from actors.pool import find_pool, start_pool, stop_pool
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
-from kava_ray.job import load_splits, student_geometry, student_tokenizer, teacher_geometries, teacher_plans
+from kava_ray.job import teacher_geometries
 from kava_ray.kv import KVBatch, teacher_forward_kv
 from kava_ray.models import load_model
+from kava_ray.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def logit_job(base, k, monkeypatch, extra=()):
     try:
         return load_config(base, ["loss.logit_weight=1", f"loss.logit_top_k={k}", *extra])
     except KavaError:
-        monkeypatch.setattr("kava_ray.job.logits_top_k", lambda cfg: k)
+        monkeypatch.setattr("kava_ray.plans.logits_top_k", lambda cfg: k)
         return load_config(base, list(extra))
 
 
@@ -288,7 +289,7 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
 def test_logits_refuse_a_teacher_with_another_vocabulary(tiny_job, monkeypatch):
     from dataclasses import replace
 
-    from kava_ray.job import TeacherPlan, check_vocab, logit_teachers
+    from kava_ray.plans import TeacherPlan, check_vocab, logit_teachers
 
     s_geom = student_geometry(load_config(tiny_job))
     plans = {n: TeacherPlan(n, s_geom, [], []) for n in ("qwen", "llama")}

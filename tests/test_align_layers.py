@@ -165,7 +165,7 @@ def test_identity_map_of_a_layer_dropped_student(tmp_path):
     copied from (identity); `ratio` stays available; another teacher model gets ratio."""
     from kava_ray.align.layers import identity_map
     from kava_ray.config import validate_config
-    from kava_ray.job import copied_layers, layer_plan
+    from kava_ray.plans import copied_layers, layer_plan
 
     assert identity_map(30, 6, [0, 5, 10, 15, 20, 25]) == [(i, [(5 * i, 1.0)]) for i in range(6)]
     assert identity_map(4, 3) == [(0, [(0, 1.0)]), (1, [(1, 1.0)]), (2, [(2, 1.0)])]

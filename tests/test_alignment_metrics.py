@@ -138,8 +138,8 @@ def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student
     from jobs import write_job
     from kava_ray.config import load_config
     from kava_ray.data import BatchStream
-    from kava_ray.job import load_splits, student_tokenizer
     from kava_ray.models import load_model
+    from kava_ray.plans import load_splits, student_tokenizer
 
     path = write_job(tmp_path_factory.mktemp("align"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
@@ -156,9 +156,9 @@ def _distiller(distill_setup, overrides):
     from kava_ray.align.layers import plan_teacher_layers
     from kava_ray.config import load_config
     from kava_ray.distill import Distiller
-    from kava_ray.job import TeacherPlan
     from kava_ray.kv import teacher_forward_kv
     from kava_ray.models import kv_geometry, load_student
+    from kava_ray.plans import TeacherPlan
 
     path, batch, teachers = distill_setup
     cfg = load_config(path, ["align.projector.kind=elastic", *overrides])

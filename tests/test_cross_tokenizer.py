@@ -17,8 +17,8 @@ from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.distill import Distiller
 from kava_ray.errors import KavaError
-from kava_ray.job import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
@@ -93,15 +93,17 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
 def test_logits_come_only_from_the_teacher_sharing_the_tokenizer(xjob):
     cfg = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])
     models, plans = in_process(cfg)
-    from kava_ray.job import teacher_logits_top_k
+    from kava_ray.plans import teacher_logits_top_k
 
     assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
     student = load_student(cfg.student.model, dtype="float32")
     distiller = Distiller(student, plans, kv_geometry(student), cfg)
     assert distiller.logit_names == ["qwen"]
     solo = {"qtok": plans["qtok"]}
-    with pytest.raises(KavaError, match="needs a teacher that shares the student's tokenizer"):
-        Distiller(load_student(cfg.student.model, dtype="float32"), solo, kv_geometry(student), cfg)
+    from kava_ray.plans import check_vocab
+
+    with pytest.raises(KavaError, match="no teacher shares the student's tokenizer"):  # refused by the plans
+        check_vocab(cfg, solo, kv_geometry(student))
 
 
 def read_jsonl(path):

@@ -93,8 +93,8 @@ def teachers(job):
 
 @pytest.fixture(scope="module")
 def plans(job, teachers):
-    from kava_ray.job import student_geometry, teacher_plans
     from kava_ray.models import kv_geometry
+    from kava_ray.plans import student_geometry, teacher_plans
 
     cfg = load_config(job)
     return teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
@@ -102,7 +102,7 @@ def plans(job, teachers):
 
 def stream_keys(cfg, n: int) -> list[str]:
     from kava_ray.data import BatchStream
-    from kava_ray.job import data_seed, load_splits, student_tokenizer
+    from kava_ray.plans import data_seed, load_splits, student_tokenizer
 
     tok, _ = student_tokenizer(cfg)
     train, _ = load_splits(cfg, tok)
@@ -167,7 +167,7 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     from types import SimpleNamespace
 
     from kava_ray.data import BatchStream
-    from kava_ray.job import data_seed, load_splits, student_tokenizer
+    from kava_ray.plans import data_seed, load_splits, student_tokenizer
     from kava_ray.worker import skip_resumed, stream_state_after
 
     cfg = load_config(job)
@@ -209,7 +209,7 @@ def test_nan_kv_stop_is_one_line_naming_teacher_key_and_step(job, teachers, plan
 
 def _stream(cfg):
     from kava_ray.data import BatchStream
-    from kava_ray.job import data_seed, load_splits, student_tokenizer
+    from kava_ray.plans import data_seed, load_splits, student_tokenizer
 
     tok, _ = student_tokenizer(cfg)
     return BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))
@@ -284,7 +284,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
         import sys
         from kava_ray.config import load_config
         from kava_ray.errors import KavaError
-        from kava_ray.job import student_geometry, teacher_plans
+        from kava_ray.plans import student_geometry, teacher_plans
         from kava_ray.worker import DistillRecipe
         cfg = load_config({str(job)!r})
         plans = teacher_plans(cfg, {json.dumps({n: p.geometry.to_dict() for n, p in plans.items()})},
@@ -320,7 +320,7 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     """Ray Train copies a checkpoint into storage file by file (not atomically): a copy cut off (disk full)
     leaves a newer checkpoint_* with a file missing or short. --resume / eval of the run dir take the
     previous complete one; the partial one given by name is one line naming the file."""
-    from kava_ray.preflight import find_checkpoint
+    from kava_ray.checkpoint import find_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(good_ckpt, run / "checkpoint_2000-01-01_00-00-00.000000")

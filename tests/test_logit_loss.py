@@ -14,7 +14,6 @@ from kava_ray.config import load_config, set_dotted, validate_config
 from kava_ray.data import BatchStream
 from kava_ray.distill import Distiller
 from kava_ray.errors import KavaError
-from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.losses import (
     log_normalizer,
@@ -26,6 +25,7 @@ from kava_ray.losses import (
     topk_tail,
 )
 from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.plans import TeacherPlan, load_splits, student_tokenizer
 from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit
@@ -346,7 +346,7 @@ def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     """evaluate_heldout end to end (in-process teachers serving top-k through the KVFeed): eval/logit_kl,
     eval/logit_kl/<t>, eval/top1_agree/<t>, token-weighted like the KV metrics."""
     from kava_ray.evaluate import evaluate_heldout
-    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.plans import student_geometry, teacher_plans
     from kava_ray.testing.sources import InProcessSource
 
     cfg = load_config(job_path, ["loss.logit_weight=1.0", "loss.logit_top_k=4", "fusion.kind=fixed"])

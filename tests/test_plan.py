@@ -251,8 +251,8 @@ def test_projector_count_matches_the_real_modules(calibration_job):
     import torch
 
     from kava_ray.distill import Distiller
-    from kava_ray.job import TeacherPlan
     from kava_ray.plan import _infos, _layer_plans, _projector_params
+    from kava_ray.plans import TeacherPlan
 
     for overrides in ([], FLAT, ["fusion.kind=router"]):
         cfg = load_config(calibration_job, overrides)
@@ -289,7 +289,7 @@ def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(mon
         cfg = load_config(base, ["loss.logit_weight=0.5", "loss.logit_top_k=64"])
     except KavaError:  # a LossConfig without the logit loss: the job's one rule for k, patched
         cfg = base.model_copy()  # another object than base
-        monkeypatch.setattr("kava_ray.job.logits_top_k", lambda c: 64 if c is cfg else 0)
+        monkeypatch.setattr("kava_ray.plans.logits_top_k", lambda c: 64 if c is cfg else 0)
     p0, p1 = plan(base, 8 * GiB), plan(cfg, 8 * GiB)
     assert p0["logits_bytes_per_token"] == {"qwen1.5b-nf4": 0} and p0["logits_top_k"] == 0
     per_token = logits_bytes_per_token(64, "bf16")

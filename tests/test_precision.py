@@ -180,8 +180,8 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
 
     from actors.feed import KVFeed, feed_items
     from jobs import job_dict
-    from kava_ray.job import student_geometry, teacher_plans
     from kava_ray.models import kv_geometry, load_model
+    from kava_ray.plans import student_geometry, teacher_plans
     from kava_ray.worker import DistillRecipe
 
     if policy == "bf16-sr":

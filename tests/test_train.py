@@ -17,9 +17,9 @@ from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.distill import Distiller, build_optimizer
 from kava_ray.errors import KavaError
-from kava_ray.job import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.kv import teacher_forward_kv
 from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.plans import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -90,7 +90,7 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
     the test split is read once, by `test()`, after the last step."""
     import kava_ray.data.sources as sources
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.plans import student_geometry, teacher_plans
     from kava_ray.worker import DistillRecipe
 
     requested = []
@@ -121,7 +121,7 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
     (one line, exit 2, before Ray starts) unless --resume-override, which makes the new values win."""
     from actors.feed import KVFeed, feed_items
     from kava_ray.cli import main
-    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.plans import student_geometry, teacher_plans
     from kava_ray.worker import DistillRecipe
 
     cfg = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant"])
@@ -154,7 +154,7 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
 
 def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_process):
     """A batch of post-RoPE (rotated) keys given to a pre-RoPE student is refused, not silently aligned."""
-    from kava_ray.job import student_geometry, teacher_plans
+    from kava_ray.plans import student_geometry, teacher_plans
 
     cfg = load_config(job_path)
     tok, _ = student_tokenizer(cfg)
@@ -173,7 +173,7 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
     """With loss_tokens=answer the held-out KV cosine averages over answer tokens, as the loss does."""
     from actors.feed import KVFeed, feed_items
     from kava_ray.evaluate import evaluate_heldout
-    from kava_ray.job import eval_stream, student_geometry, teacher_plans
+    from kava_ray.plans import eval_stream, student_geometry, teacher_plans
 
     cfg = load_config(job_path, ["loss.loss_tokens=answer"])
     tok, _ = student_tokenizer(cfg)

@@ -36,7 +36,7 @@ CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is bui
 def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
     """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
     from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.job import in_process_plans
+    from kava_ray.plans import in_process_plans
     from kava_ray.testing.sources import InProcessSource
 
     plans = in_process_plans(cfg, models)
@@ -54,8 +54,8 @@ def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
     tokens per student token, and time per batch to build the alignment from text and to apply it."""
     from kava_ray.align.tokens import alignment_stats, apply_alignment
     from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
-    from kava_ray.job import data_seed
     from kava_ray.models import load_tokenizer
+    from kava_ray.plans import data_seed
 
     d = cfg.data
     s_tok, t_tok = load_tokenizer(cfg.student.model), load_tokenizer(cfg.teacher(name).model)

@@ -71,8 +71,8 @@ def _tokenizer_dir() -> Path:
 
 def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
     """What `kava-ray train` does to the data before Ray starts: read, tokenize, pack, cache (this process)."""
-    from kava_ray.job import load_splits
     from kava_ray.models import load_tokenizer
+    from kava_ray.plans import load_splits
 
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)
@@ -86,8 +86,8 @@ def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
 def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: int) -> dict:
     """What a train worker does: load the cached split, build the stream, take `batches` batches (this process)."""
     from kava_ray.data import BatchStream
-    from kava_ray.job import load_splits
     from kava_ray.models import load_tokenizer
+    from kava_ray.plans import load_splits
 
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)

@@ -38,9 +38,11 @@ from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.connect import connect
 from kava_ray.data.batching import batch_key
-from kava_ray.job import embedded_cpus, live_plans, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.job import live_plans
 from kava_ray.kv import KVBatch, teacher_forward_kv
 from kava_ray.models import kv_geometry, load_model, load_model_config
+from kava_ray.plans import student_geometry, student_tokenizer, teacher_plans
+from kava_ray.resources import embedded_cpus
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.worker import DistillRecipe
 

@@ -98,8 +98,9 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     from kava_ray.bench.recipes import Scorer, plot_curves
     from kava_ray.data.corpus import write_pydoc_corpus
     from kava_ray.evaluate import heldout_ce
-    from kava_ray.job import connect_job, load_test_split, precompute
+    from kava_ray.job import connect_job, precompute
     from kava_ray.models import load_model, load_student, load_tokenizer
+    from kava_ray.plans import load_test_split
     from kava_ray.preflight import check_model_files
 
     p = dict(QUICK if quick else DEFAULTS)
@@ -236,7 +237,7 @@ def parse_recipe(text: str) -> tuple[str, dict]:
 
 def load_splits_head(cfg: JobConfig, tok, n: int):
     """The first `n` blocks of the validation split: the curve's held-out CE, cheap enough every few steps."""
-    from kava_ray.job import load_splits
+    from kava_ray.plans import load_splits
 
     return load_splits(cfg, tok)[1].head(n)
 

@@ -19,7 +19,7 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
     """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
     "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import teacher_logits_top_k
+    from kava_ray.plans import teacher_logits_top_k
     from kava_ray.worker import DistillRecipe
 
     recipe = DistillRecipe(cfg, plans, device=device)

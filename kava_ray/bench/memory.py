@@ -112,9 +112,9 @@ def _run(job: str, steps: int) -> dict:
     import pickle
 
     from kava_ray.distill import Distiller, build_optimizer
-    from kava_ray.job import in_process_plans, teacher_logits_top_k
     from kava_ray.kv import KVBatch, teacher_forward_kv
     from kava_ray.models import kv_geometry, load_model, load_student
+    from kava_ray.plans import in_process_plans, teacher_logits_top_k
     from kava_ray.precision import student_precision
 
     cfg = load_config(job)

@@ -74,9 +74,8 @@ def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[i
 
 def run_arm(run_cfg: JobConfig, name: str, progress: bool) -> dict:
     """One production training run: its run dir, wall time, seconds per step and validation CE curve."""
-    from kava_ray.report import read_metrics
+    from kava_ray.metrics_file import METRICS, read_metrics
     from kava_ray.train import run_training
-    from kava_ray.worker import METRICS
 
     res = run_training(run_cfg, name=name, progress=progress)
     run_dir = Path(res["run_dir"])
@@ -91,8 +90,9 @@ class Scorer:
     the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
 
     def __init__(self, cache_cfg: JobConfig, limit: int, max_new_tokens: int):
-        from kava_ray.job import copied_layers, kv_source, load_splits, load_test_split, setup_teachers
+        from kava_ray.job import kv_source, setup_teachers
         from kava_ray.models import load_tokenizer
+        from kava_ray.plans import copied_layers, load_splits, load_test_split
 
         self.cfg, self.limit, self.max_new_tokens = cache_cfg, limit, max_new_tokens
         _, self.plans, _ = setup_teachers(cache_cfg)  # the cache: no Ray, no teacher model

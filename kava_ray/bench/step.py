@@ -171,9 +171,9 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                    memory: bool = False, memory_steps: int = 2) -> dict:
     """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
     down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
-    from kava_ray.job import in_process_plans, teacher_logits_top_k
     from kava_ray.kv import KVBatch, student_forward_kv, teacher_forward_kv
     from kava_ray.models import load_model
+    from kava_ray.plans import in_process_plans, teacher_logits_top_k
     from kava_ray.testing.tiny import build_tiny_model
     from kava_ray.worker import DistillRecipe
 
