@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Protocol
 
 import numpy as np
 import ray
@@ -49,6 +49,16 @@ class KVRequest(NamedTuple):
     wire_dtype: str
     logits_top_k: int = 0
     examples: Optional[tuple[str, tuple[int, ...]]] = None
+
+
+class KVSource(Protocol):
+    """Where a KVFeed's teacher answers come from: `ActorSource` (live actors), `actors.kv_cache.CacheSource`
+    (the on-disk cache), `kava_ray.testing.sources.InProcessSource` (teachers in this process). `submit` starts
+    one teacher's work on a request and returns a future (anything); `result` turns it into the wire payload."""
+
+    def submit(self, name: str, request: KVRequest) -> Any: ...
+
+    def result(self, name: str, request: KVRequest, future: Any) -> dict: ...
 
 
 class ActorSource:
@@ -114,7 +124,7 @@ class KVFeed:
     (each skipped batch extends the read by one), so `items` may be endless.
     """
 
-    def __init__(self, source, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
+    def __init__(self, source: KVSource, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
                  wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True,
                  logits_top_k: int = 0, on_bad_kv: Optional[str] = None, limit: Optional[int] = None):
         if depth < 1:

@@ -120,14 +120,12 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     """Measure linear CKA between every teacher and the student, layer by layer, on the first `samples`
     training examples; write `out` (default `default_out(cfg)`) and one `<out stem>.<teacher>.png` per
     teacher. Returns the written JSON's content plus `path`, `plots` and `wall_s`."""
-    import ray
     from tqdm import tqdm
 
     from actors.feed import KVFeed, feed_items
-    from actors.pool import stop_pool
     from kava_ray._io import atomic_write
     from kava_ray.data import BatchStream
-    from kava_ray.job import connect_job, kv_source, setup_teachers
+    from kava_ray.job import job_teachers
     from kava_ray.kv import student_forward_kv
     from kava_ray.models import load_student
     from kava_ray.plans import data_seed, load_splits, student_tokenizer, teacher_tokenizers
@@ -143,9 +141,8 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     cal = calibration_config(cfg, samples)
     path = Path(out).expanduser().resolve() if out else default_out(cfg)
     t0 = time.time()
-    connected = connect_job(cal, address)
-    handles, plans, started = setup_teachers(cal)
-    try:
+    with job_teachers(cal, address) as job:
+        plans = job.plans
         layers = {}
         for t in cal.teachers:
             n_layers = plans[t.name].geometry.num_layers
@@ -164,7 +161,7 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
         kinds = _kinds(features)
         stats = {(n, k): CKAStats() for n in layers for k in kinds}
         tokens = dict.fromkeys(layers, 0)
-        feed = KVFeed(kv_source(cal, plans, handles=handles), feed_items(stream, steps), layers,
+        feed = KVFeed(job.source(), feed_items(stream, steps), layers,
                       depth=cal.align.prefetch_depth, wire_dtype=cal.align.wire_dtype)
         with torch.no_grad():
             for (_, _, _, batch), kv in tqdm(feed, total=steps, desc="cka", unit="batch",
@@ -177,9 +174,6 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
                     for k in kinds:
                         t_x, s_x = (t_keys, s_kv.keys) if k == "k" else (t_values, s_kv.values)
                         stats[(name, k)].update(_layer_features(t_x, keep), _layer_features(s_x, keep))
-    finally:
-        if started:
-            stop_pool(cal)
     result: dict = {"teachers": {}, "features": features, "samples": len(split), "config": cfg.name,
                     "key_space": cal.align.key_space, "student_layers": None, "top_k": top_k}
     for name, chosen in layers.items():
@@ -201,8 +195,6 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
                  entry["teacher_layers"], f"{cfg.name}: {name} vs student, linear CKA ({features}), "
                  f"{result['samples']} samples", png)
         plots.append(str(png))
-    if connected == "embedded":  # ours to stop; a Ray the caller started stays up
-        ray.shutdown()
     return {**result, "path": str(path), "plots": plots, "wall_s": time.time() - t0}
 
 

@@ -8,7 +8,6 @@ config show` stays fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -110,41 +109,22 @@ def _select_teachers(cfg, names):
 
 
 def cmd_teachers(args) -> int:
-    import ray
-
-    from actors import pool
-    from kava_ray.job import connect_job, precompute
+    from kava_ray.job import precompute, teacher_pool
 
     cfg = _select_teachers(_job_config(args), args.teacher)
-    action = args.teachers_command
-    stats = None
-    with _quiet(args, "precompute", cfg.ray.storage_path) if action == "precompute" else contextlib.nullcontext():
-        if action == "precompute":  # its inputs checked before Ray starts (precompute checks again: cheap)
-            from kava_ray.preflight import preflight
-
-            preflight(cfg, "teachers precompute", address=args.address, out=args.out)
-        connect_job(cfg, args.address, require_cluster=action in ("up", "down", "status"))
-        if action == "precompute":
-            stats = precompute(cfg, args.out, restart_teachers=args.restart_teachers)
-    if action == "up":
-        handles = pool.start_pool(cfg, detached=True)
-        names = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
-        print(f"started {len(handles)} teacher(s) in namespace '{cfg.ray.namespace}': {', '.join(names)}")
-    elif action == "down":
-        stopped = pool.stop_pool(cfg)
-        print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
-    elif action == "status":
-        rows = pool.pool_status(cfg)
-        print(format_status(rows))
-        if args.json:
-            _print_json_last({"teachers": rows})
-    elif action == "precompute":
-        print(f"KV cache {args.out}: {stats['written']} example(s) written in {stats['forwards']} teacher batch(es), "
-              f"{stats['skipped']} already there, {stats['bytes'] / 2**20:.1f} MiB")
-        if args.json:
-            _print_json_last(stats)
-    ray.shutdown()
-    return 0
+    if args.teachers_command == "precompute":
+        with _quiet(args, "precompute", cfg.ray.storage_path):
+            stats = precompute(cfg, args.out, restart_teachers=args.restart_teachers, address=args.address)
+        return _show(args, f"KV cache {args.out}: {stats['written']} example(s) written in {stats['forwards']} teacher "
+                           f"batch(es), {stats['skipped']} already there, {stats['bytes'] / 2**20:.1f} MiB", stats)
+    out = teacher_pool(cfg, args.teachers_command, args.address)
+    if out["action"] == "up":
+        text = f"started {len(out['teachers'])} teacher(s) in namespace '{out['namespace']}': {', '.join(out['teachers'])}"
+    elif out["action"] == "down":
+        text = f"stopped: {', '.join(out['teachers']) if out['teachers'] else 'nothing was running'}"
+    else:
+        text = format_status(out["teachers"])
+    return _show(args, text, out)
 
 
 def format_status(rows: list[dict]) -> str:
@@ -170,11 +150,9 @@ def cmd_align_cka(args) -> int:
     with _quiet(args, "align-cka", cfg.ray.storage_path):
         out = measure_cka(cfg, samples=args.samples, top_k=args.top_k, features=args.features, out=args.out,
                           address=args.address)
-    print(format_cka(out, " ".join([args.config, *args.overrides])))
-    if args.json:
-        _print_json_last({k: v for k, v in out.items() if k != "teachers"}
-                         | {"teachers": {n: {"layer_map": e["layer_map"]} for n, e in out["teachers"].items()}})
-    return 0
+    brief = {k: v for k, v in out.items() if k != "teachers"} | {
+        "teachers": {n: {"layer_map": e["layer_map"]} for n, e in out["teachers"].items()}}  # not the CKA matrices
+    return _show(args, format_cka(out, " ".join([args.config, *args.overrides])), brief)
 
 
 # ----------------------------------------------------------------------------- train
@@ -239,13 +217,11 @@ def cmd_bench_all(args) -> int:
     result = run_all()
     machine = (f"1 {torch.cuda.get_device_name(0)} + {os.cpu_count()} CPU cores" if torch.cuda.is_available()
                else f"a {os.cpu_count()}-core CPU, no GPU")
-    print(format_all(result))
+    text = format_all(result)
     if readme is not None:
         write_readme(readme, performance_block(result, machine))
-        print(f"wrote the Performance table of {readme}")
-    if args.json:
-        _print_json_last(result)
-    return 0
+        text += f"\nwrote the Performance table of {readme}"
+    return _show(args, text, result)
 
 
 def cmd_bench_align(args) -> int:
@@ -260,9 +236,7 @@ def cmd_plan(args) -> int:
 
     cfg = _job_config(args)
     p = plan(cfg, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tokens_per_s)
-    print(format_plan(p))
-    if args.json:
-        _print_json_last(p)
+    _show(args, format_plan(p), p)
     if p["fits"] is False:
         print(p["advice"], file=sys.stderr)  # the verdict: "does not fit gpu0 (... > ...): set ..."
         return EXIT_DOES_NOT_FIT
@@ -283,21 +257,14 @@ def cmd_eval(args) -> int:
         out = evaluate_checkpoint(args.path, limit=args.limit, max_new_tokens=args.max_new_tokens,
                                   address=args.address, restart_teachers=args.restart_teachers)
     rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in out.items() if k != "gsm8k_samples"]
-    print(format_table(["metric", "value"], rows))
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, format_table(["metric", "value"], rows), out)
 
 
 def cmd_report(args) -> int:
     from kava_ray.report import summarize_run, write_report
 
     out = write_report(args.run_dir)
-    print(summarize_run(args.run_dir))
-    print(f"report: {Path(args.run_dir) / 'report'}")
-    if args.json:
-        _print_json_last(out)
-    return 0
+    return _show(args, f"{summarize_run(args.run_dir)}\nreport: {Path(args.run_dir) / 'report'}", out)
 
 
 # ----------------------------------------------------------------------------- parser

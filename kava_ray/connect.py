@@ -53,10 +53,10 @@ def single_machine_mode() -> None:
     constant this (already importing) driver. The constant is the one Ray private API kava-ray sets;
     tests/test_service_ray.py (every listening socket of an embedded Ray on loopback) guards it.
     """
-    from ray._private import ray_constants
+    from kava_ray.ray_private import set_single_machine_constant
 
     os.environ[SINGLE_MACHINE_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    set_single_machine_constant()
 
 
 def _free_port() -> int:

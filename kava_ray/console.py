@@ -135,13 +135,13 @@ def collect_ray_logs(dest: Path, since: float = 0.0) -> list[Path]:
     if not ray.is_initialized():
         return []
     try:
-        from ray._private.worker import _global_node
+        from kava_ray.ray_private import session_logs_dir
 
-        logs = Path(_global_node.get_logs_dir_path())
+        logs = session_logs_dir()
         job = ray.get_runtime_context().get_job_id()
     except Exception:
         return []
-    if not logs.is_dir():
+    if logs is None or not logs.is_dir():
         return []
     copied = []
     for src in sorted(logs.glob(f"worker-*-{job}-*.*")):

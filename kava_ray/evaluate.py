@@ -267,12 +267,9 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
                         restart_teachers: bool = False) -> dict:
     """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
     and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
-    import ray
-
-    from actors.pool import stop_pool
     from kava_ray.checkpoint import load_into
     from kava_ray.distill import Distiller
-    from kava_ray.job import connect_job, kv_source, setup_teachers
+    from kava_ray.job import job_teachers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
     from kava_ray.plans import load_test_split, teacher_tokenizers
 
@@ -280,24 +277,17 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
-    connected = connect_job(cfg, address)
-    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
-    try:
-        test = load_test_split(cfg, tokenizer, teacher_tokenizers(plans))  # what a run reports once at its end
+    with job_teachers(cfg, address, restart=restart_teachers) as job:
+        test = load_test_split(cfg, tokenizer, teacher_tokenizers(job.plans))  # what a run reports once at its end
         out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
         torch.manual_seed(0)
-        distiller = Distiller(student, plans, kv_geometry(student), cfg)
+        distiller = Distiller(student, job.plans, kv_geometry(student), cfg)
         load_into(ckpt, distiller)
-        out.update(evaluate_heldout(distiller, kv_source(cfg, plans, handles=handles), plans, test, cfg, "cpu",
-                                    torch.float32, prefix="test"))
-    finally:
-        if started:
-            stop_pool(cfg)
+        out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
+                                    prefix="test"))
     if test.format == "gsm8k" and limit > 0:  # exact match needs a final answer to compare
         acc = gsm8k_accuracy(student, tokenizer, test.examples[:limit], cfg.data.prompt_format, max_new_tokens)
         out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
     elif test.format == "text":
         out["test_ppl"] = math.exp(min(out["test_ce"], 50.0))
-    if connected == "embedded":  # ours to stop; a Ray the caller started stays up
-        ray.shutdown()
     return out

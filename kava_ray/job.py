@@ -9,7 +9,10 @@ run and where a worker's teacher KV comes from. The Ray-free half (plans, logit 
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import ray
 
@@ -45,12 +48,48 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
 # ------------------------------------------------------------------------------------ teachers
 
 
+@dataclass
+class JobTeachers:
+    """What `job_teachers` yields: the pool's handles (None when the KV cache serves the teachers), the plans,
+    whether the pool was started here, and how Ray was reached (`connect`'s answer)."""
+
+    cfg: JobConfig
+    handles: Optional[dict]
+    plans: dict[str, TeacherPlan]
+    started: bool
+    connected: str
+    setup_s: float = 0.0
+
+    def source(self, data_fingerprint: Optional[str] = None):
+        """The KV source of this job (the cache, or these handles)."""
+        return kv_source(self.cfg, self.plans, data_fingerprint, handles=self.handles)
 
 
+@contextlib.contextmanager
+def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = False, concurrent_runs: int = 1,
+                 on_connected: Optional[Callable[[str], None]] = None) -> Iterator[JobTeachers]:
+    """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
+    and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
+    the KV source. On exit it stops only a pool it started and shuts down only a Ray it started.
 
+    on_connected(connected): runs once Ray is up, before any teacher starts (resource checks, status lines).
+    """
+    connected = connect_job(cfg, address, concurrent_runs)
+    try:
+        if on_connected is not None:
+            on_connected(connected)
+        t0 = time.time()
+        handles, plans, started = setup_teachers(cfg, restart=restart)
+        try:
+            yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0)
+        finally:
+            if started:
+                from actors.pool import stop_pool
 
-
-
+                stop_pool(cfg)
+    finally:
+        if connected == "embedded":  # ours to stop; a Ray the caller started stays up
+            ray.shutdown()
 
 
 def teacher_geometries(handles: dict) -> dict[str, dict]:
@@ -187,7 +226,30 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
 
 
 
-def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers: bool = False) -> dict:
+def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> dict:
+    """`kava-ray teachers up | status | down` on a running cluster: start the pool as detached actors (they
+    outlive the command), list it, or stop it. Returns {"action", "teachers" (up: names with replica counts,
+    status: rows, down: the stopped names), "namespace"}."""
+    from actors import pool
+
+    connect_job(cfg, address, require_cluster=True)
+    try:
+        if action == "up":
+            handles = pool.start_pool(cfg, detached=True)
+            out = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
+        elif action == "down":
+            out = pool.stop_pool(cfg)
+        elif action == "status":
+            out = pool.pool_status(cfg)
+        else:
+            raise KavaError(f"unknown teachers action {action!r} (up, status, down)")
+    finally:
+        ray.shutdown()  # a client of the cluster: the pool (detached) stays
+    return {"action": action, "teachers": out, "namespace": cfg.ray.namespace}
+
+
+def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers: bool = False,
+               address: Optional[str] = None) -> dict:
     """`kava-ray teachers precompute`: the teacher KV of every example of the training, validation and test
     splits to disk, once each (`actors.kv_cache`: any batch size, data seed or number of epochs reads it), from
     the running pool (checked against the config) or one started for it."""
@@ -196,25 +258,22 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
     from actors.kv_cache import precompute as write_cache
     from kava_ray.preflight import preflight
 
-    preflight(cfg, "teachers precompute", out=out_dir)  # before any teacher starts
+    preflight(cfg, "teachers precompute", out=out_dir, address=address)  # before any teacher starts
     if cfg.data.kv_source != "live":  # precompute always asks live teachers
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"kv_source": "live"})})
-    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
-    tok = student_tokenizer(cfg)[0]
-    teacher_toks = teacher_tokenizers(plans)
-    splits = [*load_splits(cfg, tok, teacher_toks), load_test_split(cfg, tok, teacher_toks)]
-    bar = tqdm(total=sum(len(s) for s in splits), desc="precompute", unit="example", disable=None if progress else True)
+    with job_teachers(cfg, address, restart=restart_teachers) as job:
+        tok = student_tokenizer(cfg)[0]
+        teacher_toks = teacher_tokenizers(job.plans)
+        splits = [*load_splits(cfg, tok, teacher_toks), load_test_split(cfg, tok, teacher_toks)]
+        bar = tqdm(total=sum(len(s) for s in splits), desc="precompute", unit="example",
+                   disable=None if progress else True)
 
-    def report(stats):
-        bar.n = stats["written"] + stats["skipped"]
-        bar.refresh()
+        def report(stats):
+            bar.n = stats["written"] + stats["skipped"]
+            bar.refresh()
 
-    try:
-        return write_cache(cfg, handles, plans, splits, out_dir, progress=report,
-                           logits_top_k=teacher_logits_top_k(cfg, plans), tokenizers=teacher_toks)
-    finally:
-        bar.close()
-        if started:
-            from actors.pool import stop_pool
-
-            stop_pool(cfg)
+        try:
+            return write_cache(cfg, job.handles, job.plans, splits, out_dir, progress=report,
+                               logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks)
+        finally:
+            bar.close()

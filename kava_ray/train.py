@@ -54,7 +54,9 @@ def fit(trainer):
     # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
     # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
     # waits ~15 s, prints a traceback and exits 1
-    trainer._register_sigint_handler = lambda controller: None
+    from kava_ray.ray_private import drop_train_sigint_handler
+
+    drop_train_sigint_handler(trainer)
     try:
         return trainer.fit()
     except ray.train.TrainingFailedError as e:
@@ -116,10 +118,10 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
 
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
-    from actors.pool import check_resources, stop_pool
+    from actors.pool import check_resources
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.console import status
-    from kava_ray.job import connect_job, setup_teachers
+    from kava_ray.job import job_teachers
     from kava_ray.plans import prepare_data
     from kava_ray.progress import follow_metrics
 
@@ -127,31 +129,30 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     prepared = prepare_data(cfg)  # tokenized (and packed) once, cached: a bad record deep in the data stops us here
     status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
            f"({cfg.data.source}) in {time.time() - t0:.0f} s")
+    use_gpu = None
     t0 = time.time()
-    connected = connect_job(cfg, address)
-    status(f"connecting: {_describe_ray(connected)} in {time.time() - t0:.0f} s")
-    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-    check_resources(cfg, extra=resources.run(cfg, use_gpu))
-    if use_gpu:
-        check_memory(cfg)
-    t1 = time.time()
-    handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
-    names = ", ".join(plans)
-    if handles is None:
-        status(f"teachers: {len(plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
-    else:
-        status(f"teachers: {len(plans)} {'ready' if started else 'already running'} ({names}) "
-               f"in {time.time() - t1:.0f} s")
-    trainer = build_trainer(cfg, plans, run_dir, use_gpu, resume, resume_override=resume_override)
-    workers = cfg.ray.num_workers
-    status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
-    t0 = time.time()
-    try:
+
+    def connected(how: str) -> None:  # Ray is up, no teacher has started: fail fast on what cannot fit
+        nonlocal use_gpu
+        status(f"connecting: {_describe_ray(how)} in {time.time() - t0:.0f} s")
+        use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+        check_resources(cfg, extra=resources.run(cfg, use_gpu))
+        if use_gpu:
+            check_memory(cfg)
+
+    with job_teachers(cfg, address, restart=restart_teachers, on_connected=connected) as job:
+        names = ", ".join(job.plans)
+        if job.handles is None:
+            status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
+        else:
+            status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
+                   f"in {job.setup_s:.0f} s")
+        trainer = build_trainer(cfg, job.plans, run_dir, use_gpu, resume, resume_override=resume_override)
+        workers = cfg.ray.num_workers
+        status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
+        t0 = time.time()
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
             result = fit(trainer)
-    finally:
-        if started:
-            stop_pool(cfg)
     test = _test_line(run_dir / METRICS)
     if test:
         status(test)

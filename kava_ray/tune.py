@@ -13,6 +13,7 @@ Outputs in `<storage>/<name>/`: Tune's experiment state, one run dir per trial, 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 from datetime import datetime
@@ -120,50 +121,60 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     """
     from ray import tune
 
-    from actors.pool import check_resources, pool_stats, stop_pool
-    from kava_ray.connect import resolve_use_gpu
-    from kava_ray.job import connect_job, setup_teachers
-    from kava_ray.plans import student_geometry
+    from actors.pool import check_resources
+    from kava_ray.job import connect_job, job_teachers
     from kava_ray.preflight import preflight
-    from kava_ray.tune_space import load_space, make_scheduler, make_search_alg, to_param_space
+    from kava_ray.tune_space import load_space
 
     preflight(cfg, "tune", resume=resume, space=space, address=address)  # the space first, then data, models...
     spec = load_space(space, base=cfg)  # every space error before anything starts
     exp_dir = experiment_dir(cfg, name, resume)
     if resume and not tune.Tuner.can_restore(str(exp_dir)):
         raise KavaError(f"nothing to resume at {exp_dir} (pass the directory of an earlier sweep)")
-    connect_job(cfg, address, concurrent_runs=max_concurrent or spec.max_concurrent or DEFAULT_EMBEDDED_TRIALS)
-    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-    handles, started, geoms = None, False, {}
-    if trial is None:
-        check_resources(cfg)
-        handles, plans, started = setup_teachers(cfg, restart=restart_teachers)
+    runs = max_concurrent or spec.max_concurrent or DEFAULT_EMBEDDED_TRIALS
+    if trial is not None:  # the trials bring their own teachers: only Ray here
+        with contextlib.ExitStack() as stack:
+            connected = connect_job(cfg, address, concurrent_runs=runs)
+            if connected == "embedded":
+                stack.callback(ray.shutdown)
+            return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial, None, {})
+    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs,
+                      on_connected=lambda _: check_resources(cfg)) as job:
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
-                         tokenizer=p.tokenizer) for n, p in plans.items()}
+                         tokenizer=p.tokenizer) for n, p in job.plans.items()}
+        return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial_fn, job.handles, geoms)
+
+
+def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurrent, trial, handles, geoms) -> dict:
+    """The Tuner over `trial` (Ray is up; the shared pool, if any, is `handles`)."""
+    from ray import tune
+
+    from actors.pool import pool_stats
+    from kava_ray.connect import resolve_use_gpu
+    from kava_ray.plans import student_geometry
+    from kava_ray.tune_space import make_scheduler, make_search_alg, to_param_space
+
+    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
              "use_gpu": use_gpu}
     # the trial function only drives; its Train workers and teachers ask for their own resources
-    trainable = tune.with_resources(tune.with_parameters(trial or trial_fn, setup=setup), {"CPU": 0.01})
+    trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": 0.01})
     param_space = {"params": to_param_space(spec)}
-    try:
-        if resume:
-            tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
-                                       resume_unfinished=True, resume_errored=True)
-        else:
-            tuner = tune.Tuner(
-                trainable, param_space=param_space,
-                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
-                                            scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
-                                            search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
-                run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
-                                          callbacks=tracker_callbacks(cfg, exp_dir)))
-        grid = tuner.fit()
-        teacher_stats = pool_stats(handles) if handles else {}
-    finally:
-        if started:
-            stop_pool(cfg)
+    if resume:
+        tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
+                                   resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=param_space,
+            tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
+                                        scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
+                                        search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
+            run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
+                                      callbacks=tracker_callbacks(cfg, exp_dir)))
+    grid = tuner.fit()
+    teacher_stats = pool_stats(handles) if handles else {}
     return dict(summarize(grid, cfg, spec, exp_dir), teacher_stats=teacher_stats)
 
 

@@ -1,0 +1,54 @@
+"""The private Ray APIs kava-ray uses, in one place, written against Ray 2.60.
+
+Ray has no public equivalent for these three; everything else goes through public APIs.
+`tests/test_ray_private.py` fails loudly when the installed Ray is not the version below or one of these
+attributes is gone, so an upgrade is a deliberate re-check of this file, not a silent break:
+
+- `ray._private.ray_constants.ENABLE_RAY_CLUSTER`: read by Ray's IP resolution at call time; set to False
+  (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 for the processes Ray starts) it keeps a single-machine Ray on
+  127.0.0.1 (`kava_ray.connect.single_machine_mode`).
+- `ray._private.worker._global_node.get_logs_dir_path()`: the local session's logs dir, from which a run
+  collects its workers' logs into `RUN_DIR/logs/ray/` (`kava_ray.console.collect_ray_logs`).
+- `TorchTrainer._register_sigint_handler`: Ray Train V2 installs a SIGINT handler that aborts "gracefully"
+  (~15 s, a traceback, exit 1); kava-ray replaces it with nothing so Ctrl-C is one line and exit 130
+  (`kava_ray.train.fit`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+RAY_VERSION = "2.60"  # the Ray these were checked against (major.minor)
+
+
+def set_single_machine_constant() -> None:
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def session_logs_dir() -> Optional[Path]:
+    """This process's Ray session logs dir (None if Ray keeps none on this machine)."""
+    from ray._private.worker import _global_node
+
+    return Path(_global_node.get_logs_dir_path()) if _global_node is not None else None
+
+
+def drop_train_sigint_handler(trainer) -> None:
+    trainer._register_sigint_handler = lambda controller: None
+
+
+def missing() -> list[str]:
+    """The private attributes above that the installed Ray no longer has (empty when all are there)."""
+    import ray.train.torch
+    from ray._private import ray_constants, worker
+
+    out = []
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        out.append("ray._private.ray_constants.ENABLE_RAY_CLUSTER")
+    if not hasattr(worker, "_global_node"):
+        out.append("ray._private.worker._global_node")
+    if not hasattr(ray.train.torch.TorchTrainer, "_register_sigint_handler"):
+        out.append("TorchTrainer._register_sigint_handler")
+    return out
