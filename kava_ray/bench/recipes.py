@@ -2,8 +2,9 @@
 
 The same student, data, batch, steps and optimizer under four recipes -- `ce` (plain fine-tuning), `ce+kv`
 (this product's default), `ce+logits` (the field's top-k logit KD: the student normalised over its full
-vocabulary, the teacher's tail as a bucket) and `ce+kv+logits` -- each run by the production
-`kava_ray.train.run_training`. The teachers run once: `kava_ray.job.precompute` stores every example's KV
+vocabulary, the teacher's tail as a bucket) and `ce+kv+logits` -- each the production step
+(`worker.DistillRecipe.step`) run in this process (`bench.inprocess`: no TorchTrainer start per run). The
+teachers run once: `kava_ray.job.precompute` stores every example's KV
 and top-64 log-probs in the example-indexed cache that every run reads (`data.kv_source: cache`), so a
 seed may reshuffle the data and still costs no teacher forward.
 
@@ -72,19 +73,6 @@ def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[i
     return pre, _merge(d, data={"kv_source": "cache"})
 
 
-def run_arm(run_cfg: JobConfig, name: str, progress: bool) -> dict:
-    """One production training run: its run dir, wall time, seconds per step and validation CE curve."""
-    from kava_ray.metrics_file import METRICS, read_metrics
-    from kava_ray.train import run_training
-
-    res = run_training(run_cfg, name=name, progress=progress)
-    run_dir = Path(res["run_dir"])
-    train, evals = read_metrics(run_dir / METRICS)  # the last record of each step wins (resumed runs)
-    times = [r["time_s"] for r in train if "time_s" in r]
-    return {"run_dir": str(run_dir), "wall_s": res["wall_s"], "s_per_step": statistics.fmean(times) if times else None,
-            "eval_ce": [(r["step"], r["eval/ce"]) for r in evals if "eval/ce" in r]}
-
-
 class Scorer:
     """Scores finished students the same way, whatever trained them: `score_student` on the test split from
     the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
@@ -101,12 +89,6 @@ class Scorer:
         self.train_split = load_splits(cache_cfg, tok)[0]
         self.test = load_test_split(cache_cfg, tok)
         self.copied = {t: copied_layers(cache_cfg, t) for t in self.plans}
-
-    def student(self, path) -> dict:
-        """Score the student saved under `path` (a run's final/)."""
-        from kava_ray.models import load_model, load_tokenizer
-
-        return self.model(load_model(Path(path) / "student", dtype="float32"), load_tokenizer(Path(path) / "student"))
 
     def model(self, model, tokenizer, split=None) -> dict:
         """Score a student model on `split` (default the test split); exact match on gsm8k records only."""
@@ -191,10 +173,10 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
                       eval_steps: Optional[int] = None, recipes: Optional[Sequence[str]] = None,
                       address: Optional[str] = None, progress: bool = True) -> dict:
     """Every recipe x seed over one precomputed teacher cache, every student scored alike; see the module doc."""
-    import ray
-
+    from kava_ray.bench.inprocess import train_in_process
     from kava_ray.errors import KavaError
-    from kava_ray.job import connect_job, precompute
+    from kava_ray.job import precompute
+    from kava_ray.models import load_tokenizer
     from kava_ray.preflight import check_model_files
 
     names = list(recipes or RECIPES)
@@ -214,33 +196,27 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
         print(f"[bench recipes] {msg}", file=sys.stderr, flush=True)
 
     t_start = time.time()
-    connected = connect_job(pre, address)  # sized for the teachers + one run; every run below reuses it
-    arms: dict = {n: [] for n in names}
-    try:
-        t0 = time.time()
-        stats = precompute(pre, root / "kv_cache", progress=progress)
-        precompute_s = time.time() - t0
-        say(f"teacher cache: {stats['written']} examples in {stats['forwards']} teacher batches, "
-            f"{stats['skipped']} already there ({precompute_s:.0f} s)")
-        for seed in seed_values:
-            for name in names:
-                kv_w, logit_w = RECIPES[name]
-                cfg = validate_config(_merge(run_dict, loss={"kv_weight": kv_w, "logit_weight": logit_w},
-                                             train={"seed": seed, "data_seed": seed}))
-                run = run_arm(cfg, f"{name.replace('+', '_')}-seed{seed}", progress)
-                arms[name].append({"seed": seed, **run})
-                say(f"{name} seed {seed}: {run['wall_s']:.0f} s")
-    finally:
-        if connected == "embedded":
-            ray.shutdown()
+    stats = precompute(pre, root / "kv_cache", progress=progress, address=address)  # the only part that needs Ray
+    precompute_s = time.time() - t_start
+    say(f"teacher cache: {stats['written']} examples in {stats['forwards']} teacher batches, "
+        f"{stats['skipped']} already there ({precompute_s:.0f} s)")
     cache_cfg = validate_config(run_dict)
     scorer = Scorer(cache_cfg, limit, max_new_tokens)
     teachers = [t.name for t in pre.teachers]
-    for name, runs in arms.items():
-        for r in runs:
-            r["score"] = scorer.student(Path(r["run_dir"]) / "final")
-            r["figures"] = figures_of(r["score"], teachers)
-            say(f"scored {name} seed {r['seed']}: test CE {r['figures']['test_ce']:.4f}")
+    tok = load_tokenizer(cache_cfg.student.model)
+    arms: dict = {n: [] for n in names}
+    for seed in seed_values:
+        for name in names:
+            kv_w, logit_w = RECIPES[name]
+            cfg = validate_config(_merge(run_dict, loss={"kv_weight": kv_w, "logit_weight": logit_w},
+                                         train={"seed": seed, "data_seed": seed}))
+            t0 = time.time()
+            run = train_in_process(cfg, scorer.plans, scorer.source, steps, cfg.train.eval_steps,
+                                   lambda recipe: recipe.evaluate(scorer.source)["eval/ce"])
+            score = scorer.model(run["recipe"].distiller.student, tok)
+            arms[name].append({"seed": seed, "wall_s": time.time() - t0, "s_per_step": run["step_s"],
+                               "eval_ce": run["curve"], "score": score, "figures": figures_of(score, teachers)})
+            say(f"{name} seed {seed}: test CE {score['ce']:.4f} ({time.time() - t0:.0f} s)")
     teacher_rows = {t: scorer.teacher(t) for t in teachers}
     png = root / CURVES_PNG
     plot_curves(arms, png, teacher_ce=teacher_rows[teachers[0]]["test_ce"])
