@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Linters first: ruff (pyflakes + import order) and import-linter (DESIGN.md's layering; pyproject.toml).
+# Linters first: ruff (pyflakes + import order) and import-linter (the layering of ARCHITECTURE.md; pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check kava_ray actors tests
 	$(BIN)/lint-imports --no-logo

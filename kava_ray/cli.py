@@ -209,18 +209,18 @@ def cmd_bench_all(args) -> int:
 
     import torch
 
-    from kava_ray.bench.all import check_readme, format_all, performance_block, run_all, write_readme
+    from kava_ray.bench.all import check_results, format_all, performance_block, run_all, write_results
 
-    readme = None if args.no_readme else Path(args.readme)
-    if readme is not None:
-        check_readme(readme)
+    results = None if args.no_write else Path(args.results)
+    if results is not None:
+        check_results(results)
     result = run_all()
     machine = (f"1 {torch.cuda.get_device_name(0)} + {os.cpu_count()} CPU cores" if torch.cuda.is_available()
                else f"a {os.cpu_count()}-core CPU, no GPU")
     text = format_all(result)
-    if readme is not None:
-        write_readme(readme, performance_block(result, machine))
-        text += f"\nwrote the Performance table of {readme}"
+    if results is not None:
+        write_results(results, performance_block(result, machine))
+        text += f"\nwrote the Performance table of {results}"
     return _show(args, text, result)
 
 
@@ -522,9 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_recipes)
     p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) at small defaults, ~10 min; "
-                                         "rewrites the README's Performance table")
-    p.add_argument("--readme", default="README.md", help="the README whose Performance block is rewritten")
-    p.add_argument("--no-readme", action="store_true", help="print only; leave the README alone")
+                                         "rewrites the Performance table of docs/results.md")
+    p.add_argument("--results", default="docs/results.md", help="the file whose Performance block is rewritten")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/results.md alone")
     _add_json(p)
     p.set_defaults(func=cmd_bench_all)
     p = bench_sub.add_parser("align", help="layer maps (ratio vs CKA), head projection (shared vs per_head) and token "

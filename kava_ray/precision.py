@@ -2,8 +2,8 @@
 its forward computes in, and an optimizer that does not round small updates away. Pure PyTorch.
 
 Pure bf16 weights with a plain AdamW lose every update smaller than half a bf16 ulp: at lr 3e-5 on
-weights ~N(0, 0.02), 10 steps change ~17-29 % of bf16 weights where fp32 changes ~100 % (DESIGN.md
-"Precision"). So no policy trains bf16 weights with a round-to-nearest optimizer:
+weights ~N(0, 0.02), 10 steps change ~17-29 % of bf16 weights where fp32 changes ~100 %
+(tests/test_precision.py). So no policy trains bf16 weights with a round-to-nearest optimizer:
 
   auto        bf16-mixed on a CUDA device with bf16 support, fp32 anywhere else (the CPU: as before)
   fp32        fp32 weights, gradients and optimizer states; no autocast

@@ -375,15 +375,15 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
     assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
     text = format_feed_bench(r)
     assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 2" in text
-    # `kava-ray bench all` writes these figures into a README's Performance block, each row naming its command
-    from kava_ray.bench.all import PERF_BEGIN, PERF_END, performance_block, summary_rows, write_readme
+    # `kava-ray bench all` writes these figures into docs/results.md, each row naming its command
+    from kava_ray.bench.all import PERF_BEGIN, PERF_END, performance_block, summary_rows, write_results
 
     rows = summary_rows({"feed": r})
     assert rows and all(row[-1] == "`kava-ray bench feed`" for row in rows)
     assert any(f"{r['replicas'][1]['step_over_expected']:.2f}" in row[1] for row in rows)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{PERF_BEGIN}\nold\n{PERF_END}\n\n## after\n")
-    write_readme(readme, performance_block({"feed": r, "wall_s": {"feed": 60.0}}, "a test box"))
+    write_results(readme, performance_block({"feed": r, "wall_s": {"feed": 60.0}}, "a test box"))
     out = readme.read_text()
     assert "old" not in out and out.startswith("# x") and out.endswith("## after\n") and "replica scaling" in out
     assert out.count(PERF_BEGIN) == out.count(PERF_END) == 1 and "| figure | measured | target | regenerate |" in out

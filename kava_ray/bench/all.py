@@ -1,8 +1,8 @@
-"""`kava-ray bench all`: the performance benches at small defaults, and the README's "Performance" table.
+"""`kava-ray bench all`: the performance benches at small defaults, and the "Performance" table of docs/results.md.
 
 Runs `bench feed` (regimes, replicas, teacher early stop, transport) and `bench step` (the student step of each
 recipe against plain fine-tuning, its breakdown, and peak memory per recipe beside `kava-ray plan`), then
-rewrites the README block between PERF_BEGIN and PERF_END with one summary row per figure, each naming the
+rewrites the docs/results.md block between PERF_BEGIN and PERF_END with one summary row per figure, each naming the
 command that regenerates it, followed by the tables the benches print. ~10 min on a 2-core CPU.
 """
 
@@ -97,7 +97,7 @@ def step_summary_rows(step: dict) -> list[list[str]]:
 
 
 def performance_block(r: dict, machine: str) -> str:
-    """The README block: the summary table, then each bench's own tables."""
+    """The Performance block: the summary table, then each bench's own tables."""
     from kava_ray.bench.feed import format_feed_bench
     from kava_ray.bench.step import format_step_bench
 
@@ -115,10 +115,10 @@ def performance_block(r: dict, machine: str) -> str:
     return "\n".join(parts)
 
 
-def _split_readme(path: Path) -> tuple[str, str]:
+def _split_results(path: Path) -> tuple[str, str]:
     """(text before the block, text after it); KavaError unless each marker is there once, in order."""
     if not path.is_file():
-        raise KavaError(f"--readme {path}: no such file (run from the repository, or pass --no-readme)")
+        raise KavaError(f"--results {path}: no such file (run from the repository, or pass --no-write)")
     text = path.read_text()
     if text.count(PERF_BEGIN) != 1 or text.count(PERF_END) != 1 or text.index(PERF_BEGIN) > text.index(PERF_END):
         raise KavaError(f"{path}: expected one '{PERF_BEGIN}' line and then one '{PERF_END}' line to write the "
@@ -127,14 +127,14 @@ def _split_readme(path: Path) -> tuple[str, str]:
     return head, rest.split(PERF_END, 1)[1]
 
 
-def check_readme(path: Path) -> None:
-    """Fail before the benches run, not after, when the README cannot take the table."""
-    _split_readme(path)
+def check_results(path: Path) -> None:
+    """Fail before the benches run, not after, when the results file cannot take the table."""
+    _split_results(path)
 
 
-def write_readme(path: Path, block: str) -> None:
+def write_results(path: Path, block: str) -> None:
     """Replace the block between the markers; the file is rewritten atomically (temp file, then rename)."""
-    head, tail = _split_readme(path)
+    head, tail = _split_results(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(head + block + tail)
     tmp.replace(path)
