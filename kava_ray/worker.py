@@ -86,6 +86,20 @@ class DistillRecipe:
         self.skipped_before = skip_resumed(self.stream, state["stream"] if state else None)  # train.on_bad_kv
         return state
 
+    def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
+        """The KVFeed over this rank's stream: exactly the batches of the steps up to `until` (train.steps),
+        no read-ahead past the last step (wasted teacher forwards; a skipped batch, train.on_bad_kv=skip,
+        extends the read by one)."""
+        from actors.feed import KVFeed, feed_items
+        from kava_ray.plans import teacher_logits_top_k
+
+        cfg = self.cfg
+        remaining = max(0, (until or cfg.train.steps) - self.start_step) * cfg.optim.accumulation
+        return KVFeed(source, feed_items(self.stream), {n: p.layers for n, p in self.plans.items()},
+                      depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
+                      device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
+                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining)
+
     def _adopt_optim_settings(self) -> None:
         """The config's learning rates, weight decay and schedule replace a restored checkpoint's (Adam's
         moment estimates stay): loading an optimizer state would otherwise bring back the old values."""
@@ -247,9 +261,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
     from ray.train import Checkpoint
 
-    from actors.feed import KVFeed, feed_items
     from kava_ray.job import kv_source
-    from kava_ray.plans import plans_from_payload, teacher_logits_top_k
+    from kava_ray.plans import plans_from_payload
     from kava_ray.report import phase
     from kava_ray.trackers import open_trackers
 
@@ -267,12 +280,7 @@ def train_loop_per_worker(config: dict) -> None:
     t_cfg, accum = cfg.train, cfg.optim.accumulation
     stream = recipe.stream
     source = kv_source(cfg, plans, stream.split.fingerprint)
-    # exactly the batches this run still trains on: no read-ahead past the last step (wasted teacher forwards)
-    remaining = max(0, t_cfg.steps - recipe.start_step) * accum
-    # (a skipped batch, train.on_bad_kv=skip, extends the read by one: `limit`)
-    feed = KVFeed(source, feed_items(stream), {n: p.layers for n, p in plans.items()},
-                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=recipe.device,
-                  logits_top_k=teacher_logits_top_k(cfg, plans), on_bad_kv=t_cfg.on_bad_kv, limit=remaining)
+    feed = recipe.feed(source)
     log = MetricsLog(run_dir / METRICS, recipe.start_step,
                      open_trackers(t_cfg.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None
 

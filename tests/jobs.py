@@ -32,3 +32,44 @@ def write_job(tmp: Path, qwen_dir, llama_dir, student_dir, **sections) -> Path:
     path = Path(tmp) / "job.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
+
+
+# ------------------------------------------------------------------ the worker loop in process, and its curves
+
+
+def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None, save_at=None):
+    """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its KVFeed,
+    from the checkpoint `resume` (or step 0) to `steps`; after step `save_at`, a checkpoint into `ckpt_dir`.
+    Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, feed)."""
+    from kava_ray.worker import DistillRecipe, micro_batches, stream_state_after
+
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup(resume)
+    feed = recipe.feed(source, until=steps)
+    out = {}
+    for step in range(recipe.start_step + 1, steps + 1):
+        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []))
+        out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
+        if step == save_at:
+            recipe.save(ckpt_dir, step, stream_state_after(recipe.stream, feed, [recipe.skipped_before + feed.skipped]))
+    return out, recipe, feed
+
+
+def read_jsonl(path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def train_steps(run_dir) -> dict[int, dict]:
+    """{step: record} of a run's train records (metrics.jsonl)."""
+    return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def assert_same_curve(got: dict, want: dict, steps, keys=("loss", "ce", "kv_loss", "cos_sim"), tol=1e-5) -> None:
+    """Every `keys` metric of every step in `steps` equal within `tol` (runs that must be one curve)."""
+    import pytest
+
+    for step in steps:
+        for key in keys:
+            assert got[step][key] == pytest.approx(want[step][key], abs=tol), (step, key)

@@ -6,9 +6,10 @@
     NaN/Inf teacher KV               train.on_bad_kv: skip (counted, resume stays exact) | stop (one line)
     corrupt / truncated checkpoint   one line naming the file, for --resume and `kava-ray eval`
 
-Fast cases run the real DistillRecipe + KVFeed in process (`InProcessSource`); the Ray cases share one
-reference run (`ref_run`) on the session's Ray, and the SIGINT case runs `kava-ray train` as a subprocess
-with its own embedded Ray (marked `ray` explicitly).
+Fast cases run the real DistillRecipe + KVFeed in process (`InProcessSource`, `jobs.run_recipe`); the Ray
+cases are compared with one reference curve computed the same way in process (`ref_curve`), the teacher case
+runs on the session's Ray, and the SIGINT case runs `kava-ray train` as a subprocess with its own embedded Ray
+(marked `ray` explicitly).
 """
 
 from __future__ import annotations
@@ -28,28 +29,13 @@ import pytest
 import torch
 
 from actors.feed import BadKV, KVFeed, feed_items
-from jobs import write_job
+from jobs import assert_same_curve, run_recipe, train_steps, write_job
 from kava_ray.config import load_config
 from kava_ray.errors import KavaError
 from kava_ray.testing.sources import InProcessSource
 
 STEPS, SAVE = 12, 3
-KEYS = ("loss", "ce", "kv_loss", "cos_sim")
 KVCLI = str(Path(sys.executable).with_name("kava-ray"))
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def train_steps(run_dir) -> dict[int, dict]:
-    return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
-
-
-def assert_same_curve(got: dict, want: dict, steps) -> None:
-    for step in steps:
-        for key in KEYS:
-            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
 
 
 @pytest.fixture(scope="module")
@@ -108,24 +94,6 @@ def stream_keys(cfg, n: int) -> list[str]:
     train, _ = load_splits(cfg, tok)
     stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
     return [stream.next()[0] for _ in range(n)]
-
-
-def run_recipe(cfg, plans, source, steps: int, ckpt_dir=None, resume=None, save_at=None):
-    """The worker loop in process (one rank): steps from the checkpoint `resume` (or 0) to `steps`;
-    `save_at`: write a checkpoint into `ckpt_dir` after that step. Returns ({step: metrics}, recipe, feed)."""
-    from kava_ray.worker import DistillRecipe, micro_batches, stream_state_after
-
-    recipe = DistillRecipe(cfg, plans)
-    recipe.setup(resume)
-    feed = KVFeed(source, feed_items(recipe.stream), {n: p.layers for n, p in plans.items()}, depth=2,
-                  on_bad_kv=cfg.train.on_bad_kv, limit=(steps - recipe.start_step) * cfg.optim.accumulation)
-    out = {}
-    for step in range(recipe.start_step + 1, steps + 1):
-        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []))
-        out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
-        if step == save_at:
-            recipe.save(ckpt_dir, step, stream_state_after(recipe.stream, feed, [recipe.skipped_before + feed.skipped]))
-    return out, recipe, feed
 
 
 def test_on_bad_kv_config(job):
@@ -338,14 +306,12 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
 
 
 @pytest.fixture(scope="module")
-def ref_run(ray_session, job):
-    """The uninterrupted run every Ray case is compared with."""
-    from kava_ray.train import run_training
-
-    out = run_training(load_config(job), name="ref", progress=False)
-    steps = train_steps(out["run_dir"])
-    assert sorted(steps) == list(range(1, STEPS + 1)) and all(r["skipped_batches"] == 0 for r in steps.values())
-    return out
+def ref_curve(job, teachers, plans):
+    """The uninterrupted curve every Ray case is compared with: the same recipe in this process (a Ray Train
+    run of one worker computes the same numbers, which the cases below check along the way)."""
+    curve, _, feed = run_recipe(load_config(job), plans, InProcessSource(teachers), STEPS)
+    assert sorted(curve) == list(range(1, STEPS + 1)) and feed.skipped == 0
+    return curve
 
 
 def _actors(**filters):
@@ -356,13 +322,13 @@ def _actors(**filters):
                        detail=True, filters=[(k, "=", v) for k, v in filters.items()])
 
 
-def test_teacher_killed_mid_training_finishes_on_the_same_curve(ref_run, job):
+def test_teacher_killed_mid_training_finishes_on_the_same_curve(ray_session, ref_curve, job):
     """SIGKILL the teacher actor's process once step >= 4 is logged: it restarts (max_restarts), the feed's
     requests are retried, and every step equals the uninterrupted run's."""
     from kava_ray.train import run_training
 
     cfg = load_config(job)
-    run_dir = Path(ref_run["run_dir"]).parent / "teacher-killed"
+    run_dir = Path(cfg.ray.storage_path) / "teacher-killed"
     killed = {}
 
     def killer():
@@ -383,7 +349,7 @@ def test_teacher_killed_mid_training_finishes_on_the_same_curve(ref_run, job):
     assert killed and killed["step"] < STEPS, killed
     got = train_steps(out["run_dir"])
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert_same_curve(got, train_steps(ref_run["run_dir"]), range(1, STEPS + 1))
+    assert_same_curve(got, ref_curve, range(1, STEPS + 1))
     restarts = [a.num_restarts for a in _actors(actor_id=killed["actor_id"])]
     assert restarts and int(restarts[0]) >= 1, restarts
 
@@ -403,7 +369,7 @@ def _session_pids(sid: int) -> list[int]:
 
 
 @pytest.mark.ray  # `kava-ray train` starts its own embedded Ray
-def test_sigint_exits_in_one_line_then_resume_continues_the_curve(ref_run, job):
+def test_sigint_exits_in_one_line_then_resume_continues_the_curve(ray_session, ref_curve, job):
     """SIGINT the driver once a checkpoint exists: exit 130 with one `error: interrupted` line within 60 s and
     nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
     curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run again)."""
@@ -444,5 +410,5 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve(ref_run, job):
     assert main(["train", "--config", str(job), "--name", name, "--resume", str(run_dir)]) == 0
     got = train_steps(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert_same_curve(got, train_steps(ref_run["run_dir"]), range(1, STEPS + 1))
+    assert_same_curve(got, ref_curve, range(1, STEPS + 1))
     print(f"SIGINT at step {interrupted_at}: exited in {elapsed:.1f} s")

@@ -1,6 +1,5 @@
 """Student training: the Distiller step for every mode/fusion, and Ray Train runs end to end."""
 
-import json
 import os
 import signal
 import threading
@@ -11,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from jobs import write_job
+from jobs import read_jsonl, run_recipe, write_job
 from kava_ray.align.layers import plan_teacher_layers
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
@@ -89,9 +88,7 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
     """Training and the evaluations that select checkpoints (and Tune trials) read train + validation only;
     the test split is read once, by `test()`, after the last step."""
     import kava_ray.data.sources as sources
-    from actors.feed import KVFeed, feed_items
     from kava_ray.plans import student_geometry, teacher_plans
-    from kava_ray.worker import DistillRecipe
 
     requested = []
     real = sources.synthetic_split
@@ -100,12 +97,7 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     source = InProcessSource(teachers_in_process)
-    recipe = DistillRecipe(cfg, plans)
-    recipe.setup()
-    feed = KVFeed(source, feed_items(recipe.stream, 2), {n: p.layers for n, p in plans.items()}, depth=1)
-    for step in (1, 2):
-        (_, _, _, batch), kv = next(feed)
-        recipe.step(step, [(batch, kv)])
+    _, recipe, _ = run_recipe(cfg, plans, source, 2)
     val = recipe.evaluate(source)
     assert requested and set(requested) == {cfg.data.train_split}, requested  # validation is carved from train
     assert set(val) >= {"eval/ce", "eval/cos_sim"} and not any(k.startswith("test/") for k in val)
@@ -119,7 +111,6 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
                                                                           capsys):
     """Resuming silently kept the checkpoint's optimizer and schedule: now a changed optim.*/train.* key is named
     (one line, exit 2, before Ray starts) unless --resume-override, which makes the new values win."""
-    from actors.feed import KVFeed, feed_items
     from kava_ray.cli import main
     from kava_ray.plans import student_geometry, teacher_plans
     from kava_ray.worker import DistillRecipe
@@ -127,12 +118,7 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
     cfg = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant"])
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
-    recipe = DistillRecipe(cfg, plans)
-    recipe.setup()
-    feed = KVFeed(InProcessSource(teachers_in_process), feed_items(recipe.stream, 2), {n: p.layers for n, p in plans.items()})
-    for step in (1, 2):
-        (_, _, _, batch), kv = next(feed)
-        recipe.step(step, [(batch, kv)])
+    _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 2)
     ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
 
     changed = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant", "optim.lr_student=7e-4",
@@ -194,10 +180,6 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
             assert float(m["kv_tokens"]) == answer < float(m["tokens"])
             num, den = num + float(m["cos_sim"]) * answer, den + answer
     assert got["eval/cos_sim"] == pytest.approx(num / den, rel=1e-6)
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,12 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
                      evaluate: Optional[Callable] = None, device: str = "cpu") -> dict:
     """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
     "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.plans import teacher_logits_top_k
     from kava_ray.worker import DistillRecipe
 
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     accum = cfg.optim.accumulation
-    feed = KVFeed(source, feed_items(recipe.stream, steps * accum), {n: p.layers for n, p in plans.items()},
-                  depth=1, wire_dtype=cfg.align.wire_dtype, logits_top_k=teacher_logits_top_k(cfg, plans),
-                  device=device)
+    feed = recipe.feed(source, until=steps, depth=1)
     times, last, curve = [], {}, []
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
