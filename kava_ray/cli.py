@@ -70,6 +70,13 @@ def cmd_bench_step(args) -> int:
     return _show(args, format_step_bench(result), result)
 
 
+def cmd_bench_gpu(args) -> int:
+    from kava_ray.bench.gpu import format_gpu, run_gpu_bench
+
+    result = run_gpu_bench(out=args.out, toy=args.toy, steps=args.steps)
+    return _show(args, format_gpu(result), result)
+
+
 # ----------------------------------------------------------------------------- quiet console
 
 
@@ -484,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(a fresh process per recipe)")
     _add_json(p)
     p.set_defaults(func=cmd_bench_step)
+    p = bench_sub.add_parser("gpu", help="proof on a GPU, Ray-free: teacher KV on CUDA vs CPU, the step under each "
+                                        "precision, memory vs the planner, the 8 GB preset under an 8 GiB cap, "
+                                        "tokens/s and MFU, the wire; toy sizes on a CPU")
+    p.add_argument("--out", help="also write bench_gpu.json and bench_gpu.md here")
+    p.add_argument("--toy", action="store_true", help="toy geometries even on CUDA")
+    p.add_argument("--steps", type=int, default=3, help="steps per precision policy and for the 8 GB run")
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_gpu)
     p = bench_sub.add_parser("tune-share", help="a tiny sweep with one shared teacher pool vs teachers per trial")
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)

@@ -48,8 +48,11 @@ class DistillRecipe:
         self.precision = student_precision(cfg.student, self.device)
         self.autocast = self.precision.autocast
 
-    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
+    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False,
+              data: bool = True) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
+        data=False: no tokenizer, splits or stream (`kava-ray bench gpu` feeds its own batches; a GPU image
+        may have no `datasets`).
 
         wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. run_changes (`--resume-override`):
         the config's optim.*/train.*/data.* may differ from the checkpoint's, and its learning rates, weight
@@ -78,6 +81,8 @@ class DistillRecipe:
         self.start_step = state["step"] if state else 0
         self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
+        if not data:
+            return state
         self.tokenizer = load_tokenizer(cfg.student.model)
         self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
         self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`

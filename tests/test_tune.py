@@ -108,7 +108,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session
                              str(space), "--name", "resumable", "--max-concurrent", "1",
                              "--address", ray.get_runtime_context().gcs_address],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
+    deadline = time.time() + 600  # generous: a loaded CI box; ~2 min alone
     while time.time() < deadline and "TERMINATED" not in trial_statuses(exp).values():
         time.sleep(0.5)
     done = [t for t, status in trial_statuses(exp).items() if status == "TERMINATED"]

@@ -51,11 +51,15 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     seed: int = 0,
     tokenizer=None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    dtype=None,
 ) -> Path:
     """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`.
 
     tokenizer: any HF tokenizer to build the model around (vocab_size = len(tokenizer) unless given,
     its pad/eos/bos ids in the config, saved beside the model); default: the shared byte tokenizer.
+    dtype: the saved weights' dtype (default float32); `kava-ray bench gpu` builds real geometries in bf16.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -69,11 +73,11 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=pad_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=None if tokenizer is None else tok.bos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     if family == "qwen2":
         if head_dim is not None and head_dim != hidden_size // num_heads:
@@ -88,7 +92,7 @@ def build_tiny_model(
     else:
         raise ValueError(f"unknown family {family!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     out = Path(out_dir)
     model.save_pretrained(out)
     tok.save_pretrained(out)

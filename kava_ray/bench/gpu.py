@@ -1,0 +1,514 @@
+"""`kava-ray bench gpu`: proof on a GPU -- the production step, the teacher forward, memory against the planner
+and the 8 GB preset, on the real Qwen2.5 geometries, by one command on any CUDA machine. Ray-free.
+
+Weights cannot be downloaded on a GPU machine without network, but memory and speed depend on the geometry,
+not on the values: the models are built from the real configs (`known_models.QWEN25`) with random weights.
+Everything runs in this process: the teacher forward is `kv.teacher_forward_kv` (what a teacher actor runs),
+its batch crosses the wire format (`to_wire` -> `KVBatch.from_wire`, as through Ray's object store), and the
+student step is the production `worker.DistillRecipe.step`. Nothing here imports Ray (a GPU image may have
+none: `scripts/gpu_check.sh`).
+
+Sections (each a dict; one that cannot run here says so in `not_run`):
+  device       the device, torch/transformers versions, what is installed (bitsandbytes, torchao)
+  correctness  CUDA: teacher KV (pre-RoPE capture) and top-k log-probs on CUDA (bf16) against the CPU (fp32)
+  precision    the student step under fp32 / bf16-mixed / bf16-sr on a fixed batch: the share of weights that
+               changed and the loss before and after (CPU and CUDA)
+  memory       CUDA: peak `torch.cuda.max_memory_allocated` of the teacher forward and the student step on the
+               single_gpu_8gb and qwen_multi student geometries, beside `kava-ray plan`'s items, error per class
+  fits_8gb     CUDA: the single_gpu_8gb job's steps with the process capped at 8 GiB, and its peak
+  speed        teacher forward tokens/s and the KV capture's share, student step tokens/s, each as a share of
+               the measured matmul peak (model FLOPs utilisation); toy geometries on a CPU
+  wire         KV wire encode / decode GB/s on the device, bf16 and fp8
+
+On a CPU it runs at toy sizes (the test suite runs it, so it cannot rot); on CUDA the same code at real sizes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from kava_ray._io import atomic_write, format_table
+from kava_ray.bench.step import _batch, _sync
+from kava_ray.config import JobConfig, load_config, validate_config
+from kava_ray.errors import KavaError
+
+GIB = 1024 ** 3
+SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire")
+TOP_K = 64
+# toy geometries (a CPU run checks that every section works, not what it measures; the CUDA correctness check
+# uses them too); the real ones come from `known_models.QWEN25`
+TOY = {"toy-student": dict(family="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                           intermediate_size=128, vocab_size=512),
+       "toy-teacher": dict(family="qwen2", num_layers=3, hidden_size=96, num_heads=4, num_kv_heads=2,
+                           intermediate_size=192, vocab_size=512)}
+
+
+def qwen_geometry(name: str) -> dict:
+    """build_tiny_model kwargs of a real Qwen2.5 config ('qwen2.5-0.5b', ...) from `known_models`."""
+    from kava_ray.known_models import KNOWN
+
+    c = KNOWN[name]
+    return dict(family="qwen2", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+                num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+                intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+                tie_word_embeddings=c["tie_word_embeddings"])
+
+
+def sizes(cuda: bool) -> dict:
+    """What each section runs: real geometries on CUDA, toy ones on a CPU."""
+    if cuda:
+        return {"small": ("toy-student", "toy-teacher"),
+                "teachers": ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
+                "students": ["qwen2.5-0.5b", "qwen2.5-1.5b"],
+                "points": [(4, 512), (8, 1024)], "matmul": 8192, "wire_tokens": (8, 1024)}
+    return {"small": ("toy-student", "toy-teacher"), "teachers": ["toy-teacher"], "students": ["toy-student"],
+            "points": [(2, 128)], "matmul": 1024, "wire_tokens": (2, 128)}
+
+
+def not_run(reason: str) -> dict:
+    return {"not_run": reason}
+
+
+class Models:
+    """Random-weight models of the bench's geometries, each saved once to a temporary dir (the production
+    step loads its student from a directory, as `kava-ray train` does)."""
+
+    def __init__(self, root: Path):
+        self.root, self.dirs = root, {}
+
+    def dir(self, name: str) -> Path:
+        from kava_ray.testing.tiny import build_tiny_model
+
+        if name not in self.dirs:
+            kwargs = dict(TOY[name]) if name in TOY else \
+                {**qwen_geometry(name), "dtype": torch.bfloat16, "max_position_embeddings": 32768}
+            self.dirs[name] = build_tiny_model(self.root / name, **kwargs, seed=len(self.dirs))
+        return self.dirs[name]
+
+    def vocab(self, name: str) -> int:
+        return (TOY[name] if name in TOY else qwen_geometry(name))["vocab_size"]
+
+
+def job(models: Models, student: str, teacher: str, batch: int, tokens: int, preset: Optional[str] = None,
+        teacher_kw: Optional[dict] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """A one-teacher job on the bench's models: `preset`'s settings (default: the production defaults)."""
+    t = {"name": "t", "model": str(models.dir(teacher)), "dtype": "bfloat16" if torch.cuda.is_available()
+         else "float32", "quantization": "none", **(teacher_kw or {})}
+    base = {"name": "bench-gpu", "teachers": [t], "student": {"model": str(models.dir(student))},
+            "data": {"num_train": 8, "num_test": 4, "num_val": 4},
+            "optim": {"warmup_steps": 0, "schedule": "constant", "accumulation": 1},
+            "train": {"batch_size": batch, "max_length": tokens},
+            "ray": {"storage_path": str(models.root / "runs"), "num_workers": 1}}
+    if preset is None:
+        return load_config(validate_config(base), overrides or [])
+    p = load_config(preset).to_dict()
+    keep = ["align", "fusion", "loss"]
+    d = {**base, **{k: p[k] for k in keep}, "student": {**p["student"], "model": str(models.dir(student))},
+         "optim": {**p["optim"], "warmup_steps": 0, "schedule": "constant", "accumulation": 1}}
+    if d["student"]["precision"] == "bf16-sr" and importlib.util.find_spec("torchao") is None:
+        d["student"]["precision"], d["optim"]["optimizer"] = "bf16-mixed", "adamw"  # and `note` says so
+    return load_config(validate_config(d), overrides or [])
+
+
+def teacher_model(cfg: JobConfig, device):
+    """The job's teacher on `device` (bitsandbytes places a quantized one on the GPU while loading)."""
+    from kava_ray.models import load_model
+
+    t = cfg.teachers[0]
+    model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
+    return model if t.quantization != "none" else model.to(device)
+
+
+def teacher_kv(cfg: JobConfig, plans: dict, model, data: dict, device):
+    """The teacher's batch as a student worker receives it: forward, wire, decode on `device`."""
+    from kava_ray.kv import KVBatch, teacher_forward_kv
+    from kava_ray.plans import teacher_logits_top_k
+
+    dev = next(model.parameters()).device
+    wire = teacher_forward_kv(model, data["input_ids"].to(dev), data["attention_mask"].to(dev),
+                              layers=plans["t"].layers, key_space=cfg.align.key_space,
+                              logits_top_k=teacher_logits_top_k(cfg, plans)["t"])
+    return {"t": KVBatch.from_wire(wire.to_wire(cfg.align.wire_dtype), device=device)}
+
+
+def recipe_of(cfg: JobConfig, plans: dict, device):
+    from kava_ray.worker import DistillRecipe
+
+    recipe = DistillRecipe(cfg, plans, device=device)
+    recipe.setup(data=False)  # the bench feeds its own batches: no tokenizer, no `datasets`
+    return recipe
+
+
+def _plans(cfg: JobConfig, model) -> dict:
+    from kava_ray.plans import in_process_plans
+
+    return in_process_plans(cfg, {"t": model})
+
+
+def timed(fn: Callable, n: int, device) -> float:
+    """Seconds per call: one warm-up call, then the mean of `n`."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+def device_section(device) -> dict:
+    import transformers
+
+    out = {"type": device.type, "torch": torch.__version__, "transformers": transformers.__version__,
+           "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
+           "torchao": importlib.util.find_spec("torchao") is not None, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        out.update(name=p.name, memory_gib=p.total_memory / GIB, capability=f"{p.major}.{p.minor}",
+                   bf16=torch.cuda.is_bf16_supported())
+    return out
+
+
+def correctness_section(models: Models, device, small: tuple) -> dict:
+    """Teacher KV and top-k log-probs on CUDA in bf16 against the CPU in fp32, on the small geometry."""
+    from kava_ray.kv import teacher_forward_kv
+    from kava_ray.models import load_model
+
+    student, teacher = small
+    data = _batch(2, 64, models.vocab(teacher))
+    cpu = load_model(str(models.dir(teacher)), dtype="float32")
+    gpu = load_model(str(models.dir(teacher)), dtype="bfloat16").to(device)
+    ref = teacher_forward_kv(cpu, data["input_ids"], data["attention_mask"], logits_top_k=8)
+    got = teacher_forward_kv(gpu, data["input_ids"].to(device), data["attention_mask"].to(device),
+                             logits_top_k=8).to("cpu", torch.float32)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+    top1 = float((got.topk_ids.cpu()[..., 0] == ref.topk_ids[..., 0]).float().mean())
+    out = {"keys_rel_err": rel(got.keys, ref.keys), "values_rel_err": rel(got.values, ref.values),
+           "logp_top1_abs_err": float((got.topk_logp.cpu()[..., 0] - ref.topk_logp[..., 0]).abs().max()),
+           "top1_id_agreement": top1, "tolerance": 0.02}
+    out["ok"] = out["keys_rel_err"] < 0.02 and out["values_rel_err"] < 0.02 and top1 > 0.9
+    return out
+
+
+def precision_section(models: Models, device, small: tuple, steps: int = 3) -> dict:
+    """The production step under each precision policy on one fixed batch: share of student weights that
+    changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element that gets an
+    update; bf16-sr rounds each update stochastically, so small updates change a weight only sometimes."""
+    from kava_ray.models import load_model
+
+    student, teacher = small
+    data = _batch(2, 64, models.vocab(student))
+    out = {}
+    for policy in ("fp32", "bf16-mixed", "bf16-sr"):
+        if policy == "bf16-sr" and importlib.util.find_spec("torchao") is None:
+            out[policy] = not_run("torchao is not installed (pip install torchao)")
+            continue
+        cfg = job(models, student, teacher, 2, 64, overrides=[f"student.precision={policy}", "optim.lr_student=1e-3"])
+        t_model = load_model(cfg.teachers[0].model, dtype="float32").to(device)
+        plans = _plans(cfg, t_model)
+        kv = teacher_kv(cfg, plans, t_model, data, device)
+        recipe = recipe_of(cfg, plans, device)
+        student_model = recipe.distiller.student
+        embed = student_model.get_input_embeddings().weight
+        # the input embedding's rows of tokens the batch lacks get no gradient: counted only when tied to the head
+        params = [p for p in student_model.parameters() if p is not embed or student_model.config.tie_word_embeddings]
+        before = [p.detach().clone() for p in params]
+        losses = [float(recipe.step(i + 1, [(data, kv)])["loss"]) for i in range(steps)]
+        changed = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+        total = sum(b.numel() for b in before)
+        share = changed / total
+        expected = 0.5 if policy == "bf16-sr" else 0.99
+        out[policy] = {"changed_share": share, "expected_share": expected, "loss_first": losses[0],
+                       "loss_last": losses[-1], "weight_dtype": str(before[0].dtype).replace("torch.", ""),
+                       "ok": share >= expected and losses[-1] < losses[0]}
+        del recipe, t_model
+    return out
+
+
+def _peak(device, fn) -> tuple[int, int]:
+    """(bytes allocated before, peak bytes allocated during `fn()`) on a CUDA device."""
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return before, torch.cuda.max_memory_allocated(device)
+
+
+def _planned(cfg: JobConfig) -> dict:
+    """The planner's items for the job on one GPU, grouped into the classes measured here."""
+    from kava_ray.plan import plan
+
+    items = {k: v for d in plan(cfg, gpu_mem_bytes=80 * GIB)["devices"].values() for k, v in d["items"].items()}
+    t_weights = sum(v for k, v in items.items() if k.startswith("teacher:") and "weights" in k)
+    t_forward = sum(v for k, v in items.items() if k.startswith("teacher:") and "weights" not in k)
+    student = sum(v for k, v in items.items() if not k.startswith("teacher:") and "cuda runtime" not in k)
+    return {"teacher weights": t_weights, "teacher forward": t_forward, "student step (all)": student}
+
+
+def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
+    """Teacher weights, teacher forward peak and the student step's peak (CUDA bytes) of a one-teacher job."""
+    data = _batch(cfg.train.batch_size, cfg.train.max_length, cfg_vocab(cfg))
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    model = teacher_model(cfg, device)
+    t_weights = torch.cuda.memory_allocated(device) - base
+    plans = _plans(cfg, model)
+    box = {}
+    before, peak = _peak(device, lambda: box.update(kv=teacher_kv(cfg, plans, model, data, device)))
+    t_forward = peak - before
+    kv = box["kv"]
+    model = box = None  # free the teacher before the student step
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated(device)
+    box = {}
+    _, peak = _peak(device, lambda: box.update(r=recipe_of(cfg, plans, device)))
+    recipe = box["r"]
+    for i in range(steps):
+        torch.cuda.reset_peak_memory_stats(device)
+        recipe.step(i + 1, [(data, kv)])
+        _sync(device)
+        peak = max(peak, torch.cuda.max_memory_allocated(device))
+    measured = {"teacher weights": t_weights, "teacher forward": t_forward, "student step (all)": peak - start}
+    del recipe
+    torch.cuda.empty_cache()
+    planned = _planned(cfg)
+    return {k: {"measured_gib": measured[k] / GIB, "planned_gib": planned[k] / GIB,
+                "error": planned[k] / max(measured[k], 1) - 1} for k in measured}
+
+
+def cfg_vocab(cfg: JobConfig) -> int:
+    from kava_ray.plans import student_geometry
+
+    return student_geometry(cfg).vocab_size
+
+
+def _nf4() -> dict:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {"quantization": "none", "dtype": "bfloat16", "note": "bitsandbytes missing: a bf16 teacher"}
+    return {"quantization": "4bit", "dtype": "bfloat16"}
+
+
+def memory_section(models: Models, device) -> dict:
+    nf4 = _nf4()
+    out = {"single_gpu_8gb": measure_job(job(models, "qwen2.5-0.5b", "qwen2.5-1.5b", 2, 512, "single_gpu_8gb",
+                                             {k: v for k, v in nf4.items() if k != "note"}), device),
+           "qwen_multi student (1.5B, 7B teacher)": measure_job(
+               job(models, "qwen2.5-1.5b", "qwen2.5-7b", 2, 512, "qwen_multi"), device)}
+    if "note" in nf4:
+        out["note"] = nf4["note"]
+    return out
+
+
+def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
+    """The single_gpu_8gb job (batch 2 x 512, its precision and optimizer) with the process capped at 8 GiB."""
+    nf4 = _nf4()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 8 * GIB / total), device)
+    try:
+        cfg = job(models, "qwen2.5-0.5b", "qwen2.5-1.5b", 2, 512, "single_gpu_8gb",
+                  {k: v for k, v in nf4.items() if k != "note"})
+        data = _batch(2, 512, cfg_vocab(cfg))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        model = teacher_model(cfg, device)  # teacher and student share the card, as the preset plans
+        plans = _plans(cfg, model)
+        recipe = recipe_of(cfg, plans, device)
+        losses = []
+        try:
+            for i in range(steps):
+                losses.append(float(recipe.step(i + 1, [(data, teacher_kv(cfg, plans, model, data, device))])["loss"]))
+            ok, err = True, None
+        except torch.OutOfMemoryError as e:
+            ok, err = False, str(e).splitlines()[0]
+        return {"teacher": nf4, "steps": len(losses), "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+                "cap_gib": 8.0, "fits": ok, "error": err, "losses": losses}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+
+
+def matmul_peak(device, n: int) -> float:
+    """Measured FLOP/s of an n x n matmul in the compute dtype (bf16 on CUDA, fp32 on a CPU): the MFU base."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    s = timed(lambda: a @ b, 10 if device.type == "cuda" else 3, device)
+    return 2 * n ** 3 / s
+
+
+def flops_per_token(model, tokens: int) -> float:
+    """Forward FLOPs per token: 2 x the matmul parameters (everything but the input embedding) plus attention
+    (2 x 2 x layers x tokens x q_dim for QK^T and AV, causal halves it)."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if c.tie_word_embeddings:
+        n += model.get_input_embeddings().weight.numel()  # the LM head's matmul reads the shared matrix
+    q_dim = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return 2 * n + 2 * c.num_hidden_layers * tokens * q_dim
+
+
+def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+    """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's share against a
+    plain forward) and of the production student step, at each (batch, tokens) point."""
+    from kava_ray.kv import teacher_forward_kv
+
+    peak = matmul_peak(device, sz["matmul"])
+    rows = []
+    for name in sz["teachers"]:
+        model = teacher_model(job(models, sz["students"][0], name, 1, 64), device)
+        for b, t in sz["points"]:
+            data = _batch(b, t, models.vocab(name))
+            ids, mask = data["input_ids"].to(device), data["attention_mask"].to(device)
+
+            def plain():
+                with torch.inference_mode():
+                    model(input_ids=ids, attention_mask=mask)
+
+            s_kv = timed(lambda: teacher_forward_kv(model, ids, mask, logits_top_k=TOP_K), reps, device)
+            s_plain = timed(plain, reps, device)
+            tps = b * t / s_kv
+            rows.append({"what": "teacher forward + KV", "model": name, "batch": b, "tokens": t,
+                         "tokens_per_s": tps, "capture_share": 1 - s_plain / s_kv,
+                         "mfu": flops_per_token(model, t) * tps / peak})
+        model = None
+    for name in sz["students"]:
+        for b, t in sz["points"]:
+            cfg = job(models, name, sz["teachers"][0], b, t, overrides=["student.gradient_checkpointing=true"]
+                      if device.type == "cuda" else [])
+            t_model = teacher_model(cfg, device)
+            plans = _plans(cfg, t_model)
+            data = _batch(b, t, min(models.vocab(name), models.vocab(sz["teachers"][0])))
+            kv = teacher_kv(cfg, plans, t_model, data, device)
+            del t_model
+            recipe = recipe_of(cfg, plans, device)
+            counter = iter(range(1, 10 ** 9))
+            s = timed(lambda: recipe.step(next(counter), [(data, kv)]), reps, device)
+            tps = b * t / s
+            student = recipe.distiller.student
+            ckpt = 4 if cfg.student.gradient_checkpointing else 3  # forward + backward (x2) (+ recompute)
+            rows.append({"what": f"student step ({recipe.precision.policy})", "model": name, "batch": b,
+                         "tokens": t, "tokens_per_s": tps, "capture_share": None,
+                         "mfu": ckpt * flops_per_token(student, t) * tps / peak})
+            recipe = None
+    return {"matmul_peak_tflops": peak / 1e12, "rows": rows}
+
+
+def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+    """Encode (device -> wire arrays) and decode (wire -> fp32 on the device) of one teacher batch."""
+    from kava_ray.kv import KVBatch, teacher_forward_kv
+    from kava_ray.models import load_model
+
+    name = sz["teachers"][-1] if device.type == "cuda" else sz["small"][1]
+    b, t = sz["wire_tokens"]
+    model = load_model(str(models.dir(name)), dtype="bfloat16" if device.type == "cuda" else "float32").to(device)
+    data = _batch(b, t, models.vocab(name))
+    kv = teacher_forward_kv(model, data["input_ids"].to(device), data["attention_mask"].to(device),
+                            logits_top_k=TOP_K)
+    del model
+    nbytes = (kv.keys.numel() + kv.values.numel()) * kv.keys.element_size()
+    out = {"model": name, "batch": b, "tokens": t, "kv_mib": nbytes / 2 ** 20, "source_dtype": str(kv.keys.dtype)}
+    for dtype in ("bf16", "fp8"):
+        payload = kv.to_wire(dtype)
+        enc = timed(lambda: kv.to_wire(dtype), reps, device)
+        dec = timed(lambda: KVBatch.from_wire(payload, device=device), reps, device)
+        out[dtype] = {"encode_gb_s": nbytes / enc / 1e9, "decode_gb_s": nbytes / dec / 1e9}
+    return out
+
+
+def _section(fn: Callable, *args) -> dict:
+    """One section's result; a section that fails is reported (its error's first line) and the others still run:
+    on a machine nobody has tried, a partial table is worth more than a traceback."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError as e:
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    except Exception as e:  # noqa: BLE001 -- reported in the table and the JSON
+        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+
+
+def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: int = 3) -> dict:
+    """Every section (see the module docstring); real geometries on CUDA unless `toy`."""
+    if steps < 1:
+        raise KavaError(f"bench gpu: steps must be >= 1, got {steps}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sz = sizes(cuda and not toy)
+    no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
+    t0 = time.time()
+    result = {"device": device_section(device), "sizes": {k: v for k, v in sz.items()}}
+    with tempfile.TemporaryDirectory(prefix="kava-bench-gpu-") as tmp:
+        models = Models(Path(tmp))
+        result["correctness"] = _section(correctness_section, models, device, sz["small"]) if cuda else not_run(no_cuda)
+        result["precision"] = _section(precision_section, models, device, sz["small"], steps)
+        if cuda and not toy:
+            result["memory"] = _section(memory_section, models, device)
+            result["fits_8gb"] = _section(fits_8gb_section, models, device, steps)
+        else:
+            reason = no_cuda if not cuda else "--toy: real geometries only"
+            result["memory"], result["fits_8gb"] = not_run(reason + " (torch.cuda.max_memory_allocated)"), \
+                not_run(reason + " (torch.cuda.set_per_process_memory_fraction)")
+        result["speed"] = _section(speed_section, models, device, sz)
+        result["wire"] = _section(wire_section, models, device, sz)
+    result["wall_s"] = time.time() - t0
+    if out:
+        path = Path(out).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write(path / "bench_gpu.json", json.dumps(result, indent=1, default=str))
+        atomic_write(path / "bench_gpu.md", format_gpu(result) + "\n")
+    return result
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_gpu(r: dict) -> str:
+    d = r["device"]
+    lines = [f"device: {d.get('name', d['type'])} (torch {d['torch']}, transformers {d['transformers']}, "
+             f"bitsandbytes {'yes' if d['bitsandbytes'] else 'no'}, torchao {'yes' if d['torchao'] else 'no'})"]
+    for name in SECTIONS[1:]:
+        s = r[name]
+        if "not_run" in s or "error" in s:
+            lines.append(f"{name}: not run: {s['not_run']}" if "not_run" in s else f"{name}: {s['error']}")
+            continue
+        if name == "correctness":
+            lines.append(f"correctness: CUDA bf16 vs CPU fp32 teacher: K rel err {s['keys_rel_err']:.4f}, "
+                         f"V {s['values_rel_err']:.4f}, top-1 id agreement {100 * s['top1_id_agreement']:.1f} % "
+                         f"-> {'ok' if s['ok'] else 'FAILED'}")
+        elif name == "precision":
+            rows = [[p, "not run: " + v["not_run"], "", "", ""] if "not_run" in v else
+                    [p, v["weight_dtype"], f"{100 * v['changed_share']:.1f} % (>= {100 * v['expected_share']:.0f})",
+                     f"{v['loss_first']:.3f} -> {v['loss_last']:.3f}", "ok" if v["ok"] else "FAILED"]
+                    for p, v in s.items()]
+            lines.append(format_table(["precision", "weights", "changed", "loss", ""], rows))
+        elif name == "memory":
+            rows = [[job_name, k, _f(v["measured_gib"]), _f(v["planned_gib"]), f"{100 * v['error']:+.0f} %"]
+                    for job_name, items in s.items() if isinstance(items, dict) for k, v in items.items()]
+            lines.append(format_table(["memory (GiB)", "item", "measured", "planned", "plan error"], rows))
+        elif name == "fits_8gb":
+            lines.append(f"fits_8gb: single_gpu_8gb under an 8 GiB cap: {s['steps']} steps, peak "
+                         f"{s['peak_gib']:.2f} GiB -> {'fits' if s['fits'] else 'OUT OF MEMORY: ' + str(s['error'])}")
+        elif name == "speed":
+            rows = [[x["what"], x["model"], f"{x['batch']} x {x['tokens']}", f"{x['tokens_per_s']:,.0f}",
+                     "-" if x["capture_share"] is None else f"{100 * x['capture_share']:.0f} %",
+                     f"{100 * x['mfu']:.1f} %"] for x in s["rows"]]
+            lines.append(format_table(["speed", "model", "batch", "tokens/s", "KV capture", "MFU"], rows)
+                         + f"\nMFU: of the measured matmul peak, {s['matmul_peak_tflops']:.3g} TFLOP/s")
+        elif name == "wire":
+            lines.append(f"wire ({s['model']}, {s['batch']} x {s['tokens']}, {s['kv_mib']:.3g} MiB of K+V): "
+                         + ", ".join(f"{w} encode {s[w]['encode_gb_s']:.2f} GB/s, decode {s[w]['decode_gb_s']:.2f} GB/s"
+                                     for w in ("bf16", "fp8")))
+    lines.append(f"wall: {r['wall_s']:.0f} s")
+    return "\n".join(lines)
