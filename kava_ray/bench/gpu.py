@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from kava_ray._io import atomic_write, format_table
-from kava_ray.bench.step import _batch, _sync
+from kava_ray.bench.step import _batch, _sync, _timed
 from kava_ray.config import JobConfig, load_config, validate_config
 from kava_ray.errors import KavaError
 
@@ -153,14 +153,9 @@ def _plans(cfg: JobConfig, model) -> dict:
 
 
 def timed(fn: Callable, n: int, device) -> float:
-    """Seconds per call: one warm-up call, then the mean of `n`."""
+    """Seconds per call: one warm-up call, then the mean of `n` (`bench.step`'s clock)."""
     fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / n
+    return _timed(fn, n, device)
 
 
 # ------------------------------------------------------------------------------------------------ sections
