@@ -234,6 +234,24 @@ def test_bench_data_at_toy_sizes(tmp_path):
     for x in r["rows"]:
         assert x["worker"]["first_batch_s"] > 0 and x["worker"]["stream_tokens_per_s"] > 0
         assert x["worker"]["padded"] == 0.0 and x["worker"]["peak_rss_mib"] > x["worker"]["base_rss_mib"] > 0
+        assert 0 < x["worker"]["peak_anon_mib"] <= x["worker"]["peak_rss_mib"]
     p = r["padding"]
     assert p["pydoc_packed"] == 0.0 < p["gsm8k_by_length"] < p["gsm8k_random"] and p["pydoc_rows"] > 0
     assert r["student_step_tokens_per_s"] > 0 and "target <= 1.5x" in format_data_bench(r)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_text_without_offsets_encodes_as_the_per_record_path(smollm2_tokenizer, llama3_tokenizer, packing):
+    """The batched text path (no offsets kept: plain runs of large corpora) gives the per-record path's tokens,
+    loss mask, lengths and truncation, on real tokenizers (Llama-3 adds BOS, SmolLM2 does not)."""
+    topics = pydoc_topics()
+    docs = [{"text": topics[n][:3000]} for n in list(topics)[:6]] + [{"text": "x"}, {"text": "Ünïcödé 123 ✓"}]
+    for tok in (smollm2_tokenizer, llama3_tokenizer):
+        slow = tokenize_split(tok, docs, 96, source_id="t", packing=packing, with_text=True)
+        fast = tokenize_split(tok, docs, 96, source_id="t", packing=packing, with_text=False)
+        assert len(fast) == len(slow) and fast.num_truncated == slow.num_truncated
+        assert np.array_equal(fast.lengths, slow.lengths)
+        for a, b in zip(fast.dataset, slow.dataset):
+            assert a["input_ids"] == b["input_ids"] and list(a["loss_mask"]) == list(b["loss_mask"])
+        if not packing:
+            assert slow.num_truncated > 0  # the long documents were cut at max_length

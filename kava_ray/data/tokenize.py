@@ -122,6 +122,28 @@ def encode_rendered(tokenizer, r: Rendered, max_length: int, overlength: str = "
             "truncated": truncated}
 
 
+def encode_texts(tokenizer, texts: list, max_length: int, overlength: str = "truncate",
+                 wheres: Optional[list] = None) -> list[dict]:
+    """`text` records without offsets, in one batched call of the Rust tokenizer (3x the per-row rate on this
+    box): the same input_ids, loss_mask, truncated and length as `encode_record` gives a text row (a test holds
+    them equal)."""
+    if not texts:
+        return []
+    if not getattr(tokenizer, "is_fast", False):
+        raise KavaError("kava-ray needs a fast (Rust) tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))")
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    out = []
+    for j, ids in enumerate(tokenizer(texts, add_special_tokens=True)["input_ids"]):
+        ids = list(ids) + eos
+        if len(ids) > max_length and overlength == "error":
+            raise KavaError(f"{wheres[j] if wheres else f'text {j}'} has {len(ids)} tokens > train.max_length={max_length} "
+                            "(raise max_length or set data.overlength=truncate)")
+        kept = ids[:max_length]
+        out.append({"input_ids": kept, "loss_mask": [1] * len(kept), "truncated": len(ids) > max_length,
+                    "length": len(kept)})
+    return out
+
+
 def encode_record(tokenizer, row: Mapping, fmt: str, max_length: int, prompt_format: str = "auto",
                   overlength: str = "truncate", where: str = "example") -> dict:
     """One record (a checked row of format `fmt`) -> `encode_rendered`'s dict."""
@@ -180,6 +202,12 @@ class Rows(Sequence):
         return [_with_labels({k: cols[k][j] for k in cols}) for j in range(len(indices))]
 
 
+def column(ds, name: str) -> np.ndarray:
+    """One column of a `datasets.Dataset` as numpy in one vectorised read (iterating `ds[name]` formats it row by
+    row: 9 s of a 36 s preparation of a 10 MB corpus, `kava-ray bench data`)."""
+    return ds.select_columns([name]).with_format("numpy")[:][name]
+
+
 @dataclass
 class TokenizedSplit:
     """One split's token rows (a `datasets.Dataset`, read on demand), identified by `fingerprint`.
@@ -199,7 +227,7 @@ class TokenizedSplit:
 
     def __post_init__(self):
         self.items = Rows(self.dataset)
-        self.lengths = np.asarray(self.dataset.with_format("numpy")["length"], dtype=np.int64)  # one Arrow column
+        self.lengths = column(self.dataset, "length").astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -284,8 +312,11 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
               packing, with_text, len(ds))
     keep = ("input_ids", "loss_mask", "truncated", "length") + (("offsets", "text", "segments") if with_text else ())
 
+    fast_text = first == "text" and not with_text  # no offsets kept: one batched tokenizer call per map batch
+
     def encode(batch, indices):
         out = {k: [] for k in keep}
+        texts, wheres = [], []
         for j, i in enumerate(indices):
             row = {k: batch[k][j] for k in batch}
             found = detect_format(row)
@@ -293,15 +324,22 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
                 raise KavaError(f"{where}: row {i} is a {found} record, but row 0 is {first}: one source holds one "
                                 f"format (set data.format, or split the file)")
             f = record_format(row, first, f"{where}: row {i}")
+            if fast_text:
+                texts.append(row["text"])
+                wheres.append(f"{where}: row {i}")
+                continue
             enc = encode_record(tokenizer, row, f, max_length if not packing else 1 << 40, prompt_format,
                                 overlength, f"{where}: row {i}")
             enc["length"] = len(enc["input_ids"])
             for k in keep:
                 out[k].append(enc[k])
+        for enc in encode_texts(tokenizer, texts, max_length if not packing else 1 << 40, overlength, wheres):
+            for k in keep:
+                out[k].append(enc[k])
         return out
 
     tok = _map(ds, encode, f"tok-{fp}", cache_dir, remove_columns=ds.column_names, with_indices=True)
-    n_trunc = int(sum(tok["truncated"])) if not packing else 0
+    n_trunc = int(column(tok, "truncated").sum()) if not packing else 0
     if n_trunc:
         warnings.warn(f"{n_trunc} of {len(tok)} records ({source_id}) exceed max_length={max_length} "
                       "tokens and were truncated", stacklevel=2)
