@@ -49,18 +49,24 @@ DECISION = (f"an arm helps when its paired test-CE difference against {BASE} has
             f"its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
 TOP_K = 64
 DEFAULTS = {"steps": 40, "seeds": 3, "warm_steps": 10, "eval_every": 10, "block": 128, "batch_size": 8,
-            "eval_blocks": 24}
-QUICK = {"steps": 3, "seeds": 2, "warm_steps": 2, "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4}
+            "eval_blocks": 24, "topics": None}
+# --quick (the test): a few topics per split (train, validation, test), so the teacher runs over hundreds of
+# blocks, not the whole corpus
+QUICK = {"steps": 3, "seeds": 2, "warm_steps": 2, "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4,
+         "topics": (4, 1, 4)}
 
 
-def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int) -> JobConfig:
+def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int,
+             topics: Optional[tuple] = None) -> JobConfig:
     """The bench's job: the base job's first teacher and its student, the corpus packed into `block`-token rows,
-    top-k logits cached, a constant learning rate after a short warm-up."""
+    top-k logits cached, a constant learning rate after a short warm-up. topics: (train, validation, test)
+    records kept per split (None: all)."""
+    n_train, n_val, n_test = topics or (None, None, None)
     d = base.to_dict()
     d["teachers"] = d["teachers"][:1]
     d["fusion"] = {**d["fusion"], "weights": None}
     d["data"] = {**d["data"], "source": f"{corpus}/{{split}}.jsonl", "format": "text", "val_split": "validation",
-                 "num_train": None, "num_val": None, "num_test": None, "packing": True,
+                 "num_train": n_train, "num_val": n_val, "num_test": n_test, "packing": True,
                  "kv_cache_dir": str(root / "kv_cache")}
     d["train"] = {**d["train"], "max_length": block, "batch_size": batch_size}
     d["loss"] = {**d["loss"], "logit_top_k": TOP_K, "logit_tail": "bucket"}
@@ -125,7 +131,7 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
 
     say(f"decision rule, fixed before the run: {DECISION}")
     corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
-    job = heal_job(base, corpus, root, p["block"], p["batch_size"])
+    job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     teacher = job.teachers[0]
     tok = load_tokenizer(job.student.model)
 
