@@ -61,6 +61,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     _state["log_dir"] = log_dir
+    _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
     from kava_ray import connect
 
     prev_log_to_driver = getattr(connect, "LOG_TO_DRIVER", True)
@@ -78,7 +79,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
                 collect_ray_logs(log_dir / "ray", since=t0)
             except Exception as e:  # never hide the run's own outcome behind a log copy
                 print(f"could not copy Ray's logs: {e}", file=sys.stderr)
-        _state["log_dir"] = None
+        _state["log_dir"] = _state["ray_logs"] = None
 
 
 @contextlib.contextmanager
@@ -124,6 +125,15 @@ def _has_content(path: Path) -> bool:
     with contextlib.suppress(OSError), open(path, errors="replace") as f:
         return any(line.strip() and not line.startswith(":") for line in f)
     return False
+
+
+def collect_before_shutdown() -> None:
+    """Copy Ray's logs into the active quiet console's run logs now: a command that started its own Ray shuts it
+    down before the console's exit (`job.job_teachers`), and the copy needs a running Ray to find them."""
+    pending = _state.get("ray_logs")
+    if pending:
+        with contextlib.suppress(Exception):  # never hide the run's own outcome behind a log copy
+            collect_ray_logs(*pending)
 
 
 def collect_ray_logs(dest: Path, since: float = 0.0) -> list[Path]:

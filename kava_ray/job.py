@@ -89,6 +89,9 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                 stop_pool(cfg)
     finally:
         if connected == "embedded":  # ours to stop; a Ray the caller started stays up
+            from kava_ray.console import collect_before_shutdown
+
+            collect_before_shutdown()  # the quiet console's copy of Ray's logs needs Ray up
             ray.shutdown()
 
 
