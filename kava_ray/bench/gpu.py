@@ -205,16 +205,17 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
 
     student, teacher = small
     data = _batch(2, 64, models.vocab(student))
+    base = job(models, student, teacher, 2, 64, overrides=["optim.lr_student=1e-3"])
+    t_model = load_model(base.teachers[0].model, dtype="float32").to(device)
+    plans = _plans(base, t_model)
+    kv = teacher_kv(base, plans, t_model, data, device)  # the teacher's batch does not depend on the policy
+    t_model = None
     out = {}
     for policy in ("fp32", "bf16-mixed", "bf16-sr"):
         if policy == "bf16-sr" and importlib.util.find_spec("torchao") is None:
             out[policy] = not_run("torchao is not installed (pip install torchao)")
             continue
-        cfg = job(models, student, teacher, 2, 64, overrides=[f"student.precision={policy}", "optim.lr_student=1e-3"])
-        t_model = load_model(cfg.teachers[0].model, dtype="float32").to(device)
-        plans = _plans(cfg, t_model)
-        kv = teacher_kv(cfg, plans, t_model, data, device)
-        recipe = recipe_of(cfg, plans, device)
+        recipe = recipe_of(load_config(base, [f"student.precision={policy}"]), plans, device)
         student_model = recipe.distiller.student
         embed = student_model.get_input_embeddings().weight
         # the input embedding's rows of tokens the batch lacks get no gradient: counted only when tied to the head
@@ -228,7 +229,7 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
         out[policy] = {"changed_share": share, "expected_share": expected, "loss_first": losses[0],
                        "loss_last": losses[-1], "weight_dtype": str(before[0].dtype).replace("torch.", ""),
                        "ok": share >= expected and losses[-1] < losses[0]}
-        del recipe, t_model
+        recipe = None
     return out
 
 

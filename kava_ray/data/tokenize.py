@@ -84,12 +84,16 @@ def _loss_of(ids: list[int], offs: np.ndarray, spans, specials: set) -> np.ndarr
     return loss
 
 
-def encode_rendered(tokenizer, r: Rendered, max_length: int, overlength: str = "truncate",
-                    where: str = "example") -> dict:
-    """input_ids, loss_mask (1 = carries loss), offsets [(start, end)] into `text`, text, segments, truncated."""
+def _require_fast(tokenizer) -> None:
     if not getattr(tokenizer, "is_fast", False):
         raise KavaError("kava-ray needs a fast (Rust) tokenizer: its character offsets place the loss and the "
                         "alignment (AutoTokenizer.from_pretrained(..., use_fast=True))")
+
+
+def encode_rendered(tokenizer, r: Rendered, max_length: int, overlength: str = "truncate",
+                    where: str = "example") -> dict:
+    """input_ids, loss_mask (1 = carries loss), offsets [(start, end)] into `text`, text, segments, truncated."""
+    _require_fast(tokenizer)
     specials = set(tokenizer.all_special_ids)
     eos = tokenizer.eos_token_id
     ids, offs, loss, pos = [], [], [], 0
@@ -129,8 +133,7 @@ def encode_texts(tokenizer, texts: list, max_length: int, overlength: str = "tru
     them equal)."""
     if not texts:
         return []
-    if not getattr(tokenizer, "is_fast", False):
-        raise KavaError("kava-ray needs a fast (Rust) tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))")
+    _require_fast(tokenizer)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     out = []
     for j, ids in enumerate(tokenizer(texts, add_special_tokens=True)["input_ids"]):
