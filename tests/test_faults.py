@@ -384,12 +384,17 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve(ray_session, r
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None:
             steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
-            if steps and max(steps) >= SAVE + 1:
+            if steps and max(steps) >= SAVE and list(run_dir.glob("checkpoint_*")):
                 break
             time.sleep(0.05)
+        # freeze the run (driver, workers, its Ray) before the interrupt, so a loaded box that starves this test
+        # cannot let the last steps finish first; the SIGINT is pending in the driver when the group continues
+        os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.poll() is None, f"finished before the interrupt: {proc.stderr.read()}"
+        assert max(train_steps(run_dir)) < STEPS
         sent = time.time()
         os.kill(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=60)
         elapsed = time.time() - sent
     finally:

@@ -149,17 +149,17 @@ def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump({
         "metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "num_samples": 1,
-        "params": {"optim.lr_projector": {"grid": [1e-2, 3e-3]}}}))
+        "params": {"optim.lr_projector": {"grid": [1e-2]}}}))
     t0 = time.monotonic()
     out = subprocess.run([str(BIN / "kava-ray"), "tune", "--config", "job.yaml", "--space", "space.yaml",
-                          "--address", "auto", "--name", "usersweep", "--max-concurrent", "2"],
+                          "--address", "auto", "--name", "usersweep"],
                          cwd=tmp_path, env=_env(tmpdir), capture_output=True, text=True, timeout=240)
     print(f"sweep: {time.monotonic() - t0:.1f} s")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert not _sessions(tmpdir)  # joined the head: no Ray of its own
     sweep = tmp_path / "sweeps" / "usersweep"
     trials = sorted(p for p in sweep.glob("trial_fn_*") if p.is_dir())
-    assert len(trials) == 2, sorted(p.name for p in sweep.iterdir())
+    assert len(trials) == 1, sorted(p.name for p in sweep.iterdir())
     for t in trials:
         assert (t / "run" / "metrics.jsonl").is_file(), sorted(str(p) for p in t.rglob("*"))[:20]
         assert (t / "run" / "final" / "student" / "config.json").is_file()

@@ -48,20 +48,21 @@ def test_asha_sweep_stops_bad_trials_and_best_config_trains(ray_session, tune_jo
     from kava_ray.tune import run_tune
 
     root, job = tune_job
-    # good learning rates first, so the bad one meets a rung that already holds good results
+    # the good learning rate first (one trial at a time), so the bad one meets a rung that already holds a good
+    # result: ASHA's cutoff at a rung with one result is that result
     space = write_space(root, "asha", {
         "metric": "eval/cos_sim", "mode": "max", "num_samples": 1,  # a grid runs each point num_samples times
         "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
-        "params": {"optim.lr_projector": {"grid": [1.0e-2, 5.0e-3, 1.0e-8]}}})
+        "params": {"optim.lr_projector": {"grid": [1.0e-2, 1.0e-8]}}})
     cfg = load_config(job)
-    out = run_tune(cfg, str(space), max_concurrent=2, name="asha")
+    out = run_tune(cfg, str(space), max_concurrent=1, name="asha")
     rows = out["rows"]
-    assert len(rows) == 3 and not any(r["error"] for r in rows)
+    assert len(rows) == 2 and not any(r["error"] for r in rows)
     assert any(r["stopped_early"] for r in rows), rows
-    assert out["best"]["optim.lr_projector"] in (1e-2, 5e-3)
+    assert out["best"]["optim.lr_projector"] == 1e-2
     exp = Path(out["exp_dir"])
     with open(exp / "results.csv") as f:
-        assert len(list(csv.DictReader(f))) == 3
+        assert len(list(csv.DictReader(f))) == 2
     assert (exp / "trials.png").read_bytes()[:4] == b"\x89PNG"
     # the teachers computed each batch once for the whole sweep
     for name, st in out["teacher_stats"].items():
