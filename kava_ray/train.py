@@ -9,6 +9,8 @@ the teachers' geometry and plan their layers (all through `kava_ray.job`), then
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -57,10 +59,35 @@ def fit(trainer):
     from kava_ray.ray_private import drop_train_sigint_handler
 
     drop_train_sigint_handler(trainer)
+    with _interruptible():
+        try:
+            return trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            raise KavaError(with_logs(f"training failed: {_root_cause(e)}")) from None
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """A Ctrl-C during the block always ends in KeyboardInterrupt, even one that arrives as `ray.get` returns:
+    Ray checks signals inside `ray.get` and a KeyboardInterrupt raised there just as the result lands is
+    dropped (the run then finished and exited 0). The handler records the signal before raising; a recorded
+    signal is raised again once the block has returned. Main thread only (a Tune trial's fit runs in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen = []
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        return trainer.fit()
-    except ray.train.TrainingFailedError as e:
-        raise KavaError(with_logs(f"training failed: {_root_cause(e)}")) from None
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
 
 
 def _root_cause(e: BaseException) -> str:

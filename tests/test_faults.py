@@ -34,13 +34,14 @@ from kava_ray.config import load_config
 from kava_ray.errors import KavaError
 from kava_ray.testing.sources import InProcessSource
 
-STEPS, SAVE = 12, 3
+STEPS, SAVE = 24, 3
 KVCLI = str(Path(sys.executable).with_name("kava-ray"))
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
-    """One fp32 teacher -> the 2-layer student; 12 steps, a checkpoint every 3, evaluation only at 0 and 12."""
+    """One fp32 teacher -> the 2-layer student; 24 steps, a checkpoint every 3, evaluation only at 0 and 24
+    (21 steps after the first checkpoint: room for the SIGINT case's interrupt to land on a loaded box)."""
     return write_job(tmp_path_factory.mktemp("faults"), tiny_qwen2_dir, None, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"}],
                      data={"num_train": 64, "num_val": 4, "num_test": 4},
@@ -366,6 +367,24 @@ def _session_pids(sid: int) -> list[int]:
             if int(fields[3]) == sid and fields[0] != "Z":
                 pids.append(int(d.name))
     return pids
+
+
+def test_an_interrupt_swallowed_inside_the_fit_is_raised_when_it_returns():
+    """Ray checks signals inside `ray.get`; a KeyboardInterrupt raised there as the result lands is dropped, and
+    the run used to finish and exit 0. `train._interruptible` raises it again when the block returns."""
+    from kava_ray.train import _interruptible
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with _interruptible():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here and raises
+            except KeyboardInterrupt:
+                pass  # what ray.get did with it
+    assert signal.getsignal(signal.SIGINT) is before
+    with _interruptible():  # no signal: nothing raised
+        pass
 
 
 @pytest.mark.ray  # `kava-ray train` starts its own embedded Ray
