@@ -29,8 +29,10 @@ lint: $(STAMP)
 # Every tier: unit, ray (one embedded Ray per test process), cluster (starts its own Ray heads). CI runs this.
 # Two test processes, a file each at a time (--dist loadfile: a file's module fixtures, e.g. one reference
 # run, are built once): most of a Ray test's time is waiting on process starts, which two processes overlap.
+# --no-loadscope-reorder: files go out in tests/conftest.py's LONGEST_FILES order (xdist would otherwise order
+# them by their number of tests, which left the 3-test, 5-minute test_tune.py to run alone at the end).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Lint + the unit tier only (no Ray): under a minute on a 2-core box.
 test-fast: lint
