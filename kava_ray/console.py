@@ -74,9 +74,10 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
                 yield
     finally:
         connect.LOG_TO_DRIVER = prev_log_to_driver
-        if ray_logs:
+        pending = _state["ray_logs"]  # None once collect_before_shutdown has copied them
+        if pending:
             try:
-                collect_ray_logs(log_dir / "ray", since=t0)
+                collect_ray_logs(*pending)
             except Exception as e:  # never hide the run's own outcome behind a log copy
                 print(f"could not copy Ray's logs: {e}", file=sys.stderr)
         _state["log_dir"] = _state["ray_logs"] = None
@@ -132,6 +133,7 @@ def collect_before_shutdown() -> None:
     down before the console's exit (`job.job_teachers`), and the copy needs a running Ray to find them."""
     pending = _state.get("ray_logs")
     if pending:
+        _state["ray_logs"] = None  # copied once: the console's exit has nothing left to do
         with contextlib.suppress(Exception):  # never hide the run's own outcome behind a log copy
             collect_ray_logs(*pending)
 
