@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -27,6 +29,8 @@ from kava_ray.data import (
     tokenizer_fingerprint,
     with_layers,
 )
+from kava_ray.data.batching import RELEASE_EVERY
+from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.errors import KavaError
 
 ANNOT = re.compile(r"<<([0-9+\-*/]+)=(-?\d+)>>(-?\d+)")
@@ -342,3 +346,39 @@ def test_batch_stream_ranks(small_split):
     assert {b[0] for rs in seen for b in rs} <= keys  # keys are global batch ids, independent of rank
     with pytest.raises(KavaError, match="too few"):
         BatchStream(small_split, batch_size=16, seed=0, world_size=3)
+
+
+def _mapped_rss_kib(paths) -> int:
+    """Resident KiB of this process's mappings of `paths` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = len(head) == 6 and head[5] in paths
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / smaps are Linux")
+def test_batch_stream_releases_the_pages_its_random_reads_map(tiny_tokenizer, tmp_path):
+    """Random row reads map the Arrow cache around every row (readahead, fault-around); the stream drops those
+    mappings every RELEASE_EVERY batches, so the worker's RSS does not grow with what it has read -- and the
+    batches are the same as without the release."""
+    docs = [{"text": " ".join(f"word{(i * 7 + j) % 997}" for j in range(300))} for i in range(600)]
+    split = tokenize_split(tiny_tokenizer, docs, 64, source_id="docs", cache_dir=tmp_path, with_text=False)
+    paths = cache_paths([split.dataset])
+    assert paths and all(os.path.getsize(p) > 1 << 20 for p in paths)
+    ref = [BatchStream(split, batch_size=8, seed=1).next()[3] for _ in range(1)]
+    s = BatchStream(split, batch_size=8, seed=1)
+    got = [s.next()[3] for _ in range(RELEASE_EVERY - 1)]
+    _same_batch(got[0], ref[0])
+    held = _mapped_rss_kib(paths)
+    assert held > 0  # the reads mapped pages of the cache
+    s.next()  # the RELEASE_EVERY-th batch releases them
+    assert _mapped_rss_kib(paths) < held / 4
+    assert release_mapped_pages(paths) > 0 and _mapped_rss_kib(paths) == 0
+    again = BatchStream(split, batch_size=8, seed=1)
+    for b in got:  # reading after a release faults the same bytes back in
+        _same_batch(again.next()[3], b)

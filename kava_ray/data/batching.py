@@ -8,8 +8,11 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit, _sha
 from kava_ray.errors import KavaError
+
+RELEASE_EVERY = 16  # batches between releases of the Arrow cache's mapped pages (mmap_advice)
 
 
 def _rng(*parts) -> np.random.Generator:
@@ -135,6 +138,8 @@ class BatchStream:
             self.epoch, self.position = divmod(start_step, self.steps_per_epoch)
             self.step = start_step
         self._cached: tuple = (-1, None)
+        self._mapped = cache_paths([split.dataset, *(getattr(v.items, "dataset", None) for v in split.views.values())])
+        release_mapped_pages(self._mapped)  # what loading the split (its lengths) mapped
 
     def _epoch_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(global batch indices [n], example indices [n, B]) of this rank's batches in `epoch`."""
@@ -158,6 +163,8 @@ class BatchStream:
         out = (batch_key(self.plan_fingerprint, self.epoch, global_index), self.step, self.epoch, batch, idx)
         self.position += 1
         self.step += 1
+        if self.step % RELEASE_EVERY == 0:
+            release_mapped_pages(self._mapped)  # random row reads map pages around them: drop them (mmap_advice)
         return out
 
     __next__ = next

@@ -1,0 +1,52 @@
+"""Keep a worker's resident memory at what it holds, not at the history of what it has read.
+
+`datasets` memory-maps its Arrow cache files, and every batch reads `batch_size` rows at random offsets. Each
+page fault maps the pages around it too (readahead and fault-around), so the mapped, resident share of the
+cache grows with every read: +140 MiB after 200 batches of 8 packed 128-token rows from a 100 MB corpus, and on
+a long run up to the whole cache (`kava-ray bench data`). `release_mapped_pages` drops this process's mappings
+of those pages (`madvise(MADV_DONTNEED)`: the data stays in the file and the page cache; the next read faults
+it back in, a minor fault on a warm cache). It is safe for read-only file mappings, also while another thread
+reads them. Linux only; elsewhere, or where libc refuses, it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from typing import Iterable
+
+MADV_DONTNEED = 4  # <sys/mman.h> on Linux (every architecture)
+
+
+def _mappings(paths: set[str]) -> list[tuple[int, int]]:
+    """(start, end) of every mapping of one of `paths` in this process (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() in paths:
+                lo, hi = parts[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def cache_paths(datasets: Iterable) -> set[str]:
+    """The Arrow cache files behind `datasets` (`Dataset.cache_files`; none for in-memory datasets)."""
+    return {os.path.realpath(c["filename"]) for ds in datasets for c in (getattr(ds, "cache_files", None) or [])}
+
+
+def release_mapped_pages(paths: set[str]) -> int:
+    """MADV_DONTNEED on every mapping of `paths` in this process; returns the bytes of mappings released."""
+    if not paths or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        done = 0
+        for lo, hi in _mappings(paths):
+            if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0:
+                done += hi - lo
+        return done
+    except OSError:
+        return 0
