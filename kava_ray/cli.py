@@ -206,7 +206,7 @@ def cmd_bench_recipes(args) -> int:
 
     out = run_recipes_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, out=args.out,
                             limit=args.limit, max_new_tokens=args.max_new_tokens, num_test=args.num_test,
-                            address=args.address)
+                            recipes=args.recipes, address=args.address)
     return _show(args, format_recipes(out), out)
 
 
@@ -534,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=192, help="generation budget (SmolLM2 needs ~70 tokens to "
                                                                    "reach '#### <answer>' on the synthetic problems)")
     p.add_argument("--num-test", type=int, default=128, help="test examples every student is scored on")
+    p.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE",
+                   help="run only these arms (default: ce ce+logits ce+kv ce+kv+logits); the teacher row always")
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_recipes)
     p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) at small defaults, ~10 min; "
