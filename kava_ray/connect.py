@@ -26,7 +26,10 @@ from kava_ray.errors import KavaError
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
 # run that reports every step would be throttled to one step per 2 s. Poll faster on our own Ray.
-EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "TRANSFORMERS_VERBOSITY": "error"}
+# An embedded Ray is one machine that no autoscaler drains: Train's PreemptionWatcher actor (a process per run
+# that polls the node's drain state every 5 s) has nothing to watch there.
+EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+                "TRANSFORMERS_VERBOSITY": "error"}
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node IP
 PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
 LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.console.quiet turns it off (workers' lines stay in Ray's logs)

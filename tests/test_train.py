@@ -214,6 +214,7 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
     student = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "student")
     assert student.config.num_hidden_layers == 2 and student.config.num_key_value_heads == 1
     assert len(list(run_dir.glob("checkpoint_2*"))) == cfg.train.num_to_keep
+    assert not train_workers(None, class_name="PreemptionWatcher")  # an embedded Ray is one machine: nothing drains it
 
 
 def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):
@@ -245,13 +246,15 @@ def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):
     assert run.info.status == "FINISHED"
 
 
-def train_workers(state: str = "ALIVE") -> list:
-    """Ray Train's worker actors, from Ray's state API (what an operator would look at)."""
+def train_workers(state: str = "ALIVE", class_name: str = "RayTrainWorker") -> list:
+    """Ray Train's worker actors (or other actors of `class_name`), from Ray's state API (what an operator would
+    look at); state=None: in any state."""
     import ray
     from ray.util.state import list_actors
 
+    filters = [("class_name", "=", class_name)] + ([("state", "=", state)] if state else [])
     return list_actors(address=ray.get_runtime_context().gcs_address, limit=1000, raise_on_missing_output=False,
-                       filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", state)])
+                       filters=filters)
 
 
 def test_worker_failure_resumes_on_the_same_curve(e2e_run, job_path, ray_session):
