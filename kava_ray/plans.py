@@ -118,12 +118,12 @@ def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> 
     """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
     student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise."""
     a = cfg.align
-    kind = a.layer_map
+    kind, sources = a.layer_map, copied_layers(cfg, teacher)
     if kind == "auto":
-        kind = "identity" if copied_layers(cfg, teacher) is not None else "ratio"
+        kind = "identity" if sources is not None else "ratio"
     return plan_teacher_layers(kind, n_teacher, n_student, mode=a.mode, selected=cfg.teacher(teacher).layers,
                                explicit=a.explicit_map, cka_path=a.cka_path, teacher=teacher,
-                               sources=cfg.student.keep_layers)
+                               sources=sources)
 
 
 def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:

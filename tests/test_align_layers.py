@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -184,3 +186,14 @@ def test_identity_map_of_a_layer_dropped_student(tmp_path):
     selected = validate_config({**job, "teachers": [{"name": "same", "model": "m", "layers": [0, 5, 10]}]})
     with pytest.raises(KavaError, match="outside the selected layers"):
         layer_plan(selected, "same", 30, 6)
+
+    # a saved copy of that student (a warm start, a checkpoint's student/): no keep_layers in the job, the
+    # provenance in its config.json -- `auto` and `identity` both map to the source layers, not to 0..5
+    saved = tmp_path / "warm_start"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"model_type": "llama", "kava_copied_from": {
+        "model": "m", "layers": [0, 5, 10, 15, 20, 25]}}))
+    for kind in ("auto", "identity"):
+        warm = validate_config({**job, "student": {"model": str(saved)}, "align": {"layer_map": kind}})
+        assert copied_layers(warm, "same") == [0, 5, 10, 15, 20, 25]
+        assert layer_plan(warm, "same", 30, 6) == (lm, shipped), kind

@@ -67,6 +67,17 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     # seed 0's arms saw the same blocks: their first eval (step 0, the warm start) is the same number
     assert len({runs[0]["curve"][0][1] for runs in r["runs"].values()}) == 1
     assert r["teacher_forwards_per_sample"] == 1.0
+    # heal_job.yaml (what `kava-ray tune --space heal_kv` trains) reads the bench's teacher cache: the warm
+    # start's layers map to their source layers, the ones the cache holds
+    from kava_ray.config import load_config
+    from kava_ray.job import kv_source
+    from kava_ray.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+
+    tuned = load_config(r["job"], ["loss.kv_parts=keys", "align.projector.kind=elastic"])
+    cache = json.loads(Path(tuned.data.kv_cache_dir, "manifest.json").read_text())["meta"]
+    plans = teacher_plans(tuned, {n: t["geometry"] for n, t in cache["teachers"].items()}, student_geometry(tuned))
+    assert plans["tiny"].layers == cache["teachers"]["tiny"]["layers"] == [0, 3]
+    kv_source(tuned, plans, load_splits(tuned, student_tokenizer(tuned)[0])[0].fingerprint)  # raises on a mismatch
     assert all(Path(p).stat().st_size > 0 for p in r["plots"].values())
     text = format_heal(r)
     assert "decision rule" in text and "positive control (ce+logits)" in text and "teacher tiny" in text
