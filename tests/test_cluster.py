@@ -216,7 +216,7 @@ class Head:
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.sid = self.proc.pid  # session id of every process this head starts (except job drivers)
 
-    def wait_started(self, timeout_s: float = 90) -> None:
+    def wait_started(self, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             text = Path(self.log.name).read_text()
