@@ -255,3 +255,14 @@ def test_text_without_offsets_encodes_as_the_per_record_path(smollm2_tokenizer, 
             assert a["input_ids"] == b["input_ids"] and list(a["loss_mask"]) == list(b["loss_mask"])
         if not packing:
             assert slow.num_truncated > 0  # the long documents were cut at max_length
+
+
+def test_bench_data_bad_arguments_are_one_line(tmp_path, capsys):
+    """`kava-ray bench data --sizes 0` (and other impossible settings): one line, exit 2, nothing written."""
+    from kava_ray.cli import main
+
+    for argv in (["--sizes", "0"], ["--sizes", "1", "-2"], ["--batches", "0"]):
+        assert main(["bench", "data", "--out", str(tmp_path / "out"), *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: bench data: sizes must be > 0 MB"), err
+    assert not (tmp_path / "out").exists()
