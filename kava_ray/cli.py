@@ -326,7 +326,7 @@ def cmd_bench_heal(args) -> int:
     recipes = dict(parse_recipe(r) for r in args.recipe)
     out = run_heal_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, arms=args.arms,
                          quick=args.quick, out=args.out, min_gap=args.min_gap, arm_overrides=recipes,
-                         address=args.address)
+                         address=args.address, base_arm=args.base)
     return _show(args, format_heal(out), out)
 
 
@@ -514,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gap", type=float, default=1.0, help="the gate: nats the teacher must beat the student by")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an extra arm on top of ce, e.g. best-kv:loss.kv_weight=0.3,loss.kv_parts=keys (repeatable)")
+    p.add_argument("--base", default="ce", help="the arm every other is paired against (ce, or a --recipe name, "
+                                               "e.g. ce at a tuned learning rate); the control needs ce")
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_heal)
     p = bench_sub.add_parser("data", help="driver and worker peak RSS, time to the first batch and stream tokens/s "

@@ -80,7 +80,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     kv_source(tuned, plans, load_splits(tuned, student_tokenizer(tuned)[0])[0].fingerprint)  # raises on a mismatch
     assert all(Path(p).stat().st_size > 0 for p in r["plots"].values())
     text = format_heal(r)
-    assert "decision rule" in text and "positive control (ce+logits)" in text and "teacher tiny" in text
+    assert "decision rule" in text and "positive control (ce+logits vs ce): " in text and "teacher tiny" in text
     capsys.readouterr()
     _print_json_last(r)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -96,3 +96,21 @@ def test_the_gate_refuses_a_teacher_no_better_than_its_student(tmp_path, tiny_st
         run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "heal" / "warm_start").exists()
     assert not (tmp_path / "heal" / "kv_cache").exists()  # refused before any teacher ran
+
+
+def test_a_recipe_base_pairs_every_arm_against_it_and_leaves_the_control_unjudged():
+    """`--base NAME`: a tuned recipe is judged against ce at its own learning rate, not the default ce."""
+    from kava_ray.bench.heal import summarize
+
+    def runs(ces):
+        return [{"figures": {"test_ce": c, "gr": -c, "kl": 1.0, "top1": 0.5, "kv_cos_free": 0.3}, "step_s": 1.0}
+                for c in ces]
+
+    arms = {"ce": runs([7.0, 7.1, 7.2]), "ce_fast": runs([6.6, 6.7, 6.8]), "kv_fast": runs([6.59, 6.71, 6.79])}
+    s = summarize(arms, "ce_fast")
+    assert "vs_base" not in s["ce_fast"] and "decision" not in s["ce_fast"]
+    d = s["kv_fast"]["vs_base"]["test_ce"]
+    assert d["diffs"] == pytest.approx([-0.01, 0.01, -0.01]) and not d["excludes_zero"]
+    assert s["kv_fast"]["decision"]["verdict"] == "no measurable gain"
+    assert s["ce"]["decision"]["verdict"] == "hurts"  # the default ce, 0.4 nats behind ce at the tuned rate
+    assert summarize(arms)["ce_fast"]["decision"]["verdict"] == "helps"  # against ce, the learning rate "helps"

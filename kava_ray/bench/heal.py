@@ -45,8 +45,14 @@ ARMS: dict[str, tuple[float, float, float]] = {
     "logits": (0.0, 0.0, 1.0)}
 BASE, CONTROL = "ce", "ce+logits"
 MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
-DECISION = (f"an arm helps when its paired test-CE difference against {BASE} has a 95 % interval that excludes 0 and "
-            f"its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
+
+
+def decision_rule(base: str = BASE) -> str:
+    return (f"an arm helps when its paired test-CE difference against {base} has a 95 % interval that excludes 0 "
+            f"and its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
+
+
+DECISION = decision_rule()
 TOP_K = 64
 DEFAULTS = {"steps": 40, "seeds": 3, "warm_steps": 10, "eval_every": 10, "block": 128, "batch_size": 8,
             "eval_blocks": 24, "topics": None}
@@ -96,8 +102,9 @@ def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
 def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: Optional[int] = None,
                    seeds: Optional[int] = None, arms: Optional[Sequence[str]] = None, quick: bool = False,
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
-                   address: Optional[str] = None, progress: bool = True) -> dict:
-    """The whole bench (see the module docstring); returns its JSON-able result."""
+                   address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
+    """The whole bench (see the module docstring); returns its JSON-able result. base: the arm every other is
+    paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
     import ray
 
     from kava_ray.bench.inprocess import train_in_process
@@ -114,9 +121,9 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     names = list(arms or ARMS)
     names += [a for a in (arm_overrides or {}) if a not in names]
     unknown = [a for a in names if a not in ARMS and a not in (arm_overrides or {})]
-    if unknown or BASE not in names or p["seeds"] < 1 or p["steps"] < 1:
-        raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} and include {BASE} (got {names}); "
-                        f"seeds and steps >= 1")
+    if unknown or base_arm not in names or p["seeds"] < 1 or p["steps"] < 1:
+        raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} or --recipe names and include the base "
+                        f"{base_arm} (got {names}); seeds and steps >= 1")
     base = load_config(config, overrides)
     check_model_files(base)
     if not base.student.keep_layers:
@@ -129,7 +136,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         if progress:
             print(f"[bench heal] {msg}", file=sys.stderr, flush=True)
 
-    say(f"decision rule, fixed before the run: {DECISION}")
+    rule = decision_rule(base_arm)
+    say(f"decision rule, fixed before the run: {rule}")
     corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
     job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     teacher = job.teachers[0]
@@ -205,18 +213,20 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                 f"({time.time() - t1:.0f} s)")
 
     # 5. figures, paired differences, decisions
-    summary = summarize(runs)
-    control = summary.get(CONTROL, {}).get("decision")
+    summary = summarize(runs, base_arm)
+    control = summary.get(CONTROL, {}).get("decision") if base_arm == BASE else None
     ce_png, gr_png = root / "heal_ce_curves.png", root / "heal_gap_recovered.png"
     curves = {a: [{"eval_ce": r["curve"]} for r in rs] for a, rs in runs.items()}
     plot_curves(curves, ce_png, log_y=True, teacher_ce=ce_teacher)
-    plot_gr(summary, gr_png)
-    result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "decision_rule": DECISION,
+    plot_gr(summary, gr_png, base_arm)
+    result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm, "decision_rule": rule,
               "gate": gate, "ce_start": ce_start, "teacher": teacher.name, "teacher_ce": ce_teacher,
               "test_tokens": int(test.lengths.sum()), "train_blocks": len(scorer.train_split),
               "teacher_forwards": stats["forwards"], "cached_blocks": stats["written"] + stats["skipped"],
               "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1),
-              "precompute_s": precompute_s, "control_passes": bool(control and control["helps"]),
+              "precompute_s": precompute_s,
+              # None: the control was not run against ce in this bench
+              "control_passes": None if control is None else bool(control["helps"]),
               "summary": summary, "runs": runs, "plots": {"ce": str(ce_png), "gr": str(gr_png)},
               "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
               "wall_s": time.time() - t_start}
@@ -257,18 +267,18 @@ def _apply(d: dict, overrides: dict) -> dict:
     return d
 
 
-def summarize(runs: dict) -> dict:
+def summarize(runs: dict, base_arm: str = BASE) -> dict:
     """Per arm: mean ± sd of each figure; per non-base arm: paired differences against the base and the
     decision (gains are positive: CE and KL differences are reported as base - arm)."""
     from kava_ray.bench.recipes import _mean_sd
 
     out = {}
-    base = runs.get(BASE, [])
+    base = runs.get(base_arm, [])
     for arm, rs in runs.items():
         figs = [r["figures"] for r in rs]
         s = {"mean": {k: _mean_sd([f.get(k) for f in figs]) for k in figs[0]},
              "step_s": _mean_sd([r["step_s"] for r in rs])}
-        if arm != BASE and base:
+        if arm != base_arm and base:
             ref = [r["figures"] for r in base]
             s["vs_base"] = {k: paired([f.get(k) for f in figs], [f.get(k) for f in ref]) for k in figs[0]}
             d_ce, d_gr = s["vs_base"]["test_ce"], s["vs_base"]["gr"]
@@ -280,7 +290,7 @@ def summarize(runs: dict) -> dict:
     return out
 
 
-def plot_gr(summary: dict, path: Path) -> None:
+def plot_gr(summary: dict, path: Path, base_arm: str = BASE) -> None:
     """The gap recovered per arm (mean over seeds) with the 95 % interval of its paired difference to the base."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -290,14 +300,14 @@ def plot_gr(summary: dict, path: Path) -> None:
     ax = fig.add_subplot(1, 1, 1)
     arms = list(summary)
     means = [100 * summary[a]["mean"]["gr"]["mean"] for a in arms]
-    base = means[arms.index(BASE)] if BASE in arms else 0.0
+    base = means[arms.index(base_arm)] if base_arm in arms else 0.0
     err = []
     for a, m in zip(arms, means):
         d = summary[a].get("vs_base", {}).get("gr")
         err.append(100 * (d["hi"] - d["mean"]) if d and d["lo"] is not None else 0.0)
-    ax.bar(arms, means, yerr=err, capsize=4, color=["#999999" if a == BASE else "#4477aa" for a in arms])
+    ax.bar(arms, means, yerr=err, capsize=4, color=["#999999" if a == base_arm else "#4477aa" for a in arms])
     ax.axhline(base, color="black", linewidth=0.8, linestyle="--")
-    ax.set_ylabel("gap recovered, % (error bar: 95 % interval vs ce)")
+    ax.set_ylabel(f"gap recovered, % (error bar: 95 % interval vs {base_arm})")
     ax.set_title("share of the teacher-student gap recovered per arm")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -305,7 +315,7 @@ def plot_gr(summary: dict, path: Path) -> None:
 
 
 def format_heal(r: dict) -> str:
-    g = r["gate"]
+    g, base = r["gate"], r.get("base", BASE)
     keys = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
             ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]
     rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
@@ -332,10 +342,11 @@ def format_heal(r: dict) -> str:
         f"{r['ce_start']:.3f} nats (GR measured from here)",
         format_table(["arm", *[k[1] for k in keys], "s/step", "decision"], rows),
         "",
-        f"paired differences against {BASE} (arm - {BASE}, mean [95 % t-interval], * = excludes 0):",
+        f"paired differences against {base} (arm - {base}, mean [95 % t-interval], * = excludes 0):",
         format_table(["arm", "Δ test CE", "Δ GR %", "Δ KL", "Δ top-1 %", "Δ KV cos"], d_rows),
         f"decision rule (fixed before the run): {r['decision_rule']}",
-        f"positive control ({CONTROL}): {'passes' if r['control_passes'] else 'FAILS: no conclusion about KV'}",
+        f"positive control ({CONTROL} vs {BASE}): " + {True: "passes", False: "FAILS: no conclusion about KV",
+                                                        None: "not in this run"}[r["control_passes"]],
         f"teacher forwards per training sample: {r['teacher_forwards_per_sample']:.2f} ({r['cached_blocks']} blocks "
         f"computed once in {r['teacher_forwards']} teacher batches, read by every arm and seed)",
         f"plots: {r['plots']['ce']}, {r['plots']['gr']}; wall {r['wall_s'] / 60:.1f} min; out {r['out']}"])
