@@ -1,4 +1,4 @@
-"""Ray Tune over tiny models: ASHA stops bad trials, best.yaml trains, an interrupted sweep resumes."""
+"""Ray Tune over tiny models: an interrupted ASHA sweep resumes, ASHA stops the bad trial, best.yaml trains; a bad\nspace is refused before anything starts."""
 
 import csv
 import json
@@ -41,30 +41,52 @@ def write_space(root: Path, name: str, space: dict) -> Path:
     return path
 
 
-def test_asha_sweep_stops_bad_trials_and_best_config_trains(ray_session, tune_job):
+def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(ray_session, tune_job):
+    """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep, `--resume` runs the
+    other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed
+    run's scheduler starts empty, so the good trial before it fills the rung); best.yaml is a job that trains."""
+    import ray
+
     from kava_ray.models import load_model
     from kava_ray.plans import in_process_plans
     from kava_ray.testing.sources import InProcessSource
     from kava_ray.tune import run_tune
 
     root, job = tune_job
-    # the good learning rate first (one trial at a time), so the bad one meets a rung that already holds a good
-    # result: ASHA's cutoff at a rung with one result is that result
     space = write_space(root, "asha", {
         "metric": "eval/cos_sim", "mode": "max", "num_samples": 1,  # a grid runs each point num_samples times
         "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
-        "params": {"optim.lr_projector": {"grid": [1.0e-2, 1.0e-8]}}})
-    cfg = load_config(job)
-    out = run_tune(cfg, str(space), max_concurrent=1, name="asha")
+        "params": {"optim.lr_projector": {"grid": [1.0e-2, 5.0e-3, 1.0e-8]}}})
+    exp = root / "runs" / "asha"
+    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space",
+                             str(space), "--name", "asha", "--max-concurrent", "1",
+                             "--address", ray.get_runtime_context().gcs_address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600  # generous: a loaded CI box; ~1 min alone
+    while time.time() < deadline and "TERMINATED" not in trial_statuses(exp).values():
+        time.sleep(0.5)
+    done = [t for t, status in trial_statuses(exp).items() if status == "TERMINATED"]
+    assert len(done) == 1, "the first trial did not finish in time"
+    first_trial = next(exp.glob(f"trial_fn_{done[0]}_*"))
+    files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
+    before = [f.read_text() for f in files]
+    proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and stops
+    proc.wait(timeout=120)
+
+    out = run_tune(load_config(job), str(space), resume=str(exp))
     rows = out["rows"]
-    assert len(rows) == 2 and not any(r["error"] for r in rows)
-    assert any(r["stopped_early"] for r in rows), rows
-    assert out["best"]["optim.lr_projector"] == 1e-2
-    exp = Path(out["exp_dir"])
+    assert len(rows) == 3 and not any(r["error"] for r in rows), rows
+    # the finished trial was not run again: neither its metrics nor Tune's result log grew
+    assert [f.read_text() for f in files] == before
+    assert json.loads((first_trial / "run" / "final" / "state.json").read_text())["step"] == 8
+    by_lr = {r["optim.lr_projector"]: r for r in rows}
+    assert by_lr[1e-8]["stopped_early"] and by_lr[1e-8]["steps"] < 8, rows
+    assert by_lr[1e-2]["steps"] == by_lr[5e-3]["steps"] == 8 and not by_lr[5e-3]["stopped_early"], rows
+    assert out["best"]["optim.lr_projector"] in (1e-2, 5e-3)
     with open(exp / "results.csv") as f:
-        assert len(list(csv.DictReader(f))) == 2
+        assert len(list(csv.DictReader(f))) == 3
     assert (exp / "trials.png").read_bytes()[:4] == b"\x89PNG"
-    # the teachers computed each batch once for the whole sweep
+    # the resumed run's two trials shared the teachers' batches: each computed once
     for name, st in out["teacher_stats"].items():
         assert st["hits"] > 0 and st["forwards"] < st["requests"], (name, st)
 
@@ -93,36 +115,3 @@ def test_bad_space_fails_before_any_trial(tune_job, capsys):
         assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
     assert ray.is_initialized() == was_up  # the space was rejected before connecting to Ray
     assert not (root / "runs").exists() or not list((root / "runs").glob("*tune*"))  # nothing started
-
-
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_session, tune_job):
-    import ray
-
-    from kava_ray.tune import run_tune
-
-    root, job = tune_job
-    space = write_space(root, "fifo", {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"},
-                                       "num_samples": 1,
-                                       "params": {"optim.lr_projector": {"grid": [1e-2, 3e-3]}}})
-    exp = root / "runs" / "resumable"
-    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space",
-                             str(space), "--name", "resumable", "--max-concurrent", "1",
-                             "--address", ray.get_runtime_context().gcs_address],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600  # generous: a loaded CI box; ~2 min alone
-    while time.time() < deadline and "TERMINATED" not in trial_statuses(exp).values():
-        time.sleep(0.5)
-    done = [t for t, status in trial_statuses(exp).items() if status == "TERMINATED"]
-    assert len(done) == 1, "the first trial did not finish in time"
-    first_trial = next(exp.glob(f"trial_fn_{done[0]}_*"))
-    files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
-    before = [f.read_text() for f in files]
-    proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and stops
-    proc.wait(timeout=120)
-
-    out = run_tune(load_config(job), str(space), resume=str(exp))  # finishes trial 2
-    assert len(out["rows"]) == 2 and not any(r["error"] for r in out["rows"])
-    assert all(r["steps"] == 8 for r in out["rows"])
-    # the finished trial was not run again: neither its metrics nor Tune's result log grew
-    assert [f.read_text() for f in files] == before
-    assert json.loads((first_trial / "run" / "final" / "state.json").read_text())["step"] == 8
