@@ -32,7 +32,7 @@ lint: $(STAMP)
 # --no-loadscope-reorder: files go out in tests/conftest.py's LONGEST_FILES order (xdist would otherwise order
 # them by their number of tests, which left the 3-test, 5-minute test_tune.py to run alone at the end).
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 # Lint + the unit tier only (no Ray): under a minute on a 2-core box.
 test-fast: lint

@@ -51,11 +51,16 @@ def atomic_path(path: Union[str, Path]) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def atomic_write(path: Union[str, Path], data: Union[str, bytes]) -> Path:
-    """Write `data` (text or bytes) to `path` atomically."""
+def atomic_write(path: Union[str, Path], data: Union[str, bytes], keep_same: bool = False) -> Path:
+    """Write `data` (text or bytes) to `path` atomically. keep_same: leave a file that already holds exactly
+    `data` untouched (its mtime is part of a data source's fingerprint, which a teacher cache is keyed by)."""
+    data = data.encode() if isinstance(data, str) else data
+    path = Path(path)
+    if keep_same and path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+        return path
     with atomic_path(path) as tmp:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    return Path(path)
+        tmp.write_bytes(data)
+    return path
 
 
 @contextlib.contextmanager

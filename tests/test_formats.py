@@ -5,6 +5,7 @@ another tokenizer aligned within a conversation's messages; the Python-docs corp
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -193,6 +194,20 @@ def test_pydoc_corpus_splits_by_topic(tmp_path):
     rows = {k: [json.loads(x) for x in open(v["path"])] for k, v in out.items()}
     assert {k: sorted(r["topic"] for r in v) for k, v in rows.items()} == splits
     assert all(r["text"] == topics[r["topic"]] for v in rows.values() for r in v)
+    # written again (a second `bench heal` into the same --out): the files, and so the source fingerprint a
+    # teacher cache is keyed by, are unchanged; a file that differs is rewritten
+    from kava_ray.data.sources import source_fingerprint
+
+    src = str(tmp_path / "pydoc" / "{split}.jsonl")
+    before = {k: os.stat(v["path"]).st_mtime_ns for k, v in out.items()}
+    fp = source_fingerprint(src, "train", None)
+    os.utime(out["test"]["path"], ns=(1, 1))
+    with open(out["validation"]["path"], "a") as f:
+        f.write("\n")
+    write_pydoc_corpus(tmp_path / "pydoc")
+    assert source_fingerprint(src, "train", None) == fp and os.stat(out["train"]["path"]).st_mtime_ns == before["train"]
+    assert os.stat(out["test"]["path"]).st_mtime_ns == 1  # same bytes, whatever its mtime: left as it is
+    assert [json.loads(x) for x in open(out["validation"]["path"])] == rows["validation"]  # the stray line is gone
 
 
 @pytest.mark.parametrize("rows,needle", [

@@ -42,14 +42,15 @@ def split_topics(topics: dict[str, str]) -> dict[str, list[str]]:
 
 
 def write_pydoc_corpus(out_dir) -> dict:
-    """Write the three splits as JSONL (atomically, one file each); returns {split: {topics, records, chars,
+    """Write the three splits as JSONL (atomically, one file each; a file that already holds the same records is
+    left as it is, so a teacher cache computed over it stays valid); returns {split: {topics, records, chars,
     path}}."""
     topics = pydoc_topics()
     out = Path(out_dir).expanduser().resolve()
     result = {}
     for split, names in split_topics(topics).items():
         lines = [json.dumps({"text": topics[n], "topic": n}) for n in names]
-        path = atomic_write(out / f"{split}.jsonl", "\n".join(lines) + "\n")
+        path = atomic_write(out / f"{split}.jsonl", "\n".join(lines) + "\n", keep_same=True)
         result[split] = {"topics": len(names), "records": len(lines), "chars": sum(len(topics[n]) for n in names),
                          "path": str(path)}
     return {split: result[split] for split in SPLITS}
