@@ -96,6 +96,11 @@ def test_the_gate_refuses_a_teacher_no_better_than_its_student(tmp_path, tiny_st
         run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), progress=False)
     assert "\n" not in str(e.value) and not (tmp_path / "heal" / "warm_start").exists()
     assert not (tmp_path / "heal" / "kv_cache").exists()  # refused before any teacher ran
+    # a typo in a --recipe arm: one line naming the recipe and the key, before the gate loads any model
+    with pytest.raises(KavaError, match=r"--recipe kv: config key 'loss.kv_weigth': unknown key") as e:
+        run_heal_bench(str(job), quick=True, out=str(tmp_path / "typo"), progress=False,
+                       arm_overrides={"kv": {"loss.kv_weigth": 0.3}})
+    assert "\n" not in str(e.value) and not (tmp_path / "typo").exists()
 
 
 def test_a_recipe_base_pairs_every_arm_against_it_and_leaves_the_control_unjudged():

@@ -125,6 +125,11 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} or --recipe names and include the base "
                         f"{base_arm} (got {names}); seeds and steps >= 1")
     base = load_config(config, overrides)
+    for name, recipe in (arm_overrides or {}).items():  # a typo in a recipe: one line now, not after the cache
+        try:
+            validate_config(_apply(base.to_dict(), recipe))
+        except KavaError as e:
+            raise KavaError(f"bench heal: --recipe {name}: {e}") from None
     check_model_files(base)
     if not base.student.keep_layers:
         raise KavaError(f"bench heal needs a pruned student: {config} has no student.keep_layers")
