@@ -183,7 +183,14 @@ def _cache_of(out, stop):
             raise KavaError("the teacher forward was stopped early but its attention got no cache; "
                             "pass stop_early=False")
         return stop.cache
-    return out.past_key_values
+    return output_cache(out)
+
+
+def output_cache(out):
+    """The Cache a forward returned: `out.cache` (transformers >= 5.24, where `past_key_values` is a deprecated
+    alias that warns), else `out.past_key_values`."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
@@ -230,14 +237,14 @@ def student_forward_kv(
     cached = not (model.training and _checkpointing(model))
     if key_space == "post_rope" and cached:
         out = model(**kwargs, use_cache=True)
-        return out, extract_kv(out.past_key_values, model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+        return out, extract_kv(output_cache(out), model, pos, key_space=key_space, layers=layers, mask=attention_mask)
     ids = _check_layers(layers, kv_geometry(model).num_layers)
     with _Capture(model, ids) as cap:
         out = model(**kwargs, use_cache=cached)
     kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
     if cached:
         with torch.no_grad():
-            _check_against_cache(model, kv.keys, kv.values, ids, out.past_key_values, kv.mask)
+            _check_against_cache(model, kv.keys, kv.values, ids, output_cache(out), kv.mask)
     if key_space == "post_rope":
         kv.keys = _rotate_outside_forward(kv.keys, model, pos, inverse=False)
     return out, kv
