@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 from kava_ray._io import format_table
 from kava_ray.data.batching import RELEASE_EVERY
+from kava_ray.errors import KavaError
 
 SIZES_MB = (10, 100, 1000)
 ROW_CAP = 1024  # unpacked text documents, one per row, are cut here for the padding comparison
@@ -177,8 +178,6 @@ def _in_fresh_process(fn: str, *args) -> dict:
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         tail = ((out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"])[0]
-        from kava_ray.errors import KavaError
-
         if tail.startswith("kava_ray.errors.KavaError: "):  # bad input, found in the child: one line, as here
             raise KavaError(f"bench data {fn}: {tail.split(': ', 1)[1]}")
         raise RuntimeError(f"bench data {fn} failed: {tail}")
@@ -189,8 +188,6 @@ def run_data_bench(sizes_mb: Sequence[float] = SIZES_MB, max_length: int = 128, 
                    batches: int = 200, out: Optional[str] = None, progress: bool = True) -> dict:
     """Every size: write the corpus, prepare it in a fresh 'driver' process (cold cache), read it in a fresh
     'worker' process (warm cache); then the student step's tokens/s for the ratio."""
-    from kava_ray.errors import KavaError
-
     if not sizes_mb or min(sizes_mb) <= 0 or min(max_length, batch_size, batches) < 1:
         raise KavaError(f"bench data: sizes must be > 0 MB (got {list(sizes_mb)}), max-length, batch-size and "
                         f"batches >= 1")

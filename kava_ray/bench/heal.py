@@ -52,7 +52,6 @@ def decision_rule(base: str = BASE) -> str:
             f"and its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
 
 
-DECISION = decision_rule()
 TOP_K = 64
 DEFAULTS = {"steps": 40, "seeds": 3, "warm_steps": 10, "eval_every": 10, "block": 128, "batch_size": 8,
             "eval_blocks": 24, "topics": None}
@@ -103,8 +102,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    seeds: Optional[int] = None, arms: Optional[Sequence[str]] = None, quick: bool = False,
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
                    address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
-    """The whole bench (see the module docstring); returns its JSON-able result. base: the arm every other is
-    paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
+    """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
+    is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
     import ray
 
     from kava_ray.bench.inprocess import train_in_process
