@@ -191,13 +191,26 @@ def _running_replicas(t: TeacherConfig, namespace: str) -> list[tuple[int, objec
         r += 1
 
 
-def stop_pool(cfg: JobConfig) -> list[str]:
-    """Kill every running teacher of cfg (and its placement group); returns the names stopped."""
+def missing_replicas(cfg: JobConfig) -> list[str]:
+    """Labels (`qwen`, `qwen#1`) of the replicas of cfg's teachers that are not running: what `start_pool` would
+    start, so a command can stop exactly those when it is done."""
+    out = []
+    for t in cfg.teachers:
+        running = {r for r, _ in _running_replicas(t, cfg.ray.namespace)}
+        out += [replica_label(t.name, r) for r in range(t.replicas) if r not in running]
+    return out
+
+
+def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
+    """Kill the running teachers of cfg (and their placement groups), or only the replicas labelled in `only`
+    (those a command started); returns the labels stopped."""
     from ray.util import get_placement_group
 
     stopped = []
     for t in cfg.teachers:
         for r, h in _running_replicas(t, cfg.ray.namespace):
+            if only is not None and replica_label(t.name, r) not in only:
+                continue
             ray.kill(h, no_restart=True)
             stopped.append(replica_label(t.name, r))
             if t.num_gpus > 1:
@@ -231,9 +244,11 @@ def pool_status(cfg: JobConfig) -> list[dict]:
     return rows
 
 
-def pool_stats(handles: dict) -> dict:
+def pool_stats(handles: dict, since: Optional[dict] = None) -> dict:
     """{teacher: its counters summed over its replicas} (requests, forwards, hits, bytes, ...), and
-    `replicas`: how many answered. Accepts bare actor handles too."""
+    `replicas`: how many answered. Accepts bare actor handles too. `since`: an earlier answer of this function;
+    the counters are then what happened after it (a pool found running has served other runs before; a counter
+    that went down belongs to a restarted actor and counts from its restart)."""
     flat = [(n, h) for n, hs in handles.items() for h in getattr(hs, "handles", [hs])]
     out: dict = {}
     for (n, _), st in zip(flat, ray.get([h.stats.remote() for _, h in flat])):
@@ -242,6 +257,11 @@ def pool_stats(handles: dict) -> dict:
         for k, v in st.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "mean_forward_ms":
                 acc[k] = acc.get(k, 0) + v
+    for n, acc in out.items():
+        before = (since or {}).get(n, {})
+        for k, v in acc.items():
+            if k not in ("replicas", "mean_forward_ms") and before.get(k, 0) <= v:
+                acc[k] = v - before.get(k, 0)
     for acc in out.values():
         acc["mean_forward_ms"] = 1000 * acc["forward_s"] / acc["forwards"] if acc.get("forwards") else 0.0
     return out

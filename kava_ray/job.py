@@ -51,12 +51,13 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
 @dataclass
 class JobTeachers:
     """What `job_teachers` yields: the pool's handles (None when the KV cache serves the teachers), the plans,
-    whether the pool was started here, and how Ray was reached (`connect`'s answer)."""
+    the replicas started here (labels; empty when the whole pool was running), and how Ray was reached
+    (`connect`'s answer)."""
 
     cfg: JobConfig
     handles: Optional[dict]
     plans: dict[str, TeacherPlan]
-    started: bool
+    started: list[str]
     connected: str
     setup_s: float = 0.0
 
@@ -70,7 +71,8 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                  on_connected: Optional[Callable[[str], None]] = None) -> Iterator[JobTeachers]:
     """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
     and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
-    the KV source. On exit it stops only a pool it started and shuts down only a Ray it started.
+    the KV source. On exit it stops only the teacher replicas it started (a pool that was running, or the part of
+    it that was, stays up) and shuts down only a Ray it started.
 
     on_connected(connected): runs once Ray is up, before any teacher starts (resource checks, status lines).
     """
@@ -86,7 +88,7 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
             if started:
                 from actors.pool import stop_pool
 
-                stop_pool(cfg)
+                stop_pool(cfg, only=started)
     finally:
         if connected == "embedded":  # ours to stop; a Ray the caller started stays up
             from kava_ray.console import collect_before_shutdown
@@ -98,22 +100,6 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
 def teacher_geometries(handles: dict) -> dict[str, dict]:
     """{teacher: geometry dict} as the running actors report it (layers, heads, dims, tokenizer...)."""
     return dict(zip(handles, ray.get([h.geometry.remote() for h in handles.values()])))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
@@ -149,14 +135,15 @@ def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optiona
     return None
 
 
-def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict], dict[str, TeacherPlan], bool]:
-    """(pool handles or None, teacher plans, started_here): a running pool, a new one, or the KV cache.
+def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict], dict[str, TeacherPlan], list[str]]:
+    """(pool handles or None, teacher plans, the replicas started here): a running pool, a new one (or the part
+    of it that was not running), or the KV cache.
 
     A running pool started for another config (model, weights, quantization, dtype, key space) is refused
     in one line, or replaced with `restart` (`--restart-teachers`).
     """
     from actors.kv_cache import KVCache, check_logits
-    from actors.pool import check_resources, find_pool, start_pool, stop_pool
+    from actors.pool import check_resources, find_pool, missing_replicas, start_pool, stop_pool
 
     if cfg.data.kv_source == "cache":
         cache = KVCache(cfg.data.kv_cache_dir)
@@ -173,24 +160,22 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
         s_geom = student_geometry(cfg)
         plans = teacher_plans(cfg, geoms, s_geom, student_fp, dirs)
         check_vocab(cfg, plans, s_geom)
-        return None, plans, False
+        return None, plans, []
     try:
-        handles, started = find_pool(cfg), False
+        handles, started = find_pool(cfg), []
     except KavaError:  # none or part of the pool runs (fewer replicas): attach to what runs, start the rest
         check_resources(cfg)
-        handles, started = start_pool(cfg), True
+        started = missing_replicas(cfg)
+        handles = start_pool(cfg)
     mismatch = identity_mismatch(cfg, teacher_geometries(handles))
     if mismatch is not None:
         if not restart:
             raise KavaError(f"{mismatch}; stop it (kava-ray teachers down) or pass --restart-teachers")
         stop_pool(cfg)
         check_resources(cfg)
-        handles, started = start_pool(cfg), True
+        started = missing_replicas(cfg)  # all of them now
+        handles = start_pool(cfg)
     return handles, live_plans(cfg, handles), started
-
-
-
-
 
 
 def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: Optional[str] = None,
@@ -209,24 +194,6 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
 
 
 # ---------------------------------------------------------------------------------------- data
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> dict:

@@ -173,8 +173,9 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
                                         search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
                                       callbacks=tracker_callbacks(cfg, exp_dir)))
+    before = pool_stats(handles) if handles else {}  # a pool found running has served other runs
     grid = tuner.fit()
-    teacher_stats = pool_stats(handles) if handles else {}
+    teacher_stats = pool_stats(handles, since=before) if handles else {}
     return dict(summarize(grid, cfg, spec, exp_dir), teacher_stats=teacher_stats)
 
 

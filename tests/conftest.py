@@ -130,6 +130,29 @@ def tiny_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
     return write_job(tmp_path_factory.mktemp("job"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
 
 
+@pytest.fixture(scope="session")
+def qtok_teacher_dir(tmp_path_factory):
+    """A tiny random Llama around the real Qwen2 tokenizer (151k tokens; not the student's byte-level one):
+    3 layers, 1 KV head of 24 dims (a small hidden size keeps it light)."""
+    from kava_ray.testing.tiny import build_tiny_model
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    return build_tiny_model(tmp_path_factory.mktemp("qtok"), family="llama", num_layers=3, hidden_size=48,
+                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("qwen2"), seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_pool(ray_session, tiny_job):
+    """The tiny job's teachers (qwen fp32, llama NF4) running in namespace `kava-test` once per test process,
+    as a `kava-ray teachers up` pool runs for a user: the runs of the Ray tests find them (identity-checked)
+    instead of each starting and stopping its own (~8 CPU-seconds a teacher here). A run stops only what it
+    started (tests/test_actors.py), so the pool outlives them; `ray_session` takes it down at the end."""
+    from actors.pool import start_pool
+    from kava_ray.config import load_config
+
+    return start_pool(load_config(tiny_job))
+
+
 # ------------------------------------------------------------------------------------------ tiers
 
 TIERS = ("unit", "ray", "cluster")

@@ -10,7 +10,7 @@ import torch
 
 from actors.feed import ActorSource, KVFeed, feed_items
 from actors.kv_cache import CacheSource, KVCache
-from actors.pool import find_pool, start_pool, stop_pool
+from actors.pool import find_pool, missing_replicas, start_pool, stop_pool
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
@@ -21,11 +21,14 @@ from kava_ray.plans import load_splits, student_geometry, student_tokenizer, tea
 
 
 @pytest.fixture(scope="module")
-def pool(ray_session, tiny_job):
-    cfg = load_config(tiny_job, ["teachers.1.replicas=2"])  # the NF4 llama runs as two replicas
+def pool(tiny_pool, tiny_job):
+    """The session's pool with a second replica of the NF4 llama, which this module stops again."""
+    cfg = load_config(tiny_job, ["teachers.1.replicas=2"])
+    started = missing_replicas(cfg)
+    assert started == ["llama#1"]
     handles = start_pool(cfg)
     yield cfg, handles
-    stop_pool(cfg)
+    stop_pool(cfg, only=started)
 
 
 @pytest.fixture(scope="module")
@@ -410,14 +413,31 @@ def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_studen
     assert not list(storage.glob("*/metrics.jsonl")) and not list(storage.glob("*/checkpoint_*"))
 
 
-def test_restart_teachers_replaces_a_mismatched_pool(pool, tiny_job):
-    """--restart-teachers: the pool is replaced by one started for the new config (last in this module: it
-    replaces the module's pool, and puts one for the original config back)."""
+def test_a_command_stops_only_the_teachers_it_started(pool, tiny_job):
+    """A job whose pool is partly running (a second qwen replica is not): `job_teachers` starts only that
+    replica and, on exit, stops only it; what was running before stays up."""
+    from kava_ray.job import job_teachers
+
+    cfg = load_config(tiny_job, ["teachers.0.replicas=2"])
+    before = {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()}
+    with job_teachers(cfg) as job:
+        assert job.started == ["qwen#1"] and len(job.handles["qwen"].handles) == 2
+    assert missing_replicas(cfg) == ["qwen#1"]
+    assert {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()} == before
+
+
+def test_restart_teachers_replaces_a_mismatched_pool(ray_session, tiny_job):
+    """--restart-teachers: a running teacher started for another config (here: post-RoPE keys) is replaced by
+    one started for this config, which the command then owns (in a namespace of its own: the session's pool
+    stays as it is)."""
     from kava_ray.job import setup_teachers, teacher_geometries
 
-    cfg, handles = pool
-    post = load_config(tiny_job, ["align.key_space=post_rope"])
-    new, plans, started = setup_teachers(post, restart=True)
-    assert started and teacher_geometries(new)["qwen"]["key_space"] == "post_rope"
-    back, _, started = setup_teachers(cfg, restart=True)
-    assert started and teacher_geometries(back)["qwen"]["key_space"] == "pre_rope"
+    cfg = load_config(tiny_job, ["ray.namespace=kava-restart"])
+    cfg = cfg.model_copy(update={"teachers": cfg.teachers[:1]})  # qwen alone
+    start_pool(cfg)
+    try:
+        post = cfg.model_copy(update={"align": cfg.align.model_copy(update={"key_space": "post_rope"})})
+        new, _, started = setup_teachers(post, restart=True)
+        assert started == ["qwen"] and teacher_geometries(new)["qwen"]["key_space"] == "post_rope"
+    finally:
+        stop_pool(cfg)

@@ -177,7 +177,7 @@ def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny
 
 
 @pytest.fixture(scope="module")
-def measured(ray_session, tiny_job, tmp_path_factory):
+def measured(tiny_pool, tiny_job, tmp_path_factory):
     from kava_ray.calibrate import measure_cka
     from kava_ray.config import load_config
 
@@ -234,18 +234,8 @@ def test_training_runs_on_the_measured_map(measured, tiny_job):
             [pytest.approx([w for _, w in p]) for _, p in want]
 
 
-@pytest.fixture(scope="module")
-def qwen_tok_teacher_dir(tmp_path_factory):
-    """A tiny random Llama around the real Qwen2 tokenizer (not the student's byte-level one)."""
-    from kava_ray.testing.tiny import build_tiny_model
-    from kava_ray.testing.tokenizers import real_tokenizer
-
-    return build_tiny_model(tmp_path_factory.mktemp("qtok"), family="llama", num_layers=3, hidden_size=48,
-                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("qwen2"), seed=5)
-
-
-def test_align_cka_with_a_teacher_of_another_tokenizer(ray_session, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
-                                                      tiny_student_dir, qwen_tok_teacher_dir):
+def test_align_cka_with_a_teacher_of_another_tokenizer(tiny_pool, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
+                                                      tiny_student_dir, qtok_teacher_dir):
     """The teacher of another tokenizer gets its own ids; its KV is compared in student time, at the real
     student positions that have a teacher token (fewer than the same-tokenizer teacher's)."""
     from jobs import write_job
@@ -254,8 +244,7 @@ def test_align_cka_with_a_teacher_of_another_tokenizer(ray_session, tmp_path, ti
 
     job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
-                              {"name": "qtok", "model": str(qwen_tok_teacher_dir), "dtype": "float32"}],
-                    ray={"namespace": "kava-test-cka-xtok"})
+                              {"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"}])
     res = measure_cka(load_config(job), samples=4, features="k", out=tmp_path / "x.json", progress=False)
     same, other = res["teachers"]["qwen"], res["teachers"]["qtok"]
     assert torch.tensor(other["cka"]).shape == (2, 3) and "cka_k" not in other

@@ -12,7 +12,7 @@ import pytest
 from jobs import write_job
 
 
-def test_bench_recipes_tiny(ray_session, tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir, capsys):
+def test_bench_recipes_tiny(tiny_pool, tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir, capsys):
     from kava_ray.bench.recipes import format_recipes, run_recipes_bench
     from kava_ray.cli import _print_json_last
 

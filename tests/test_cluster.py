@@ -1,16 +1,12 @@
-"""Where users run it: cluster.yaml, runtime_env.yaml and `ray job submit` against a real head node.
-
-The end-to-end test starts its own head (`ray start --head --block`) in a new session with its own
---temp-dir and ports, submits a tiny job through the Ray job CLI with token authentication on, and
-stops only that head: never `ray stop`, which would stop every Ray on the machine, including the
-embedded one the other tests share (`ray_session`).
+"""Where users run it: cluster.yaml, runtime_env.yaml, and `Head`: a real `ray start --head --block` in a new
+session with its own --temp-dir and ports, stopped by its own pids (never `ray stop`, which would stop every Ray
+on the machine, including the embedded one the other tests share, `ray_session`). The `ray job submit` test
+runs on the head tests/test_service_ray.py starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -18,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import zipfile
 from pathlib import Path
 
@@ -284,74 +279,3 @@ class Head:
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return self._own_pids(marker)
-
-
-def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(tmp_path, tiny_qwen2_dir, tiny_llama_dir,
-                                                              tiny_student_dir):
-    from jobs import write_job
-
-    runs = tmp_path / "runs"
-    job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
-                    train={"steps": 2, "eval_steps": 2, "save_steps": 2, "max_length": 160},
-                    ray={"num_workers": 1, "use_gpu": False, "storage_path": str(runs)})
-    # The documented first step for `ray start` with token auth: a token in ~/.ray/auth_token (kept if
-    # one exists; an embedded ray.init() writes the same file).
-    gen = _ray("get-auth-token", "--generate")
-    assert gen.returncode == 0, gen.stderr
-    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-    assert token and gen.stdout.strip() == token
-
-    t0 = time.monotonic()
-    head = Head()
-    sub_id = f"kava-test-{uuid.uuid4().hex[:8]}"
-    try:
-        head.wait_started()
-        print(f"head up: {time.monotonic() - t0:.1f} s")
-        listening = head.listening()
-        assert listening and listening <= {"127.0.0.1", "::1"}, listening  # loopback only
-        submit = _ray("job", "submit", "--address", head.address, "--submission-id", sub_id,
-                      "--runtime-env", str(REPO / "runtime_env.yaml"), "--working-dir", str(REPO), "--no-wait",
-                      "--", "kava-ray", "train", "--config", str(job), timeout=120)
-        assert submit.returncode == 0, submit.stdout + submit.stderr
-        said = submit.stdout + submit.stderr
-        assert f"Job '{sub_id}' submitted successfully" in said
-        assert re.search(r"Uploading package gcs://_ray_pkg_[0-9a-f]+\.zip", said), said  # the working dir
-
-        # While it runs: clients without the token are refused. Note the first: the job CLI sends the
-        # token only when RAY_AUTH_MODE=token is set on the client, even with ~/.ray/auth_token present.
-        no_mode = subprocess.Popen([str(BIN / "ray"), "job", "list", "--address", head.address],
-                                   env={k: v for k, v in _client_env().items() if k != "RAY_AUTH_MODE"},
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wrong = _ray("job", "status", sub_id, "--address", head.address, env=_client_env(RAY_AUTH_TOKEN="wrong"))
-        assert wrong.returncode != 0 and "Invalid authentication token" in wrong.stdout + wrong.stderr
-        out, _ = no_mode.communicate(timeout=60)
-        assert no_mode.returncode != 0 and "Missing authentication token" in out
-
-        print(f"submitted + auth checks: {time.monotonic() - t0:.1f} s")
-        # `ray job logs --follow` returns when the job ends.
-        try:
-            logs = _ray("job", "logs", sub_id, "--follow", "--address", head.address, timeout=180).stdout
-        except subprocess.TimeoutExpired:
-            logs = _ray("job", "logs", sub_id, "--address", head.address).stdout
-        print(f"job ended: {time.monotonic() - t0:.1f} s")
-        status = _ray("job", "status", sub_id, "--address", head.address)
-        text = status.stdout + status.stderr
-        assert f"Job '{sub_id}' succeeded" in text, f"{text}\n--- ray job logs {sub_id} ---\n{logs[-8000:]}"
-        assert "run dir:" in logs
-
-        # The job's driver used the cluster (RAY_ADDRESS, set by the job server), not an embedded Ray:
-        # its teachers and Train worker are actors of this head.
-        actors = _ray("list", "actors", "--address", head.gcs_address, "--format", "json", "--limit", "200")
-        assert actors.returncode == 0, actors.stderr
-        classes = {a["class_name"] for a in json.loads(actors.stdout)}
-        assert {"TeacherActor", "RayTrainWorker"} <= classes, classes
-
-        (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert max(r.get("step", -1) for r in records) == 2
-        assert (run_dir / "final" / "student" / "config.json").is_file()
-        print(f"job submit end to end: {time.monotonic() - t0:.0f} s")
-    finally:
-        left = head.stop(marker=str(job))
-        print(f"head stopped: {time.monotonic() - t0:.1f} s")
-    assert not left, f"processes of the test's head survived: {left}"

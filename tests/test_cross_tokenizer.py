@@ -20,28 +20,20 @@ from kava_ray.errors import KavaError
 from kava_ray.models import kv_geometry, load_model, load_student
 from kava_ray.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.testing.sources import InProcessSource
-from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
 from tiny_models import train_on_one_batch
 
 
 @pytest.fixture(scope="module")
-def qwen_tok_teacher_dir(tmp_path_factory):
-    """3 layers, 1 KV head of 24 dims, the real Qwen2 tokenizer (151k tokens: a small hidden size keeps it light)."""
-    return build_tiny_model(tmp_path_factory.mktemp("qtok"), family="llama", num_layers=3, hidden_size=48,
-                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("qwen2"), seed=5)
-
-
-@pytest.fixture(scope="module")
-def xjob(tmp_path_factory, tiny_qwen2_dir, qwen_tok_teacher_dir, tiny_student_dir):
+def xjob(tmp_path_factory, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_dir):
     tmp = tmp_path_factory.mktemp("xtok")
-    return write_job(tmp, tiny_qwen2_dir, qwen_tok_teacher_dir, tiny_student_dir,
+    return write_job(tmp, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
-                               {"name": "qtok", "model": str(qwen_tok_teacher_dir), "dtype": "float32"}],
+                               {"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"}],
                      data={"num_train": 48, "num_val": 8, "num_test": 8},
                      train={"steps": 12, "save_steps": 4, "eval_steps": 6, "batch_size": 2, "max_length": 320,
                             "num_to_keep": 3},
-                     ray={"namespace": "kava-test-xtok", "num_workers": 2})
+                     ray={"num_workers": 2})
 
 
 def in_process(cfg):
@@ -107,7 +99,19 @@ def test_logits_come_only_from_the_teacher_sharing_the_tokenizer(xjob):
 
 
 @pytest.fixture(scope="module")
-def xrun(ray_session, xjob):
+def xpool(tiny_pool, xjob):
+    """qtok beside the session's pool for this module (the run and the precompute below find both)."""
+    from actors.pool import missing_replicas, start_pool, stop_pool
+
+    cfg = load_config(xjob)
+    started = missing_replicas(cfg)
+    start_pool(cfg)
+    yield
+    stop_pool(cfg, only=started)
+
+
+@pytest.fixture(scope="module")
+def xrun(xpool, xjob):
     from kava_ray.train import run_training
 
     cfg = load_config(xjob)

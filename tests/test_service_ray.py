@@ -11,19 +11,21 @@ must give loopback. The head (test_cluster.Head) is stopped by its own pids, nev
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
 from jobs import write_job
-from test_cluster import BIN, Head, _client_env
+from test_cluster import BIN, REPO, Head, _client_env, _ray
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
@@ -170,14 +172,40 @@ def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path
 
 
 def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_address_file(own_train):
+    """...on a quiet console: status lines, then the command's table; the chatter of Ray, its workers and the
+    libraries is in RUN_DIR/logs/ (kava_ray.console)."""
+    from test_console import CHATTER
+
     proc, cwd, tmpdir, t0 = own_train
     proc.wait(timeout=240)
     stdout, stderr = (cwd / "out.txt").read_text(), (cwd / "err.txt").read_text()
     print(f"train (in the background since the head was up): {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
-    assert "note: a Ray cluster" not in stderr  # the file's cluster is dead: nothing to mention
-    assert (cwd / "runs" / "own" / "final" / "student" / "config.json").is_file()
+    run_dir = (cwd / "runs" / "own").resolve()
+    assert (run_dir / "final" / "student" / "config.json").is_file()
+
+    # status lines, in order, and nothing else on stderr (no tty: no progress bar); no note about a cluster:
+    # the address file's cluster is dead
+    err = stderr.splitlines()
+    assert [line.split(":")[0] for line in err] == ["data", "connecting", "teachers", "training", "test", "logs"], err
+    assert err[0].startswith("data: ") and " training, " in err[0] and "(synthetic)" in err[0]
+    assert "embedded Ray (" in err[1] and "127.0.0.1" in err[1]
+    assert err[2].startswith("teachers: 2 ready (qwen, llama) in ")
+    assert err[3] == f"training: 2 steps, 1 worker -> {run_dir}"
+    assert err[4].startswith("test: CE ") and "centred cos" in err[4]
+    assert err[5] == f"logs: {run_dir / 'logs'}"
+    assert stdout.splitlines()[-1].startswith(f"run dir: {run_dir}")  # the command's own output: the table
+    console = stdout + stderr
+    for word in CHATTER:
+        assert word not in console, (word, console)
+    assert len(console.splitlines()) < 40, console
+    logs = run_dir / "logs"
+    assert (logs / "driver.log").is_file()
+    text = {p.relative_to(logs).as_posix(): p.read_text(errors="replace") for p in logs.rglob("*") if p.is_file()}
+    assert any("Loading weights" in t for t in text.values()), sorted(text)  # the teachers' / worker's bars
+    assert any(name.startswith("ray/TeacherActor-") for name in text), sorted(text)
+    assert any(name.startswith("ray/train/") for name in text), sorted(text)  # Ray Train's own logs
 
 
 def test_an_address_nothing_answers_at_fails_in_one_line(job, address_dir):
@@ -191,3 +219,76 @@ def test_an_address_nothing_answers_at_fails_in_one_line(job, address_dir):
     # the data is prepared (and checked) in the driver before Ray: its status line, then the one-line error
     errors = [x for x in lines if not x.startswith("data: ")]
     assert len(errors) == 1 and errors[0].startswith("error: cannot connect to Ray at '127.0.0.1:1'"), out.stderr
+
+
+# ------------------------------------------------------------------------- ray job submit, end to end
+
+
+def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
+                                                              tiny_student_dir):
+    """`ray job submit` of `kava-ray train` with the repo as working dir, on the loopback head with token auth:
+    clients without the token are refused, the job's driver uses the cluster (its teachers and Train worker
+    are actors of the head, in the job's own namespace), and the run lands in the job's storage path."""
+    runs = tmp_path / "runs"
+    job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                    train={"steps": 2, "eval_steps": 2, "save_steps": 2, "max_length": 160},
+                    ray={"num_workers": 1, "use_gpu": False, "storage_path": str(runs), "namespace": "kava-submit"})
+    # The documented first step for `ray start` with token auth: a token in ~/.ray/auth_token (kept if
+    # one exists; an embedded ray.init() writes the same file).
+    gen = _ray("get-auth-token", "--generate")
+    assert gen.returncode == 0, gen.stderr
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    assert token and gen.stdout.strip() == token
+
+    t0 = time.monotonic()
+    sub_id = f"kava-test-{uuid.uuid4().hex[:8]}"
+    try:
+        listening = head.listening()
+        assert listening and listening <= {"127.0.0.1", "::1"}, listening  # loopback only
+        submit = _ray("job", "submit", "--address", head.address, "--submission-id", sub_id,
+                      "--runtime-env", str(REPO / "runtime_env.yaml"), "--working-dir", str(REPO), "--no-wait",
+                      "--", "kava-ray", "train", "--config", str(job), timeout=120)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        said = submit.stdout + submit.stderr
+        assert f"Job '{sub_id}' submitted successfully" in said
+        assert re.search(r"Uploading package gcs://_ray_pkg_[0-9a-f]+\.zip", said), said  # the working dir
+
+        # While it runs: clients without the token are refused. Note the first: the job CLI sends the
+        # token only when RAY_AUTH_MODE=token is set on the client, even with ~/.ray/auth_token present.
+        no_mode = subprocess.Popen([str(BIN / "ray"), "job", "list", "--address", head.address],
+                                   env={k: v for k, v in _client_env().items() if k != "RAY_AUTH_MODE"},
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wrong = _ray("job", "status", sub_id, "--address", head.address, env=_client_env(RAY_AUTH_TOKEN="wrong"))
+        assert wrong.returncode != 0 and "Invalid authentication token" in wrong.stdout + wrong.stderr
+        out, _ = no_mode.communicate(timeout=60)
+        assert no_mode.returncode != 0 and "Missing authentication token" in out
+
+        print(f"submitted + auth checks: {time.monotonic() - t0:.1f} s")
+        # `ray job logs --follow` returns when the job ends.
+        try:
+            logs = _ray("job", "logs", sub_id, "--follow", "--address", head.address, timeout=180).stdout
+        except subprocess.TimeoutExpired:
+            logs = _ray("job", "logs", sub_id, "--address", head.address).stdout
+        print(f"job ended: {time.monotonic() - t0:.1f} s")
+        status = _ray("job", "status", sub_id, "--address", head.address)
+        text = status.stdout + status.stderr
+        assert f"Job '{sub_id}' succeeded" in text, f"{text}\n--- ray job logs {sub_id} ---\n{logs[-8000:]}"
+        assert "run dir:" in logs
+
+        # The job's driver used the cluster (RAY_ADDRESS, set by the job server), not an embedded Ray:
+        # its teachers and Train worker are actors of this head.
+        actors = _ray("list", "actors", "--address", head.gcs_address, "--format", "json", "--limit", "1000",
+                      "--detail")
+        assert actors.returncode == 0, actors.stderr
+        mine = [a for a in json.loads(actors.stdout) if a.get("ray_namespace") == "kava-submit"]
+        assert {"TeacherActor"} <= {a["class_name"] for a in mine}, mine
+        trainers = {a["class_name"] for a in json.loads(actors.stdout) if a.get("job_id") in {m["job_id"] for m in mine}}
+        assert "RayTrainWorker" in trainers, trainers
+
+        (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert max(r.get("step", -1) for r in records) == 2
+        assert (run_dir / "final" / "student" / "config.json").is_file()
+        print(f"job submit end to end: {time.monotonic() - t0:.0f} s")
+    finally:  # the driver of a job that did not end (a failed assertion above): stop it, leave the head
+        _ray("job", "stop", sub_id, "--address", head.address)

@@ -183,7 +183,7 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
 
 
 @pytest.fixture(scope="module")
-def e2e_run(ray_session, job_path):
+def e2e_run(tiny_pool, job_path):
     from kava_ray.train import run_training
 
     cfg = load_config(job_path, ["train.loggers=[tensorboard, mlflow]"])  # the run also checks the trackers

@@ -41,7 +41,7 @@ def write_space(root: Path, name: str, space: dict) -> Path:
     return path
 
 
-def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(ray_session, tune_job):
+def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(tiny_pool, tune_job):
     """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep, `--resume` runs the
     other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed
     run's scheduler starts empty, so the good trial before it fills the rung); best.yaml is a job that trains."""
@@ -86,7 +86,8 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     with open(exp / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 3
     assert (exp / "trials.png").read_bytes()[:4] == b"\x89PNG"
-    # the resumed run's two trials shared the teachers' batches: each computed once
+    # the resumed run's two trials shared the teachers' batches: each computed once (counted from the sweep's
+    # start: the session's pool served other runs before)
     for name, st in out["teacher_stats"].items():
         assert st["hits"] > 0 and st["forwards"] < st["requests"], (name, st)
 
