@@ -316,28 +316,6 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "kava_ray.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_teachers_up_status_down_round_trip(ray_session, tiny_job):
-    import ray
-
-    addr = ray.get_runtime_context().gcs_address
-    common = ["--config", str(tiny_job), "--address", addr, "ray.namespace=kava-cli"]
-    r = cli("teachers", "up", *common)
-    assert r.returncode == 0, r.stderr
-    assert find_pool(load_config(tiny_job, ["ray.namespace=kava-cli"]))  # detached: outlives the CLI
-    r = cli("teachers", "status", *common, "--json")
-    assert r.returncode == 0, r.stderr
-    assert "qwen" in r.stdout and "llama" in r.stdout and "4x2x16" in r.stdout and "3x2x32" in r.stdout
-    import json
-
-    rows = json.loads(r.stdout.strip().splitlines()[-1])["teachers"]
-    assert {row["name"]: row["quantization"] for row in rows} == {"qwen": "none", "llama": "4bit"}
-    assert all(row["running"] for row in rows)
-    r = cli("teachers", "down", *common)
-    assert r.returncode == 0 and "qwen" in r.stdout
-    with pytest.raises(KavaError, match="not running"):
-        find_pool(load_config(tiny_job, ["ray.namespace=kava-cli"]))
-
-
 @pytest.mark.parametrize("extra,expect", [
     (["--teacher", "nope"], "unknown teacher 'nope'"),
     (["teachers.0.model=/no/such/model"], "model '/no/such/model'"),
@@ -355,14 +333,15 @@ def test_teachers_bad_input_is_one_line_exit_2(ray_session, tiny_job, extra, exp
 
 
 def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
-    """Every part of `kava-ray bench feed` at toy sizes: timed regimes (1 and 2 teachers), replicas, the real
-    teacher, early stop and transport. Asserts what the bench computes, never how fast this box was."""
+    """Every part of `kava-ray bench feed` at toy sizes: a timed regime, replicas, the real teacher, early stop and
+    transport (one size of each: every actor is a process start). Asserts what the bench computes, never how
+    fast this box was."""
     from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
-    r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1, 2),
-                       replicas=(1, 2), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2)
+    r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1,),
+                       replicas=(2,), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2)
     regimes = r["regimes"]
-    assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("timed", 2), ("real", 1)]
+    assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("real", 1)]
     for g in regimes:
         assert set(g["pipelined_s"]) == {"1", "2"} and all(v > 0 for v in g["pipelined_s"].values())
         best = max(max(g["T_s"]), g["S_s"])
@@ -370,20 +349,20 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
         if g["mode"] == "timed":  # each teacher waits its delay at least: T/S and its speed step of the slowest
             target = [g["t_over_s_target"] * g["S_s"] * f for f in r["config"]["speed_steps"][:g["teachers"]]]
             assert all(t >= 0.99 * d for t, d in zip(g["T_s"], target)), (g["T_s"], target)
-    assert [x["replicas"] for x in r["replicas"]] == [1, 2] and r["replicas"][1]["depth"] == 4
-    assert r["replicas"][1]["forwards_per_replica"] == [2, 2]  # batch keys alternate replicas, one forward each
+    assert [x["replicas"] for x in r["replicas"]] == [2] and r["replicas"][0]["depth"] == 4
+    assert r["replicas"][0]["forwards_per_replica"] == [2, 2]  # batch keys alternate replicas, one forward each
     e = r["early_stop"]
     assert e["served_layers"] == [0, 1, 2, 3] and e["full_ms"] > 0 and e["stopped_ms"] > 0
     t = r["transport"]
     assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
     text = format_feed_bench(r)
-    assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 2" in text
+    assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 1" in text
     # `kava-ray bench all` writes these figures into docs/results.md, each row naming its command
     from kava_ray.bench.all import PERF_BEGIN, PERF_END, performance_block, summary_rows, write_results
 
     rows = summary_rows({"feed": r})
     assert rows and all(row[-1] == "`kava-ray bench feed`" for row in rows)
-    assert any(f"{r['replicas'][1]['step_over_expected']:.2f}" in row[1] for row in rows)
+    assert any(f"{r['replicas'][0]['step_over_expected']:.2f}" in row[1] for row in rows)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{PERF_BEGIN}\nold\n{PERF_END}\n\n## after\n")
     write_results(readme, performance_block({"feed": r, "wall_s": {"feed": 60.0}}, "a test box"))

@@ -237,15 +237,13 @@ def test_data_pydoc_command_writes_counts_and_measures_the_gap(tiny_job, tmp_pat
 
 
 def test_bench_data_at_toy_sizes(tmp_path):
-    """Every size prepared in a fresh driver process and read in a fresh worker process; the figures the
-    bench reports are all there (the real sizes are a bench, not a test)."""
+    """A size prepared in a fresh driver process and read in a fresh worker process (one size: each is two
+    process starts); the figures the bench reports are all there (the real sizes are a bench, not a test)."""
     from kava_ray.bench.data import format_data_bench, run_data_bench
 
-    r = run_data_bench(sizes_mb=(0.05, 0.1), max_length=32, batch_size=4, batches=5, out=str(tmp_path),
+    r = run_data_bench(sizes_mb=(0.05,), max_length=32, batch_size=4, batches=5, out=str(tmp_path),
                        progress=False)
-    assert [x["size_mb"] for x in r["rows"]] == [0.05, 0.1]
-    small, large = r["rows"]
-    assert large["driver"]["tokens"] > 1.5 * small["driver"]["tokens"] > 0
+    assert [x["size_mb"] for x in r["rows"]] == [0.05] and r["rows"][0]["driver"]["tokens"] > 0
     for x in r["rows"]:
         assert x["worker"]["first_batch_s"] > 0 and x["worker"]["stream_tokens_per_s"] > 0
         assert x["worker"]["padded"] == 0.0 and x["worker"]["peak_rss_mib"] > x["worker"]["base_rss_mib"] > 0

@@ -79,6 +79,31 @@ def job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
                      data={"num_train": 32, "num_test": 4, "num_val": 4})
 
 
+def _kava(*args, env: dict, cwd=None, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "kava-ray"), *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def head_pool(head, job, address_dir):
+    """`kava-ray teachers up --address HEAD`: the job's teachers as detached actors on the head, which the sweep
+    and the submitted job below find by name (README: a pool that outlives the commands using it). The last
+    test of the module takes it down."""
+    env = _env(address_dir("127.0.0.1:1"))
+    up = _kava("teachers", "up", "--config", job, "--address", head.gcs_address, env=env)
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+    return env
+
+
+def test_teachers_up_on_the_head_outlives_the_command_and_status_lists_it(head, job, own_train, head_pool):
+    r = _kava("teachers", "status", "--config", job, "--address", head.gcs_address, "--json", env=head_pool)
+    assert r.returncode == 0, r.stderr
+    assert "4x2x16" in r.stdout and "3x2x32" in r.stdout  # the geometry columns of the table
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["teachers"]
+    assert {row["name"]: row["quantization"] for row in rows} == {"qwen": "none", "llama": "4bit"}
+    assert all(row["running"] for row in rows)
+
+
 PROBE = textwrap.dedent("""
     import json, os, sys
     import psutil, ray
@@ -144,7 +169,7 @@ def own_train(head, job, address_dir, tmp_path_factory):
 
 
 def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path(head, job, tmp_path, address_dir,
-                                                                                  own_train):
+                                                                                  own_train, head_pool):
     tmpdir = address_dir(head.gcs_address)  # `--address auto` finds the head through Ray's address file
     cfg = yaml.safe_load(job.read_text())
     cfg["ray"]["storage_path"] = "sweeps"  # relative: to the CWD of the `kava-ray tune` below
@@ -224,15 +249,15 @@ def test_an_address_nothing_answers_at_fails_in_one_line(job, address_dir):
 # ------------------------------------------------------------------------- ray job submit, end to end
 
 
-def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
-                                                              tiny_student_dir):
+def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, head_pool, tmp_path, tiny_qwen2_dir,
+                                                              tiny_llama_dir, tiny_student_dir):
     """`ray job submit` of `kava-ray train` with the repo as working dir, on the loopback head with token auth:
-    clients without the token are refused, the job's driver uses the cluster (its teachers and Train worker
-    are actors of the head, in the job's own namespace), and the run lands in the job's storage path."""
+    clients without the token are refused, the job's driver uses the cluster (it says so, and trains with the
+    head's teacher pool and a Train worker of the head), and the run lands in the job's storage path."""
     runs = tmp_path / "runs"
     job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                     train={"steps": 2, "eval_steps": 2, "save_steps": 2, "max_length": 160},
-                    ray={"num_workers": 1, "use_gpu": False, "storage_path": str(runs), "namespace": "kava-submit"})
+                    ray={"num_workers": 1, "use_gpu": False, "storage_path": str(runs)})
     # The documented first step for `ray start` with token auth: a token in ~/.ray/auth_token (kept if
     # one exists; an embedded ray.init() writes the same file).
     gen = _ray("get-auth-token", "--generate")
@@ -275,15 +300,13 @@ def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, tmp_path, ti
         assert f"Job '{sub_id}' succeeded" in text, f"{text}\n--- ray job logs {sub_id} ---\n{logs[-8000:]}"
         assert "run dir:" in logs
 
-        # The job's driver used the cluster (RAY_ADDRESS, set by the job server), not an embedded Ray:
-        # its teachers and Train worker are actors of this head.
-        actors = _ray("list", "actors", "--address", head.gcs_address, "--format", "json", "--limit", "1000",
-                      "--detail")
+        # The job's driver used the cluster (RAY_ADDRESS, set by the job server), not an embedded Ray: it says
+        # so, found the head's pool, and its Train worker is an actor of this head.
+        assert re.search(r"^connecting: Ray at \S+ \(8 CPUs", logs, re.M), logs[-3000:]
+        assert re.search(r"^teachers: 2 already running \(qwen, llama\)", logs, re.M), logs[-3000:]
+        actors = _ray("list", "actors", "--address", head.gcs_address, "--format", "json", "--limit", "1000")
         assert actors.returncode == 0, actors.stderr
-        mine = [a for a in json.loads(actors.stdout) if a.get("ray_namespace") == "kava-submit"]
-        assert {"TeacherActor"} <= {a["class_name"] for a in mine}, mine
-        trainers = {a["class_name"] for a in json.loads(actors.stdout) if a.get("job_id") in {m["job_id"] for m in mine}}
-        assert "RayTrainWorker" in trainers, trainers
+        assert "RayTrainWorker" in {a["class_name"] for a in json.loads(actors.stdout)}
 
         (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -292,3 +315,12 @@ def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, tmp_path, ti
         print(f"job submit end to end: {time.monotonic() - t0:.0f} s")
     finally:  # the driver of a job that did not end (a failed assertion above): stop it, leave the head
         _ray("job", "stop", sub_id, "--address", head.address)
+
+
+def test_teachers_down_stops_the_heads_pool(head, job, head_pool):
+    """(Last in the module.) `kava-ray teachers down` stops the pool `teachers up` started on the head."""
+    down = _kava("teachers", "down", "--config", job, "--address", head.gcs_address, env=head_pool)
+    assert down.returncode == 0 and "qwen" in down.stdout and "llama" in down.stdout, down.stdout + down.stderr
+    r = _kava("teachers", "status", "--config", job, "--address", head.gcs_address, "--json", env=head_pool)
+    assert r.returncode == 0 and not any(row["running"] for row in json.loads(r.stdout.strip().splitlines()[-1])
+                                         ["teachers"]), r.stdout
