@@ -413,10 +413,11 @@ def test_restart_teachers_replaces_a_mismatched_pool(ray_session, tiny_job):
 
     cfg = load_config(tiny_job, ["ray.namespace=kava-restart"])
     cfg = cfg.model_copy(update={"teachers": cfg.teachers[:1]})  # qwen alone
-    start_pool(cfg)
+    old = start_pool(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     try:
         post = cfg.model_copy(update={"align": cfg.align.model_copy(update={"key_space": "post_rope"})})
         new, _, started = setup_teachers(post, restart=True)
         assert started == ["qwen"] and teacher_geometries(new)["qwen"]["key_space"] == "post_rope"
+        assert new["qwen"].handles[0]._actor_id != old["qwen"].handles[0]._actor_id
     finally:
         stop_pool(cfg)

@@ -105,8 +105,7 @@ def xpool(tiny_pool, xjob):
 
     cfg = load_config(xjob)
     started = missing_replicas(cfg)
-    start_pool(cfg)
-    yield
+    yield start_pool(cfg)  # the handles, held: Ray ends a non-detached actor once no handle to it is left
     stop_pool(cfg, only=started)
 
 
