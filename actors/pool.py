@@ -201,6 +201,13 @@ def missing_replicas(cfg: JobConfig) -> list[str]:
     return out
 
 
+def start_missing(cfg: JobConfig, timeout_s: float = 600.0) -> tuple[dict, list[str]]:
+    """`start_pool` that also says which replicas it started (`missing_replicas` before it): (handles, labels),
+    so that whoever started them stops exactly those (`stop_pool(cfg, only=labels)`) and a pool it found stays."""
+    started = missing_replicas(cfg)
+    return start_pool(cfg, timeout_s=timeout_s), started
+
+
 def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
     """Kill the running teachers of cfg (and their placement groups), or only the replicas labelled in `only`
     (those a command started); returns the labels stopped."""
@@ -260,9 +267,8 @@ def pool_stats(handles: dict, since: Optional[dict] = None) -> dict:
     for n, acc in out.items():
         before = (since or {}).get(n, {})
         for k, v in acc.items():
-            if k not in ("replicas", "mean_forward_ms") and before.get(k, 0) <= v:
+            if k != "replicas" and before.get(k, 0) <= v:
                 acc[k] = v - before.get(k, 0)
-    for acc in out.values():
         acc["mean_forward_ms"] = 1000 * acc["forward_s"] / acc["forwards"] if acc.get("forwards") else 0.0
     return out
 

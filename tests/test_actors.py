@@ -10,7 +10,7 @@ import torch
 
 from actors.feed import ActorSource, KVFeed, feed_items
 from actors.kv_cache import CacheSource, KVCache
-from actors.pool import find_pool, missing_replicas, start_pool, stop_pool
+from actors.pool import find_pool, missing_replicas, start_missing, start_pool, stop_pool
 from kava_ray.config import load_config
 from kava_ray.data import BatchStream
 from kava_ray.errors import KavaError
@@ -24,9 +24,8 @@ from kava_ray.plans import load_splits, student_geometry, student_tokenizer, tea
 def pool(tiny_pool, tiny_job):
     """The session's pool with a second replica of the NF4 llama, which this module stops again."""
     cfg = load_config(tiny_job, ["teachers.1.replicas=2"])
-    started = missing_replicas(cfg)
+    handles, started = start_missing(cfg)
     assert started == ["llama#1"]
-    handles = start_pool(cfg)
     yield cfg, handles
     stop_pool(cfg, only=started)
 
@@ -397,12 +396,15 @@ def test_a_command_stops_only_the_teachers_it_started(pool, tiny_job):
     replica and, on exit, stops only it; what was running before stays up."""
     from kava_ray.job import job_teachers
 
+    def running_ids():  # the actor ids of the pool this module runs
+        return {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()}
+
     cfg = load_config(tiny_job, ["teachers.0.replicas=2"])
-    before = {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()}
+    before = running_ids()
     with job_teachers(cfg) as job:
         assert job.started == ["qwen#1"] and len(job.handles["qwen"].handles) == 2
     assert missing_replicas(cfg) == ["qwen#1"]
-    assert {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()} == before
+    assert running_ids() == before
 
 
 def test_restart_teachers_replaces_a_mismatched_pool(ray_session, tiny_job):

@@ -101,11 +101,11 @@ def test_logits_come_only_from_the_teacher_sharing_the_tokenizer(xjob):
 @pytest.fixture(scope="module")
 def xpool(tiny_pool, xjob):
     """qtok beside the session's pool for this module (the run and the precompute below find both)."""
-    from actors.pool import missing_replicas, start_pool, stop_pool
+    from actors.pool import start_missing, stop_pool
 
     cfg = load_config(xjob)
-    started = missing_replicas(cfg)
-    yield start_pool(cfg)  # the handles, held: Ray ends a non-detached actor once no handle to it is left
+    handles, started = start_missing(cfg)
+    yield handles  # held: Ray ends a non-detached actor once no handle to it is left
     stop_pool(cfg, only=started)
 
 
