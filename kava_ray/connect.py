@@ -25,11 +25,12 @@ from kava_ray._io import first_line
 from kava_ray.errors import KavaError
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
-# run that reports every step would be throttled to one step per 2 s. Poll faster on our own Ray.
+# run that reports every step would be throttled to one step per 2 s. Poll faster, on our own Ray and on a
+# cluster we join (a job-level env var of this driver's job).
+TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 # An embedded Ray is one machine that no autoscaler drains: Train's PreemptionWatcher actor (a process per run
 # that polls the node's drain state every 5 s) has nothing to watch there.
-EMBEDDED_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                "TRANSFORMERS_VERBOSITY": "error"}
+EMBEDDED_ENV = {**TRAIN_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "TRANSFORMERS_VERBOSITY": "error"}
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node IP
 PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
 LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.console.quiet turns it off (workers' lines stay in Ray's logs)
@@ -183,7 +184,11 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
     if is_loopback(target):
         single_machine_mode()  # else Ray rewrites 127.0.0.1 to this machine's routable IP and never connects
     try:
-        ray.init(address=target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER)
+        # Ray merges these with a `ray job submit` job's runtime env and refuses a key both set, even to the same
+        # value: a key already in this driver's environment (the submitted job's env_vars are) is left to it
+        env = {k: v for k, v in TRAIN_ENV.items() if k not in os.environ}
+        ray.init(address=target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER,
+                 runtime_env={"env_vars": env} if env else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         # something answers but refuses us: most often a token cluster and a client that sends no token
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else

@@ -233,6 +233,24 @@ def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_addre
     assert any(name.startswith("ray/train/") for name in text), sorted(text)  # Ray Train's own logs
 
 
+JOB_ENV = textwrap.dedent("""
+    import os, sys, ray
+    from kava_ray.connect import connect
+
+    connect(sys.argv[1], "kava-env")
+    print(ray.get(ray.remote(lambda: os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")).remote()))
+""")
+
+
+def test_a_driver_joining_a_cluster_gives_its_workers_trains_fast_poll(head, address_dir):
+    """Ray Train's controller takes one report per worker per poll (2 s by default): a job joining a cluster sets
+    the poll of its own workers as an embedded Ray does (kava_ray.connect.TRAIN_ENV), or a run on `ray start
+    --head` would take at least 2 s per logged step."""
+    out = subprocess.run([sys.executable, "-c", JOB_ENV, head.gcs_address], env=_env(address_dir("127.0.0.1:1")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "0.2", out.stdout + out.stderr[-3000:]
+
+
 def test_an_address_nothing_answers_at_fails_in_one_line(job, address_dir):
     t0 = time.monotonic()
     out = subprocess.run([str(BIN / "kava-ray"), "train", "--config", str(job), "--address", "127.0.0.1:1"],
@@ -307,7 +325,6 @@ def test_job_submit_with_token_auth_runs_a_job_on_the_cluster(head, head_pool, t
         actors = _ray("list", "actors", "--address", head.gcs_address, "--format", "json", "--limit", "1000")
         assert actors.returncode == 0, actors.stderr
         assert "RayTrainWorker" in {a["class_name"] for a in json.loads(actors.stdout)}
-
         (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert max(r.get("step", -1) for r in records) == 2
