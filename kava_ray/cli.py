@@ -563,8 +563,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a command that saved its state says where (kava_ray.tune)
+        print(f"error: interrupted{'; ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import math
+import os
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -174,9 +177,43 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
                                       callbacks=tracker_callbacks(cfg, exp_dir)))
     before = pool_stats(handles) if handles else {}  # a pool found running has served other runs
-    grid = tuner.fit()
+    with ctrl_c_saves_the_sweep() as interrupted:
+        grid = tuner.fit()
+    if interrupted():
+        raise KeyboardInterrupt(f"the sweep's state is saved in {exp_dir}: --resume {exp_dir} continues it")
     teacher_stats = pool_stats(handles, since=before) if handles else {}
     return dict(summarize(grid, cfg, spec, exp_dir), teacher_stats=teacher_stats)
+
+
+@contextlib.contextmanager
+def ctrl_c_saves_the_sweep():
+    """Around `Tuner.fit()`: a Ctrl+C stops the sweep as Tune's own handler does (Tune saves the experiment's state
+    and fit() returns), and the caller learns that it happened (`interrupted()`), which the returned grid does not
+    say: Tune marks the trials it stopped TERMINATED, like finished ones. Tune's documented switches: with
+    TUNE_DISABLE_SIGINT_HANDLER=1 it leaves SIGINT to us, and its SIGUSR1 handler is the same graceful stop. A
+    second Ctrl+C (or one before Tune is listening) raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield lambda: False
+        return
+    hits = []
+
+    def on_sigint(sig, frame):
+        if hits or signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            raise KeyboardInterrupt
+        hits.append(sig)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.signal(signal.SIGINT, on_sigint)
+    env = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if env is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER")
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = env
 
 
 def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:

@@ -3,9 +3,9 @@
 import csv
 import json
 import math
+import os
 import signal
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,12 +41,12 @@ def write_space(root: Path, name: str, space: dict) -> Path:
     return path
 
 
-def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(tiny_pool, tune_job):
-    """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep, `--resume` runs the
-    other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed
-    run's scheduler starts empty, so the good trial before it fills the rung); best.yaml is a job that trains."""
-    import ray
-
+def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(tiny_pool, tune_job, capsys):
+    """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep (a SIGINT to this
+    process, inside Tune's fit): `kava-ray tune` says how to continue in one line, exit 130; `--resume` runs the
+    other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed run's scheduler starts empty, so the
+    good trial before it fills the rung); best.yaml is a job that trains."""
+    from kava_ray.cli import main
     from kava_ray.models import load_model
     from kava_ray.plans import in_process_plans
     from kava_ray.testing.sources import InProcessSource
@@ -58,20 +58,29 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
         "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
         "params": {"optim.lr_projector": {"grid": [1.0e-2, 5.0e-3, 1.0e-8]}}})
     exp = root / "runs" / "asha"
-    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.cli", "tune", "--config", str(job), "--space",
-                             str(space), "--name", "asha", "--max-concurrent", "1",
-                             "--address", ray.get_runtime_context().gcs_address],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600  # generous: a loaded CI box; ~1 min alone
-    while time.time() < deadline and "TERMINATED" not in trial_statuses(exp).values():
-        time.sleep(0.5)
-    done = [t for t, status in trial_statuses(exp).items() if status == "TERMINATED"]
+    done = []
+
+    def ctrl_c():  # Ctrl+C once the first trial has finished: Tune saves the experiment state and stops
+        deadline = time.time() + 600  # generous: a loaded CI box; ~25 s alone
+        while time.time() < deadline and not done:
+            done.extend(t for t, status in trial_statuses(exp).items() if status == "TERMINATED")
+            time.sleep(0.2)
+        if done:
+            os.kill(os.getpid(), signal.SIGINT)  # to the main thread, inside Tune's fit (its SIGINT handler)
+
+    thread = threading.Thread(target=ctrl_c, daemon=True)
+    thread.start()
+    code = main(["tune", "--config", str(job), "--space", str(space), "--name", "asha", "--max-concurrent", "1"])
+    thread.join()
     assert len(done) == 1, "the first trial did not finish in time"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err[-1] == f"error: interrupted; the sweep's state is saved in {exp}: --resume {exp} " \
+                                      f"continues it", err[-5:]
+    statuses = trial_statuses(exp)
+    assert list(statuses.values()).count("TERMINATED") == 1 and len(statuses) >= 2, statuses  # the next one stopped
     first_trial = next(exp.glob(f"trial_fn_{done[0]}_*"))
     files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
     before = [f.read_text() for f in files]
-    proc.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment state and stops
-    proc.wait(timeout=120)
 
     out = run_tune(load_config(job), str(space), resume=str(exp))
     rows = out["rows"]
