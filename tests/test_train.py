@@ -183,15 +183,33 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
 
 
 @pytest.fixture(scope="module")
-def e2e_run(tiny_pool, job_path):
+def e2e_job(tmp_path_factory, job_path, tiny_qwen2_dir, tiny_llama_dir, small_student_dir, qtok_teacher_dir):
+    """The 2-worker job with a third teacher, `qtok`, of another tokenizer and geometry (tests/conftest.py): its
+    KV reaches the student through the character alignment, in the run every end-to-end test below reads."""
+    import yaml
+
+    d = yaml.safe_load(job_path.read_text())
+    d["teachers"].append({"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"})
+    path = tmp_path_factory.mktemp("e2ejob") / "job.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tiny_pool, e2e_job):
+    """One run of `e2e_job` (2 DDP workers, live teacher actors: the session's pool plus `qtok`, started here)."""
+    from actors.pool import start_missing, stop_pool
     from kava_ray.train import run_training
 
-    cfg = load_config(job_path, ["train.loggers=[tensorboard, mlflow]"])  # the run also checks the trackers
+    cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]"])  # the run also checks the trackers
+    handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     with pytest.MonkeyPatch.context() as mp:  # local stores: no tracking server or W&B settings from the shell
         for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
             mp.delenv(var, raising=False)
         out = run_training(cfg, name="e2e", progress=False)
-    return cfg, out
+    yield cfg, out
+    stop_pool(cfg, only=started)
+    del handles
 
 
 def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
@@ -215,6 +233,22 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
     assert student.config.num_hidden_layers == 2 and student.config.num_key_value_heads == 1
     assert len(list(run_dir.glob("checkpoint_2*"))) == cfg.train.num_to_keep
     assert not train_workers(None, class_name="PreemptionWatcher")  # an embedded Ray is one machine: nothing drains it
+
+
+def test_end_to_end_with_a_teacher_of_another_tokenizer(e2e_run):
+    """The run's teacher of another tokenizer: centred cos rises for every teacher, and the share of student tokens
+    it covers is what the alignment gives (causal: a byte takes a Qwen2 token where that token ends, ~1/3)."""
+    _, out = e2e_run
+    records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    for n in ("qwen", "llama", "qtok"):
+        first = sum(r[f"cos/{n}"] for r in train[:3]) / 3
+        last = sum(r[f"cos/{n}"] for r in train[-3:]) / 3
+        assert last > first + 0.05, (n, first, last)
+        assert evals[-1][f"eval/cos/{n}"] > evals[0][f"eval/cos/{n}"], n
+    assert all(0.25 < r["aligned/qtok"] < 0.6 for r in train)
+    assert "aligned/qwen" not in train[0]  # the teachers of the student's tokenizer keep one-to-one positions
 
 
 def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):
@@ -257,7 +291,7 @@ def train_workers(state: str = "ALIVE", class_name: str = "RayTrainWorker") -> l
                        filters=filters)
 
 
-def test_worker_failure_resumes_on_the_same_curve(e2e_run, job_path, ray_session):
+def test_worker_failure_resumes_on_the_same_curve(e2e_run, ray_session):
     """Kill a DDP worker mid-run: FailureConfig restarts from the last checkpoint and the curve is unchanged."""
     from kava_ray.train import run_training
 
@@ -296,12 +330,12 @@ def test_worker_failure_resumes_on_the_same_curve(e2e_run, job_path, ray_session
     assert out["metrics"]["step"] == 20
 
 
-def test_resume_with_incompatible_config_names_the_keys(e2e_run, job_path):
+def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
     from kava_ray.train import run_training
 
     _, ref = e2e_run
     ckpt = sorted(Path(ref["run_dir"]).glob("checkpoint_2*"))[-1]
-    cfg = load_config(job_path, ["align.projector.kind=elastic", "align.mode=flat"])
+    cfg = load_config(e2e_job, ["align.projector.kind=elastic", "align.mode=flat"])
     with pytest.raises(KavaError, match=r"align.mode, align.projector.kind differ"):
         run_training(cfg, resume=str(ckpt), progress=False)
 
