@@ -264,8 +264,12 @@ def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
         return FIFOScheduler()
     if max_t < s.grace_period:
         raise KavaError(f"scheduler: grace_period {s.grace_period} exceeds max_t {max_t} (the job's steps)")
+    # A trial that reaches its last step is never stopped: a STOP there (ASHA's stop at max_t, or a rung at max_t)
+    # ends it while it still saves final/ and evaluates the test split, and can lose both. So the rungs lie below
+    # the last step (max_t one less: ASHA puts a rung at each grace_period * rf**k <= max_t) and
+    # stop_last_trials=False leaves a trial past max_t to finish on its own.
     return ASHAScheduler(time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor,
-                         max_t=max_t)
+                         max_t=max(s.grace_period, max_t - 1), stop_last_trials=False)
 
 
 def make_search_alg(spec: Union[SpaceSpec, SearchSpec]):

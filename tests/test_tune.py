@@ -63,7 +63,8 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     def ctrl_c():  # Ctrl+C once the first trial has finished: Tune saves the experiment state and stops
         deadline = time.time() + 600  # generous: a loaded CI box; ~25 s alone
         while time.time() < deadline and not done:
-            done.extend(t for t, status in trial_statuses(exp).items() if status == "TERMINATED")
+            if list(exp.glob("trial_fn_*/run/final/state.json")):  # a trial's last write; then ask Tune (its state)
+                done.extend(t for t, status in trial_statuses(exp).items() if status == "TERMINATED")
             time.sleep(0.2)
         if done:
             os.kill(os.getpid(), signal.SIGINT)  # to the main thread, inside Tune's fit (its SIGINT handler)

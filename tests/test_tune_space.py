@@ -1,6 +1,7 @@
 """Tune search spaces: shipped YAMLs load against the demo config, bad spaces fail with one line."""
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -113,7 +114,19 @@ def test_apply_params_sets_values(base):
 def test_schedulers(base):
     spec = load_space("default", base)
     asha = make_scheduler(spec, max_t=base.train.steps)
-    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "step" and asha._max_t == base.train.steps
+    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "step"
+    # ASHA's own decisions over 8 steps (grace 2, rf 2): the worse trial stops at a rung below the last step, and
+    # a trial at its last step is never stopped (a STOP there can kill it before it saves final/)
+    eight = make_scheduler(spec.model_copy(update={"scheduler": spec.scheduler.model_validate(
+        {"kind": "asha", "grace_period": 2, "reduction_factor": 2})}), max_t=8)
+    eight.set_search_properties("eval/ce", "min")
+    good, bad, late = (SimpleNamespace(trial_id=n) for n in ("good", "bad", "late"))
+    for t in (good, bad, late):
+        eight.on_trial_add(None, t)
+    act = lambda t, step, ce: eight.on_trial_result(None, t, {"step": step, "eval/ce": ce})  # noqa: E731
+    assert [act(good, s, 1.0) for s in (2, 4, 8)] == ["CONTINUE"] * 3
+    assert act(bad, 2, 5.0) == "STOP"
+    assert act(late, 2, 0.9) == act(late, 4, 0.9) == "CONTINUE" and act(late, 8, 9.0) == "CONTINUE"
     large = load_space("large_teachers", base)
     with pytest.raises(KavaError, match="grace_period 4 exceeds max_t 3"):
         make_scheduler(large, max_t=3)
