@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.teacher import TeacherActor
-from kava_ray import resources
+from kava_ray import placement, resources
 from kava_ray._io import first_line
 from kava_ray.config import JobConfig, TeacherConfig, replica_label
 from kava_ray.errors import KavaError
@@ -85,8 +85,10 @@ class TeacherReplicas:
         return TeacherReplicas, (self.name, self.handles)
 
 
-def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
-    """Fail fast, with one line, when the cluster cannot ever hold the pool (+ `extra`, e.g. the students).
+def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optional[dict] = None) -> None:
+    """Fail fast, with one line, when the cluster cannot ever hold the pool (+ `extra`, e.g. the students), in
+    all and node by node (each teacher replica, and each Ray Train worker of `workers` resources, on one node
+    its label selector admits: kava_ray.placement).
 
     Ray would otherwise wait forever for resources that do not exist.
     """
@@ -103,6 +105,20 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None) -> None:
         if amount > have + 1e-9:
             raise KavaError(f"job needs {amount:g} {res} (teachers {'+ students ' if extra else ''}together) "
                             f"but the cluster has {have:g}")
+    demands = [placement.Demand(f"teacher '{t.name}'", resources.replica(t), t.replicas, t.label_selector,
+                                f"teachers[{t.name}].label_selector") for t in cfg.teachers]
+    if workers is not None:
+        demands.append(placement.Demand("a Ray Train worker", workers, cfg.ray.num_workers,
+                                        cfg.ray.worker_label_selector, "ray.worker_label_selector"))
+    problem = placement.fit(cluster_nodes(), demands)
+    if problem:
+        raise KavaError(problem)
+
+
+def cluster_nodes() -> list:
+    """The cluster's live nodes, their total resources and labels (`ray.nodes()`), for `kava_ray.placement`."""
+    return [placement.Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources") or {}),
+                           dict(n.get("Labels") or {})) for n in ray.nodes() if n.get("Alive")]
 
 
 def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: int = 0) -> dict:
@@ -118,9 +134,13 @@ def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: in
         # not inside the caller's placement group (a Tune trial's): teachers ask for their own resources
         scheduling_strategy="DEFAULT",
     )
+    if t.label_selector:
+        opts["label_selector"] = dict(t.label_selector)
     if t.num_gpus > 1:  # one teacher across several GPUs: keep them on one node
         pg = placement_group([{"GPU": t.num_gpus, "CPU": t.num_cpus}], strategy="PACK",
-                             name=f"{actor_name(t.name, replica)}-pg", lifetime="detached" if detached else None)
+                             name=f"{actor_name(t.name, replica)}-pg", lifetime="detached" if detached else None,
+                             bundle_label_selector=[dict(t.label_selector)] if t.label_selector else None)
+        opts.pop("label_selector", None)  # the bundle's selector places it
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
     return opts
 

@@ -36,6 +36,17 @@ def replica_label(teacher: str, replica: int) -> str:
     return teacher if replica == 0 else f"{teacher}#{replica}"
 
 
+def _check_selector(selector: Optional[dict]) -> Optional[dict]:
+    """A Ray label selector ({label: value | !value | in(a, b) | !in(a, b)}), checked before Ray sees it."""
+    from kava_ray.placement import parse_selector_value
+
+    for key, value in (selector or {}).items():
+        if not key or not isinstance(value, str):
+            raise ValueError(f"{key!r}: a label selector maps label names to strings")
+        parse_selector_value(value)
+    return selector or None
+
+
 class TeacherConfig(_Section):
     # names key batch fields (`teacher_input_ids/<name>`) and replicas (`<name>#1`): no '/', '#' or spaces
     name: str = Field(min_length=1, pattern=r"^[^/#\s]+$")
@@ -48,6 +59,13 @@ class TeacherConfig(_Section):
     max_restarts: int = Field(3, ge=0)
     # copies of this teacher, each an actor with its own num_gpus/num_cpus; batch keys are spread over them
     replicas: int = Field(1, ge=1)
+    # the nodes it may run on, by their Ray labels (`ray start --labels`, cluster.yaml): {"kava-role": "teacher"}
+    label_selector: Optional[dict[str, str]] = None
+
+    @field_validator("label_selector")
+    @classmethod
+    def _selector_syntax(cls, v):
+        return _check_selector(v)
 
     @field_validator("layers")
     @classmethod
@@ -248,6 +266,13 @@ class RayConfig(_Section):
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, ge=0)
     num_cpus: Optional[int] = Field(None, ge=1)  # logical CPUs for an embedded Ray; None = enough for the job
+    # the nodes the Ray Train workers may run on, by their Ray labels: {"kava-role": "student"}
+    worker_label_selector: Optional[dict[str, str]] = None
+
+    @field_validator("worker_label_selector")
+    @classmethod
+    def _selector_syntax(cls, v):
+        return _check_selector(v)
 
 
 class JobConfig(_Section):

@@ -39,7 +39,8 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
                            "resume": str(Path(resume).resolve()) if resume else None,
                            "resume_override": resume_override},
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=resources.worker(cfg, use_gpu)),
+                                     resources_per_worker=resources.worker(cfg, use_gpu),
+                                     label_selector=dict(cfg.ray.worker_label_selector or {}) or None),
         run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent), callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(
                                  num_to_keep=cfg.train.num_to_keep,
@@ -163,7 +164,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         nonlocal use_gpu
         status(f"connecting: {_describe_ray(how)} in {time.time() - t0:.0f} s")
         use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-        check_resources(cfg, extra=resources.run(cfg, use_gpu))
+        check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
         if use_gpu:
             check_memory(cfg)
 

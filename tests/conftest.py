@@ -155,12 +155,13 @@ def tiny_pool(ray_session, tiny_job):
 
 # ------------------------------------------------------------------------------------------ tiers
 
-TIERS = ("unit", "ray", "cluster")
+TIERS = ("unit", "ray", "cluster", "multinode")
 # Node ids (without parameters) of tests that start Ray without the `ray_session` fixture (e.g. a subprocess running a
 # `kava-ray` command that starts its own embedded Ray). Prefer an explicit `@pytest.mark.ray` in the
 # test file; this list is for tests whose file cannot say so.
 STARTS_RAY: set[str] = set()
 CLUSTER_FILES = ("test_cluster.py", "test_service_ray.py")
+MULTINODE_FILES = ("test_multinode.py",)
 
 
 def _tier_of(item) -> tuple[list[str], str]:
@@ -170,6 +171,8 @@ def _tier_of(item) -> tuple[list[str], str]:
         derived = "ray"
     elif item.path.name in CLUSTER_FILES:
         derived = "cluster"
+    elif item.path.name in MULTINODE_FILES:
+        derived = "multinode"
     else:
         derived = "unit"
     return explicit, derived
@@ -188,7 +191,7 @@ def pytest_collection_modifyitems(config, items):
         if len(tiers) != 1:
             problems.append(f"{item.nodeid}: {len(tiers)} tier markers {tiers}")
     if problems:
-        raise pytest.UsageError("every test needs exactly one tier marker (unit, ray, cluster):\n  "
+        raise pytest.UsageError(f"every test needs exactly one tier marker {TIERS}:\n  "
                                 + "\n  ".join(problems))
     # `make test` runs two processes a file at a time, handing files out in this order: the longest first
     # (measured, minutes each on 2 cores), so the two finish together instead of one waiting on a late long file
@@ -197,5 +200,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 LONGEST_FILES = ("test_tune.py", "test_service_ray.py", "test_actors.py", "test_faults.py", "test_train.py",
+                 "test_multinode.py",
                  "test_cross_tokenizer.py", "test_cluster.py", "test_console.py", "test_align_cka.py", "test_plan.py",
                  "test_formats.py", "test_bench_heal.py", "test_logit_loss.py", "test_bench_recipes.py")

@@ -1,0 +1,103 @@
+"""Where a job's actors can go, decided per node before anything starts (Ray-free: nodes are plain data).
+
+Ray schedules an actor on one node: a teacher's `num_gpus` (and CPUs) must all be on one node that its
+`label_selector` admits, and so must each Ray Train worker's `resources_per_worker`. A cluster-wide sum
+hides that — a 4-GPU teacher on nodes of 2 GPUs passes it, then Ray waits forever — so `fit` places every
+replica and worker on the nodes' total resources (first fit, largest first) and names what cannot be
+placed, with the node that comes closest.
+
+Label selectors use Ray's syntax (`ray.util.scheduling_strategies`, Ray 2.60's label selector API):
+`{"key": "value"}`, `"!value"` (not that value, or no such label), `"in(a, b)"`, `"!in(a, b)"`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+_VALUE = r"[a-zA-Z0-9](?:[a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+_SELECTOR = re.compile(rf"^(!)?(?:in\(({_VALUE}(?:, ?{_VALUE})*)\)|({_VALUE}))$")
+
+
+def parse_selector_value(value: str) -> tuple[bool, frozenset]:
+    """'gpu' -> (False, {'gpu'}); '!gpu' -> (True, {'gpu'}); 'in(a, b)' -> (False, {'a', 'b'}). ValueError if
+    it is not Ray's syntax."""
+    m = _SELECTOR.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a label selector value (value, !value, in(a, b) or !in(a, b))")
+    values = m.group(2).split(",") if m.group(2) is not None else [m.group(3)]
+    return bool(m.group(1)), frozenset(v.strip() for v in values)
+
+
+def matches(selector: Optional[dict], labels: dict) -> bool:
+    """Does a node with `labels` satisfy `selector` (every key's condition)?"""
+    for key, value in (selector or {}).items():
+        negate, values = parse_selector_value(value)
+        if (labels.get(key) in values) == negate:
+            return False
+    return True
+
+
+@dataclass
+class Node:
+    node_id: str
+    address: str
+    resources: dict  # the node's totals: {"CPU": 8.0, "GPU": 2.0, ...}
+    labels: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        res = ", ".join(f"{self.resources.get(k, 0):g} {k}" for k in ("CPU", "GPU") if k == "CPU" or k in self.resources)
+        return f"node {self.node_id[:8]} ({self.address}: {res})"
+
+
+@dataclass
+class Demand:
+    what: str  # "teacher 'qwen72b'", "Ray Train worker"
+    resources: dict  # one actor's: {"CPU": 4, "GPU": 4}
+    count: int = 1
+    selector: Optional[dict] = None
+    selector_key: str = ""  # the config key that holds `selector`, for the message
+
+
+def _short(need: dict) -> str:
+    return " + ".join(f"{v:g} {k}" for k, v in need.items() if v > 0) or "nothing"
+
+
+def _fits(need: dict, free: dict) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+
+def _shortfall(need: dict, have: dict) -> float:
+    """How far `have` is from `need` (GPUs weigh more than CPUs): the closest node has the smallest."""
+    return sum((1000.0 if k == "GPU" else 1.0) * max(0.0, v - have.get(k, 0.0)) for k, v in need.items())
+
+
+def fit(nodes: list[Node], demands: list[Demand]) -> Optional[str]:
+    """None when every demand can be placed on the nodes at once; else one line saying what cannot, and why."""
+    for d in demands:  # each actor alone: its selector admits a node, and one admitted node is big enough
+        admitted = [n for n in nodes if matches(d.selector, n.labels)]
+        if not admitted:
+            seen = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items() if not k.startswith("ray.io/")})
+            return (f"{d.selector_key} {d.selector} matches no node of the cluster "
+                    f"(its nodes' labels: {', '.join(seen) or 'none'})")
+        if not any(_fits(d.resources, n.resources) for n in admitted):
+            closest = min(admitted, key=lambda n: _shortfall(d.resources, n.resources))
+            where = f"that {d.selector_key} admits" if d.selector else "of the cluster"
+            return (f"{d.what} needs {_short(d.resources)} on one node; no node {where} has that: the closest is "
+                    f"{closest.describe()}")
+    free = {n.node_id: dict(n.resources) for n in nodes}
+    units = sorted(((d, i) for d in demands for i in range(d.count)),
+                   key=lambda u: (-u[0].resources.get("GPU", 0), -u[0].resources.get("CPU", 0)))
+    for d, i in units:  # all together: first fit, largest first
+        spot = next((n for n in nodes if matches(d.selector, n.labels) and _fits(d.resources, free[n.node_id])), None)
+        if spot is None:
+            admitted = [n for n in nodes if matches(d.selector, n.labels)]
+            closest = min(admitted, key=lambda n: _shortfall(d.resources, free[n.node_id]))
+            left = {k: round(v, 3) for k, v in free[closest.node_id].items() if k in ("CPU", "GPU")}
+            return (f"the job does not fit on the cluster's nodes together: {d.what}"
+                    f"{f' #{i}' if d.count > 1 else ''} needs {_short(d.resources)} on one node once the rest is "
+                    f"placed; the closest is {closest.describe()} with {_short(left)} left")
+        for k, v in d.resources.items():
+            free[spot.node_id][k] = free[spot.node_id].get(k, 0.0) - v
+    return None

@@ -1,0 +1,73 @@
+"""Per-node placement (kava_ray.placement): Ray's label selector syntax, and a job checked node by node — the
+cases a cluster-wide sum lets through and Ray would then wait on forever."""
+
+import pytest
+
+from kava_ray.config import load_config
+from kava_ray.placement import Demand, Node, fit, matches, parse_selector_value
+
+GPU2 = [Node(f"n{i}aaaaaaa", f"10.0.0.{i}", {"CPU": 16, "GPU": 2}, {"kava-role": "teacher"}) for i in (1, 2)]
+STUDENT = Node("s1aaaaaaa", "10.0.1.1", {"CPU": 8, "GPU": 4}, {"kava-role": "student"})
+
+
+def test_selector_values_follow_rays_syntax():
+    assert parse_selector_value("teacher") == (False, {"teacher"})
+    assert parse_selector_value("!spot") == (True, {"spot"})
+    assert parse_selector_value("in(a100, h100)") == (False, {"a100", "h100"})
+    assert parse_selector_value("!in(a,b)") == (True, {"a", "b"})
+    for bad in ("", "in()", "in(a,", "-x", "a b"):
+        with pytest.raises(ValueError):
+            parse_selector_value(bad)
+    labels = {"kava-role": "teacher", "gpu": "h100"}
+    assert matches(None, labels) and matches({}, {})
+    assert matches({"kava-role": "teacher"}, labels) and not matches({"kava-role": "student"}, labels)
+    assert matches({"zone": "!b"}, labels)  # no such label: "not b" holds
+    assert matches({"gpu": "in(a100, h100)"}, labels) and not matches({"gpu": "!in(a100, h100)"}, labels)
+    assert not matches({"kava-role": "teacher", "gpu": "a100"}, labels)  # every key must hold
+
+
+def test_a_teacher_wider_than_any_node_is_refused_though_the_cluster_sum_fits():
+    """4 GPUs in all (2 + 2), but a teacher's GPUs must be on one node."""
+    err = fit(GPU2, [Demand("teacher 'qwen72b'", {"CPU": 4, "GPU": 4})])
+    assert err == ("teacher 'qwen72b' needs 4 CPU + 4 GPU on one node; no node of the cluster has that: the closest "
+                   "is node n1aaaaaa (10.0.0.1: 16 CPU, 2 GPU)")
+    assert fit(GPU2, [Demand("teacher 'qwen14b'", {"CPU": 4, "GPU": 2})]) is None
+
+
+def test_selectors_restrict_the_nodes_and_a_selector_no_node_has_is_named():
+    teacher = Demand("teacher 'a'", {"CPU": 1, "GPU": 4}, selector={"kava-role": "teacher"},
+                     selector_key="teachers[a].label_selector")
+    err = fit(GPU2 + [STUDENT], [teacher])  # the student node has 4 GPUs, but the selector keeps it out
+    assert err.startswith("teacher 'a' needs 1 CPU + 4 GPU on one node; no node that teachers[a].label_selector "
+                          "admits has that: the closest is node n1aaaaaa"), err
+    gone = Demand("teacher 'a'", {"CPU": 1}, selector={"kava-role": "tpu"}, selector_key="teachers[a].label_selector")
+    assert fit(GPU2 + [STUDENT], [gone]) == ("teachers[a].label_selector {'kava-role': 'tpu'} matches no node of the "
+                                             "cluster (its nodes' labels: kava-role=student, kava-role=teacher)")
+
+
+def test_replicas_and_workers_are_placed_together():
+    """Each fits alone; together the teacher node's GPUs run out (3 replicas of 1 GPU on 2 + 2 is fine, 5 is not),
+    and the workers stay on the student node even where a teacher node has room."""
+    def teacher(n):
+        return Demand("teacher 'q'", {"CPU": 1, "GPU": 1}, count=n, selector={"kava-role": "teacher"},
+                      selector_key="teachers[q].label_selector")
+
+    workers = Demand("a Ray Train worker", {"CPU": 2, "GPU": 1}, count=4, selector={"kava-role": "student"},
+                     selector_key="ray.worker_label_selector")
+    assert fit(GPU2 + [STUDENT], [teacher(3), workers]) is None
+    err = fit(GPU2 + [STUDENT], [teacher(5), workers])
+    assert err.startswith("the job does not fit on the cluster's nodes together: teacher 'q' #4 needs 1 CPU + 1 GPU on "
+                          "one node once the rest is placed; the closest is node n1aaaaaa"), err
+    five = Demand("a Ray Train worker", {"CPU": 2, "GPU": 1}, count=5, selector={"kava-role": "student"})
+    assert "a Ray Train worker #4 needs" in fit(GPU2 + [STUDENT], [five])
+
+
+def test_selectors_in_a_job_config_are_checked_when_it_loads(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("teachers: [{name: t, model: m, label_selector: {kava-role: teacher}}]\nstudent: {model: s}\n"
+                    "ray: {worker_label_selector: {kava-role: 'in(student, spare)'}}\n")
+    cfg = load_config(path)
+    assert cfg.teachers[0].label_selector == {"kava-role": "teacher"}
+    assert cfg.ray.worker_label_selector == {"kava-role": "in(student, spare)"}
+    with pytest.raises(Exception, match="is not a label selector value"):
+        load_config(path, ["ray.worker_label_selector={kava-role: 'in(student,'}"])
