@@ -29,7 +29,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check kava_ray actors tests
 	$(BIN)/lint-imports --no-logo
 
-# Every tier: unit, ray (one embedded Ray per test process), cluster (starts its own Ray heads). CI runs this.
+# Every tier: unit, ray (one embedded Ray per test process), cluster (starts its own Ray heads), multinode (a
+# three-node Ray cluster on this machine). CI runs this.
 # Two test processes, a file each at a time (--dist loadfile: a file's module fixtures, e.g. one reference
 # run, are built once): most of a Ray test's time is waiting on process starts, which two processes overlap.
 # --no-loadscope-reorder: files go out in tests/conftest.py's LONGEST_FILES order (xdist would otherwise order
