@@ -42,11 +42,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
+CONTENT_KEY_BYTES = 1 << 20  # read from each end of the file for its cache key
+
+
 def gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
-    """The cached HF dir of `gguf_path`, keyed by its absolute path, size and mtime."""
-    st = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{key}"
+    """The cached HF dir of `gguf_path`, keyed by its content: size, first and last MiB (the header with every
+    tensor's name, shape and offset; the last tensors' data). The same file in another venv, checkout or
+    place shares one conversion; a file rewritten with other weights gets its own."""
+    size = gguf_path.stat().st_size
+    h = hashlib.sha1(f"{size}|".encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(CONTENT_KEY_BYTES))
+        if size > CONTENT_KEY_BYTES:
+            f.seek(max(CONTENT_KEY_BYTES, size - CONTENT_KEY_BYTES))
+            h.update(f.read())
+    return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 
 
 def gguf_to_hf_dir(gguf_path, out_dir) -> Path:

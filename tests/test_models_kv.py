@@ -1,5 +1,8 @@
 """models.py + kv.py on tiny random models loaded through the real `load_model`."""
 
+import os
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,7 +11,7 @@ import torch
 from transformers import Qwen2Config
 
 from kava_ray.errors import KavaError
-from kava_ray.gguf import gguf_to_hf_dir
+from kava_ray.gguf import gguf_cache_path, gguf_to_hf_dir
 from kava_ray.kv import (
     KVBatch,
     extract_kv,
@@ -310,6 +313,16 @@ def test_gguf_converts_once_to_a_plain_hf_dir(tmp_path):
     assert (a - b).norm() / a.norm() < 0.03  # Q8_0 rounding only
     (out,) = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.startswith(".")]
     assert gguf_to_hf_dir(gguf_path, out) == out  # cached: marker present, nothing rebuilt
+    # keyed by content: a copy elsewhere (another venv's package) shares the conversion; other bytes do not
+    (tmp_path / "venv2").mkdir()
+    copy = Path(shutil.copy2(gguf_path, tmp_path / "venv2" / gguf_path.name))
+    os.utime(copy, ns=(1, 1))
+    assert gguf_cache_path(copy, tmp_path / "cache") == out
+    data = bytearray(gguf_path.read_bytes())
+    data[-1] ^= 1  # the last tensor's last byte
+    (tmp_path / "venv2" / "other").mkdir()
+    (tmp_path / "venv2" / "other" / gguf_path.name).write_bytes(data)
+    assert gguf_cache_path(tmp_path / "venv2" / "other" / gguf_path.name, tmp_path / "cache") != out
     (out / ".kava-gguf-complete").unlink()  # an incomplete leftover (crashed conversion) is replaced whole
     (out / "junk").write_text("x")
     assert gguf_to_hf_dir(gguf_path, out) == out and not (out / "junk").exists()
