@@ -38,13 +38,9 @@ def replica_label(teacher: str, replica: int) -> str:
 
 def _check_selector(selector: Optional[dict]) -> Optional[dict]:
     """A Ray label selector ({label: value | !value | in(a, b) | !in(a, b)}), checked before Ray sees it."""
-    from kava_ray.placement import parse_selector_value
+    from kava_ray.placement import normalize_selector
 
-    for key, value in (selector or {}).items():
-        if not key or not isinstance(value, str):
-            raise ValueError(f"{key!r}: a label selector maps label names to strings")
-        parse_selector_value(value)
-    return selector or None
+    return normalize_selector(selector) if selector else None
 
 
 class TeacherConfig(_Section):

@@ -3,8 +3,10 @@
 Ray schedules an actor on one node: a teacher's `num_gpus` (and CPUs) must all be on one node that its
 `label_selector` admits, and so must each Ray Train worker's `resources_per_worker`. A cluster-wide sum
 hides that — a 4-GPU teacher on nodes of 2 GPUs passes it, then Ray waits forever — so `fit` places every
-replica and worker on the nodes' total resources (first fit, largest first) and names what cannot be
-placed, with the node that comes closest.
+replica and worker on the nodes' total resources (first fit: the demands its selector restricts to the
+fewest nodes first, then the largest) and names what cannot be placed, with the node that comes closest.
+Fractional GPUs are counted as a pool per node (Ray packs them per GPU: 3 x 0.6 on 2 GPUs passes here and
+waits in Ray).
 
 Label selectors use Ray's syntax (`ray.util.scheduling_strategies`, Ray 2.60's label selector API):
 `{"key": "value"}`, `"!value"` (not that value, or no such label), `"in(a, b)"`, `"!in(a, b)"`.
@@ -18,6 +20,23 @@ from typing import Optional
 
 _VALUE = r"[a-zA-Z0-9](?:[a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
 _SELECTOR = re.compile(rf"^(!)?(?:in\(({_VALUE}(?:, ?{_VALUE})*)\)|({_VALUE}))$")
+
+
+_KEY = re.compile(rf"^(?:[a-z0-9](?:[a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_VALUE}$")  # [DNS prefix/]name, as Ray's
+
+
+def normalize_selector(selector: dict) -> dict:
+    """The selector as Ray must get it: keys checked, and no space inside `in(...)` (Ray 2.60's scheduler splits
+    the list on ',' without trimming, so 'in(a, b)' would ask for ' b'). ValueError names what is wrong."""
+    out = {}
+    for key, value in selector.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise ValueError(f"{key!r} is not a label name ([prefix/]name of letters, digits, '-', '_', '.')")
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: a label selector value is a string, not {value!r}")
+        parse_selector_value(value)
+        out[key] = re.sub(r",\s+", ",", value)
+    return out
 
 
 def parse_selector_value(value: str) -> tuple[bool, frozenset]:
@@ -87,9 +106,10 @@ def fit(nodes: list[Node], demands: list[Demand]) -> Optional[str]:
             return (f"{d.what} needs {_short(d.resources)} on one node; no node {where} has that: the closest is "
                     f"{closest.describe()}")
     free = {n.node_id: dict(n.resources) for n in nodes}
-    units = sorted(((d, i) for d in demands for i in range(d.count)),
-                   key=lambda u: (-u[0].resources.get("GPU", 0), -u[0].resources.get("CPU", 0)))
-    for d, i in units:  # all together: first fit, largest first
+    admits = {id(d): sum(matches(d.selector, n.labels) for n in nodes) for d in demands}
+    units = sorted(((d, i) for d in demands for i in range(d.count)),  # the most constrained, then the largest
+                   key=lambda u: (admits[id(u[0])], -u[0].resources.get("GPU", 0), -u[0].resources.get("CPU", 0)))
+    for d, i in units:  # all together: first fit
         spot = next((n for n in nodes if matches(d.selector, n.labels) and _fits(d.resources, free[n.node_id])), None)
         if spot is None:
             admitted = [n for n in nodes if matches(d.selector, n.labels)]

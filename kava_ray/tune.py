@@ -141,8 +141,12 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
             if connected == "embedded":
                 stack.callback(ray.shutdown)
             return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial, None, {})
-    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs,
-                      on_connected=lambda _: check_resources(cfg)) as job:
+    def connected(_) -> None:  # the teachers and one trial's Train workers, node by node
+        from kava_ray.connect import resolve_use_gpu
+
+        check_resources(cfg, workers=resources.worker(cfg, resolve_use_gpu(cfg.ray.use_gpu)))
+
+    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, on_connected=connected) as job:
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
                          tokenizer=p.tokenizer) for n, p in job.plans.items()}
@@ -156,7 +160,7 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     from actors.pool import pool_stats
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.plans import student_geometry
-    from kava_ray.tune_space import make_scheduler, make_search_alg, to_param_space
+    from kava_ray.tune_space import last_judged_step, make_scheduler, make_search_alg, to_param_space
 
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
@@ -172,7 +176,8 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
-                                        scheduler=make_scheduler(spec.scheduler, cfg.train.steps),
+                                        scheduler=make_scheduler(spec.scheduler, last_judged_step(cfg.train.steps,
+                                                                                                cfg.train.eval_steps)),
                                         search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
                                       callbacks=tracker_callbacks(cfg, exp_dir)))
@@ -196,9 +201,11 @@ def ctrl_c_saves_the_sweep():
         yield lambda: False
         return
     hits = []
+    usr1 = signal.getsignal(signal.SIGUSR1)  # Tune is listening once fit() has put its own handler there
 
     def on_sigint(sig, frame):
-        if hits or signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        listening = signal.getsignal(signal.SIGUSR1) not in (usr1, signal.SIG_DFL, signal.SIG_IGN, None)
+        if hits or not listening:
             raise KeyboardInterrupt
         hits.append(sig)
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -210,6 +217,8 @@ def ctrl_c_saves_the_sweep():
         yield lambda: bool(hits)
     finally:
         signal.signal(signal.SIGINT, before)
+        if usr1 is not None:
+            signal.signal(signal.SIGUSR1, usr1)
         if env is None:
             os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER")
         else:

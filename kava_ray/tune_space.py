@@ -255,21 +255,30 @@ def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
     return validate_config(data)
 
 
+def last_judged_step(steps: int, eval_steps: int) -> int:
+    """The last step before the end at which a trial reports the metric (an eval step): ASHA's max_t."""
+    return (steps - 1) // eval_steps * eval_steps
+
+
 def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
-    """ASHAScheduler(time_attr="step", ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig."""
+    """ASHAScheduler(time_attr="step", ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
+
+    max_t: `last_judged_step(train.steps, train.eval_steps)`. ASHA judges a rung at the first report of the metric
+    at or past it, and a STOP at a trial's last step ends it while it still saves final/ and evaluates the test
+    split, which can lose both: so every rung lies at or below the last eval before the end (ASHA puts one at each
+    grace_period * rf**k <= max_t), and stop_last_trials=False leaves a trial past max_t to finish on its own.
+    """
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     s = spec.scheduler if isinstance(spec, SpaceSpec) else spec
     if s.kind == "fifo":
         return FIFOScheduler()
     if max_t < s.grace_period:
-        raise KavaError(f"scheduler: grace_period {s.grace_period} exceeds max_t {max_t} (the job's steps)")
-    # A trial that reaches its last step is never stopped: a STOP there (ASHA's stop at max_t, or a rung at max_t)
-    # ends it while it still saves final/ and evaluates the test split, and can lose both. So the rungs lie below
-    # the last step (max_t one less: ASHA puts a rung at each grace_period * rf**k <= max_t) and
-    # stop_last_trials=False leaves a trial past max_t to finish on its own.
+        raise KavaError(f"scheduler: grace_period {s.grace_period} exceeds the last evaluation before the end "
+                        f"(step {max_t}, from train.steps and train.eval_steps): no rung could be judged; lower it or "
+                        f"use scheduler kind fifo")
     return ASHAScheduler(time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor,
-                         max_t=max(s.grace_period, max_t - 1), stop_last_trials=False)
+                         max_t=max_t, stop_last_trials=False)
 
 
 def make_search_alg(spec: Union[SpaceSpec, SearchSpec]):

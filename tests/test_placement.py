@@ -62,12 +62,25 @@ def test_replicas_and_workers_are_placed_together():
     assert "a Ray Train worker #4 needs" in fit(GPU2 + [STUDENT], [five])
 
 
+def test_the_verdict_does_not_depend_on_the_order_of_the_nodes():
+    """A 2-GPU teacher kept to the 4-GPU teacher node and a 3-GPU worker allowed anywhere fit (worker on the
+    3-GPU node) in either order of `ray.nodes()`: the demand with fewer admitted nodes is placed first."""
+    nodes = [Node("t1aaaaaaa", "10.0.0.1", {"CPU": 8, "GPU": 4}, {"kava-role": "teacher"}),
+             Node("s1aaaaaaa", "10.0.1.1", {"CPU": 8, "GPU": 3}, {"kava-role": "student"})]
+    demands = [Demand("teacher 'q'", {"CPU": 1, "GPU": 2}, selector={"kava-role": "teacher"}),
+               Demand("a Ray Train worker", {"CPU": 1, "GPU": 3})]
+    assert fit(nodes, demands) is None and fit(nodes[::-1], demands) is None
+
+
 def test_selectors_in_a_job_config_are_checked_when_it_loads(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("teachers: [{name: t, model: m, label_selector: {kava-role: teacher}}]\nstudent: {model: s}\n"
                     "ray: {worker_label_selector: {kava-role: 'in(student, spare)'}}\n")
     cfg = load_config(path)
     assert cfg.teachers[0].label_selector == {"kava-role": "teacher"}
-    assert cfg.ray.worker_label_selector == {"kava-role": "in(student, spare)"}
+    # as Ray must get it: its scheduler splits in(...) on ',' without trimming, so 'in(a, b)' would ask for ' b'
+    assert cfg.ray.worker_label_selector == {"kava-role": "in(student,spare)"}
     with pytest.raises(Exception, match="is not a label selector value"):
         load_config(path, ["ray.worker_label_selector={kava-role: 'in(student,'}"])
+    with pytest.raises(Exception, match="is not a label name"):
+        load_config(path, ["ray.worker_label_selector={'kava role': student}"])

@@ -12,6 +12,7 @@ from kava_ray.config import load_config
 from kava_ray.errors import KavaError
 from kava_ray.tune_space import (
     apply_params,
+    last_judged_step,
     load_space,
     make_scheduler,
     make_search_alg,
@@ -115,20 +116,25 @@ def test_schedulers(base):
     spec = load_space("default", base)
     asha = make_scheduler(spec, max_t=base.train.steps)
     assert isinstance(asha, ASHAScheduler) and asha._time_attr == "step"
-    # ASHA's own decisions over 8 steps (grace 2, rf 2): the worse trial stops at a rung below the last step, and
-    # a trial at its last step is never stopped (a STOP there can kill it before it saves final/)
-    eight = make_scheduler(spec.model_copy(update={"scheduler": spec.scheduler.model_validate(
-        {"kind": "asha", "grace_period": 2, "reduction_factor": 2})}), max_t=8)
-    eight.set_search_properties("eval/ce", "min")
-    good, bad, late = (SimpleNamespace(trial_id=n) for n in ("good", "bad", "late"))
-    for t in (good, bad, late):
-        eight.on_trial_add(None, t)
-    act = lambda t, step, ce: eight.on_trial_result(None, t, {"step": step, "eval/ce": ce})  # noqa: E731
-    assert [act(good, s, 1.0) for s in (2, 4, 8)] == ["CONTINUE"] * 3
-    assert act(bad, 2, 5.0) == "STOP"
-    assert act(late, 2, 0.9) == act(late, 4, 0.9) == "CONTINUE" and act(late, 8, 9.0) == "CONTINUE"
+    # ASHA's own decisions (grace 2, rf 2), which see the metric at eval steps and the last step only: the worse
+    # trial stops at a rung before the end, and a trial at its last step is never stopped (a STOP there can kill it
+    # before it saves final/). 8 steps, eval every 2; and the demo's 24 steps, eval every 12 (rungs 2, 4, 8 at most)
+    asha22 = spec.model_copy(update={"scheduler": spec.scheduler.model_validate(
+        {"kind": "asha", "grace_period": 2, "reduction_factor": 2})})
+    for steps, eval_steps in ((8, 2), (24, 12)):
+        s = make_scheduler(asha22, max_t=last_judged_step(steps, eval_steps))
+        s.set_search_properties("eval/ce", "min")
+        good, bad, late = (SimpleNamespace(trial_id=n) for n in ("good", "bad", "late"))
+        for t in (good, bad, late):
+            s.on_trial_add(None, t)
+        act = lambda t, step, ce: s.on_trial_result(None, t, {"step": step, "eval/ce": ce})  # noqa: E731
+        evals = list(range(eval_steps, steps, eval_steps))
+        assert [act(good, e, 1.0) for e in evals + [steps]] == ["CONTINUE"] * (len(evals) + 1), (steps, eval_steps)
+        assert act(bad, evals[0], 5.0) == "STOP"
+        assert all(act(late, e, 0.9) == "CONTINUE" for e in evals) and act(late, steps, 9.0) == "CONTINUE"
+    assert last_judged_step(24, 12) == 12 and last_judged_step(8, 2) == 6 and last_judged_step(8, 8) == 0
     large = load_space("large_teachers", base)
-    with pytest.raises(KavaError, match="grace_period 4 exceeds max_t 3"):
+    with pytest.raises(KavaError, match="grace_period 4 exceeds the last evaluation before the end \\(step 3"):
         make_scheduler(large, max_t=3)
     fifo = spec.model_copy(update={"scheduler": spec.scheduler.model_validate({"kind": "fifo"})})
     assert type(make_scheduler(fifo, max_t=10)) is FIFOScheduler
