@@ -84,3 +84,19 @@ def test_selectors_in_a_job_config_are_checked_when_it_loads(tmp_path):
         load_config(path, ["ray.worker_label_selector={kava-role: 'in(student,'}"])
     with pytest.raises(Exception, match="is not a label name"):
         load_config(path, ["ray.worker_label_selector={'kava role': student}"])
+
+
+def test_the_selectors_reach_the_teacher_actors_and_ray_trains_scaling_config(tmp_path):
+    """What tests/test_multinode.py sees placed is what the config asked for: the selectors are in the actor
+    options and in ScalingConfig (built, not started)."""
+    from actors.pool import _actor_options
+    from kava_ray.config import validate_config
+    from kava_ray.train import build_trainer
+
+    cfg = validate_config({"teachers": [{"name": "t", "model": "m", "label_selector": {"kava-role": "teacher"}},
+                                        {"name": "u", "model": "m"}],
+                           "student": {"model": "s"}, "ray": {"worker_label_selector": {"kava-role": "student"}}})
+    assert _actor_options(cfg.teachers[0], "ns", False)["label_selector"] == {"kava-role": "teacher"}
+    assert "label_selector" not in _actor_options(cfg.teachers[1], "ns", False)  # Ray's default: anywhere it fits
+    trainer = build_trainer(cfg, {}, tmp_path / "run", use_gpu=False)
+    assert trainer.scaling_config.label_selector == {"kava-role": "student"}
