@@ -32,11 +32,12 @@ def test_every_variant_is_timed_and_broken_down_by_phase(result):
         assert list(ph) == want, name
         assert all(t > 0 for t in ph.values()), (name, ph)
         total = sum(ph.values())
-        # the phases nest in the profiled step and cover most of it; the profiled step is the same work as the
-        # timed one (plus the profiler's per-op cost, large on tiny ops)
+        # the phases nest in the profiled step and cover most of it; the profiled step is not less work than the
+        # timed one (no upper bound: the profiler's per-op cost on tiny ops, and a loaded box, make it any slower —
+        # 5.6x once on a fresh clone's `make test`)
         assert total <= v["profiled_step_s"] * 1.001 and v["other_s"] >= -1e-6, (name, v)
         assert total >= 0.5 * v["profiled_step_s"], (name, v)
-        assert 0.3 * v["step_s"] <= total <= 5 * v["step_s"], (name, v)
+        assert total >= 0.3 * v["step_s"], (name, v)
     cap = result["capture"]
     assert cap["forward_s"] > 0 and cap["forward_capture_s"] > 0
     assert cap["overhead"] == pytest.approx(cap["forward_capture_s"] / cap["forward_s"] - 1)
