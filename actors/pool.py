@@ -134,14 +134,13 @@ def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: in
         # not inside the caller's placement group (a Tune trial's): teachers ask for their own resources
         scheduling_strategy="DEFAULT",
     )
-    if t.label_selector:
-        opts["label_selector"] = dict(t.label_selector)
-    if t.num_gpus > 1:  # one teacher across several GPUs: keep them on one node
+    if t.num_gpus > 1:  # one teacher across several GPUs: keep them on one node (the bundle's selector places it)
         pg = placement_group([{"GPU": t.num_gpus, "CPU": t.num_cpus}], strategy="PACK",
                              name=f"{actor_name(t.name, replica)}-pg", lifetime="detached" if detached else None,
                              bundle_label_selector=[dict(t.label_selector)] if t.label_selector else None)
-        opts.pop("label_selector", None)  # the bundle's selector places it
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
+    elif t.label_selector:
+        opts["label_selector"] = dict(t.label_selector)
     return opts
 
 

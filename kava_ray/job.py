@@ -143,7 +143,7 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
     in one line, or replaced with `restart` (`--restart-teachers`).
     """
     from actors.kv_cache import KVCache, check_logits
-    from actors.pool import check_resources, find_pool, start_missing, stop_pool
+    from actors.pool import find_pool, start_missing, stop_pool
 
     if cfg.data.kv_source == "cache":
         cache = KVCache(cfg.data.kv_cache_dir)
@@ -164,14 +164,12 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
     try:
         handles, started = find_pool(cfg), []
     except KavaError:  # none or part of the pool runs (fewer replicas): attach to what runs, start the rest
-        check_resources(cfg)
-        handles, started = start_missing(cfg)
+        handles, started = start_missing(cfg)  # start_pool checks the resources first
     mismatch = identity_mismatch(cfg, teacher_geometries(handles))
     if mismatch is not None:
         if not restart:
             raise KavaError(f"{mismatch}; stop it (kava-ray teachers down) or pass --restart-teachers")
         stop_pool(cfg)
-        check_resources(cfg)
         handles, started = start_missing(cfg)  # all of them now
     return handles, live_plans(cfg, handles), started
 

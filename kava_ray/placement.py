@@ -20,8 +20,6 @@ from typing import Optional
 
 _VALUE = r"[a-zA-Z0-9](?:[a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
 _SELECTOR = re.compile(rf"^(!)?(?:in\(({_VALUE}(?:, ?{_VALUE})*)\)|({_VALUE}))$")
-
-
 _KEY = re.compile(rf"^(?:[a-z0-9](?:[a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_VALUE}$")  # [DNS prefix/]name, as Ray's
 
 
@@ -94,26 +92,25 @@ def _shortfall(need: dict, have: dict) -> float:
 
 def fit(nodes: list[Node], demands: list[Demand]) -> Optional[str]:
     """None when every demand can be placed on the nodes at once; else one line saying what cannot, and why."""
+    admitted = {id(d): [n for n in nodes if matches(d.selector, n.labels)] for d in demands}
     for d in demands:  # each actor alone: its selector admits a node, and one admitted node is big enough
-        admitted = [n for n in nodes if matches(d.selector, n.labels)]
-        if not admitted:
+        if not admitted[id(d)]:
             seen = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items() if not k.startswith("ray.io/")})
             return (f"{d.selector_key} {d.selector} matches no node of the cluster "
                     f"(its nodes' labels: {', '.join(seen) or 'none'})")
-        if not any(_fits(d.resources, n.resources) for n in admitted):
-            closest = min(admitted, key=lambda n: _shortfall(d.resources, n.resources))
+        if not any(_fits(d.resources, n.resources) for n in admitted[id(d)]):
+            closest = min(admitted[id(d)], key=lambda n: _shortfall(d.resources, n.resources))
             where = f"that {d.selector_key} admits" if d.selector else "of the cluster"
             return (f"{d.what} needs {_short(d.resources)} on one node; no node {where} has that: the closest is "
                     f"{closest.describe()}")
     free = {n.node_id: dict(n.resources) for n in nodes}
-    admits = {id(d): sum(matches(d.selector, n.labels) for n in nodes) for d in demands}
     units = sorted(((d, i) for d in demands for i in range(d.count)),  # the most constrained, then the largest
-                   key=lambda u: (admits[id(u[0])], -u[0].resources.get("GPU", 0), -u[0].resources.get("CPU", 0)))
+                   key=lambda u: (len(admitted[id(u[0])]), -u[0].resources.get("GPU", 0),
+                                  -u[0].resources.get("CPU", 0)))
     for d, i in units:  # all together: first fit
-        spot = next((n for n in nodes if matches(d.selector, n.labels) and _fits(d.resources, free[n.node_id])), None)
+        spot = next((n for n in admitted[id(d)] if _fits(d.resources, free[n.node_id])), None)
         if spot is None:
-            admitted = [n for n in nodes if matches(d.selector, n.labels)]
-            closest = min(admitted, key=lambda n: _shortfall(d.resources, free[n.node_id]))
+            closest = min(admitted[id(d)], key=lambda n: _shortfall(d.resources, free[n.node_id]))
             left = {k: round(v, 3) for k, v in free[closest.node_id].items() if k in ("CPU", "GPU")}
             return (f"the job does not fit on the cluster's nodes together: {d.what}"
                     f"{f' #{i}' if d.count > 1 else ''} needs {_short(d.resources)} on one node once the rest is "

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from jobs import read_jsonl, write_job
-from test_cluster import BIN, _client_env, _ray
+from test_cluster import _client_env, _ray
+from test_service_ray import _kava
 
 HERE = Path(__file__).resolve().parent
 TEACHER, STUDENT = {"kava-role": "teacher"}, {"kava-role": "student"}
+ENV = _client_env(HF_HUB_OFFLINE="1")  # a user's shell: token auth on
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +49,6 @@ def job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
                      ray={"namespace": f"kava-mn-{uuid.uuid4().hex[:6]}", "worker_label_selector": STUDENT})
 
 
-def _kava(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "kava-ray"), *map(str, args)], env=_client_env(HF_HUB_OFFLINE="1"),
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def _state(address: str, kind: str, *filters: str) -> list:
     """`ray list KIND` on the cluster (the state API, with the token as a user's shell sends it)."""
     out = _ray("list", kind, "--address", address, "--detail", "--format", "json", "--limit", "1000",
@@ -71,7 +68,7 @@ def _actor_nodes(address: str, class_name: str) -> set:
 
 def test_teachers_run_on_the_teacher_node_and_train_workers_on_the_student_node(cluster, job):
     """Every KV batch crosses from the teacher node's object store to the student node's, and the run trains."""
-    out = _kava("train", "--config", job, "--address", cluster, "--name", "placed")
+    out = _kava("train", "--config", job, "--address", cluster, "--name", "placed", env=ENV, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     nodes = _nodes(cluster)
     assert _actor_nodes(cluster, "TeacherActor") == {nodes["teacher"]}
@@ -90,7 +87,7 @@ def test_teachers_run_on_the_teacher_node_and_train_workers_on_the_student_node(
      "the closest is node "),
 ], ids=["selector-matches-no-node", "too-big-for-any-admitted-node"])
 def test_a_job_that_cannot_be_placed_is_one_line_before_anything_starts(cluster, job, override, expect):
-    out = _kava("train", "--config", job, "--address", cluster, override, timeout=120)
+    out = _kava("train", "--config", job, "--address", cluster, override, env=ENV, timeout=120)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), out.stderr[-3000:]
     assert "Traceback" not in out.stderr
