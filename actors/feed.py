@@ -30,7 +30,32 @@ from kava_ray.kv import KVBatch
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+# A teacher that died: the call fails, or (its answer being a ref to a payload the teacher owned) the payload is lost.
+RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError)
+
+
+def get_kv(answer):
+    """A teacher's answer to `kv()` (or a list of them) as the wire payload: a production teacher answers with a
+    ref to the payload in its node's object store (`actors.teacher`), a stand-in may answer with the payload."""
+    if isinstance(answer, list):
+        return [get_kv(a) for a in answer]
+    out = ray.get(answer) if isinstance(answer, ray.ObjectRef) else answer
+    return ray.get(out) if isinstance(out, ray.ObjectRef) else out
+
+
+def _pull_here(answer) -> None:
+    """Start moving an answer's payload to this node now, in the background (`ObjectRef.future()` asks the local
+    raylet to fetch the object, as `ray.get` would, without blocking): the student keeps training while a
+    teacher's batch crosses nodes, and `ray.get` later finds it local. Chained: the answer, then its payload."""
+    def then(done) -> None:
+        try:
+            inner = done.result()
+        except Exception:  # noqa: BLE001 - a failed call: `result` retries or raises it
+            return
+        if isinstance(inner, ray.ObjectRef):
+            inner.future()
+
+    answer.future().add_done_callback(then)
 
 
 class KVRequest(NamedTuple):
@@ -69,25 +94,34 @@ class ActorSource:
     consumer of one batch asks the same replica; results still come back in the feed's order.
 
     A teacher that dies mid-request restarts (max_restarts) and Ray retries the call
-    (max_task_retries); if Ray gives up on the call, it is submitted again, up to `max_retries` times.
+    (max_task_retries); if Ray gives up on the call, or the payload died with its teacher, it is submitted
+    again, up to `max_retries` times.
+
+    prefetch: each answer starts moving to this node as soon as the teacher has it (`_pull_here`), so a batch
+    from a teacher on another node crosses while the student trains on the ones before it (False: at `ray.get`,
+    on the student's critical path; `kava-ray bench feed` compares the two).
     """
 
-    def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0):
+    def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0, prefetch: bool = True):
         self.handles = handles
         self.max_retries = max_retries
         self.retry_wait_s = retry_wait_s
+        self.prefetch = prefetch
         self.resubmits = 0
 
     def submit(self, name: str, request: KVRequest) -> Any:
         r = request
         h = self.handles[name]
         h = h.route(r.key) if hasattr(h, "route") else h
-        return h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k)
+        ref = h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k)
+        if self.prefetch:
+            _pull_here(ref)
+        return ref
 
     def result(self, name: str, request: KVRequest, ref) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
-                return ray.get(ref)
+                return get_kv(ref)
             except RETRYABLE:
                 if attempt == self.max_retries:
                     raise

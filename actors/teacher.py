@@ -3,6 +3,10 @@
 The actor runs one request at a time (Ray's default for a sync actor), so two consumers asking
 for the same batch key — DDP ranks, Tune trials — are served in turn and the second one hits the
 LRU: one forward per batch, however many students consume it.
+
+`kv()` answers with an ObjectRef of the payload, put once into the teacher node's object store: the LRU
+holds these refs, so a hit hands out the same object (no second copy into the store), and a consumer on
+another node pulls it straight from there (`actors.feed.ActorSource` starts that pull as soon as the ref exists).
 """
 
 from __future__ import annotations
@@ -112,8 +116,9 @@ class TeacherActor:
         )
 
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
-           layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0) -> dict:
-        """Wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays).
+           layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0) -> ray.ObjectRef:
+        """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays);
+        `actors.feed.get_kv` turns the call's result into the payload.
 
         `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
         the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of
@@ -129,7 +134,7 @@ class TeacherActor:
         if cache_key is not None and cache_key in self._lru:
             self._lru.move_to_end(cache_key)
             self.counters["hits"] += 1
-            payload = self._lru[cache_key]
+            ref, nbytes, logit_nbytes = self._lru[cache_key]
         else:
             t0 = time.perf_counter()
             ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
@@ -137,16 +142,17 @@ class TeacherActor:
             batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
                                        logits_top_k=logits_top_k)
             payload = batch.to_wire(wire_dtype)
+            ref, nbytes, logit_nbytes = ray.put(payload), wire_nbytes(payload), wire_logits_nbytes(payload)
             self.counters["forward_s"] += time.perf_counter() - t0
             self.counters["forwards"] += 1
             self.counters["tokens"] += int(mask.sum())
             if cache_key is not None:
-                self._lru[cache_key] = payload
+                self._lru[cache_key] = ref, nbytes, logit_nbytes
                 while len(self._lru) > self.cache_size:
-                    self._lru.popitem(last=False)
-        self.counters["bytes_served"] += wire_nbytes(payload)
-        self.counters["logit_bytes_served"] += wire_logits_nbytes(payload)
-        return payload
+                    self._lru.popitem(last=False)  # the store frees it once no consumer holds it either
+        self.counters["bytes_served"] += nbytes
+        self.counters["logit_bytes_served"] += logit_nbytes
+        return ref
 
     def stats(self) -> dict:
         c = dict(self.counters)

@@ -59,7 +59,7 @@ def cmd_bench_feed(args) -> int:
 
     result = run_feed_bench(steps=args.steps, batch=args.batch, tokens=args.tokens, ratios=args.ratios,
                             teacher_counts=args.teachers, replicas=args.replicas, real_layers=args.real_layers,
-                            transport_mib=args.transport_mib)
+                            transport_mib=args.transport_mib, cross_node=args.cross_node)
     return _show(args, format_feed_bench(result), result)
 
 
@@ -481,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--transport-mib", type=int, default=64)
+    p.add_argument("--cross-node", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the teacher on another Ray node (a three-node local cluster, started for it)")
     _add_json(p)
     p.set_defaults(func=cmd_bench_feed)
     p = bench_sub.add_parser("step", help="plain CE step vs CE+KV (structured, flat, + logits): time per phase, "

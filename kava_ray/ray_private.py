@@ -1,6 +1,6 @@
 """The private Ray APIs kava-ray uses, in one place, written against Ray 2.60.
 
-Ray has no public equivalent for these three; everything else goes through public APIs.
+Ray has no public equivalent for these four; everything else goes through public APIs.
 `tests/test_ray_private.py` fails loudly when the installed Ray is not the version below or one of these
 attributes is gone, so an upgrade is a deliberate re-check of this file, not a silent break:
 
@@ -12,6 +12,10 @@ attributes is gone, so an upgrade is a deliberate re-check of this file, not a s
 - `TorchTrainer._register_sigint_handler`: Ray Train V2 installs a SIGINT handler that aborts "gracefully"
   (~15 s, a traceback, exit 1); kava-ray replaces it with nothing so Ctrl-C is one line and exit 130
   (`kava_ray.train.fit`).
+- Ray Train's torch backend (`TorchConfig().backend_cls`, whose `on_start` sets up the process group) and the
+  worker group its `on_start` receives (`execute_single`, `execute_single_async`, `get_resources_per_worker`,
+  `len`): `kava_ray.process_group` subclasses the one and drives the other to bind the group's store to
+  127.0.0.1 on one machine (Ray's `TorchConfig` has no option for where the store listens).
 """
 
 from __future__ import annotations
@@ -51,4 +55,10 @@ def missing() -> list[str]:
         out.append("ray._private.worker._global_node")
     if not hasattr(ray.train.torch.TorchTrainer, "_register_sigint_handler"):
         out.append("TorchTrainer._register_sigint_handler")
+    if not hasattr(ray.train.torch.TorchConfig().backend_cls, "on_start"):
+        out.append("TorchConfig().backend_cls.on_start")
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    out += [f"WorkerGroup.{name}" for name in ("execute_single", "execute_single_async", "get_resources_per_worker",
+                                               "__len__") if not hasattr(WorkerGroup, name)]
     return out

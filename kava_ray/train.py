@@ -32,9 +32,11 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
     from ray.train.torch import TorchTrainer
 
     from kava_ray.plans import plans_payload
+    from kava_ray.process_group import LoopbackTorchConfig
 
     return TorchTrainer(
         train_loop_per_worker,
+        torch_config=LoopbackTorchConfig(),  # the group's store on 127.0.0.1 when the run is on one machine
         train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
                            "resume": str(Path(resume).resolve()) if resume else None,
                            "resume_override": resume_override},

@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from actors.feed import ActorSource, KVFeed, feed_items
+from actors.feed import ActorSource, KVFeed, feed_items, get_kv
 from actors.kv_cache import CacheSource, KVCache
 from actors.pool import find_pool, missing_replicas, start_missing, start_pool, stop_pool
 from kava_ray.config import load_config
@@ -75,7 +75,7 @@ def test_served_kv_equals_in_process_extraction_bit_exact(pool, references):
     assert (geoms["llama"]["num_layers"], geoms["llama"]["head_dim"]) == (3, 32)
     assert geoms["qwen"]["tokenizer_fingerprint"] == geoms["llama"]["tokenizer_fingerprint"]
     for name, layers in (("qwen", [0, 3]), ("llama", [2])):
-        payload = ray.get(handles[name].kv.remote(None, ids, mask, layers, "bf16"))
+        payload = get_kv(handles[name].kv.remote(None, ids, mask, layers, "bf16"))
         served = KVBatch.from_wire(payload, dtype=None)
         ref = local_kv(references[name], ids, mask, layers)
         assert served.layer_ids == layers and served.keys.dtype == torch.bfloat16
@@ -90,11 +90,14 @@ def test_two_consumers_same_key_cost_one_forward(pool):
     h = handles["qwen"]
     (key, ids, mask, *_), = batches(cfg, 1)
     before = ray.get(h.stats.remote())
-    a, b = ray.get([h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16"),
-                    h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16")])
+    answers = ray.get([h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16"),
+                       h.kv.remote(key + "/dedup", ids, mask, [0, 1], "bf16")])
     after = ray.get(h.stats.remote())
     assert after["forwards"] - before["forwards"] == 1
     assert after["hits"] - before["hits"] == 1 and after["requests"] - before["requests"] == 2
+    # the hit hands out the object the miss put into the store: no second copy
+    assert isinstance(answers[0], ray.ObjectRef) and answers[0] == answers[1]
+    a, b = get_kv(answers)
     assert np.array_equal(a["k"], b["k"])
 
 
@@ -221,7 +224,7 @@ def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(poo
     h = handles["qwen"]
     (key, ids, mask, *_), = batches(cfg, 1)
     before = ray.get(h.stats.remote())
-    a, b = ray.get([h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8),
+    a, b = get_kv([h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8),
                     h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16", 8)])
     after = ray.get(h.stats.remote())
     assert after["forwards"] - before["forwards"] == 1 and after["hits"] - before["hits"] == 1
@@ -238,7 +241,7 @@ def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(poo
     assert torch.allclose(served.topk_logp, ref.topk_logp, rtol=2 ** -8, atol=1e-5)
     assert torch.equal(served.keys, ref.keys.to(torch.bfloat16).float())
     # k = 0 on the same key: its own LRU entry (today's key) and today's payload, no logits
-    c = ray.get(h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16"))
+    c = get_kv(h.kv.remote(key + "/logits", ids, mask, [0, 3], "bf16"))
     assert "topk_ids" not in c and ray.get(h.stats.remote())["forwards"] - after["forwards"] == 1
     assert np.array_equal(c["k"], a["k"])
 
@@ -338,7 +341,8 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
     from kava_ray.bench.feed import format_feed_bench, run_feed_bench
 
     r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1,),
-                       replicas=(2,), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2)
+                       replicas=(2,), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2,
+                       cross_node=False)  # on a cluster of its own: tests/test_multinode.py
     regimes = r["regimes"]
     assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("real", 1)]
     for g in regimes:

@@ -1,5 +1,5 @@
 """Teachers and students on different nodes of one Ray cluster: three raylets on this machine, each with its own
-object store (tests/multinode_cluster.py: a head with no CPUs, a `kava-role: teacher` node, a `kava-role:
+object store (`kava_ray.local_cluster`: a head with no CPUs, a `kava-role: teacher` node, a `kava-role:
 student` node), token auth on. Every job here is a `kava-ray ... --address` in a subprocess, as a user runs it
 (the test session's own Ray stays out of it); what ran where comes from Ray's state API."""
 
@@ -10,23 +10,22 @@ import math
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from jobs import read_jsonl, write_job
+from kava_ray.local_cluster import STUDENT_NODE, TEACHER_NODE
 from test_cluster import _client_env, _ray
 from test_service_ray import _kava
 
-HERE = Path(__file__).resolve().parent
-TEACHER, STUDENT = {"kava-role": "teacher"}, {"kava-role": "student"}
+TEACHER, STUDENT = TEACHER_NODE, STUDENT_NODE
 ENV = _client_env(HF_HUB_OFFLINE="1")  # a user's shell: token auth on
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """The three-node cluster, for this module: yields its GCS address."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "multinode_cluster.py"), "--stdin"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.local_cluster", "--stdin"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_client_env())
     address = proc.stdout.readline().strip()
     if not address:
@@ -91,3 +90,22 @@ def test_a_job_that_cannot_be_placed_is_one_line_before_anything_starts(cluster,
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_prefetch(cluster):
+    """`kava-ray bench feed`'s cross-node regime at toy size on this cluster: the production feed from a teacher on
+    the teacher node to a student on the student node. With prefetch a batch's payload reaches the student's node
+    while nobody asks for it; without, it stays put (Ray's own locality test: `ray.wait(fetch_local=True)`). The
+    payload is past Ray's inline limit, so it really crosses object stores. No figure of this box is asserted."""
+    out = subprocess.run([sys.executable, "-m", "kava_ray.bench.cross_node", "--address", cluster, "--json",
+                          "--steps", "3", "--tokens", "16"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = r["runs"]
+    assert list(runs) == ["same node", "cross node, no prefetch", "cross node, prefetch"]
+    assert runs["cross node, prefetch"]["arrives_unasked"] is True
+    assert runs["cross node, no prefetch"]["arrives_unasked"] is False
+    # 28 layers x batch 4 x 2 KV heads x 16 tokens x head_dim 128 x bf16, K and V: 1.75 MiB per step
+    assert r["bytes_per_step"] == 2 * 28 * 4 * 2 * 16 * 128 * 2 > 100 * 2**10
+    assert all(x["step_s"] >= r["config"]["step_s"] for x in runs.values())  # each step is busy step_s at least
+    assert r["cross_node_Bps"] > 0

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -162,10 +163,34 @@ def own_train(head, job, address_dir, tmp_path_factory):
     with open(cwd / "out.txt", "w") as out, open(cwd / "err.txt", "w") as err:  # files: a pipe could fill up
         proc = subprocess.Popen([str(BIN / "kava-ray"), "train", "--config", "job.yaml", "--name", "own"], cwd=cwd,
                                 env=_env(tmpdir), stdout=out, stderr=err)
-    yield proc, cwd, tmpdir, time.monotonic()
+    sockets: dict = {}
+    watcher = threading.Thread(target=_watch_listening, args=(proc, sockets), daemon=True)
+    watcher.start()
+    yield proc, cwd, tmpdir, time.monotonic(), sockets
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
+    """Until `proc` exits: every listening TCP socket of it and the processes under it (its embedded Ray, the
+    teachers, the Ray Train worker), as {(ip, port): process title}, polled every 0.2 s."""
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                for c in p.net_connections(kind="inet"):
+                    if c.status == psutil.CONN_LISTEN:
+                        seen.setdefault((c.laddr.ip, c.laddr.port), " ".join(p.cmdline())[:80] or p.name())
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        time.sleep(0.2)
 
 
 def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path(head, job, tmp_path, address_dir,
@@ -201,11 +226,16 @@ def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_addre
     libraries is in RUN_DIR/logs/ (kava_ray.console)."""
     from test_console import CHATTER
 
-    proc, cwd, tmpdir, t0 = own_train
+    proc, cwd, tmpdir, t0, sockets = own_train
     proc.wait(timeout=240)
     stdout, stderr = (cwd / "out.txt").read_text(), (cwd / "err.txt").read_text()
     print(f"train (in the background since the head was up): {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    # every server of the run, the Ray Train worker's torch.distributed store included, listened on loopback only
+    for (ip, port), title in sorted(sockets.items(), key=lambda kv: kv[1]):
+        print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} {title}")
+    assert any(title.startswith("ray::RayTrainWorker") for title in sockets.values()), sockets
+    assert not {k: t for k, t in sockets.items() if k[0] not in LOOPBACK}, sockets
     assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
     run_dir = (cwd / "runs" / "own").resolve()
     assert (run_dir / "final" / "student" / "config.json").is_file()

@@ -74,6 +74,13 @@ def summary_rows(r: dict) -> list[list[str]]:
     t = feed["transport"]
     rows.append([f"KV wire format, {t['bytes'] / 2**20:.0f} MiB actor → driver: vs pickled torch, vs memcpy",
                  f"{t['wire_over_pickle']:.1f}×, {100 * t['wire_over_memcpy']:.0f} %", "", FEED_CMD])
+    x = feed.get("cross_node")
+    if x:
+        runs = x["runs"]
+        rows.append([f"teacher on another node ({x['bytes_per_step'] / 2**20:.0f} MiB per step crossing): step / "
+                     "same node, with prefetch (without)",
+                     f"{runs['cross node, prefetch']['over_same_node']:.2f} "
+                     f"({runs['cross node, no prefetch']['over_same_node']:.2f})", "≤ 1.05", FEED_CMD])
     if step:
         rows += step_summary_rows(step)
     return rows

@@ -14,6 +14,10 @@ Two kinds of teacher, labelled in the output:
 - real: the production teacher actor (`start_pool`) with a tiny random Qwen2 of 8 and 32 layers; on a 2-core
   CPU it shares the cores with the student, so only these points are real.
 
+Cross-node (`kava_ray.bench.cross_node`, on a teacher node and a student node of a `local_cluster` started in a
+subprocess): step time with the teacher on another node, with and without prefetch, over the same run on one
+node, and the bytes that crossed.
+
 Also: teacher ms per batch serving the first half of its layers, the forward run whole vs stopped after the
 deepest served layer (`teacher_forward_kv(stop_early=...)`); and the transport of one KV payload from an actor
 as the wire format (numpy views), as pickled torch tensors, and an in-process memcpy of the same bytes.
@@ -21,7 +25,9 @@ as the wire format (numpy views), as pickled torch tensors, and an in-process me
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +37,10 @@ import numpy as np
 import ray
 import torch
 
-from actors.feed import ActorSource, KVFeed
+from actors.feed import ActorSource, KVFeed, get_kv
 from actors.pool import TeacherReplicas, start_pool, stop_pool
 from kava_ray._io import format_table
+from kava_ray.bench.cross_node import format_cross_node
 from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.config import JobConfig, validate_config
 from kava_ray.connect import connect
@@ -115,7 +122,7 @@ class _Student:
         """Ask, wait, then train (the predecessor's loop): ~T + S per step."""
         t0 = time.perf_counter()
         for key, ids, mask, b in _items(data, keyed=False):
-            payloads = ray.get([h.kv.remote(key, ids, mask, layers[n], "bf16") for n, h in handles.items()])
+            payloads = get_kv([h.kv.remote(key, ids, mask, layers[n], "bf16") for n, h in handles.items()])
             self.step(b, {n: KVBatch.from_wire(w) for n, w in zip(handles, payloads)})
         return (time.perf_counter() - t0) / len(data)
 
@@ -124,10 +131,10 @@ def _teacher_alone(handle, layers, data: list, keyed: bool) -> float:
     """T: one teacher's round trips, back to back, nothing else running (after one unmeasured request: a new
     actor's first call pays its start)."""
     key, ids, mask, _ = next(_items(data[:1], keyed))
-    ray.get(handle.kv.remote(key, ids, mask, layers, "bf16"))
+    get_kv(handle.kv.remote(key, ids, mask, layers, "bf16"))
     t0 = time.perf_counter()
     for key, ids, mask, _ in _items(data, keyed):
-        ray.get(handle.kv.remote(key, ids, mask, layers, "bf16"))
+        get_kv(handle.kv.remote(key, ids, mask, layers, "bf16"))
     return (time.perf_counter() - t0) / len(data)
 
 
@@ -216,7 +223,7 @@ def _real_teachers(tmp: Path, s_dir, storage, data, layer_counts, depths) -> lis
             plans = live_plans(cfg, handles)
             layers = {"t": plans["t"].layers}
             student = _Student(cfg, plans)
-            payloads = [{"t": ray.get(handles["t"].kv.remote(None, b["input_ids"].numpy(),
+            payloads = [{"t": get_kv(handles["t"].kv.remote(None, b["input_ids"].numpy(),
                                                              b["attention_mask"].numpy(), layers["t"], "bf16"))}
                         for b in data]
             student.alone(data[:1], payloads[:1])  # warm-up
@@ -258,7 +265,7 @@ def _early_stop(t_dir: Path, batch: int, tokens: int, rounds: int = 3, reps: int
 def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1, 2, 4),
                    ratios=(0.25, 0.5, 1.0, 2.0, 4.0), teacher_counts=(1, 2, 3), replicas=(1, 2, 4),
                    replica_ratio: float = 4.0, replica_steps: int = 16, real_layers=(8, 32), transport_mib: int = 64,
-                   repeats: int = 15) -> dict:
+                   repeats: int = 15, cross_node: bool = True) -> dict:
     """Every measurement once, side by side in one Ray; returns the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
     started_ray = not ray.is_initialized()
@@ -283,6 +290,9 @@ def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1
             _log("real teachers", t0)
             transport = _transport(transport_mib, repeats)
             _log("transport", t0)
+        nodes = _cross_node(steps) if cross_node else None
+        if nodes:
+            _log("cross node", t0)
     finally:
         if started_ray:
             ray.shutdown()
@@ -291,7 +301,17 @@ def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1
                    "threads": "1 per teacher + 1 student", "speed_steps": list(SPEED_STEPS),
                    "replica_ratio": replica_ratio},
         "regimes": timed + real, "replicas": scaling, "early_stop": early, "transport": transport,
+        "cross_node": nodes,
     }
+
+
+def _cross_node(steps: int) -> dict:
+    """The cross-node regime, in a subprocess of its own (its cluster is another Ray than this driver's)."""
+    out = subprocess.run([sys.executable, "-m", "kava_ray.bench.cross_node", "--json", "--steps", str(steps)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the cross-node regime failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @ray.remote(num_cpus=1)
@@ -389,4 +409,6 @@ def format_feed_bench(r: dict) -> str:
                 ["pickled torch tensors", gbs(t["torch_pickle_Bps"]), f"{t['torch_pickle_Bps'] / t['wire_Bps']:.2f}"],
                 ["in-process memcpy", gbs(t["memcpy_Bps"]), f"{t['memcpy_Bps'] / t['wire_Bps']:.2f}"]]),
             f"wire is {t['wire_over_pickle']:.1f}x pickled torch and {100 * t['wire_over_memcpy']:.0f}% of memcpy"]
+    if r.get("cross_node"):
+        out += ["", format_cross_node(r["cross_node"])]
     return "\n".join(out)

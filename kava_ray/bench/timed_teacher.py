@@ -5,7 +5,8 @@ cannot be measured with real models here. A TimedTeacher answers the production 
 (`kv(key, input_ids, attention_mask, layers, wire_dtype, logits_top_k)`) with KV of the real teacher's
 geometry, shaped like the batch, in the real wire format, after a fixed delay per batch — like a GPU busy for
 `delay_s` — and uses no CPU while it waits. Requests queue on the actor one at a time, as on a real teacher.
-The payload still travels through Ray's object store like a real teacher's, so transport is part of T.
+The payload still travels through Ray's object store like a real teacher's (put into this node's store, the
+answer a ref to it), so transport is part of T.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TimedTeacher:
         return dict(self.geom_dict)
 
     def kv(self, key, input_ids: np.ndarray, attention_mask: np.ndarray, layers=None, wire_dtype: str = "bf16",
-           logits_top_k: int = 0) -> dict:
+           logits_top_k: int = 0) -> ray.ObjectRef:
         t0 = time.perf_counter()
         B, T = np.asarray(input_ids).shape
         ids = list(range(self.geom.num_layers)) if layers is None else list(layers)
@@ -49,7 +50,7 @@ class TimedTeacher:
             self._kv[(B, T, tuple(ids))] = tuple(torch.randn(shape, generator=self.gen).bfloat16() for _ in "kv")
         k, v = self._kv[(B, T, tuple(ids))]
         mask = torch.from_numpy(np.array(attention_mask, dtype=bool))  # a copy: Ray hands read-only arrays
-        payload = KVBatch(k, v, ids, mask, "pre_rope").to_wire(wire_dtype)
+        payload = ray.put(KVBatch(k, v, ids, mask, "pre_rope").to_wire(wire_dtype))
         time.sleep(max(0.0, self.delay_s - (time.perf_counter() - t0)))  # the GPU is busy for delay_s per batch
         self.counters["requests"] += 1
         self.counters["forwards"] += 1
