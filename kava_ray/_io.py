@@ -7,6 +7,7 @@ written next to its destination under a temporary name, flushed to disk, then re
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -121,3 +122,21 @@ def first_line(e: BaseException, with_type: bool = False) -> str:
     if with_type:
         return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
     return msg or type(e).__name__
+
+
+CONTENT_KEY_BYTES = 1 << 20  # read from each end of a file for its content key
+
+
+def content_key(path: Union[str, Path], h=None):
+    """A cheap key of a file's content, not of where or when it was written: its size and the hash of its first
+    and last MiB (a weights file's header names every tensor, shape and offset; the tail holds the last tensors'
+    data). Updates `h` (a hashlib object) when given, else returns a new sha1."""
+    h = h if h is not None else hashlib.sha1()
+    size = Path(path).stat().st_size
+    h.update(f"{size}|".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(CONTENT_KEY_BYTES))
+        if size > CONTENT_KEY_BYTES:
+            f.seek(max(CONTENT_KEY_BYTES, size - CONTENT_KEY_BYTES))
+            h.update(f.read())
+    return h

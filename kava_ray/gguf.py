@@ -10,14 +10,13 @@ appears complete or not at all.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from kava_ray._io import atomic_dir, file_lock, first_line
+from kava_ray._io import atomic_dir, content_key, file_lock, first_line
 from kava_ray.errors import KavaError
 
 GGUF_MARKER = ".kava-gguf-complete"
@@ -42,20 +41,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
-CONTENT_KEY_BYTES = 1 << 20  # read from each end of the file for its cache key
 
 
 def gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
     """The cached HF dir of `gguf_path`, keyed by its content: size, first and last MiB (the header with every
     tensor's name, shape and offset; the last tensors' data). The same file in another venv, checkout or
     place shares one conversion; a file rewritten with other weights gets its own."""
-    size = gguf_path.stat().st_size
-    h = hashlib.sha1(f"{size}|".encode())
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(CONTENT_KEY_BYTES))
-        if size > CONTENT_KEY_BYTES:
-            f.seek(max(CONTENT_KEY_BYTES, size - CONTENT_KEY_BYTES))
-            h.update(f.read())
+    h = content_key(gguf_path)
     return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 
 

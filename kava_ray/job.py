@@ -111,14 +111,23 @@ def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
     return plans
 
 
-def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optional[str]:
+def teacher_weights(handles: dict) -> dict[str, list[dict]]:
+    """{teacher: [{loaded, now, node} of each replica]}, each read by the replica on its own node
+    (`TeacherActor.weights_now`)."""
+    hs = {n: list(getattr(h, "handles", [h])) for n, h in handles.items()}
+    got = iter(ray.get([r.weights_now.remote() for rs in hs.values() for r in rs]))
+    return {n: [next(got) for _ in rs] for n, rs in hs.items()}
+
+
+def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict],
+                      weights: Optional[dict[str, list[dict]]] = None) -> Optional[str]:
     """Why a running pool cannot serve this config (the first differing field, one line), or None.
 
-    A pool is found by name; this checks it is the teacher the config describes: same model, same weights
-    on disk, quantization, dtype and key space.
+    A pool is found by name; this checks it is the teacher the config describes: same model, quantization, dtype
+    and key space, and (`weights`, from `teacher_weights`) the same weights as its model path holds now on the
+    node of each replica — compared by content, so copies of the same weights on several nodes pass — with every
+    replica holding the same weights.
     """
-    from actors.teacher import weights_fingerprint
-
     for t in cfg.teachers:
         g = teacher_geoms[t.name]
         wanted = {"model": t.model, "quantization": t.quantization, "dtype": t.dtype, "key_space": cfg.align.key_space}
@@ -129,9 +138,17 @@ def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict]) -> Optiona
                 key = "align.key_space" if field == "key_space" else f"teachers[{t.name}].{field}"
                 return (f"running teacher '{t.name}' was started with {field}={served[field]!r}, the config asks for "
                         f"{key}={want!r}")
-        weights = weights_fingerprint(t.model)
-        if weights is not None and g.get("weights") not in (None, weights):
-            return f"running teacher '{t.name}' loaded other weights than {t.model!r} holds now (rewritten since?)"
+        replicas = (weights or {}).get(t.name, [])
+        for i, w in enumerate(replicas):
+            if w["now"] is not None and w["loaded"] not in (None, w["now"]):
+                where = f"replica {i}, " if len(replicas) > 1 else ""
+                return (f"running teacher '{t.name}' ({where}node {w['node']}) loaded other weights than {t.model!r} "
+                        f"holds there now (rewritten since?)")
+        loaded = {w["loaded"] for w in replicas if w["loaded"] is not None}
+        if len(loaded) > 1:
+            nodes = ", ".join(f"replica {i} on node {w['node']}" for i, w in enumerate(replicas))
+            return (f"teacher '{t.name}': its replicas loaded different weights from {t.model!r} ({nodes}): the "
+                    f"copies on those nodes differ")
     return None
 
 
@@ -165,7 +182,7 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
         handles, started = find_pool(cfg), []
     except KavaError:  # none or part of the pool runs (fewer replicas): attach to what runs, start the rest
         handles, started = start_missing(cfg)  # start_pool checks the resources first
-    mismatch = identity_mismatch(cfg, teacher_geometries(handles))
+    mismatch = identity_mismatch(cfg, teacher_geometries(handles), teacher_weights(handles))
     if mismatch is not None:
         if not restart:
             raise KavaError(f"{mismatch}; stop it (kava-ray teachers down) or pass --restart-teachers")

@@ -427,3 +427,53 @@ def test_restart_teachers_replaces_a_mismatched_pool(ray_session, tiny_job):
         assert new["qwen"].handles[0]._actor_id != old["qwen"].handles[0]._actor_id
     finally:
         stop_pool(cfg)
+
+
+def test_a_running_teacher_is_checked_against_its_weights_by_content_on_its_node(ray_session, tiny_job, tmp_path,
+                                                                                  tiny_qwen2_dir):
+    """The weights a running teacher loaded are compared with what its model path holds now, read by the teacher on
+    its own node, by content: the same bytes written again (another copy, another mtime) pass; other weights at
+    the path are one line naming the node."""
+    import shutil
+
+    from kava_ray.job import identity_mismatch, teacher_weights
+    from kava_ray.testing.tiny import build_tiny_model
+
+    model = tmp_path / "qwen"
+    shutil.copytree(tiny_qwen2_dir, model)
+    cfg = load_config(tiny_job, ["ray.namespace=kava-identity", f"teachers.0.model={model}"])
+    cfg = cfg.model_copy(update={"teachers": cfg.teachers[:1]})  # qwen alone
+    handles = start_pool(cfg)
+    try:
+        def check():
+            return identity_mismatch(cfg, teacher_geometries(handles), teacher_weights(handles))
+
+        assert check() is None
+        for f in model.iterdir():  # a copy of the same weights: new files, new mtimes, same bytes
+            data = f.read_bytes()
+            f.unlink()
+            f.write_bytes(data)
+        assert check() is None
+        other = build_tiny_model(tmp_path / "other", family="qwen2", num_layers=4, hidden_size=64, num_heads=4,
+                                 num_kv_heads=2, seed=7)
+        shutil.copy(other / "model.safetensors", model / "model.safetensors")
+        assert check() == (f"running teacher 'qwen' (node 127.0.0.1) loaded other weights than {str(model)!r} holds "
+                           f"there now (rewritten since?)")
+    finally:
+        stop_pool(cfg)
+
+
+def test_replicas_that_loaded_different_copies_are_refused(tiny_job):
+    """Replicas on nodes whose copies of the model differ: one line naming the replicas' nodes."""
+    from kava_ray.job import identity_mismatch
+
+    cfg = load_config(tiny_job)
+    t = cfg.teachers[0]
+    geoms = {x.name: {"model": x.model, "quantization": x.quantization, "requested_dtype": x.dtype,
+                      "key_space": cfg.align.key_space} for x in cfg.teachers}
+    same = [{"loaded": "a1", "now": "a1", "node": "10.0.0.1"}, {"loaded": "a1", "now": "a1", "node": "10.0.0.2"}]
+    assert identity_mismatch(cfg, geoms, {t.name: same}) is None
+    differ = [same[0], {"loaded": "b2", "now": "b2", "node": "10.0.0.2"}]
+    assert identity_mismatch(cfg, geoms, {t.name: differ}) == (
+        f"teacher '{t.name}': its replicas loaded different weights from {t.model!r} (replica 0 on node 10.0.0.1, "
+        f"replica 1 on node 10.0.0.2): the copies on those nodes differ")
