@@ -41,8 +41,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
-
-
 def gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
     """The cached HF dir of `gguf_path`, keyed by its content: size, first and last MiB (the header with every
     tensor's name, shape and offset; the last tensors' data). The same file in another venv, checkout or

@@ -119,8 +119,7 @@ def teacher_weights(handles: dict) -> dict[str, list[dict]]:
     return {n: [next(got) for _ in rs] for n, rs in hs.items()}
 
 
-def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict],
-                      weights: Optional[dict[str, list[dict]]] = None) -> Optional[str]:
+def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict], weights: dict[str, list[dict]]) -> Optional[str]:
     """Why a running pool cannot serve this config (the first differing field, one line), or None.
 
     A pool is found by name; this checks it is the teacher the config describes: same model, quantization, dtype
@@ -138,7 +137,7 @@ def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict],
                 key = "align.key_space" if field == "key_space" else f"teachers[{t.name}].{field}"
                 return (f"running teacher '{t.name}' was started with {field}={served[field]!r}, the config asks for "
                         f"{key}={want!r}")
-        replicas = (weights or {}).get(t.name, [])
+        replicas = weights[t.name]
         for i, w in enumerate(replicas):
             if w["now"] is not None and w["loaded"] not in (None, w["now"]):
                 where = f"replica {i}, " if len(replicas) > 1 else ""

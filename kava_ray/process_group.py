@@ -21,6 +21,8 @@ from datetime import timedelta
 import ray
 from ray.train.torch import TorchConfig
 
+from kava_ray.ray_private import set_torch_distributed_env_vars
+
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _STORE = None  # rank 0's store server, alive as long as its worker process
 
@@ -40,15 +42,11 @@ def _serve_store(world_size: int, timeout_s: int) -> int:
 
 
 def _join(backend: str, port: int, timeout_s: int) -> None:
-    """On every rank: the environment Ray Train's TorchConfig gives a worker (torchrun's variables), then the group."""
+    """On every rank (after Ray Train's own torchrun variables, `_set_torch_distributed_env_vars`): the group."""
     import torch.distributed as dist
-    from ray.train.torch import get_device
 
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(ctx.get_local_rank()), LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()),
-                      NODE_RANK=str(ctx.get_node_rank()), ACCELERATE_TORCH_DEVICE=str(get_device()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as Ray's TorchConfig: fail on a hung collective
     store = _STORE if rank == 0 else dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout_s))
@@ -62,6 +60,7 @@ class _LoopbackBackend(TorchConfig().backend_cls):
         backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU", 0) > 0
                                              else "gloo")
         port = worker_group.execute_single(0, _serve_store, len(worker_group), backend_config.timeout_s)
+        worker_group.execute(set_torch_distributed_env_vars)  # RANK, WORLD_SIZE, LOCAL_RANK, ... as Ray sets them
         ray.get([worker_group.execute_single_async(i, _join, backend, port, backend_config.timeout_s)
                  for i in range(len(worker_group))])
 

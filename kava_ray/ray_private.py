@@ -14,8 +14,10 @@ attributes is gone, so an upgrade is a deliberate re-check of this file, not a s
   (`kava_ray.train.fit`).
 - Ray Train's torch backend (`TorchConfig().backend_cls`, whose `on_start` sets up the process group) and the
   worker group its `on_start` receives (`execute_single`, `execute_single_async`, `get_resources_per_worker`,
-  `len`): `kava_ray.process_group` subclasses the one and drives the other to bind the group's store to
-  127.0.0.1 on one machine (Ray's `TorchConfig` has no option for where the store listens).
+  `len`), and the function its `on_start` sets each worker's torchrun variables with
+  (`ray.train.torch.config._set_torch_distributed_env_vars`): `kava_ray.process_group` subclasses the one and
+  drives the other to bind the group's store to 127.0.0.1 on one machine (Ray's `TorchConfig` has no option for
+  where the store listens).
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def drop_train_sigint_handler(trainer) -> None:
     trainer._register_sigint_handler = lambda controller: None
 
 
+def set_torch_distributed_env_vars() -> None:
+    """On a Train worker: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, ACCELERATE_TORCH_DEVICE, as
+    Ray Train's TorchConfig sets them before it creates the process group."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
 def missing() -> list[str]:
     """The private attributes above that the installed Ray no longer has (empty when all are there)."""
     import ray.train.torch
@@ -57,7 +67,11 @@ def missing() -> list[str]:
         out.append("TorchTrainer._register_sigint_handler")
     if not hasattr(ray.train.torch.TorchConfig().backend_cls, "on_start"):
         out.append("TorchConfig().backend_cls.on_start")
+    import ray.train.torch.config as torch_config
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    if not hasattr(torch_config, "_set_torch_distributed_env_vars"):
+        out.append("ray.train.torch.config._set_torch_distributed_env_vars")
 
     out += [f"WorkerGroup.{name}" for name in ("execute_single", "execute_single_async", "get_resources_per_worker",
                                                "__len__") if not hasattr(WorkerGroup, name)]

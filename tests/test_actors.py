@@ -472,8 +472,9 @@ def test_replicas_that_loaded_different_copies_are_refused(tiny_job):
     geoms = {x.name: {"model": x.model, "quantization": x.quantization, "requested_dtype": x.dtype,
                       "key_space": cfg.align.key_space} for x in cfg.teachers}
     same = [{"loaded": "a1", "now": "a1", "node": "10.0.0.1"}, {"loaded": "a1", "now": "a1", "node": "10.0.0.2"}]
-    assert identity_mismatch(cfg, geoms, {t.name: same}) is None
+    others = {x.name: [] for x in cfg.teachers}  # the other teachers: no replica reported
+    assert identity_mismatch(cfg, geoms, others | {t.name: same}) is None
     differ = [same[0], {"loaded": "b2", "now": "b2", "node": "10.0.0.2"}]
-    assert identity_mismatch(cfg, geoms, {t.name: differ}) == (
+    assert identity_mismatch(cfg, geoms, others | {t.name: differ}) == (
         f"teacher '{t.name}': its replicas loaded different weights from {t.model!r} (replica 0 on node 10.0.0.1, "
         f"replica 1 on node 10.0.0.2): the copies on those nodes differ")

@@ -11,9 +11,9 @@ depth 2) against a `TimedTeacher` (a teacher on a GPU of its own: the real wire 
 geometry, put into its node's store like the production teacher's, after a fixed delay), and stands for a
 student on a GPU: per batch, it decodes the payload, then is busy for `step_s` without using a CPU. Three
 regimes on the same batches, interleaved over rounds (each keeps its fastest): teacher on the student's node; on
-the teacher node without prefetch; with prefetch. Step time is steady state (first to last delivered batch), the ratio is against the
-same-node run, and bytes moved are the payload bytes of the batches that crossed. The raw pull (one fresh payload, not prefetched, ready before the
-pull starts) gives the cross-node throughput.
+the teacher node without prefetch; with prefetch. Step time is steady state (first to last delivered batch), the
+ratio is against the same-node run, and bytes moved are the payload bytes of the batches that crossed. The raw pull
+(one fresh payload, not prefetched, ready before the pull starts) gives the cross-node throughput.
 
     python -m kava_ray.bench.cross_node [--address HOST:PORT] [--json]
 
@@ -32,6 +32,7 @@ import numpy as np
 import ray
 
 from actors.feed import ActorSource, KVFeed, KVRequest, get_kv
+from kava_ray._io import format_table
 from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.connect import connect
 from kava_ray.kv import KVBatch
@@ -83,15 +84,15 @@ def _batches(n: int, batch: int, tokens: int) -> list[tuple[np.ndarray, np.ndarr
 
 
 REGIMES = (("same node", STUDENT_NODE, True), ("cross node, no prefetch", TEACHER_NODE, False),
-           ("cross node, prefetch", TEACHER_NODE, True))
+           ("cross node, prefetch", TEACHER_NODE, True))  # (name, where the teacher runs, prefetch)
 
 
 def _measure(steps: int, batch: int, tokens: int, step_s: float, teacher_s: float, depth: int,
              rounds: int) -> dict:
     student = _Student.options(label_selector=STUDENT_NODE).remote()
     batches = _batches(steps, batch, tokens)
-    teachers = {role: TimedTeacher.options(label_selector={"kava-role": role}).remote(GEOMETRY, teacher_s)
-                for role in (STUDENT_NODE["kava-role"], TEACHER_NODE["kava-role"])}
+    teachers = {node["kava-role"]: TimedTeacher.options(label_selector=node).remote(GEOMETRY, teacher_s)
+                for node in (STUDENT_NODE, TEACHER_NODE)}
     for t in teachers.values():
         get_kv(t.kv.remote(None, *batches[0]))  # an actor's start is not a step
     runs: dict = {name: {} for name, _, _ in REGIMES}
@@ -132,8 +133,6 @@ def run_cross_node(address: Optional[str] = None, steps: int = 12, batch: int = 
 
 
 def format_cross_node(r: dict) -> str:
-    from kava_ray._io import format_table
-
     c = r["config"]
     rows = [[name, f"{1000 * x['step_s']:.0f} ms", f"{x['over_same_node']:.2f}", f"{1000 * x['wait_s']:.0f} ms",
              {True: "yes", False: "no"}.get(x.get("arrives_unasked"), "—")] for name, x in r["runs"].items()]
