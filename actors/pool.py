@@ -105,12 +105,7 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optio
         if amount > have + 1e-9:
             raise KavaError(f"job needs {amount:g} {res} (teachers {'+ students ' if extra else ''}together) "
                             f"but the cluster has {have:g}")
-    demands = [placement.Demand(f"teacher '{t.name}'", resources.replica(t), t.replicas, t.label_selector,
-                                f"teachers[{t.name}].label_selector") for t in cfg.teachers]
-    if workers is not None:
-        demands.append(placement.Demand("a Ray Train worker", workers, cfg.ray.num_workers,
-                                        cfg.ray.worker_label_selector, "ray.worker_label_selector"))
-    problem = placement.fit(cluster_nodes(), demands)
+    problem = placement.fit(cluster_nodes(), resources.demands(cfg, workers))
     if problem:
         raise KavaError(problem)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from kava_ray._io import format_table
+from kava_ray._io import first_line, format_table
 from kava_ray.errors import KavaError
 
 EXIT_BAD_INPUT = 2
@@ -242,12 +242,44 @@ def cmd_plan(args) -> int:
     from kava_ray.plan import format_plan, parse_bytes, plan
 
     cfg = _job_config(args)
-    p = plan(cfg, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tokens_per_s)
+    nodes, source = _plan_nodes(args)
+    p = plan(cfg, parse_bytes(args.gpu_mem) if args.gpu_mem else None, args.tokens_per_s, nodes, source)
     _show(args, format_plan(p), p)
     if p["fits"] is False:
         print(p["advice"], file=sys.stderr)  # the verdict: "does not fit gpu0 (... > ...): set ..."
         return EXIT_DOES_NOT_FIT
     return 0
+
+
+def _plan_nodes(args) -> tuple:
+    """The nodes `plan` places the job on: a cluster.yaml's node types (no Ray), a running cluster's live nodes
+    (--address), or none."""
+    if args.cluster:
+        import yaml
+
+        from kava_ray.placement import cluster_yaml_nodes
+
+        try:
+            spec = yaml.safe_load(Path(args.cluster).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise KavaError(f"--cluster {args.cluster}: {first_line(e)}") from None
+        try:
+            return cluster_yaml_nodes(spec if isinstance(spec, dict) else {}, args.cluster), args.cluster
+        except (TypeError, ValueError) as e:
+            raise KavaError(f"--cluster {first_line(e)}") from None
+    if args.address:
+        import ray
+
+        from actors.pool import cluster_nodes
+        from kava_ray.connect import connect
+
+        with _quiet(args, "plan"):
+            connect(args.address, "kava-plan", require_cluster=True)
+            try:
+                return cluster_nodes(), f"the cluster at {args.address}"
+            finally:
+                ray.shutdown()
+    return None, ""
 
 
 def cmd_demo(args) -> int:
@@ -435,7 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 8GiB, 24GB, 80GiB")
     p.add_argument("--tokens-per-s", type=float, default=None, help="target student tokens/s for KV bandwidth")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", default=None, metavar="CLUSTER_YAML",
+                       help="also place the job on the nodes this Ray cluster launcher config can bring up")
+    where.add_argument("--address", default=None,
+                       help="also place the job on the live nodes of this running Ray cluster (auto = local head)")
     _add_json(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")

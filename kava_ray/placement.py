@@ -62,10 +62,11 @@ class Node:
     address: str
     resources: dict  # the node's totals: {"CPU": 8.0, "GPU": 2.0, ...}
     labels: dict = field(default_factory=dict)
+    name: str = ""  # how to call it; Ray's node id's first 8 digits when empty
 
     def describe(self) -> str:
         res = ", ".join(f"{self.resources.get(k, 0):g} {k}" for k in ("CPU", "GPU") if k == "CPU" or k in self.resources)
-        return f"node {self.node_id[:8]} ({self.address}: {res})"
+        return f"node {self.name or self.node_id[:8]} ({self.address}: {res})"
 
 
 @dataclass
@@ -92,29 +93,59 @@ def _shortfall(need: dict, have: dict) -> float:
 
 def fit(nodes: list[Node], demands: list[Demand]) -> Optional[str]:
     """None when every demand can be placed on the nodes at once; else one line saying what cannot, and why."""
+    return place(nodes, demands)[1]
+
+
+def place(nodes: list[Node], demands: list[Demand]) -> tuple[list[tuple[str, Node]], Optional[str]]:
+    """Where each actor goes, ([(what, node)] in placing order, None), or what cannot be placed ([], one line).
+
+    A first fit on the nodes' totals, as a check: Ray's scheduler decides the real spots at run time and may
+    choose other nodes of the same kind.
+    """
     admitted = {id(d): [n for n in nodes if matches(d.selector, n.labels)] for d in demands}
     for d in demands:  # each actor alone: its selector admits a node, and one admitted node is big enough
         if not admitted[id(d)]:
             seen = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items() if not k.startswith("ray.io/")})
-            return (f"{d.selector_key} {d.selector} matches no node of the cluster "
-                    f"(its nodes' labels: {', '.join(seen) or 'none'})")
+            return [], (f"{d.selector_key} {d.selector} matches no node of the cluster "
+                        f"(its nodes' labels: {', '.join(seen) or 'none'})")
         if not any(_fits(d.resources, n.resources) for n in admitted[id(d)]):
             closest = min(admitted[id(d)], key=lambda n: _shortfall(d.resources, n.resources))
             where = f"that {d.selector_key} admits" if d.selector else "of the cluster"
-            return (f"{d.what} needs {_short(d.resources)} on one node; no node {where} has that: the closest is "
-                    f"{closest.describe()}")
+            return [], (f"{d.what} needs {_short(d.resources)} on one node; no node {where} has that: the closest "
+                        f"is {closest.describe()}")
     free = {n.node_id: dict(n.resources) for n in nodes}
     units = sorted(((d, i) for d in demands for i in range(d.count)),  # the most constrained, then the largest
                    key=lambda u: (len(admitted[id(u[0])]), -u[0].resources.get("GPU", 0),
                                   -u[0].resources.get("CPU", 0)))
+    where = []
     for d, i in units:  # all together: first fit
+        what = f"{d.what}{f' #{i}' if d.count > 1 else ''}"
         spot = next((n for n in admitted[id(d)] if _fits(d.resources, free[n.node_id])), None)
         if spot is None:
             closest = min(admitted[id(d)], key=lambda n: _shortfall(d.resources, free[n.node_id]))
-            left = {k: round(v, 3) for k, v in free[closest.node_id].items() if k in ("CPU", "GPU")}
-            return (f"the job does not fit on the cluster's nodes together: {d.what}"
-                    f"{f' #{i}' if d.count > 1 else ''} needs {_short(d.resources)} on one node once the rest is "
-                    f"placed; the closest is {closest.describe()} with {_short(left)} left")
+            left = ", ".join(f"{round(free[closest.node_id].get(k, 0.0), 3):g} {k}" for k in d.resources)
+            return [], (f"the job does not fit on the cluster's nodes together: {what} needs {_short(d.resources)} "
+                        f"on one node once the rest is placed; the closest is {closest.describe()} with {left} left")
         for k, v in d.resources.items():
             free[spot.node_id][k] = free[spot.node_id].get(k, 0.0) - v
-    return None
+        where.append((what, spot))
+    return where, None
+
+
+def cluster_yaml_nodes(spec: dict, source: str = "cluster.yaml") -> list[Node]:
+    """The nodes a Ray cluster launcher config (`cluster.yaml`) can bring up: the head and `max_workers` of each
+    worker type, with the resources and labels each type declares (a type that declares no GPU counts as none:
+    the planner cannot see what the instance type would auto-detect). ValueError names what is missing."""
+    types = spec.get("available_node_types")
+    if not isinstance(types, dict) or not types:
+        raise ValueError(f"{source}: no available_node_types (a Ray cluster launcher config lists its node types)")
+    head = spec.get("head_node_type")
+    nodes = []
+    for kind, t in types.items():
+        t = t or {}
+        count = 1 if kind == head else int(t.get("max_workers", spec.get("max_workers", 0)) or 0)
+        res = {k: float(v) for k, v in (t.get("resources") or {}).items()}
+        for i in range(count):
+            name = kind if kind == head else f"{kind}#{i}"
+            nodes.append(Node(f"{source}:{name}", kind, res, dict(t.get("labels") or {}), name=name))
+    return nodes

@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from kava_ray import placement, resources
 from kava_ray.config import JobConfig, load_config, replica_label
 from kava_ray.errors import KavaError
 from kava_ray.known_models import known_config, model_geometry, param_breakdown
@@ -469,8 +470,21 @@ def _advice(cfg: JobConfig, gpu_mem_bytes, infos: tuple, devices: dict) -> Optio
     return f"{head}{tried}; use a larger GPU or spread teachers over more GPUs (teachers[].num_gpus)"
 
 
-def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_s: Optional[float] = None) -> dict:
-    """Per-device memory estimate of a job (bytes), the largest item, a verdict and advice.
+def place_on(cfg: JobConfig, nodes: list[placement.Node], source: str) -> dict:
+    """Which node each teacher replica and Ray Train worker can go to (`kava_ray.placement`, the check a job
+    runs before it starts anything), or the one line saying what cannot be placed."""
+    use_gpu = cfg.ray.use_gpu
+    if use_gpu == "auto":  # as the job resolves it: the cluster has GPUs
+        use_gpu = any(n.resources.get("GPU", 0) > 0 for n in nodes)
+    where, problem = placement.place(nodes, resources.demands(cfg, resources.worker(cfg, bool(use_gpu))))
+    return {"source": source, "nodes": len(nodes), "where": [[w, n.describe()] for w, n in where],
+            "problem": problem}
+
+
+def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_s: Optional[float] = None,
+         nodes: Optional[list[placement.Node]] = None, nodes_source: str = "") -> dict:
+    """Per-device memory estimate of a job (bytes), the largest item, a verdict and advice; with `nodes`
+    (a cluster's, or those its cluster.yaml can bring up), where each actor goes (`placement`).
 
     {"devices": {name: {"items": {item: bytes}, "total", "capacity", "fits"}},
      "largest_item": (device, item, bytes), "fits": bool | None, "advice": str | None,
@@ -488,7 +502,7 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
     logit_b = logits_bytes_per_token(k, cfg.align.wire_dtype)
     per_token = {n: kv_bytes_per_token(g, cfg.align.wire_dtype, layers) + logit_b
                  for n, (g, _, layers) in plans.items()}
-    return {
+    out = {
         "devices": devices,
         "largest_item": largest,
         "fits": all(verdicts) if verdicts else None,
@@ -498,6 +512,12 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
         "logits_bytes_per_token": {n: logit_b for n in plans},
         "logits_top_k": k,
     }
+    if nodes is not None:
+        out["placement"] = place_on(cfg, nodes, nodes_source)
+        if out["placement"]["problem"]:
+            out["fits"] = False
+            out["advice"] = out["placement"]["problem"]
+    return out
 
 
 def check_fits(cfg: JobConfig, gpu_mem_bytes: int) -> None:
@@ -526,6 +546,11 @@ def format_plan(p: dict) -> str:
         lb = p.get("logits_bytes_per_token", {}).get(t, 0)
         logits = f" (top-{p['logits_top_k']} logits {lb / 1024:.2f} KiB of it)" if lb else ""
         lines.append(f"kv wire {t}: {b / 1024:.1f} KiB/token{logits}{extra}")
+    where = p.get("placement")
+    if where:
+        lines.append(f"placement on {where['source']} ({where['nodes']} nodes):"
+                     + (" DOES NOT FIT" if where["problem"] else ""))
+        lines += [f"  {w:<{width - 2}}{n}" for w, n in where["where"]]
     if p["advice"]:
         lines.append(f"advice: {p['advice']}")
     return "\n".join(lines)

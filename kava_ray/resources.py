@@ -7,7 +7,10 @@ all read these, so they cannot disagree. A run = its workers + Ray Train's contr
 
 from __future__ import annotations
 
+from typing import Optional
+
 from kava_ray.config import JobConfig, TeacherConfig
+from kava_ray.placement import Demand
 
 CONTROLLER_CPUS = 1.0  # Ray Train V2's controller actor, per run (or Tune trial)
 
@@ -39,3 +42,14 @@ def embedded_cpus(cfg: JobConfig, concurrent_runs: int = 1) -> int:
     spare. Ray only counts logical CPUs, so this may exceed the machine's cores."""
     teachers = pool(cfg)["CPU"] if cfg.data.kv_source == "live" else 0
     return int(teachers + concurrent_runs * run(cfg, use_gpu=False)["CPU"] + 1 + 0.999)
+
+
+def demands(cfg: JobConfig, workers: Optional[dict] = None) -> list[Demand]:
+    """Each teacher's replicas, and the Ray Train workers of `workers` resources, as `kava_ray.placement` places
+    them: one node each, among those its label selector admits."""
+    out = [Demand(f"teacher '{t.name}'", replica(t), t.replicas, t.label_selector,
+                  f"teachers[{t.name}].label_selector") for t in cfg.teachers]
+    if workers is not None:
+        out.append(Demand("a Ray Train worker", workers, cfg.ray.num_workers, cfg.ray.worker_label_selector,
+                          "ray.worker_label_selector"))
+    return out

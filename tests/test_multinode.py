@@ -92,6 +92,21 @@ def test_a_job_that_cannot_be_placed_is_one_line_before_anything_starts(cluster,
     assert "Traceback" not in out.stderr
 
 
+def test_plan_places_the_job_on_the_live_nodes(cluster, job):
+    """`kava-ray plan --address`: the same per-node check as a job's, before a job, naming the node each actor can
+    go to; what cannot be placed is exit 3 and the one line a job would print."""
+    out = _kava("plan", "--config", job, "--address", cluster, env=ENV, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    nodes = _nodes(cluster)
+    placed = out.stdout[out.stdout.index(f"placement on the cluster at {cluster} (3 nodes):"):].splitlines()[1:]
+    where = [(what.strip(), node.split()[0]) for what, node in (line.split(" node ", 1) for line in placed)]
+    assert where == [("teacher 'qwen'", nodes["teacher"][:8]), ("a Ray Train worker", nodes["student"][:8])], placed
+    out = _kava("plan", "--config", job, "--address", cluster, "teachers.0.num_cpus=2.5", env=ENV, timeout=120)
+    assert out.returncode == 3 and out.stderr.strip().splitlines()[-1].startswith(
+        "teacher 'qwen' needs 2.5 CPU on one node; no node that teachers[qwen].label_selector admits has that"), (
+        out.stderr[-3000:])
+
+
 def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_prefetch(cluster):
     """`kava-ray bench feed`'s cross-node regime at toy size on this cluster: the production feed from a teacher on
     the teacher node to a student on the student node. With prefetch a batch's payload reaches the student's node

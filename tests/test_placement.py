@@ -100,3 +100,37 @@ def test_the_selectors_reach_the_teacher_actors_and_ray_trains_scaling_config(tm
     assert "label_selector" not in _actor_options(cfg.teachers[1], "ns", False)  # Ray's default: anywhere it fits
     trainer = build_trainer(cfg, {}, tmp_path / "run", use_gpu=False)
     assert trainer.scaling_config.label_selector == {"kava-role": "student"}
+
+
+def test_plan_places_a_preset_on_the_node_types_of_cluster_yaml(tmp_path, capsys):
+    """`kava-ray plan --cluster cluster.yaml`: the repo's cluster.yaml brings up a head, a teacher node and four
+    student nodes; qwen_multi's teachers go to the teacher node, its workers to student nodes. Nodes of 2 GPUs
+    cannot hold the 4-GPU teacher (exit 3, one line naming the closest node); a missing file is exit 2."""
+    import yaml
+
+    from kava_ray.cli import main
+    from kava_ray.placement import cluster_yaml_nodes
+
+    spec = yaml.safe_load(open("cluster.yaml"))
+    nodes = cluster_yaml_nodes(spec)
+    assert [n.name for n in nodes] == ["head", "teacher_gpu#0"] + [f"student_gpu#{i}" for i in range(4)]
+    assert nodes[1].labels == {"kava-role": "teacher"} and nodes[1].resources == {"CPU": 96.0, "GPU": 8.0}
+
+    assert main(["plan", "--config", "qwen_multi", "--cluster", "cluster.yaml"]) == 0
+    out = capsys.readouterr().out
+    placed = dict(line.split("node ", 1) for line in out.splitlines()[out.splitlines().index(
+        "placement on cluster.yaml (6 nodes):") + 1:] if "node " in line)
+    assert {k.strip(): v.split(" ")[0] for k, v in placed.items()} == {
+        "teacher 'qwen72b'": "teacher_gpu#0", "teacher 'qwen7b'": "teacher_gpu#0", "teacher 'qwen14b'": "teacher_gpu#0",
+        "a Ray Train worker #0": "student_gpu#0", "a Ray Train worker #1": "student_gpu#0"}, out
+
+    spec["available_node_types"]["teacher_gpu"].update(max_workers=4, resources={"CPU": 32, "GPU": 2})
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(spec))
+    assert main(["plan", "--config", "qwen_multi", "--cluster", str(small)]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["teacher 'qwen72b' needs 4 CPU + 4 GPU on one node; no node that teachers[qwen72b].label_selector "
+                   "admits has that: the closest is node teacher_gpu#0 (teacher_gpu: 32 CPU, 2 GPU)"], err
+    assert main(["plan", "--config", "qwen_multi", "--cluster", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --cluster ") and "nope.yaml" in err[0], err
