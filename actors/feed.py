@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Protocol
 
 import numpy as np
 import ray
@@ -100,13 +100,22 @@ class ActorSource:
     prefetch: each answer starts moving to this node as soon as the teacher has it (`_pull_here`), so a batch
     from a teacher on another node crosses while the student trains on the ones before it (False: at `ray.get`,
     on the student's critical path; `kava-ray bench feed` compares the two).
+
+    unplaceable(teacher) -> a line or None: while an answer is late (every `poll_s`), why the teacher could not
+    run again now (its node died and no live node can hold it: `actors.pool.unplaceable`); after `lost_wait_s`
+    of that, the line is raised (KavaError) instead of waiting forever on an actor Ray cannot place.
     """
 
-    def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0, prefetch: bool = True):
+    def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0, prefetch: bool = True,
+                 unplaceable: Optional[Callable[[str], Optional[str]]] = None, lost_wait_s: float = 300.0,
+                 poll_s: float = 5.0):
         self.handles = handles
         self.max_retries = max_retries
         self.retry_wait_s = retry_wait_s
         self.prefetch = prefetch
+        self.unplaceable = unplaceable
+        self.lost_wait_s = lost_wait_s
+        self.poll_s = min(poll_s, lost_wait_s)
         self.resubmits = 0
 
     def submit(self, name: str, request: KVRequest) -> Any:
@@ -118,9 +127,21 @@ class ActorSource:
             _pull_here(ref)
         return ref
 
+    def _wait(self, name: str, ref) -> None:
+        """Until the answer exists, or (`unplaceable`) the teacher has been unplaceable for `lost_wait_s`."""
+        if self.unplaceable is None:
+            return
+        lost_since = None
+        while not ray.wait([ref], timeout=self.poll_s, fetch_local=False)[0]:
+            why = self.unplaceable(name)
+            lost_since = None if why is None else (lost_since or time.monotonic())
+            if why is not None and time.monotonic() - lost_since >= self.lost_wait_s:
+                raise KavaError(why)
+
     def result(self, name: str, request: KVRequest, ref) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
+                self._wait(name, ref)
                 return get_kv(ref)
             except RETRYABLE:
                 if attempt == self.max_retries:

@@ -110,10 +110,26 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optio
         raise KavaError(problem)
 
 
-def cluster_nodes() -> list:
-    """The cluster's live nodes, their total resources and labels (`ray.nodes()`), for `kava_ray.placement`."""
+def unplaceable(cfg: JobConfig, teacher: str) -> Optional[str]:
+    """Why `teacher` could not run now, or None: no live node that its selector admits can hold one replica
+    (`placement`, on the nodes' totals) — its node died and none other is there to take it. Names the dead
+    nodes it could have run on. Asked by the feed while an answer is late (`ActorSource`)."""
+    t = cfg.teacher(teacher.split("#")[0])
+    demand = resources.demands(cfg)[cfg.teachers.index(t)]
+    why = placement.fit(cluster_nodes(), [demand])
+    if why is None:
+        return None
+    gone = [n for n in cluster_nodes(alive=False) if placement.matches(demand.selector, n.labels)]
+    gone = [f"node {n.node_id[:8]} ({n.address})" for n in gone]  # (a dead node reports no resources)
+    where = f"the nodes it ran on or could run on are gone ({', '.join(gone)})" if gone else "it has no node"
+    return f"teacher '{t.name}' cannot run again: {where}, and {why}"
+
+
+def cluster_nodes(alive: bool = True) -> list:
+    """The cluster's live (or dead) nodes, their total resources and labels (`ray.nodes()`), for
+    `kava_ray.placement`."""
     return [placement.Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources") or {}),
-                           dict(n.get("Labels") or {})) for n in ray.nodes() if n.get("Alive")]
+                           dict(n.get("Labels") or {})) for n in ray.nodes() if bool(n.get("Alive")) == alive]
 
 
 def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: int = 0) -> dict:

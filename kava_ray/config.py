@@ -264,6 +264,9 @@ class RayConfig(_Section):
     num_cpus: Optional[int] = Field(None, ge=1)  # logical CPUs for an embedded Ray; None = enough for the job
     # the nodes the Ray Train workers may run on, by their Ray labels: {"kava-role": "student"}
     worker_label_selector: Optional[dict[str, str]] = None
+    # a teacher whose node died and that no live node can hold: how long a run waits for one (an autoscaler
+    # replacing the node) before it stops with one line naming the teacher and the node
+    lost_teacher_wait_s: float = Field(300.0, gt=0)
 
     @field_validator("worker_label_selector")
     @classmethod

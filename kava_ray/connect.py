@@ -136,14 +136,12 @@ def _resolve_auto() -> str:
 
 
 def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = None,
-            require_cluster: bool = False, worker_env: Optional[dict] = None,
-            storage_path: Optional[str] = None) -> str:
+            require_cluster: bool = False, worker_env: Optional[dict] = None) -> str:
     """Initialise Ray once per process; returns 'embedded' or the address connected to.
 
     address None -> an embedded local Ray with `num_cpus` logical CPUs (may exceed the physical
     cores: Ray only counts them), unless `require_cluster` (service mode needs a lasting cluster).
     `worker_env`: extra environment variables for every worker and actor of an embedded Ray.
-    `storage_path`: the job's ray.storage_path; on a cluster of more than one node a local path gets a note.
     """
     if ray.is_initialized():
         return "existing"
@@ -194,18 +192,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
                 " (a cluster started with RAY_AUTH_MODE=token needs it here too: export RAY_AUTH_MODE=token)")
         raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}{hint}") from None
-    note_shared_storage(storage_path)
     return address
-
-
-def note_shared_storage(storage_path: Optional[str]) -> None:
-    """One `note:` line when a local ray.storage_path meets a cluster of more than one node."""
-    if not storage_path or "://" in storage_path:
-        return
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if nodes > 1:
-        _note(f"note: ray.storage_path {storage_path} is a local path on a {nodes}-node cluster: every node writes "
-              f"there, so it must be shared storage mounted at that path on every node (NFS/EFS)")
 
 
 def resolve_use_gpu(use_gpu) -> bool:

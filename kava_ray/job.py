@@ -10,6 +10,7 @@ run and where a worker's teacher KV comes from. The Ray-free half (plans, logit 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -41,8 +42,7 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
     from kava_ray.connect import connect
 
     return connect(address or cfg.ray.address, cfg.ray.namespace,
-                   num_cpus=cfg.ray.num_cpus or resources.embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster,
-                   storage_path=cfg.ray.storage_path)
+                   num_cpus=cfg.ray.num_cpus or resources.embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster)
 
 
 # ------------------------------------------------------------------------------------ teachers
@@ -68,21 +68,33 @@ class JobTeachers:
 
 @contextlib.contextmanager
 def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = False, concurrent_runs: int = 1,
-                 on_connected: Optional[Callable[[str], None]] = None) -> Iterator[JobTeachers]:
+                 on_connected: Optional[Callable[[str], None]] = None, command: str = "") -> Iterator[JobTeachers]:
     """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
     and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
     the KV source. On exit it stops only the teacher replicas it started (a pool that was running, or the part of
     it that was, stays up) and shuts down only a Ray it started.
 
     on_connected(connected): runs once Ray is up, before any teacher starts (resource checks, status lines).
+    command: "train" / "tune" when Ray Train workers will read the job's inputs: on a cluster, the local paths they
+    and the teachers read are looked at on the nodes that read them (`kava_ray.node_paths`) before any teacher
+    starts.
     """
     connected = connect_job(cfg, address, concurrent_runs)
     try:
         if on_connected is not None:
             on_connected(connected)
+        on_nodes = connected != "embedded"  # other nodes than this one may read the job's local paths
+        if on_nodes:
+            from kava_ray.connect import resolve_use_gpu
+            from kava_ray.node_paths import check_node_paths, reads, tokenizer_reads
+
+            use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+            check_node_paths(reads(cfg, command, use_gpu))
         t0 = time.time()
         handles, plans, started = setup_teachers(cfg, restart=restart)
         try:
+            if on_nodes and command in ("train", "tune"):
+                check_node_paths(tokenizer_reads(cfg, plans, use_gpu))
             yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0)
         finally:
             if started:
@@ -197,12 +209,13 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
     (`handles`, else found by name)."""
     from actors.feed import ActorSource
     from actors.kv_cache import CacheSource, KVCache, cache_meta
-    from actors.pool import find_pool
+    from actors.pool import find_pool, unplaceable
 
     if cfg.data.kv_source == "cache":
         meta = cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg)) if data_fingerprint is not None else None
         return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
-    return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)))
+    return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)),
+                       unplaceable=functools.partial(unplaceable, cfg), lost_wait_s=cfg.ray.lost_teacher_wait_s)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -217,6 +230,9 @@ def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> 
     connect_job(cfg, address, require_cluster=True)
     try:
         if action == "up":
+            from kava_ray.node_paths import check_node_paths, reads
+
+            check_node_paths(reads(cfg))  # the teachers' model paths, on the nodes that load them
             handles = pool.start_pool(cfg, detached=True)
             out = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
         elif action == "down":

@@ -4,7 +4,10 @@ cluster.yaml labels its node types. What the multinode tests and `kava-ray bench
 
     RAY_AUTH_MODE=token python -m kava_ray.local_cluster [--stdin]
 
-prints the GCS address, then keeps the nodes up until Ctrl+C (or, with --stdin, until its stdin closes).
+prints the GCS address, then keeps the nodes up until Ctrl+C (or, with --stdin, until its stdin closes). With
+--stdin it also takes a command per line, answering each with one line: `add teacher` / `add student` starts
+another node of that kind (the answer: its node id), `remove NODE_ID` kills every process of that node at once,
+as a machine that dies (`Cluster.remove_node`; the answer: `removed`).
 
 Built on `ray.cluster_utils.Cluster`, the multi-raylet harness Ray's own object-manager and Train scheduling tests
 use. Token authentication stays as the environment sets it.
@@ -31,10 +34,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+KINDS = {"teacher": (TEACHER_NODE, 2), "student": (STUDENT_NODE, 3)}  # labels, CPUs
+
+
+def add_node(cluster, kind: str):
+    """Another node of `kind` ('teacher' or 'student'), with a 1 GiB object store (the Cluster's default is 150
+    MiB: a few KV batches of a real teacher would fill it)."""
+    labels, cpus = KINDS[kind]
+    return cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus, labels=labels, object_store_memory=2**30)
+
+
+def serve(cluster, lines) -> None:
+    """Answer the commands of `lines` (the module docstring), one line each, until they end."""
+    for line in lines:
+        word, _, arg = line.strip().partition(" ")
+        if word == "add" and arg in KINDS:
+            node = add_node(cluster, arg)
+            cluster.wait_for_nodes()
+            print(node.node_id, flush=True)
+        elif word == "remove":
+            node = next((n for n in cluster.worker_nodes if n.node_id == arg), None)
+            if node is not None:
+                cluster.remove_node(node, allow_graceful=False)
+            print("removed" if node is not None else f"no node {arg}", flush=True)
+        elif line.strip():
+            print(f"unknown command {line.strip()!r} (add teacher | add student | remove NODE_ID)", flush=True)
+
+
 @contextlib.contextmanager
-def local_cluster(teacher_cpus: int = 2, student_cpus: int = 3) -> Iterator[str]:
-    """Start the three nodes; yields the GCS address (`kava-ray ... --address`, `ray.init(address=...)`); shuts
-    every node down on exit."""
+def local_cluster() -> Iterator:
+    """Start the three nodes; yields the `Cluster` (its `gcs_address` for `kava-ray ... --address` and
+    `ray.init(address=...)`); shuts every node down on exit."""
     single_machine_mode()  # 127.0.0.1 stays 127.0.0.1, for the nodes and for a driver in this process
     os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())  # fixed defaults another Ray here may hold
     os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
@@ -45,20 +75,19 @@ def local_cluster(teacher_cpus: int = 2, student_cpus: int = 3) -> Iterator[str]
                       head_node_args={**local, "num_cpus": 0, "dashboard_host": "127.0.0.1",
                                       "dashboard_port": _free_port(), "labels": {"kava-role": "head"}})
     try:
-        # 1 GiB object stores (the Cluster's default is 150 MiB: a few KV batches of a real teacher would fill it)
-        cluster.add_node(**local, num_cpus=teacher_cpus, labels=TEACHER_NODE, object_store_memory=2**30)
-        cluster.add_node(**local, num_cpus=student_cpus, labels=STUDENT_NODE, object_store_memory=2**30)
+        add_node(cluster, "teacher")
+        add_node(cluster, "student")
         cluster.wait_for_nodes()
-        yield cluster.gcs_address
+        yield cluster
     finally:
         cluster.shutdown()
 
 
 def main() -> None:
-    with local_cluster() as address:
-        print(address, flush=True)
+    with local_cluster() as cluster:
+        print(cluster.gcs_address, flush=True)
         if "--stdin" in sys.argv:
-            sys.stdin.read()
+            serve(cluster, sys.stdin)
         else:
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             try:

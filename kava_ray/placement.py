@@ -86,6 +86,11 @@ def _fits(need: dict, free: dict) -> bool:
     return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
 
 
+def admits(d: Demand, node: Node) -> bool:
+    """Could one actor of `d` run on `node` (its selector admits it, and the node's totals hold it)?"""
+    return matches(d.selector, node.labels) and _fits(d.resources, node.resources)
+
+
 def _shortfall(need: dict, have: dict) -> float:
     """How far `have` is from `need` (GPUs weigh more than CPUs): the closest node has the smallest."""
     return sum((1000.0 if k == "GPU" else 1.0) * max(0.0, v - have.get(k, 0.0)) for k, v in need.items())

@@ -13,6 +13,7 @@ from kava_ray.config import JobConfig, TeacherConfig
 from kava_ray.placement import Demand
 
 CONTROLLER_CPUS = 1.0  # Ray Train V2's controller actor, per run (or Tune trial)
+TRIAL_CPUS = 0.01  # a Tune trial's function, which only drives its run: anywhere there is a CPU
 
 
 def replica(t: TeacherConfig) -> dict[str, float]:

@@ -170,7 +170,8 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         if use_gpu:
             check_memory(cfg)
 
-    with job_teachers(cfg, address, restart=restart_teachers, on_connected=connected) as job:
+    with job_teachers(cfg, address, restart=restart_teachers, on_connected=connected,
+                      command="train") as job:
         names = ", ".join(job.plans)
         if job.handles is None:
             status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")

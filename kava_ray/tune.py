@@ -146,7 +146,8 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
 
         check_resources(cfg, workers=resources.worker(cfg, resolve_use_gpu(cfg.ray.use_gpu)))
 
-    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, on_connected=connected) as job:
+    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, on_connected=connected,
+                      command="tune") as job:
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
                          tokenizer=p.tokenizer) for n, p in job.plans.items()}
@@ -167,7 +168,7 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
              "use_gpu": use_gpu}
     # the trial function only drives; its Train workers and teachers ask for their own resources
-    trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": 0.01})
+    trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": resources.TRIAL_CPUS})
     param_space = {"params": to_param_space(spec)}
     if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,

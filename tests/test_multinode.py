@@ -9,31 +9,55 @@ import json
 import math
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
 from jobs import read_jsonl, write_job
 from kava_ray.local_cluster import STUDENT_NODE, TEACHER_NODE
-from test_cluster import _client_env, _ray
+from test_cluster import BIN, _client_env, _ray
 from test_service_ray import _kava
 
 TEACHER, STUDENT = TEACHER_NODE, STUDENT_NODE
 ENV = _client_env(HF_HUB_OFFLINE="1")  # a user's shell: token auth on
 
 
+class LocalCluster:
+    """The `kava_ray.local_cluster` helper process: its GCS address, and `do` for its commands (add or remove a
+    node), one answer line each."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "kava_ray.local_cluster", "--stdin"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=_client_env())
+        self.address = self.proc.stdout.readline().strip()
+        if not self.address:
+            self.proc.kill()
+            pytest.fail(f"the cluster did not start: {self.proc.stderr.read()[-3000:]}")
+
+    def do(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the helper shuts its nodes down
+        self.proc.wait(timeout=120)
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """The three-node cluster, for this module: yields its GCS address."""
-    proc = subprocess.Popen([sys.executable, "-m", "kava_ray.local_cluster", "--stdin"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_client_env())
-    address = proc.stdout.readline().strip()
-    if not address:
-        proc.kill()
-        pytest.fail(f"the cluster did not start: {proc.stderr.read()[-3000:]}")
-    yield address
-    proc.stdin.close()  # the helper shuts its nodes down
-    proc.wait(timeout=120)
+def local():
+    """The three-node cluster, for this module."""
+    c = LocalCluster()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(local):
+    """The three-node cluster's GCS address."""
+    return local.address
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +77,7 @@ def _state(address: str, kind: str, *filters: str) -> list:
     out = _ray("list", kind, "--address", address, "--detail", "--format", "json", "--limit", "1000",
                *(a for f in filters for a in ("--filter", f)))
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
+    return [] if out.stdout.strip() == "No resource in the cluster" else json.loads(out.stdout)
 
 
 def _nodes(address: str) -> dict:
@@ -107,6 +131,31 @@ def test_plan_places_the_job_on_the_live_nodes(cluster, job):
         out.stderr[-3000:])
 
 
+@pytest.mark.parametrize("key", ["data.source", "ray.storage_path"])
+def test_a_path_only_the_drivers_node_has_is_one_line_naming_the_key_and_the_node(cluster, job, tmp_path, key):
+    """The driver runs in a mount namespace of its own (`unshare -m`) with a tmpfs over a directory: what it
+    puts there no node of the cluster sees, as a file on the local disk of a real cluster's driver. The data it
+    reads there, or a storage path there, is refused before any teacher starts, naming the student node."""
+    local = tmp_path / "local"
+    local.mkdir()
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(40)))
+    override = f"data.source={local}/qa.jsonl" if key == "data.source" else f"ray.storage_path={local}/runs"
+    script = (f"mount -t tmpfs tmpfs {local} && cp {qa} {local}/ && exec {sys.executable} -m kava_ray.cli train "
+              f"--config {job} --address {cluster} {override}")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    student = _nodes(cluster)["student"][:8]
+    expect = (f"error: data.source {local}/qa.jsonl is not on node {student} (127.0.0.1: 3 CPU), where the Ray Train "
+              f"workers read it: " if key == "data.source" else
+              f"error: ray.storage_path {local}/runs is not shared with node {student} (127.0.0.1: 3 CPU), where the "
+              f"Ray Train workers write checkpoints: ")
+    assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), out.stderr[-3000:]
+    alive = [a["class_name"] for a in _state(cluster, "actors") if a["state"] != "DEAD"]
+    assert "TeacherActor" not in alive, alive
+    assert list(local.iterdir()) == []  # nothing of the driver's reached the shared disk
+
+
 def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_prefetch(cluster):
     """`kava-ray bench feed`'s cross-node regime at toy size on this cluster: the production feed from a teacher on
     the teacher node to a student on the student node. With prefetch a batch's payload reaches the student's node
@@ -124,3 +173,95 @@ def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_p
     assert r["bytes_per_step"] == 2 * 28 * 4 * 2 * 16 * 128 * 2 > 100 * 2**10
     assert all(x["step_s"] >= r["config"]["step_s"] for x in runs.values())  # each step is busy step_s at least
     assert r["cross_node_Bps"] > 0
+
+
+LOST_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def long_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    """The placed job, 30 steps of batch 2 with a checkpoint every 5 and no evaluation on the way: room for nodes
+    to die; a teacher no node can hold stops the run after 5 s."""
+    root = tmp_path_factory.mktemp("lost")
+    return write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32",
+                                "label_selector": TEACHER}],
+                     train={"steps": LOST_STEPS, "eval_steps": 1000, "save_steps": 5, "max_length": 160,
+                            "batch_size": 2},
+                     data={"num_train": 64, "num_test": 4, "num_val": 4},
+                     ray={"namespace": f"kava-mn-{uuid.uuid4().hex[:6]}", "worker_label_selector": STUDENT,
+                          "lost_teacher_wait_s": 5})
+
+
+@pytest.fixture(scope="module")
+def lost_ref_curve(long_job):
+    """The uninterrupted curve: the same recipe in this process, with the same teacher (tests/test_faults.py
+    checks that a Ray Train run of one worker computes these numbers)."""
+    from jobs import run_recipe
+    from kava_ray.config import load_config
+    from kava_ray.models import kv_geometry, load_model
+    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.testing.sources import InProcessSource
+
+    cfg = load_config(long_job)
+    models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
+    plans = teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in models.items()}, student_geometry(cfg))
+    curve, _, _ = run_recipe(cfg, plans, InProcessSource(models), LOST_STEPS)
+    return curve
+
+
+def _when(run_dir, ready, proc, timeout=300) -> dict:
+    """Poll the run's train steps until `ready(steps)` (or the run ends: then whatever it logged)."""
+    from jobs import train_steps
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+        if steps and ready(steps):
+            return steps
+        time.sleep(0.05)
+    return {}
+
+
+def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and_resume_ends_on_the_curve(
+        local, long_job, lost_ref_curve):
+    """A second teacher node joins. The node the teacher runs on dies mid-run (every process of it killed at once,
+    `Cluster.remove_node`): Ray restarts the teacher on the other teacher node and the feed asks again for what
+    was lost with it. Then that node dies too: no node can hold the teacher, and after ray.lost_teacher_wait_s
+    the run stops with one line naming the teacher and the dead nodes. A teacher node joins again and
+    `--resume` finishes the run: one curve with the uninterrupted one."""
+    from jobs import assert_same_curve, train_steps
+
+    teacher_nodes = {_nodes(local.address)["teacher"], local.do("add teacher")}
+    run_dir = long_job.parent / "runs" / "lost"
+    cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address, "--name", "lost"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        at = _when(run_dir, lambda steps: max(steps) >= 3, proc)
+        first = next(a["node_id"] for a in _state(local.address, "actors", "class_name=TeacherActor")
+                     if a["state"] == "ALIVE")
+        assert at and first in teacher_nodes and local.do(f"remove {first}") == "removed", at
+        second = (teacher_nodes - {first}).pop()  # the only node left that can hold the teacher
+        later = _when(run_dir, lambda steps: max(steps) >= max(at) + 6 and list(run_dir.glob("checkpoint_*")), proc)
+        assert later and max(later) < LOST_STEPS, sorted(later)  # it trained on after its first node died
+        assert local.do(f"remove {second}") == "removed"
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, err[-3000:]
+    assert "teacher 'qwen' cannot run again: the nodes it ran on or could run on are gone (" in errors[0] and f"node {second[:8]} (" in errors[0] \
+        and "teachers[qwen].label_selector {'kava-role': 'teacher'} matches no node" in errors[0], errors[0]
+    stopped = max(train_steps(run_dir))
+    assert stopped < LOST_STEPS
+
+    local.do("add teacher")
+    out = _kava("train", "--config", long_job, "--address", local.address, "--name", "lost", "--resume", run_dir,
+                env=ENV, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = train_steps(run_dir)
+    assert sorted(got) == list(range(1, LOST_STEPS + 1))
+    assert_same_curve(got, lost_ref_curve, range(1, LOST_STEPS + 1))
+    print(f"teacher node {first[:8]} removed at step {max(at)}, the run went on; {second[:8]} removed at step "
+          f"{max(later)}, stopped at {stopped}: {errors[0]}")

@@ -124,7 +124,7 @@ def run_cross_node(address: Optional[str] = None, steps: int = 12, batch: int = 
     """The cross-node figures, on the cluster at `address` or on a `local_cluster` of its own."""
     if address is None:
         with local_cluster() as own:
-            return run_cross_node(own, steps, batch, tokens, step_s, teacher_s, depth, rounds)
+            return run_cross_node(own.gcs_address, steps, batch, tokens, step_s, teacher_s, depth, rounds)
     connect(address, "kava-bench")
     try:
         return _measure(steps, batch, tokens, step_s, teacher_s, depth, rounds)

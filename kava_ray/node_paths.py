@@ -1,0 +1,154 @@
+"""The local paths a job reads on other nodes than the driver's, looked at on those nodes before anything starts.
+
+On one machine every process sees the driver's files, and preflight checks them there. On a cluster, a Ray
+Train worker reads the data, the student model, the KV cache and the tokenizers of teachers aligned by
+characters on its own node and writes checkpoints under `ray.storage_path` there; a teacher loads its model on
+its own node. A path on the driver's disk only is then found missing on those nodes after the teachers have
+loaded, as a worker traceback. Here a zero-CPU task on every other node that could run the reader (the nodes
+its label selector admits that can hold it: `kava_ray.placement`) looks at each path first, and compares it
+with what the driver sees: one line names the first key and node where it is missing or differs. The storage
+path is shared when a file the driver writes there is seen on the node.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kava_ray import placement, resources
+from kava_ray._io import content_key
+from kava_ray.config import JobConfig
+from kava_ray.errors import KavaError
+
+PROBE_TIMEOUT_S = 120.0
+MARKER = ".kava-shared-check"
+WORKERS = "the Ray Train workers"
+# what stands for a directory: the file its reader opens first
+DIR_KEY_FILES = ("config.json", "manifest.json")
+
+
+@dataclass
+class Read:
+    key: str  # the config key, for the message
+    path: str  # absolute
+    who: str  # who reads it there: "the Ray Train workers", "teacher 'q'"
+    demand: placement.Demand  # where that reader can run
+    writes: bool = False  # ray.storage_path: written on the node, so it must be the driver's own directory
+
+
+def _local(spec: Optional[str]) -> bool:
+    return bool(spec) and "://" not in spec and os.path.isabs(spec)
+
+
+def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read]:
+    """What each kind of process of the job reads from a local path, and where it can run: teachers their models
+    when they run live; for `command` train or tune, the Ray Train workers the job's inputs; for tune, each
+    trial (a driver of 0.01 CPU, anywhere) its layer map. Other commands read their student side here."""
+    out = []
+    if cfg.data.kv_source != "cache":
+        for t, demand in zip(cfg.teachers, resources.demands(cfg)):
+            if _local(t.model):
+                out.append(Read(f"teachers[{t.name}].model", t.model, f"teacher '{t.name}'", demand))
+    if command not in ("train", "tune"):
+        return out
+    w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
+    d = cfg.data
+    if _local(cfg.student.model):
+        out.append(Read("student.model", cfg.student.model, WORKERS, w))
+    if _local(d.source):
+        splits = dict.fromkeys([d.train_split, *([d.val_split] if d.val_split else []), d.test_split])
+        for path in dict.fromkeys(d.source.replace("{split}", s) for s in splits):
+            out.append(Read("data.source", path, WORKERS, w))
+    if d.kv_source == "cache":  # with the tokenizers of the teachers aligned by characters
+        out.append(Read("data.kv_cache_dir", d.kv_cache_dir, WORKERS, w))
+    if _local(cfg.ray.storage_path):
+        out.append(Read("ray.storage_path", cfg.ray.storage_path, WORKERS, w, writes=True))
+    if command == "tune" and cfg.align.layer_map == "cka" and _local(cfg.align.cka_path):
+        trial = placement.Demand("a Tune trial", {"CPU": resources.TRIAL_CPUS})
+        out.append(Read("align.cka_path", cfg.align.cka_path, "the Tune trials", trial))
+    return out
+
+
+def tokenizer_reads(cfg: JobConfig, plans: dict, use_gpu: bool = False) -> list[Read]:
+    """The tokenizers of the live teachers aligned by characters (known once they report theirs): the workers
+    load each from the teacher's model path."""
+    w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
+    return [Read(f"teachers[{n}].model", p.tokenizer, f"{WORKERS} (its tokenizer)", w) for n, p in plans.items()
+            if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
+
+
+def look(path: str) -> Optional[str]:
+    """What a node sees at `path`: None when nothing is there, else a key of its content (a file's
+    `content_key`; a directory's `config.json` / `manifest.json`, or 'dir')."""
+    p = Path(path)
+    if p.is_dir():
+        for name in DIR_KEY_FILES:
+            if (p / name).is_file():
+                return f"{name}:{content_key(p / name).hexdigest()}"
+        return "dir"
+    if p.is_file():
+        return content_key(p).hexdigest()
+    return None
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _look_all(paths: list[str]) -> dict:
+    return {p: look(p) for p in paths}
+
+
+def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[str]) -> Optional[str]:
+    """One line when what `node` sees at `r.path` is not what the driver sees (`here`), else None."""
+    if seen == here:
+        return None
+    fix = "put it on storage that every node mounts at the same path, or copy it there"
+    if r.writes:
+        return (f"ray.storage_path {r.path} is not shared with {node.describe()}, where {r.who} write checkpoints: "
+                f"mount shared storage (NFS, EFS) at that path on every node, or use a URI (s3://...)")
+    if seen is None:
+        return f"{r.key} {r.path} is not on {node.describe()}, where {r.who} read it: {fix}"
+    return f"{r.key} {r.path} on {node.describe()} differs from the driver's, where {r.who} read it: {fix}"
+
+
+def check_node_paths(wanted: list[Read]) -> None:
+    """KavaError (one line) when a local path of `wanted` (`reads`, `tokenizer_reads`) is missing or different
+    on another node that can read it, or `ray.storage_path` is not shared with a node its workers can run on.
+    Nothing runs when there is nothing to look at or the cluster has only the driver's node."""
+    from actors.pool import cluster_nodes
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in cluster_nodes() if n.node_id != here]
+    if not wanted or not nodes:
+        return
+    looked_at = [r.path for r in wanted]  # what is looked at for each read: the path, or the storage's marker
+    markers = []
+    try:
+        for i, r in enumerate(wanted):
+            if r.writes:  # a file only this driver writes: the node sees it only through shared storage
+                Path(r.path).mkdir(parents=True, exist_ok=True)
+                markers.append(Path(r.path) / f"{MARKER}-{uuid.uuid4().hex}")
+                markers[-1].write_text(markers[-1].name)
+                looked_at[i] = str(markers[-1])
+        readers = {n.node_id: [i for i, r in enumerate(wanted) if placement.admits(r.demand, n)] for n in nodes}
+        asked = {nid: _look_all.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+                 .remote(sorted({looked_at[i] for i in idx})) for nid, idx in readers.items() if idx}
+        try:
+            seen = dict(zip(asked, ray.get(list(asked.values()), timeout=PROBE_TIMEOUT_S)))
+        except ray.exceptions.GetTimeoutError:
+            raise KavaError(f"the job's local paths could not be looked at on the cluster's nodes within "
+                            f"{PROBE_TIMEOUT_S:.0f} s (are they up? `ray status`)") from None
+        for i, r in enumerate(wanted):  # in the order of `reads`: the teachers' models, then the workers' inputs
+            mine = look(looked_at[i])
+            for n in nodes:
+                if i in readers[n.node_id]:
+                    line = problem(r, n, seen[n.node_id][looked_at[i]], mine)
+                    if line:
+                        raise KavaError(line)
+    finally:
+        for m in markers:
+            m.unlink(missing_ok=True)
