@@ -342,7 +342,7 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
 
     r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1,),
                        replicas=(2,), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2,
-                       cross_node=False)  # on a cluster of its own: tests/test_multinode.py
+                       cross_node=False, transport_warmup_bytes=2**25)  # on a cluster of its own: tests/test_multinode.py
     regimes = r["regimes"]
     assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("real", 1)]
     for g in regimes:
@@ -357,7 +357,8 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
     e = r["early_stop"]
     assert e["served_layers"] == [0, 1, 2, 3] and e["full_ms"] > 0 and e["stopped_ms"] > 0
     t = r["transport"]
-    assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0
+    assert t["bytes"] >= 2 * 2**20 * 0.9 and t["wire_over_pickle"] > 0 and t["wire_first_Bps"] > 0
+    assert t["put_first_faults"] >= t["put_steady_faults"] >= 0 and t["warmup_bytes"] >= 10 * t["bytes"]
     text = format_feed_bench(r)
     assert "replica scaling" in text and "real 1 (2 layers)" in text and "timed 1" in text
     # `kava-ray bench all` writes these figures into docs/results.md, each row naming its command

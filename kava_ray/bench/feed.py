@@ -26,12 +26,14 @@ as the wire format (numpy views), as pickled torch tensors, and an in-process me
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import ray
@@ -265,7 +267,7 @@ def _early_stop(t_dir: Path, batch: int, tokens: int, rounds: int = 3, reps: int
 def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1, 2, 4),
                    ratios=(0.25, 0.5, 1.0, 2.0, 4.0), teacher_counts=(1, 2, 3), replicas=(1, 2, 4),
                    replica_ratio: float = 4.0, replica_steps: int = 16, real_layers=(8, 32), transport_mib: int = 64,
-                   repeats: int = 15, cross_node: bool = True) -> dict:
+                   repeats: int = 15, cross_node: bool = True, transport_warmup_bytes: Optional[int] = None) -> dict:
     """Every measurement once, side by side in one Ray; returns the figures (seconds per step, bytes/s)."""
     torch.set_num_threads(1)
     started_ray = not ray.is_initialized()
@@ -288,7 +290,7 @@ def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1
             _log("replica scaling", t0)
             real = _real_teachers(tmp, s_dir, storage, data, real_layers, depths)
             _log("real teachers", t0)
-            transport = _transport(transport_mib, repeats)
+            transport = _transport(transport_mib, repeats, transport_warmup_bytes)
             _log("transport", t0)
         nodes = _cross_node(steps) if cross_node else None
         if nodes:
@@ -334,20 +336,36 @@ class _TransportProbe:
     def tensors(self) -> dict:
         return {"k": self.kv.keys, "v": self.kv.values}
 
+    def put_faults(self) -> tuple[float, int]:
+        """(seconds, minor page faults) of this process writing one wire payload into the object store."""
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        ref = ray.put(self.kv.to_wire("bf16"))
+        out = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        del ref
+        return out
 
-def _transport(mib: int, repeats: int, warmup: int = 10) -> dict:
+
+def _transport(mib: int, repeats: int, warmup_bytes: Optional[int] = None, cold: int = 5) -> dict:
+    """The wire payload actor -> driver against pickled torch and a memcpy, on a fresh actor: its first `cold`
+    payloads (a process's first writes into object-store memory fault in every 4 KiB page of its mapping:
+    `kava_ray.bench.object_store`), then, after `warmup_bytes` of traffic (default: the object store's size +
+    25 %, at most 16 GiB: the actor has then written all of it), the steady state a run spends its steps in.
+    Minor page faults of one put, first and steady, say where the difference goes."""
     probe = _TransportProbe.remote(mib)
     nbytes = ray.get(probe.nbytes.remote())
+    if warmup_bytes is None:
+        warmup_bytes = min(int(1.25 * ray.cluster_resources().get("object_store_memory", 0)), 16 * 2**30)
+    warmup = max(10, -(-warmup_bytes // nbytes))
 
-    def timed(fn):
-        for _ in range(warmup):  # the object store's shared pages are faulted in on first use
+    def once(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def timed(fn, warm: int = warmup) -> float:
+        for _ in range(warm):
             fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times)
+        return nbytes / statistics.median(once(fn) for _ in range(repeats))
 
     def wire():  # the received numpy buffers viewed as torch tensors: what `from_wire` starts from
         p = ray.get(probe.wire.remote())
@@ -357,12 +375,18 @@ def _transport(mib: int, repeats: int, warmup: int = 10) -> dict:
         t = ray.get(probe.tensors.remote())
         return [t["k"], t["v"]]
 
+    first_put = ray.get(probe.put_faults.remote())
+    first = nbytes / statistics.median(once(wire) for _ in range(cold))
     src = np.random.default_rng(0).integers(0, 2**16, nbytes // 2, dtype=np.uint16)
     dst = np.empty_like(src)
-    out = {"bytes": nbytes, "wire_Bps": timed(wire), "torch_pickle_Bps": timed(pickled),
-           "memcpy_Bps": timed(lambda: np.copyto(dst, src))}
+    out = {"bytes": nbytes, "wire_first_Bps": first, "wire_Bps": timed(wire), "torch_pickle_Bps": timed(pickled, 10),
+           "memcpy_Bps": timed(lambda: np.copyto(dst, src), 10), "warmup_bytes": warmup * nbytes}
+    steady_put = ray.get(probe.put_faults.remote())
+    out.update(put_first_s=first_put[0], put_first_faults=first_put[1], put_steady_s=steady_put[0],
+               put_steady_faults=steady_put[1])
     out["wire_over_pickle"] = out["wire_Bps"] / out["torch_pickle_Bps"]
     out["wire_over_memcpy"] = out["wire_Bps"] / out["memcpy_Bps"]
+    out["wire_first_over_memcpy"] = out["wire_first_Bps"] / out["memcpy_Bps"]
     ray.kill(probe)
     return out
 
@@ -403,12 +427,16 @@ def format_feed_bench(r: dict) -> str:
                 f"({e['stopped_over_full']:.2f}x)"]
     t = r["transport"]
     gbs = lambda b: f"{b / 1e9:.2f} GB/s"  # noqa: E731
-    out += ["", f"transport of one {t['bytes'] / 2**20:.0f} MiB bf16 KV payload, actor -> driver (median):",
-            format_table(["path", "throughput", "vs wire"], [
-                ["wire (numpy views)", gbs(t["wire_Bps"]), "1.00"],
-                ["pickled torch tensors", gbs(t["torch_pickle_Bps"]), f"{t['torch_pickle_Bps'] / t['wire_Bps']:.2f}"],
-                ["in-process memcpy", gbs(t["memcpy_Bps"]), f"{t['memcpy_Bps'] / t['wire_Bps']:.2f}"]]),
-            f"wire is {t['wire_over_pickle']:.1f}x pickled torch and {100 * t['wire_over_memcpy']:.0f}% of memcpy"]
+    out += ["", f"transport of one {t['bytes'] / 2**20:.0f} MiB bf16 KV payload, actor -> driver (median; steady: "
+                f"after {t['warmup_bytes'] / 2**30:.1f} GiB of traffic):",
+            format_table(["path", "throughput", "vs memcpy"], [
+                ["wire (numpy views), steady", gbs(t["wire_Bps"]), f"{t['wire_over_memcpy']:.2f}"],
+                ["wire, the actor's first payloads", gbs(t["wire_first_Bps"]), f"{t['wire_first_over_memcpy']:.2f}"],
+                ["pickled torch tensors", gbs(t["torch_pickle_Bps"]), f"{t['torch_pickle_Bps'] / t['memcpy_Bps']:.2f}"],
+                ["in-process memcpy", gbs(t["memcpy_Bps"]), "1.00"]]),
+            f"wire is {t['wire_over_pickle']:.1f}x pickled torch and {100 * t['wire_over_memcpy']:.0f}% of memcpy; "
+            f"one put into the object store: first {1000 * t['put_first_s']:.1f} ms with {t['put_first_faults']} page "
+            f"faults, steady {1000 * t['put_steady_s']:.1f} ms with {t['put_steady_faults']}"]
     if r.get("cross_node"):
         out += ["", format_cross_node(r["cross_node"])]
     return "\n".join(out)
