@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import ray
 import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
@@ -313,3 +314,22 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
         if progress is not None:
             progress(stats)
     return stats
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class CacheWriter:
+    """`precompute` run on a teacher's node (`kava-ray teachers precompute` from a driver on another node): the
+    teachers' KV goes from their object store to the cache dir without crossing to the driver. Its progress is
+    readable while it runs (`progress`, a second concurrent call)."""
+
+    def __init__(self):
+        self.stats: dict = {}
+
+    def run(self, *args, **kwargs) -> dict:
+        return precompute(*args, progress=self._report, **kwargs)
+
+    def _report(self, stats: dict) -> None:
+        self.stats = dict(stats)
+
+    def progress(self) -> dict:
+        return self.stats

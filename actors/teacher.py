@@ -98,9 +98,12 @@ class TeacherActor:
 
     def weights_now(self) -> dict:
         """What this teacher loaded and what its model path holds now, read on this teacher's node (where the
-        path is read: the driver's node may hold another copy, or none): {loaded, now, node}."""
+        path is read: the driver's node may hold another copy, or none): {loaded, now, node (its address),
+        node_id}."""
+        up = ray.is_initialized()
         return {"loaded": self.weights, "now": weights_fingerprint(self.cfg.model),
-                "node": ray.util.get_node_ip_address() if ray.is_initialized() else None}
+                "node": ray.util.get_node_ip_address() if up else None,
+                "node_id": ray.get_runtime_context().get_node_id() if up else None}
 
     def geometry(self) -> dict:
         """Layers / kv heads / head_dim, and the teacher's identity (what it was started with: model, weights

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import ray
 
-from kava_ray import resources
+from kava_ray import placement, resources
 from kava_ray.config import JobConfig
 from kava_ray.errors import KavaError
 from kava_ray.plans import (
@@ -270,8 +270,44 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
             bar.n = stats["written"] + stats["skipped"]
             bar.refresh()
 
+        args = (cfg, job.handles, job.plans, splits, out_dir)
+        kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks)
         try:
-            return write_cache(cfg, job.handles, job.plans, splits, out_dir, progress=report,
-                               logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks)
+            node = writer_node(cfg, job.handles, job.plans)
+            if node is None:  # the teachers' KV is on this node: written from here
+                return write_cache(*args, progress=report, **kwargs)
+            return _write_on(node, cfg, out_dir, args, kwargs, report)
         finally:
             bar.close()
+
+
+def writer_node(cfg: JobConfig, handles: dict, plans: dict) -> Optional[str]:
+    """Where `teachers precompute` writes the cache from: the node of the teacher that ships the most KV per
+    token (its first replica), or None when that is this driver's node."""
+    from kava_ray.kv import kv_bytes_per_token
+
+    heaviest = max(plans, key=lambda n: kv_bytes_per_token(plans[n].geometry, cfg.align.wire_dtype, plans[n].layers))
+    node = teacher_weights({heaviest: handles[heaviest]})[heaviest][0]["node_id"]
+    return None if node in (None, ray.get_runtime_context().get_node_id()) else node
+
+
+def _write_on(node: str, cfg: JobConfig, out_dir, args: tuple, kwargs: dict, report: Callable[[dict], None]) -> dict:
+    """`actors.kv_cache.precompute` in a `CacheWriter` actor on `node`; the cache dir must be the one the driver
+    sees (shared storage), which a file the driver writes there proves before anything is written."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.kv_cache import CacheWriter
+    from kava_ray.node_paths import Read, check_node_paths
+
+    on_node = placement.Demand("the KV cache writer", {}, selector={"ray.io/node-id": node})
+    check_node_paths([Read("--out", str(out_dir), "the teachers", on_node, writes=True, does="write their KV")])
+    writer = CacheWriter.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    try:
+        done = writer.run.remote(*args, **kwargs)
+        while not ray.wait([done], timeout=1.0)[0]:
+            report(ray.get(writer.progress.remote()) or {"written": 0, "skipped": 0})
+        out = ray.get(done)
+        report(out)
+        return out
+    finally:
+        ray.kill(writer)

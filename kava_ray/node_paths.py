@@ -39,7 +39,8 @@ class Read:
     path: str  # absolute
     who: str  # who reads it there: "the Ray Train workers", "teacher 'q'"
     demand: placement.Demand  # where that reader can run
-    writes: bool = False  # ray.storage_path: written on the node, so it must be the driver's own directory
+    writes: bool = False  # written on the node (ray.storage_path, a KV cache), so it must be the driver's own dir
+    does: str = "read it"  # what `who` does with it there, for the message
 
 
 def _local(spec: Optional[str]) -> bool:
@@ -68,7 +69,7 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
     if d.kv_source == "cache":  # with the tokenizers of the teachers aligned by characters
         out.append(Read("data.kv_cache_dir", d.kv_cache_dir, WORKERS, w))
     if _local(cfg.ray.storage_path):
-        out.append(Read("ray.storage_path", cfg.ray.storage_path, WORKERS, w, writes=True))
+        out.append(Read("ray.storage_path", cfg.ray.storage_path, WORKERS, w, writes=True, does="write checkpoints"))
     if command == "tune" and cfg.align.layer_map == "cka" and _local(cfg.align.cka_path):
         trial = placement.Demand("a Tune trial", {"CPU": resources.TRIAL_CPUS})
         out.append(Read("align.cka_path", cfg.align.cka_path, "the Tune trials", trial))
@@ -108,11 +109,12 @@ def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[s
         return None
     fix = "put it on storage that every node mounts at the same path, or copy it there"
     if r.writes:
-        return (f"ray.storage_path {r.path} is not shared with {node.describe()}, where {r.who} write checkpoints: "
-                f"mount shared storage (NFS, EFS) at that path on every node, or use a URI (s3://...)")
+        uri = ", or use a URI (s3://...)" if r.key == "ray.storage_path" else ""
+        return (f"{r.key} {r.path} is not shared with {node.describe()}, where {r.who} {r.does}: mount shared "
+                f"storage (NFS, EFS) at that path on every node{uri}")
     if seen is None:
-        return f"{r.key} {r.path} is not on {node.describe()}, where {r.who} read it: {fix}"
-    return f"{r.key} {r.path} on {node.describe()} differs from the driver's, where {r.who} read it: {fix}"
+        return f"{r.key} {r.path} is not on {node.describe()}, where {r.who} {r.does}: {fix}"
+    return f"{r.key} {r.path} on {node.describe()} differs from the driver's, where {r.who} {r.does}: {fix}"
 
 
 def check_node_paths(wanted: list[Read]) -> None:

@@ -156,6 +156,24 @@ def test_a_path_only_the_drivers_node_has_is_one_line_naming_the_key_and_the_nod
     assert list(local.iterdir()) == []  # nothing of the driver's reached the shared disk
 
 
+def test_precompute_from_a_driver_on_another_node_writes_the_cache_on_the_teachers_node(cluster, job, tmp_path):
+    """The driver (on the head) never holds the KV: a CacheWriter on the teacher node runs the production
+    precompute there and writes the cache dir, which the driver then reads."""
+    from actors.kv_cache import KVCache
+
+    out = tmp_path / "kv"
+    run = _kava("teachers", "precompute", "--config", job, "--address", cluster, "--out", out, "--json", env=ENV,
+                timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    assert stats["written"] == stats["total"] == 24 + 4 + 4 and stats["forwards"] > 0, stats
+    writers = [a for a in _state(cluster, "actors") if a["class_name"] == "CacheWriter"]
+    assert [a["node_id"] for a in writers] == [_nodes(cluster)["teacher"]], writers
+    cache = KVCache(out)
+    assert len(cache.shards) == stats["total"] and all(cache.has(k) for k in cache.shards)
+    assert set(cache.get(next(iter(cache.shards)))) == {"qwen"}
+
+
 def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_prefetch(cluster):
     """`kava-ray bench feed`'s cross-node regime at toy size on this cluster: the production feed from a teacher on
     the teacher node to a student on the student node. With prefetch a batch's payload reaches the student's node
