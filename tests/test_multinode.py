@@ -184,7 +184,7 @@ def test_bench_cross_node_pulls_a_batch_here_before_the_student_asks_only_with_p
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     runs = r["runs"]
-    assert list(runs) == ["same node", "cross node, no prefetch", "cross node, prefetch"]
+    assert list(runs) == ["same node", "same node, no prefetch", "cross node, no prefetch", "cross node, prefetch"]
     assert runs["cross node, prefetch"]["arrives_unasked"] is True
     assert runs["cross node, no prefetch"]["arrives_unasked"] is False
     # 28 layers x batch 4 x 2 KV heads x 16 tokens x head_dim 128 x bf16, K and V: 1.75 MiB per step
@@ -283,3 +283,34 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
     assert_same_curve(got, lost_ref_curve, range(1, LOST_STEPS + 1))
     print(f"teacher node {first[:8]} removed at step {max(at)}, the run went on; {second[:8]} removed at step "
           f"{max(later)}, stopped at {stopped}: {errors[0]}")
+
+
+def test_a_train_workers_node_lost_mid_run_restarts_it_from_the_checkpoint_on_the_reference_curve(
+        local, long_job, lost_ref_curve):
+    """A second student node joins; the node the Ray Train worker runs on dies after a checkpoint: Ray Train
+    (train.max_failures) starts the worker again on the other student node from the last checkpoint, and the run
+    ends on the uninterrupted curve."""
+    from jobs import assert_same_curve, train_steps
+
+    student_nodes = {_nodes(local.address)["student"], local.do("add student")}
+    run_dir = long_job.parent / "runs" / "worker_lost"
+    cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address,
+           "--name", "worker_lost"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        at = _when(run_dir, lambda steps: max(steps) >= 7 and list(run_dir.glob("checkpoint_*")), proc)
+        first = next(a["node_id"] for a in _state(local.address, "actors") if a["class_name"] == "RayTrainWorker"
+                     and a["state"] == "ALIVE")
+        assert at and first in student_nodes and local.do(f"remove {first}") == "removed", at
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert max(at) < LOST_STEPS
+    workers = {a["node_id"] for a in _state(local.address, "actors") if a["class_name"] == "RayTrainWorker"}
+    assert first in workers and (student_nodes - {first}) & workers, workers  # ran on both student nodes
+    got = train_steps(run_dir)
+    assert sorted(got) == list(range(1, LOST_STEPS + 1))
+    assert_same_curve(got, lost_ref_curve, range(1, LOST_STEPS + 1))
+    print(f"student node {first[:8]} removed at step {max(at)}; the worker went on on the other")

@@ -83,7 +83,8 @@ def _batches(n: int, batch: int, tokens: int) -> list[tuple[np.ndarray, np.ndarr
     return [(rng.integers(0, 1000, (batch, tokens)), np.ones((batch, tokens), dtype=np.int64)) for _ in range(n)]
 
 
-REGIMES = (("same node", STUDENT_NODE, True), ("cross node, no prefetch", TEACHER_NODE, False),
+REGIMES = (("same node", STUDENT_NODE, True), ("same node, no prefetch", STUDENT_NODE, False),
+           ("cross node, no prefetch", TEACHER_NODE, False),
            ("cross node, prefetch", TEACHER_NODE, True))  # (name, where the teacher runs, prefetch)
 
 
@@ -103,7 +104,7 @@ def _measure(steps: int, batch: int, tokens: int, step_s: float, teacher_s: floa
                 runs[name].update(r)
     far = teachers[TEACHER_NODE["kava-role"]]
     pull_s = min(ray.get(student.pull.remote([far.kv.remote(None, *batches[0])])) for _ in range(3))
-    for name, where, prefetch in REGIMES[1:]:
+    for name, where, prefetch in (r for r in REGIMES if r[1] is TEACHER_NODE):
         runs[name]["arrives_unasked"] = ray.get(student.arrives_unasked.remote(far, batches[0], prefetch,
                                                                              5 * step_s + 1.0))
     for t in teachers.values():
