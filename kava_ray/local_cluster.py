@@ -66,6 +66,10 @@ def local_cluster() -> Iterator:
     """Start the three nodes; yields the `Cluster` (its `gcs_address` for `kava-ray ... --address` and
     `ray.init(address=...)`); shuts every node down on exit."""
     single_machine_mode()  # 127.0.0.1 stays 127.0.0.1, for the nodes and for a driver in this process
+    # a node whose raylet is gone is marked dead after 5 failed health checks 1 s apart (Ray's default: 3 s apart,
+    # ~15 s): the GCS refuses a dead raylet's connection at once, a live but busy one has each check's timeout
+    for key, value in (("RAY_health_check_period_ms", "1000"), ("RAY_health_check_failure_threshold", "5")):
+        os.environ.setdefault(key, value)
     os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())  # fixed defaults another Ray here may hold
     os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
     from ray.cluster_utils import Cluster

@@ -252,7 +252,10 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
 
     teacher_nodes = {_nodes(local.address)["teacher"], local.do("add teacher")}
     run_dir = long_job.parent / "runs" / "lost"
-    cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address, "--name", "lost"]
+    # max_failures=0: the lost teacher's line ends the run at once (with 1, Ray Train would start the worker again
+    # and it would wait for the teacher once more: what a real cluster whose node may come back wants)
+    cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address, "--name", "lost",
+           "train.max_failures=0"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         at = _when(run_dir, lambda steps: max(steps) >= 3, proc)
@@ -276,7 +279,7 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
 
     local.do("add teacher")
     out = _kava("train", "--config", long_job, "--address", local.address, "--name", "lost", "--resume", run_dir,
-                env=ENV, timeout=300)
+                "train.max_failures=0", env=ENV, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = train_steps(run_dir)
     assert sorted(got) == list(range(1, LOST_STEPS + 1))
