@@ -9,6 +9,7 @@ request that was in flight (`max_task_retries`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import time
@@ -112,10 +113,11 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optio
 
 def unplaceable(cfg: JobConfig, teacher: str) -> Optional[str]:
     """Why `teacher` could not run now, or None: no live node that its selector admits can hold one replica
-    (`placement`, on the nodes' totals) — its node died and none other is there to take it. Names the dead
-    nodes it could have run on. Asked by the feed while an answer is late (`ActorSource`)."""
-    t = cfg.teacher(teacher.split("#")[0])
-    demand = resources.demands(cfg)[cfg.teachers.index(t)]
+    on its totals (`placement`) — its node died and none other is there to take it. Names the dead nodes it
+    could have run on. Asked by the feed while an answer is late (`ActorSource`). On totals, not on what is
+    free: a node whose resources other actors hold would still be waited on."""
+    t = cfg.teacher(teacher)
+    demand = dataclasses.replace(resources.demands(cfg)[cfg.teachers.index(t)], count=1)
     why = placement.fit(cluster_nodes(), [demand])
     if why is None:
         return None

@@ -13,13 +13,14 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import ray
 
 from kava_ray import placement, resources
 from kava_ray.config import JobConfig
-from kava_ray.errors import KavaError
+from kava_ray.errors import KavaError, root_cause
 from kava_ray.plans import (
     TeacherPlan,
     check_vocab,
@@ -270,7 +271,7 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
             bar.n = stats["written"] + stats["skipped"]
             bar.refresh()
 
-        args = (cfg, job.handles, job.plans, splits, out_dir)
+        args = (cfg, job.handles, job.plans, splits, Path(out_dir).expanduser().absolute())
         kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks)
         try:
             node = writer_node(cfg, job.handles, job.plans)
@@ -287,8 +288,8 @@ def writer_node(cfg: JobConfig, handles: dict, plans: dict) -> Optional[str]:
     from kava_ray.kv import kv_bytes_per_token
 
     heaviest = max(plans, key=lambda n: kv_bytes_per_token(plans[n].geometry, cfg.align.wire_dtype, plans[n].layers))
-    node = teacher_weights({heaviest: handles[heaviest]})[heaviest][0]["node_id"]
-    return None if node in (None, ray.get_runtime_context().get_node_id()) else node
+    node = teacher_weights({heaviest: handles[heaviest]})[heaviest][0].get("node_id")  # (a pool of an older version:
+    return None if node in (None, ray.get_runtime_context().get_node_id()) else node  # none; written from here)
 
 
 def _write_on(node: str, cfg: JobConfig, out_dir, args: tuple, kwargs: dict, report: Callable[[dict], None]) -> dict:
@@ -297,17 +298,23 @@ def _write_on(node: str, cfg: JobConfig, out_dir, args: tuple, kwargs: dict, rep
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from actors.kv_cache import CacheWriter
+    from kava_ray.data.tokenize import portable
     from kava_ray.node_paths import Read, check_node_paths
 
-    on_node = placement.Demand("the KV cache writer", {}, selector={"ray.io/node-id": node})
-    check_node_paths([Read("--out", str(out_dir), "the teachers", on_node, writes=True, does="write their KV")])
+    writer_demand = placement.Demand("the KV cache writer", {})
+    check_node_paths([Read("--out", str(out_dir), "the teachers", writer_demand, writes=True, does="write their KV")],
+                     only={node})
+    cfg_, handles, plans, splits, out = args
+    args = (cfg_, handles, plans, [portable(s) for s in splits], out)  # rows, not the driver's cache-file paths
     writer = CacheWriter.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
     try:
         done = writer.run.remote(*args, **kwargs)
         while not ray.wait([done], timeout=1.0)[0]:
             report(ray.get(writer.progress.remote()) or {"written": 0, "skipped": 0})
-        out = ray.get(done)
-        report(out)
-        return out
+        stats = ray.get(done)
+    except ray.exceptions.RayError as e:  # the writer's KavaError (a cache of another job, a bad batch) or its end
+        raise KavaError(f"teachers precompute on node {node[:8]}: {root_cause(e)}") from None
     finally:
         ray.kill(writer)
+    report(stats)
+    return stats

@@ -22,7 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kava_ray import placement, resources
-from kava_ray._io import content_key
+from kava_ray._io import content_key, first_line
 from kava_ray.config import JobConfig
 from kava_ray.errors import KavaError
 
@@ -41,6 +41,10 @@ class Read:
     demand: placement.Demand  # where that reader can run
     writes: bool = False  # written on the node (ray.storage_path, a KV cache), so it must be the driver's own dir
     does: str = "read it"  # what `who` does with it there, for the message
+    # the driver reads it too (data, the student), so a node's copy must be the driver's; a teacher's model (which
+    # a driver on a CPU head need not have) must only be there: replicas' weights are compared with each other
+    # by the identity check once they load
+    driver_reads: bool = True
 
 
 def _local(spec: Optional[str]) -> bool:
@@ -55,7 +59,8 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
     if cfg.data.kv_source != "cache":
         for t, demand in zip(cfg.teachers, resources.demands(cfg)):
             if _local(t.model):
-                out.append(Read(f"teachers[{t.name}].model", t.model, f"teacher '{t.name}'", demand))
+                out.append(Read(f"teachers[{t.name}].model", t.model, f"teacher '{t.name}'", demand,
+                                driver_reads=False))
     if command not in ("train", "tune"):
         return out
     w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
@@ -80,21 +85,24 @@ def tokenizer_reads(cfg: JobConfig, plans: dict, use_gpu: bool = False) -> list[
     """The tokenizers of the live teachers aligned by characters (known once they report theirs): the workers
     load each from the teacher's model path."""
     w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
-    return [Read(f"teachers[{n}].model", p.tokenizer, f"{WORKERS} (its tokenizer)", w) for n, p in plans.items()
-            if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
+    return [Read(f"teachers[{n}].model", p.tokenizer, f"{WORKERS} (its tokenizer)", w, driver_reads=False)
+            for n, p in plans.items() if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
 
 
 def look(path: str) -> Optional[str]:
     """What a node sees at `path`: None when nothing is there, else a key of its content (a file's
     `content_key`; a directory's `config.json` / `manifest.json`, or 'dir')."""
     p = Path(path)
-    if p.is_dir():
-        for name in DIR_KEY_FILES:
-            if (p / name).is_file():
-                return f"{name}:{content_key(p / name).hexdigest()}"
-        return "dir"
-    if p.is_file():
-        return content_key(p).hexdigest()
+    try:
+        if p.is_dir():
+            for name in DIR_KEY_FILES:
+                if (p / name).is_file():
+                    return f"{name}:{content_key(p / name).hexdigest()}"
+            return "dir"
+        if p.is_file():
+            return content_key(p).hexdigest()
+    except OSError as e:  # there, but this process may not read it
+        return f"unreadable ({e.strerror or type(e).__name__})"
     return None
 
 
@@ -104,8 +112,9 @@ def _look_all(paths: list[str]) -> dict:
 
 
 def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[str]) -> Optional[str]:
-    """One line when what `node` sees at `r.path` is not what the driver sees (`here`), else None."""
-    if seen == here:
+    """One line when what `node` sees at `r.path` is not what the driver sees (`here`; for a path the driver
+    does not read: when the node sees nothing there, or cannot read it), else None."""
+    if (seen == here) if r.driver_reads else (seen is not None and not seen.startswith("unreadable")):
         return None
     fix = "put it on storage that every node mounts at the same path, or copy it there"
     if r.writes:
@@ -114,17 +123,20 @@ def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[s
                 f"storage (NFS, EFS) at that path on every node{uri}")
     if seen is None:
         return f"{r.key} {r.path} is not on {node.describe()}, where {r.who} {r.does}: {fix}"
+    if seen.startswith("unreadable"):
+        return f"{r.key} {r.path} on {node.describe()} is {seen}, where {r.who} {r.does}"
     return f"{r.key} {r.path} on {node.describe()} differs from the driver's, where {r.who} {r.does}: {fix}"
 
 
-def check_node_paths(wanted: list[Read]) -> None:
+def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> None:
     """KavaError (one line) when a local path of `wanted` (`reads`, `tokenizer_reads`) is missing or different
     on another node that can read it, or `ray.storage_path` is not shared with a node its workers can run on.
-    Nothing runs when there is nothing to look at or the cluster has only the driver's node."""
+    `only`: look on these node ids alone. Nothing runs when there is nothing to look at or the cluster has only
+    the driver's node."""
     from actors.pool import cluster_nodes
 
     here = ray.get_runtime_context().get_node_id()
-    nodes = [n for n in cluster_nodes() if n.node_id != here]
+    nodes = [n for n in cluster_nodes() if n.node_id != here and (only is None or n.node_id in only)]
     if not wanted or not nodes:
         return
     looked_at = [r.path for r in wanted]  # what is looked at for each read: the path, or the storage's marker
@@ -144,6 +156,9 @@ def check_node_paths(wanted: list[Read]) -> None:
         except ray.exceptions.GetTimeoutError:
             raise KavaError(f"the job's local paths could not be looked at on the cluster's nodes within "
                             f"{PROBE_TIMEOUT_S:.0f} s (are they up? `ray status`)") from None
+        except ray.exceptions.RayError as e:  # e.g. a node that died since it was listed
+            raise KavaError(f"the job's local paths could not be looked at on the cluster's nodes: "
+                            f"{first_line(e)}") from None
         for i, r in enumerate(wanted):  # in the order of `reads`: the teachers' models, then the workers' inputs
             mine = look(looked_at[i])
             for n in nodes:

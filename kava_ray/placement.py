@@ -139,16 +139,21 @@ def place(nodes: list[Node], demands: list[Demand]) -> tuple[list[tuple[str, Nod
 
 def cluster_yaml_nodes(spec: dict, source: str = "cluster.yaml") -> list[Node]:
     """The nodes a Ray cluster launcher config (`cluster.yaml`) can bring up: the head and `max_workers` of each
-    worker type, with the resources and labels each type declares (a type that declares no GPU counts as none:
-    the planner cannot see what the instance type would auto-detect). ValueError names what is missing."""
+    worker type, with the resources and labels each type declares (a type must declare them: the planner cannot
+    see what Ray would detect on the instance; the cluster-wide `max_workers` cap is not applied).
+    ValueError names what is missing."""
     types = spec.get("available_node_types")
     if not isinstance(types, dict) or not types:
         raise ValueError(f"{source}: no available_node_types (a Ray cluster launcher config lists its node types)")
     head = spec.get("head_node_type")
     nodes = []
     for kind, t in types.items():
-        t = t or {}
+        if not isinstance(t, dict):
+            raise ValueError(f"{source}: available_node_types.{kind} is not a mapping")
         count = 1 if kind == head else int(t.get("max_workers", spec.get("max_workers", 0)) or 0)
+        if not t.get("resources") and count:
+            raise ValueError(f"{source}: node type {kind} declares no resources (e.g. resources: {{CPU: 8, GPU: 1}}): "
+                             f"the planner cannot see what Ray would detect on the instance")
         res = {k: float(v) for k, v in (t.get("resources") or {}).items()}
         for i in range(count):
             name = kind if kind == head else f"{kind}#{i}"

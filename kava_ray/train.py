@@ -20,7 +20,7 @@ import ray
 
 from kava_ray import resources
 from kava_ray.config import JobConfig
-from kava_ray.errors import KavaError
+from kava_ray.errors import KavaError, root_cause
 from kava_ray.metrics_file import METRICS
 from kava_ray.worker import train_loop_per_worker
 
@@ -66,7 +66,7 @@ def fit(trainer):
         try:
             return trainer.fit()
         except ray.train.TrainingFailedError as e:
-            raise KavaError(with_logs(f"training failed: {_root_cause(e)}")) from None
+            raise KavaError(with_logs(f"training failed: {root_cause(e)}")) from None
 
 
 @contextlib.contextmanager
@@ -91,16 +91,6 @@ def _interruptible():
         signal.signal(signal.SIGINT, previous)
     if seen:
         raise KeyboardInterrupt
-
-
-def _root_cause(e: BaseException) -> str:
-    """The innermost error message of a worker failure, one line (a KavaError raised in a worker keeps its text)."""
-    text = str(e)
-    for line in reversed(text.splitlines()):
-        if "KavaError:" in line:
-            return line.split("KavaError:", 1)[1].strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(e).__name__
 
 
 def check_memory(cfg: JobConfig) -> None:

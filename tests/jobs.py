@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -56,14 +57,23 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
 
 
 def read_jsonl(path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def train_steps(run_dir) -> dict[int, dict]:
     """{step: record} of a run's train records (metrics.jsonl)."""
     return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def train_steps_so_far(run_dir) -> dict[int, dict]:
+    """`train_steps` of a run still writing: only its complete lines (a poll may read a line half written);
+    {} before the file exists."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    lines = text.splitlines()[:text.count("\n")]  # a last line without its newline is still being written
+    return {r["step"]: r for r in map(json.loads, filter(str.strip, lines)) if r["kind"] == "train"}
 
 
 def assert_same_curve(got: dict, want: dict, steps, keys=("loss", "ce", "kv_loss", "cos_sim"), tol=1e-5) -> None:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from actors.feed import BadKV, KVFeed, feed_items
-from jobs import assert_same_curve, run_recipe, train_steps, write_job
+from jobs import assert_same_curve, run_recipe, train_steps, train_steps_so_far, write_job
 from kava_ray.config import load_config
 from kava_ray.errors import KavaError
 from kava_ray.testing.sources import InProcessSource
@@ -373,7 +373,7 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teac
         deadline = time.time() + 300  # generous: data, an embedded Ray, a teacher and Ray Train start on a loaded box
         steps = {}
         while time.time() < deadline and proc.poll() is None:
-            steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+            steps = train_steps_so_far(run_dir)
             if steps and max(steps) >= SAVE and list(run_dir.glob("checkpoint_*")):
                 break
             time.sleep(0.05)
@@ -409,7 +409,7 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teac
     def killer():  # the resumed run rewrites steps from its checkpoint on: new ground starts past interrupted_at
         deadline = time.time() + 240
         while time.time() < deadline and not killed:
-            steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+            steps = train_steps_so_far(run_dir)
             if steps and max(steps) >= interrupted_at + 2:
                 alive = _actors(name="kava-teacher-qwen", state="ALIVE", ray_namespace=cfg.ray.namespace)
                 if alive:

@@ -141,8 +141,10 @@ def test_a_path_only_the_drivers_node_has_is_one_line_naming_the_key_and_the_nod
     qa = tmp_path / "qa.jsonl"
     qa.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(40)))
     override = f"data.source={local}/qa.jsonl" if key == "data.source" else f"ray.storage_path={local}/runs"
-    script = (f"mount -t tmpfs tmpfs {local} && cp {qa} {local}/ && exec {sys.executable} -m kava_ray.cli train "
-              f"--config {job} --address {cluster} {override}")
+    after = tmp_path / "after.txt"  # what the driver's private directory holds once the command is done
+    script = (f"mount -t tmpfs tmpfs {local} && cp {qa} {local}/ && {sys.executable} -m kava_ray.cli train "
+              f"--config {job} --address {cluster} {override}; rc=$?; ls -A {local} {local}/runs > {after} 2>&1; "
+              f"exit $rc")
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     student = _nodes(cluster)["student"][:8]
@@ -153,7 +155,7 @@ def test_a_path_only_the_drivers_node_has_is_one_line_naming_the_key_and_the_nod
     assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), out.stderr[-3000:]
     alive = [a["class_name"] for a in _state(cluster, "actors") if a["state"] != "DEAD"]
     assert "TeacherActor" not in alive, alive
-    assert list(local.iterdir()) == []  # nothing of the driver's reached the shared disk
+    assert ".kava-shared-check" not in after.read_text(), after.read_text()  # the storage check cleans up
 
 
 def test_precompute_from_a_driver_on_another_node_writes_the_cache_on_the_teachers_node(cluster, job, tmp_path):
@@ -230,11 +232,11 @@ def lost_ref_curve(long_job):
 
 def _when(run_dir, ready, proc, timeout=300) -> dict:
     """Poll the run's train steps until `ready(steps)` (or the run ends: then whatever it logged)."""
-    from jobs import train_steps
+    from jobs import train_steps_so_far
 
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        steps = train_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+        steps = train_steps_so_far(run_dir)
         if steps and ready(steps):
             return steps
         time.sleep(0.05)
@@ -256,7 +258,8 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
     # and it would wait for the teacher once more: what a real cluster whose node may come back wants)
     cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address, "--name", "lost",
            "train.max_failures=0"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = long_job.parent / "lost.log"  # a file, not a pipe nobody reads while the test polls
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True)
     try:
         at = _when(run_dir, lambda steps: max(steps) >= 3, proc)
         first = next(a["node_id"] for a in _state(local.address, "actors", "class_name=TeacherActor")
@@ -266,10 +269,11 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
         later = _when(run_dir, lambda steps: max(steps) >= max(at) + 6 and list(run_dir.glob("checkpoint_*")), proc)
         assert later and max(later) < LOST_STEPS, sorted(later)  # it trained on after its first node died
         assert local.do(f"remove {second}") == "removed"
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = log.read_text()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, err[-3000:]
     assert "teacher 'qwen' cannot run again: the nodes it ran on or could run on are gone (" in errors[0] and f"node {second[:8]} (" in errors[0] \
@@ -299,16 +303,18 @@ def test_a_train_workers_node_lost_mid_run_restarts_it_from_the_checkpoint_on_th
     run_dir = long_job.parent / "runs" / "worker_lost"
     cmd = [str(BIN / "kava-ray"), "train", "--config", str(long_job), "--address", local.address,
            "--name", "worker_lost"]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = long_job.parent / "worker_lost.log"
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True)
     try:
         at = _when(run_dir, lambda steps: max(steps) >= 7 and list(run_dir.glob("checkpoint_*")), proc)
         first = next(a["node_id"] for a in _state(local.address, "actors") if a["class_name"] == "RayTrainWorker"
                      and a["state"] == "ALIVE")
         assert at and first in student_nodes and local.do(f"remove {first}") == "removed", at
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = log.read_text()
     assert proc.returncode == 0, err[-3000:]
     assert max(at) < LOST_STEPS
     workers = {a["node_id"] for a in _state(local.address, "actors") if a["class_name"] == "RayTrainWorker"}

@@ -71,3 +71,41 @@ def test_what_a_node_sees_is_compared_with_what_the_driver_sees(tmp_path):
     (model / "config.json").write_text('{"x": 1}')
     assert look(str(model)) != before
     assert look(str(tmp_path)) == "dir"
+
+
+def test_a_teachers_model_need_only_be_on_the_nodes_that_load_it(tmp_path):
+    """The driver (a CPU head) need not hold a teacher's weights: a node that has them passes, one that does not
+    (or cannot read them) is named; their copies are compared with each other once loaded (identity check)."""
+    cfg = _cfg(tmp_path, source="synthetic")
+    model = next(r for r in reads(cfg, "train") if r.key == "teachers[t].model")
+    node = Node("abcdef0123456789", "10.0.2.9", {"CPU": 8, "GPU": 8})
+    assert not model.driver_reads
+    assert problem(model, node, "config.json:1234", None) is None  # there, and not on the driver: fine
+    assert problem(model, node, None, look(model.path)) == (
+        f"teachers[t].model {model.path} is not on node abcdef01 (10.0.2.9: 8 CPU, 8 GPU), where teacher 't' read "
+        f"it: put it on storage that every node mounts at the same path, or copy it there")
+    assert problem(model, node, "unreadable (Permission denied)", None) == (
+        f"teachers[t].model {model.path} on node abcdef01 (10.0.2.9: 8 CPU, 8 GPU) is unreadable (Permission "
+        f"denied), where teacher 't' read it")
+
+
+def test_a_split_sent_to_another_node_carries_its_rows_not_the_drivers_cache_files(tmp_path):
+    """`teachers precompute`'s writer on a teacher's node gets the splits pickled: a Dataset read from the
+    driver's Arrow cache would arrive as paths that node does not have."""
+    import pickle
+    import shutil
+
+    from datasets import Dataset, load_from_disk
+
+    from kava_ray.data.tokenize import TokenizedSplit, portable
+
+    Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 1, 1], [1, 1]],
+                       "length": [3, 2]}).save_to_disk(tmp_path / "arrow")
+    split = TokenizedSplit(load_from_disk(str(tmp_path / "arrow")), "fp", 0, "text")
+    assert split.dataset.cache_files  # backed by the driver's files
+    moved = portable(split)
+    assert moved.dataset.cache_files == [] and moved.fingerprint == "fp" and list(moved.lengths) == [3, 2]
+    blob = pickle.dumps(moved)
+    shutil.rmtree(tmp_path / "arrow")  # as on the other node
+    again = pickle.loads(blob)
+    assert [again.items[i]["input_ids"] for i in range(2)] == [[1, 2, 3], [4, 5]]

@@ -131,6 +131,9 @@ def test_plan_places_a_preset_on_the_node_types_of_cluster_yaml(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["teacher 'qwen72b' needs 4 CPU + 4 GPU on one node; no node that teachers[qwen72b].label_selector "
                    "admits has that: the closest is node teacher_gpu#0 (teacher_gpu: 32 CPU, 2 GPU)"], err
+    del spec["available_node_types"]["student_gpu"]["resources"]
+    with pytest.raises(ValueError, match="node type student_gpu declares no resources"):
+        cluster_yaml_nodes(spec)
     assert main(["plan", "--config", "qwen_multi", "--cluster", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --cluster ") and "nope.yaml" in err[0], err

@@ -99,9 +99,12 @@ def main(argv=None) -> None:
     ap.add_argument("--plasma-directory", default=None, help="a tmpfs for the object store (default: /dev/shm)")
     ap.add_argument("--preallocate", action="store_true", help="RAY_preallocate_plasma_memory=1")
     ap.add_argument("--store-gib", type=float, default=4.0)
-    ap.add_argument("--payloads", type=int, default=None, help="default: enough to write the store once, +25 %%")
+    ap.add_argument("--payloads", type=int, default=None,
+                    help="at least 20 (default: enough to write the store once, +25 %%)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.payloads is not None and a.payloads < 20:
+        ap.error("--payloads: at least 20 (the first ten and the last ten)")
     r = run_object_store(a.plasma_directory, a.preallocate, a.store_gib, a.payloads)
     print(format_object_store(r))
     if a.json:

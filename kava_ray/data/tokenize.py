@@ -12,6 +12,7 @@ Labels follow the HF convention: unshifted, -100 where no loss.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -402,6 +403,15 @@ def _packer(block: int, with_text: bool):
 
 
 # ------------------------------------------------------------------------------------------ teacher views
+
+
+def portable(split: TokenizedSplit) -> TokenizedSplit:
+    """A copy of `split` whose Datasets hold their rows in memory: a Dataset backed by Arrow cache files is
+    pickled as their paths, which another node (`actors.kv_cache.CacheWriter`) does not have."""
+    def mem(ds):
+        return None if ds is None else ds.flatten_indices(keep_in_memory=True)
+
+    return dataclasses.replace(split, dataset=mem(split.dataset), records=mem(split.records))
 
 
 @dataclass
