@@ -548,7 +548,7 @@ def format_plan(p: dict) -> str:
         lines.append(f"kv wire {t}: {b / 1024:.1f} KiB/token{logits}{extra}")
     where = p.get("placement")
     if where:
-        lines.append(f"placement on {where['source']} ({where['nodes']} nodes):"
+        lines.append(f"placement on {where['source']} ({where['nodes']} node{'s' * (where['nodes'] != 1)}):"
                      + (" DOES NOT FIT" if where["problem"] else ""))
         lines += [f"  {w:<{width - 2}}{n}" for w, n in where["where"]]
     if p["advice"]:
