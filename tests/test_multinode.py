@@ -243,13 +243,13 @@ def _when(run_dir, ready, proc, timeout=300) -> dict:
     return {}
 
 
-def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and_resume_ends_on_the_curve(
+def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_on_the_curve_or_stop_in_one_line(
         local, long_job, lost_ref_curve):
     """A second teacher node joins. The node the teacher runs on dies mid-run (every process of it killed at once,
     `Cluster.remove_node`): Ray restarts the teacher on the other teacher node and the feed asks again for what
-    was lost with it. Then that node dies too: no node can hold the teacher, and after ray.lost_teacher_wait_s
-    the run stops with one line naming the teacher and the dead nodes. A teacher node joins again and
-    `--resume` finishes the run: one curve with the uninterrupted one."""
+    was lost with it, and every step it logged is on the uninterrupted curve. Then that node dies too: no node can
+    hold the teacher, and after ray.lost_teacher_wait_s the run stops with one line naming the teacher and the
+    dead nodes."""
     from jobs import assert_same_curve, train_steps
 
     teacher_nodes = {_nodes(local.address)["teacher"], local.do("add teacher")}
@@ -278,16 +278,11 @@ def test_teacher_nodes_lost_mid_run_restart_it_elsewhere_or_stop_in_one_line_and
     assert proc.returncode == 2 and len(errors) == 1, err[-3000:]
     assert "teacher 'qwen' cannot run again: the nodes it ran on or could run on are gone (" in errors[0] and f"node {second[:8]} (" in errors[0] \
         and "teachers[qwen].label_selector {'kava-role': 'teacher'} matches no node" in errors[0], errors[0]
-    stopped = max(train_steps(run_dir))
-    assert stopped < LOST_STEPS
-
-    local.do("add teacher")
-    out = _kava("train", "--config", long_job, "--address", local.address, "--name", "lost", "--resume", run_dir,
-                "train.max_failures=0", env=ENV, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
     got = train_steps(run_dir)
-    assert sorted(got) == list(range(1, LOST_STEPS + 1))
-    assert_same_curve(got, lost_ref_curve, range(1, LOST_STEPS + 1))
+    stopped = max(got)
+    assert max(later) <= stopped < LOST_STEPS and sorted(got) == list(range(1, stopped + 1))
+    assert_same_curve(got, lost_ref_curve, range(1, stopped + 1))  # through the first loss, on the curve
+    local.do("add teacher")  # (a run stopped this way resumes like any other: --resume, tests/test_faults.py)
     print(f"teacher node {first[:8]} removed at step {max(at)}, the run went on; {second[:8]} removed at step "
           f"{max(later)}, stopped at {stopped}: {errors[0]}")
 
