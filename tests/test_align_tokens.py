@@ -21,7 +21,9 @@ from kava_ray.align.tokens import (
     alignment_stats,
     apply_alignment,
     canonical_spans,
+    pair_positions,
     segment_bounds,
+    segment_table,
 )
 from kava_ray.data import (
     BatchStream,
@@ -379,3 +381,42 @@ def test_alignment_time_8x512(smollm2_tokenizer, llama3_tokenizer):
     print(f"\n8x512 alignment (SmolLM2 student, Llama-3 teacher, T_t={x.shape[3]}, aligned {frac:.3f}): "
           f"spans+align_positions+collate {1e3 * (t1 - t0):.1f} ms, apply_alignment "
           f"{1e3 * (t3 - t2) / 3:.1f} ms per mode on {tuple(x.shape)}")
+
+
+def test_logit_positions_pair_only_where_both_tokenizations_end_at_the_same_character():
+    """Hand-checked on real tokenizers: SmolLM2 (the student) cuts numbers into digits, Llama-3 into runs of up to
+    three. A student position pairs with the teacher position that has read exactly the same text and is followed,
+    as it is, by more of the segment: '2' of '2024' (read '2') has no partner, the second '2' pairs with '202',
+    '5' of '3.50' has none, '0' pairs with '50'. The last token (followed by no text) pairs with nothing."""
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    text = "In 2024, Ada paid $3.50 for 12 apples."
+    bounds = segment_table([(0, len(text))], len(text), True)
+
+    def side(name):
+        enc = real_tokenizer(name)(text, return_offsets_mapping=True, add_special_tokens=False)
+        return [text[a:b] for a, b in enc["offset_mapping"]], canonical_spans(enc["offset_mapping"], bounds)
+
+    (s_words, s_canon), (t_words, t_canon) = side("smollm2"), side("llama3")
+    pairs = pair_positions(s_canon, t_canon)
+    assert [(w, t_words[j] if j >= 0 else None) for w, j in zip(s_words, pairs)] == [
+        ("In", "In"), (" ", " "), ("2", None), ("0", None), ("2", "202"), ("4", "4"), (",", ","), (" Ada", " Ada"),
+        (" paid", " paid"), (" $", " $"), ("3", "3"), (".", "."), ("5", None), ("0", "50"), (" for", " for"),
+        (" ", " "), ("1", None), ("2", "12"), (" apples", " apples"), (".", None)]
+    # the teacher never has read past the student: a paired teacher token ends where the student token does
+    paired = pairs >= 0
+    assert (t_canon[1][pairs[paired]] == s_canon[1][paired]).all()
+    # one tokenizer on both sides: every position but the last pairs with itself
+    same = pair_positions(s_canon, s_canon)
+    assert same.tolist() == list(range(len(s_words) - 1)) + [-1]
+
+
+def test_logit_positions_do_not_pair_across_a_segment_end():
+    """The last token of a segment (a question, before the answer's template text) predicts markup, not the
+    segment's text: it is not paired, though both sides end there."""
+    # tokens (start, end) in one canonical coordinate; segments [0, 6) and [6, 10)
+    s = canonical_spans([(0, 3), (3, 6), (6, 8), (8, 10)], np.array([[0, 6, 0], [6, 10, 6]]))
+    t = canonical_spans([(0, 6), (6, 10)], np.array([[0, 6, 0], [6, 10, 6]]))
+    assert pair_positions(s, t).tolist() == [-1, -1, -1, -1]  # 6: a segment's end; 10: the text's end
+    t2 = canonical_spans([(0, 3), (3, 6), (6, 10)], np.array([[0, 6, 0], [6, 10, 6]]))
+    assert pair_positions(s, t2).tolist() == [0, -1, -1, -1]

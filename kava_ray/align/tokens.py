@@ -129,6 +129,32 @@ def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> 
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
+def pair_positions(s_canon, t_canon) -> np.ndarray:
+    """Where a student position and a teacher position predict the same text: for each student token i, the
+    teacher token j that ends at the same canonical character in the same segment, each of them followed by a
+    token of that segment (so both have read exactly the text up to there, and both next tokens are that
+    segment's text from there on); -1 where there is none. Int64 [T_s].
+
+    Never pairs a teacher token that has read past the student's (its end would be later). The last token of a
+    segment is not paired: what follows it is template text (markup, EOS) that differs between tokenizers.
+    Inputs: (starts, ends, segment) of each side (`canonical_spans`).
+    """
+    def followed(canon) -> np.ndarray:  # has a span, and so has the next token, in the same segment
+        st, en, sg = (np.asarray(a, np.int64) for a in canon)
+        ok = np.zeros(len(st), dtype=bool)
+        ok[:-1] = (sg[:-1] >= 0) & (sg[1:] == sg[:-1]) & (st[1:] >= en[:-1])
+        return ok
+
+    s_ok, t_ok = followed(s_canon), followed(t_canon)
+    se, sg = np.asarray(s_canon[1], np.int64), np.asarray(s_canon[2], np.int64)
+    te, tg = np.asarray(t_canon[1], np.int64), np.asarray(t_canon[2], np.int64)
+    cand = np.flatnonzero(t_ok)  # teacher tokens that can pair; their ends increase with j (monotone spans)
+    k = np.searchsorted(te[cand], se)
+    j = cand[np.minimum(k, max(len(cand) - 1, 0))] if len(cand) else np.zeros(len(se), np.int64)
+    hit = s_ok & (k < len(cand)) & (te[j] == se) & (tg[j] == sg) if len(cand) else np.zeros(len(se), bool)
+    return np.where(hit, j, -1).astype(np.int64)
+
+
 def align_texts(s_offsets, s_text: str, s_segments, t_offsets, t_text: str, t_segments):
     """One record end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
 
