@@ -420,6 +420,41 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
     return (temperature ** 2) * (per * w).sum() / w.sum().clamp_min(1.0)
 
 
+def uld_loss(student_logits: torch.Tensor, topk_logp: torch.Tensor, mask: torch.Tensor | None = None,
+             teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Universal Logit Distillation distance, for a teacher of another vocabulary: no map between the two
+    vocabularies, only the shapes of the two next-token distributions. Masked mean over positions of
+    sum_i |t_i - s_i|, t the teacher's top-k probabilities sorted descending and s the student's top-k (over its
+    full vocabulary) sorted descending, each followed by its mass outside those k as one bucket.
+
+    student_logits [B, T, V_s]; topk_logp [B, T, k]: the teacher's top-k log-probs over its full vocabulary (any
+    order); teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse: the student's
+    `log_normalizer` at T = 1 when the caller has it.
+
+    Matches TRL's GOLD trainer (`trl/experimental/gold/gold_trainer.py`, `ULDLoss`, non-hybrid): both sides'
+    probabilities sorted descending, the shorter zero-padded, L1 summed over the vocabulary, divided by the
+    number of positions. With k = the teacher's whole vocabulary its tail is 0 and so is the student's bucket
+    past k = min(k, V_s) ids plus zero padding: GOLD's value. Invariant to permuting either vocabulary, 0 for
+    equal shapes. Float32 at least; masked positions (the teacher's rows there may be anything, NaN included)
+change neither the loss nor its gradient.
+    """
+    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "ULD")
+    k = topk_logp.shape[-1]
+    if lse is None:
+        lse = log_normalizer(student_logits, 1.0)
+    keep = m[..., None]
+    z = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1).values  # [B, T, k'] sorted descending
+    s = torch.where(keep, _at_least_f32(z) - lse[..., None], -1.0).exp()  # masked: anything, never NaN
+    s = F.pad(s, (0, k - s.shape[-1]))  # a student vocabulary smaller than the teacher's k: zero padded
+    t = torch.where(keep, topk_logp.to(s.device, s.dtype), -1.0).exp().sort(dim=-1, descending=True).values
+    t_tail = (1.0 - t.sum(-1)).clamp(min=0.0) if teacher_tail is None else \
+        torch.where(m, teacher_tail.to(s.device, s.dtype), -1.0).exp()
+    s_tail = (1.0 - s.sum(-1)).clamp(min=0.0)
+    per = (t - s).abs().sum(-1) + (t_tail - s_tail).abs()  # [B, T]
+    w = m.float()
+    return (per * w).sum() / w.sum().clamp_min(1.0)
+
+
 @torch.no_grad()
 def top1_agreement(student_logits: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor | None = None
                    ) -> torch.Tensor:

@@ -365,3 +365,64 @@ def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     off = evaluate_heldout(Distiller(student, plans, kv_geometry(student), plain), InProcessSource(teachers), plans,
                            val, plain, "cpu", torch.float32)
     assert not any("logit" in k or "top1" in k for k in off)
+
+
+# ------------------------------------------------------------------ ULD: teachers of another vocabulary
+
+
+def _uld_reference(p_t: torch.Tensor, p_s: torch.Tensor) -> float:
+    """TRL GOLD's `ULDLoss` (non-hybrid) on full distributions [N, V_t], [N, V_s]: sorted descending, the shorter
+    zero-padded, L1 summed over vocabulary and positions, divided by the number of positions."""
+    n = max(p_t.shape[-1], p_s.shape[-1])
+    t = torch.nn.functional.pad(p_t.sort(-1, descending=True).values, (0, n - p_t.shape[-1]))
+    s = torch.nn.functional.pad(p_s.sort(-1, descending=True).values, (0, n - p_s.shape[-1]))
+    return float((t - s).abs().sum() / p_t.shape[0])
+
+
+def test_uld_is_zero_for_permuted_distributions_and_gold_s_value_otherwise():
+    from kava_ray.losses import uld_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits_t = torch.randn(2, 5, 40, generator=g) * 2
+    logp_t = logits_t.log_softmax(-1)
+    perm = torch.randperm(40, generator=g)
+    # the student: the same shape over a larger vocabulary (24 ids it never predicts), in another order
+    student = torch.cat([logits_t[..., perm], torch.full((2, 5, 24), -1e4)], dim=-1)
+    assert float(uld_loss(student, logp_t)) == pytest.approx(0.0, abs=1e-6)
+    other = torch.randn(2, 5, 64, generator=g)
+    got = float(uld_loss(other, logp_t))  # k = the teacher's whole vocabulary: GOLD's value exactly
+    assert got == pytest.approx(_uld_reference(logp_t.exp().reshape(10, 40), other.softmax(-1).reshape(10, 64)),
+                                rel=1e-5)
+
+
+def test_uld_grows_with_the_difference_and_keeps_the_tail_as_one_bucket():
+    from kava_ray.losses import uld_loss
+
+    g = torch.Generator().manual_seed(1)
+    p = torch.randn(1, 3, 32, generator=g).softmax(-1)
+    values = []
+    for alpha in (0.0, 0.25, 0.5, 1.0):  # the student drifts from the teacher's shape towards uniform
+        q = (1 - alpha) * p + alpha / 32
+        values.append(float(uld_loss(q.log(), p.log())))
+    assert values[0] == pytest.approx(0.0, abs=1e-6) and values == sorted(values) and values[-1] > 0.1, values
+    # top-2 of a teacher with 0.2 outside them, against a student [0.6, 0.2, 0.1, 0.1]: |0.5-0.6| + |0.3-0.2| + 0
+    t = torch.tensor([[[0.5, 0.3]]]).log()
+    s = torch.tensor([[[0.1, 0.6, 0.1, 0.2]]]).log()
+    assert float(uld_loss(s, t, teacher_tail=torch.tensor([[0.2]]).log())) == pytest.approx(0.2, abs=1e-6)
+
+
+def test_uld_ignores_masked_positions_even_nan_teacher_ones():
+    from kava_ray.losses import uld_loss
+
+    g = torch.Generator().manual_seed(2)
+    student = torch.randn(1, 4, 16, generator=g, requires_grad=True)
+    teacher = torch.randn(1, 4, 8, generator=g).log_softmax(-1)
+    mask = torch.tensor([[True, True, False, True]])
+    ref = uld_loss(student, teacher, mask)
+    bad_t, bad_s = teacher.clone(), student.detach().clone()
+    bad_t[0, 2], bad_s[0, 2] = float("nan"), 1e4  # a padded position: the teacher's rows are anything
+    bad_s.requires_grad_(True)
+    loss = uld_loss(bad_s, bad_t, mask)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(ref)) and torch.isfinite(bad_s.grad).all()
+    assert (bad_s.grad[0, 2] == 0).all()
