@@ -174,23 +174,26 @@ def own_train(head, job, address_dir, tmp_path_factory):
 
 def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
     """Until `proc` exits: every listening TCP socket of it and the processes under it (its embedded Ray, the
-    teachers, the Ray Train worker), as {(ip, port): process title}, polled every 0.2 s."""
+    teachers, the Ray Train worker), as {(ip, port): process title}, polled every 0.1 s. One system-wide read of
+    the socket tables per poll (a read per process took seconds per poll on a loaded box, and a short-lived
+    socket could be missed); a socket's title is its owner's latest (a Ray worker starts as `ray::IDLE` and is
+    renamed when it becomes an actor)."""
     import psutil
 
     root = psutil.Process(proc.pid)
     while proc.poll() is None:
         try:
-            procs = [root] + root.children(recursive=True)
+            pids = {root.pid} | {c.pid for c in root.children(recursive=True)}
         except psutil.NoSuchProcess:
             return
-        for p in procs:
-            try:
-                for c in p.net_connections(kind="inet"):
-                    if c.status == psutil.CONN_LISTEN:
-                        seen.setdefault((c.laddr.ip, c.laddr.port), " ".join(p.cmdline())[:80] or p.name())
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        time.sleep(0.2)
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.pid in pids:
+                try:
+                    p = psutil.Process(c.pid)
+                    seen[(c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline())[:80] or p.name()
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    pass
+        time.sleep(0.1)
 
 
 def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path(head, job, tmp_path, address_dir,
