@@ -49,8 +49,7 @@ def serve(cluster, lines) -> None:
     for line in lines:
         word, _, arg = line.strip().partition(" ")
         if word == "add" and arg in KINDS:
-            node = add_node(cluster, arg)
-            cluster.wait_for_nodes()
+            node = add_node(cluster, arg)  # (Cluster.add_node waits until the node is alive)
             print(node.node_id, flush=True)
         elif word == "remove":
             node = next((n for n in cluster.worker_nodes if n.node_id == arg), None)

@@ -25,6 +25,7 @@ from kava_ray import placement, resources
 from kava_ray._io import content_key, first_line
 from kava_ray.config import JobConfig
 from kava_ray.errors import KavaError
+from kava_ray.preflight import data_splits
 
 PROBE_TIMEOUT_S = 120.0
 MARKER = ".kava-shared-check"
@@ -51,6 +52,11 @@ def _local(spec: Optional[str]) -> bool:
     return bool(spec) and "://" not in spec and os.path.isabs(spec)
 
 
+def _worker_demand(cfg: JobConfig, use_gpu: bool) -> placement.Demand:
+    """Where a Ray Train worker can run (its resources and `ray.worker_label_selector`)."""
+    return resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
+
+
 def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read]:
     """What each kind of process of the job reads from a local path, and where it can run: teachers their models
     when they run live; for `command` train or tune, the Ray Train workers the job's inputs; for tune, each
@@ -63,13 +69,12 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
                                 driver_reads=False))
     if command not in ("train", "tune"):
         return out
-    w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
+    w = _worker_demand(cfg, use_gpu)
     d = cfg.data
     if _local(cfg.student.model):
         out.append(Read("student.model", cfg.student.model, WORKERS, w))
     if _local(d.source):
-        splits = dict.fromkeys([d.train_split, *([d.val_split] if d.val_split else []), d.test_split])
-        for path in dict.fromkeys(d.source.replace("{split}", s) for s in splits):
+        for path in dict.fromkeys(d.source.replace("{split}", s) for s in data_splits(cfg, command)):
             out.append(Read("data.source", path, WORKERS, w))
     if d.kv_source == "cache":  # with the tokenizers of the teachers aligned by characters
         out.append(Read("data.kv_cache_dir", d.kv_cache_dir, WORKERS, w))
@@ -84,7 +89,7 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
 def tokenizer_reads(cfg: JobConfig, plans: dict, use_gpu: bool = False) -> list[Read]:
     """The tokenizers of the live teachers aligned by characters (known once they report theirs): the workers
     load each from the teacher's model path."""
-    w = resources.demands(cfg, resources.worker(cfg, use_gpu))[-1]
+    w = _worker_demand(cfg, use_gpu)
     return [Read(f"teachers[{n}].model", p.tokenizer, f"{WORKERS} (its tokenizer)", w, driver_reads=False)
             for n, p in plans.items() if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
 
