@@ -12,7 +12,8 @@ Layout of a cache dir:
   index.jsonl                   one line per stored example: {key, file, sha256, bytes}, key = `<split>/x<i>`
                                 (appended as examples are written: an interrupted precompute resumes)
   tokenizers/<teacher>/         the tokenizer of a teacher whose tokenizer differs from the student's
-                                (its positions are aligned by characters from the same text)
+                                (its positions are aligned by characters from the same text), and when its
+                                logits are cached its vocabulary map to the student's (vocab_map-*.npz)
   shard-<hash of key>.safetensors  one example: `<teacher>.k`, `<teacher>.v` [L, 1, H, n, D] (+ `.k_scale`,
                                 `.v_scale` for fp8; + `.topk_ids`, `.topk_logp`, `.topk_tail` with teacher logits);
                                 the wire metadata in the safetensors header
@@ -37,6 +38,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from kava_ray._io import atomic_dir, atomic_write
+from kava_ray.align.vocab import save_vocab_map
 from kava_ray.errors import KavaError
 from kava_ray.kv import TOPK_ARRAYS, KVBatch
 
@@ -269,13 +271,14 @@ def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0) -
 
 
 def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=None, logits_top_k=0,
-               tokenizers: Optional[dict] = None) -> dict:
+               tokenizers: Optional[dict] = None, vocab_maps: Optional[dict] = None) -> dict:
     """Run every example of `splits` (TokenizedSplits; the first is the training split the cache is checked
     against) through the teachers once, in batches of `train.batch_size` in split order, and store each
     example on its own (`example_key`); examples already stored are skipped (an interrupted precompute
     resumes). logits_top_k > 0: the teachers' top-k log-probs are cached with the KV (an int, or {teacher:
     k}). `tokenizers`: {teacher: tokenizer} of the teachers aligned by characters, saved under
-    `tokenizers/<teacher>/`. Returns counts in examples (written, skipped, total), bytes and the teacher
+    `tokenizers/<teacher>/`, with the vocabulary map to the student's of those whose logits the job takes
+    (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads it there). Returns counts in examples (written, skipped, total), bytes and the teacher
     forwards (batches) run.
     """
     from actors.feed import ActorSource, KVFeed, request_arrays
@@ -287,6 +290,9 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
         if not (cache.root / TOKENIZERS / name).is_dir():
             with atomic_dir(cache.root / TOKENIZERS / name) as tmp:
                 tok.save_pretrained(tmp)
+    for name, vmap in (vocab_maps or {}).items():
+        if not (cache.root / TOKENIZERS / name / vmap.file_name).is_file():
+            save_vocab_map(vmap, cache.root / TOKENIZERS / name / vmap.file_name)
     B = cfg.train.batch_size
     stats = {"written": 0, "skipped": 0, "bytes": 0, "forwards": 0, "total": sum(len(s) for s in splits)}
 

@@ -238,6 +238,13 @@ def cmd_bench_align(args) -> int:
     return _show(args, format_align_bench(out), out)
 
 
+def cmd_bench_vocab(args) -> int:
+    from kava_ray.bench.vocab import format_vocab_bench, run_vocab_bench
+
+    out = run_vocab_bench(docs=args.docs, problems=args.problems, max_length=args.max_length)
+    return _show(args, format_vocab_bench(out), out)
+
+
 def cmd_plan(args) -> int:
     from kava_ray.plan import format_plan, parse_bytes, plan
 
@@ -592,6 +599,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--cka-samples", type=int, default=32, help="training examples the CKA map is measured on")
     p.set_defaults(func=cmd_bench_align)
+    p = bench_sub.add_parser("vocab", help="teachers of another tokenizer, real pairs: the vocabulary map's coverage "
+                                          "and the share of student positions paired for logits (and aligned for KV)")
+    p.add_argument("--docs", type=int, default=24, help="Python doc topics (natural text)")
+    p.add_argument("--problems", type=int, default=64, help="synthetic math word problems")
+    p.add_argument("--max-length", type=int, default=512)
+    _add_json(p)
+    p.set_defaults(func=cmd_bench_vocab)
     return parser
 
 

@@ -210,6 +210,18 @@ class LossConfig(_Section):
     # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside
     # them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k ids: ZERO)
     logit_tail: Literal["bucket", "none"] = "bucket"
+    # teachers of another tokenizer (their ids name other strings), at the positions where both have read the same
+    # text (`align.tokens.pair_positions`): hybrid (TRL GOLD: ids whose string the student also has by forward KL,
+    # the rest by the sorted ULD distance), uld (the sorted distance only: no vocabulary map), or off (KV only)
+    logit_cross_vocab: Literal["hybrid", "uld", "off"] = "hybrid"
+    # hybrid: the weight of the matched part (the unmatched part gets 1 - it); None = GOLD's default, the share of
+    # the teacher's vocabulary that maps (1 for one tokenizer)
+    logit_hybrid_matched_weight: Optional[float] = Field(None, ge=0, le=1)
+
+    @field_validator("logit_cross_vocab", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
 
 
 class OptimConfig(_Section):

@@ -19,6 +19,7 @@ from kava_ray.config import JobConfig, OptimConfig
 from kava_ray.errors import KavaError
 from kava_ray.fusion import Fusion
 from kava_ray.kv import KVBatch, student_forward_kv
+from kava_ray.logit_kd import logit_term
 from kava_ray.losses import (
     contrast_gap,
     cos_metrics,
@@ -26,19 +27,17 @@ from kava_ray.losses import (
     log_normalizer,
     masked_ce,
     position_masks,
-    top1_agreement,
-    topk_kl_loss,
-    topk_tail,
 )
 from kava_ray.models import KVGeometry
-from kava_ray.plans import TeacherPlan, logit_teachers
+from kava_ray.plans import TeacherPlan, logit_specs
 from kava_ray.projectors import TeacherProjector
 
 
 class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
 
-    def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig):
+    def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig,
+                 vocab_maps: dict | None = None):
         super().__init__()
         a, p = cfg.align, cfg.align.projector
         self.student = student
@@ -56,11 +55,12 @@ class Distiller(nn.Module):
         self.loss_cfg = cfg.loss
         self.key_space = a.key_space
         # teachers of another tokenizer: their KV is mapped to student positions by characters
-        # (`align.token_align`); their logits name other strings, so only the others' logits train the student
-        # (`plans.check_vocab` refused a job whose logits no teacher can give)
+        # (`align.token_align`); their logits, unless loss.logit_cross_vocab is off, at paired positions through
+        # `vocab_maps` (`plans.vocab_maps`: needed for hybrid), see `kava_ray.logit_kd`
         self.aligned = [n for n in self.names if plans[n].aligned]
         self.token_align = a.token_align
-        self.logit_names = logit_teachers(plans)
+        self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
+        self.logit_names = list(self.logit_specs)
 
     def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
         c = self.loss_cfg
@@ -92,37 +92,32 @@ class Distiller(nn.Module):
         total = sum(w[n] for n in self.logit_names)  # renormalised over the teachers whose logits count
         return [w[n] / total for n in self.logit_names]
 
-    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor,
+    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], batch: dict, mask: torch.Tensor,
                     lse: torch.Tensor | None = None):
-        """Weighted top-k forward KL (`losses.topk_kl_loss`: the student over its full vocabulary, the tail
-        as a bucket with `loss.logit_tail`) of every teacher against the student's logits on the next-token
-        positions `mask`, and its metrics: `logit_kl` (weighted), `logit_kl/<t>`, `top1_agree/<t>`."""
+        """Every logit teacher's term (`logit_kd.logit_term`: top-k forward KL for the student's tokenizer, hybrid
+        or ULD at paired positions for another), weighted with the fusion weights, on the next-token positions
+        `mask`; metrics `logit_kl` (the weighted loss), `logit_kl/<t>`, `logit_uld/<t>`, `logit_aligned/<t>`,
+        `top1_agree/<t>`."""
         c = self.loss_cfg
-        ids, logps, tails = {}, {}, {}
-        for n in self.logit_names:
-            t = teacher_kv[n]
-            if t.topk_ids is None or t.topk_logp is None:
+        same = [n for n in self.logit_names if self.logit_specs[n].cross is None]
+        if same:  # one host sync for all (a gather past the vocab would be a device-side assert on CUDA)
+            vocab, keep = logits.shape[-1], mask.to(logits.device)[..., None] != 0
+            ids = [teacher_kv[n].topk_ids for n in same]
+            if any(i is None for i in ids):
+                n = same[[i is None for i in ids].index(True)]
                 raise KavaError(f"teacher '{n}' sent no top-k logits, but loss.logit_weight={c.logit_weight} "
                                 f"needs them (set loss.logit_weight=0 or have the teacher serve them)")
-            ids[n] = t.topk_ids[..., :c.logit_top_k].to(logits.device)
-            logps[n] = t.topk_logp[..., :c.logit_top_k].to(logits.device)
-            if c.logit_tail == "bucket":  # what lies outside the first logit_top_k ids
-                tails[n] = topk_tail(t.topk_logp, t.topk_tail, c.logit_top_k).to(logits.device)
-        vocab = logits.shape[-1]
-        # one host sync for all teachers (a gather past the vocab would be a device-side assert on CUDA)
-        keep = mask.to(logits.device)[..., None] != 0
-        top = torch.stack([torch.where(keep, ids[n], 0).max() for n in self.logit_names])
-        if int(top.max()) >= vocab:
-            worst = self.logit_names[int(top.argmax())]
-            raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
-                            f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
+            top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(logits.device), 0).max() for i in ids])
+            if int(top.max()) >= vocab:
+                worst = same[int(top.argmax())]
+                raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
+                                f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
         metrics, total = {}, 0
         for n, w in zip(self.logit_names, self._logit_weights()):
-            kl = topk_kl_loss(logits, ids[n], logps[n], mask, temperature=c.logit_temperature, tail=c.logit_tail,
-                              teacher_tail=tails.get(n), lse=lse)
-            total = total + w.to(kl.device) * kl
-            metrics[f"logit_kl/{n}"] = kl.detach()
-            metrics[f"top1_agree/{n}"] = top1_agreement(logits, ids[n], mask)
+            spec = self.logit_specs[n].to(logits.device)  # its map's tensors (a no-op once there)
+            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask, c, lse)
+            total = total + w.to(loss_n.device) * loss_n
+            metrics.update({f"{'top1_agree' if k == 'top1_agree' else 'logit_' + k}/{n}": v for k, v in m.items()})
         metrics["logit_kl"] = total.detach()
         return total, metrics
 
@@ -218,7 +213,7 @@ class Distiller(nn.Module):
                           for wi, n in zip(w, self.names))
             loss = c.ce_weight * ce + c.kv_weight * kvl
             if kd:
-                kl, m_logit = self._logit_loss(out.logits, teacher_kv, next_mask, lse)
+                kl, m_logit = self._logit_loss(out.logits, teacher_kv, batch, next_mask, lse)
                 loss = loss + c.logit_weight * kl
                 metrics.update(m_logit)
             layers = m["cos_per_layer"]

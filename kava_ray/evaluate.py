@@ -22,6 +22,8 @@ from kava_ray.errors import KavaError
 from kava_ray.losses import masked_ce
 from kava_ray.preflight import preflight
 
+LOGIT_METRICS = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
+
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
 
 
@@ -154,7 +156,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
         for w in weights:
             weights[w] = weights[w] + m[w].double()
         # CE and the logit KD: per next-token position CE counts
-        label_keys = ["ce"] + [k for k in m if k == "logit_kl" or k.startswith(("logit_kl/", "top1_agree/"))]
+        label_keys = ["ce"] + [k for k in m if k == "logit_kl" or k.startswith(LOGIT_METRICS)]
         for k in label_keys:
             sums[k] = sums.get(k, 0) + m[k].double() * m["label_tokens"]
         kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
@@ -162,7 +164,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
         for k in kv_keys:  # KV: per token the KV loss counts
             sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
     distiller.train(was_training)
-    by_label = {k for k in sums if k == "ce" or k == "logit_kl" or k.startswith(("logit_kl/", "top1_agree/"))}
+    by_label = {k for k in sums if k == "ce" or k == "logit_kl" or k.startswith(LOGIT_METRICS)}
     out = {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k in by_label else "kv_tokens"]), 1))
            for k, v in sums.items()}
     if split.format == "text":  # language modelling: per-token CE and its perplexity
@@ -189,11 +191,15 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     """
     from actors.feed import KVFeed, feed_items
     from kava_ray.kv import student_forward_kv
-    from kava_ray.losses import next_token_mask, top1_agreement, topk_kl_loss, topk_tail
-    from kava_ray.plans import eval_stream, logit_teachers
+    from kava_ray.logit_kd import logit_term
+    from kava_ray.losses import next_token_mask
+    from kava_ray.plans import eval_stream, logit_specs
 
     stream = eval_stream(split, cfg)
-    logit_names = logit_teachers(plans) if logit_top_k else []
+    same = {n: p for n, p in plans.items() if not p.aligned}
+    specs = logit_specs(cfg, same) if logit_top_k else {}
+    logit_names = list(specs)
+    kd = cfg.loss.model_copy(update=dict(logit_top_k=logit_top_k, logit_temperature=1.0, logit_tail="bucket"))
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device,
                   logits_top_k={n: (logit_top_k if n in logit_names else 0) for n in plans})
@@ -208,13 +214,9 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
             n_lab += n
             sums["ce"] = sums.get("ce", 0.0) + float(masked_ce(out.logits, batch["labels"])) * n
             for t in logit_names:
-                b = kv[t]
-                tail = topk_tail(b.topk_logp, b.topk_tail, logit_top_k)
-                kl = topk_kl_loss(out.logits, b.topk_ids[..., :logit_top_k], b.topk_logp[..., :logit_top_k], nxt,
-                                  teacher_tail=tail)
-                sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(kl) * n
-                sums[f"top1_agree/{t}"] = sums.get(f"top1_agree/{t}", 0.0) + float(
-                    top1_agreement(out.logits, b.topk_ids, nxt)) * n
+                _, m = logit_term(specs[t], out.logits, kv[t], batch, nxt, kd)
+                sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(m["kl"]) * n
+                sums[f"top1_agree/{t}"] = sums.get(f"top1_agree/{t}", 0.0) + float(m["top1_agree"]) * n
             for t, kva in (alignment or {}).items():
                 kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
     out = {k: v / max(n_lab, 1) for k, v in sums.items()}
@@ -271,17 +273,19 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     from kava_ray.distill import Distiller
     from kava_ray.job import job_teachers
     from kava_ray.models import kv_geometry, load_model, load_tokenizer
-    from kava_ray.plans import load_test_split, teacher_tokenizers
+    from kava_ray.plans import load_test_split, teacher_tokenizers, vocab_maps
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
     with job_teachers(cfg, address, restart=restart_teachers) as job:
-        test = load_test_split(cfg, tokenizer, teacher_tokenizers(job.plans))  # what a run reports once at its end
+        teacher_toks = teacher_tokenizers(job.plans)
+        test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
         out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
         torch.manual_seed(0)
-        distiller = Distiller(student, job.plans, kv_geometry(student), cfg)
+        distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
+                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks))
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
                                     prefix="test"))

@@ -32,6 +32,7 @@ from kava_ray.plans import (
     teacher_logits_top_k,
     teacher_plans,
     teacher_tokenizers,
+    vocab_maps,
 )
 
 # ----------------------------------------------------------------------------------------- Ray
@@ -272,7 +273,8 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
             bar.refresh()
 
         args = (cfg, job.handles, job.plans, splits, Path(out_dir).expanduser().absolute())
-        kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks)
+        kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks,
+                      vocab_maps=vocab_maps(cfg, job.plans, tok, teacher_toks))
         try:
             node = writer_node(cfg, job.handles, job.plans)
             if node is None:  # the teachers' KV is on this node: written from here

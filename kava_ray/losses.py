@@ -293,6 +293,7 @@ def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) ->
 
 LOGIT_TAILS = ("bucket", "none")
 TAIL_FLOOR = 1e-6  # a tail mass below this is float noise (fp32 log-probs): both sides are floored to it
+OFF = -1e30  # the log-prob of an entry left out: exp() is exactly 0 and every difference stays finite
 
 
 def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
@@ -372,7 +373,8 @@ def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_log
 
 def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
                  mask: torch.Tensor | None = None, temperature: float = 1.0, tail: str = "bucket",
-                 teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+                 teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled, masked mean.
 
     student_logits [B, T, V]; topk_ids [B, T, k] and topk_logp [B, T, k]: the teacher's top-k ids and their
@@ -396,11 +398,15 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
     gathered logits and the [B, T] normaliser are cast); masked positions (their logits, ids and log-probs
     may be anything, inf or NaN) change neither the loss nor its gradient. Returns 0 (with grad) if no
     position counts.
+    valid [B, T, k] bool (tail "bucket" only): the entries that count as ids; the others' mass joins the tail
+    bucket on both sides (the hybrid cross-vocabulary loss: teacher ids without a student token of their string).
     """
     if not temperature > 0:
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
     if tail not in LOGIT_TAILS:
         raise KavaError(f"top-k KL tail must be one of {', '.join(LOGIT_TAILS)}, not {tail!r}")
+    if valid is not None and tail != "bucket":
+        raise KavaError("top-k KL: entries left out (valid) need the tail bucket to hold their mass")
     ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
     keep = m[..., None]
     if lse is None:
@@ -410,12 +416,17 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
     t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)  # teacher, T = 1
     if tail == "bucket":
         t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
+        if valid is not None:  # entries left out: no mass of their own; the teacher's joins its tail
+            out = keep & ~valid.to(t.device)
+            t_tail = torch.logaddexp(t_tail, torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
+            t = torch.where(out, OFF, t)
+            log_s = torch.where(out, OFF, log_s)
         t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
         t = torch.cat([t, t_tail[..., None]], dim=-1)  # [B, T, k + 1]
         log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)
     a = t / temperature
     log_p = a - torch.logsumexp(a, dim=-1, keepdim=True)  # the teacher at T, over its k (+ 1) entries
-    per = (log_p.exp() * (log_p - log_s)).sum(-1)  # [B, T]
+    per = (log_p.exp() * (log_p - log_s)).sum(-1)  # [B, T]; an entry left out: exp(OFF) = 0 times a finite term
     w = m.float()
     return (temperature ** 2) * (per * w).sum() / w.sum().clamp_min(1.0)
 
@@ -445,14 +456,70 @@ change neither the loss nor its gradient.
     keep = m[..., None]
     z = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1).values  # [B, T, k'] sorted descending
     s = torch.where(keep, _at_least_f32(z) - lse[..., None], -1.0).exp()  # masked: anything, never NaN
-    s = F.pad(s, (0, k - s.shape[-1]))  # a student vocabulary smaller than the teacher's k: zero padded
-    t = torch.where(keep, topk_logp.to(s.device, s.dtype), -1.0).exp().sort(dim=-1, descending=True).values
+    t = torch.where(keep, topk_logp.to(s.device, s.dtype), -1.0).exp()
     t_tail = (1.0 - t.sum(-1)).clamp(min=0.0) if teacher_tail is None else \
         torch.where(m, teacher_tail.to(s.device, s.dtype), -1.0).exp()
     s_tail = (1.0 - s.sum(-1)).clamp(min=0.0)
-    per = (t - s).abs().sum(-1) + (t_tail - s_tail).abs()  # [B, T]
+    w = m.float()
+    return _sorted_l1(t, s, m) + ((t_tail - s_tail).abs() * w).sum() / w.sum().clamp_min(1.0)
+
+
+def _sorted_l1(t: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Masked mean over positions of sum_i |t_i - s_i|, t [B, T, k] and s [B, T, k'] sorted descending inside,
+    the shorter zero-padded (the ULD distance between two probability vectors)."""
+    t = t.sort(dim=-1, descending=True).values
+    width = max(t.shape[-1], s.shape[-1])
+    t, s = F.pad(t, (0, width - t.shape[-1])), F.pad(s, (0, width - s.shape[-1]))
+    per = (t - s).abs().sum(-1)  # [B, T]
     w = m.float()
     return (per * w).sum() / w.sum().clamp_min(1.0)
+
+
+def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                      t2s: torch.Tensor, student_unmatched: torch.Tensor, mask: torch.Tensor | None = None,
+                      teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      temperature: float = 1.0, matched_weight: float | None = None):
+    """The hybrid cross-vocabulary logit loss (as TRL's GOLD trainer, `ULDLoss._compute_hybrid_uld_loss`):
+    teacher ids whose string the student also has (`t2s`, `align.vocab.VocabMap`) are compared id by id, the
+    rest by the sorted distance. Returns (loss, {"kl": matched part, "uld": unmatched part}).
+
+    student_logits [B, T, V_s]; topk_ids / topk_logp [B, T, k]: the teacher's top-k in ITS vocabulary (already at
+    the student's positions); t2s [V_t] long: student id of each teacher id or -1; student_unmatched [U] long:
+    the student ids no teacher id maps to; teacher_tail [B, T]: log of its mass outside the k ids.
+    - matched: `topk_kl_loss` on the mapped ids (forward KL, the student over its full vocabulary, the tail
+      bucket holding the teacher's mass outside its matched top-k ids against the student's outside their
+      images): with one tokenizer (t2s = identity) it IS the same-tokenizer KD loss.
+    - unmatched: the L1 distance between the teacher's unmatched top-k probabilities and the student's top-k over
+      its unmatched ids, both sorted descending (`uld_loss` on the remainders, no buckets: their tail mass is
+      the matched part's).
+    - weights: `matched_weight` and 1 - it; default (as GOLD) the share of the teacher's vocabulary that maps,
+      len(matched) / V_t -- 1 for one tokenizer, so the loss equals the full-vocabulary KD.
+    Where this differs from GOLD: GOLD compares matched tokens by a generalized JSD on full distributions;
+    here forward KL on the teacher's top-k (what it serves), as the same-tokenizer loss.
+    """
+    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "hybrid logit loss")
+    t2s = t2s.to(student_logits.device)
+    ids = torch.where(m[..., None], topk_ids.to(student_logits.device).long(), 0)
+    inside = ids < len(t2s)  # an id past the map (a padded LM-head row) has no string
+    sid = torch.where(inside, t2s[ids.clamp(max=len(t2s) - 1)], -1)  # [B, T, k] student ids, -1: unmatched
+    matched = sid >= 0
+    if teacher_tail is None:
+        teacher_tail = _tail_of(topk_logp.float())
+    kl = topk_kl_loss(student_logits, sid.clamp(min=0), topk_logp, m, temperature=temperature, tail="bucket",
+                      teacher_tail=teacher_tail, lse=lse, valid=matched)
+    keep = m[..., None]
+    t_rest = torch.where(keep & ~matched, topk_logp.to(student_logits.device).float(), -math.inf).exp()
+    k, n_un = topk_logp.shape[-1], len(student_unmatched)
+    if n_un:
+        lse1 = log_normalizer(student_logits) if lse is None or temperature != 1.0 else lse
+        z = student_logits.index_select(-1, student_unmatched.to(student_logits.device))  # [B, T, U]
+        z = z.topk(min(k, n_un), dim=-1).values
+        s_rest = torch.where(keep, _at_least_f32(z) - lse1[..., None], -1.0).exp()
+    else:
+        s_rest = t_rest.new_zeros(*t_rest.shape[:2], 0)
+    uld = _sorted_l1(t_rest, s_rest, m)
+    w = float(matched_weight) if matched_weight is not None else float((t2s >= 0).sum()) / max(len(t2s), 1)
+    return w * kl + (1.0 - w) * uld, {"kl": kl.detach(), "uld": uld.detach()}
 
 
 @torch.no_grad()

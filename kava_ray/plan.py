@@ -205,8 +205,9 @@ def _dtype_name(dtype: str, on_gpu: bool) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
 
 
-def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu: bool) -> dict[str, int]:
-    """Bytes of one teacher actor over all its GPUs: weights by quantization, KV cache, forward work."""
+def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu: bool, top_k: int) -> dict[str, int]:
+    """Bytes of one teacher actor over all its GPUs: weights by quantization, KV cache, forward work (with its
+    logits when it serves `top_k` > 0)."""
     p, g = info.params, info.geometry
     wb = _dtype_bytes(t.dtype, on_gpu)
     if t.quantization == "none":
@@ -221,13 +222,13 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
     # a dequantized weight (bitsandbytes); the shipped layers stacked and de-rotated (K: cat, 2 muls,
     # sub) before the copy to the wire.
     # without logits the forward stops after the deepest shipped layer (`teacher_forward_kv`, stop_early)
-    cached_layers = g.num_layers if _top_k(cfg) or not shipped else max(shipped) + 1
+    cached_layers = g.num_layers if top_k or not shipped else max(shipped) + 1
     cache = 2 * cached_layers * kv * tokens * wb
     layer = tokens * (3 * h + 4 * q + 3 * i) * wb
     dequant = h * i * wb if t.quantization != "none" else 0
     shipped_kv = 3 * 2 * len(shipped) * kv * tokens * wb
     # teacher logits: the LM head's output in the compute dtype, its fp32 copy (if not fp32) and log-softmax
-    logits = tokens * g.vocab_size * (wb + (4 if wb != 4 else 0) + 4) if _top_k(cfg) else 0
+    logits = tokens * g.vocab_size * (wb + (4 if wb != 4 else 0) + 4) if top_k else 0
     return {f"teacher:{t.name} weights ({label})": int(weights), f"teacher:{t.name} kv cache": int(cache),
             f"teacher:{t.name} forward": int(layer + dequant + shipped_kv + logits)}
 
@@ -236,6 +237,19 @@ def _top_k(cfg: JobConfig) -> int:
     from kava_ray.job import logits_top_k  # the job's one rule for the k its teachers serve
 
     return logits_top_k(cfg)
+
+
+def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
+    """A teacher of another tokenizer, as the planner sees it: another vocabulary size (it reads configs, not
+    tokenizers; two tokenizers of one size count as one)."""
+    return geom.vocab_size is not None and int(geom.vocab_size) != int(s_geom.vocab_size)
+
+
+def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
+    """The top-k a teacher serves: the job's, or 0 for another vocabulary with loss.logit_cross_vocab off."""
+    from kava_ray.plans import cross_vocab
+
+    return 0 if _other_vocab(geom, s_geom) and cross_vocab(cfg) == "off" else _top_k(cfg)
 
 
 def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu: bool) -> dict[str, int]:
@@ -288,10 +302,17 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     depth = cfg.align.prefetch_depth + 1
     kv_buffers = tokens * kv_t * (wire_b * depth + 4)
     k = _top_k(cfg)
-    if k:  # top-k ids (int32) + log-probs per teacher on the wire x depth; decoded: int64 ids + fp32 log-probs
-        kv_buffers += tokens * len(plans) * (logits_bytes_per_token(k, cfg.align.wire_dtype) * depth + k * 12)
+    for geom, _, _ in plans.values():  # top-k ids (int32) + log-probs on the wire x depth; int64 ids + fp32 decoded
+        k_t = _teacher_k(cfg, geom, g)
+        kv_buffers += tokens * (logits_bytes_per_token(k_t, cfg.align.wire_dtype) * depth + k_t * 12)
     logits_label = f", top-{k} logits" if k else ""
     items[f"teacher kv buffers ({cfg.align.wire_dtype} x {depth} + fp32{logits_label})"] = kv_buffers
+    for name, (geom, _, _) in plans.items():  # `losses.hybrid_logit_loss` / `uld_loss` across vocabularies
+        if k and _other_vocab(geom, g) and _teacher_k(cfg, geom, g):
+            # the map (int64 per teacher id, and the student ids it misses) and the student's logits over those
+            # ids with their gradient (a [B, T, V] scatter): at most the whole student vocabulary, fp32
+            items[f"cross-vocab logits {name} (vocab map, unmatched student logits)"] = \
+                (int(geom.vocab_size) + g.vocab_size) * 8 + tokens * g.vocab_size * 8
     if cfg.ray.num_workers > 1:  # DDP gradient buckets are a second copy of the gradients
         items["ddp gradient buckets"] = P * per["grads"] + Pp * 4
     return {k: int(v) for k, v in items.items()}
@@ -372,7 +393,8 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
 
     for t in cfg.teachers:
         on_gpu = t.num_gpus > 0
-        items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu)
+        items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu,
+                              _teacher_k(cfg, t_infos[t.name].geometry, s.geometry))
         if not on_gpu:  # replicas on the CPU: N copies of every item
             cpu.update({(f"{k} x {t.replicas} replicas" if t.replicas > 1 else k): v * t.replicas
                         for k, v in items.items()})
@@ -499,8 +521,10 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
     verdicts = [d["fits"] for d in devices.values() if d["fits"] is not None]
     plans = _layer_plans(cfg, *infos)
     k = _top_k(cfg)
-    logit_b = logits_bytes_per_token(k, cfg.align.wire_dtype)
-    per_token = {n: kv_bytes_per_token(g, cfg.align.wire_dtype, layers) + logit_b
+    s_geom = infos[0].geometry
+    logit_b = {n: logits_bytes_per_token(_teacher_k(cfg, g, s_geom), cfg.align.wire_dtype)
+               for n, (g, _, _) in plans.items()}
+    per_token = {n: kv_bytes_per_token(g, cfg.align.wire_dtype, layers) + logit_b[n]
                  for n, (g, _, layers) in plans.items()}
     out = {
         "devices": devices,
@@ -509,7 +533,7 @@ def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_
         "advice": _advice(cfg, gpu_mem_bytes, infos, devices),
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_s": {n: b * target_tokens_per_s for n, b in per_token.items()} if target_tokens_per_s else {},
-        "logits_bytes_per_token": {n: logit_b for n in plans},
+        "logits_bytes_per_token": logit_b,
         "logits_top_k": k,
     }
     if nodes is not None:

@@ -52,36 +52,91 @@ def logits_top_k(cfg: JobConfig) -> int:
     return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
 
 
-def logit_teachers(plans: dict[str, "TeacherPlan"]) -> list[str]:
-    """The teachers whose logits can train the student: those sharing its tokenizer (hence its vocabulary).
-    A teacher of another tokenizer contributes KV only (its token ids name other strings)."""
-    return [n for n, p in plans.items() if not p.aligned]
+def cross_vocab(cfg: JobConfig) -> str:
+    """How teachers of another tokenizer train the student's logits: "hybrid", "uld" or "off"."""
+    return getattr(cfg.loss, "logit_cross_vocab", "off")
+
+
+def logit_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """The teachers whose logits train the student: those sharing its tokenizer (its vocabulary), and, unless
+    `loss.logit_cross_vocab` is off, those of another tokenizer (at paired positions, `kava_ray.logit_kd`)."""
+    across = cross_vocab(cfg) != "off"
+    return [n for n, p in plans.items() if across or not p.aligned]
 
 
 def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"], s_geom: KVGeometry) -> None:
-    """Teacher logits are read in the student's vocabulary: when the job asks for them, at least one teacher
-    must share the student's tokenizer, and those that do must have its vocabulary size (e.g. Qwen2.5 <=3B
-    151936 vs >=7B 152064 share a tokenizer but not the LM head's size)."""
+    """Teacher logits must be readable by the student: when the job asks for them at least one teacher must give
+    them, and a teacher sharing the student's tokenizer must have its vocabulary size (e.g. Qwen2.5 <=3B 151936
+    vs >=7B 152064 share a tokenizer but not the LM head's size); a teacher of another tokenizer is mapped."""
     if not logits_top_k(cfg):
         return
-    usable = logit_teachers(plans)
+    usable = logit_teachers(cfg, plans)
     if not usable:
         raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
-                        f"student's tokenizer ({', '.join(plans)} are aligned by characters, KV only); set "
-                        f"loss.logit_weight=0")
+                        f"student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
+                        f"characters, KV only); set loss.logit_cross_vocab=hybrid (or uld), or loss.logit_weight=0")
     for n in usable:
         v = plans[n].geometry.vocab_size
-        if v is not None and int(v) != s_geom.vocab_size:
+        if not plans[n].aligned and v is not None and int(v) != s_geom.vocab_size:
             raise KavaError(f"teacher '{n}' has a vocabulary of {v} tokens, the student {s_geom.vocab_size}: "
                             f"its logits cannot train the student; set loss.logit_weight=0 or use teachers with the "
                             f"student's vocabulary")
 
 
 def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
-    """{teacher: top-k log-probs to ask it for}: `logits_top_k(cfg)` for teachers sharing the student's
-    tokenizer, 0 for the others (their logits would be wasted work)."""
-    k, usable = logits_top_k(cfg), set(logit_teachers(plans))
+    """{teacher: top-k log-probs to ask it for}: `logits_top_k(cfg)` for the `logit_teachers`, 0 for the others
+    (their logits would be wasted work)."""
+    k, usable = logits_top_k(cfg), set(logit_teachers(cfg, plans))
     return {n: (k if n in usable else 0) for n in plans}
+
+
+def vocab_maps(cfg: JobConfig, plans: dict[str, "TeacherPlan"], student_tok, teacher_toks: dict) -> dict:
+    """{teacher: `align.vocab.VocabMap`} for the logit teachers of another tokenizer (none when the job takes no
+    logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's tokenizer (a KV cache keeps one
+    there) or the kava-ray cache (`<cache>/vocab_maps/`), else built (1-4 s for 50k-150k vocabularies) and
+    saved there."""
+    from kava_ray.align.vocab import cached_vocab_map
+    from kava_ray.gguf import default_cache_dir
+
+    if not logits_top_k(cfg) or cross_vocab(cfg) == "off":
+        return {}
+    s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(cfg).vocab_size
+    out = {}
+    for n, tok in teacher_toks.items():
+        p = plans[n]
+        beside = (Path(p.tokenizer),) if _is_local_dir(p.tokenizer) else ()
+        out[n] = cached_vocab_map(student_tok, tok, p.tokenizer_fingerprint or tokenizer_fingerprint(tok), s_fp,
+                                  default_cache_dir() / "vocab_maps", beside, p.geometry.vocab_size, s_vocab)
+    return out
+
+
+def cross_vocab_lines(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """One status line per teacher whose logits cross vocabularies: the loss, and its vocabulary map's coverage
+    (built here once, so the workers of this node read it from the cache)."""
+    if not logits_top_k(cfg) or cross_vocab(cfg) == "off" or not any(p.aligned for p in plans.values()):
+        return []
+    toks = teacher_tokenizers(plans)
+    maps = vocab_maps(cfg, plans, student_tokenizer(cfg)[0], toks)
+    return [f"logits: teacher '{n}' (another tokenizer) by {cross_vocab(cfg)} at the positions where both have read "
+            f"the same text; {m.summary()}" for n, m in maps.items()]
+
+
+def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[dict] = None) -> dict:
+    """{teacher: `logit_kd.LogitTeacher`} for the `logit_teachers`; `maps`: `vocab_maps` (needed for hybrid)."""
+    from kava_ray.logit_kd import LogitTeacher
+
+    out = {}
+    for n in logit_teachers(cfg, plans):
+        if not plans[n].aligned:
+            out[n] = LogitTeacher(n)
+        elif (maps or {}).get(n) is not None:
+            out[n] = LogitTeacher.across(n, cross_vocab(cfg), maps[n], cfg.loss.logit_hybrid_matched_weight)
+        elif cross_vocab(cfg) == "uld":  # needs no map (top-1 agreement then counts no match)
+            out[n] = LogitTeacher(n, "uld")
+        else:
+            raise KavaError(f"teacher '{n}' uses another tokenizer: loss.logit_cross_vocab=hybrid needs its vocabulary "
+                            f"map (plans.vocab_maps)")
+    return out
 
 
 def student_geometry(cfg: JobConfig) -> KVGeometry:

@@ -142,7 +142,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     from kava_ray.connect import resolve_use_gpu
     from kava_ray.console import status
     from kava_ray.job import job_teachers
-    from kava_ray.plans import prepare_data
+    from kava_ray.plans import cross_vocab_lines, prepare_data
     from kava_ray.progress import follow_metrics
 
     t0 = time.time()
@@ -168,6 +168,8 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         else:
             status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
                    f"in {job.setup_s:.0f} s")
+        for line in cross_vocab_lines(cfg, job.plans):
+            status(line)
         trainer = build_trainer(cfg, job.plans, run_dir, use_gpu, resume, resume_override=resume_override)
         workers = cfg.ray.num_workers
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")

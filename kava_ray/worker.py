@@ -49,9 +49,10 @@ class DistillRecipe:
         self.autocast = self.precision.autocast
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False,
-              data: bool = True) -> Optional[dict]:
+              data: bool = True, maps: Optional[dict] = None) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
-        data=False: no tokenizer, splits or stream (`kava-ray bench gpu` feeds its own batches; a GPU image
+        data=False: no tokenizer, splits or stream, and the vocabulary maps of teachers of another tokenizer are
+        `maps` (`kava-ray bench gpu` and `bench step` feed their own batches; a GPU image
         may have no `datasets`).
 
         wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. run_changes (`--resume-override`):
@@ -62,7 +63,7 @@ class DistillRecipe:
         from kava_ray.data import BatchStream
         from kava_ray.distill import Distiller, build_optimizer, build_scheduler
         from kava_ray.models import kv_geometry, load_student, load_tokenizer
-        from kava_ray.plans import data_seed, load_splits, teacher_tokenizers
+        from kava_ray.plans import data_seed, load_splits, teacher_tokenizers, vocab_maps
 
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
@@ -70,8 +71,12 @@ class DistillRecipe:
         student = load_student(source_model, dtype=self.precision.weight_dtype,
                                keep=None if state else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
+        if data:
+            self.tokenizer = load_tokenizer(cfg.student.model)
+            self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
+            maps = vocab_maps(cfg, self.plans, self.tokenizer, self.teacher_toks)  # for their logits (hybrid)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
-        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg).to(self.device)
+        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps).to(self.device)
         self.opt = build_optimizer(self.distiller, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.train.steps)
         if state:
@@ -83,8 +88,6 @@ class DistillRecipe:
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
         if not data:
             return state
-        self.tokenizer = load_tokenizer(cfg.student.model)
-        self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
         self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
         self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)

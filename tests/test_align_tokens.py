@@ -116,6 +116,25 @@ def check_alignment(s_item, t_item, ex, lo, hi, n_teacher=None):
     return n_aligned, n_causal
 
 
+def check_pairs(s_item, t_item, ex, pair, n_teacher=None):
+    """The logit pairs, by brute force over character sets: student token i pairs with teacher token j (< n_teacher)
+    exactly when both end at the same character of the same segment and both are followed by a token of it."""
+    same = s_item["text"] == t_item["text"]
+    s_chars = token_chars(s_item["offsets"], char_labels(s_item["text"], ex, same))
+    t_chars = token_chars(t_item["offsets"], char_labels(t_item["text"], ex, same))
+
+    def followed(chars, k):
+        return chars[k] is not None and k + 1 < len(chars) and chars[k + 1] is not None \
+            and chars[k + 1][0] == chars[k][0]
+
+    n_t = len(t_chars) if n_teacher is None else n_teacher
+    for i, sc in enumerate(s_chars):
+        want = [j for j in range(n_t) if followed(s_chars, i) and followed(t_chars, j)
+                and t_chars[j][0] == sc[0] and max(t_chars[j][1]) == max(sc[1])]
+        assert pair[i] == (want[0] if want else -1), (i, pair[i], want)
+    return sum(p >= 0 for p in pair)
+
+
 # ------------------------------------------------------------------------------------- the tests
 
 
@@ -125,7 +144,7 @@ def test_alignment_matches_brute_force(request, examples, pair, fmt):
     student, teacher = tok(request, pair[0]), tok(request, pair[1])
     split = tokenize_split(student, examples, 512, fmt, source_id="t")
     view = teacher_view(split, teacher, fmt, 512)
-    total = causal = 0
+    total = causal = paired = 0
     for ex, s_item, v_item in zip(examples, split.items, view.items):
         t_item = encode_example(teacher, ex, 1 << 30, fmt)
         assert v_item["input_ids"] == t_item["input_ids"][:len(v_item["input_ids"])]
@@ -134,7 +153,9 @@ def test_alignment_matches_brute_force(request, examples, pair, fmt):
                 assert teacher.decode([tid]) == t_item["text"][s:e]
         n, c = check_alignment(s_item, t_item, ex, v_item["align_lo"], v_item["align_hi"])
         total, causal = total + n, causal + c
+        paired += check_pairs(s_item, t_item, ex, v_item["logit_pair"])
     assert view.stats["unanchored"] == 0 and view.stats["unaligned"] == view.stats["student_tokens"] - total
+    assert view.stats["paired_fraction"] == paired / view.stats["student_tokens"] and paired <= total
     assert view.stats["causal_unaligned"] == causal
     # every content token of the student overlaps a teacher token: aligned, or left out only by the causal rule
     covered = (total + causal) / view.stats["student_tokens"]
@@ -345,6 +366,7 @@ def test_truncation_drops_and_caps(llama3_tokenizer, smollm2_tokenizer, examples
         assert n <= 48 and max(v_item["align_hi"]) <= n
         t_item = encode_example(smollm2_tokenizer, ex, 1 << 30, "plain")
         check_alignment(s_item, t_item, ex, v_item["align_lo"], v_item["align_hi"], n_teacher=n)
+        check_pairs(s_item, t_item, ex, v_item["logit_pair"], n_teacher=n)  # never a teacher position cut off
     # a loose student cut: the teacher keeps only what overlaps the student's text
     split = tokenize_split(smollm2_tokenizer, examples, 40, "plain", source_id="t")
     view = teacher_view(split, llama3_tokenizer, "plain", 40)
@@ -353,10 +375,12 @@ def test_truncation_drops_and_caps(llama3_tokenizer, smollm2_tokenizer, examples
         n = len(v_item["input_ids"])
         assert n < len(t_item["input_ids"]) and v_item["align_hi"][-1] == n  # last kept token is used
         check_alignment(s_item, t_item, ex, v_item["align_lo"], v_item["align_hi"], n_teacher=n)
+        assert check_pairs(s_item, t_item, ex, v_item["logit_pair"], n_teacher=n) > 0
 
 
 def test_alignment_time_8x512(smollm2_tokenizer, llama3_tokenizer):
-    """8 samples x 512 student tokens: spans + align_positions + collate + apply_alignment on [4, 8, 2, 512, 64]."""
+    """8 samples x 512 student tokens: spans + align_positions + pair_positions + collate + apply_alignment on
+    [4, 8, 2, 512, 64]."""
     pool = synthetic_gsm8k(200, seed=11)
     exs = [Example(pool[8 * k].question, "\n".join(p.answer.split("####")[0] for p in pool[8 * k:8 * k + 8] * 3)
                    + "#### 5") for k in range(8)]
@@ -366,10 +390,11 @@ def test_alignment_time_8x512(smollm2_tokenizer, llama3_tokenizer):
     t0 = time.perf_counter()
     items = []
     for ex, s, t in zip(exs, s_items, t_items):
-        lo, hi, _, _ = align_texts(s["offsets"], s["text"], s["segments"], t["offsets"], t["text"], t["segments"])
+        lo, hi, s_c, t_c = align_texts(s["offsets"], s["text"], s["segments"], t["offsets"], t["text"], t["segments"])
         n = min(int(hi.max()), 512)
+        pair = pair_positions(s_c, t_c)
         items.append({"input_ids": t["input_ids"][:n], "align_lo": np.minimum(lo, n).tolist(),
-                      "align_hi": np.minimum(hi, n).tolist()})
+                      "align_hi": np.minimum(hi, n).tolist(), "logit_pair": np.where(pair < n, pair, -1).tolist()})
     batch = collate_view(TeacherView(items, 0, "fp"), range(8), 512)
     t1 = time.perf_counter()
     x = torch.randn(4, 8, 2, batch["teacher_input_ids"].shape[1], 64)

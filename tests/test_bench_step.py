@@ -43,6 +43,9 @@ def test_every_variant_is_timed_and_broken_down_by_phase(result):
     assert cap["overhead"] == pytest.approx(cap["forward_capture_s"] / cap["forward_s"] - 1)
     tg = result["target"]
     assert tg["ratio"] == result["variants"][tg["variant"]]["ratio"] and tg["met"] == (tg["ratio"] <= tg["max_ratio"])
+    x, v = result["cross_vocab"], result["variants"]
+    assert x["ratio"] == pytest.approx(v[x["variant"]]["step_s"] / v[x["against"]]["step_s"])
+    assert x["met"] == (x["ratio"] <= x["max_ratio"]) and x["teacher_vocab"] == 3 * STUDENT["vocab_size"]
     c = result["config"]
     assert (c["device"], c["precision"], c["threads"], c["student"]) == ("cpu", "fp32", 1, STUDENT)
     text = format_step_bench(result)

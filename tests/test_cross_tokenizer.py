@@ -36,6 +36,9 @@ def xjob(tmp_path_factory, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_dir):
                      ray={"num_workers": 2})
 
 
+LOGITS = ["loss.logit_weight=0.5", "loss.logit_top_k=8"]  # both teachers' logits: qtok's by the hybrid loss
+
+
 def in_process(cfg):
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
     return models, in_process_plans(cfg, models)
@@ -82,20 +85,64 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
     assert "\n" not in str(info.value)
 
 
-def test_logits_come_only_from_the_teacher_sharing_the_tokenizer(xjob):
-    cfg = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])
+def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenizer(xjob):
+    cfg = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4", "loss.logit_cross_vocab=off"])
     models, plans = in_process(cfg)
-    from kava_ray.plans import teacher_logits_top_k
+    from kava_ray.plans import check_vocab, teacher_logits_top_k
 
     assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
     student = load_student(cfg.student.model, dtype="float32")
     distiller = Distiller(student, plans, kv_geometry(student), cfg)
     assert distiller.logit_names == ["qwen"]
-    solo = {"qtok": plans["qtok"]}
-    from kava_ray.plans import check_vocab
+    with pytest.raises(KavaError, match="no teacher shares the student's tokenizer and loss.logit_cross_vocab=off"):
+        check_vocab(cfg, {"qtok": plans["qtok"]}, kv_geometry(student))  # refused by the plans
+    on = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])  # default: hybrid
+    assert teacher_logits_top_k(on, plans) == {"qwen": 4, "qtok": 4}
+    check_vocab(on, {"qtok": plans["qtok"]}, kv_geometry(student))
 
-    with pytest.raises(KavaError, match="no teacher shares the student's tokenizer"):  # refused by the plans
-        check_vocab(cfg, solo, kv_geometry(student))
+
+@pytest.mark.parametrize("mode", ["hybrid", "uld"])
+def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
+    """Both teachers' logits train the student: qtok's top-k (over Qwen2's 151k ids) at the teacher positions
+    paired with the student's (`logit_pair/qtok`: both have read the same text), by the hybrid or ULD loss;
+    `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone (no CE,
+    KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
+    batch lower it."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.plans import teacher_logits_top_k, vocab_maps
+
+    cfg = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}"])
+    models, plans = in_process(cfg)
+    s_tok, toks = student_tokenizer(cfg)[0], teacher_tokenizers(plans)
+    train, _ = load_splits(cfg, s_tok, toks)
+    feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
+                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg, plans))
+    (_, _, _, batch), kv = next(feed)
+    pair = batch["logit_pair/qtok"]
+    assert pair.shape == batch["input_ids"].shape and int(pair.max()) < kv["qtok"].topk_ids.shape[1]
+    maps = vocab_maps(cfg, plans, s_tok, toks)
+    assert list(maps) == ["qtok"] and maps["qtok"].matched >= 256  # every byte of the byte-level student
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps)
+    assert distiller.logit_names == ["qwen", "qtok"]
+    _, m = distiller(batch, kv)
+    # a byte of the student pairs where a Qwen2 token ends inside the same segment, followed by more of it
+    assert 0.15 < float(m["logit_aligned/qtok"]) < 0.6 and "logit_aligned/qwen" not in m
+    assert {"logit_kl/qwen", "top1_agree/qwen", "top1_agree/qtok"} <= set(m)
+    parts = {"logit_kl/qtok", "logit_uld/qtok"} if mode == "hybrid" else {"logit_uld/qtok"}  # KL: matched ids
+    assert {k for k in m if k.startswith(("logit_kl/", "logit_uld/")) and k.endswith("/qtok")} == parts
+    with pytest.raises(KavaError, match="carries no position pairs") as info:
+        distiller({k: v for k, v in batch.items() if not k.startswith("logit_pair")}, kv)
+    assert "\n" not in str(info.value)
+    alone = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}",
+                               "loss.ce_weight=0", "loss.kv_weight=0"])
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, {"qtok": plans["qtok"]}, kv_geometry(student), alone, maps)
+    history = [{k: float(v) for k, v in m.items()}
+               for m in train_on_one_batch(distiller, cfg.optim, batch, {"qtok": kv["qtok"]}, steps=6)]
+    part = "logit_kl/qtok" if mode == "hybrid" else "logit_uld/qtok"
+    assert history[-1][part] < 0.95 * history[0][part], [h[part] for h in history]
+    assert history[-1]["loss"] < history[0]["loss"]
 
 
 @pytest.fixture(scope="module")
@@ -110,32 +157,43 @@ def xpool(tiny_pool, xjob):
 
 
 def test_resume_with_a_teacher_of_another_tokenizer_is_exact(xjob, tmp_path):
-    """From a step-8 checkpoint, steps 9..12 repeat the uninterrupted run's numbers, aligned share included.
+    """From a step-8 checkpoint, steps 9..12 repeat the uninterrupted run's numbers, aligned shares and both
+    teachers' logit terms included.
     In process (the recipe holds everything a resume must restore; test_train.py's worker-failure case checks
     the same across Ray Train's process boundary and DDP)."""
-    cfg = load_config(xjob)
+    cfg = load_config(xjob, LOGITS)
     models, plans = in_process(cfg)
     full, _, _ = run_recipe(cfg, plans, InProcessSource(models), 12, tmp_path / "ck", save_at=8)
     resumed, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), 12, resume=str(tmp_path / "ck"))
     assert recipe.start_step == 8 and sorted(resumed) == [9, 10, 11, 12]
     assert_same_curve(resumed, full, resumed, keys=("loss", "ce", "kv_loss", "cos_sim", "cos/qtok", "aligned/qtok",
+                                                    "logit_kl/qtok", "logit_uld/qtok", "logit_aligned/qtok",
                                                     "grad_norm"), tol=1e-6)
 
 
 def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
-    """`teachers precompute` stores the tokenizer of the teacher of another tokenizer; a job reading the cache
-    aligns with it and never needs the teacher's model."""
+    """`teachers precompute` stores the tokenizer of the teacher of another tokenizer, and its vocabulary map to the
+    student's (the job takes its logits); a job reading the cache aligns and maps with them, never needs the
+    teacher's model, and reads both teachers' top-k as the live teachers send them."""
+    from kava_ray.align import vocab
     from kava_ray.job import precompute, setup_teachers
+    from kava_ray.plans import teacher_logits_top_k, vocab_maps
 
-    cfg = load_config(xjob)
+    cfg = load_config(xjob, LOGITS)
     cache = tmp_path / "cache"
     precompute(cfg, cache, progress=False)
     meta = json.loads((cache / "manifest.json").read_text())["meta"]["teachers"]
     assert "tokenizer" not in meta["qwen"] and meta["qtok"]["tokenizer"] == "tokenizers/qtok"
-    cached = load_config(xjob, ["data.kv_source=cache", f"data.kv_cache_dir={cache}"])
+    assert len(list((cache / "tokenizers" / "qtok").glob("vocab_map-*.npz"))) == 1
+    cached = load_config(xjob, LOGITS + ["data.kv_source=cache", f"data.kv_cache_dir={cache}"])
     _, plans, _ = setup_teachers(cached)
     assert plans["qtok"].tokenizer == str(cache / "tokenizers" / "qtok") and not plans["qwen"].aligned
-    assert len(teacher_tokenizers(plans)["qtok"]) == len(real_tokenizer("qwen2"))
+    toks = teacher_tokenizers(plans)
+    assert len(toks["qtok"]) == len(real_tokenizer("qwen2"))
+    with pytest.MonkeyPatch.context() as mp:  # the cache's copy of the map is read, not built again
+        mp.setattr(vocab, "build_vocab_map", lambda *a, **k: pytest.fail("map built again"))
+        mp.setenv("KAVA_RAY_CACHE", str(tmp_path / "empty_user_cache"))
+        assert vocab_maps(cached, plans, student_tokenizer(cached)[0], toks)["qtok"].matched >= 256
     # batches of another seed, assembled from the examples: each teacher's rows padded to its own tokens
     from actors.feed import KVFeed, feed_items
     from kava_ray.job import kv_source
@@ -143,11 +201,17 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
     models, _ = in_process(cfg)
     train, _ = load_splits(cached, student_tokenizer(cached)[0], teacher_tokenizers(plans))
     layers = {n: p.layers for n, p in plans.items()}
+    k = teacher_logits_top_k(cached, plans)
+    assert k == {"qwen": 8, "qtok": 8}
     for (item, kc), (_, kl) in zip(
-            KVFeed(kv_source(cached, plans, train.fingerprint), feed_items(BatchStream(train, 3, 5), 2), layers),
-            KVFeed(InProcessSource(models), feed_items(BatchStream(train, 3, 5), 2), layers)):
+            KVFeed(kv_source(cached, plans, train.fingerprint), feed_items(BatchStream(train, 3, 5), 2), layers,
+                   logits_top_k=k),
+            KVFeed(InProcessSource(models), feed_items(BatchStream(train, 3, 5), 2), layers, logits_top_k=k)):
         batch = item[3]
         for n, mask in (("qwen", batch["attention_mask"]), ("qtok", batch["teacher_attention_mask/qtok"])):
             m = mask.bool()[None, :, None, :, None]
             assert kc[n].keys.shape == kl[n].keys.shape
             assert torch.allclose(kc[n].keys * m, kl[n].keys * m, rtol=2 ** -7, atol=1e-3), n
+            real = mask.bool()
+            assert torch.equal(kc[n].topk_ids[real][:, 0], kl[n].topk_ids[real][:, 0]), n  # top-1, in its vocabulary
+            assert torch.allclose(kc[n].topk_logp[real].float(), kl[n].topk_logp[real].float(), atol=0.05), n

@@ -426,3 +426,94 @@ def test_uld_ignores_masked_positions_even_nan_teacher_ones():
     loss.backward()
     assert float(loss) == pytest.approx(float(ref)) and torch.isfinite(bad_s.grad).all()
     assert (bad_s.grad[0, 2] == 0).all()
+
+
+# ------------------------------------------------------------------------- hybrid (GOLD) cross-vocabulary loss
+
+
+def _hybrid(student, ids, logp, t2s, tail=None, mask=None, weight=None):
+    from kava_ray.losses import hybrid_logit_loss
+
+    t2s = torch.as_tensor(t2s)
+    hit = torch.zeros(student.shape[-1], dtype=torch.bool)
+    hit[t2s[t2s >= 0]] = True
+    return hybrid_logit_loss(student, ids, logp, t2s, (~hit).nonzero()[:, 0], mask, teacher_tail=tail,
+                             matched_weight=weight)
+
+
+@pytest.mark.parametrize("k", [40, 6])
+def test_hybrid_with_one_tokenizer_is_the_same_tokenizer_kd(k):
+    """The identity map (one tokenizer: every id maps to itself) leaves nothing unmatched and weight 1 on the
+    matched part: the hybrid loss IS the top-k KD, and with k = the whole vocabulary the full-vocabulary KL."""
+    g = torch.Generator().manual_seed(3)
+    student = torch.randn(2, 5, 40, generator=g, requires_grad=True)
+    ids, logp, tail = teacher_topk(torch.randn(2, 5, 40, generator=g) * 2, k)
+    loss, parts = _hybrid(student, ids, logp, torch.arange(40), tail)
+    assert float(parts["uld"]) == 0.0
+    assert torch.allclose(loss, topk_kl_loss(student, ids, logp, teacher_tail=tail), rtol=1e-6, atol=1e-7)
+    if k == 40:
+        p = logp.exp()
+        full = (p * (logp - student.log_softmax(-1).gather(-1, ids))).sum(-1).mean()
+        assert float(loss) == pytest.approx(float(full), rel=1e-5)
+
+
+def test_hybrid_is_zero_when_the_student_predicts_the_same_strings_and_grows_otherwise():
+    """Teacher vocabulary of 6, student of 7: teacher ids 0, 1, 3, 5 have student tokens of the same string
+    (2, 0, 1, 6); 2 and 4 have none, the student's 3, 4 and 5 have no teacher token. A student giving each
+    matched string the teacher's probability, and its unmatched tokens the teacher's unmatched probabilities in
+    another order, scores 0 on both parts; moving mass off a matched string raises the matched part."""
+    t2s = torch.tensor([2, 0, -1, 1, -1, 6])
+    p_t = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.05, 0.2])
+    p_s = torch.zeros(7)
+    p_s[t2s[[0, 1, 3, 5]]] = p_t[[0, 1, 3, 5]]
+    p_s[3], p_s[4], p_s[5] = 0.05, 0.15, 0.0  # the unmatched mass (0.15, 0.05), permuted
+    logp, ids = p_t.log().sort(descending=True)
+    ids, logp = ids.view(1, 1, 6), logp.view(1, 1, 6)
+    student = p_s.clamp_min(1e-30).log().view(1, 1, 7).requires_grad_(True)
+    loss, parts = _hybrid(student, ids, logp, t2s)
+    assert float(parts["kl"]) == pytest.approx(0.0, abs=1e-6) and float(parts["uld"]) == pytest.approx(0.0, abs=1e-6)
+    moved = p_s.clone()
+    moved[2], moved[5] = moved[2] - 0.2, moved[5] + 0.2  # from the teacher's top string to an unmatched one
+    loss2, parts2 = _hybrid(moved.clamp_min(1e-30).log().view(1, 1, 7), ids, logp, t2s)
+    assert float(parts2["kl"]) > 0.1 and float(parts2["uld"]) > 0.1 and float(loss2) > float(loss) + 0.1
+    # GOLD's default weights: 4 of the teacher's 6 ids map
+    assert float(loss2) == pytest.approx(4 / 6 * float(parts2["kl"]) + 2 / 6 * float(parts2["uld"]), rel=1e-6)
+    loss.backward()
+    assert torch.isfinite(student.grad).all()
+
+
+def test_hybrid_training_moves_the_student_onto_the_teacher_s_strings():
+    """Gradient steps on the hybrid loss alone bring a random student's distribution to the teacher's through the
+    map (the positive control of the cross-vocabulary loss): KL part, ULD part and the loss all fall."""
+    g = torch.Generator().manual_seed(4)
+    t2s = torch.randperm(30, generator=g)[:20]  # teacher ids 0..19 map somewhere, 20..29 do not
+    t2s = torch.cat([t2s, torch.full((10,), -1)])
+    ids, logp, tail = teacher_topk(torch.randn(3, 4, 30, generator=g) * 3, 12)
+    z = torch.randn(3, 4, 30, generator=g, requires_grad=True)
+    opt = torch.optim.Adam([z], lr=0.1)
+    first = None
+    for _ in range(60):
+        loss, parts = _hybrid(z, ids, logp, t2s, tail)
+        first = first or (float(loss), float(parts["kl"]), float(parts["uld"]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.2 * first[0] and float(parts["kl"]) < 0.2 * first[1] and float(parts["uld"]) < first[2]
+
+
+def test_hybrid_ignores_masked_positions_even_nan_teacher_ones():
+    g = torch.Generator().manual_seed(5)
+    ids, logp, tail = teacher_topk(torch.randn(1, 4, 12, generator=g), 5)
+    t2s = torch.tensor([0, 1, 2, -1, 4, 5, -1, 7, 8, 9, 10, 11])
+    student = torch.randn(1, 4, 12, generator=g)
+    mask = torch.tensor([[True, False, True, True]])
+    ref, _ = _hybrid(student, ids, logp, t2s, tail, mask)
+    bad_ids, bad_logp, bad_tail = ids.clone(), logp.clone(), tail.clone()
+    bad_ids[0, 1], bad_logp[0, 1], bad_tail[0, 1] = 10 ** 6, float("nan"), float("nan")
+    bad_s = student.clone()
+    bad_s[0, 1] = 1e4
+    bad_s.requires_grad_(True)
+    loss, _ = _hybrid(bad_s, bad_ids, bad_logp, t2s, bad_tail, mask)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(ref)) and torch.isfinite(bad_s.grad).all()
+    assert (bad_s.grad[0, 1] == 0).all()

@@ -331,3 +331,28 @@ def test_projector_count_follows_head_proj(calibration_job, kind):
     # the bf16 autocast copies: per_head's batched [H_s, D_t, D_s] weights count like Linear weights
     one_w = sum(m.weight.numel() for m in one.modules() if isinstance(m, torch.nn.Linear))
     assert counts["per_head"]["linear_weight"] - counts["shared"]["linear_weight"] == extra * one_w
+
+
+def test_a_teacher_of_another_vocabulary_counts_its_map_and_its_logits_only_when_they_train(
+        tmp_path, tiny_student_dir, tiny_qwen2_dir, qtok_teacher_dir):
+    """qtok (Qwen2's 151,936 ids) beside qwen (the student's 260): with loss.logit_cross_vocab (default hybrid) it
+    sends top-k like the other and the student device holds its vocabulary map and the student's logits over the
+    ids the map misses (with their gradient); off: it sends no logits and computes none."""
+    from kava_ray.kv import logits_bytes_per_token
+
+    job = {"name": "xv", "teachers": [{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
+                                      {"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"}],
+           "student": {"model": str(tiny_student_dir)}, "train": {"batch_size": 2, "max_length": 64},
+           "loss": {"logit_weight": 0.5, "logit_top_k": 16}, "ray": {"use_gpu": False}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    on, off = plan(load_config(path)), plan(load_config(path, ["loss.logit_cross_vocab=off"]))
+    per_token = logits_bytes_per_token(16, "bf16")
+    assert on["logits_bytes_per_token"] == {"qwen": per_token, "qtok": per_token}
+    assert off["logits_bytes_per_token"] == {"qwen": per_token, "qtok": 0}
+    items_on, items_off = on["devices"]["cpu"]["items"], off["devices"]["cpu"]["items"]
+    key = "cross-vocab logits qtok (vocab map, unmatched student logits)"
+    assert items_on[key] == (151_936 + 260) * 8 + 2 * 64 * 260 * 8 and key not in items_off
+    assert not any(k.startswith("cross-vocab logits qwen") for k in items_on)
+    assert items_on["teacher:qtok forward"] > items_off["teacher:qtok forward"]  # its LM head's log-softmax
+    assert "kv wire qtok" in format_plan(on) and "top-16 logits" in format_plan(on).split("kv wire qtok")[1]

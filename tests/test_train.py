@@ -1,5 +1,6 @@
 """Student training: the Distiller step for every mode/fusion, and Ray Train runs end to end."""
 
+import math
 import os
 import signal
 import threading
@@ -201,7 +202,8 @@ def e2e_run(tiny_pool, e2e_job):
     from actors.pool import start_missing, stop_pool
     from kava_ray.train import run_training
 
-    cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]"])  # the run also checks the trackers
+    # the run also checks the trackers, and takes every teacher's logits (qtok's by the hybrid loss: a mixed pool)
+    cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]", "loss.logit_weight=0.3", "loss.logit_top_k=8"])
     handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     with pytest.MonkeyPatch.context() as mp:  # local stores: no tracking server or W&B settings from the shell
         for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
@@ -237,7 +239,8 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
 
 def test_end_to_end_with_a_teacher_of_another_tokenizer(e2e_run):
     """The run's teacher of another tokenizer: centred cos rises for every teacher, and the share of student tokens
-    it covers is what the alignment gives (causal: a byte takes a Qwen2 token where that token ends, ~1/3)."""
+    it covers is what the alignment gives (causal: a byte takes a Qwen2 token where that token ends, ~1/3); its
+    logits train the student beside the others' at the positions paired with them."""
     _, out = e2e_run
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
@@ -249,6 +252,10 @@ def test_end_to_end_with_a_teacher_of_another_tokenizer(e2e_run):
         assert evals[-1][f"eval/cos/{n}"] > evals[0][f"eval/cos/{n}"], n
     assert all(0.25 < r["aligned/qtok"] < 0.6 for r in train)
     assert "aligned/qwen" not in train[0]  # the teachers of the student's tokenizer keep one-to-one positions
+    # logits from all three: qtok's at the paired positions (hybrid: its matched ids by KL, the rest by ULD)
+    assert all(0.15 < r["logit_aligned/qtok"] < 0.6 for r in train) and "logit_aligned/qwen" not in train[0]
+    for key in ("logit_kl/qwen", "logit_kl/llama", "logit_kl/qtok", "logit_uld/qtok", "top1_agree/qtok"):
+        assert all(math.isfinite(r[key]) for r in train) and f"eval/{key}" in evals[-1], key
 
 
 def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):

@@ -100,6 +100,11 @@ def step_summary_rows(step: dict) -> list[list[str]]:
         target = "≤ 1.25" if name == "ce+kv structured" else ""
         rows.append([f"student step {name} / plain CE fine-tuning ({1000 * base:.0f} ms)",
                      f"{v['step_s'] / base:.2f}", target, STEP_CMD])
+    x = step.get("cross_vocab")
+    if x:
+        rows.append([f"student step {x['variant']} / {x['against']} (teacher vocabulary {x['teacher_vocab']}: its "
+                     f"KV aligned, its logits by the hybrid loss)", f"{x['ratio']:.2f}", f"≤ {x['max_ratio']:.2f}",
+                     STEP_CMD])
     for name, m in (step.get("memory") or {}).items():
         rows.append([f"peak memory {name} ({m['device']}): measured vs `kava-ray plan`",
                      f"{m['measured'] / 2**20:.0f} vs {m['planned'] / 2**20:.0f} MiB ({m['error']:+.0%})",

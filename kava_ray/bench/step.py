@@ -8,6 +8,11 @@ The same student, batch and optimizer settings, one optimizer step each, side by
                      the default recipe: structured elastic projectors, Mercator (centred) + CE
   ce+kv flat         the same with `align.mode: flat` (concat of the shipped layers, one projector)
   ce+kv+logits       structured, plus the top-k logit KD loss (`loss.logit_weight: 1`)
+  ce+kv+logits cross-vocab
+                     the same with a teacher of another vocabulary (3 x the student's; a map that reaches 80 %
+                     of the student's ids, as the real Qwen2 -> SmolLM2 pair): its KV through the character
+                     alignment (`align.tokens.apply_alignment`) and its logits through the hybrid loss
+                     (`loss.logit_cross_vocab: hybrid`) at every position; target <= 1.1 x ce+kv+logits
 
 Teacher KV (and top-k log-probs) are computed once beforehand with `kv.teacher_forward_kv`, sent through
 the wire format (`to_wire` -> `KVBatch.from_wire`), so only the student is timed. Variants are interleaved
@@ -52,9 +57,13 @@ VARIANTS: dict[str, Optional[list[str]]] = {
     "ce+kv structured": [],
     "ce+kv flat": ["align.mode=flat"],
     "ce+kv+logits": ["loss.logit_weight=1"],
+    "ce+kv+logits cross-vocab": ["loss.logit_weight=1"],
 }
+CROSS = "ce+kv+logits cross-vocab"  # its teacher has another vocabulary (CROSS_VOCAB x the student's)
+CROSS_VOCAB, CROSS_COVERAGE = 3, 0.8
 PHASES = ("student_forward", "projectors", "fusion_loss", "backward", "optimizer")
 TARGET = ("ce+kv structured", 1.25)  # the KV step may cost at most this much more than the plain one
+CROSS_TARGET = (CROSS, "ce+kv+logits", 1.1)  # a teacher of another vocabulary vs one of the student's
 # recipes whose memory `memory=True` measures (every kind the planner plans)
 MEMORY_RECIPES: dict[str, list[str]] = {
     "ce (kv_weight 0)": ["loss.kv_weight=0"],
@@ -77,6 +86,29 @@ def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) 
         "train": {"batch_size": batch, "max_length": tokens},
         "ray": {"storage_path": str(storage), "num_workers": 1},
     })
+
+
+def _cross_vocab(plans: dict, data: dict, s_vocab: int):
+    """The bench's teacher of another vocabulary: its plan marked aligned, the batch with a one-to-one alignment
+    and pairing (`align_lo/t`, `align_hi/t`, `logit_pair/t`), and a vocabulary map reaching CROSS_COVERAGE of the
+    student's ids from random teacher ids (the cost of the loss depends on the sizes, not on which ids)."""
+    import dataclasses
+
+    import numpy as np
+
+    from kava_ray.align.vocab import VocabMap
+
+    plan = plans["t"]
+    plans = {"t": dataclasses.replace(plan, tokenizer="(bench: another tokenizer)", tokenizer_fingerprint=None)}
+    B, T = data["input_ids"].shape
+    pos = torch.arange(T).expand(B, T)
+    batch = {**data, "align_lo/t": pos, "align_hi/t": pos + 1, "logit_pair/t": pos}
+    rng = np.random.default_rng(0)
+    v_t = int(plan.geometry.vocab_size)
+    t2s = np.full(v_t, -1, dtype=np.int64)
+    hit = rng.choice(v_t, int(CROSS_COVERAGE * s_vocab), replace=False)
+    t2s[hit] = rng.permutation(s_vocab)[:len(hit)]
+    return plans, batch, {"t": VocabMap(t2s, s_vocab)}
 
 
 def _batch(batch: int, tokens: int, vocab: int) -> dict:
@@ -191,26 +223,32 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
             s_dir = build_tiny_model(Path(tmp) / "student", **student, seed=1)
             base = bench_job(t_dir, s_dir, Path(tmp) / "runs", batch, tokens)
             data = _batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
-            t_model = load_model(str(t_dir), dtype="float32")
+            x_dir = build_tiny_model(Path(tmp) / "teacher_x", **{**teacher, "vocab_size": CROSS_VOCAB
+                                                                 * student["vocab_size"]}, seed=0)
+            t_models = {"t": load_model(str(t_dir), dtype="float32"), "x": load_model(str(x_dir), dtype="float32")}
             steppers, payloads = {}, {}
             for name, overrides in VARIANTS.items():
                 if overrides is None:
                     plain = _Plain(base, device, data)
                     steppers[name] = plain.step
                     continue
-                cfg = load_config(base, overrides)
-                plans = in_process_plans(cfg, {"t": t_model})
+                which = "x" if name == CROSS else "t"
+                cfg = load_config(base, overrides + ([f"teachers.0.model={x_dir}"] if which == "x" else []))
+                plans = in_process_plans(cfg, {"t": t_models[which]})
                 layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
-                if (tuple(layers), k) not in payloads:  # the teacher runs once per distinct request
-                    wire = teacher_forward_kv(t_model, data["input_ids"], data["attention_mask"], layers=layers,
-                                              key_space=cfg.align.key_space, logits_top_k=k)
-                    payloads[(tuple(layers), k)] = wire.to_wire(cfg.align.wire_dtype)
-                kv = {"t": KVBatch.from_wire(payloads[(tuple(layers), k)], device=device)}
+                if (which, tuple(layers), k) not in payloads:  # the teacher runs once per distinct request
+                    wire = teacher_forward_kv(t_models[which], data["input_ids"], data["attention_mask"],
+                                              layers=layers, key_space=cfg.align.key_space, logits_top_k=k)
+                    payloads[(which, tuple(layers), k)] = wire.to_wire(cfg.align.wire_dtype)
+                kv = {"t": KVBatch.from_wire(payloads[(which, tuple(layers), k)], device=device)}
+                feed, maps = data, None
+                if which == "x":  # the other vocabulary, aligned one to one (every position aligned and paired)
+                    plans, feed, maps = _cross_vocab(plans, data, student["vocab_size"])
                 recipe = DistillRecipe(cfg, plans, device=device)
-                recipe.setup()
+                recipe.setup(data=maps is None, maps=maps)
                 counter = iter(range(1, 10**9))
-                steppers[name] = (lambda r=recipe, kv=kv, c=counter: r.step(next(c), [(data, kv)]))
-            del t_model
+                steppers[name] = (lambda r=recipe, kv=kv, c=counter, b=feed: r.step(next(c), [(b, kv)]))
+            del t_models
             precision = plain.precision.policy
 
             names = list(steppers)
@@ -261,6 +299,10 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
         "target": {"variant": target, "max_ratio": limit, "ratio": variants[target]["ratio"],
                    "met": variants[target]["ratio"] <= limit},
     }
+    cross, same, limit = CROSS_TARGET
+    ratio = variants[cross]["step_s"] / variants[same]["step_s"]
+    out["cross_vocab"] = {"variant": cross, "against": same, "max_ratio": limit, "ratio": ratio, "met": ratio <= limit,
+                          "teacher_vocab": CROSS_VOCAB * student["vocab_size"], "student_coverage": CROSS_COVERAGE}
     if memory:
         out["memory"] = memory_table(student=student, teacher=teacher, batch=batch, tokens=tokens,
                                      steps=memory_steps)
@@ -310,6 +352,10 @@ def format_step_bench(r: dict) -> str:
     tg = r["target"]
     out.append(f"target: {tg['variant']} <= {tg['max_ratio']:.2f} x ce: {tg['ratio']:.2f} "
                f"({'met' if tg['met'] else 'NOT met'})")
+    x = r["cross_vocab"]
+    out.append(f"target: {x['variant']} (teacher vocab {x['teacher_vocab']}, map reaching "
+               f"{100 * x['student_coverage']:.0f} % of the student's ids) <= {x['max_ratio']:.2f} x {x['against']}: "
+               f"{x['ratio']:.2f} ({'met' if x['met'] else 'NOT met'})")
     if r.get("memory"):
         mem = r["memory"]
         dev = next(iter(mem.values()))["device"]

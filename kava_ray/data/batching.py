@@ -73,7 +73,8 @@ def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
     """A teacher view's part of a batch of examples `indices` (student batch padded to T_s, right-padded).
 
     teacher_input_ids / teacher_attention_mask [B, T_t] long (right-padded with view.pad_id / 0),
-    align_lo / align_hi [B, T_s] long (0 on student padding). With `name`, every key gets "/<name>"
+    align_lo / align_hi [B, T_s] long (0 on student padding), logit_pair [B, T_s] long (the paired teacher
+    position, -1 for none and on padding). With `name`, every key gets "/<name>"
     (what BatchStream puts in its batches: `teacher_input_ids/<name>`, ...).
     """
     items = view.items.many(indices) if hasattr(view.items, "many") else [view.items[i] for i in indices]
@@ -82,7 +83,8 @@ def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
     out = {"teacher_input_ids": torch.full((B, T_t), view.pad_id, dtype=torch.long),
            "teacher_attention_mask": torch.zeros((B, T_t), dtype=torch.long),
            "align_lo": torch.zeros((B, T_s), dtype=torch.long),
-           "align_hi": torch.zeros((B, T_s), dtype=torch.long)}
+           "align_hi": torch.zeros((B, T_s), dtype=torch.long),
+           "logit_pair": torch.full((B, T_s), -1, dtype=torch.long)}
     for b, it in enumerate(items):
         n, m = len(it["input_ids"]), len(it["align_lo"])
         if m > T_s:
@@ -91,6 +93,7 @@ def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
         out["teacher_attention_mask"][b, :n] = 1
         out["align_lo"][b, :m] = torch.tensor(it["align_lo"], dtype=torch.long)
         out["align_hi"][b, :m] = torch.tensor(it["align_hi"], dtype=torch.long)
+        out["logit_pair"][b, :m] = torch.tensor(it["logit_pair"], dtype=torch.long)
     return out if name is None else {f"{k}/{name}": v for k, v in out.items()}
 
 

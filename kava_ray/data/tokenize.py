@@ -22,7 +22,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from kava_ray.align.tokens import align_positions, align_texts
+from kava_ray.align.tokens import align_positions, align_texts, pair_positions
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.records import (
     PLAIN_PROMPT,
@@ -419,7 +419,9 @@ class TeacherView:
     """A split as a teacher with its own tokenizer sees it, aligned to the split's student tokens.
 
     items[i]: `input_ids` (the teacher's tokens of row i), `align_lo` / `align_hi` (one per student token:
-    student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned). stats: over the split.
+    student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned; for KV), `logit_pair` (one
+    per student token: the teacher position whose next-token distribution predicts the same text,
+    `align.tokens.pair_positions`, -1 for none; for logits). stats: over the split.
     """
 
     items: object
@@ -457,11 +459,11 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     stats (python numbers): aligned_fraction, teacher_per_student (mean range width over aligned tokens),
     unaligned, causal_unaligned (student tokens some teacher token overlaps but every one ends after them),
     student_tokens, teacher_tokens, unanchored (rows whose content was not found in either text),
-    teacher_capped, same_text.
+    teacher_capped, same_text, paired_fraction (student tokens with a `logit_pair`).
     """
     if "text" not in split.dataset.column_names:
         raise KavaError("teachers of another tokenizer need the split's texts and offsets (tokenize with_text)")
-    items, n_tok, n_ok, width, n_t, unanchored, capped, same, causal = [], 0, 0, 0, 0, 0, 0, 0, 0
+    items, n_tok, n_ok, width, n_t, unanchored, capped, same, causal, n_pair = [], 0, 0, 0, 0, 0, 0, 0, 0, 0
     for i in range(len(split)):
         s_item = split.items[i]
         r = _teacher_rendering(split, i, s_item, tokenizer, prompt_format)
@@ -484,10 +486,15 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
         ok = hi > lo
         lo_o, hi_o = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1], causal=False)
         causal += int(((np.minimum(hi_o, n_keep) > np.minimum(lo_o, n_keep)) & ~ok).sum())
+        pair = pair_positions(s_canon, t_canon)  # for logits: the teacher position that predicts the same text
+        pair = np.where(pair < n_keep, pair, -1)
         n_tok, n_ok, width, n_t = n_tok + len(lo), n_ok + int(ok.sum()), width + int((hi - lo).sum()), n_t + n_keep
-        items.append({"input_ids": list(ids[:n_keep]), "align_lo": lo.tolist(), "align_hi": hi.tolist()})
+        n_pair += int((pair >= 0).sum())
+        items.append({"input_ids": list(ids[:n_keep]), "align_lo": lo.tolist(), "align_hi": hi.tolist(),
+                      "logit_pair": pair.tolist()})
     stats = {"aligned_fraction": n_ok / max(n_tok, 1), "teacher_per_student": width / max(n_ok, 1),
              "unaligned": n_tok - n_ok, "causal_unaligned": causal, "student_tokens": n_tok, "teacher_tokens": n_t,
-             "unanchored": unanchored, "teacher_capped": capped, "same_text": same}
+             "unanchored": unanchored, "teacher_capped": capped, "same_text": same,
+             "paired_fraction": n_pair / max(n_tok, 1)}
     return TeacherView(items, _pad_id(tokenizer), tokenizer_fingerprint(tokenizer), stats)
 
