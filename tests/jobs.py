@@ -65,15 +65,20 @@ def train_steps(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"}
 
 
-def train_steps_so_far(run_dir) -> dict[int, dict]:
-    """`train_steps` of a run still writing: only its complete lines (a poll may read a line half written);
-    {} before the file exists."""
+def train_records_so_far(run_dir) -> list[dict]:
+    """The train records of a run still writing its metrics.jsonl, in order: only complete lines (a poll may read a
+    line half written); [] before the file exists."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        return {}
+        return []
     text = path.read_text()
     lines = text.splitlines()[:text.count("\n")]  # a last line without its newline is still being written
-    return {r["step"]: r for r in map(json.loads, filter(str.strip, lines)) if r["kind"] == "train"}
+    return [r for r in map(json.loads, filter(str.strip, lines)) if r["kind"] == "train"]
+
+
+def train_steps_so_far(run_dir) -> dict[int, dict]:
+    """`train_steps` of a run still writing (`train_records_so_far`); {} before the file exists."""
+    return {r["step"]: r for r in train_records_so_far(run_dir)}
 
 
 def assert_same_curve(got: dict, want: dict, steps, keys=("loss", "ce", "kv_loss", "cos_sim"), tol=1e-5) -> None:

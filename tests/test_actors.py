@@ -305,12 +305,15 @@ def test_logits_refuse_a_teacher_with_another_vocabulary(tiny_job, monkeypatch):
     with pytest.raises(KavaError, match=f"teacher 'llama' has a vocabulary of {s_geom.vocab_size + 1} tokens") as info:
         check_vocab(cfg, bigger, s_geom)
     assert "\n" not in str(info.value)
-    # a teacher of another tokenizer gives KV only: its vocabulary is not checked, its logits are not used
+    # a teacher of another tokenizer: its vocabulary is not checked (it is mapped), its logits are used unless
+    # loss.logit_cross_vocab is off (then a job with only such teachers is refused)
     other = dict(bigger, llama=replace(bigger["llama"], tokenizer="elsewhere", tokenizer_fingerprint="x"))
     check_vocab(cfg, other, s_geom)
-    assert logit_teachers(other) == ["qwen"]
+    assert logit_teachers(cfg, other) == ["qwen", "llama"]
+    off = logit_job(tiny_job, 4, monkeypatch, ["loss.logit_cross_vocab=off"])
+    assert logit_teachers(off, other) == ["qwen"]
     with pytest.raises(KavaError, match="no teacher shares the student's tokenizer") as info:
-        check_vocab(cfg, {"llama": other["llama"]}, s_geom)
+        check_vocab(off, {"llama": other["llama"]}, s_geom)
     assert "\n" not in str(info.value)
 
 

@@ -75,3 +75,22 @@ def test_bench_vocab_reports_every_ordered_pair_on_both_corpora():
             assert 0.3 < p[c]["paired"] <= p[c]["kv"] <= 1.0 and p[c]["student_tokens"] > 100, (p, c)
     assert r["pairs"][0]["map"]["coverage"] == pytest.approx(r["pairs"][1]["map"]["student_coverage"])
     assert "qwen2 -> smollm2" in format_vocab_bench(r)
+
+
+def test_hybrid_through_the_real_identity_map_is_the_same_tokenizer_kd(smollm2_tokenizer):
+    """SmolLM2 teaching SmolLM2 through the map built from its real vocabulary: nothing is unmatched, GOLD's matched
+    weight is 1, and the hybrid loss is the top-k KD (`losses.topk_kl_loss`) to float rounding."""
+    import torch
+
+    from kava_ray.losses import hybrid_logit_loss, topk_kl_loss
+
+    m = build_vocab_map(smollm2_tokenizer, smollm2_tokenizer)
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(1, 4, len(m.t2s), generator=g)
+    logp_full = (torch.randn(1, 4, len(m.t2s), generator=g) * 3).log_softmax(-1)
+    logp, ids = logp_full.topk(32, dim=-1)
+    tail = logp_full.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    loss, parts = hybrid_logit_loss(student, ids, logp, torch.from_numpy(m.t2s), torch.from_numpy(m.student_unmatched()),
+                                    teacher_tail=tail, matched_weight=m.coverage)
+    assert m.coverage == 1.0 and float(parts["uld"]) == 0.0
+    assert float(loss) == pytest.approx(float(topk_kl_loss(student, ids, logp, teacher_tail=tail)), rel=1e-6)

@@ -99,6 +99,12 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
     on = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])  # default: hybrid
     assert teacher_logits_top_k(on, plans) == {"qwen": 4, "qtok": 4}
     check_vocab(on, {"qtok": plans["qtok"]}, kv_geometry(student))
+    from kava_ray.plans import cross_vocab_lines  # what `kava-ray train` prints once its teachers are up
+
+    assert cross_vocab_lines(cfg, plans) == []
+    (line,) = cross_vocab_lines(on, plans)
+    assert line.startswith("logits: teacher 'qtok' (another tokenizer) by hybrid at the positions where both have "
+                           "read the same text; ") and "of the teacher's 151,936 tokens" in line, line
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "uld"])
@@ -179,13 +185,14 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
     from kava_ray.job import precompute, setup_teachers
     from kava_ray.plans import teacher_logits_top_k, vocab_maps
 
-    cfg = load_config(xjob, LOGITS)
+    small = LOGITS + ["data.num_train=12", "data.num_val=4", "data.num_test=4"]  # every example: a 151k-id softmax
+    cfg = load_config(xjob, small)
     cache = tmp_path / "cache"
     precompute(cfg, cache, progress=False)
     meta = json.loads((cache / "manifest.json").read_text())["meta"]["teachers"]
     assert "tokenizer" not in meta["qwen"] and meta["qtok"]["tokenizer"] == "tokenizers/qtok"
     assert len(list((cache / "tokenizers" / "qtok").glob("vocab_map-*.npz"))) == 1
-    cached = load_config(xjob, LOGITS + ["data.kv_source=cache", f"data.kv_cache_dir={cache}"])
+    cached = load_config(xjob, small + ["data.kv_source=cache", f"data.kv_cache_dir={cache}"])
     _, plans, _ = setup_teachers(cached)
     assert plans["qtok"].tokenizer == str(cache / "tokenizers" / "qtok") and not plans["qwen"].aligned
     toks = teacher_tokenizers(plans)
