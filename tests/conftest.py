@@ -147,6 +147,17 @@ def qtok_teacher_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smol_teacher_dir(tmp_path_factory):
+    """`qtok_teacher_dir`'s model around the real SmolLM2 tokenizer (49k tokens): a teacher of another tokenizer
+    whose logits cost a third of Qwen2's 151k (the 2-worker end-to-end run takes them every step)."""
+    from kava_ray.testing.tiny import build_tiny_model
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    return build_tiny_model(tmp_path_factory.mktemp("smoltok"), family="llama", num_layers=3, hidden_size=48,
+                            num_heads=2, num_kv_heads=1, head_dim=24, tokenizer=real_tokenizer("smollm2"), seed=5)
+
+
+@pytest.fixture(scope="session")
 def tiny_pool(ray_session, tiny_job):
     """The tiny job's teachers (qwen fp32, llama NF4) running in namespace `kava-test` once per test process,
     as a `kava-ray teachers up` pool runs for a user: the runs of the Ray tests find them (identity-checked)

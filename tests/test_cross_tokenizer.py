@@ -1,5 +1,5 @@
 """Teachers of another tokenizer and geometry: the Distiller step, resume and the KV cache (the 2-worker Ray Train
-run with one: tests/test_train.py's end-to-end run).
+run with one, SmolLM2's: tests/test_train.py's end-to-end run).
 
 The student and teacher `qwen` share the tiny byte-level tokenizer; teacher `qtok` is a tiny random Llama
 (other layers, heads and head_dim) built around the real Qwen2 tokenizer (from the llama-cpp-python source
@@ -165,8 +165,8 @@ def xpool(tiny_pool, xjob):
 def test_resume_with_a_teacher_of_another_tokenizer_is_exact(xjob, tmp_path):
     """From a step-8 checkpoint, steps 9..12 repeat the uninterrupted run's numbers, aligned shares and both
     teachers' logit terms included.
-    In process (the recipe holds everything a resume must restore; test_train.py's worker-failure case checks
-    the same across Ray Train's process boundary and DDP)."""
+    In process (the recipe holds everything a resume must restore; test_multinode.py's node-loss run and
+    test_faults.py's SIGINT run check the same across Ray Train's process boundary)."""
     cfg = load_config(xjob, LOGITS)
     models, plans = in_process(cfg)
     full, _, _ = run_recipe(cfg, plans, InProcessSource(models), 12, tmp_path / "ck", save_at=8)

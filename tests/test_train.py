@@ -1,10 +1,6 @@
 """Student training: the Distiller step for every mode/fusion, and Ray Train runs end to end."""
 
 import math
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -184,13 +180,14 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
 
 
 @pytest.fixture(scope="module")
-def e2e_job(tmp_path_factory, job_path, tiny_qwen2_dir, tiny_llama_dir, small_student_dir, qtok_teacher_dir):
-    """The 2-worker job with a third teacher, `qtok`, of another tokenizer and geometry (tests/conftest.py): its
+def e2e_job(tmp_path_factory, job_path, tiny_qwen2_dir, tiny_llama_dir, small_student_dir, smol_teacher_dir):
+    """The 2-worker job with a third teacher, `smol`, of another tokenizer (SmolLM2's) and geometry
+    (tests/conftest.py): its
     KV reaches the student through the character alignment, in the run every end-to-end test below reads."""
     import yaml
 
     d = yaml.safe_load(job_path.read_text())
-    d["teachers"].append({"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"})
+    d["teachers"].append({"name": "smol", "model": str(smol_teacher_dir), "dtype": "float32"})
     path = tmp_path_factory.mktemp("e2ejob") / "job.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return path
@@ -198,11 +195,11 @@ def e2e_job(tmp_path_factory, job_path, tiny_qwen2_dir, tiny_llama_dir, small_st
 
 @pytest.fixture(scope="module")
 def e2e_run(tiny_pool, e2e_job):
-    """One run of `e2e_job` (2 DDP workers, live teacher actors: the session's pool plus `qtok`, started here)."""
+    """One run of `e2e_job` (2 DDP workers, live teacher actors: the session's pool plus `smol`, started here)."""
     from actors.pool import start_missing, stop_pool
     from kava_ray.train import run_training
 
-    # the run also checks the trackers, and takes every teacher's logits (qtok's by the hybrid loss: a mixed pool)
+    # the run also checks the trackers, and takes every teacher's logits (smol's by the hybrid loss: a mixed pool)
     cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]", "loss.logit_weight=0.3", "loss.logit_top_k=8"])
     handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     with pytest.MonkeyPatch.context() as mp:  # local stores: no tracking server or W&B settings from the shell
@@ -239,22 +236,22 @@ def test_end_to_end_two_workers_ddp(e2e_run, small_student_dir):
 
 def test_end_to_end_with_a_teacher_of_another_tokenizer(e2e_run):
     """The run's teacher of another tokenizer: centred cos rises for every teacher, and the share of student tokens
-    it covers is what the alignment gives (causal: a byte takes a Qwen2 token where that token ends, ~1/3); its
+    it covers is what the alignment gives (causal: a byte takes a SmolLM2 token where that token ends); its
     logits train the student beside the others' at the positions paired with them."""
     _, out = e2e_run
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    for n in ("qwen", "llama", "qtok"):
+    for n in ("qwen", "llama", "smol"):
         first = sum(r[f"cos/{n}"] for r in train[:3]) / 3
         last = sum(r[f"cos/{n}"] for r in train[-3:]) / 3
         assert last > first + 0.05, (n, first, last)
         assert evals[-1][f"eval/cos/{n}"] > evals[0][f"eval/cos/{n}"], n
-    assert all(0.25 < r["aligned/qtok"] < 0.6 for r in train)
+    assert all(0.25 < r["aligned/smol"] < 0.6 for r in train)
     assert "aligned/qwen" not in train[0]  # the teachers of the student's tokenizer keep one-to-one positions
-    # logits from all three: qtok's at the paired positions (hybrid: its matched ids by KL, the rest by ULD)
-    assert all(0.15 < r["logit_aligned/qtok"] < 0.6 for r in train) and "logit_aligned/qwen" not in train[0]
-    for key in ("logit_kl/qwen", "logit_kl/llama", "logit_kl/qtok", "logit_uld/qtok", "top1_agree/qtok"):
+    # logits from all three: smol's at the paired positions (hybrid: its matched ids by KL, the rest by ULD)
+    assert all(0.15 < r["logit_aligned/smol"] < 0.6 for r in train) and "logit_aligned/qwen" not in train[0]
+    for key in ("logit_kl/qwen", "logit_kl/llama", "logit_kl/smol", "logit_uld/smol", "top1_agree/smol"):
         assert all(math.isfinite(r[key]) for r in train) and f"eval/{key}" in evals[-1], key
 
 
@@ -296,45 +293,6 @@ def train_workers(state: str = "ALIVE", class_name: str = "RayTrainWorker") -> l
     filters = [("class_name", "=", class_name)] + ([("state", "=", state)] if state else [])
     return list_actors(address=ray.get_runtime_context().gcs_address, limit=1000, raise_on_missing_output=False,
                        filters=filters)
-
-
-def test_worker_failure_resumes_on_the_same_curve(e2e_run, ray_session):
-    """Kill a DDP worker mid-run: FailureConfig restarts from the last checkpoint and the curve is unchanged."""
-    from kava_ray.train import run_training
-
-    cfg, ref = e2e_run
-    run_dir = Path(ref["run_dir"]).parent / "failure"
-    dead_before = len(train_workers("DEAD"))
-    killed = {}
-
-    def killer():
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if metrics.exists():
-                steps = [r["step"] for r in read_jsonl(metrics) if r["kind"] == "train"]
-                workers = train_workers()
-                if steps and steps[-1] >= 7 and len(workers) == 2:
-                    victim = max(workers, key=lambda a: a.pid)  # either rank: the curve must not change
-                    killed["pid"], killed["step"] = victim.pid, steps[-1]
-                    os.kill(victim.pid, signal.SIGKILL)
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    out = run_training(cfg, name="failure", progress=False)
-    thread.join()
-    assert killed and killed["step"] < 20, killed
-    # the whole worker group was replaced: the killed worker and its peer died, two new ones ran the rest
-    assert len(train_workers("DEAD")) - dead_before >= 4
-    got = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"}
-    want = {r["step"]: r for r in read_jsonl(Path(ref["run_dir"]) / "metrics.jsonl") if r["kind"] == "train"}
-    assert sorted(got) == list(range(1, 21))
-    for step in range(1, 21):
-        for key in ("loss", "ce", "kv_loss", "cos_sim", "contrast_gap", "grad_norm"):
-            assert got[step][key] == pytest.approx(want[step][key], abs=1e-5), (step, key)
-    assert out["metrics"]["step"] == 20
 
 
 def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
