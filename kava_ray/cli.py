@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these arms (default: ce ce+logits ce+kv ce+kv+logits); the teacher row always")
     p.add_argument("--address", default=None)
     p.set_defaults(func=cmd_bench_recipes)
-    p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) at small defaults, ~10 min; "
+    p = bench_sub.add_parser("all", help="the performance benches (feed, step + memory) and vocab at small defaults, ~10 min; "
                                          "rewrites the Performance table of docs/results.md")
     p.add_argument("--results", default="docs/results.md", help="the file whose Performance block is rewritten")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/results.md alone")

@@ -305,3 +305,32 @@ def test_an_address_no_resolver_takes_is_unreachable_not_a_traceback():
 
     assert answers("'19.0..:6399", timeout_s=0.5) is False
     assert answers("127.0.0.1:notaport") is False
+
+
+@pytest.mark.parametrize("alive", [False, True], ids=["stale-address-file", "running-head"])
+def test_an_embedded_ray_is_its_own_beside_ray_s_address_file(tmp_path, monkeypatch, capsys, alive):
+    """Without --address, `connect` starts a Ray of its own (`ray.init(address="local")`, on 127.0.0.1) whatever Ray's
+    address file names: the stale file of a killed head silently, a running head with one note line (what
+    tests/test_service_ray.py's `kava-ray train` beside a live head shows end to end). ray.init is recorded, not
+    run: the decision is kava-ray's, the rest Ray's."""
+    import ray
+
+    import kava_ray.connect as connect
+
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(connect, "answers", lambda address, timeout_s=0: alive and address == "127.0.0.1:1")
+    monkeypatch.setattr(connect, "single_machine_mode", lambda: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    for var in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT"):
+        monkeypatch.setenv(var, "0")  # connect sets them; monkeypatch puts them back
+    assert connect.connect(None, "ns", num_cpus=2) == "embedded"
+    (kw,) = calls
+    assert kw["address"] == "local" and kw["_node_ip_address"] == "127.0.0.1" and kw["num_cpus"] == 2
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == ([] if not alive else ["note: a Ray cluster is running on this machine (127.0.0.1:1); kava-ray "
+                                           "uses its own embedded Ray unless you pass --address auto"])

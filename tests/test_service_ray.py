@@ -105,57 +105,12 @@ def test_teachers_up_on_the_head_outlives_the_command_and_status_lists_it(head, 
     assert all(row["running"] for row in rows)
 
 
-PROBE = textwrap.dedent("""
-    import json, os, sys
-    import psutil, ray
-    from kava_ray.config import load_config
-    from kava_ray.job import connect_job
-
-    connect_job(load_config(sys.argv[1]))  # what `kava-ray demo` / `train` do without --address
-    ray.get(ray.remote(lambda: 0).remote())  # a worker up, listening too
-    node = ray._private.worker._global_node
-    roots = [psutil.Process()] + [psutil.Process(i.process.pid) for infos in node.all_processes.values()
-                                  for i in infos]
-    procs = {p.pid: p for r in roots for p in [r] + r.children(recursive=True)}
-    rows = []
-    for p in procs.values():
-        try:
-            rows += [[c.laddr.ip, c.laddr.port, p.pid, p.name()] for c in p.net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    print(json.dumps({"node_ip": ray.util.get_node_ip_address(), "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
-                      "gcs": node.gcs_address, "processes": len(procs), "listening": rows}))
-    ray.shutdown()
-""")
-
-
-def test_embedded_ray_listens_on_loopback_only_beside_a_running_head(head, job, address_dir, own_train):
-    tmpdir = address_dir(head.gcs_address)  # Ray's address file names the live head
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", PROBE, str(job)], env=_env(tmpdir), capture_output=True, text=True,
-                         timeout=120)
-    print(f"embedded probe: {time.monotonic() - t0:.1f} s")
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    for ip, port, pid, name in sorted(got["listening"], key=lambda r: r[3]):
-        print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} pid={pid:<7} {name}")
-    assert got["node_ip"] == "127.0.0.1" and got["nodes"] == ["127.0.0.1"]
-    assert len(got["listening"]) >= 5  # gcs, raylet (2), dashboard, agents, the worker
-    assert not [r for r in got["listening"] if r[0] not in LOOPBACK], got["listening"]
-    # its own Ray: a session of its own under RAY_TMPDIR, not the head's GCS; one note line about the head
-    assert got["gcs"] != head.gcs_address and len(_sessions(tmpdir)) == 1
-    notes = [line for line in out.stderr.splitlines() if line.startswith("note:")]
-    assert notes == [f"note: a Ray cluster is running on this machine ({head.gcs_address}); kava-ray uses its own "
-                     f"embedded Ray unless you pass --address auto"], out.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def own_train(head, job, address_dir, tmp_path_factory):
-    """`kava-ray train` without --address, beside the head and with a stale Ray address file, started in the
-    background as soon as the head is up: it runs while the other tests of this module do (they mostly wait
-    on Ray's start-up, not on the 2 cores), and its test collects it."""
-    tmpdir = address_dir("127.0.0.1:1")  # the address file of a killed head: nothing answers there
+    """`kava-ray train` without --address, beside the head (Ray's address file names it: what `ray.init()` would
+    join), started in the background as soon as the head is up: it runs while the other tests of this module do
+    (they mostly wait on Ray's start-up, not on the 2 cores), and its test collects it."""
+    tmpdir = address_dir(head.gcs_address)
     cwd = tmp_path_factory.mktemp("own")
     cfg = yaml.safe_load(job.read_text())
     cfg["ray"]["storage_path"] = "runs"  # relative to its CWD
@@ -224,9 +179,10 @@ def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path
     assert not stray, stray
 
 
-def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_address_file(own_train):
-    """...on a quiet console: status lines, then the command's table; the chatter of Ray, its workers and the
-    libraries is in RUN_DIR/logs/ (kava_ray.console)."""
+def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_train, head):
+    """...saying so in one note line, with every server of the run (its embedded Ray's, the teachers', the Ray
+    Train worker's torch.distributed store) on loopback; on a quiet console: status lines, then the command's
+    table; the chatter of Ray, its workers and the libraries is in RUN_DIR/logs/ (kava_ray.console)."""
     from test_console import CHATTER
 
     proc, cwd, tmpdir, t0, sockets = own_train
@@ -238,14 +194,17 @@ def test_train_without_address_runs_its_own_ray_despite_a_head_and_a_stale_addre
     for (ip, port), title in sorted(sockets.items(), key=lambda kv: kv[1]):
         print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} {title}")
     assert any(title.startswith("ray::RayTrainWorker") for title in sockets.values()), sockets
+    assert any("gcs_server" in title for title in sockets.values()) and len(sockets) >= 5, sockets  # Ray's own too
     assert not {k: t for k, t in sockets.items() if k[0] not in LOOPBACK}, sockets
     assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
     run_dir = (cwd / "runs" / "own").resolve()
     assert (run_dir / "final" / "student" / "config.json").is_file()
 
-    # status lines, in order, and nothing else on stderr (no tty: no progress bar); no note about a cluster:
-    # the address file's cluster is dead
+    # the status lines, in order, with one note as it connects, and nothing else on stderr (no tty: no progress bar)
     err = stderr.splitlines()
+    assert err[1] == (f"note: a Ray cluster is running on this machine ({head.gcs_address}); kava-ray uses its own "
+                      f"embedded Ray unless you pass --address auto"), err
+    del err[1]
     assert [line.split(":")[0] for line in err] == ["data", "connecting", "teachers", "training", "test", "logs"], err
     assert err[0].startswith("data: ") and " training, " in err[0] and "(synthetic)" in err[0]
     assert "embedded Ray (" in err[1] and "127.0.0.1" in err[1]

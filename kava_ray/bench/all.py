@@ -1,7 +1,8 @@
 """`kava-ray bench all`: the performance benches at small defaults, and the "Performance" table of docs/results.md.
 
-Runs `bench feed` (regimes, replicas, teacher early stop, transport) and `bench step` (the student step of each
-recipe against plain fine-tuning, its breakdown, and peak memory per recipe beside `kava-ray plan`), then
+Runs `bench feed` (regimes, replicas, teacher early stop, transport), `bench step` (the student step of each
+recipe against plain fine-tuning, its breakdown, and peak memory per recipe beside `kava-ray plan`) and `bench vocab`
+(the vocabulary maps and paired shares of the real tokenizer pairs; no timing), then
 rewrites the docs/results.md block between PERF_BEGIN and PERF_END with one summary row per figure, each naming the
 command that regenerates it, followed by the tables the benches print. ~10 min on a 2-core CPU.
 """
@@ -27,10 +28,12 @@ def run_all(feed_kwargs: Optional[dict] = None, step_kwargs: Optional[dict] = No
     """Every bench once, in this order (each its own Ray or none); wall seconds of each."""
     from kava_ray.bench.feed import run_feed_bench
     from kava_ray.bench.step import run_step_bench
+    from kava_ray.bench.vocab import run_vocab_bench
 
     out, wall = {}, {}
     step_kwargs = {"memory": True} if step_kwargs is None else step_kwargs
-    for name, fn, kw in (("feed", run_feed_bench, feed_kwargs), ("step", run_step_bench, step_kwargs)):
+    for name, fn, kw in (("feed", run_feed_bench, feed_kwargs), ("step", run_step_bench, step_kwargs),
+                         ("vocab", run_vocab_bench, {})):
         t0 = time.perf_counter()
         out[name] = fn(**(kw or {}))
         wall[name] = time.perf_counter() - t0
@@ -127,6 +130,10 @@ def performance_block(r: dict, machine: str) -> str:
              *table, "", "```", format_feed_bench(r["feed"]), "```"]
     if r.get("step"):
         parts += ["", "```", format_step_bench(r["step"]), "```"]
+    if r.get("vocab"):  # not a timing: what teachers of another tokenizer can give the logits, real tokenizers
+        from kava_ray.bench.vocab import format_vocab_bench
+
+        parts += ["", "`kava-ray bench vocab`:", "", "```", format_vocab_bench(r["vocab"]), "```"]
     parts.append(PERF_END)
     return "\n".join(parts)
 
