@@ -194,7 +194,7 @@ def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_tr
     for (ip, port), title in sorted(sockets.items(), key=lambda kv: kv[1]):
         print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} {title}")
     assert any(title.startswith("ray::RayTrainWorker") for title in sockets.values()), sockets
-    assert any("gcs_server" in title for title in sockets.values()) and len(sockets) >= 5, sockets  # Ray's own too
+    assert any("/gcs/gcs_serv" in title for title in sockets.values()) and len(sockets) >= 5, sockets  # Ray's own too
     assert not {k: t for k, t in sockets.items() if k[0] not in LOOPBACK}, sockets
     assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
     run_dir = (cwd / "runs" / "own").resolve()
