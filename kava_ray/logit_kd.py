@@ -50,8 +50,8 @@ def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Ten
     positions: as sent for one tokenizer (pair None), else gathered at the paired teacher positions (`pair`
     [B, T_s], -1: none; those rows are position 0's, and masked out by the caller)."""
     if t.topk_ids is None or t.topk_logp is None:
-        raise KavaError(f"teacher '{name}' sent no top-k logits, but the job's logit KD needs them (set "
-                        f"loss.logit_weight=0 or have the teacher serve them)")
+        raise KavaError(f"teacher '{name}' sent no top-k logits, but the job's logit KD (loss.logit_weight > 0) needs "
+                        f"them (set loss.logit_weight=0 or have the teacher serve them)")
     ids, logp = t.topk_ids[..., :k].to(device), t.topk_logp[..., :k].to(device)
     tail = topk_tail(t.topk_logp, t.topk_tail, k).to(device)
     if pair is None:
