@@ -334,3 +334,22 @@ def test_an_embedded_ray_is_its_own_beside_ray_s_address_file(tmp_path, monkeypa
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert notes == ([] if not alive else ["note: a Ray cluster is running on this machine (127.0.0.1:1); kava-ray "
                                            "uses its own embedded Ray unless you pass --address auto"])
+
+
+def test_address_auto_reads_ray_s_address_file_and_says_so_when_there_is_none(tmp_path, monkeypatch):
+    """`--address auto`: $RAY_ADDRESS, else the last `ray start --head`'s GCS address from Ray's address file
+    (`<RAY_TMPDIR>/ray/ray_current_cluster`); no file is one line naming the fix."""
+    from kava_ray.connect import _resolve_auto
+    from kava_ray.errors import KavaError
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(KavaError, match=r"--address auto: no running Ray cluster on this machine \(start one with "
+                                        r"`ray start --head`") as info:
+        _resolve_auto()
+    assert "\n" not in str(info.value)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6380\n")
+    assert _resolve_auto() == "127.0.0.1:6380"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert _resolve_auto() == "10.0.0.5:6379"

@@ -1,5 +1,6 @@
-"""kava-ray's own Ray on one machine: loopback only, its own (never a `ray start --head`'s), a sweep joining a
-loopback head writes under the driver's relative storage path, and an address nothing answers at fails fast.
+"""kava-ray's own Ray on one machine: loopback only, its own (never a `ray start --head`'s); a teacher pool and a
+submitted job on a loopback head with token auth; an address nothing answers at fails fast (a sweep's relative
+storage path: tests/test_tune.py; `--address auto`'s reading of Ray's address file: tests/test_preflight.py).
 
 Every Ray here runs in a subprocess (the test session's own Ray is left alone) with RAY_TMPDIR pointing at
 a temp dir of the test: Ray reads `<RAY_TMPDIR>/ray/ray_current_cluster` (the last `ray start --head`'s GCS
@@ -87,8 +88,8 @@ def _kava(*args, env: dict, cwd=None, timeout=240) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def head_pool(head, job, address_dir):
-    """`kava-ray teachers up --address HEAD`: the job's teachers as detached actors on the head, which the sweep
-    and the submitted job below find by name (README: a pool that outlives the commands using it). The last
+    """`kava-ray teachers up --address HEAD`: the job's teachers as detached actors on the head, which the
+    submitted job below finds by name (README: a pool that outlives the commands using it). The last
     test of the module takes it down."""
     env = _env(address_dir("127.0.0.1:1"))
     up = _kava("teachers", "up", "--config", job, "--address", head.gcs_address, env=env)
@@ -149,34 +150,6 @@ def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
         time.sleep(0.1)
-
-
-def test_sweep_on_a_loopback_head_writes_under_the_drivers_relative_storage_path(head, job, tmp_path, address_dir,
-                                                                                  own_train, head_pool):
-    tmpdir = address_dir(head.gcs_address)  # `--address auto` finds the head through Ray's address file
-    cfg = yaml.safe_load(job.read_text())
-    cfg["ray"]["storage_path"] = "sweeps"  # relative: to the CWD of the `kava-ray tune` below
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump({
-        "metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "num_samples": 1,
-        "params": {"optim.lr_projector": {"grid": [1e-2]}}}))
-    t0 = time.monotonic()
-    out = subprocess.run([str(BIN / "kava-ray"), "tune", "--config", "job.yaml", "--space", "space.yaml",
-                          "--address", "auto", "--name", "usersweep"],
-                         cwd=tmp_path, env=_env(tmpdir), capture_output=True, text=True, timeout=240)
-    print(f"sweep: {time.monotonic() - t0:.1f} s")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert not _sessions(tmpdir)  # joined the head: no Ray of its own
-    sweep = tmp_path / "sweeps" / "usersweep"
-    trials = sorted(p for p in sweep.glob("trial_fn_*") if p.is_dir())
-    assert len(trials) == 1, sorted(p.name for p in sweep.iterdir())
-    for t in trials:
-        assert (t / "run" / "metrics.jsonl").is_file(), sorted(str(p) for p in t.rglob("*"))[:20]
-        assert (t / "run" / "final" / "student" / "config.json").is_file()
-    assert (sweep / "best.yaml").is_file()
-    # nothing landed in the head's working dirs (Ray's session dir, where a trial's CWD is)
-    stray = [p for p in Path(head.temp_dir).rglob("*") if p.name in ("metrics.jsonl", "best.yaml")]
-    assert not stray, stray
 
 
 def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_train, head):

@@ -18,10 +18,11 @@ from kava_ray.config import load_config
 
 @pytest.fixture(scope="module")
 def tune_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    """The job, with `ray.storage_path: runs` relative: to the CWD of the command (the tests chdir to `root`)."""
     root = tmp_path_factory.mktemp("tune")
     job = write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                     train={"steps": 8, "eval_steps": 2, "save_steps": 8, "batch_size": 4, "max_length": 160},
-                    data={"num_train": 48, "num_test": 8, "num_val": 8})
+                    data={"num_train": 48, "num_test": 8, "num_val": 8}, ray={"storage_path": "runs"})
     return root, job
 
 
@@ -41,11 +42,15 @@ def write_space(root: Path, name: str, space: dict) -> Path:
     return path
 
 
-def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(tiny_pool, tune_job, capsys):
+def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_trains(tiny_pool, tune_job, capsys,
+                                                                                        monkeypatch):
     """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep (a SIGINT to this
     process, inside Tune's fit): `kava-ray tune` says how to continue in one line, exit 130; `--resume` runs the
     other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed run's scheduler starts empty, so the
-    good trial before it fills the rung); best.yaml is a job that trains."""
+    good trial before it fills the rung); best.yaml is a job that trains. The job's relative `ray.storage_path` is
+    the command's CWD's: every trial writes there, nothing lands where Tune runs its trials (Ray's session dir)."""
+    import ray
+
     from kava_ray.cli import main
     from kava_ray.models import load_model
     from kava_ray.plans import in_process_plans
@@ -53,6 +58,7 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     from kava_ray.tune import run_tune
 
     root, job = tune_job
+    monkeypatch.chdir(root)  # `ray.storage_path: runs` -> root/runs
     space = write_space(root, "asha", {
         "metric": "eval/cos_sim", "mode": "max", "num_samples": 1,  # a grid runs each point num_samples times
         "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
@@ -96,6 +102,12 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     with open(exp / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == 3
     assert (exp / "trials.png").read_bytes()[:4] == b"\x89PNG"
+    for row in rows:  # every trial's run under the sweep; the finished ones' students too
+        assert (exp / row["trial"] / "run" / "metrics.jsonl").is_file(), row
+        assert row["stopped_early"] or (exp / row["trial"] / "run" / "final" / "student" / "config.json").is_file()
+    session = Path(ray._private.worker._global_node.get_session_dir_path())  # the trials' working dirs are in it
+    stray = [p for p in session.rglob("*") if p.name in ("metrics.jsonl", "best.yaml")]
+    assert not stray, stray
     # the resumed run's two trials shared the teachers' batches: each computed once (counted from the sweep's
     # start: the session's pool served other runs before)
     for name, st in out["teacher_stats"].items():
@@ -109,13 +121,14 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     assert sorted(curve) == [1, 2] and all(math.isfinite(v["loss"]) for v in curve.values())
 
 
-def test_bad_space_fails_before_any_trial(tune_job, capsys):
+def test_bad_space_fails_before_any_trial(tune_job, capsys, monkeypatch):
     """Each mistake: one `error:` line, exit 2, and neither Ray nor a trial started."""
     import ray
 
     from kava_ray.cli import main
 
     root, job = tune_job
+    monkeypatch.chdir(root)
     was_up = ray.is_initialized()
     for space, expect in (({"params": {"optim.lr_studnet": {"choice": [1e-4]}}}, "optim.lr_studnet"),
                           ({"params": {"loss.beta": {"normal": [0, 1]}}}, "unknown distribution 'normal'"),
