@@ -184,7 +184,7 @@ LOST_STEPS = 60
 @pytest.fixture(scope="module")
 def long_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
     """The placed job, 60 steps of batch 2 with a checkpoint every 5 and no evaluation on the way: room for nodes
-    to die; a teacher no node can hold stops the run after 5 s."""
+    to die; a teacher no node can hold stops the run after 2 s."""
     root = tmp_path_factory.mktemp("lost")
     return write_job(root, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32",
@@ -193,7 +193,7 @@ def long_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
                             "batch_size": 2},
                      data={"num_train": 64, "num_test": 4, "num_val": 4},
                      ray={"namespace": f"kava-mn-{uuid.uuid4().hex[:6]}", "worker_label_selector": STUDENT,
-                          "lost_teacher_wait_s": 5})
+                          "lost_teacher_wait_s": 2})
 
 
 @pytest.fixture(scope="module")
