@@ -146,7 +146,7 @@ def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
             if c.status == psutil.CONN_LISTEN and c.pid in pids:
                 try:
                     p = psutil.Process(c.pid)
-                    seen[(c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline())[:80] or p.name()
+                    seen[(c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline()) or p.name()
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
         time.sleep(0.1)
@@ -165,9 +165,9 @@ def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_tr
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     # every server of the run, the Ray Train worker's torch.distributed store included, listened on loopback only
     for (ip, port), title in sorted(sockets.items(), key=lambda kv: kv[1]):
-        print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} {title}")
+        print(f"{'ok ' if ip in LOOPBACK else 'BAD'} {ip:>18}:{port:<6} {title[:100]}")
     assert any(title.startswith("ray::RayTrainWorker") for title in sockets.values()), sockets
-    assert any("/gcs/gcs_serv" in title for title in sockets.values()) and len(sockets) >= 5, sockets  # Ray's own too
+    assert any("gcs_server" in title for title in sockets.values()) and len(sockets) >= 5, sockets  # Ray's own too
     assert not {k: t for k, t in sockets.items() if k[0] not in LOOPBACK}, sockets
     assert len(_sessions(tmpdir)) == 1  # an embedded Ray of its own started (the head's session is elsewhere)
     run_dir = (cwd / "runs" / "own").resolve()
