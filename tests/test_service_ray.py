@@ -146,7 +146,9 @@ def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
             if c.status == psutil.CONN_LISTEN and c.pid in pids:
                 try:
                     p = psutil.Process(c.pid)
-                    seen[(c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline()) or p.name()
+                    key, title = (c.laddr.ip, c.laddr.port), " ".join(p.cmdline())
+                    # an exiting process reads an empty command line: keep what it was (its 15-character name last)
+                    seen[key] = title or seen.get(key) or p.name()
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     pass
         time.sleep(0.1)
