@@ -75,6 +75,11 @@ def token_keys(tokenizer) -> dict[int, tuple]:
     return keys
 
 
+def map_file_name(teacher_fp: str, student_fp: str) -> str:
+    """The cache file of one (teacher, student) tokenizer pair's map."""
+    return f"vocab_map-{teacher_fp[:16]}-{student_fp[:16]}.npz"
+
+
 @dataclass
 class VocabMap:
     """t2s [teacher vocab] int64: the student id of each teacher id's string, UNMATCHED (-1) for none.
@@ -89,7 +94,7 @@ class VocabMap:
 
     @property
     def file_name(self) -> str:
-        return f"vocab_map-{self.teacher_fp[:16]}-{self.student_fp[:16]}.npz"
+        return map_file_name(self.teacher_fp, self.student_fp)
 
     @property
     def matched(self) -> int:
@@ -157,7 +162,7 @@ def cached_vocab_map(student_tok, teacher_tok, teacher_fp: str, student_fp: str,
                      student_vocab: Optional[int] = None) -> VocabMap:
     """The pair's map from the first of `also_in` + `save_to` that holds it, else built and saved in `save_to`
     (a read-only `save_to` only loses the cache)."""
-    name = VocabMap(np.zeros(0, np.int64), 0, teacher_fp, student_fp).file_name
+    name = map_file_name(teacher_fp, student_fp)
     for d in (*also_in, save_to):
         vmap = load_vocab_map(Path(d) / name, teacher_fp, student_fp)
         if vmap is not None and len(vmap.t2s) >= (teacher_vocab or 0):
