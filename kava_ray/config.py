@@ -8,12 +8,13 @@ key, e.g. ``config key 'optim.lr_student': must be > 0 (got -1.0)``.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -447,14 +448,42 @@ def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
 RENAMED = {"data.eval_split": "data.test_split", "data.num_eval": "data.num_test"}
 
 
+def _section_in(annotation: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model inside a field's annotation (`X`, `Optional[X]`, `list[X]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _section_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def did_you_mean(model: type[BaseModel], loc: tuple) -> str:
+    """` (did you mean 'ray.worker_label_selector'?)` for an unknown key close to one of its section's keys."""
+    section: Optional[type[BaseModel]] = model
+    for part in loc[:-1]:
+        if isinstance(part, int) or str(part).isdigit():  # a list item: its model is already the section
+            continue
+        field = section.model_fields.get(str(part))
+        section = _section_in(field.annotation) if field is not None else None
+        if section is None:
+            return ""
+    if str(loc[-1]) in section.model_fields:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1, cutoff=0.7)
+    return f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?)" if close else ""
+
+
 def format_validation_error(err: ValidationError, key: Optional[str] = "config key",
-                            fields: Iterable[str] = ()) -> str:
+                            fields: Iterable[str] = (), model: Optional[type[BaseModel]] = None) -> str:
     """The first problem pydantic found, as one line that names its key.
 
     key: the words before the quoted key, `config key 'optim.lr_student': Input should be greater than 0
         (got 0)`, then `[+N more]` when pydantic found several problems. None (search spaces): the key
         bare (`scheduler.kind: ...`), an unknown key as `unknown key 'x'` followed by the expected top-level
         `fields`, and the messages of our own validators, which name their key, as they are.
+    model: the validated model; an unknown key close to one of its keys gets `(did you mean '...'?)`.
     """
     problems = err.errors()
     e = problems[0]
@@ -464,7 +493,8 @@ def format_validation_error(err: ValidationError, key: Optional[str] = "config k
         if key is None:
             fields = ", ".join(fields)
             return f"unknown key {loc!r}" + (f" (expected {fields})" if fields and "." not in loc else "")
-        msg = "unknown key" + (f" (renamed to {RENAMED[loc]})" if loc in RENAMED else "")
+        msg = "unknown key" + (f" (renamed to {RENAMED[loc]})" if loc in RENAMED
+                               else did_you_mean(model, e["loc"]) if model is not None else "")
     elif kind == "missing":
         msg = "required key is missing"
     elif kind == "value_error":
@@ -484,7 +514,7 @@ def validate_config(data: dict) -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:
-        raise KavaError(format_validation_error(err)) from None
+        raise KavaError(format_validation_error(err, model=JobConfig)) from None
 
 
 def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional[list[str]] = None) -> JobConfig:

@@ -23,7 +23,14 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kava_ray.config import JobConfig, format_validation_error, read_yaml_mapping, set_dotted, validate_config
+from kava_ray.config import (
+    JobConfig,
+    did_you_mean,
+    format_validation_error,
+    read_yaml_mapping,
+    set_dotted,
+    validate_config,
+)
 from kava_ray.errors import KavaError
 
 SPACE_PACKAGE = "tune_spaces"
@@ -83,7 +90,7 @@ class SpaceSpec(_Strict):
         for key, dist in v.items():
             key = str(key)
             if not _is_leaf(key.split(".")):
-                raise ValueError(f"param {key!r}: not a JobConfig key")
+                raise ValueError(f"param {key!r}: not a JobConfig key{did_you_mean(JobConfig, tuple(key.split('.')))}")
             out[key] = _check_dist(key, dist)
         return out
 

@@ -129,3 +129,18 @@ def test_a_renamed_key_says_what_it_is_called_now(capsys):
     assert main(["config", "show", "--config", "demo_cpu", "data.num_eval=8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: config key 'data.num_eval': unknown key (renamed to data.num_test)"], err
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("ray.worker_label_selectr={kava-role: student}", " (did you mean 'ray.worker_label_selector'?)"),
+    ("teachers.0.label_selectr={kava-role: teacher}", " (did you mean 'teachers.0.label_selector'?)"),
+    ("trian.steps=3", " (did you mean 'train'?)"),
+    ("loss.zzz=1", ""),  # nothing close: the line says no more than "unknown key"
+])
+def test_a_misspelt_key_names_the_key_it_is_close_to(capsys, override, suggestion):
+    from kava_ray.cli import main
+
+    assert main(["config", "show", "--config", "demo_cpu", override]) == 2
+    key = override.split("=")[0].split(".")
+    loc = ".".join(key[:1] if key[0] == "trian" else key)
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: config key {loc!r}: unknown key{suggestion}"]

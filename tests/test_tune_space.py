@@ -142,7 +142,7 @@ def test_schedulers(base):
 
 BAD_PARAMS = [
     # (description, params, text the one line must contain)
-    ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}}, "'optim.lr_studnet': not a JobConfig key"),
+    ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}}, "'optim.lr_studnet': not a JobConfig key (did you mean 'optim.lr_student'?)"),
     ("a section, not a leaf", {"align.projector": {"choice": [{}]}}, "'align.projector': not a JobConfig key"),
     ("teacher index past the base", {"teachers.2.num_gpus": {"choice": [1]}}, "'teachers.2.num_gpus'"),
     ("unknown distribution", {"loss.beta": {"normal": [0, 1]}}, "'loss.beta': unknown distribution 'normal'"),
