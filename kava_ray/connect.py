@@ -185,7 +185,10 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # Ray merges these with a `ray job submit` job's runtime env and refuses a key both set, even to the same
         # value: a key already in this driver's environment (the submitted job's env_vars are) is left to it
         env = {k: v for k, v in TRAIN_ENV.items() if k not in os.environ}
-        ray.init(address=target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER,
+        # "auto" goes to Ray as "auto" (it finds the same address): Ray then sends the token of ~/.ray/auth_token
+        # to a cluster found that way even where RAY_AUTH_MODE is unset, as a bare `ray start --head` (which
+        # turns token auth on when that file exists) needs; an explicit address needs RAY_AUTH_MODE=token
+        ray.init(address="auto" if address == "auto" else target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER,
                  runtime_env={"env_vars": env} if env else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         # something answers but refuses us: most often a token cluster and a client that sends no token

@@ -97,8 +97,13 @@ def head_pool(head, job, address_dir):
     return env
 
 
-def test_teachers_up_on_the_head_outlives_the_command_and_status_lists_it(head, job, own_train, head_pool):
-    r = _kava("teachers", "status", "--config", job, "--address", head.gcs_address, "--json", env=head_pool)
+def test_teachers_up_on_the_head_outlives_the_command_and_status_lists_it(head, job, own_train, head_pool,
+                                                                        address_dir):
+    # `--address auto` from a shell that exported nothing: found through Ray's address file, the head's token
+    # sent from ~/.ray/auth_token, as `ray.init(address="auto")` does (the README's `ray start --head && kava-ray
+    # ... --address auto`); with an explicit address Ray sends it only under RAY_AUTH_MODE=token
+    bare = {k: v for k, v in _env(address_dir(head.gcs_address)).items() if k != "RAY_AUTH_MODE"}
+    r = _kava("teachers", "status", "--config", job, "--address", "auto", "--json", env=bare, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "4x2x16" in r.stdout and "3x2x32" in r.stdout  # the geometry columns of the table
     rows = json.loads(r.stdout.strip().splitlines()[-1])["teachers"]
