@@ -124,7 +124,8 @@ def cmd_teachers(args) -> int:
             stats = precompute(cfg, args.out, restart_teachers=args.restart_teachers, address=args.address)
         return _show(args, f"KV cache {args.out}: {stats['written']} example(s) written in {stats['forwards']} teacher "
                            f"batch(es), {stats['skipped']} already there, {stats['bytes'] / 2**20:.1f} MiB", stats)
-    out = teacher_pool(cfg, args.teachers_command, args.address)
+    with _quiet(args, f"teachers-{args.teachers_command}", cfg.ray.storage_path):
+        out = teacher_pool(cfg, args.teachers_command, args.address)
     if out["action"] == "up":
         text = f"started {len(out['teachers'])} teacher(s) in namespace '{out['namespace']}': {', '.join(out['teachers'])}"
     elif out["action"] == "down":
@@ -420,9 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_address(p, cluster_only=name != "precompute")
         p.add_argument("--teacher", action="append", default=[], help="only this teacher (repeatable)")
         _add_json(p)
+        _add_verbose(p)
         if name == "precompute":
             _add_restart_teachers(p)
-            _add_verbose(p)
             p.add_argument("--out", required=True, help="cache directory (manifest.json + one safetensors shard per "
                                                         "example: any batch size, data seed or epoch count reads it)")
         p.set_defaults(func=cmd_teachers)

@@ -94,6 +94,9 @@ def head_pool(head, job, address_dir):
     env = _env(address_dir("127.0.0.1:1"))
     up = _kava("teachers", "up", "--config", job, "--address", head.gcs_address, env=env)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+    # a quiet console: the one result line; the actors' and Ray's lines are in ray.storage_path's logs/
+    assert re.fullmatch(r"started 2 teacher\(s\) in namespace '[\w-]+': qwen, llama", up.stdout.strip()), up.stdout
+    assert up.stderr == "", up.stderr
     return env
 
 
