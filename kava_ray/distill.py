@@ -101,9 +101,12 @@ class Distiller(nn.Module):
         c = self.loss_cfg
         # the student's tokenizer: ids past its vocabulary? one host sync for all (a gather past the vocab would be a
         # device-side assert on CUDA); a teacher that sent no top-k is named by `logit_term`
-        same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None]
+        # (a teacher whose head is wider than the student's may: `logit_term` counts those ids as tail mass)
+        vocab = logits.shape[-1]
+        same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
+                and not (self.logit_specs[n].vocab_size or 0) > vocab]
         if same:
-            vocab, keep = logits.shape[-1], mask.to(logits.device)[..., None] != 0
+            keep = mask.to(logits.device)[..., None] != 0
             ids = [teacher_kv[n].topk_ids for n in same]
             top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(logits.device), 0).max() for i in ids])
             if int(top.max()) >= vocab:

@@ -121,7 +121,7 @@ def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
     geoms = teacher_geometries(handles)
     s_geom = student_geometry(cfg)
     plans = teacher_plans(cfg, geoms, s_geom, student_tokenizer(cfg)[1])
-    check_vocab(cfg, plans, s_geom)
+    check_vocab(cfg, plans)
     return plans
 
 
@@ -189,7 +189,7 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
         dirs = {n: str(cache.root / t["tokenizer"]) for n, t in meta.items() if t.get("tokenizer")}
         s_geom = student_geometry(cfg)
         plans = teacher_plans(cfg, geoms, s_geom, student_fp, dirs)
-        check_vocab(cfg, plans, s_geom)
+        check_vocab(cfg, plans)
         return None, plans, []
     try:
         handles, started = find_pool(cfg), []

@@ -18,20 +18,23 @@ import torch
 
 from kava_ray.errors import KavaError
 from kava_ray.kv import KVBatch
-from kava_ray.losses import hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
+from kava_ray.losses import OFF, hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
 
 
 @dataclass
 class LogitTeacher:
     """How one teacher's logits meet the student's: `cross` None (same tokenizer), "hybrid" or "uld"; for a
     teacher of another tokenizer its vocabulary map (`align.vocab.VocabMap`) as tensors: t2s [V_t] (student id
-    of each teacher id, -1 none), student_unmatched [U], and the matched part's weight (the map's coverage)."""
+    of each teacher id, -1 none), student_unmatched [U], and the matched part's weight (the map's coverage).
+    `vocab_size`: the rows of the teacher's LM head (same tokenizer: may exceed the student's, e.g. Qwen2.5 >= 7B's
+    152,064 against <= 3B's 151,936 -- padding rows past the tokenizer's 151,665 tokens)."""
 
     name: str
     cross: Optional[str] = None
     t2s: Optional[torch.Tensor] = None
     student_unmatched: Optional[torch.Tensor] = None
     matched_weight: Optional[float] = None
+    vocab_size: Optional[int] = None
 
     @classmethod
     def across(cls, name: str, mode: str, vmap, matched_weight: Optional[float] = None) -> "LogitTeacher":
@@ -78,10 +81,18 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: dict, 
     m = mask.to(logits.device) != 0
     metrics = {}
     if lt.cross is None:
+        valid = None
+        if lt.vocab_size is not None and lt.vocab_size > logits.shape[-1]:
+            # the teacher's head is wider (padding rows of one tokenizer): an id past the student's head is mass
+            # the student cannot place, so it joins the tail bucket (tail none: it leaves the renormalised k)
+            valid = ids < logits.shape[-1]
+            ids = torch.where(valid, ids, 0)
+            if c.logit_tail != "bucket":
+                logp, valid = torch.where(valid, logp, OFF), None
         loss = topk_kl_loss(logits, ids, logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
-                            teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse)
+                            teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse, valid=valid)
         metrics["kl"] = loss.detach()
-        top1 = ids[..., 0].long()
+        top1 = ids[..., 0].long() if valid is None else torch.where(valid[..., 0], ids[..., 0].long(), -1)
     else:
         paired = pair.to(logits.device) >= 0
         metrics["aligned"] = (m & paired).sum() / m.sum().clamp(min=1)

@@ -64,10 +64,11 @@ def logit_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]
     return [n for n, p in plans.items() if across or not p.aligned]
 
 
-def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"], s_geom: KVGeometry) -> None:
+def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
     """Teacher logits must be readable by the student: when the job asks for them at least one teacher must give
-    them, and a teacher sharing the student's tokenizer must have its vocabulary size (e.g. Qwen2.5 <=3B 151936
-    vs >=7B 152064 share a tokenizer but not the LM head's size); a teacher of another tokenizer is mapped."""
+    them. A teacher sharing the student's tokenizer gives them whatever its LM head's size (Qwen2.5 <= 3B 151,936
+    rows, >= 7B 152,064: padding past the tokenizer's 151,665 tokens, whose mass `logit_kd.logit_term` counts as
+    tail); a teacher of another tokenizer is mapped."""
     if not logits_top_k(cfg):
         return
     usable = logit_teachers(cfg, plans)
@@ -75,12 +76,6 @@ def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"], s_geom: KVGeome
         raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
                         f"student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
                         f"characters, KV only); set loss.logit_cross_vocab=hybrid (or uld), or loss.logit_weight=0")
-    for n in usable:
-        v = plans[n].geometry.vocab_size
-        if not plans[n].aligned and v is not None and int(v) != s_geom.vocab_size:
-            raise KavaError(f"teacher '{n}' has a vocabulary of {v} tokens, the student {s_geom.vocab_size}: "
-                            f"its logits cannot train the student; set loss.logit_weight=0 or use teachers with the "
-                            f"student's vocabulary")
 
 
 def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
@@ -128,7 +123,8 @@ def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[
     out = {}
     for n in logit_teachers(cfg, plans):
         if not plans[n].aligned:
-            out[n] = LogitTeacher(n)
+            v = plans[n].geometry.vocab_size
+            out[n] = LogitTeacher(n, vocab_size=None if v is None else int(v))
         elif (maps or {}).get(n) is not None:
             out[n] = LogitTeacher.across(n, cross_vocab(cfg), maps[n], cfg.loss.logit_hybrid_matched_weight)
         elif cross_vocab(cfg) == "uld":  # needs no map (top-1 agreement then counts no match)

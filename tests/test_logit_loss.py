@@ -327,7 +327,7 @@ def test_logit_weight_zero_is_exactly_as_before(setup):
 
 
 def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
-    distiller, _, batch, kv = make(setup, "loss.logit_weight=1.0")
+    distiller, cfg, batch, kv = make(setup, "loss.logit_weight=1.0")
     no_llama = {**kv, "llama": dataclasses.replace(kv["llama"], topk_ids=None, topk_logp=None, topk_tail=None)}
     with pytest.raises(KavaError) as info:
         distiller(batch, no_llama)
@@ -340,6 +340,57 @@ def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
         distiller(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
     msg = str(info.value)
     assert "\n" not in msg and "'qwen'" in msg and "10000" in msg and "vocab" in msg, msg
+    # a teacher whose plan says its head is wider (one tokenizer, padding rows): an id past the student's head is
+    # its tail mass, not an error
+    _, _, plans, _, s_geom = setup
+    V = s_geom.vocab_size
+    wide = {**plans, "qwen": dataclasses.replace(plans["qwen"], geometry=dataclasses.replace(
+        plans["qwen"].geometry, vocab_size=V + 64))}
+    big[b, t, 1] = V + 1
+    padded = Distiller(distiller.student, wide, s_geom, cfg)
+    loss, m = padded(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
+    assert torch.isfinite(loss) and torch.isfinite(m["logit_kl/qwen"])
+
+
+@pytest.mark.parametrize("tail", ["bucket", "none"])
+def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tail(tail):
+    """Same tokenizer, the teacher's LM head 2 rows wider (Qwen2.5-7B's 152,064 against 1.5B's 151,936): top-k ids
+    past the student's head are mass the student cannot place -- in the tail bucket (none: left out of the k),
+    checked against a hand computation over the teacher's full distribution; a padded top-1 never agrees."""
+    from types import SimpleNamespace
+
+    from kava_ray.config import LossConfig
+    from kava_ray.logit_kd import LogitTeacher, logit_term
+
+    V, k = 10, 4
+    g = torch.Generator().manual_seed(3)
+    student = torch.randn(1, 3, V, generator=g)
+    t_logits = torch.randn(1, 3, V + 2, generator=g)
+    t_logits[0, 1, V:] += 6.0  # position 1: both padding ids lead the teacher's top-k
+    t_logits[0, 2, V + 1] += 1.5  # position 2: one of them among the top-k
+    t_logits[0, 2, V] -= 10.0
+    t_logits[0, 0, V:] -= 10.0  # position 0: none
+    p_t = t_logits.softmax(-1)
+    logp, ids = p_t.log().topk(k, dim=-1)
+    served = SimpleNamespace(topk_ids=ids, topk_logp=logp, topk_tail=torch.log1p(-logp.exp().sum(-1)))
+    assert (ids[0, 1, :2] >= V).all() and (ids[0, 2] >= V).sum() == 1 and (ids[0, 0] < V).all()
+    cfg = LossConfig(logit_weight=1.0, logit_top_k=k, logit_tail=tail)
+    mask = torch.ones(1, 3)
+    loss, m = logit_term(LogitTeacher("t", vocab_size=V + 2), student, served, {}, mask, cfg)
+
+    p_s = student.softmax(-1)
+    want = []
+    for t in range(3):
+        keep = [int(i) for i in ids[0, t] if i < V]
+        q, s = p_t[0, t, keep], p_s[0, t, keep]
+        if tail == "bucket":
+            q, s = torch.cat([q, (1 - q.sum())[None]]), torch.cat([s, (1 - s.sum())[None]])
+        else:
+            q = q / q.sum()
+        want.append(float((q * (q.log() - s.log())).sum()))
+    assert float(loss) == pytest.approx(sum(want) / 3, rel=1e-5), (float(loss), want)
+    agree = [int(student[0, t].argmax()) == int(ids[0, t, 0]) for t in range(3)]
+    assert float(m["top1_agree"]) == pytest.approx(sum(agree) / 3) and not agree[1]
 
 
 def test_heldout_eval_aggregates_the_logit_metrics(job_path):

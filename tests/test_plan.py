@@ -356,3 +356,11 @@ def test_a_teacher_of_another_vocabulary_counts_its_map_and_its_logits_only_when
     assert not any(k.startswith("cross-vocab logits qwen") for k in items_on)
     assert items_on["teacher:qtok forward"] > items_off["teacher:qtok forward"]  # its LM head's log-softmax
     assert "kv wire qtok" in format_plan(on) and "top-16 logits" in format_plan(on).split("kv wire qtok")[1]
+    # LM heads padded differently for one tokenizer (Qwen2.5-7B against Qwen2.5-1.5B) are one tokenizer here too
+    from dataclasses import replace
+
+    from kava_ray.known_models import model_geometry
+    from kava_ray.plan import _other_vocab
+    g7, g15 = (model_geometry(n) for n in ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"))
+    assert (g7.vocab_size, g15.vocab_size) == (152_064, 151_936) and not _other_vocab(g7, g15)
+    assert _other_vocab(replace(g15, vocab_size=260), g15)
