@@ -104,7 +104,7 @@ class Distiller(nn.Module):
         # (a teacher whose head is wider than the student's may: `logit_term` counts those ids as tail mass)
         vocab = logits.shape[-1]
         same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
-                and not (self.logit_specs[n].vocab_size or 0) > vocab]
+                and not self.logit_specs[n].wider_than(vocab)]
         if same:
             keep = mask.to(logits.device)[..., None] != 0
             ids = [teacher_kv[n].topk_ids for n in same]

@@ -18,7 +18,7 @@ import torch
 
 from kava_ray.errors import KavaError
 from kava_ray.kv import KVBatch
-from kava_ray.losses import OFF, hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
+from kava_ray.losses import hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
 
 
 @dataclass
@@ -41,6 +41,10 @@ class LogitTeacher:
         """A teacher of another tokenizer with its map; the matched part's weight defaults to the map's coverage."""
         return cls(name, mode, torch.from_numpy(vmap.t2s), torch.from_numpy(vmap.student_unmatched()),
                    vmap.coverage if matched_weight is None else float(matched_weight))
+
+    def wider_than(self, vocab: int) -> bool:
+        """Whether the teacher's LM head has rows past a student head of `vocab` rows (same tokenizer, padding)."""
+        return self.cross is None and self.vocab_size is not None and self.vocab_size > vocab
 
     def to(self, device) -> "LogitTeacher":
         if self.t2s is not None:
@@ -82,17 +86,15 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: dict, 
     metrics = {}
     if lt.cross is None:
         valid = None
-        if lt.vocab_size is not None and lt.vocab_size > logits.shape[-1]:
-            # the teacher's head is wider (padding rows of one tokenizer): an id past the student's head is mass
-            # the student cannot place, so it joins the tail bucket (tail none: it leaves the renormalised k)
+        if lt.wider_than(logits.shape[-1]):
+            # padding rows of one tokenizer: an id past the student's head is mass the student cannot place (the
+            # tail bucket's; tail none: it leaves the renormalised k), and a top-1 there never agrees
             valid = ids < logits.shape[-1]
-            ids = torch.where(valid, ids, 0)
-            if c.logit_tail != "bucket":
-                logp, valid = torch.where(valid, logp, OFF), None
-        loss = topk_kl_loss(logits, ids, logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
+            ids = torch.where(valid, ids, -1)
+        loss = topk_kl_loss(logits, ids.clamp(min=0), logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
                             teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse, valid=valid)
         metrics["kl"] = loss.detach()
-        top1 = ids[..., 0].long() if valid is None else torch.where(valid[..., 0], ids[..., 0].long(), -1)
+        top1 = ids[..., 0].long()
     else:
         paired = pair.to(logits.device) >= 0
         metrics["aligned"] = (m & paired).sum() / m.sum().clamp(min=1)

@@ -398,29 +398,33 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
     gathered logits and the [B, T] normaliser are cast); masked positions (their logits, ids and log-probs
     may be anything, inf or NaN) change neither the loss nor its gradient. Returns 0 (with grad) if no
     position counts.
-    valid [B, T, k] bool (tail "bucket" only): the entries that count as ids; the others' mass joins the tail
-    bucket on both sides (the hybrid cross-vocabulary loss: teacher ids without a student token of their string).
+    valid [B, T, k] bool: the entries that count as ids (the hybrid cross-vocabulary loss: teacher ids without a
+    student token of their string; `logit_kd`: ids past the student's LM head). With tail "bucket" the others'
+    mass joins the tail bucket on both sides; with "none" they leave the k the teacher is renormalised over, and
+    a position with none left does not count.
     """
     if not temperature > 0:
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
     if tail not in LOGIT_TAILS:
         raise KavaError(f"top-k KL tail must be one of {', '.join(LOGIT_TAILS)}, not {tail!r}")
-    if valid is not None and tail != "bucket":
-        raise KavaError("top-k KL: entries left out (valid) need the tail bucket to hold their mass")
     ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
+    if valid is not None and tail == "none":
+        m = m & valid.to(m.device).any(-1)
+        ids = torch.where(m[..., None], ids, 0)
     keep = m[..., None]
     if lse is None:
         lse = log_normalizer(student_logits, temperature)
     z = student_logits.gather(-1, ids)  # [B, T, k], before the cast: V-sized tensors stay in their dtype
     log_s = torch.where(keep, _at_least_f32(z) / temperature - lse[..., None], -1.0)  # student, full vocabulary
     t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)  # teacher, T = 1
+    if valid is not None:  # entries left out: no mass of their own (bucket: the teacher's served tail gains it)
+        out = keep & ~valid.to(t.device)
+        if tail == "bucket" and teacher_tail is not None:
+            teacher_tail = torch.logaddexp(teacher_tail.to(t.device, t.dtype),
+                                           torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
+        t, log_s = torch.where(out, OFF, t), torch.where(out, OFF, log_s)
     if tail == "bucket":
         t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
-        if valid is not None:  # entries left out: no mass of their own; the teacher's joins its tail
-            out = keep & ~valid.to(t.device)
-            t_tail = torch.logaddexp(t_tail, torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
-            t = torch.where(out, OFF, t)
-            log_s = torch.where(out, OFF, log_s)
         t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
         t = torch.cat([t, t_tail[..., None]], dim=-1)  # [B, T, k + 1]
         log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)

@@ -365,6 +365,7 @@ def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tai
     V, k = 10, 4
     g = torch.Generator().manual_seed(3)
     student = torch.randn(1, 3, V, generator=g)
+    student[0, 1, 0] += 10.0  # the student's argmax at position 1 is id 0: a padded top-1 must not pass for it
     t_logits = torch.randn(1, 3, V + 2, generator=g)
     t_logits[0, 1, V:] += 6.0  # position 1: both padding ids lead the teacher's top-k
     t_logits[0, 2, V + 1] += 1.5  # position 2: one of them among the top-k
@@ -391,6 +392,11 @@ def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tai
     assert float(loss) == pytest.approx(sum(want) / 3, rel=1e-5), (float(loss), want)
     agree = [int(student[0, t].argmax()) == int(ids[0, t, 0]) for t in range(3)]
     assert float(m["top1_agree"]) == pytest.approx(sum(agree) / 3) and not agree[1]
+    if tail == "none":  # a position with no entry left has nothing to compare: it does not count
+        only0 = torch.zeros(1, 3, k, dtype=torch.bool)
+        only0[0, 0] = True
+        got = topk_kl_loss(student, ids.clamp(max=V - 1), logp, mask, tail="none", valid=only0)
+        assert float(got) == pytest.approx(want[0], rel=1e-5)
 
 
 def test_heldout_eval_aggregates_the_logit_metrics(job_path):
