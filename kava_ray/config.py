@@ -448,12 +448,12 @@ def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
 RENAMED = {"data.eval_split": "data.test_split", "data.num_eval": "data.num_test"}
 
 
-def _section_in(annotation: Any) -> Optional[type[BaseModel]]:
-    """The pydantic model inside a field's annotation (`X`, `Optional[X]`, `list[X]`), if any."""
+def section_of(annotation: Any) -> Optional[type[BaseModel]]:
+    """The config section (pydantic model) inside a field's annotation (`X`, `Optional[X]`, `list[X]`), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in get_args(annotation):
-        found = _section_in(arg)
+        found = section_of(arg)
         if found is not None:
             return found
     return None
@@ -466,7 +466,7 @@ def did_you_mean(model: type[BaseModel], loc: tuple) -> str:
         if isinstance(part, int) or str(part).isdigit():  # a list item: its model is already the section
             continue
         field = section.model_fields.get(str(part))
-        section = _section_in(field.annotation) if field is not None else None
+        section = section_of(field.annotation) if field is not None else None
         if section is None:
             return ""
     if str(loc[-1]) in section.model_fields:

@@ -188,8 +188,8 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # "auto" goes to Ray as "auto" (it finds the same address): Ray then sends the token of ~/.ray/auth_token
         # to a cluster found that way even where RAY_AUTH_MODE is unset, as a bare `ray start --head` (which
         # turns token auth on when that file exists) needs; an explicit address needs RAY_AUTH_MODE=token
-        ray.init(address="auto" if address == "auto" else target, namespace=namespace, logging_level="WARNING", log_to_driver=LOG_TO_DRIVER,
-                 runtime_env={"env_vars": env} if env else None)
+        ray.init(address="auto" if address == "auto" else target, namespace=namespace, logging_level="WARNING",
+                 log_to_driver=LOG_TO_DRIVER, runtime_env={"env_vars": env} if env else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         # something answers but refuses us: most often a token cluster and a client that sends no token
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else

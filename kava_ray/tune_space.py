@@ -28,6 +28,7 @@ from kava_ray.config import (
     did_you_mean,
     format_validation_error,
     read_yaml_mapping,
+    section_of,
     set_dotted,
     validate_config,
 )
@@ -155,10 +156,6 @@ def _unwrap(ann: Any) -> Any:
     return ann
 
 
-def _is_model(ann: Any) -> bool:
-    return isinstance(ann, type) and issubclass(ann, BaseModel)
-
-
 def _is_leaf(parts: list[str], base: Optional[dict] = None) -> bool:
     """Whether parts name a leaf field of JobConfig; with a base dict, list indices must exist in it."""
     model, node, i = JobConfig, base, 0
@@ -166,20 +163,20 @@ def _is_leaf(parts: list[str], base: Optional[dict] = None) -> bool:
         field = model.model_fields.get(parts[i])
         if field is None:
             return False
-        ann = _unwrap(field.annotation)
+        section = section_of(field.annotation)
         node = node.get(parts[i]) if isinstance(node, dict) else None
         i += 1
-        if typing.get_origin(ann) is list and _is_model(typing.get_args(ann)[0]):  # teachers.N.field
+        if section is not None and typing.get_origin(_unwrap(field.annotation)) is list:  # teachers.N.field
             if i == len(parts) or not parts[i].isdigit():
                 return False
             if base is not None:
                 if int(parts[i]) >= len(node or []):
                     return False
                 node = node[int(parts[i])]
-            ann, i = typing.get_args(ann)[0], i + 1
-        if not _is_model(ann):
+            i += 1
+        if section is None:
             return i == len(parts)
-        model = ann
+        model = section
     return False  # a section, not a leaf
 
 
