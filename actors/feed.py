@@ -24,9 +24,9 @@ import numpy as np
 import ray
 import torch
 
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv import KVBatch
 from kava_ray.data import BatchStream
-from kava_ray.errors import KavaError
-from kava_ray.kv import KVBatch
 
 log = logging.getLogger(__name__)
 

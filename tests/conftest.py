@@ -108,20 +108,20 @@ def llama3_tokenizer():
 @pytest.fixture(scope="session")
 def ray_session():
     """One embedded Ray for the whole test session (each ray.init costs ~6 s here), started the way
-    the product starts it (`kava_ray.connect.connect`, address None).
+    the product starts it (`kava_ray.runtime.connect.connect`, address None).
 
     8 logical CPUs on a 2-core box: Ray only counts them, and a train run needs a controller, its
     workers and the teacher actors at once. Token authentication stays on (Ray's default).
     """
     import ray
 
-    import kava_ray.connect
-    from kava_ray.connect import connect
+    import kava_ray.runtime.connect
+    from kava_ray.runtime.connect import connect
 
     # workers' and Ray Train's actor logs stay in Ray's files, as in a quiet `kava-ray train`: forwarded to
     # this process, a late line of one test's run (Ray Train's PlacementGroupCleaner) lands in another test's
     # captured stderr
-    kava_ray.connect.LOG_TO_DRIVER = False
+    kava_ray.runtime.connect.LOG_TO_DRIVER = False
     connect(None, "kava-test", num_cpus=8, worker_env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     yield ray
     ray.shutdown()
@@ -164,7 +164,7 @@ def tiny_pool(ray_session, tiny_job):
     instead of each starting and stopping its own (~8 CPU-seconds a teacher here). A run stops only what it
     started (tests/test_actors.py), so the pool outlives them; `ray_session` takes it down at the end."""
     from actors.pool import start_pool
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
 
     return start_pool(load_config(tiny_job))
 

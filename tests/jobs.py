@@ -42,7 +42,7 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
     """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its KVFeed,
     from the checkpoint `resume` (or step 0) to `steps`; after step `save_at`, a checkpoint into `ckpt_dir`.
     Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, feed)."""
-    from kava_ray.worker import DistillRecipe, micro_batches, stream_state_after
+    from kava_ray.recipes.distill import DistillRecipe, micro_batches, stream_state_after
 
     recipe = DistillRecipe(cfg, plans)
     recipe.setup(resume)

@@ -11,13 +11,13 @@ import torch
 from actors.feed import ActorSource, KVFeed, feed_items, get_kv
 from actors.kv_cache import CacheSource, KVCache
 from actors.pool import find_pool, missing_replicas, start_missing, start_pool, stop_pool
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv import KVBatch, teacher_forward_kv
+from kava_ray.core.models import load_model
+from kava_ray.core.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
 from kava_ray.data import BatchStream
-from kava_ray.errors import KavaError
-from kava_ray.job import teacher_geometries
-from kava_ray.kv import KVBatch, teacher_forward_kv
-from kava_ray.models import load_model
-from kava_ray.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.runtime.job import teacher_geometries
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path
     """Every example once, read back in any batch composition: bit-equal to the live teachers on the batches
     it was computed in, equal to the bf16 rounding on a reshuffled stream of another seed and batch size."""
     from actors.kv_cache import example_key
-    from kava_ray.job import precompute
+    from kava_ray.runtime.job import precompute
 
     cfg, handles = pool
     out = tmp_path / "kvcache"
@@ -213,7 +213,7 @@ def logit_job(base, k, monkeypatch, extra=()):
     try:
         return load_config(base, ["loss.logit_weight=1", f"loss.logit_top_k={k}", *extra])
     except KavaError:
-        monkeypatch.setattr("kava_ray.plans.logits_top_k", lambda cfg: k)
+        monkeypatch.setattr("kava_ray.core.plans.logits_top_k", lambda cfg: k)
         return load_config(base, list(extra))
 
 
@@ -247,7 +247,7 @@ def test_served_logits_equal_in_process_and_one_forward_serves_two_consumers(poo
 
 
 def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(pool, tmp_path, monkeypatch):
-    from kava_ray.job import kv_source, precompute, setup_teachers
+    from kava_ray.runtime.job import kv_source, precompute, setup_teachers
 
     _, handles = pool
     cfg = logit_job(pool[0], 4, monkeypatch)
@@ -294,7 +294,7 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
 def test_logits_take_a_padded_head_and_need_a_teacher_that_gives_them(tiny_job, monkeypatch):
     from dataclasses import replace
 
-    from kava_ray.plans import TeacherPlan, check_vocab, logit_specs, logit_teachers
+    from kava_ray.core.plans import TeacherPlan, check_vocab, logit_specs, logit_teachers
 
     s_geom = student_geometry(load_config(tiny_job))
     plans = {n: TeacherPlan(n, s_geom, [], []) for n in ("qwen", "llama")}
@@ -403,7 +403,7 @@ def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_studen
 def test_a_command_stops_only_the_teachers_it_started(pool, tiny_job):
     """A job whose pool is partly running (a second qwen replica is not): `job_teachers` starts only that
     replica and, on exit, stops only it; what was running before stays up."""
-    from kava_ray.job import job_teachers
+    from kava_ray.runtime.job import job_teachers
 
     def running_ids():  # the actor ids of the pool this module runs
         return {n: [h._actor_id for h in hs.handles] for n, hs in find_pool(load_config(tiny_job)).items()}
@@ -420,7 +420,7 @@ def test_restart_teachers_replaces_a_mismatched_pool(ray_session, tiny_job):
     """--restart-teachers: a running teacher started for another config (here: post-RoPE keys) is replaced by
     one started for this config, which the command then owns (in a namespace of its own: the session's pool
     stays as it is)."""
-    from kava_ray.job import setup_teachers, teacher_geometries
+    from kava_ray.runtime.job import setup_teachers, teacher_geometries
 
     cfg = load_config(tiny_job, ["ray.namespace=kava-restart"])
     cfg = cfg.model_copy(update={"teachers": cfg.teachers[:1]})  # qwen alone
@@ -441,7 +441,7 @@ def test_a_running_teacher_is_checked_against_its_weights_by_content_on_its_node
     the path are one line naming the node."""
     import shutil
 
-    from kava_ray.job import identity_mismatch, teacher_weights
+    from kava_ray.runtime.job import identity_mismatch, teacher_weights
     from kava_ray.testing.tiny import build_tiny_model
 
     model = tmp_path / "qwen"
@@ -470,7 +470,7 @@ def test_a_running_teacher_is_checked_against_its_weights_by_content_on_its_node
 
 def test_replicas_that_loaded_different_copies_are_refused(tiny_job):
     """Replicas on nodes whose copies of the model differ: one line naming the replicas' nodes."""
-    from kava_ray.job import identity_mismatch
+    from kava_ray.runtime.job import identity_mismatch
 
     cfg = load_config(tiny_job)
     t = cfg.teachers[0]

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kava_ray.align.layers import (
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import (
     CKAStats,
     build_layer_map,
     cka_matrix,
@@ -17,7 +18,6 @@ from kava_ray.align.layers import (
     save_layer_map,
     top_k_map,
 )
-from kava_ray.errors import KavaError
 
 
 def _planted(n=2048, d_s=16, d_t=24, L_s=5, L_t=9, seed=0):
@@ -115,8 +115,8 @@ def test_single_map_format_still_loads_for_any_teacher(tmp_path):
 
 
 def test_teacher_features_use_real_tokens_and_the_alignment_when_present():
-    from kava_ray.calibrate import _layer_features, _teacher_features
-    from kava_ray.kv import KVBatch
+    from kava_ray.core.kv import KVBatch
+    from kava_ray.recipes.cka import _layer_features, _teacher_features
 
     L, B, H, T, D = 2, 2, 3, 5, 4
     keys, values = torch.randn(L, B, H, T, D), torch.randn(L, B, H, T, D)
@@ -152,15 +152,15 @@ def test_cli_typo_in_a_config_key_exits_2_with_one_line(tiny_job, capsys):
 
 
 def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny_job, tmp_path):
-    from kava_ray.calibrate import calibration_config, default_out
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
+    from kava_ray.recipes.cka import calibration_config, default_out
 
     cfg = load_config(tiny_job, ["align.layer_map=cka", f"align.cka_path={tmp_path / 'missing.json'}",
                                  "data.kv_source=cache", f"data.kv_cache_dir={tmp_path}"])
     cal = calibration_config(cfg, 8)
     assert cal.align.layer_map == "ratio" and cal.data.kv_source == "live" and cal.data.num_train == 8
     assert cal.data.num_val == cfg.data.num_val and cfg.align.layer_map == "cka"  # the job's config untouched
-    from kava_ray.plans import load_splits, student_tokenizer
+    from kava_ray.core.plans import load_splits, student_tokenizer
 
     tok = student_tokenizer(cfg)[0]
     train, val = load_splits(cfg, tok)
@@ -178,8 +178,8 @@ def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny
 
 @pytest.fixture(scope="module")
 def measured(tiny_pool, tiny_job, tmp_path_factory):
-    from kava_ray.calibrate import measure_cka
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
+    from kava_ray.recipes.cka import measure_cka
 
     out = tmp_path_factory.mktemp("cka") / "maps.json"
     # the config already names the map this measures (not there yet): the calibration plans with ratio
@@ -188,7 +188,7 @@ def measured(tiny_pool, tiny_job, tmp_path_factory):
 
 
 def test_align_cka_writes_one_json_of_every_teacher_and_a_heat_map_each(measured):
-    from kava_ray.calibrate import format_cka
+    from kava_ray.recipes.cka import format_cka
 
     cfg, res = measured
     path = Path(res["path"])
@@ -214,9 +214,9 @@ def test_training_runs_on_the_measured_map(measured, tiny_job):
     """A 2-step training with align.layer_map=cka align.cka_path=<the JSON>: each teacher plans its own map
     (the worker's recipe in process: the plans are what is tested, not Ray Train, which test_train covers)."""
     from jobs import run_recipe
-    from kava_ray.config import load_config
-    from kava_ray.models import load_model
-    from kava_ray.plans import in_process_plans
+    from kava_ray.common.config import load_config
+    from kava_ray.core.models import load_model
+    from kava_ray.core.plans import in_process_plans
     from kava_ray.testing.sources import InProcessSource
 
     _, res = measured
@@ -239,8 +239,8 @@ def test_align_cka_with_a_teacher_of_another_tokenizer(tiny_pool, tmp_path, tiny
     """The teacher of another tokenizer gets its own ids; its KV is compared in student time, at the real
     student positions that have a teacher token (fewer than the same-tokenizer teacher's)."""
     from jobs import write_job
-    from kava_ray.calibrate import measure_cka
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
+    from kava_ray.recipes.cka import measure_cka
 
     job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},

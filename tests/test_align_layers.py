@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from kava_ray.align.layers import (
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import (
     build_layer_map,
     cka_map,
     explicit_map,
@@ -14,7 +15,6 @@ from kava_ray.align.layers import (
     teacher_layers_used,
     uniform_map,
 )
-from kava_ray.errors import KavaError
 
 
 def _check_well_formed(layer_map, n_teacher, n_student):
@@ -149,7 +149,7 @@ def test_teacher_layers_used():
 
 
 def test_plan_teacher_layers_respects_selection_and_mode():
-    from kava_ray.align.layers import plan_teacher_layers
+    from kava_ray.core.align.layers import plan_teacher_layers
 
     lm, shipped = plan_teacher_layers("ratio", 28, 4, mode="structured", selected=[3, 9, 15, 21, 27])
     assert shipped == sorted({t for _, pairs in lm for t, _ in pairs}) and set(shipped) <= {3, 9, 15, 21, 27}
@@ -165,9 +165,9 @@ def test_plan_teacher_layers_respects_selection_and_mode():
 def test_identity_map_of_a_layer_dropped_student(tmp_path):
     """student.keep_layers from the teacher's own model: `auto` maps student layer i to the teacher layer it was
     copied from (identity); `ratio` stays available; another teacher model gets ratio."""
-    from kava_ray.align.layers import identity_map
-    from kava_ray.config import validate_config
-    from kava_ray.plans import copied_layers, layer_plan
+    from kava_ray.common.config import validate_config
+    from kava_ray.core.align.layers import identity_map
+    from kava_ray.core.plans import copied_layers, layer_plan
 
     assert identity_map(30, 6, [0, 5, 10, 15, 20, 25]) == [(i, [(5 * i, 1.0)]) for i in range(6)]
     assert identity_map(4, 3) == [(0, [(0, 1.0)]), (1, [(1, 1.0)]), (2, [(2, 1.0)])]

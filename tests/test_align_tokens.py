@@ -1,4 +1,4 @@
-"""Cross-tokenizer token alignment (kava_ray.align.tokens) on real tokenizers, and its data plumbing.
+"""Cross-tokenizer token alignment (kava_ray.core.align.tokens) on real tokenizers, and its data plumbing.
 
 Correctness is checked against a brute-force reference written here from the rule alone (per-character
 segment labels, O(T_s * T_t) overlap), independent of the module's searchsorted code.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kava_ray.align.tokens import (
+from kava_ray.core.align.tokens import (
     MODES,
     align_positions,
     align_texts,

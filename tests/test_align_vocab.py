@@ -1,11 +1,11 @@
-"""The vocabulary map between tokenizers (`kava_ray.align.vocab`), on the real SmolLM2, Qwen2 and Llama-3
+"""The vocabulary map between tokenizers (`kava_ray.core.align.vocab`), on the real SmolLM2, Qwen2 and Llama-3
 tokenizers: a teacher id maps to the student id of the same string, one to one, and the map is cached."""
 
 import numpy as np
 import pytest
 
-from kava_ray.align import vocab
-from kava_ray.align.vocab import build_vocab_map, cached_vocab_map, token_keys
+from kava_ray.core.align import vocab
+from kava_ray.core.align.vocab import build_vocab_map, cached_vocab_map, token_keys
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +82,7 @@ def test_hybrid_through_the_real_identity_map_is_the_same_tokenizer_kd(smollm2_t
     weight is 1, and the hybrid loss is the top-k KD (`losses.topk_kl_loss`) to float rounding."""
     import torch
 
-    from kava_ray.losses import hybrid_logit_loss, topk_kl_loss
+    from kava_ray.core.losses import hybrid_logit_loss, topk_kl_loss
 
     m = build_vocab_map(smollm2_tokenizer, smollm2_tokenizer)
     g = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ and the Distiller's cos_sim / cos_raw / cos/<t> / cos_raw/<t> (issue 10, items 2
 import pytest
 import torch
 
-from kava_ray.losses import contrast_gap, cos_metrics, drop_shared_prefix, kv_loss
-from kava_ray.report import phase
+from kava_ray.core.losses import contrast_gap, cos_metrics, drop_shared_prefix, kv_loss
+from kava_ray.recipes.report import phase
 
 L, B, H, T, D = 3, 4, 3, 12, 16
 
@@ -136,10 +136,10 @@ def test_shared_prefix_edge_cases():
 def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
     """A job over two fp32 tiny teachers, one batch, and the teachers' KV for it (no Ray)."""
     from jobs import write_job
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
+    from kava_ray.core.models import load_model
+    from kava_ray.core.plans import load_splits, student_tokenizer
     from kava_ray.data import BatchStream
-    from kava_ray.models import load_model
-    from kava_ray.plans import load_splits, student_tokenizer
 
     path = write_job(tmp_path_factory.mktemp("align"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
@@ -153,12 +153,12 @@ def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student
 
 
 def _distiller(distill_setup, overrides):
-    from kava_ray.align.layers import plan_teacher_layers
-    from kava_ray.config import load_config
-    from kava_ray.distill import Distiller
-    from kava_ray.kv import teacher_forward_kv
-    from kava_ray.models import kv_geometry, load_student
-    from kava_ray.plans import TeacherPlan
+    from kava_ray.common.config import load_config
+    from kava_ray.core.align.layers import plan_teacher_layers
+    from kava_ray.core.distiller import Distiller
+    from kava_ray.core.kv import teacher_forward_kv
+    from kava_ray.core.models import kv_geometry, load_student
+    from kava_ray.core.plans import TeacherPlan
 
     path, batch, teachers = distill_setup
     cfg = load_config(path, ["align.projector.kind=elastic", *overrides])
@@ -202,7 +202,7 @@ def test_distiller_reports_centred_and_raw_cosines(distill_setup, fusion):
 @pytest.mark.parametrize("kind", ["mercator", "hybrid"])
 def test_center_loss_trains(distill_setup, kind):
     """loss.center=true: the centred KV loss falls and the centred cosine rises over a few steps."""
-    from kava_ray.config import load_config
+    from kava_ray.common.config import load_config
     from tiny_models import train_on_one_batch
 
     distiller, batch, kv = _distiller(distill_setup, ["loss.center=true", f"loss.kind={kind}", "fusion.kind=gate"])

@@ -17,8 +17,8 @@ from jobs import write_job
 def trained_teacher(tmp_path_factory):
     """A 4-layer tiny Llama trained for a few dozen steps on the Python docs (byte tokens): a teacher that knows
     the text better than a copy of it with half its layers dropped."""
+    from kava_ray.core.models import load_model, load_tokenizer
     from kava_ray.data.corpus import pydoc_topics
-    from kava_ray.models import load_model, load_tokenizer
     from kava_ray.testing.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("heal") / "teacher", family="llama", num_layers=4,
@@ -69,9 +69,9 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     assert r["teacher_forwards_per_sample"] == 1.0
     # heal_job.yaml (what `kava-ray tune --space heal_kv` trains) reads the bench's teacher cache: the warm
     # start's layers map to their source layers, the ones the cache holds
-    from kava_ray.config import load_config
-    from kava_ray.job import kv_source
-    from kava_ray.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+    from kava_ray.common.config import load_config
+    from kava_ray.core.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+    from kava_ray.runtime.job import kv_source
 
     tuned = load_config(r["job"], ["loss.kv_parts=keys", "align.projector.kind=elastic"])
     cache = json.loads(Path(tuned.data.kv_cache_dir, "manifest.json").read_text())["meta"]
@@ -89,7 +89,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
 
 def test_the_gate_refuses_a_teacher_no_better_than_its_student(tmp_path, tiny_student_dir):
     from kava_ray.bench.heal import run_heal_bench
-    from kava_ray.errors import KavaError
+    from kava_ray.common.errors import KavaError
 
     job = heal_job(tmp_path, tiny_student_dir, student_keep=(0, 1))  # a random teacher: a copy is as good
     with pytest.raises(KavaError, match="is not 1 nat.* better than the student") as e:

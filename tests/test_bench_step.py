@@ -7,7 +7,7 @@ import pytest
 
 from kava_ray.bench.step import PHASES, PLAIN, VARIANTS, format_step_bench, run_step_bench
 from kava_ray.cli import main
-from kava_ray.errors import KavaError
+from kava_ray.common.errors import KavaError
 
 STUDENT = dict(family="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
                vocab_size=512)

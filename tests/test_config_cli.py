@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from kava_ray.cli import main
-from kava_ray.config import config_hash, diff_keys, load_config, preset_names
-from kava_ray.errors import KavaError
+from kava_ray.common.config import config_hash, diff_keys, load_config, preset_names
+from kava_ray.common.errors import KavaError
 
 
 @pytest.fixture

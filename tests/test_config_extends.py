@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from kava_ray.config import deep_merge, load_config, read_raw_config, resolve_paths, validate_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import deep_merge, load_config, read_raw_config, resolve_paths, validate_config
+from kava_ray.common.errors import KavaError
 
 # kava_ray/configs/qwen_multi_nf4.yaml before it said `extends: qwen_multi`
 # (`git show 2531b10:kava_ray/configs/qwen_multi_nf4.yaml`)

@@ -1,5 +1,5 @@
 """A quiet console: `kava-ray train` prints status lines, the progress bar and its table; the chatter of Ray,
-its workers and the libraries goes to RUN_DIR/logs/ (kava_ray.console); `--verbose` shows it live.
+its workers and the libraries goes to RUN_DIR/logs/ (kava_ray.runtime.console); `--verbose` shows it live.
 
 The console of a whole `kava-ray train` (a subprocess with its own embedded Ray) is checked on the run
 tests/test_service_ray.py makes anyway (`test_train_without_address_runs_its_own_ray_...`); these are the
@@ -17,7 +17,7 @@ CHATTER = ("Loading weights", "WARNING", "Warning", "Failed to load", "Traceback
 
 
 def test_quiet_sends_fd_level_output_to_the_log_and_status_to_the_terminal(tmp_path, capfd):
-    from kava_ray.console import quiet, status, with_logs
+    from kava_ray.runtime.console import quiet, status, with_logs
 
     with quiet(tmp_path / "logs", verbose=False, ray_logs=False):
         os.write(2, b"C-level chatter\n")
@@ -35,15 +35,15 @@ def test_quiet_sends_fd_level_output_to_the_log_and_status_to_the_terminal(tmp_p
 
 
 def test_verbose_leaves_the_console_alone(tmp_path, capfd):
-    import kava_ray.connect
-    from kava_ray.console import quiet, status
+    import kava_ray.runtime.connect
+    from kava_ray.runtime.console import quiet, status
 
     with quiet(tmp_path / "logs", verbose=True, ray_logs=False):
-        assert kava_ray.connect.LOG_TO_DRIVER is True  # --verbose: workers' lines stream to the console, as before
+        assert kava_ray.runtime.connect.LOG_TO_DRIVER is True  # --verbose: workers' lines stream to the console, as before
         os.write(2, b"C-level chatter\n")
         status("connecting: embedded Ray")
     with quiet(tmp_path / "quiet-logs", verbose=False, ray_logs=False):
-        assert kava_ray.connect.LOG_TO_DRIVER is False  # quiet: they stay in Ray's logs (copied to RUN_DIR/logs)
+        assert kava_ray.runtime.connect.LOG_TO_DRIVER is False  # quiet: they stay in Ray's logs (copied to RUN_DIR/logs)
     err = capfd.readouterr().err
     assert "C-level chatter" in err and "connecting: embedded Ray" in err
     assert not (tmp_path / "logs" / "driver.log").exists()
@@ -52,14 +52,14 @@ def test_verbose_leaves_the_console_alone(tmp_path, capfd):
 def test_a_failed_run_is_one_line_with_the_logs_dir(tmp_path):
     from ray.train import TrainingFailedError
 
-    from kava_ray.console import quiet
-    from kava_ray.errors import KavaError
-    from kava_ray.train import fit
+    from kava_ray.common.errors import KavaError
+    from kava_ray.recipes.train import fit
+    from kava_ray.runtime.console import quiet
 
     class Failing:
         def fit(self):
             raise TrainingFailedError("Traceback (most recent call last):\n  ...\n"
-                                                "kava_ray.errors.KavaError: teacher 'qwen' returned NaN keys")
+                                                "kava_ray.common.errors.KavaError: teacher 'qwen' returned NaN keys")
 
     with quiet(tmp_path / "logs", verbose=False, ray_logs=False), pytest.raises(KavaError) as e:
         fit(Failing())

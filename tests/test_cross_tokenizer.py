@@ -4,7 +4,7 @@ run with one, SmolLM2's: tests/test_train.py's end-to-end run).
 The student and teacher `qwen` share the tiny byte-level tokenizer; teacher `qtok` is a tiny random Llama
 (other layers, heads and head_dim) built around the real Qwen2 tokenizer (from the llama-cpp-python source
 distribution, fetched at install: `kava_ray.testing.tokenizers`). Its KV reaches the student through the
-character alignment of `kava_ray.align.tokens`.
+character alignment of `kava_ray.core.align.tokens`.
 """
 
 import json
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from jobs import assert_same_curve, run_recipe, write_job
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.distiller import Distiller
+from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.data import BatchStream
-from kava_ray.distill import Distiller
-from kava_ray.errors import KavaError
-from kava_ray.models import kv_geometry, load_model, load_student
-from kava_ray.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tokenizers import real_tokenizer
 from tiny_models import train_on_one_batch
@@ -88,7 +88,7 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
 def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenizer(xjob):
     cfg = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4", "loss.logit_cross_vocab=off"])
     models, plans = in_process(cfg)
-    from kava_ray.plans import check_vocab, teacher_logits_top_k
+    from kava_ray.core.plans import check_vocab, teacher_logits_top_k
 
     assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
     student = load_student(cfg.student.model, dtype="float32")
@@ -99,7 +99,7 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
     on = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])  # default: hybrid
     assert teacher_logits_top_k(on, plans) == {"qwen": 4, "qtok": 4}
     check_vocab(on, {"qtok": plans["qtok"]})
-    from kava_ray.plans import cross_vocab_lines  # what `kava-ray train` prints once its teachers are up
+    from kava_ray.core.plans import cross_vocab_lines  # what `kava-ray train` prints once its teachers are up
 
     assert cross_vocab_lines(cfg, plans) == []
     (line,) = cross_vocab_lines(on, plans)
@@ -115,7 +115,7 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
     batch lower it."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.plans import teacher_logits_top_k, vocab_maps
+    from kava_ray.core.plans import teacher_logits_top_k, vocab_maps
 
     cfg = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}"])
     models, plans = in_process(cfg)
@@ -181,9 +181,9 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
     """`teachers precompute` stores the tokenizer of the teacher of another tokenizer, and its vocabulary map to the
     student's (the job takes its logits); a job reading the cache aligns and maps with them, never needs the
     teacher's model, and reads both teachers' top-k as the live teachers send them."""
-    from kava_ray.align import vocab
-    from kava_ray.job import precompute, setup_teachers
-    from kava_ray.plans import teacher_logits_top_k, vocab_maps
+    from kava_ray.core.align import vocab
+    from kava_ray.core.plans import teacher_logits_top_k, vocab_maps
+    from kava_ray.runtime.job import precompute, setup_teachers
 
     small = LOGITS + ["data.num_train=12", "data.num_val=4", "data.num_test=4"]  # every example: a 151k-id softmax
     cfg = load_config(xjob, small)
@@ -203,7 +203,7 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
         assert vocab_maps(cached, plans, student_tokenizer(cached)[0], toks)["qtok"].matched >= 256
     # batches of another seed, assembled from the examples: each teacher's rows padded to its own tokens
     from actors.feed import KVFeed, feed_items
-    from kava_ray.job import kv_source
+    from kava_ray.runtime.job import kv_source
 
     models, _ = in_process(cfg)
     train, _ = load_splits(cached, student_tokenizer(cached)[0], teacher_tokenizers(plans))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kava_ray.common.errors import KavaError
 from kava_ray.data import (
     IGNORE_INDEX,
     BatchStream,
@@ -31,7 +32,6 @@ from kava_ray.data import (
 )
 from kava_ray.data.batching import RELEASE_EVERY
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
-from kava_ray.errors import KavaError
 
 ANNOT = re.compile(r"<<([0-9+\-*/]+)=(-?\d+)>>(-?\d+)")
 

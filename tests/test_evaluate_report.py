@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kava_ray.common.errors import KavaError
+from kava_ray.core.models import load_model
 from kava_ray.data import IGNORE_INDEX, Example, tokenize_split
-from kava_ray.errors import KavaError
-from kava_ray.evaluate import generate_answers, gsm8k_accuracy, heldout_ce, score_answers
-from kava_ray.models import load_model
-from kava_ray.report import phase, read_metrics, summarize_run, write_report
+from kava_ray.recipes.evaluate import generate_answers, gsm8k_accuracy, heldout_ce, score_answers
+from kava_ray.recipes.report import phase, read_metrics, summarize_run, write_report
 
 EXAMPLES = [
     Example("What is 2 + 3?", "2 + 3 = <<2+3=5>>5\n#### 5"),

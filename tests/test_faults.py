@@ -30,8 +30,8 @@ import torch
 
 from actors.feed import BadKV, KVFeed, feed_items
 from jobs import assert_same_curve, run_recipe, train_steps, train_steps_so_far, write_job
-from kava_ray.config import load_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
 from kava_ray.testing.sources import InProcessSource
 
 STEPS, SAVE = 24, 3
@@ -62,7 +62,7 @@ class PoisonSource(InProcessSource):
     def result(self, name, request, future):
         payload = super().result(name, request, future)
         if name == self.teacher and request.key in self.poison:
-            from kava_ray.kv import KVBatch
+            from kava_ray.core.kv import KVBatch
 
             kv = KVBatch.from_wire(payload, dtype=torch.float32)
             getattr(kv, self.what)[..., 0] = float("nan") if self.what == "keys" else float("inf")
@@ -72,7 +72,7 @@ class PoisonSource(InProcessSource):
 
 @pytest.fixture(scope="module")
 def teachers(job):
-    from kava_ray.models import load_model
+    from kava_ray.core.models import load_model
 
     cfg = load_config(job)
     return {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
@@ -80,16 +80,16 @@ def teachers(job):
 
 @pytest.fixture(scope="module")
 def plans(job, teachers):
-    from kava_ray.models import kv_geometry
-    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.core.models import kv_geometry
+    from kava_ray.core.plans import student_geometry, teacher_plans
 
     cfg = load_config(job)
     return teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
 
 
 def stream_keys(cfg, n: int) -> list[str]:
+    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
     from kava_ray.data import BatchStream
-    from kava_ray.plans import data_seed, load_splits, student_tokenizer
 
     tok, _ = student_tokenizer(cfg)
     train, _ = load_splits(cfg, tok)
@@ -135,9 +135,9 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     (the same for all ranks) plus each rank's count, and each rank resumes past exactly its own skips."""
     from types import SimpleNamespace
 
+    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
     from kava_ray.data import BatchStream
-    from kava_ray.plans import data_seed, load_splits, student_tokenizer
-    from kava_ray.worker import skip_resumed, stream_state_after
+    from kava_ray.recipes.distill import skip_resumed, stream_state_after
 
     cfg = load_config(job)
     tok, _ = student_tokenizer(cfg)
@@ -177,8 +177,8 @@ def test_nan_kv_stop_is_one_line_naming_teacher_key_and_step(job, teachers, plan
 
 
 def _stream(cfg):
+    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
     from kava_ray.data import BatchStream
-    from kava_ray.plans import data_seed, load_splits, student_tokenizer
 
     tok, _ = student_tokenizer(cfg)
     return BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))
@@ -226,9 +226,9 @@ def test_corrupt_checkpoint_is_one_line_naming_the_file(good_ckpt, job, tmp_path
 
 def test_corrupt_tensor_file_without_a_size_record_is_one_line(good_ckpt, job, plans, tmp_path):
     """A checkpoint whose state.json has no size record (older versions): load_into names the bad file."""
-    from kava_ray.checkpoint import load_into, read_state
-    from kava_ray.distill import Distiller
-    from kava_ray.models import kv_geometry, load_student
+    from kava_ray.core.checkpoint import load_into, read_state
+    from kava_ray.core.distiller import Distiller
+    from kava_ray.core.models import kv_geometry, load_student
 
     ck = tmp_path / "old"
     shutil.copytree(good_ckpt, ck)
@@ -251,10 +251,10 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
     before = {p.relative_to(ck): p.read_bytes() for p in ck.rglob("*") if p.is_file()}
     script = textwrap.dedent(f"""
         import sys
-        from kava_ray.config import load_config
-        from kava_ray.errors import KavaError
-        from kava_ray.plans import student_geometry, teacher_plans
-        from kava_ray.worker import DistillRecipe
+        from kava_ray.common.config import load_config
+        from kava_ray.common.errors import KavaError
+        from kava_ray.core.plans import student_geometry, teacher_plans
+        from kava_ray.recipes.distill import DistillRecipe
         cfg = load_config({str(job)!r})
         plans = teacher_plans(cfg, {json.dumps({n: p.geometry.to_dict() for n, p in plans.items()})},
                               student_geometry(cfg))
@@ -280,7 +280,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
     after = {q.relative_to(ck): q.read_bytes() for q in ck.rglob("*") if q.is_file()}
     assert after == before
     assert sorted(q.name for q in ck.parent.iterdir()) == [ck.name]  # no temp or .old dir left
-    from kava_ray.checkpoint import read_state
+    from kava_ray.core.checkpoint import read_state
 
     assert read_state(ck)["step"] == 2
 
@@ -289,7 +289,7 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     """Ray Train copies a checkpoint into storage file by file (not atomically): a copy cut off (disk full)
     leaves a newer checkpoint_* with a file missing or short. --resume / eval of the run dir take the
     previous complete one; the partial one given by name is one line naming the file."""
-    from kava_ray.checkpoint import find_checkpoint
+    from kava_ray.core.checkpoint import find_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(good_ckpt, run / "checkpoint_2000-01-01_00-00-00.000000")
@@ -340,7 +340,7 @@ def _session_pids(sid: int) -> list[int]:
 def test_an_interrupt_swallowed_inside_the_fit_is_raised_when_it_returns():
     """Ray checks signals inside `ray.get`; a KeyboardInterrupt raised there as the result lands is dropped, and
     the run used to finish and exit 0. `train._interruptible` raises it again when the block returns."""
-    from kava_ray.train import _interruptible
+    from kava_ray.recipes.train import _interruptible
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):

@@ -10,10 +10,10 @@ import os
 import numpy as np
 import pytest
 
+from kava_ray.common.errors import KavaError
 from kava_ray.data import BatchStream, tokenize_split
 from kava_ray.data.corpus import pydoc_topics, split_topics, write_pydoc_corpus
 from kava_ray.data.records import detect_format, formats_of
-from kava_ray.errors import KavaError
 
 pytestmark = pytest.mark.unit
 
@@ -156,7 +156,7 @@ def test_exact_resume_mid_epoch(smollm2_tokenizer, kind):
 
 
 def test_teacher_of_another_tokenizer_aligns_within_each_message(smollm2_tokenizer, llama3_tokenizer):
-    from kava_ray.align.tokens import canonical_spans, segment_table
+    from kava_ray.core.align.tokens import canonical_spans, segment_table
     from kava_ray.data import teacher_view
     from kava_ray.data.records import render
     from kava_ray.data.tokenize import encode_rendered

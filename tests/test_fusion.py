@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kava_ray.errors import KavaError
-from kava_ray.fusion import Fusion
+from kava_ray.common.errors import KavaError
+from kava_ray.core.fusion import Fusion
 
 SHAPE = (3, 2, 2, 5, 4)  # [L, B, H, T, D]
 
@@ -169,7 +169,7 @@ def test_centred_fusion_fuses_the_centred_directions_and_keeps_the_means():
     """With loss.center, each teacher is centred per (layer, head) over the counted tokens, the centred vectors
     are fused by direction, and the weighted mean of the means is added back, so each teacher's weight is its
     share of the centred target the loss compares."""
-    from kava_ray.losses import token_mean
+    from kava_ray.core.losses import token_mean
 
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randn(SHAPE, generator=g) for _ in range(2))

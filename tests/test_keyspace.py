@@ -25,9 +25,15 @@ import torch
 import transformers as tf
 from transformers import AutoModelForCausalLM
 
-from kava_ray.errors import KavaError
-from kava_ray.kv import attention_layers, extract_kv, position_ids_from_mask, student_forward_kv, teacher_forward_kv
-from kava_ray.models import kv_geometry, load_model, load_student
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv import (
+    attention_layers,
+    extract_kv,
+    position_ids_from_mask,
+    student_forward_kv,
+    teacher_forward_kv,
+)
+from kava_ray.core.models import kv_geometry, load_model, load_student
 
 V, B, T = 96, 3, 9
 TOKENS = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -90,7 +96,7 @@ NO_ROTARY = {"gpt2", "opt", "bloom", "gpt_bigcode"}
 
 # ---------------------------------------------------------------------------------------- oracle
 # Per family: (module to hook for K, how its output becomes [B, H, T, D]); the same for V.
-# Written from each family's modeling code, independently of kava_ray.kv.
+# Written from each family's modeling code, independently of kava_ray.core.kv.
 
 def _flat(out, h, d):  # [B, T, H*D]
     return out.reshape(B, T, h, d).transpose(1, 2)

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from jobs import write_job
-from kava_ray.align.layers import plan_teacher_layers
-from kava_ray.config import load_config, set_dotted, validate_config
-from kava_ray.data import BatchStream
-from kava_ray.distill import Distiller
-from kava_ray.errors import KavaError
-from kava_ray.kv import teacher_forward_kv
-from kava_ray.losses import (
+from kava_ray.common.config import load_config, set_dotted, validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import plan_teacher_layers
+from kava_ray.core.distiller import Distiller
+from kava_ray.core.kv import teacher_forward_kv
+from kava_ray.core.losses import (
     log_normalizer,
     masked_ce,
     next_token_mask,
@@ -24,8 +23,9 @@ from kava_ray.losses import (
     topk_kl_loss,
     topk_tail,
 )
-from kava_ray.models import kv_geometry, load_model, load_student
-from kava_ray.plans import TeacherPlan, load_splits, student_tokenizer
+from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.plans import TeacherPlan, load_splits, student_tokenizer
+from kava_ray.data import BatchStream
 from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit
@@ -359,8 +359,8 @@ def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tai
     checked against a hand computation over the teacher's full distribution; a padded top-1 never agrees."""
     from types import SimpleNamespace
 
-    from kava_ray.config import LossConfig
-    from kava_ray.logit_kd import LogitTeacher, logit_term
+    from kava_ray.common.config import LossConfig
+    from kava_ray.core.logit_kd import LogitTeacher, logit_term
 
     V, k = 10, 4
     g = torch.Generator().manual_seed(3)
@@ -402,8 +402,8 @@ def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tai
 def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     """evaluate_heldout end to end (in-process teachers serving top-k through the KVFeed): eval/logit_kl,
     eval/logit_kl/<t>, eval/top1_agree/<t>, token-weighted like the KV metrics."""
-    from kava_ray.evaluate import evaluate_heldout
-    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.evaluate import evaluate_heldout
     from kava_ray.testing.sources import InProcessSource
 
     cfg = load_config(job_path, ["loss.logit_weight=1.0", "loss.logit_top_k=4", "fusion.kind=fixed"])
@@ -437,7 +437,7 @@ def _uld_reference(p_t: torch.Tensor, p_s: torch.Tensor) -> float:
 
 
 def test_uld_is_zero_for_permuted_distributions_and_gold_s_value_otherwise():
-    from kava_ray.losses import uld_loss
+    from kava_ray.core.losses import uld_loss
 
     g = torch.Generator().manual_seed(0)
     logits_t = torch.randn(2, 5, 40, generator=g) * 2
@@ -453,7 +453,7 @@ def test_uld_is_zero_for_permuted_distributions_and_gold_s_value_otherwise():
 
 
 def test_uld_grows_with_the_difference_and_keeps_the_tail_as_one_bucket():
-    from kava_ray.losses import uld_loss
+    from kava_ray.core.losses import uld_loss
 
     g = torch.Generator().manual_seed(1)
     p = torch.randn(1, 3, 32, generator=g).softmax(-1)
@@ -469,7 +469,7 @@ def test_uld_grows_with_the_difference_and_keeps_the_tail_as_one_bucket():
 
 
 def test_uld_ignores_masked_positions_even_nan_teacher_ones():
-    from kava_ray.losses import uld_loss
+    from kava_ray.core.losses import uld_loss
 
     g = torch.Generator().manual_seed(2)
     student = torch.randn(1, 4, 16, generator=g, requires_grad=True)
@@ -489,7 +489,7 @@ def test_uld_ignores_masked_positions_even_nan_teacher_ones():
 
 
 def _hybrid(student, ids, logp, t2s, tail=None, mask=None, weight=None):
-    from kava_ray.losses import hybrid_logit_loss
+    from kava_ray.core.losses import hybrid_logit_loss
 
     t2s = torch.as_tensor(t2s)
     hit = torch.zeros(student.shape[-1], dtype=torch.bool)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from kava_ray.errors import KavaError
-from kava_ray.losses import (
+from kava_ray.common.errors import KavaError
+from kava_ray.core.losses import (
     LOSSES,
     contrast_gap,
     hybrid_loss,

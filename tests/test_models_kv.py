@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from kava_ray.errors import KavaError
-from kava_ray.gguf import gguf_cache_path, gguf_to_hf_dir
-from kava_ray.kv import (
+from kava_ray.common.errors import KavaError
+from kava_ray.core.gguf import gguf_cache_path, gguf_to_hf_dir
+from kava_ray.core.kv import (
     KVBatch,
     extract_kv,
     kv_bytes_per_token,
@@ -21,7 +21,7 @@ from kava_ray.kv import (
     teacher_forward_kv,
     wire_nbytes,
 )
-from kava_ray.models import (
+from kava_ray.core.models import (
     KVGeometry,
     kv_geometry,
     load_model,
@@ -364,7 +364,7 @@ def test_teacher_topk_logits_equal_log_softmax_of_the_forward(name, key_space, r
 
 
 def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, batch):
-    from kava_ray.kv import logits_bytes_per_token, wire_logits_nbytes
+    from kava_ray.core.kv import logits_bytes_per_token, wire_logits_nbytes
 
     ids, mask = batch
     B, T = ids.shape

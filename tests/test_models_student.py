@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kava_ray.errors import KavaError
-from kava_ray.kv import student_forward_kv
-from kava_ray.models import keep_layers, kv_geometry, load_model, load_student, resolve_packaged_file
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv import student_forward_kv
+from kava_ray.core.models import keep_layers, kv_geometry, load_model, load_student, resolve_packaged_file
 
 
 def test_layer_dropped_student_runs_saves_and_reloads(tiny_qwen2_dir, tmp_path):

@@ -1,5 +1,5 @@
 """Teachers and students on different nodes of one Ray cluster: three raylets on this machine, each with its own
-object store (`kava_ray.local_cluster`: a head with no CPUs, a `kava-role: teacher` node, a `kava-role:
+object store (`kava_ray.runtime.local_cluster`: a head with no CPUs, a `kava-role: teacher` node, a `kava-role:
 student` node), token auth on. Every job here is a `kava-ray ... --address` in a subprocess, as a user runs it
 (the test session's own Ray stays out of it); what ran where comes from Ray's state API."""
 
@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from jobs import write_job
-from kava_ray.local_cluster import STUDENT_NODE, TEACHER_NODE
+from kava_ray.runtime.local_cluster import STUDENT_NODE, TEACHER_NODE
 from test_cluster import BIN, _client_env, _ray
 from test_service_ray import _kava
 
@@ -23,11 +23,11 @@ ENV = _client_env(HF_HUB_OFFLINE="1")  # a user's shell: token auth on
 
 
 class LocalCluster:
-    """The `kava_ray.local_cluster` helper process: its GCS address, and `do` for its commands (add or remove a
+    """The `kava_ray.runtime.local_cluster` helper process: its GCS address, and `do` for its commands (add or remove a
     node), one answer line each."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "kava_ray.local_cluster", "--stdin"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kava_ray.runtime.local_cluster", "--stdin"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=_client_env())
         self.address = self.proc.stdout.readline().strip()
@@ -201,9 +201,9 @@ def lost_ref_curve(long_job):
     """The uninterrupted curve: the same recipe in this process, with the same teacher (tests/test_faults.py
     checks that a Ray Train run of one worker computes these numbers)."""
     from jobs import run_recipe
-    from kava_ray.config import load_config
-    from kava_ray.models import kv_geometry, load_model
-    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.common.config import load_config
+    from kava_ray.core.models import kv_geometry, load_model
+    from kava_ray.core.plans import student_geometry, teacher_plans
     from kava_ray.testing.sources import InProcessSource
 
     cfg = load_config(long_job)

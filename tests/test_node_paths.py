@@ -1,11 +1,11 @@
-"""What a job reads from local paths on the nodes other than the driver's (kava_ray.node_paths), and the line a
+"""What a job reads from local paths on the nodes other than the driver's (kava_ray.runtime.node_paths), and the line a
 user sees for each way a node's copy can be wrong. The check itself runs on a real three-node cluster in
 tests/test_multinode.py (a driver whose files no node sees)."""
 
-from kava_ray.config import resolve_paths, validate_config
-from kava_ray.node_paths import WORKERS, look, problem, reads, tokenizer_reads
-from kava_ray.placement import Node
-from kava_ray.plans import TeacherPlan
+from kava_ray.common.config import resolve_paths, validate_config
+from kava_ray.common.placement import Node
+from kava_ray.core.plans import TeacherPlan
+from kava_ray.runtime.node_paths import WORKERS, look, problem, reads, tokenizer_reads
 
 
 def _cfg(tmp_path, **data):

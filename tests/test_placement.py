@@ -1,10 +1,10 @@
-"""Per-node placement (kava_ray.placement): Ray's label selector syntax, and a job checked node by node — the
+"""Per-node placement (kava_ray.common.placement): Ray's label selector syntax, and a job checked node by node — the
 cases a cluster-wide sum lets through and Ray would then wait on forever."""
 
 import pytest
 
-from kava_ray.config import load_config
-from kava_ray.placement import Demand, Node, fit, matches, parse_selector_value
+from kava_ray.common.config import load_config
+from kava_ray.common.placement import Demand, Node, fit, matches, parse_selector_value
 
 GPU2 = [Node(f"n{i}aaaaaaa", f"10.0.0.{i}", {"CPU": 16, "GPU": 2}, {"kava-role": "teacher"}) for i in (1, 2)]
 STUDENT = Node("s1aaaaaaa", "10.0.1.1", {"CPU": 8, "GPU": 4}, {"kava-role": "student"})
@@ -90,8 +90,8 @@ def test_the_selectors_reach_the_teacher_actors_and_ray_trains_scaling_config(tm
     """What tests/test_multinode.py sees placed is what the config asked for: the selectors are in the actor
     options and in ScalingConfig (built, not started)."""
     from actors.pool import _actor_options
-    from kava_ray.config import validate_config
-    from kava_ray.train import build_trainer
+    from kava_ray.common.config import validate_config
+    from kava_ray.recipes.train import build_trainer
 
     cfg = validate_config({"teachers": [{"name": "t", "model": "m", "label_selector": {"kava-role": "teacher"}},
                                         {"name": "u", "model": "m"}],
@@ -109,7 +109,7 @@ def test_plan_places_a_preset_on_the_node_types_of_cluster_yaml(tmp_path, capsys
     import yaml
 
     from kava_ray.cli import main
-    from kava_ray.placement import cluster_yaml_nodes
+    from kava_ray.common.placement import cluster_yaml_nodes
 
     spec = yaml.safe_load(open("cluster.yaml"))
     nodes = cluster_yaml_nodes(spec)

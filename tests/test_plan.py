@@ -3,12 +3,12 @@
 import pytest
 import yaml
 
-from kava_ray.config import load_config
-from kava_ray.errors import KavaError
-from kava_ray.known_models import known_config, model_geometry, param_count
-from kava_ray.kv import kv_bytes_per_token
-from kava_ray.models import kv_geometry, load_model_config
-from kava_ray.plan import GiB, check_fits, format_plan, parse_bytes, plan
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.known_models import known_config, model_geometry, param_count
+from kava_ray.core.kv import kv_bytes_per_token
+from kava_ray.core.models import kv_geometry, load_model_config
+from kava_ray.runtime.planner import GiB, check_fits, format_plan, parse_bytes, plan
 from kava_ray.testing.tiny import build_tiny_model
 
 KiB = 1024
@@ -250,9 +250,9 @@ def test_projector_count_matches_the_real_modules(calibration_job):
     """The meta-device count the planner shows equals the parameters a Distiller really trains."""
     import torch
 
-    from kava_ray.distill import Distiller
-    from kava_ray.plan import _infos, _layer_plans, _projector_params
-    from kava_ray.plans import TeacherPlan
+    from kava_ray.core.distiller import Distiller
+    from kava_ray.core.plans import TeacherPlan
+    from kava_ray.runtime.planner import _infos, _layer_plans, _projector_params
 
     for overrides in ([], FLAT, ["fusion.kind=router"]):
         cfg = load_config(calibration_job, overrides)
@@ -282,14 +282,14 @@ def test_plan_cli_exit_codes_fits_does_not_fit_bad_input(capsys):
 
 
 def test_teacher_logits_count_in_the_kv_buffers_and_the_bytes_per_token_line(monkeypatch):
-    from kava_ray.kv import logits_bytes_per_token
+    from kava_ray.core.kv import logits_bytes_per_token
 
     base = load_config("single_gpu_8gb")
     try:
         cfg = load_config(base, ["loss.logit_weight=0.5", "loss.logit_top_k=64"])
     except KavaError:  # a LossConfig without the logit loss: the job's one rule for k, patched
         cfg = base.model_copy()  # another object than base
-        monkeypatch.setattr("kava_ray.plans.logits_top_k", lambda c: 64 if c is cfg else 0)
+        monkeypatch.setattr("kava_ray.core.plans.logits_top_k", lambda c: 64 if c is cfg else 0)
     p0, p1 = plan(base, 8 * GiB), plan(cfg, 8 * GiB)
     assert p0["logits_bytes_per_token"] == {"qwen1.5b-nf4": 0} and p0["logits_top_k"] == 0
     per_token = logits_bytes_per_token(64, "bf16")
@@ -309,8 +309,8 @@ def test_projector_count_follows_head_proj(calibration_job, kind):
     """head_proj=per_head: H_s head_dim projectors per student layer, counted on the meta device."""
     import torch
 
-    from kava_ray.plan import _infos, _layer_plans, _projector_params
-    from kava_ray.projectors import TeacherProjector, make_projector, num_parameters
+    from kava_ray.core.projectors import TeacherProjector, make_projector, num_parameters
+    from kava_ray.runtime.planner import _infos, _layer_plans, _projector_params
 
     counts = {}
     for head_proj in ("shared", "per_head"):
@@ -338,7 +338,7 @@ def test_a_teacher_of_another_vocabulary_counts_its_map_and_its_logits_only_when
     """qtok (Qwen2's 151,936 ids) beside qwen (the student's 260): with loss.logit_cross_vocab (default hybrid) it
     sends top-k like the other and the student device holds its vocabulary map and the student's logits over the
     ids the map misses (with their gradient); off: it sends no logits and computes none."""
-    from kava_ray.kv import logits_bytes_per_token
+    from kava_ray.core.kv import logits_bytes_per_token
 
     job = {"name": "xv", "teachers": [{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
                                       {"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"}],
@@ -359,8 +359,8 @@ def test_a_teacher_of_another_vocabulary_counts_its_map_and_its_logits_only_when
     # LM heads padded differently for one tokenizer (Qwen2.5-7B against Qwen2.5-1.5B) are one tokenizer here too
     from dataclasses import replace
 
-    from kava_ray.known_models import model_geometry
-    from kava_ray.plan import _other_vocab
+    from kava_ray.core.known_models import model_geometry
+    from kava_ray.runtime.planner import _other_vocab
     g7, g15 = (model_geometry(n) for n in ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"))
     assert (g7.vocab_size, g15.vocab_size) == (152_064, 151_936) and not _other_vocab(g7, g15)
     assert _other_vocab(replace(g15, vocab_size=260), g15)

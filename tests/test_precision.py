@@ -1,4 +1,4 @@
-"""The student's precision policy (kava_ray/precision.py): the GPU policy run on a CPU keeps small AdamW
+"""The student's precision policy (kava_ray/core/precision.py): the GPU policy run on a CPU keeps small AdamW
 updates that pure bf16 rounds away; float16 and contradictory dtype/precision pairs are refused in one line."""
 
 import copy
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kava_ray.config import load_config
-from kava_ray.distill import build_optimizer
-from kava_ray.errors import KavaError
-from kava_ray.models import load_student
-from kava_ray.precision import resolve_precision, student_precision
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.distiller import build_optimizer
+from kava_ray.core.models import load_student
+from kava_ray.core.precision import resolve_precision, student_precision
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model, build_tokenizer
 
@@ -180,9 +180,9 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
 
     from actors.feed import KVFeed, feed_items
     from jobs import job_dict
-    from kava_ray.models import kv_geometry, load_model
-    from kava_ray.plans import student_geometry, teacher_plans
-    from kava_ray.worker import DistillRecipe
+    from kava_ray.core.models import kv_geometry, load_model
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
 
     if policy == "bf16-sr":
         import torchao.optim  # noqa: F401 - the `sr` extra (installed by `make test`)

@@ -1,4 +1,4 @@
-"""Preflight (`kava_ray.preflight`): every bad input of a Ray-starting command is one `error:` line, exit 2,
+"""Preflight (`kava_ray.runtime.preflight`): every bad input of a Ray-starting command is one `error:` line, exit 2,
 in well under 5 s, before Ray starts or any teacher loads.
 
 Each case runs the real CLI in process (`kava_ray.cli.main`, what the console script calls) on the tiny job;
@@ -30,7 +30,7 @@ def no_start(monkeypatch):
     import ray
 
     import actors.pool
-    import kava_ray.job
+    import kava_ray.runtime.job
 
     calls = []
 
@@ -40,7 +40,7 @@ def no_start(monkeypatch):
             raise AssertionError(f"{name} called: preflight should have failed first")
         return f
 
-    monkeypatch.setattr(kava_ray.job, "connect_job", refuse("connect_job"))
+    monkeypatch.setattr(kava_ray.runtime.job, "connect_job", refuse("connect_job"))
     monkeypatch.setattr(actors.pool, "start_pool", refuse("start_pool"))
     monkeypatch.setattr(ray, "init", refuse("ray.init"))  # the test session's own Ray may already be up
     return calls
@@ -232,9 +232,9 @@ def test_precompute_runs_preflight_before_teachers(tiny_job, tmp_path, no_start)
     """`job.precompute` itself (the CLI's `teachers precompute` connects to Ray before calling it: see
     cli.cmd_teachers), so here the function, not the command."""
 
-    from kava_ray.config import load_config
-    from kava_ray.errors import KavaError
-    from kava_ray.job import precompute
+    from kava_ray.common.config import load_config
+    from kava_ray.common.errors import KavaError
+    from kava_ray.runtime.job import precompute
 
     t0 = time.perf_counter()
     with pytest.raises(KavaError) as e:
@@ -254,8 +254,8 @@ def test_tune_space_is_checked_first(run_cli, tiny_job):
 
 
 def test_a_good_config_passes(tiny_job):
-    from kava_ray.config import load_config
-    from kava_ray.preflight import preflight
+    from kava_ray.common.config import load_config
+    from kava_ray.runtime.preflight import preflight
 
     t0 = time.perf_counter()
     preflight(load_config(str(tiny_job)), "train")
@@ -290,8 +290,8 @@ def test_tune_resume_checks_the_sweep(run_cli, tiny_job, tmp_path):
 
 def test_a_hub_id_is_left_to_the_loader():
     """`org/name` passes (whether the hub has it needs the network: the loader's one line); a bare word does not."""
+    from kava_ray.common.errors import KavaError
     from kava_ray.data.sources import check_source
-    from kava_ray.errors import KavaError
 
     check_source("openai/gsm8k", "train")
     with pytest.raises(KavaError, match="gsm8k"):
@@ -301,7 +301,7 @@ def test_a_hub_id_is_left_to_the_loader():
 def test_an_address_no_resolver_takes_is_unreachable_not_a_traceback():
     """A mangled --address (a quote, an empty label) makes getaddrinfo raise UnicodeError, not OSError: the probe
     says "nothing answers" (one line, exit 2) instead of crashing."""
-    from kava_ray.connect import answers
+    from kava_ray.runtime.connect import answers
 
     assert answers("'19.0..:6399", timeout_s=0.5) is False
     assert answers("127.0.0.1:notaport") is False
@@ -315,7 +315,7 @@ def test_an_embedded_ray_is_its_own_beside_ray_s_address_file(tmp_path, monkeypa
     run: the decision is kava-ray's, the rest Ray's."""
     import ray
 
-    import kava_ray.connect as connect
+    import kava_ray.runtime.connect as connect
 
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
@@ -339,8 +339,8 @@ def test_an_embedded_ray_is_its_own_beside_ray_s_address_file(tmp_path, monkeypa
 def test_address_auto_reads_ray_s_address_file_and_says_so_when_there_is_none(tmp_path, monkeypatch):
     """`--address auto`: $RAY_ADDRESS, else the last `ray start --head`'s GCS address from Ray's address file
     (`<RAY_TMPDIR>/ray/ray_current_cluster`); no file is one line naming the fix."""
-    from kava_ray.connect import _resolve_auto
-    from kava_ray.errors import KavaError
+    from kava_ray.common.errors import KavaError
+    from kava_ray.runtime.connect import _resolve_auto
 
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -1,13 +1,13 @@
-"""The projector-free KV alignment figure (`kava_ray.probe`): a student equal to its teacher's kept layers
+"""The projector-free KV alignment figure (`kava_ray.core.probe`): a student equal to its teacher's kept layers
 scores 1, a random student ~0, directly and through the linear probe."""
 
 import pytest
 import torch
 
-from kava_ray.errors import KavaError
-from kava_ray.kv import student_forward_kv, teacher_forward_kv
-from kava_ray.models import load_model, load_student
-from kava_ray.probe import KVAlignment, source_layers
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv import student_forward_kv, teacher_forward_kv
+from kava_ray.core.models import load_model, load_student
+from kava_ray.core.probe import KVAlignment, source_layers
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.unit

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from kava_ray.align.layers import ratio_map, teacher_layers_used, uniform_map
 from kava_ray.bench.projector import SCENARIOS, format_projector_ab, run_projector_ab
-from kava_ray.errors import KavaError
-from kava_ray.losses import mercator_loss
-from kava_ray.projectors import (
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import ratio_map, teacher_layers_used, uniform_map
+from kava_ray.core.losses import mercator_loss
+from kava_ray.core.projectors import (
     ElasticBottleneck,
     HeadwiseProjector,
     LinearProjector,

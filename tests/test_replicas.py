@@ -1,9 +1,9 @@
 """Teacher replicas without Ray: which replica a batch goes to, and what the planner counts for them."""
 
 from actors.pool import TeacherReplicas, actor_name, replica_for
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
 from kava_ray.data.batching import batch_key
-from kava_ray.plan import plan
+from kava_ray.runtime.planner import plan
 
 
 def test_a_batch_key_always_routes_to_one_replica_and_consecutive_batches_take_turns():

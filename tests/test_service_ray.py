@@ -5,7 +5,7 @@ storage path: tests/test_tune.py; `--address auto`'s reading of Ray's address fi
 Every Ray here runs in a subprocess (the test session's own Ray is left alone) with RAY_TMPDIR pointing at
 a temp dir of the test: Ray reads `<RAY_TMPDIR>/ray/ray_current_cluster` (the last `ray start --head`'s GCS
 address), so the test writes that file there instead of touching the machine's /tmp/ray. Subprocesses run
-without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (conftest sets it for the test session): kava_ray.connect alone
+without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (conftest sets it for the test session): kava_ray.runtime.connect alone
 must give loopback. The head (test_cluster.Head) is stopped by its own pids, never `ray stop`.
 """
 
@@ -165,7 +165,7 @@ def _watch_listening(proc: subprocess.Popen, seen: dict) -> None:
 def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_train, head):
     """...saying so in one note line, with every server of the run (its embedded Ray's, the teachers', the Ray
     Train worker's torch.distributed store) on loopback; on a quiet console: status lines, then the command's
-    table; the chatter of Ray, its workers and the libraries is in RUN_DIR/logs/ (kava_ray.console)."""
+    table; the chatter of Ray, its workers and the libraries is in RUN_DIR/logs/ (kava_ray.runtime.console)."""
     from test_console import CHATTER
 
     proc, cwd, tmpdir, t0, sockets = own_train
@@ -210,7 +210,7 @@ def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_tr
 
 JOB_ENV = textwrap.dedent("""
     import os, sys, ray
-    from kava_ray.connect import connect
+    from kava_ray.runtime.connect import connect
 
     connect(sys.argv[1], "kava-env")
     print(ray.get(ray.remote(lambda: os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")).remote()))
@@ -219,7 +219,7 @@ JOB_ENV = textwrap.dedent("""
 
 def test_a_driver_joining_a_cluster_gives_its_workers_trains_fast_poll(head, address_dir):
     """Ray Train's controller takes one report per worker per poll (2 s by default): a job joining a cluster sets
-    the poll of its own workers as an embedded Ray does (kava_ray.connect.TRAIN_ENV), or a run on `ray start
+    the poll of its own workers as an embedded Ray does (kava_ray.runtime.connect.TRAIN_ENV), or a run on `ray start
     --head` would take at least 2 s per logged step."""
     out = subprocess.run([sys.executable, "-c", JOB_ENV, head.gcs_address], env=_env(address_dir("127.0.0.1:1")),
                          capture_output=True, text=True, timeout=120)

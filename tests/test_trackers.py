@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from jobs import job_dict
-from kava_ray.config import validate_config
-from kava_ray.errors import KavaError
-from kava_ray.trackers import STATE, metric_values, mlflow_key, open_trackers
+from kava_ray.common.config import validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.trackers import STATE, metric_values, mlflow_key, open_trackers
 
 CFG = {"name": "tiny", "optim": {"lr_student": 1e-3}, "teachers": [{"name": "qwen", "layers": [0, 1]}]}
 RECORDS = [{"step": 0, "kind": "eval", "eval/ce": 2.5},
@@ -144,7 +144,7 @@ def test_tune_gets_the_trackers_callbacks(tmp_path, monkeypatch):
     from ray.air.integrations.mlflow import MLflowLoggerCallback
     from ray.tune.logger import TBXLoggerCallback
 
-    from kava_ray.tune import tracker_callbacks
+    from kava_ray.recipes.tune import tracker_callbacks
 
     cfg = validate_config(_job(loggers=["tensorboard", "mlflow"]))
     cbs = tracker_callbacks(cfg, tmp_path / "sweep")

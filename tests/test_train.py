@@ -8,14 +8,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from jobs import read_jsonl, run_recipe, write_job
-from kava_ray.align.layers import plan_teacher_layers
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import plan_teacher_layers
+from kava_ray.core.distiller import Distiller, build_optimizer
+from kava_ray.core.kv import teacher_forward_kv
+from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.plans import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.data import BatchStream
-from kava_ray.distill import Distiller, build_optimizer
-from kava_ray.errors import KavaError
-from kava_ray.kv import teacher_forward_kv
-from kava_ray.models import kv_geometry, load_model, load_student
-from kava_ray.plans import TeacherPlan, load_splits, student_tokenizer
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -85,7 +85,7 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
     """Training and the evaluations that select checkpoints (and Tune trials) read train + validation only;
     the test split is read once, by `test()`, after the last step."""
     import kava_ray.data.sources as sources
-    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.core.plans import student_geometry, teacher_plans
 
     requested = []
     real = sources.synthetic_split
@@ -109,8 +109,8 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
     """Resuming silently kept the checkpoint's optimizer and schedule: now a changed optim.*/train.* key is named
     (one line, exit 2, before Ray starts) unless --resume-override, which makes the new values win."""
     from kava_ray.cli import main
-    from kava_ray.plans import student_geometry, teacher_plans
-    from kava_ray.worker import DistillRecipe
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
 
     cfg = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant"])
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
@@ -137,7 +137,7 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
 
 def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_process):
     """A batch of post-RoPE (rotated) keys given to a pre-RoPE student is refused, not silently aligned."""
-    from kava_ray.plans import student_geometry, teacher_plans
+    from kava_ray.core.plans import student_geometry, teacher_plans
 
     cfg = load_config(job_path)
     tok, _ = student_tokenizer(cfg)
@@ -155,8 +155,8 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
 def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_path, teachers_in_process):
     """With loss_tokens=answer the held-out KV cosine averages over answer tokens, as the loss does."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.evaluate import evaluate_heldout
-    from kava_ray.plans import eval_stream, student_geometry, teacher_plans
+    from kava_ray.core.plans import eval_stream, student_geometry, teacher_plans
+    from kava_ray.recipes.evaluate import evaluate_heldout
 
     cfg = load_config(job_path, ["loss.loss_tokens=answer"])
     tok, _ = student_tokenizer(cfg)
@@ -197,7 +197,7 @@ def e2e_job(tmp_path_factory, job_path, tiny_qwen2_dir, tiny_llama_dir, small_st
 def e2e_run(tiny_pool, e2e_job):
     """One run of `e2e_job` (2 DDP workers, live teacher actors: the session's pool plus `smol`, started here)."""
     from actors.pool import start_missing, stop_pool
-    from kava_ray.train import run_training
+    from kava_ray.recipes.train import run_training
 
     # the run also checks the trackers, and takes every teacher's logits (smol's by the hybrid loss: a mixed pool)
     cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]", "loss.logit_weight=0.3", "loss.logit_top_k=8"])
@@ -258,7 +258,7 @@ def test_end_to_end_with_a_teacher_of_another_tokenizer(e2e_run):
 def test_the_run_is_tracked_exactly(e2e_run, monkeypatch):
     """TensorBoard and MLflow hold every number of metrics.jsonl at its step (train, eval and test records of
     the 2-worker run), MLflow the config as params and the final student as artifacts."""
-    from kava_ray.trackers import metric_values, mlflow_key
+    from kava_ray.common.trackers import metric_values, mlflow_key
     from test_trackers import history, mlflow_run, tb_scalars
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for reading back here (open_trackers sets it itself)
@@ -296,7 +296,7 @@ def train_workers(state: str = "ALIVE", class_name: str = "RayTrainWorker") -> l
 
 
 def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
-    from kava_ray.train import run_training
+    from kava_ray.recipes.train import run_training
 
     _, ref = e2e_run
     ckpt = sorted(Path(ref["run_dir"]).glob("checkpoint_2*"))[-1]
@@ -306,8 +306,8 @@ def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
 
 
 def test_eval_and_report_of_the_run(e2e_run, ray_session):
-    from kava_ray.evaluate import evaluate_checkpoint
-    from kava_ray.report import summarize_run, write_report
+    from kava_ray.recipes.evaluate import evaluate_checkpoint
+    from kava_ray.recipes.report import summarize_run, write_report
 
     _, out = e2e_run
     ev = evaluate_checkpoint(out["run_dir"], limit=2, max_new_tokens=4)

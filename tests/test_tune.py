@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from jobs import run_recipe, write_job
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +52,10 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     import ray
 
     from kava_ray.cli import main
-    from kava_ray.models import load_model
-    from kava_ray.plans import in_process_plans
+    from kava_ray.core.models import load_model
+    from kava_ray.core.plans import in_process_plans
+    from kava_ray.recipes.tune import run_tune
     from kava_ray.testing.sources import InProcessSource
-    from kava_ray.tune import run_tune
 
     root, job = tune_job
     monkeypatch.chdir(root)  # `ray.storage_path: runs` -> root/runs

@@ -8,9 +8,9 @@ import yaml
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.sample import Categorical, Float, Integer
 
-from kava_ray.config import load_config
-from kava_ray.errors import KavaError
-from kava_ray.tune_space import (
+from kava_ray.common.config import load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.runtime.tune_space import (
     apply_params,
     last_judged_step,
     load_space,

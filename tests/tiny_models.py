@@ -7,7 +7,7 @@ from kava_ray.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_mode
 def train_on_one_batch(distiller, optim_cfg, batch, kv, steps: int) -> list[dict]:
     """`steps` optimizer steps of a Distiller (its production optimizer) on one batch and its teacher KV; the
     metrics of each step, as the Distiller returns them (detached 0-d tensors)."""
-    from kava_ray.distill import build_optimizer
+    from kava_ray.core.distiller import build_optimizer
 
     opt = build_optimizer(distiller, optim_cfg)
     history = []

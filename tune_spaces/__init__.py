@@ -1,1 +1,1 @@
-"""Ray Tune search spaces as YAML (dotted keys into kava_ray.config.JobConfig)."""
+"""Ray Tune search spaces as YAML (dotted keys into kava_ray.common.config.JobConfig)."""

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from kava_ray._io import atomic_write, format_table
-from kava_ray.config import JobConfig, load_config
+from kava_ray.common.config import JobConfig, load_config
+from kava_ray.common.files import atomic_write, format_table
 
 CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is built around
 
@@ -36,7 +36,7 @@ CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is bui
 def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
     """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
     from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.plans import in_process_plans
+    from kava_ray.core.plans import in_process_plans
     from kava_ray.testing.sources import InProcessSource
 
     plans = in_process_plans(cfg, models)
@@ -52,10 +52,10 @@ def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
 def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
     """The aligned teacher's own figures over the training split: share of student tokens aligned, teacher
     tokens per student token, and time per batch to build the alignment from text and to apply it."""
-    from kava_ray.align.tokens import alignment_stats, apply_alignment
+    from kava_ray.core.align.tokens import alignment_stats, apply_alignment
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.core.plans import data_seed
     from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
-    from kava_ray.models import load_tokenizer
-    from kava_ray.plans import data_seed
 
     d = cfg.data
     s_tok, t_tok = load_tokenizer(cfg.student.model), load_tokenizer(cfg.teacher(name).model)
@@ -101,8 +101,8 @@ def cross_teacher_dir(out: Path, tokenizer: str = CROSS_TOKENIZER) -> Path:
 def run_align_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: int = 24,
                     out: Optional[str] = None, cka_samples: int = 32, progress: bool = True) -> dict:
     """Both parts; returns {"same_tokenizer": {variant: figures}, "cross_tokenizer": {...}, "alignment": {...}}."""
-    from kava_ray.calibrate import measure_cka
-    from kava_ray.models import load_model
+    from kava_ray.core.models import load_model
+    from kava_ray.recipes.cka import measure_cka
 
     base = load_config(config, overrides)
     first = base.teachers[0]
@@ -142,7 +142,7 @@ def run_align_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = N
 
 def _with(cfg: JobConfig, **sections) -> JobConfig:
     """`cfg` with sections merged (nested dicts merge, lists replace), validated again."""
-    from kava_ray.config import validate_config
+    from kava_ray.common.config import validate_config
 
     def merge(a, b):
         return {k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v

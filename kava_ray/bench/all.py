@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from kava_ray._io import format_table
-from kava_ray.errors import KavaError
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import format_table
 
 PERF_BEGIN = "<!-- perf:begin (written by `kava-ray bench all`; edit the bench, not this block) -->"
 PERF_END = "<!-- perf:end -->"

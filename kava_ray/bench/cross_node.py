@@ -5,7 +5,7 @@ nodes, Ray copies it from the teacher node's object store to the student node's 
 student asks for it — unless `ActorSource` has already asked (`prefetch`: it starts the pull as soon as the
 teacher's answer exists, so the copy runs while the student trains on earlier batches).
 
-On `kava_ray.local_cluster` (a teacher node and a student node, each with its own raylet and object store, on
+On `kava_ray.runtime.local_cluster` (a teacher node and a student node, each with its own raylet and object store, on
 this machine), one student actor on the student node runs the production feed (`KVFeed` over `ActorSource`,
 depth 2) against a `TimedTeacher` (a teacher on a GPU of its own: the real wire payload of a Qwen2.5-1.5B
 geometry, put into its node's store like the production teacher's, after a fixed delay), and stands for a
@@ -32,11 +32,11 @@ import numpy as np
 import ray
 
 from actors.feed import ActorSource, KVFeed, KVRequest, get_kv
-from kava_ray._io import format_table
 from kava_ray.bench.timed_teacher import TimedTeacher
-from kava_ray.connect import connect
-from kava_ray.kv import KVBatch
-from kava_ray.local_cluster import STUDENT_NODE, TEACHER_NODE, local_cluster
+from kava_ray.common.files import format_table
+from kava_ray.core.kv import KVBatch
+from kava_ray.runtime.connect import connect
+from kava_ray.runtime.local_cluster import STUDENT_NODE, TEACHER_NODE, local_cluster
 
 # Qwen2.5-1.5B's KV geometry (28 KiB of bf16 K+V per token, every layer served)
 GEOMETRY = dict(num_layers=28, num_kv_heads=2, head_dim=128, num_attention_heads=12, hidden_size=1536,

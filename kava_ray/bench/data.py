@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray._io import format_table
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import format_table
 from kava_ray.data.batching import RELEASE_EVERY
-from kava_ray.errors import KavaError
 
 SIZES_MB = (10, 100, 1000)
 ROW_CAP = 1024  # unpacked text documents, one per row, are cut here for the padding comparison
@@ -66,7 +66,7 @@ def _peak_rss_mib() -> float:
 
 
 def _job(corpus: Path, max_length: int, cache: Path, batch_size: int):
-    from kava_ray.config import validate_config
+    from kava_ray.common.config import validate_config
 
     return validate_config({
         "teachers": [{"name": "t", "model": "unused"}], "student": {"model": str(_tokenizer_dir())},
@@ -84,8 +84,8 @@ def _tokenizer_dir() -> Path:
 
 def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
     """What `kava-ray train` does to the data before Ray starts: read, tokenize, pack, cache (this process)."""
-    from kava_ray.models import load_tokenizer
-    from kava_ray.plans import load_splits
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.core.plans import load_splits
 
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)
@@ -98,9 +98,9 @@ def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
 
 def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: int) -> dict:
     """What a train worker does: load the cached split, build the stream, take `batches` batches (this process)."""
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.core.plans import load_splits
     from kava_ray.data import BatchStream
-    from kava_ray.models import load_tokenizer
-    from kava_ray.plans import load_splits
 
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)
@@ -151,9 +151,9 @@ def padding_shares(max_length: int = 128, batch_size: int = 8) -> dict:
     (its max_length 224, batch 4) batched at random vs by length (`data.group_by_length`), and the Python-docs
     corpus's training documents padded one per row (cut at ROW_CAP) vs packed into `max_length` blocks
     (`data.packing`)."""
+    from kava_ray.core.models import load_tokenizer
     from kava_ray.data import plan_batches, synthetic_gsm8k, tokenize_split
     from kava_ray.data.corpus import pydoc_topics, split_topics
-    from kava_ray.models import load_tokenizer
 
     tok = load_tokenizer(str(_tokenizer_dir()))
     gsm = tokenize_split(tok, synthetic_gsm8k(256, 0), 224, source_id="bench-data/gsm8k")
@@ -178,7 +178,7 @@ def _in_fresh_process(fn: str, *args) -> dict:
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         tail = ((out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"])[0]
-        if tail.startswith("kava_ray.errors.KavaError: "):  # bad input, found in the child: one line, as here
+        if tail.startswith("kava_ray.common.errors.KavaError: "):  # bad input, found in the child: one line, as here
             raise KavaError(f"bench data {fn}: {tail.split(': ', 1)[1]}")
         raise RuntimeError(f"bench data {fn} failed: {tail}")
     return json.loads(line[len("RESULT "):])

@@ -41,19 +41,19 @@ import torch
 
 from actors.feed import ActorSource, KVFeed, get_kv
 from actors.pool import TeacherReplicas, start_pool, stop_pool
-from kava_ray._io import format_table
 from kava_ray.bench.cross_node import format_cross_node
 from kava_ray.bench.timed_teacher import TimedTeacher
-from kava_ray.config import JobConfig, validate_config
-from kava_ray.connect import connect
+from kava_ray.common.config import JobConfig, validate_config
+from kava_ray.common.files import format_table
+from kava_ray.common.resources import embedded_cpus
+from kava_ray.core.kv import KVBatch, teacher_forward_kv
+from kava_ray.core.models import kv_geometry, load_model, load_model_config
+from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
 from kava_ray.data.batching import batch_key
-from kava_ray.job import live_plans
-from kava_ray.kv import KVBatch, teacher_forward_kv
-from kava_ray.models import kv_geometry, load_model, load_model_config
-from kava_ray.plans import student_geometry, student_tokenizer, teacher_plans
-from kava_ray.resources import embedded_cpus
+from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.runtime.connect import connect
+from kava_ray.runtime.job import live_plans
 from kava_ray.testing.tiny import build_tiny_model
-from kava_ray.worker import DistillRecipe
 
 TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=192, num_heads=6, num_kv_heads=2)

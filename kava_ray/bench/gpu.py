@@ -34,10 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from kava_ray._io import atomic_write, format_table
 from kava_ray.bench.step import _batch, _sync, _timed
-from kava_ray.config import JobConfig, load_config, validate_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_write, format_table
 
 GIB = 1024 ** 3
 SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire")
@@ -52,7 +52,7 @@ TOY = {"toy-student": dict(family="qwen2", num_layers=2, hidden_size=64, num_hea
 
 def qwen_geometry(name: str) -> dict:
     """build_tiny_model kwargs of a real Qwen2.5 config ('qwen2.5-0.5b', ...) from `known_models`."""
-    from kava_ray.known_models import KNOWN
+    from kava_ray.core.known_models import KNOWN
 
     c = KNOWN[name]
     return dict(family="qwen2", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
@@ -119,7 +119,7 @@ def job(models: Models, student: str, teacher: str, batch: int, tokens: int, pre
 
 def teacher_model(cfg: JobConfig, device):
     """The job's teacher on `device` (bitsandbytes places a quantized one on the GPU while loading)."""
-    from kava_ray.models import load_model
+    from kava_ray.core.models import load_model
 
     t = cfg.teachers[0]
     model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
@@ -128,8 +128,8 @@ def teacher_model(cfg: JobConfig, device):
 
 def teacher_kv(cfg: JobConfig, plans: dict, model, data: dict, device):
     """The teacher's batch as a student worker receives it: forward, wire, decode on `device`."""
-    from kava_ray.kv import KVBatch, teacher_forward_kv
-    from kava_ray.plans import teacher_logits_top_k
+    from kava_ray.core.kv import KVBatch, teacher_forward_kv
+    from kava_ray.core.plans import teacher_logits_top_k
 
     dev = next(model.parameters()).device
     wire = teacher_forward_kv(model, data["input_ids"].to(dev), data["attention_mask"].to(dev),
@@ -139,7 +139,7 @@ def teacher_kv(cfg: JobConfig, plans: dict, model, data: dict, device):
 
 
 def recipe_of(cfg: JobConfig, plans: dict, device):
-    from kava_ray.worker import DistillRecipe
+    from kava_ray.recipes.distill import DistillRecipe
 
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup(data=False)  # the bench feeds its own batches: no tokenizer, no `datasets`
@@ -147,7 +147,7 @@ def recipe_of(cfg: JobConfig, plans: dict, device):
 
 
 def _plans(cfg: JobConfig, model) -> dict:
-    from kava_ray.plans import in_process_plans
+    from kava_ray.core.plans import in_process_plans
 
     return in_process_plans(cfg, {"t": model})
 
@@ -175,8 +175,8 @@ def device_section(device) -> dict:
 
 def correctness_section(models: Models, device, small: tuple) -> dict:
     """Teacher KV and top-k log-probs on CUDA in bf16 against the CPU in fp32, on the small geometry."""
-    from kava_ray.kv import teacher_forward_kv
-    from kava_ray.models import load_model
+    from kava_ray.core.kv import teacher_forward_kv
+    from kava_ray.core.models import load_model
 
     student, teacher = small
     data = _batch(2, 64, models.vocab(teacher))
@@ -201,7 +201,7 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
     """The production step under each precision policy on one fixed batch: share of student weights that
     changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element that gets an
     update; bf16-sr rounds each update stochastically, so small updates change a weight only sometimes."""
-    from kava_ray.models import load_model
+    from kava_ray.core.models import load_model
 
     student, teacher = small
     data = _batch(2, 64, models.vocab(student))
@@ -245,7 +245,7 @@ def _peak(device, fn) -> tuple[int, int]:
 
 def _planned(cfg: JobConfig) -> dict:
     """The planner's items for the job on one GPU, grouped into the classes measured here."""
-    from kava_ray.plan import plan
+    from kava_ray.runtime.planner import plan
 
     items = {k: v for d in plan(cfg, gpu_mem_bytes=80 * GIB)["devices"].values() for k, v in d["items"].items()}
     t_weights = sum(v for k, v in items.items() if k.startswith("teacher:") and "weights" in k)
@@ -286,7 +286,7 @@ def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
 
 
 def cfg_vocab(cfg: JobConfig) -> int:
-    from kava_ray.plans import student_geometry
+    from kava_ray.core.plans import student_geometry
 
     return student_geometry(cfg).vocab_size
 
@@ -358,7 +358,7 @@ def flops_per_token(model, tokens: int) -> float:
 def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's share against a
     plain forward) and of the production student step, at each (batch, tokens) point."""
-    from kava_ray.kv import teacher_forward_kv
+    from kava_ray.core.kv import teacher_forward_kv
 
     peak = matmul_peak(device, sz["matmul"])
     rows = []
@@ -403,8 +403,8 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
 
 def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     """Encode (device -> wire arrays) and decode (wire -> fp32 on the device) of one teacher batch."""
-    from kava_ray.kv import KVBatch, teacher_forward_kv
-    from kava_ray.models import load_model
+    from kava_ray.core.kv import KVBatch, teacher_forward_kv
+    from kava_ray.core.models import load_model
 
     name = sz["teachers"][-1] if device.type == "cuda" else sz["small"][1]
     b, t = sz["wire_tokens"]

@@ -34,10 +34,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray._io import atomic_write, format_table
 from kava_ray.bench.stats import fmt_interval, paired
-from kava_ray.config import JobConfig, load_config, validate_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_write, format_table
 
 # arm: (loss.ce_weight, loss.kv_weight, loss.logit_weight)
 ARMS: dict[str, tuple[float, float, float]] = {
@@ -108,12 +108,12 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
 
     from kava_ray.bench.inprocess import train_in_process
     from kava_ray.bench.recipes import Scorer, plot_curves
+    from kava_ray.core.models import load_model, load_student, load_tokenizer
+    from kava_ray.core.plans import load_test_split
     from kava_ray.data.corpus import write_pydoc_corpus
-    from kava_ray.evaluate import heldout_ce
-    from kava_ray.job import connect_job, precompute
-    from kava_ray.models import load_model, load_student, load_tokenizer
-    from kava_ray.plans import load_test_split
-    from kava_ray.preflight import check_model_files
+    from kava_ray.recipes.evaluate import heldout_ce
+    from kava_ray.runtime.job import connect_job, precompute
+    from kava_ray.runtime.preflight import check_model_files
 
     p = dict(QUICK if quick else DEFAULTS)
     p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
@@ -257,14 +257,14 @@ def parse_recipe(text: str) -> tuple[str, dict]:
 
 def load_splits_head(cfg: JobConfig, tok, n: int):
     """The first `n` blocks of the validation split: the curve's held-out CE, cheap enough every few steps."""
-    from kava_ray.plans import load_splits
+    from kava_ray.core.plans import load_splits
 
     return load_splits(cfg, tok)[1].head(n)
 
 
 def _apply(d: dict, overrides: dict) -> dict:
     """Dotted {key: value} overrides on a config dict (an arm's own recipe, e.g. from a Tune sweep)."""
-    from kava_ray.config import set_dotted
+    from kava_ray.common.config import set_dotted
 
     for k, v in overrides.items():
         set_dotted(d, k.split("."), v)

@@ -18,7 +18,7 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
                      evaluate: Optional[Callable] = None, device: str = "cpu") -> dict:
     """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
     "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
-    from kava_ray.worker import DistillRecipe
+    from kava_ray.recipes.distill import DistillRecipe
 
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()

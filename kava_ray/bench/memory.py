@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from kava_ray.config import JobConfig, load_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import JobConfig, load_config
+from kava_ray.common.errors import KavaError
 
 
 def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: float = 300) -> dict:
@@ -48,7 +48,7 @@ def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: floa
 
 def planned_bytes(cfg: JobConfig, device: str) -> dict:
     """{"student", "teacher"}: what the planner says `measure_peak` measures (see the module docstring)."""
-    from kava_ray.plan import RUNTIME_BYTES, cpu_allocator_slack, plan
+    from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
 
     def with_slack(items: dict) -> int:  # the planner's CPU rule, on one process's items
         return sum(items.values()) + cpu_allocator_slack(items)
@@ -111,11 +111,11 @@ def _run(job: str, steps: int) -> dict:
     import collections
     import pickle
 
-    from kava_ray.distill import Distiller, build_optimizer
-    from kava_ray.kv import KVBatch, teacher_forward_kv
-    from kava_ray.models import kv_geometry, load_model, load_student
-    from kava_ray.plans import in_process_plans, teacher_logits_top_k
-    from kava_ray.precision import student_precision
+    from kava_ray.core.distiller import Distiller, build_optimizer
+    from kava_ray.core.kv import KVBatch, teacher_forward_kv
+    from kava_ray.core.models import kv_geometry, load_model, load_student
+    from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+    from kava_ray.core.precision import student_precision
 
     cfg = load_config(job)
     cuda = torch.cuda.is_available()

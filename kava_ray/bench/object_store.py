@@ -38,7 +38,7 @@ def run_object_store(plasma_directory: Optional[str] = None, preallocate: bool =
     import torch
 
     from kava_ray.bench.feed import _TransportProbe
-    from kava_ray.connect import single_machine_mode
+    from kava_ray.runtime.connect import single_machine_mode
 
     single_machine_mode()
     t0 = time.perf_counter()

@@ -22,9 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kava_ray._io import format_table
-from kava_ray.errors import KavaError
-from kava_ray.projectors import ElasticBottleneck, LinearProjector
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import format_table
+from kava_ray.core.projectors import ElasticBottleneck, LinearProjector
 
 SCENARIOS = ("gaussian", "shifted_outliers", "tanh")
 

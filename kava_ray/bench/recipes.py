@@ -4,14 +4,14 @@ The same student, data, batch, steps and optimizer under four recipes -- `ce` (p
 (this product's default), `ce+logits` (the field's top-k logit KD: the student normalised over its full
 vocabulary, the teacher's tail as a bucket) and `ce+kv+logits` -- each the production step
 (`worker.DistillRecipe.step`) run in this process (`bench.inprocess`: no TorchTrainer start per run). The
-teachers run once: `kava_ray.job.precompute` stores every example's KV
+teachers run once: `kava_ray.runtime.job.precompute` stores every example's KV
 and top-64 log-probs in the example-indexed cache that every run reads (`data.kv_source: cache`), so a
 seed may reshuffle the data and still costs no teacher forward.
 
 A seed draws both the data order (`train.data_seed`) and the initialisation (`train.seed`); within a seed
 every recipe sees the same batches. Every finished student is then scored the same way, whatever trained
 it (`evaluate.score_student`, from the cache): test CE (fp32, as `kava-ray eval`), KL(teacher || student)
-and top-1 agreement with each teacher, the projector-free KV cosine (`kava_ray.probe`), and greedy exact
+and top-1 agreement with each teacher, the projector-free KV cosine (`kava_ray.core.probe`), and greedy exact
 match on `limit` test problems with a budget that reaches `#### <answer>`. Differences against `ce` are
 paired per seed, with a 95 % t-interval (`bench.stats.paired`); the teachers' own CE and exact match are a
 row of their own.
@@ -27,9 +27,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray._io import format_table
 from kava_ray.bench.stats import fmt_interval, paired
-from kava_ray.config import JobConfig, load_config, validate_config
+from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.files import format_table
 
 # recipe: (loss.kv_weight, loss.logit_weight)
 RECIPES: dict[str, tuple[float, float]] = {"ce": (0.0, 0.0), "ce+logits": (0.0, 1.0), "ce+kv": (1.0, 0.0),
@@ -78,9 +78,9 @@ class Scorer:
     the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
 
     def __init__(self, cache_cfg: JobConfig, limit: int, max_new_tokens: int):
-        from kava_ray.job import kv_source, setup_teachers
-        from kava_ray.models import load_tokenizer
-        from kava_ray.plans import copied_layers, load_splits, load_test_split
+        from kava_ray.core.models import load_tokenizer
+        from kava_ray.core.plans import copied_layers, load_splits, load_test_split
+        from kava_ray.runtime.job import kv_source, setup_teachers
 
         self.cfg, self.limit, self.max_new_tokens = cache_cfg, limit, max_new_tokens
         _, self.plans, _ = setup_teachers(cache_cfg)  # the cache: no Ray, no teacher model
@@ -92,7 +92,7 @@ class Scorer:
 
     def model(self, model, tokenizer, split=None) -> dict:
         """Score a student model on `split` (default the test split); exact match on gsm8k records only."""
-        from kava_ray.evaluate import gsm8k_accuracy, kv_alignment, score_student
+        from kava_ray.recipes.evaluate import gsm8k_accuracy, kv_alignment, score_student
 
         split = self.test if split is None else split
         align = kv_alignment(model, self.source, self.plans, self.train_split, self.cfg, self.copied)
@@ -104,8 +104,8 @@ class Scorer:
         return out
 
     def teacher(self, name: str) -> dict:
-        from kava_ray.evaluate import gsm8k_accuracy, heldout_ce
-        from kava_ray.models import load_model, load_tokenizer
+        from kava_ray.core.models import load_model, load_tokenizer
+        from kava_ray.recipes.evaluate import gsm8k_accuracy, heldout_ce
 
         t = self.cfg.teacher(name)
         model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
@@ -174,10 +174,10 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
                       address: Optional[str] = None, progress: bool = True) -> dict:
     """Every recipe x seed over one precomputed teacher cache, every student scored alike; see the module doc."""
     from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.errors import KavaError
-    from kava_ray.job import precompute
-    from kava_ray.models import load_tokenizer
-    from kava_ray.preflight import check_model_files
+    from kava_ray.common.errors import KavaError
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.runtime.job import precompute
+    from kava_ray.runtime.preflight import check_model_files
 
     names = list(recipes or RECIPES)
     unknown = [n for n in names if n not in RECIPES]

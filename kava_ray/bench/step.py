@@ -41,9 +41,9 @@ from typing import Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kava_ray._io import format_table
-from kava_ray.config import JobConfig, load_config, validate_config
-from kava_ray.errors import KavaError
+from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import format_table
 
 # a small student: ~25% of its forward FLOPs in the LM head, as in Qwen2.5-0.5B (vocab 8192 at hidden 384)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024,
@@ -96,7 +96,7 @@ def _cross_vocab(plans: dict, data: dict, s_vocab: int):
 
     import numpy as np
 
-    from kava_ray.align.vocab import VocabMap
+    from kava_ray.core.align.vocab import VocabMap
 
     plan = plans["t"]
     plans = {"t": dataclasses.replace(plan, tokenizer="(bench: another tokenizer)", tokenizer_fingerprint=None)}
@@ -122,9 +122,9 @@ class _Plain:
     """Plain fine-tuning of the student alone, with the recipe's precision and optimizer settings."""
 
     def __init__(self, cfg: JobConfig, device, batch: dict):
-        from kava_ray.distill import build_scheduler
-        from kava_ray.models import load_student
-        from kava_ray.precision import student_precision
+        from kava_ray.core.distiller import build_scheduler
+        from kava_ray.core.models import load_student
+        from kava_ray.core.precision import student_precision
 
         self.precision = student_precision(cfg.student, device)
         self.model = load_student(cfg.student.model, dtype=self.precision.weight_dtype).to(device)
@@ -203,11 +203,11 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                    memory: bool = False, memory_steps: int = 2) -> dict:
     """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
     down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
-    from kava_ray.kv import KVBatch, student_forward_kv, teacher_forward_kv
-    from kava_ray.models import load_model
-    from kava_ray.plans import in_process_plans, teacher_logits_top_k
+    from kava_ray.core.kv import KVBatch, student_forward_kv, teacher_forward_kv
+    from kava_ray.core.models import load_model
+    from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+    from kava_ray.recipes.distill import DistillRecipe
     from kava_ray.testing.tiny import build_tiny_model
-    from kava_ray.worker import DistillRecipe
 
     for name, value in (("steps", steps), ("rounds", rounds), ("profile_steps", profile_steps), ("batch", batch),
                         ("tokens", tokens), ("threads", threads), ("memory_steps", memory_steps)):

@@ -18,8 +18,8 @@ import numpy as np
 import ray
 import torch
 
-from kava_ray.kv import KVBatch
-from kava_ray.models import KVGeometry
+from kava_ray.core.kv import KVBatch
+from kava_ray.core.models import KVGeometry
 
 
 @ray.remote(num_cpus=0)

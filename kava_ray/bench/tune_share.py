@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from kava_ray._io import format_table
-from kava_ray.config import load_config
+from kava_ray.common.config import load_config
+from kava_ray.common.files import format_table
 from kava_ray.testing.tiny import build_tiny_model
 
 SPACE = {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "search": {"kind": "random"},
@@ -56,13 +56,13 @@ def forwards_per_batch(stats: list[dict], distinct_batches: int) -> float:
 
 def own_teachers_trial(config: dict, setup: dict) -> None:
     """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
-    namespace of its own, then runs the production trial (`kava_ray.tune.trial_fn`) against them."""
+    namespace of its own, then runs the production trial (`kava_ray.recipes.tune.trial_fn`) against them."""
     from ray import tune
 
     from actors.pool import pool_stats, start_pool, stop_pool
-    from kava_ray.config import validate_config
-    from kava_ray.job import teacher_geometries
-    from kava_ray.tune import trial_dir, trial_fn
+    from kava_ray.common.config import validate_config
+    from kava_ray.recipes.tune import trial_dir, trial_fn
+    from kava_ray.runtime.job import teacher_geometries
 
     base = validate_config(setup["base"])
     cfg = base.model_copy(update={"ray": base.ray.model_copy(
@@ -79,7 +79,7 @@ def own_teachers_trial(config: dict, setup: dict) -> None:
 def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
     import ray
 
-    from kava_ray.tune import run_tune
+    from kava_ray.recipes.tune import run_tune
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from kava_ray._io import format_table
+from kava_ray.common.files import format_table
 
 NAMES = ("smollm2", "qwen2", "llama3")
 
@@ -36,7 +36,7 @@ def _corpora(docs: int, problems: int) -> dict[str, list]:
 def run_vocab_bench(names=NAMES, docs: int = 24, problems: int = 64, max_length: int = 512) -> dict:
     """{"pairs": [{teacher, student, map: {coverage, student_coverage, matched}, <corpus>: {paired, kv,
     student_tokens}}], "config"}."""
-    from kava_ray.align.vocab import build_vocab_map
+    from kava_ray.core.align.vocab import build_vocab_map
     from kava_ray.data import teacher_view, tokenize_split
     from kava_ray.testing.tokenizers import real_tokenizer
 

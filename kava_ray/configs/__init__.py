@@ -1,1 +1,1 @@
-"""Job presets shipped as package data (load them by name with kava_ray.config.load_config)."""
+"""Job presets shipped as package data (load them by name with kava_ray.common.config.load_config)."""

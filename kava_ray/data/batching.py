@@ -8,9 +8,9 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from kava_ray.common.errors import KavaError
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit, _sha
-from kava_ray.errors import KavaError
 
 RELEASE_EVERY = 16  # batches between releases of the Arrow cache's mapped pages (mmap_advice)
 

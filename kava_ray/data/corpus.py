@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kava_ray._io import atomic_write
+from kava_ray.common.files import atomic_write
 
 SPLITS = ("train", "validation", "test")
 SHARES = {"validation": 0.1, "test": 0.1}  # the rest trains

@@ -3,7 +3,7 @@
 
 `load_records` returns a `datasets.Dataset` (Arrow, memory-mapped from the datasets cache for files and the hub)
 with `data.columns` applied; `check_source` reads only a source's first records, in the driver, before
-anything starts (`kava_ray.preflight`), and checks they are records of one format (`data.records`).
+anything starts (`kava_ray.runtime.preflight`), and checks they are records of one format (`data.records`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import os
 import re
 from typing import Iterator, Mapping, Optional
 
-from kava_ray._io import first_line
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import first_line
 from kava_ray.data.records import formats_of, record_format
 from kava_ray.data.synthetic import Example, synthetic_split
-from kava_ray.errors import KavaError
 
 _FILE_LIKE_EXTS = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".xlsx")
 READABLE = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # extension -> datasets builder
@@ -133,7 +133,7 @@ def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 
 
 def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
                  columns: Optional[Mapping] = None) -> None:
-    """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`kava_ray.preflight`).
+    """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`kava_ray.runtime.preflight`).
 
     synthetic: nothing to check. A local file or directory (see `source_path`): exists, is not empty, and its
     first `records` records parse and are valid records of one format (`data.records.formats_of`: one line

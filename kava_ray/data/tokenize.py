@@ -22,7 +22,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from kava_ray.align.tokens import align_positions, align_texts, pair_positions
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.tokens import align_positions, align_texts, pair_positions
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.records import (
     PLAIN_PROMPT,
@@ -35,7 +36,6 @@ from kava_ray.data.records import (
     use_chat,
 )
 from kava_ray.data.synthetic import Example
-from kava_ray.errors import KavaError
 
 IGNORE_INDEX = -100
 CODE_VERSION = 2  # bump when the encoding changes: it is part of every split's fingerprint (and cache file)
@@ -451,7 +451,7 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     """Encode every row of `split` with a teacher's `tokenizer` and align it to the student's tokens.
 
     The teacher renders the same record (with `auto` it applies its own chat template if it has one; a packed
-    block: the same document pieces). Alignment per row: `kava_ray.align.tokens.align_texts` (character
+    block: the same document pieces). Alignment per row: `kava_ray.core.align.tokens.align_texts` (character
     offsets within the record's content segments, causal). Truncation: for a truncated student row, teacher
     tokens that end past the student's last covered character (unusable by the causal alignment) are dropped,
     then the teacher row is capped at max_length tokens; student positions the cap cuts off become unaligned.

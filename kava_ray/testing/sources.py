@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kava_ray.kv import teacher_forward_kv
+from kava_ray.core.kv import teacher_forward_kv
 
 
 class InProcessSource:

@@ -24,9 +24,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from kava_ray._io import atomic_dir, file_lock
-from kava_ray.errors import KavaError
-from kava_ray.gguf import default_cache_dir
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_dir, file_lock
+from kava_ray.core.gguf import default_cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
@@ -37,7 +37,7 @@ FETCH_HINT = "fetch it with: .venv/bin/python -m kava_ray.testing.tokenizers"
 
 
 def cache_root() -> Path:
-    """$KAVA_CACHE, else kava_ray.gguf.default_cache_dir() ($KAVA_RAY_CACHE or ~/.cache/kava-ray)."""
+    """$KAVA_CACHE, else kava_ray.core.gguf.default_cache_dir() ($KAVA_RAY_CACHE or ~/.cache/kava-ray)."""
     env = os.environ.get("KAVA_CACHE")
     return Path(env).expanduser() if env else default_cache_dir()
 
@@ -86,7 +86,7 @@ def _build(name: str, out: Path) -> None:
     from transformers import AutoTokenizer
 
     if name == "smollm2":
-        from kava_ray.models import load_tokenizer
+        from kava_ray.core.models import load_tokenizer
 
         tok = load_tokenizer(SMOLLM2_SPEC)  # resolve_packaged_file + the GGUF loader the demo uses
     else:

@@ -1,0 +1,226 @@
+"""Checkpoints of a distillation run, written through `_io.atomic_dir` (a temp dir renamed into place).
+
+  student/                 save_pretrained (safetensors) + tokenizer
+  projectors.safetensors   every teacher's projector, keys `<teacher>.<param>`
+  fusion.safetensors       fusion parameters and buffers
+  optimizer.pt             optimizer + LR scheduler state (loaded with weights_only=True)
+  state.json               step, data-stream position, RNG scheme, config hash, the full config and the
+                           size of every other file (`files`), written last
+
+The torch and safetensors imports are local to the functions that write or load tensors: `kava_ray.runtime.preflight`
+reads checkpoints through this module before anything heavy is imported.
+
+A checkpoint that cannot be used — state.json not JSON, a file missing or of another size than state.json
+records (a partial copy into storage, a full disk), a tensor file that does not parse — is one KavaError
+line naming the file; a write that fails (unwritable storage, disk full) is one line too, and never
+replaces the checkpoint that was there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_dir, first_line
+
+STATE = "state.json"
+
+
+def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, stream_state: dict,
+                    cfg: JobConfig, extra: Optional[dict] = None) -> Path:
+    """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
+    replaced only once the new one is complete."""
+    from safetensors import SafetensorError
+
+    path = Path(path)
+    try:
+        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra)
+    except OSError as e:  # unwritable storage, disk full, file size limit: the previous checkpoint stays
+        raise KavaError(f"cannot write checkpoint {path}: {e.strerror or first_line(e)}"
+                        f"{f' ({e.filename})' if e.filename else ''}") from None
+    except (SafetensorError, RuntimeError) as e:  # the same from safetensors' / torch.save's own writers
+        raise KavaError(f"cannot write checkpoint {path}: {first_line(e)}") from None
+
+
+def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    with atomic_dir(path) as tmp:
+        distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "student")
+        save_file(_contiguous(distiller.projectors.state_dict()), tmp / "projectors.safetensors")
+        save_file(_contiguous(distiller.fusion.state_dict()) or {"_empty": torch.zeros(0)},
+                  tmp / "fusion.safetensors")
+        if optimizer is not None:
+            torch.save({"optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                       tmp / "optimizer.pt")
+        state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
+                 "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
+                 **(extra or {}),
+                 "files": {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                           if f.is_file()}}
+        (tmp / STATE).write_text(json.dumps(state, indent=1))
+    return path
+
+
+def _load_tensors(f: Path) -> dict:
+    from safetensors.torch import load_file
+
+    if not f.is_file():
+        raise KavaError(f"checkpoint {f.parent}: {f} is missing (an incomplete checkpoint)")
+    try:
+        return load_file(f)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a truncated header/data
+        raise KavaError(f"checkpoint {f.parent}: {f} is corrupt ({first_line(e, with_type=True)})") from None
+
+
+def _recorded_files(path: Path) -> Optional[dict]:
+    try:
+        return json.loads((path / STATE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _contiguous(sd: dict) -> dict:
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+
+def read_state(path, verify: bool = True) -> dict:
+    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded size.
+    Not a checkpoint, a state.json that is not JSON (truncated, overwritten) or lacks the keys a resume reads,
+    a missing or truncated file: one KavaError line naming the file."""
+    p = Path(path) / STATE
+    if not p.is_file():
+        raise KavaError(f"checkpoint {path}: no {STATE} (not a kava-ray checkpoint)")
+    try:
+        state = json.loads(p.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        why = f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise KavaError(f"checkpoint {p} is not valid JSON ({why}): corrupt or truncated") from None
+    missing = [k for k in ("step", "config_hash", "config") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise KavaError(f"checkpoint {p} has no {missing[0]!r} (not a complete kava-ray checkpoint)")
+    if verify:
+        problem = incomplete(path, state)
+        if problem:
+            raise KavaError(f"checkpoint {path}: {problem}")
+    return state
+
+
+def find_checkpoint(path, for_resume: bool = False) -> Path:
+    """A checkpoint dir from a checkpoint path or a run dir.
+
+    For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
+    checkpoint (which carries the optimizer state final/ leaves out). A run dir's partial checkpoint (Ray
+    Train's copy into storage cut off) is passed over.
+    """
+    p = Path(path).expanduser()
+    latest = sorted(p.glob("checkpoint_2*"), reverse=True)
+    order = (p, *latest, p / "final") if for_resume else (p, p / "final", *latest)
+    passed_over = []
+    for candidate in order:
+        if (candidate / STATE).is_file():
+            problem = None if candidate == p else incomplete(candidate)
+            if problem is None:
+                return candidate
+            passed_over.append(problem)
+    if passed_over:  # only unusable ones: name why the newest is (e.g. its state.json is corrupt)
+        raise KavaError(f"{path}: no complete checkpoint ({passed_over[0]})")
+    if not p.exists():
+        raise KavaError(f"{path}: no such run dir or checkpoint")
+    raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
+
+
+def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
+    """(checkpoint dir, its state, its job config) of a run or checkpoint dir, every problem in one line."""
+    ckpt = find_checkpoint(path)
+    state = read_state(ckpt)
+    return ckpt, state, _saved_config(ckpt, state)
+
+
+def check_files(ckpt) -> None:
+    """A readable state.json and the files loading a checkpoint reads (the student, projectors, fusion)."""
+    ckpt = Path(ckpt)
+    read_state(ckpt)
+    for rel in ("student/config.json", "projectors.safetensors", "fusion.safetensors"):
+        if not (ckpt / rel).is_file():
+            raise KavaError(f"checkpoint {ckpt}: {rel} is missing (an incomplete checkpoint)")
+
+
+def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
+    """What makes `path` an incomplete checkpoint (a file missing or of another size than state.json
+    records), or None. Checkpoints written before state.json recorded its files are not checked."""
+    path = Path(path)
+    if state is None:
+        try:
+            state = json.loads((path / STATE).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return f"{path / STATE} is missing or corrupt"
+    for rel, size in (state.get("files") or {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing (an incomplete checkpoint)"
+        if f.stat().st_size != size:
+            return f"{f} is truncated or corrupt ({f.stat().st_size} bytes, state.json records {size})"
+    return None
+
+
+RUN_SECTIONS = ("optim", "train", "data")  # what a resumed run would otherwise silently keep from the checkpoint
+
+
+def _saved_config(path, state: dict) -> JobConfig:
+    try:
+        return validate_config(state["config"])
+    except KavaError as e:  # e.g. a key this version no longer has
+        raise KavaError(f"checkpoint {path} was written with a config this version cannot read ({e})") from None
+
+
+def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
+    """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
+
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule and data settings
+    (optim.*, train.*, data.*) may change only with `allow_run_changes` (`--resume-override`): the
+    checkpoint's optimizer state and schedule would otherwise quietly win over the new values.
+    """
+    state = read_state(path)
+    # a config saved before load_config made its paths absolute: its relative paths match ours
+    saved = resolve_paths(_saved_config(path, state), like=cfg)
+    if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
+        raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
+                        f" differ")
+    if not allow_run_changes:
+        changed = diff_keys(saved, cfg, RUN_SECTIONS)
+        if changed:
+            raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
+                            f"to continue with the new values")
+    return state
+
+
+def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
+    """Load projectors, fusion (and optimizer/scheduler) from `path` into already-built objects.
+
+    The student itself is loaded by the caller with from_pretrained(path / "student").
+    """
+    import torch
+
+    path = Path(path)
+    distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
+    fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
+    distiller.fusion.load_state_dict(fusion)
+    opt_file = path / "optimizer.pt"
+    if optimizer is not None and not opt_file.is_file() and "optimizer.pt" in (_recorded_files(path) or {}):
+        raise KavaError(f"checkpoint {path}: {opt_file} is missing (an incomplete checkpoint)")
+    if optimizer is not None and opt_file.is_file():
+        try:
+            blob = torch.load(opt_file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line naming it
+            raise KavaError(f"checkpoint {path}: {opt_file} is corrupt ({first_line(e, with_type=True)})") from None
+        optimizer.load_state_dict(blob["optimizer"])
+        if scheduler is not None and blob.get("scheduler") is not None:
+            scheduler.load_state_dict(blob["scheduler"])

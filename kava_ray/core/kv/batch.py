@@ -1,0 +1,269 @@
+"""KVBatch: K and V of selected layers as [L, B, H_kv, T, D] (+ the teacher's top-k log-probs), and its wire
+format -- compact, pickle-friendly numpy payloads (zero-copy views where possible: bf16 as a uint16 view, fp16,
+fp8 e4m3 with per-channel scales) that travel through Ray's object store and the on-disk KV cache.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.models import KVGeometry
+
+KEY_SPACES = ("pre_rope", "post_rope")
+WIRE_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+TOPK_ARRAYS = ("topk_ids", "topk_logp", "topk_tail")  # what a payload carries of the teacher's logits
+_ELEM_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp32": 4, "float32": 4}
+
+
+@dataclass
+class KVBatch:
+    """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token.
+
+    topk_ids / topk_logp: optionally, the teacher's top-k next-token log-probabilities from the same
+    forward, [B, T, k] (ids int64; log-probs at temperature 1 over the full vocabulary, sorted descending),
+    None when not asked for; topk_tail [B, T]: the log of the mass outside those k ids (the tail bucket of
+    `losses.topk_kl_loss`), None in batches from before it was served.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    layer_ids: list[int]
+    mask: torch.Tensor | None
+    key_space: str
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
+    topk_tail: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.keys.shape)
+
+    def to(self, device=None, dtype=None) -> "KVBatch":
+        """Move K, V (and mask) to `device`; cast K, V to `dtype` if given (the mask keeps its dtype)."""
+        mask = self.mask.to(device) if self.mask is not None and device is not None else self.mask
+        return KVBatch(
+            self.keys.to(device=device, dtype=dtype),
+            self.values.to(device=device, dtype=dtype),
+            list(self.layer_ids),
+            mask,
+            self.key_space,
+            None if self.topk_ids is None else self.topk_ids.to(device),  # top-k keeps its dtypes
+            None if self.topk_logp is None else self.topk_logp.to(device),
+            None if self.topk_tail is None else self.topk_tail.to(device),
+        )
+
+    def select_layers(self, ids) -> "KVBatch":
+        """A KVBatch with exactly the layers `ids` (model layer ids, in that order)."""
+        ids = [int(i) for i in ids]
+        missing = [i for i in ids if i not in self.layer_ids]
+        if missing:
+            raise KavaError(f"layers {missing} not in this KV batch (has {self.layer_ids})")
+        idx = torch.tensor([self.layer_ids.index(i) for i in ids], device=self.keys.device)
+        return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space,
+                       self.topk_ids, self.topk_logp, self.topk_tail)
+
+    def row(self, b: int) -> "KVBatch":
+        """Sample `b` alone ([L, 1, H, n, D]), cut to its n real tokens (right padding: mask[b] is 1...1 0...0)."""
+        n = int(self.mask[b].sum()) if self.mask is not None else self.keys.shape[3]
+
+        def kv(x):  # [L, B, H, T, D]
+            return x[:, b:b + 1, :, :n]
+
+        def tok(x):  # [B, T, ...]
+            return None if x is None else x[b:b + 1, :n]
+
+        return KVBatch(kv(self.keys), kv(self.values), list(self.layer_ids), tok(self.mask), self.key_space,
+                       tok(self.topk_ids), tok(self.topk_logp), tok(self.topk_tail))
+
+    @classmethod
+    def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
+        """Samples (`row` outputs, n_b real tokens each) as one right-padded batch for `mask` [B, T]: zeros
+        past each sample's tokens. Every row must have exactly its mask row's count of tokens."""
+        mask = torch.as_tensor(mask).bool()
+        B, T = mask.shape
+        first = rows[0]
+        L, _, H, _, D = first.keys.shape
+        for b, r in enumerate(rows):
+            n = r.keys.shape[3]
+            if n != int(mask[b].sum()) or not bool(mask[b, :n].all()):
+                raise KavaError(f"KV row {b} has {n} tokens, the batch's mask row {int(mask[b].sum())} "
+                                f"(rows are right-padded samples)")
+
+        def fill(get, shape, dtype, time_dim):
+            if get(first) is None:
+                return None
+            out = torch.zeros(shape, dtype=dtype)
+            for b, r in enumerate(rows):
+                x = get(r)
+                n = x.shape[time_dim]
+                if time_dim == 3:
+                    out[:, b, :, :n] = x[:, 0]
+                else:
+                    out[b, :n] = x[0]
+            return out
+
+        k = first.topk_ids.shape[-1] if first.topk_ids is not None else 0
+        return cls(fill(lambda r: r.keys, (L, B, H, T, D), first.keys.dtype, 3),
+                   fill(lambda r: r.values, (L, B, H, T, D), first.values.dtype, 3),
+                   list(first.layer_ids), mask, first.key_space,
+                   fill(lambda r: r.topk_ids, (B, T, k), torch.int64, 1),
+                   fill(lambda r: r.topk_logp, (B, T, k), torch.float32, 1),
+                   fill(lambda r: r.topk_tail, (B, T), torch.float32, 1))
+
+    def num_bytes(self) -> int:
+        """Bytes held by K and V (not the mask)."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    # ------------------------------------------------------------------------------------- wire
+
+    def to_wire(self, dtype: str = "bf16") -> dict:
+        """Compact, pickle-friendly payload of numpy arrays (zero-copy views where possible).
+
+        bf16 -> uint16 view of the bf16 bits (numpy has no bfloat16); fp16 -> float16;
+        fp8 -> uint8 view of float8_e4m3fn plus a float32 scale per (layer, head, head_dim) channel
+        (amax over batch and time / 448). A CPU, contiguous tensor already in the wire dtype is not
+        copied: the arrays share its memory.
+
+        Top-k log-probs, when the batch has them: `topk_ids` as int32 [B, T, k] and `topk_logp` in the
+        wire dtype (bf16 as a uint16 view, fp16), named by `topk_dtype`; an fp8 wire sends them as fp16
+        (log-probs span a range per-channel fp8 scales do not fit, and they are k values per token, not
+        a KV stack); `topk_tail` [B, T] float32 (the log mass outside the k ids: small, and its precision
+        decides the tail bucket). A batch without them yields a payload without these keys, as before.
+        """
+        dtype = _wire_dtype(dtype)
+        payload = {
+            "version": WIRE_VERSION,
+            "dtype": dtype,
+            "shape": list(self.keys.shape),
+            "layer_ids": list(self.layer_ids),
+            "key_space": self.key_space,
+            "mask": None if self.mask is None else self.mask.detach().to("cpu", torch.bool).numpy(),
+        }
+        for name, t in (("k", self.keys), ("v", self.values)):
+            t = t.detach()
+            if dtype == "bf16":
+                payload[name] = t.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
+            elif dtype == "fp16":
+                payload[name] = t.to("cpu", torch.float16).contiguous().numpy()
+            else:  # fp8 e4m3 with per-channel scales
+                x = t.float()  # [L, B, H, T, D]
+                scale = x.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX  # [L, 1, H, 1, D]
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                q = (x / scale).to(torch.float8_e4m3fn)
+                payload[name] = q.to("cpu").contiguous().view(torch.uint8).numpy()
+                payload[name + "_scale"] = scale[:, 0, :, 0, :].to("cpu").contiguous().numpy()  # [L, H, D]
+        if self.topk_ids is not None and self.topk_logp is not None:
+            lp_dtype = "bf16" if dtype == "bf16" else "fp16"  # fp8 wire: log-probs as fp16
+            payload["topk_dtype"] = lp_dtype
+            payload["topk_ids"] = self.topk_ids.detach().to("cpu", torch.int32).contiguous().numpy()
+            lp = self.topk_logp.detach()
+            if lp_dtype == "bf16":
+                payload["topk_logp"] = lp.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
+            else:
+                payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
+            if self.topk_tail is not None:
+                payload["topk_tail"] = self.topk_tail.detach().to("cpu", torch.float32).contiguous().numpy()
+        return payload
+
+    @classmethod
+    def from_wire(cls, payload: dict, device=None, dtype: torch.dtype | None = torch.float32) -> "KVBatch":
+        """Rebuild a KVBatch from `to_wire` output; the compact arrays move to `device` before the cast.
+
+        dtype=None keeps the wire dtype (bf16/fp16; fp8 is always de-scaled to float32). Top-k log-probs,
+        when the payload has them, come back as int64 ids and float32 log-probs (float64 if dtype is
+        float64) on `device`, whatever `dtype` is: they keep at least fp32 precision after decode.
+        """
+        if payload.get("version") != WIRE_VERSION:
+            raise KavaError(f"KV wire version {payload.get('version')!r} not supported (expected {WIRE_VERSION})")
+        wire = payload["dtype"]
+        tensors = []
+        for name in ("k", "v"):
+            with warnings.catch_warnings():  # arrays from the object store are read-only; we never write
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(payload[name])
+            t = raw.to(device) if device is not None else raw
+            if wire == "bf16":
+                t = t.view(torch.bfloat16)
+            elif wire == "fp8":
+                scale = torch.from_numpy(np.ascontiguousarray(payload[name + "_scale"])).to(t.device)
+                t = t.view(torch.float8_e4m3fn).float() * scale[:, None, :, None, :]
+            if dtype is not None:
+                t = t.to(dtype)
+            if t.data_ptr() == raw.data_ptr():  # still aliasing a (maybe read-only) numpy buffer
+                t = t.clone()
+            tensors.append(t.reshape(payload["shape"]))
+        mask = payload.get("mask")
+        if mask is not None:
+            mask = torch.from_numpy(np.array(mask, dtype=bool))
+            mask = mask.to(device) if device is not None else mask
+        topk_ids = topk_logp = topk_tail = None
+        if payload.get("topk_ids") is not None and payload.get("topk_logp") is not None:
+            topk_ids, topk_logp, topk_tail = _topk_from_wire(payload, device, dtype)
+        return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp,
+                   topk_tail)
+
+
+def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    with warnings.catch_warnings():  # read-only arrays from the object store: copied by the casts below
+        warnings.simplefilter("ignore", UserWarning)
+        ids, lp = torch.from_numpy(payload["topk_ids"]), torch.from_numpy(payload["topk_logp"])
+    ids = ids.to(device) if device is not None else ids
+    lp = lp.to(device) if device is not None else lp
+    if payload.get("topk_dtype", "bf16" if lp.dtype == torch.uint16 else "fp16") == "bf16":
+        lp = lp.view(torch.bfloat16)
+    # int32 -> int64 and half -> float32/64 always copy: nothing aliases the (maybe read-only) buffers
+    out = torch.float64 if dtype == torch.float64 else torch.float32
+    tail = payload.get("topk_tail")
+    if tail is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            tail = torch.from_numpy(np.array(tail, dtype=np.float32)).to(device if device is not None else "cpu")
+        tail = tail.to(out)
+    return ids.to(torch.int64), lp.to(out), tail
+
+
+def wire_nbytes(payload: dict) -> int:
+    """Bytes of the K and V arrays of a wire payload, plus the top-k ids and log-probs when it has them
+    (not the mask, fp8 scales or metadata)."""
+    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload))
+
+
+def wire_logits_nbytes(payload: dict) -> int:
+    """Bytes of the top-k ids and log-probs of a wire payload (0 without them)."""
+    return int(sum(payload[a].nbytes for a in TOPK_ARRAYS if payload.get(a) is not None))
+
+
+def _wire_dtype(dtype) -> str:
+    d = str(dtype).lower().removeprefix("torch.")
+    d = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8"}.get(d, d)
+    if d not in ("bf16", "fp16", "fp8"):
+        raise KavaError(f"unknown KV wire dtype {dtype!r}; expected bf16, fp16 or fp8")
+    return d
+
+
+def kv_bytes_per_token(geometry: KVGeometry, dtype: str = "bf16", layers=None) -> int:
+    """Bytes of K and V per token: 2 * n_layers * num_kv_heads * head_dim * bytes per element."""
+    d = str(dtype).lower().removeprefix("torch.")
+    if d not in _ELEM_BYTES:
+        raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
+    n_layers = geometry.num_layers if layers is None else len(list(layers))
+    return 2 * n_layers * geometry.num_kv_heads * geometry.head_dim * _ELEM_BYTES[d]
+
+
+def logits_bytes_per_token(top_k: int, dtype: str = "bf16") -> int:
+    """Wire bytes of the top-k log-probs per token: k * (4 (int32 id) + bytes per log-prob in the wire
+    dtype) + 4 (the float32 tail); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k 0."""
+    d = str(dtype).lower().removeprefix("torch.")
+    if d not in _ELEM_BYTES:
+        raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
+    if not top_k:
+        return 0
+    return int(top_k) * (4 + (2 if d == "fp8" else _ELEM_BYTES[d])) + 4
+
+

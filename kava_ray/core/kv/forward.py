@@ -1,0 +1,250 @@
+"""The forwards that produce KV: the teacher's (no grad, stopped after the deepest served layer when no
+logits are asked, top-k log-probs and their tail when they are) and the student's (with grad), and
+`extract_kv` from a cache alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.kv.batch import KEY_SPACES, KVBatch
+from kava_ray.core.kv.capture import _Capture, _check_against_cache, attention_layers, cache_layers
+from kava_ray.core.kv.rope import _rotate_outside_forward, position_ids_from_mask
+from kava_ray.core.models import kv_geometry
+
+
+def _check_layers(layers, n: int) -> list[int]:
+    if layers is None:
+        return list(range(n))
+    ids = [int(i) for i in layers]
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad or not ids:
+        raise KavaError(f"layer ids {bad or ids} out of range: the model has {n} layers (0..{n - 1})")
+    if len(set(ids)) != len(ids):
+        raise KavaError(f"duplicate layer ids in {ids}")
+    return ids
+
+
+def extract_kv(
+    cache_or_tuples,
+    model=None,
+    position_ids=None,
+    key_space: str = "pre_rope",
+    layers=None,
+    mask=None,
+) -> KVBatch:
+    """Stack the selected layers of a cache into a KVBatch; de-rotate keys for key_space="pre_rope".
+
+    position_ids: [B, T] or [T] positions the forward used; default position_ids_from_mask(mask), or
+    arange(T) without a mask. pre_rope needs `model`: a model without rotary keeps its cached keys; a
+    Llama-style rotary (full head_dim, rotate_half) is undone with the model's own rotary embedding;
+    other rotary variants raise KavaError -- `teacher_forward_kv` / `student_forward_kv` capture exact
+    pre-RoPE keys at the projections for every family. Keeps autograd.
+    """
+    if key_space not in KEY_SPACES:
+        raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
+    per_layer = cache_layers(cache_or_tuples)
+    if not per_layer:
+        raise KavaError("the cache holds no layers (was the forward run with use_cache=True?)")
+    ids = _check_layers(layers, len(per_layer))
+    ks, vs = [], []
+    for i in ids:
+        k, v = per_layer[i]
+        if k is None or k.dim() != 4:
+            raise KavaError(f"layer {i} has no cached keys (was the forward run with use_cache=True?)")
+        ks.append(k)
+        vs.append(v)
+    if len({k.shape for k in ks}) != 1:
+        raise KavaError(f"cached layers differ in shape {sorted({tuple(k.shape) for k in ks})} (sliding window?)")
+    dev = ks[0].device  # with device_map="auto" layers may live on different GPUs
+    keys = torch.stack([k.to(dev) for k in ks])  # [L, B, H, T, D]
+    values = torch.stack([v.to(dev) for v in vs])
+    T = keys.shape[3]
+    if mask is not None:
+        mask = mask.to(dev).bool()
+        if mask.shape != keys.shape[1:2] + (T,):
+            raise KavaError(f"mask shape {tuple(mask.shape)} does not match cached [B, T] = {(keys.shape[1], T)}")
+    if key_space == "pre_rope":
+        if model is None:
+            raise KavaError("key_space pre_rope needs the model (its rotary embedding) to de-rotate keys")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(mask) if mask is not None else torch.arange(T, device=dev)
+        position_ids = position_ids.reshape(-1, T)  # [B or 1, T]
+        keys = _rotate_outside_forward(keys, model, position_ids, inverse=True)
+    return KVBatch(keys, values, ids, mask, key_space)
+
+
+def _forward_inputs(model, input_ids, attention_mask):
+    dev = model.get_input_embeddings().weight.device
+    input_ids = input_ids.to(dev)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(dev)
+    return input_ids, attention_mask, position_ids_from_mask(attention_mask)
+
+
+def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
+    dev = pairs[0][0].device  # with device_map="auto" layers may live on different GPUs
+    keys = torch.stack([k.to(dev) for k, _ in pairs])  # [L, B, H, T, D]
+    values = torch.stack([v.to(dev) for _, v in pairs])
+    return KVBatch(keys, values, ids, attention_mask.to(dev).bool(), key_space)
+
+
+def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
+                       logits_top_k: int = 0, stop_early: bool = True) -> KVBatch:
+    """Inference forward with explicit position ids -> KVBatch of the selected layers.
+
+    pre_rope: K and V captured at the projections during the forward (exact on every family; checked
+    against the cache the forward fills); post_rope: K and V as the cache holds them.
+    input_ids, attention_mask: [B, T]. The returned tensors are ordinary (not inference-mode)
+    tensors on the model's device, in the model's dtype.
+
+    logits_top_k 0: the decoder runs without its LM head (no logits). logits_top_k k > 0: the same forward
+    runs the LM head, and the batch carries topk_ids / topk_logp [B, T, k]: log_softmax of the logits in
+    fp32 (temperature 1), then its top k, sorted descending (padding positions included; losses mask them).
+
+    stop_early (with logits_top_k 0): the forward stops right after the attention of the deepest selected
+    layer has filled the cache (`_StopAfter`): the layers below it, the final norm and the LM head never run.
+    """
+    if key_space not in KEY_SPACES:
+        raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
+    logits_top_k = int(logits_top_k)
+    if logits_top_k < 0:
+        raise KavaError(f"logits_top_k must be >= 0, got {logits_top_k}")
+    input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
+    # the decoder without the LM head when logits are not needed; the whole model when they are
+    run = model if logits_top_k else getattr(model, "base_model", model)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
+    n_layers = kv_geometry(model).num_layers
+    ids = _check_layers(layers, n_layers)
+    stop = _StopAfter.at(model, max(ids), n_layers) if stop_early and not logits_top_k else contextlib.nullcontext()
+    out = None  # stays None when the forward is stopped early
+    if key_space == "post_rope":
+        with stop, torch.inference_mode():
+            out = run(**kwargs)
+        with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
+            kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
+            return _with_topk(kv, out, logits_top_k)
+    with _Capture(model, ids) as cap, stop, torch.inference_mode():
+        out = run(**kwargs)
+    with torch.no_grad():
+        kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
+        _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
+        return _with_topk(kv, out, logits_top_k)
+
+
+class _Stopped(Exception):
+    """Raised by `_StopAfter`'s hook to end a forward early (never escapes `_StopAfter`)."""
+
+
+class _StopAfter:
+    """Ends a forward right after attention layer `last` has run: its K/V are captured and cached, and nothing
+    deeper runs (the rest of the decoder, the final norm, the LM head). A forward hook on that attention module
+    keeps the cache it was handed (`cache`) and raises; `__exit__` swallows exactly that exception."""
+
+    def __init__(self, module):
+        self.module = module
+        self.cache = None
+        self.stopped = False
+
+    @classmethod
+    def at(cls, model, last: int, num_layers: int):
+        """A stopper after attention layer `last`, or a no-op where the attention modules are not one per
+        decoder layer of the model's `num_layers` (latent attention, hybrids: the forward then runs whole)."""
+        attn = attention_layers(model)
+        if len(attn) != num_layers:
+            return contextlib.nullcontext()
+        return cls(attn[last])
+
+    def _hook(self, _mod, args, kwargs, _out):
+        from transformers.cache_utils import Cache
+
+        # families name the argument differently (past_key_values, layer_past, ...): take the Cache passed in
+        self.cache = next((a for a in (*kwargs.values(), *args) if isinstance(a, Cache)), None)
+        self.stopped = True
+        raise _Stopped
+
+    def __enter__(self) -> "_StopAfter":
+        self.handle = self.module.register_forward_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        self.handle.remove()
+        return exc_type is _Stopped
+
+
+def _cache_of(out, stop):
+    """The cache a forward filled: the one the stopped forward's hook kept, else the output's."""
+    if getattr(stop, "stopped", False):
+        if stop.cache is None:
+            raise KavaError("the teacher forward was stopped early but its attention got no cache; "
+                            "pass stop_early=False")
+        return stop.cache
+    return output_cache(out)
+
+
+def output_cache(out):
+    """The Cache a forward returned: `out.cache` (transformers >= 5.24, where `past_key_values` is a deprecated
+    alias that warns), else `out.past_key_values`."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
+    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0)."""
+    if not k:
+        return kv
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise KavaError("the teacher forward returned no logits: cannot serve top-k log-probs")
+    if k > logits.shape[-1]:
+        raise KavaError(f"logits_top_k {k} exceeds the teacher's vocabulary ({logits.shape[-1]})")
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V] in fp32
+    kv.topk_logp, kv.topk_ids = torch.topk(logp, k, dim=-1, sorted=True)
+    # the mass outside the k ids, exactly (1 - sum p would lose a small tail to rounding): the tail bucket
+    kv.topk_tail = logp.scatter(-1, kv.topk_ids, float("-inf")).logsumexp(-1)  # [B, T]
+    return kv
+
+
+def _checkpointing(model) -> bool:
+    """Whether activation (gradient) checkpointing is on (transformers 5 renamed the flag)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def student_forward_kv(
+    model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope", **forward_kwargs
+) -> tuple:
+    """Training forward that keeps the autograd graph -> (model outputs incl. loss/logits, KVBatch).
+
+    Extra keyword arguments go to the model's forward (e.g. output_hidden_states=True).
+
+    pre_rope: K and V captured at the projections, as in `teacher_forward_kv` (checked against the cache
+    when there is one). post_rope: the cache; with gradient checkpointing in training mode HF disables the
+    cache, so the captured keys are rotated with the model's own rotary (Llama-style rotary, or none).
+    """
+    if key_space not in KEY_SPACES:
+        raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
+    input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, **forward_kwargs)
+    if labels is not None:
+        kwargs["labels"] = labels.to(input_ids.device)
+    cached = not (model.training and _checkpointing(model))
+    if key_space == "post_rope" and cached:
+        out = model(**kwargs, use_cache=True)
+        return out, extract_kv(output_cache(out), model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+    ids = _check_layers(layers, kv_geometry(model).num_layers)
+    with _Capture(model, ids) as cap:
+        out = model(**kwargs, use_cache=cached)
+    kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
+    if cached:
+        with torch.no_grad():
+            _check_against_cache(model, kv.keys, kv.values, ids, output_cache(out), kv.mask)
+    if key_space == "post_rope":
+        kv.keys = _rotate_outside_forward(kv.keys, model, pos, inverse=False)
+    return out, kv

@@ -1,0 +1,334 @@
+"""Teacher plans, the logit rules, splits and seeds: what a job's student side consumes, without Ray.
+
+A `TeacherPlan` is one teacher as the student sees it -- its KV geometry, the layer map and the layers it
+ships, and whether its positions are aligned by characters (another tokenizer). `teacher_plans` builds them
+from geometries (reported by running actors, read from a KV cache, or computed in process); the logit rules
+say which teachers can train the student's logits and with how many top-k ids; the split loaders give the
+training, validation and test splits (with every aligned teacher's view), and the seeds every stream uses.
+The Distiller, the train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from kava_ray.common.config import JobConfig
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import LayerMap, plan_teacher_layers
+from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config, load_tokenizer
+from kava_ray.data import TokenizedSplit, tokenize_split, tokenizer_fingerprint
+from kava_ray.data.sources import load_records, source_fingerprint
+
+
+@dataclass
+class TeacherPlan:
+    """One teacher as the student sees it: its geometry, the layer map and the layers it ships.
+
+    `tokenizer`: None when the teacher shares the student's tokenizer (positions align one to one); else
+    where the student side loads the teacher's tokenizer from (its model, or the KV cache's copy) to
+    tokenize the same text and align positions by characters (`kava_ray.core.align.tokens`), checked against
+    `tokenizer_fingerprint` (what the teacher itself reports).
+    """
+
+    name: str
+    geometry: KVGeometry
+    layer_map: LayerMap
+    layers: list[int]
+    tokenizer: Optional[str] = None
+    tokenizer_fingerprint: Optional[str] = None
+
+    @property
+    def aligned(self) -> bool:
+        """True when this teacher's positions are mapped across tokenizers (not one to one)."""
+        return self.tokenizer is not None
+
+
+def logits_top_k(cfg: JobConfig) -> int:
+    """How many top-k teacher log-probs the job asks every teacher for: `loss.logit_top_k` when
+    `loss.logit_weight` > 0, else 0 (KV only). The one place every KVFeed of a job gets its k from."""
+    weight = float(getattr(cfg.loss, "logit_weight", 0.0) or 0.0)
+    return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
+
+
+def cross_vocab(cfg: JobConfig) -> str:
+    """How teachers of another tokenizer train the student's logits: "hybrid", "uld" or "off"."""
+    return getattr(cfg.loss, "logit_cross_vocab", "off")
+
+
+def logit_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """The teachers whose logits train the student: those sharing its tokenizer (its vocabulary), and, unless
+    `loss.logit_cross_vocab` is off, those of another tokenizer (at paired positions, `kava_ray.core.logit_kd`)."""
+    across = cross_vocab(cfg) != "off"
+    return [n for n, p in plans.items() if across or not p.aligned]
+
+
+def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
+    """Teacher logits must be readable by the student: when the job asks for them at least one teacher must give
+    them. A teacher sharing the student's tokenizer gives them whatever its LM head's size (Qwen2.5 <= 3B 151,936
+    rows, >= 7B 152,064: padding past the tokenizer's 151,665 tokens, whose mass `logit_kd.logit_term` counts as
+    tail); a teacher of another tokenizer is mapped."""
+    if not logits_top_k(cfg):
+        return
+    usable = logit_teachers(cfg, plans)
+    if not usable:
+        raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
+                        f"student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
+                        f"characters, KV only); set loss.logit_cross_vocab=hybrid (or uld), or loss.logit_weight=0")
+
+
+def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
+    """{teacher: top-k log-probs to ask it for}: `logits_top_k(cfg)` for the `logit_teachers`, 0 for the others
+    (their logits would be wasted work)."""
+    k, usable = logits_top_k(cfg), set(logit_teachers(cfg, plans))
+    return {n: (k if n in usable else 0) for n in plans}
+
+
+def vocab_maps(cfg: JobConfig, plans: dict[str, "TeacherPlan"], student_tok, teacher_toks: dict) -> dict:
+    """{teacher: `align.vocab.VocabMap`} for the logit teachers of another tokenizer (none when the job takes no
+    logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's tokenizer (a KV cache keeps one
+    there) or the kava-ray cache (`<cache>/vocab_maps/`), else built (1-4 s for 50k-150k vocabularies) and
+    saved there."""
+    from kava_ray.core.align.vocab import cached_vocab_map
+    from kava_ray.core.gguf import default_cache_dir
+
+    if not logits_top_k(cfg) or cross_vocab(cfg) == "off":
+        return {}
+    s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(cfg).vocab_size
+    out = {}
+    for n, tok in teacher_toks.items():
+        p = plans[n]
+        beside = (Path(p.tokenizer),) if _is_local_dir(p.tokenizer) else ()
+        out[n] = cached_vocab_map(student_tok, tok, p.tokenizer_fingerprint or tokenizer_fingerprint(tok), s_fp,
+                                  default_cache_dir() / "vocab_maps", beside, p.geometry.vocab_size, s_vocab)
+    return out
+
+
+def cross_vocab_lines(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """One status line per teacher whose logits cross vocabularies: the loss, and its vocabulary map's coverage
+    (built here once, so the workers of this node read it from the cache)."""
+    if not logits_top_k(cfg) or cross_vocab(cfg) == "off" or not any(p.aligned for p in plans.values()):
+        return []
+    toks = teacher_tokenizers(plans)
+    maps = vocab_maps(cfg, plans, student_tokenizer(cfg)[0], toks)
+    return [f"logits: teacher '{n}' (another tokenizer) by {cross_vocab(cfg)} at the positions where both have read "
+            f"the same text; {m.summary()}" for n, m in maps.items()]
+
+
+def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[dict] = None) -> dict:
+    """{teacher: `logit_kd.LogitTeacher`} for the `logit_teachers`; `maps`: `vocab_maps` (needed for hybrid)."""
+    from kava_ray.core.logit_kd import LogitTeacher
+
+    out = {}
+    for n in logit_teachers(cfg, plans):
+        if not plans[n].aligned:
+            v = plans[n].geometry.vocab_size
+            out[n] = LogitTeacher(n, vocab_size=None if v is None else int(v))
+        elif (maps or {}).get(n) is not None:
+            out[n] = LogitTeacher.across(n, cross_vocab(cfg), maps[n], cfg.loss.logit_hybrid_matched_weight)
+        elif cross_vocab(cfg) == "uld":  # needs no map (top-1 agreement then counts no match)
+            out[n] = LogitTeacher(n, "uld")
+        else:
+            raise KavaError(f"teacher '{n}' uses another tokenizer: loss.logit_cross_vocab=hybrid needs its vocabulary "
+                            f"map (plans.vocab_maps)")
+    return out
+
+
+def student_geometry(cfg: JobConfig) -> KVGeometry:
+    return kv_geometry(load_model_config(cfg.student.model, keep=cfg.student.keep_layers))
+
+
+def student_tokenizer(cfg: JobConfig):
+    tok = load_tokenizer(cfg.student.model)
+    return tok, tokenizer_fingerprint(tok)
+
+
+def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry,
+                  student_fp: Optional[str] = None, tokenizer_dirs: Optional[dict[str, str]] = None
+                  ) -> dict[str, TeacherPlan]:
+    """Layer map + shipped layers per teacher, from the geometries the teachers report, and how each one's
+    positions meet the student's: one to one (same tokenizer fingerprint as `student_fp`, default the
+    student's) or aligned by characters (its tokenizer loaded from `tokenizer_dirs[name]`, else its model)."""
+    if student_fp is None:
+        student_fp = student_tokenizer(cfg)[1]
+    plans = {}
+    for t in cfg.teachers:
+        geom = teacher_geoms[t.name]
+        g = KVGeometry.from_dict(geom)
+        layer_map, shipped = layer_plan(cfg, t.name, g.num_layers, s_geom.num_layers)
+        fp = geom.get("tokenizer_fingerprint")
+        tokenizer = None
+        if fp is not None and fp != student_fp:
+            tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
+        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp)
+    return plans
+
+
+def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> tuple[LayerMap, list[int]]:
+    """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
+    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise."""
+    a = cfg.align
+    kind, sources = a.layer_map, copied_layers(cfg, teacher)
+    if kind == "auto":
+        kind = "identity" if sources is not None else "ratio"
+    return plan_teacher_layers(kind, n_teacher, n_student, mode=a.mode, selected=cfg.teacher(teacher).layers,
+                               explicit=a.explicit_map, cka_path=a.cka_path, teacher=teacher,
+                               sources=sources)
+
+
+def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
+    """The teacher layers the student's layers were copied from -- `student.keep_layers` when the student is
+    built from this teacher's own model, or the provenance a saved layer-dropped student carries
+    (`models.copied_from`: a warm start, a checkpoint's student) -- else None. Such a pair shares its per-layer
+    geometry, so `align.layer_map: auto` maps layer to source layer (identity) and KV compares without a
+    projector (`kava_ray.core.probe`)."""
+    from kava_ray.core.models import copied_from
+
+    keep, source = cfg.student.keep_layers, cfg.student.model
+    if not keep:
+        prov = copied_from(load_model_config(cfg.student.model)) if _is_local_dir(source) else None
+        if prov is None:
+            return None
+        keep, source = prov["layers"], prov["model"]
+    return list(keep) if cfg.teacher(teacher).model == source else None
+
+
+def _is_local_dir(spec: str) -> bool:
+    return "://" not in spec and Path(spec).expanduser().is_dir()
+
+
+def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
+    """Plans for teachers loaded in this process ({teacher: model}, e.g. `testing.InProcessSource`'s): the
+    geometry and tokenizer fingerprint each would report as an actor."""
+    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
+                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
+             for t in cfg.teachers}
+    return teacher_plans(cfg, geoms, student_geometry(cfg))
+
+
+def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
+    """{teacher: its tokenizer} for the teachers aligned by characters (none for same-tokenizer teachers).
+
+    Loaded where the student tokenizes (a train worker, an evaluation); a tokenizer that does not match
+    what the teacher reported (another revision on this node) is refused in one line, because its token
+    positions would not be the ones the teacher's KV is indexed by.
+    """
+    out = {}
+    for n, p in plans.items():
+        if not p.aligned:
+            continue
+        tok = load_tokenizer(p.tokenizer)
+        if p.tokenizer_fingerprint is not None and tokenizer_fingerprint(tok) != p.tokenizer_fingerprint:
+            raise KavaError(f"teacher '{n}': the tokenizer loaded from {p.tokenizer} differs from the one the teacher "
+                            f"uses (another revision?); its token positions would not match its KV")
+        out[n] = tok
+    return out
+
+
+def plans_payload(plans: dict[str, TeacherPlan]) -> dict:
+    """TeacherPlans as plain data (for a Train loop config or a Tune setup)."""
+    return {n: {"geometry": p.geometry.to_dict(), "layer_map": p.layer_map, "layers": p.layers,
+                "tokenizer": p.tokenizer, "tokenizer_fingerprint": p.tokenizer_fingerprint}
+            for n, p in plans.items()}
+
+
+def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
+    return {n: TeacherPlan(n, KVGeometry.from_dict(p["geometry"]),
+                           [(s, [tuple(x) for x in pairs]) for s, pairs in p["layer_map"]], p["layers"],
+                           p.get("tokenizer"), p.get("tokenizer_fingerprint"))
+            for n, p in payload.items()}
+
+
+def data_cache_dir(cfg: JobConfig) -> Path:
+    """Where tokenized splits are cached (Arrow): `data.cache_dir`, else $KAVA_RAY_CACHE or ~/.cache/kava-ray, /data."""
+    from kava_ray.core.gguf import default_cache_dir
+
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir() / "data"
+
+
+def split_records(cfg: JobConfig, split: str, n: Optional[int]):
+    """The records of one split (`data.source`, `data.columns` applied): a `datasets.Dataset`."""
+    d = cfg.data
+    return load_records(d.source, split, n, d.seed, d.hub_config, d.columns)
+
+
+def tokenize_records(cfg: JobConfig, tokenizer, records, source_id: str, with_text: bool, what: str) -> TokenizedSplit:
+    """`tokenize_split` with the job's data settings; cached on disk unless the records live in memory."""
+    d = cfg.data
+    on_disk = bool(getattr(records, "cache_files", None))
+    return tokenize_split(tokenizer, records, cfg.train.max_length, d.prompt_format, d.overlength, source_id,
+                          fmt=d.format, packing=d.packing, with_text=with_text,
+                          cache_dir=data_cache_dir(cfg) if on_disk else None, where=f"data source '{d.source}' {what}")
+
+
+def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
+                ) -> tuple[TokenizedSplit, TokenizedSplit]:
+    """(train, val): the training records, and validation -- `data.val_split` when set, else the last
+    `data.num_val` training records carved off.
+
+    Validation drives evaluation during training, `train.checkpoint_score` and Tune; the test split
+    (`load_test_split`) is never read before training ends. `teacher_toks` ({teacher: tokenizer},
+    `teacher_tokenizers`): each split also carries those teachers' tokenization of the same text and its
+    alignment to the student's positions (`TokenizedSplit.views`).
+    """
+    d = cfg.data
+    base = source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)
+    if d.val_split is not None:
+        train = split_records(cfg, d.train_split, d.num_train)
+        val = split_records(cfg, d.val_split, d.num_val)
+        val_id = source_fingerprint(d.source, d.val_split, d.num_val, d.seed, d.hub_config, d.columns)
+    else:
+        records = split_records(cfg, d.train_split, None if d.num_train is None else d.num_train + d.num_val)
+        if len(records) <= d.num_val:
+            raise KavaError(f"data '{d.source}' split {d.train_split!r} has {len(records)} examples: too few to carve "
+                            f"data.num_val={d.num_val} for validation and keep any for training")
+        n = len(records) - d.num_val
+        train, val = records.select(range(n)), records.select(range(n, len(records)))
+        val_id = f"{base}|val|n={d.num_val}"
+
+    def split(records, source_id, what):
+        out = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), what)
+        return with_views(out, cfg, teacher_toks)
+
+    return (split(train, f"{base}|train|n={len(train)}", f"split {d.train_split!r}"),
+            split(val, val_id, "(validation)"))
+
+
+def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dict]) -> TokenizedSplit:
+    """Attach every character-aligned teacher's view of `split` (its token ids + the alignment)."""
+    from kava_ray.data import teacher_view
+
+    for name, tok in (teacher_toks or {}).items():
+        split.views[name] = teacher_view(split, tok, cfg.data.prompt_format, cfg.train.max_length)
+    return split
+
+
+def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
+    """The test split (`data.test_split`, `data.num_test` records): for the end of a run and `kava-ray eval`."""
+    d = cfg.data
+    records = split_records(cfg, d.test_split, d.num_test)
+    source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
+    split = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), f"split {d.test_split!r}")
+    return with_views(split, cfg, teacher_toks)
+
+
+def prepare_data(cfg: JobConfig) -> dict:
+    """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
+    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts."""
+    tok = load_tokenizer(cfg.student.model)
+    train, val = load_splits(cfg, tok)
+    test = load_test_split(cfg, tok)
+    return {"train": len(train), "validation": len(val), "test": len(test)}
+
+
+def data_seed(cfg: JobConfig) -> int:
+    """The seed every data stream is batched with: `train.data_seed`, else `train.seed`."""
+    return cfg.train.seed if cfg.train.data_seed is None else cfg.train.data_seed
+
+
+def eval_stream(split: TokenizedSplit, cfg: JobConfig):
+    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree)."""
+    from kava_ray.data import BatchStream
+
+    return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)

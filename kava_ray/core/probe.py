@@ -1,0 +1,119 @@
+"""Projector-free KV alignment: how close the student's own keys and values are to a teacher's, with no
+learned part between them. The projector's cosine (`cos_sim`) is measured through a projector that only
+the KV loss trains, so it is ~0 for a `ce` run by construction; this figure is the same for every recipe.
+
+- A student built by `student.keep_layers` from the teacher's own model: student layer i and the teacher
+  layer it was copied from (`source_layers`) have one geometry, so their K and V compare directly.
+- Any other pair: a ridge least-squares linear probe from the frozen student's K (and V) at layer i, all
+  heads concatenated, to the teacher's mapped layer, fit on one split and scored on another.
+
+Both score the centred cosine of `losses.cos_metrics` (each (layer, head) centred over the batch's real
+tokens), token-weighted over batches, the mean of K and V. A student equal to its teacher on those
+layers scores 1, a random one ~0. Pure PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.losses import cos_metrics
+
+
+def source_layers(keep_layers: Optional[list[int]], student_layers: int, teacher_layers: int) -> list[int]:
+    """The teacher layer each student layer was copied from (`student.keep_layers`; all layers when None)."""
+    keep = list(range(student_layers)) if keep_layers is None else [int(i) for i in keep_layers]
+    if len(keep) != student_layers or max(keep) >= teacher_layers or min(keep) < 0:
+        raise KavaError(f"keep_layers {keep} do not name {student_layers} layers of a {teacher_layers}-layer teacher")
+    return keep
+
+
+def _tokens(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[L, B, H, T, D] -> the real tokens' features [L, N, H * D] (float64, for the normal equations)."""
+    L, B, H, T, D = x.shape
+    flat = x.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D)
+    return flat[:, mask.reshape(-1).bool()].double()
+
+
+class KVAlignment:
+    """Accumulates the projector-free centred cosine of student vs teacher K and V over batches.
+
+    pairs[i] = the teacher layer (an index into the teacher KV's layer axis) student layer i is compared with.
+    probe=False: direct comparison (identical geometry, `source_layers`). probe=True: `fit` on batches first
+    (a linear map per student layer and per K / V, ridge `ridge` x mean feature variance), then `score`.
+    """
+
+    def __init__(self, pairs: list[int], probe: bool = False, ridge: float = 1e-3):
+        self.pairs, self.probe, self.ridge = list(pairs), probe, ridge
+        self._stats: dict[str, list] = {}  # K / V -> per student layer [n, sum x, sum y, X'X, X'Y]
+        self.maps: dict[str, list] = {}  # K / V -> per student layer (W, b)
+        self._sum = {"k": 0.0, "v": 0.0}
+        self.tokens = 0
+
+    def _check(self, student: torch.Tensor, teacher: torch.Tensor) -> None:
+        if student.shape[0] != len(self.pairs):
+            raise KavaError(f"KV alignment: {student.shape[0]} student layers for {len(self.pairs)} pairs")
+        if max(self.pairs) >= teacher.shape[0]:
+            raise KavaError(f"KV alignment: teacher layer {max(self.pairs)} not in its {teacher.shape[0]} layers")
+        if not self.probe and student.shape[1:] != teacher.shape[1:]:
+            raise KavaError(f"KV alignment without a probe needs one geometry, got student {tuple(student.shape)} "
+                            f"and teacher {tuple(teacher.shape)} (a student not built by keep_layers: probe=True)")
+
+    @torch.no_grad()
+    def fit_batch(self, skv: tuple, tkv: tuple, mask: torch.Tensor) -> None:
+        """Add one batch's real tokens to the normal equations: skv / tkv = (keys, values) [L, B, H, T, D]."""
+        for name, s, t in (("k", skv[0], tkv[0]), ("v", skv[1], tkv[1])):
+            self._check(s, t)
+            xs, ys = _tokens(s, mask), _tokens(t[self.pairs], mask)  # [L_s, N, F_s], [L_s, N, F_t]
+            stats = self._stats.setdefault(name, [[0, 0.0, 0.0, 0.0, 0.0] for _ in self.pairs])
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                st = stats[i]
+                st[0] += x.shape[0]
+                st[1] = st[1] + x.sum(0)
+                st[2] = st[2] + y.sum(0)
+                st[3] = st[3] + x.T @ x
+                st[4] = st[4] + x.T @ y
+
+    def fit(self) -> None:
+        """Solve each layer's ridge regression (intercept included, features centred)."""
+        if not self._stats:
+            raise KavaError("KV alignment probe: fit_batch saw no tokens")
+        for name, stats in self._stats.items():
+            self.maps[name] = []
+            for n, sx, sy, xx, xy in stats:
+                mx, my = sx / n, sy / n
+                cxx = xx / n - torch.outer(mx, mx)
+                cxy = xy / n - torch.outer(mx, my)
+                lam = self.ridge * float(torch.diagonal(cxx).mean().clamp_min(1e-12))
+                w = torch.linalg.solve(cxx + lam * torch.eye(cxx.shape[0], dtype=cxx.dtype), cxy)
+                self.maps[name].append((w, my - mx @ w))
+
+    def _predict(self, name: str, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Student [L_s, B, H_s, T, D_s] -> its probe's prediction of teacher layers `pairs` [L_s, B, H_t, T, D_t]."""
+        L, B, H, T, D = s.shape
+        Ht, Dt = t.shape[2], t.shape[4]
+        x = s.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D).double()
+        out = torch.stack([x[i] @ w + b for i, (w, b) in enumerate(self.maps[name])])  # [L, B*T, Ht*Dt]
+        return out.reshape(L, B, T, Ht, Dt).permute(0, 1, 3, 2, 4).to(t.dtype)
+
+    @torch.no_grad()
+    def score_batch(self, skv: tuple, tkv: tuple, mask: torch.Tensor) -> None:
+        """Add one batch's centred cosine (K and V) between the student (or its probe's output) and the teacher."""
+        if self.probe and not self.maps:
+            raise KavaError("KV alignment probe: call fit() before scoring")
+        n = int(mask.bool().sum())
+        for name, s, t in (("k", skv[0], tkv[0]), ("v", skv[1], tkv[1])):
+            self._check(s, t)
+            target = t[self.pairs]
+            pred = self._predict(name, s, target) if self.probe else s.to(target.dtype)
+            self._sum[name] += float(cos_metrics(pred, target, mask)["cos_sim"]) * n
+        self.tokens += n
+
+    def result(self) -> dict:
+        """{"kv_cos_free": mean of K and V, "kv_cos_free_k", "kv_cos_free_v", "tokens", "method"}."""
+        n = max(self.tokens, 1)
+        k, v = self._sum["k"] / n, self._sum["v"] / n
+        return {"kv_cos_free": (k + v) / 2, "kv_cos_free_k": k, "kv_cos_free_v": v, "tokens": self.tokens,
+                "method": "linear probe" if self.probe else "direct (source layers)"}

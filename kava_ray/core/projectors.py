@@ -1,0 +1,356 @@
+"""Projectors from a teacher's KV cache into the student's KV layout.
+
+KV tensors are `[L, B, H, T, D]` (layers, batch, kv heads, time, head_dim).
+A `TeacherProjector` holds the K and V projectors of one teacher and always
+returns the student layout `[L_s, B, H_s, T, D_s]`:
+
+- `flat`: per token, aggregate the shipped teacher layers (concat | mean |
+  weighted), project the whole vector with one ElasticBottleneck / Linear to
+  L_s * H_s * D_s values, reshape — every student layer gets its own slice.
+- `structured`: per student layer, a learnable combination of its mapped teacher
+  layers followed by a HeadwiseProjector (mix heads, project head_dim with one
+  projector shared by every student head, or one per student head: `head_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import LayerMap, validate_layer_map
+
+PROJECTOR_KINDS = ("elastic", "linear")
+MODES = ("flat", "structured")
+AGGREGATIONS = ("concat", "mean", "weighted")
+HEAD_PROJS = ("shared", "per_head")
+
+
+def _init_linear(layer: nn.Linear) -> None:
+    nn.init.xavier_uniform_(layer.weight)
+    nn.init.zeros_(layer.bias)
+
+
+def _check_dims(**dims: int) -> None:
+    for name, value in dims.items():
+        if int(value) < 1:
+            raise KavaError(f"{name} must be >= 1, got {value}")
+
+
+def _check_head_proj(head_proj: str) -> None:
+    if head_proj not in HEAD_PROJS:
+        raise KavaError(f"unknown head_proj {head_proj!r} (expected one of {', '.join(HEAD_PROJS)})")
+
+
+class ElasticBottleneck(nn.Module):
+    """LayerNorm(d_in) -> Linear(d_in, d_in*mlp_ratio) -> SiLU -> Dropout -> Linear(-> d_out).
+
+    Xavier-uniform weights, zero biases. [..., d_in] -> [..., d_out].
+    """
+
+    def __init__(self, d_in: int, d_out: int, mlp_ratio: float = 1.0, dropout: float = 0.1):
+        super().__init__()
+        _check_dims(d_in=d_in, d_out=d_out)
+        if not mlp_ratio > 0:
+            raise KavaError(f"mlp_ratio must be > 0, got {mlp_ratio}")
+        if not 0 <= dropout < 1:
+            raise KavaError(f"dropout must be in [0, 1), got {dropout}")
+        hidden = int(d_in * mlp_ratio)
+        if hidden < 1:
+            raise KavaError(f"mlp_ratio={mlp_ratio} gives an empty hidden layer for d_in={d_in}")
+        self.net = nn.Sequential(
+            nn.LayerNorm(d_in),
+            nn.Linear(d_in, hidden),
+            nn.SiLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, d_out),
+        )
+        _init_linear(self.net[1])
+        _init_linear(self.net[4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class LinearProjector(nn.Module):
+    """One nn.Linear(d_in, d_out) with Xavier-uniform weight and zero bias."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        _check_dims(d_in=d_in, d_out=d_out)
+        self.linear = nn.Linear(d_in, d_out)
+        _init_linear(self.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def make_projector(kind: str, d_in: int, d_out: int, mlp_ratio: float = 1.0, dropout: float = 0.1) -> nn.Module:
+    """`elastic` -> ElasticBottleneck, `linear` -> LinearProjector (mlp_ratio/dropout unused)."""
+    if kind == "elastic":
+        return ElasticBottleneck(d_in, d_out, mlp_ratio, dropout)
+    if kind == "linear":
+        return LinearProjector(d_in, d_out)
+    raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
+
+
+def num_parameters(module: nn.Module) -> int:
+    """Number of trainable parameters (works for modules on the meta device too)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def block_head_mix(h_in: int, h_out: int) -> torch.Tensor:
+    """[h_out, h_in] matrix: output head j averages its contiguous block of input heads.
+
+    With h_out > h_in, output head j copies input head floor(j * h_in / h_out).
+    Rows sum to 1.
+    """
+    mix = torch.zeros(h_out, h_in)
+    for j in range(h_out):
+        lo = j * h_in // h_out
+        hi = max((j + 1) * h_in // h_out, lo + 1)
+        mix[j, lo:hi] = 1.0 / (hi - lo)
+    return mix
+
+
+class PerHeadLinear(nn.Module):
+    """H independent Linear(d_in, d_out) maps, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
+
+    One batched weight `[H, d_in, d_out]` and bias `[H, d_out]`, applied with one einsum (no loop
+    over heads). Each head's weight is initialised like a LinearProjector's (Xavier-uniform, the
+    same bound as nn.Linear(d_in, d_out)), biases zero.
+    """
+
+    def __init__(self, heads: int, d_in: int, d_out: int):
+        super().__init__()
+        _check_dims(heads=heads, d_in=d_in, d_out=d_out)
+        self.weight = nn.Parameter(torch.empty(heads, d_in, d_out))  # [H, D_in, D_out]
+        self.bias = nn.Parameter(torch.zeros(heads, d_out))  # [H, D_out]
+        for w in self.weight:  # per head: fan_in d_in, fan_out d_out (a 3-D xavier would fold H in)
+            nn.init.xavier_uniform_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.einsum("...htd,hde->...hte", x, self.weight)  # [..., H, T, D_out]
+        return out + self.bias[:, None, :]  # bias [H, 1, D_out] broadcast over T
+
+
+class PerHeadElastic(nn.Module):
+    """H independent ElasticBottlenecks, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
+
+    A ModuleList looped over H (a kv-head count, small) rather than batched weights: a batched
+    LayerNorm with a per-head affine would save one more activation per head for backward than
+    nn.LayerNorm's fused kernel does, and the modules stay the ones the shared path uses.
+    """
+
+    def __init__(self, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0, dropout: float = 0.1):
+        super().__init__()
+        _check_dims(heads=heads, d_in=d_in, d_out=d_out)
+        self.heads = nn.ModuleList(ElasticBottleneck(d_in, d_out, mlp_ratio, dropout) for _ in range(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # head h: [..., T, D_in] -> [..., T, D_out]; stacked back on the head axis -> [..., H, T, D_out]
+        return torch.stack([proj(x[..., h, :, :]) for h, proj in enumerate(self.heads)], dim=-3)
+
+
+def make_head_projector(kind: str, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0,
+                        dropout: float = 0.1) -> nn.Module:
+    """One projector per head: `elastic` -> PerHeadElastic, `linear` -> PerHeadLinear.
+
+    H times the parameters of `make_projector(kind, d_in, d_out)`.
+    """
+    if kind == "elastic":
+        return PerHeadElastic(heads, d_in, d_out, mlp_ratio, dropout)
+    if kind == "linear":
+        return PerHeadLinear(heads, d_in, d_out)
+    raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
+
+
+def matmul_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The weights a module's matmuls read: every nn.Linear weight and every PerHeadLinear weight.
+
+    The planner counts these for the bf16 copies autocast keeps.
+    """
+    out = []
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, PerHeadLinear)):
+            out.append(m.weight)
+    return out
+
+
+class HeadwiseProjector(nn.Module):
+    """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix, then project head_dim D_t -> D_s.
+
+    [..., H_t, T, D_t] -> [..., H_s, T, D_s]. The mixing matrix starts block-uniform
+    (`block_head_mix`). head_proj decides the head_dim projector:
+
+    - `shared` (default): one projector D_t -> D_s used by every student head and token
+      (`self.proj`, the layout older checkpoints have).
+    - `per_head`: one projector per student head, so each student head can read its own
+      subspace of the mixed teacher heads instead of every head sharing one map. `self.proj`
+      is a PerHeadLinear or PerHeadElastic, whose state_dict keys differ from the shared
+      ones (the two never load into each other). Costs H_s times the projector parameters
+      (the mix is unchanged).
+    """
+
+    def __init__(
+        self,
+        h_in: int,
+        d_in: int,
+        h_out: int,
+        d_out: int,
+        kind: str = "linear",
+        mlp_ratio: float = 1.0,
+        dropout: float = 0.1,
+        head_proj: str = "shared",
+    ):
+        super().__init__()
+        _check_dims(h_in=h_in, d_in=d_in, h_out=h_out, d_out=d_out)
+        _check_head_proj(head_proj)
+        self.head_proj = head_proj
+        self.mix = nn.Parameter(block_head_mix(h_in, h_out))  # [H_s, H_t]
+        if head_proj == "shared":
+            self.proj = make_projector(kind, d_in, d_out, mlp_ratio, dropout)  # [..., D_t] -> [..., D_s]
+        else:
+            self.proj = make_head_projector(kind, h_out, d_in, d_out, mlp_ratio, dropout)  # one per head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = torch.einsum("sh,...htd->...std", self.mix, x)  # [..., H_s, T, D_t]
+        return self.proj(mixed)  # [..., H_s, T, D_s]
+
+
+class TeacherProjector(nn.Module):
+    """The K and V projectors of one teacher, producing the student layout.
+
+    Input: keys, values `[len(teacher_layers), B, H_t, T, D_t]` — the layers the
+    teacher ships, in the order of `teacher_layers` (usually
+    `teacher_layers_used(layer_map)`). Output: `(k_s, v_s)`, each in the student
+    layout `[L_s, B, H_s, T, D_s]` (see `student_layout`).
+
+    mode="flat": aggregation concat (d_in = L_sel*H_t*D_t), mean or weighted
+    (learnable softmax over the shipped layers; d_in = H_t*D_t), then one projector
+    to d_out = L_s*H_s*D_s. The layer map only decides which layers are shipped.
+    mode="structured": student layer s combines its mapped teacher layers with
+    learnable (unnormalised) weights initialised from the layer map, then its own
+    HeadwiseProjector — separately for K and V. head_proj (structured only; flat ignores
+    it): `shared` = one head_dim projector for all student heads, `per_head` = one per
+    student head (H_s times the head_dim projector parameters).
+    """
+
+    def __init__(
+        self,
+        teacher_layers: list[int],
+        t_heads: int,
+        t_head_dim: int,
+        s_layers: int,
+        s_heads: int,
+        s_head_dim: int,
+        layer_map: LayerMap,
+        mode: str = "flat",
+        aggregation: str = "concat",
+        kind: str = "elastic",
+        mlp_ratio: float = 1.0,
+        dropout: float = 0.1,
+        head_proj: str = "shared",
+    ):
+        super().__init__()
+        _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
+        if mode not in MODES:
+            raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
+        if kind not in PROJECTOR_KINDS:
+            raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
+        _check_head_proj(head_proj)
+        self.teacher_layers = [int(t) for t in teacher_layers]
+        if not self.teacher_layers:
+            raise KavaError("teacher_layers is empty: the teacher ships no layers")
+        if len(set(self.teacher_layers)) != len(self.teacher_layers):
+            raise KavaError(f"teacher_layers has duplicates: {self.teacher_layers}")
+        n_teacher = max(self.teacher_layers) + 1
+        self.layer_map = validate_layer_map(layer_map, n_teacher, s_layers)
+        pos = {t: i for i, t in enumerate(self.teacher_layers)}
+        for s, pairs in self.layer_map:
+            for t, _ in pairs:
+                if t not in pos:
+                    raise KavaError(f"layer map uses teacher layer {t} (student layer {s}) not in teacher_layers")
+        self.mode, self.aggregation, self.kind = mode, aggregation, kind
+        self.head_proj = head_proj if mode == "structured" else "shared"  # flat has no head axis to split
+        self.t_heads, self.t_head_dim = int(t_heads), int(t_head_dim)
+        self.s_layers, self.s_heads, self.s_head_dim = int(s_layers), int(s_heads), int(s_head_dim)
+        n_sel = len(self.teacher_layers)
+
+        if mode == "flat":
+            if aggregation not in AGGREGATIONS:
+                raise KavaError(f"unknown aggregation {aggregation!r} (expected one of {', '.join(AGGREGATIONS)})")
+            per_layer = self.t_heads * self.t_head_dim
+            d_in = n_sel * per_layer if aggregation == "concat" else per_layer
+            d_out = self.s_layers * self.s_heads * self.s_head_dim
+            self.k_proj = make_projector(kind, d_in, d_out, mlp_ratio, dropout)
+            self.v_proj = make_projector(kind, d_in, d_out, mlp_ratio, dropout)
+            if aggregation == "weighted":
+                self.k_layer_logits = nn.Parameter(torch.zeros(n_sel))
+                self.v_layer_logits = nn.Parameter(torch.zeros(n_sel))
+        else:
+            # positions (into the shipped layers) and initial weights of each student layer's sources
+            self._sources = [[pos[t] for t, _ in pairs] for _, pairs in self.layer_map]
+            init = [torch.tensor([w for _, w in pairs]) for _, pairs in self.layer_map]
+            self.k_layer_weights = nn.ParameterList([nn.Parameter(w.clone()) for w in init])
+            self.v_layer_weights = nn.ParameterList([nn.Parameter(w.clone()) for w in init])
+
+            def bank() -> nn.ModuleList:
+                return nn.ModuleList(
+                    HeadwiseProjector(t_heads, t_head_dim, s_heads, s_head_dim, kind, mlp_ratio, dropout, head_proj)
+                    for _ in range(self.s_layers)
+                )
+
+            self.k_heads = bank()
+            self.v_heads = bank()
+
+    @property
+    def student_layout(self) -> tuple[int, int, int]:
+        """(L_s, H_s, D_s): outputs are [L_s, B, H_s, T, D_s]."""
+        return self.s_layers, self.s_heads, self.s_head_dim
+
+    def num_parameters(self) -> int:
+        """Trainable parameters of the K and V projectors together."""
+        return num_parameters(self)
+
+    def _check_input(self, x: torch.Tensor, name: str) -> None:
+        want = (len(self.teacher_layers), self.t_heads, self.t_head_dim)
+        if x.dim() != 5 or (x.shape[0], x.shape[2], x.shape[4]) != want:
+            raise KavaError(
+                f"{name} must be [L={want[0]}, B, H={want[1]}, T, D={want[2]}] (shipped teacher layers), "
+                f"got {tuple(x.shape)}"
+            )
+
+    def _flat(self, x: torch.Tensor, proj: nn.Module, logits: torch.Tensor | None) -> torch.Tensor:
+        L, B, H, T, D = x.shape
+        x = x.permute(1, 3, 0, 2, 4)  # [B, T, L_sel, H_t, D_t]
+        if self.aggregation == "concat":
+            feat = x.reshape(B, T, L * H * D)
+        elif self.aggregation == "mean":
+            feat = x.mean(dim=2).reshape(B, T, H * D)
+        else:
+            w = torch.softmax(logits, dim=0)  # [L_sel]
+            feat = torch.einsum("l,btlhd->bthd", w, x).reshape(B, T, H * D)
+        out = proj(feat).view(B, T, self.s_layers, self.s_heads, self.s_head_dim)
+        return out.permute(2, 0, 3, 1, 4)  # [L_s, B, H_s, T, D_s]
+
+    def _structured(self, x: torch.Tensor, weights: nn.ParameterList, heads: nn.ModuleList) -> torch.Tensor:
+        outs = []
+        for src, w, head in zip(self._sources, weights, heads):
+            combined = torch.einsum("l,lbhtd->bhtd", w, x[src])  # [B, H_t, T, D_t]
+            outs.append(head(combined))  # [B, H_s, T, D_s]
+        return torch.stack(outs)  # [L_s, B, H_s, T, D_s]
+
+    def forward(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_input(keys, "keys")
+        self._check_input(values, "values")
+        dtype = next(self.parameters()).dtype
+        keys, values = keys.to(dtype), values.to(dtype)
+        if self.mode == "flat":
+            weighted = self.aggregation == "weighted"
+            k = self._flat(keys, self.k_proj, self.k_layer_logits if weighted else None)
+            v = self._flat(values, self.v_proj, self.v_layer_logits if weighted else None)
+        else:
+            k = self._structured(keys, self.k_layer_weights, self.k_heads)
+            v = self._structured(values, self.v_layer_weights, self.v_heads)
+        return k, v

@@ -1,0 +1,297 @@
+"""Held-out evaluation: CE on the tokens that carry loss (and perplexity for text), greedy GSM8K accuracy (gsm8k
+records only), and KV alignment against the teachers.
+
+`heldout_ce`, `generate_answers`, `score_answers` and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
+`evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
+`evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.runtime.job`, so this
+module belongs to the orchestration layer. Accuracy on the tiny random test models is ~0 (they emit
+byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.checkpoint import checkpoint_config
+from kava_ray.core.losses import masked_ce
+from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
+from kava_ray.runtime.preflight import preflight
+
+LOGIT_METRICS = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
+
+NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def _inference(model):
+    """Eval mode and no grad inside; the model's previous train/eval mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None) -> float:
+    """Token-weighted mean CE over the answer labels of every example (not a mean of batch means)."""
+    device = torch.device(device) if device is not None else _device(model)
+    total, count = 0.0, 0
+    with _inference(model):
+        for s in range(0, len(split), batch_size):
+            batch = collate(split.items[s:s + batch_size], split.pad_id)
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits
+            n = int((batch["labels"][:, 1:] != -100).sum())  # the tokens masked_ce averages over
+            if n:
+                total += float(masked_ce(logits, batch["labels"])) * n
+                count += n
+    if count == 0:
+        raise KavaError("held-out split has no answer tokens to compute CE on")
+    return total / count
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's eos plus any eos the model's generation config lists (Qwen has two)."""
+    ids = [tokenizer.eos_token_id]
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def generate_answers(model, tokenizer, questions: Sequence[str], prompt_format: str = "auto",
+                     max_new_tokens: int = 128, batch_size: int = 8) -> list[str]:
+    """Greedy completions (without the prompt) of each question, batched with left padding, stop at eos."""
+    from transformers import GenerationConfig
+
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    # Greedy, with neutral sampling values: left unset, they would be filled from the model's own
+    # generation_config (Qwen: temperature 0.7, top_k 20...) and warned about as ignored flags.
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                               pad_token_id=pad, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0)
+    prompts = [encode_prompt(tokenizer, q, prompt_format) for q in questions]
+    device, out = _device(model), []
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation continues from the last column: pad on the left
+    try:
+        with _inference(model):
+            for s in range(0, len(prompts), batch_size):
+                enc = tokenizer.pad({"input_ids": prompts[s:s + batch_size]}, return_tensors="pt")
+                ids = enc["input_ids"].to(device)
+                gen = model.generate(input_ids=ids, attention_mask=enc["attention_mask"].to(device),
+                                     generation_config=gen_cfg)
+                out += tokenizer.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = old_side
+    return out
+
+
+def score_answers(preds: Sequence[str], golds: Sequence[str],
+                  questions: Optional[Sequence[str]] = None) -> dict:
+    """Compare final numbers: `normalize_number(final_answer(x))` of prediction and gold must be equal.
+
+    Returns accuracy, n, correct and `samples` (the first few: question, gold, predicted, pred_number, ok).
+    """
+    if len(preds) != len(golds):
+        raise KavaError(f"score_answers: {len(preds)} predictions for {len(golds)} gold answers")
+    questions = questions if questions is not None else [""] * len(golds)
+    correct, samples = 0, []
+    for q, pred, gold in zip(questions, preds, golds):
+        p, g = normalize_number(final_answer(pred)), normalize_number(final_answer(gold))
+        ok = p is not None and p == g
+        correct += ok
+        if len(samples) < NUM_SAMPLES:
+            samples.append({"question": q, "gold": g, "predicted": pred, "pred_number": p, "ok": ok})
+    n = len(golds)
+    return {"accuracy": correct / n if n else 0.0, "n": n, "correct": correct, "samples": samples}
+
+
+def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format: str = "auto",
+                   max_new_tokens: int = 128, batch_size: int = 8) -> dict:
+    """Greedy GSM8K accuracy of `model` on `examples` (see `score_answers` for the result dict)."""
+    questions = [ex.question for ex in examples]
+    preds = generate_answers(model, tokenizer, questions, prompt_format, max_new_tokens, batch_size)
+    return score_answers(preds, [ex.answer for ex in examples], questions)
+
+
+# ----------------------------------------------------------------------------- KV alignment, held out
+
+
+@torch.no_grad()
+def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype,
+                     prefix: str = "eval", autocast=contextlib.nullcontext) -> dict:
+    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
+    as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
+
+    CE, logit KL and top-1 agreement are weighted by the next-token positions CE counts (`label_tokens`), the
+    KV metrics by the tokens the KV loss counts (`loss.loss_tokens`). Sums stay float64 tensors until the
+    end: one conversion, not one per batch. `autocast`: a context factory -- the training step's
+    (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
+    """
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.core.plans import eval_stream, teacher_logits_top_k
+
+    was_training = distiller.training
+    distiller.eval()
+    stream = eval_stream(split, cfg)
+    feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
+                  logits_top_k=teacher_logits_top_k(cfg, plans))
+    sums: dict = {}
+    weights: dict = {"kv_tokens": 0, "label_tokens": 0}
+    for (_, _, _, batch), kv in feed:
+        with autocast():
+            _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
+        for w in weights:
+            weights[w] = weights[w] + m[w].double()
+        # CE and the logit KD: per next-token position CE counts
+        label_keys = ["ce"] + [k for k in m if k == "logit_kl" or k.startswith(LOGIT_METRICS)]
+        for k in label_keys:
+            sums[k] = sums.get(k, 0) + m[k].double() * m["label_tokens"]
+        kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
+        kv_keys += [k for k in m if k.startswith("aligned/")]  # teachers of another tokenizer: share covered
+        for k in kv_keys:  # KV: per token the KV loss counts
+            sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
+    distiller.train(was_training)
+    by_label = {k for k in sums if k == "ce" or k == "logit_kl" or k.startswith(LOGIT_METRICS)}
+    out = {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k in by_label else "kv_tokens"]), 1))
+           for k, v in sums.items()}
+    if split.format == "text":  # language modelling: per-token CE and its perplexity
+        out[f"{prefix}/ppl"] = math.exp(min(out[f"{prefix}/ce"], 50.0))
+    return out
+
+
+# ----------------------------------------------------------------------------- figures every recipe shares
+
+
+@torch.no_grad()
+def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, device="cpu", logit_top_k: int = 0,
+                  alignment: Optional[dict] = None) -> dict:
+    """The held-out figures that do not depend on how a student was trained, computed the same way for every
+    recipe (a `ce` run included): one pass over `split` with the teachers' outputs from `source`.
+
+    - `ce`: next-token CE over the label positions, token-weighted, fp32 without autocast (as `heldout_ce`
+      and `kava-ray eval`); `tokens`: how many positions it averages over;
+    - with `logit_top_k` > 0, per teacher sharing the student's tokenizer: `kl/<t>`, the full-vocabulary
+      top-k KL(teacher || student) with the tail bucket at T = 1 (`losses.topk_kl_loss`, the KD loss itself),
+      and `top1_agree/<t>`, on the same positions;
+    - `alignment` {teacher: `probe.KVAlignment`, already fit when it probes}: `kv_cos_free/<t>`, the
+      projector-free centred KV cosine (see `kava_ray.core.probe`), over the real tokens.
+    """
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.core.kv import student_forward_kv
+    from kava_ray.core.logit_kd import logit_term
+    from kava_ray.core.losses import next_token_mask
+    from kava_ray.core.plans import eval_stream, logit_specs
+
+    stream = eval_stream(split, cfg)
+    same = {n: p for n, p in plans.items() if not p.aligned}
+    specs = logit_specs(cfg, same) if logit_top_k else {}
+    logit_names = list(specs)
+    kd = cfg.loss.model_copy(update=dict(logit_top_k=logit_top_k, logit_temperature=1.0, logit_tail="bucket"))
+    feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
+                  depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device,
+                  logits_top_k={n: (logit_top_k if n in logit_names else 0) for n in plans})
+    sums: dict = {}
+    n_lab = 0
+    with _inference(student):
+        for (_, _, _, batch), kv in feed:
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space)
+            nxt = next_token_mask(batch["labels"]).to(device)
+            n = int(nxt.sum())
+            n_lab += n
+            sums["ce"] = sums.get("ce", 0.0) + float(masked_ce(out.logits, batch["labels"])) * n
+            for t in logit_names:
+                _, m = logit_term(specs[t], out.logits, kv[t], batch, nxt, kd)
+                sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(m["kl"]) * n
+                sums[f"top1_agree/{t}"] = sums.get(f"top1_agree/{t}", 0.0) + float(m["top1_agree"]) * n
+            for t, kva in (alignment or {}).items():
+                kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
+    out = {k: v / max(n_lab, 1) for k, v in sums.items()}
+    out["tokens"] = n_lab
+    for t, kva in (alignment or {}).items():
+        out[f"kv_cos_free/{t}"] = kva.result()["kv_cos_free"]
+        out["kv_cos_free_method"] = kva.result()["method"]
+    return out
+
+
+def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
+                 device="cpu", fit_batches: int = 16) -> dict:
+    """{teacher: `probe.KVAlignment`} ready to score: direct for a teacher the student was copied from by
+    `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`), else a linear probe from
+    each student layer to the heaviest teacher layer of its layer map, fit on the first `fit_batches`
+    batches of `train_split` (the frozen student's KV against the teacher's)."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.core.kv import student_forward_kv
+    from kava_ray.core.plans import eval_stream
+    from kava_ray.core.probe import KVAlignment
+
+    out, probes = {}, {}
+    for t, p in plans.items():
+        src = copied.get(t)
+        if src is not None and all(layer in p.layers for layer in src):
+            out[t] = KVAlignment([p.layers.index(layer) for layer in src])
+        elif not p.aligned:  # a teacher of another tokenizer would need its KV in student time first
+            heaviest = [max(pairs, key=lambda tw: tw[1])[0] for _, pairs in p.layer_map]
+            out[t] = probes[t] = KVAlignment([p.layers.index(layer) for layer in heaviest], probe=True)
+    if probes:
+        stream = eval_stream(train_split, cfg)
+        n = min(fit_batches, stream.steps_per_epoch)
+        feed = KVFeed(source, feed_items(stream, n), {t: plans[t].layers for t in probes},
+                      depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device)
+        with _inference(student):
+            for (_, _, _, batch), kv in feed:
+                mask = batch["attention_mask"].to(device)
+                _, skv = student_forward_kv(student, batch["input_ids"].to(device), mask, key_space=cfg.align.key_space)
+                for t, kva in probes.items():
+                    kva.fit_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
+        for kva in probes.values():
+            kva.fit()
+    return out
+
+
+# ----------------------------------------------------------------------------- a checkpoint, end to end
+
+
+def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
+                        restart_teachers: bool = False) -> dict:
+    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
+    and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
+    from kava_ray.core.checkpoint import load_into
+    from kava_ray.core.distiller import Distiller
+    from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
+    from kava_ray.core.plans import load_test_split, teacher_tokenizers, vocab_maps
+    from kava_ray.runtime.job import job_teachers
+
+    ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
+    preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
+    student = load_model(ckpt / "student", dtype="float32")
+    tokenizer = load_tokenizer(ckpt / "student")
+    with job_teachers(cfg, address, restart=restart_teachers) as job:
+        teacher_toks = teacher_tokenizers(job.plans)
+        test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
+        out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
+        torch.manual_seed(0)
+        distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
+                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks))
+        load_into(ckpt, distiller)
+        out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
+                                    prefix="test"))
+    if test.format == "gsm8k" and limit > 0:  # exact match needs a final answer to compare
+        acc = gsm8k_accuracy(student, tokenizer, test.examples[:limit], cfg.data.prompt_format, max_new_tokens)
+        out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
+    elif test.format == "text":
+        out["test_ppl"] = math.exp(min(out["test_ce"], 50.0))
+    return out

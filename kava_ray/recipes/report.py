@@ -1,0 +1,223 @@
+"""metrics.jsonl -> PNG plots + a short Markdown summary (and the same headline numbers as text).
+
+A run dir holds `metrics.jsonl`: one JSON object per line, `{"step": int, "kind": "train" | "eval", ...}`.
+Train records may carry loss, ce, kv_loss, cos_sim, cos_raw, cos/<teacher>, cos_raw/<teacher>,
+cos_layer/{first,middle,last}, contrast_gap, fusion/<teacher>, lr_student, lr_projector, grad_norm,
+tokens_per_s, teacher_wait_s, phase and time_s (seconds of that step, the interval teacher_wait_s is part
+of); eval records carry eval/ce, eval/cos_sim, eval/cos_raw, eval/contrast_gap, eval/cos/<teacher>,
+eval/cos_raw/<teacher>. `cos_sim` and `cos/<teacher>` are centred per (layer, head) over the batch's
+tokens (a constant target scores 0), `cos_raw` is the plain cosine (flattered by constants). A resumed
+run re-logs steps: the last record of a (kind, step) wins. Records of other kinds are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_path, atomic_write, format_table
+from kava_ray.common.metrics_file import METRICS, read_metrics
+
+REPORT_DIR = "report"
+COLLAPSE_GAP = 0.01  # a final contrast gap below this means nothing sample-specific was learned
+COLLAPSE_WARNING = ("the student matches other samples' targets as well as its own — nothing "
+                    "sample-specific was learned (the collapse trap)")
+_PHASES = [(0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")]
+
+
+def phase(cos: float) -> str:
+    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores ~0:
+    "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real keys."""
+    return next((name for limit, name in _PHASES if cos < limit), "Excellent")
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def _metrics_path(run_dir) -> Path:
+    p = Path(run_dir)
+    return p if p.is_file() else p / METRICS
+
+
+def _load(run_dir) -> tuple[list[dict], list[dict]]:
+    path = _metrics_path(run_dir)
+    train, evals = read_metrics(path)
+    if not train and not evals:
+        raise KavaError(f"{path}: no train or eval records yet")
+    return train, evals
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], float(r[key])) for r in records if _num(r.get(key))]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def _first_last(records: list[dict], key: str) -> Optional[tuple[float, float]]:
+    _, vals = _series(records, key)
+    return (vals[0], vals[-1]) if vals else None
+
+
+def _teachers(records: list[dict], prefix: str) -> list[str]:
+    """Teacher names from keys `<prefix><teacher>`, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for r in records:
+        for k in r:
+            if k.startswith(prefix) and "/" not in k[len(prefix):]:
+                seen[k[len(prefix):]] = None
+    return list(seen)
+
+
+# --------------------------------------------------------------------------------------- headlines
+
+
+def headline(train: list[dict], evals: list[dict]) -> dict:
+    """The numbers a report leads with: first/last values, final phase, teacher wait share, last eval."""
+    h: dict = {"first_step": None, "last_step": None, "num_train_records": len(train),
+               "num_eval_records": len(evals)}
+    steps = [r["step"] for r in train] or [r["step"] for r in evals]
+    h["first_step"], h["last_step"] = steps[0], steps[-1]
+    for key in ("loss", "ce", "kv_loss", "cos_sim", "cos_raw", "contrast_gap"):
+        h[key] = _first_last(train, key)
+    h["cos"] = {t: _first_last(train, f"cos/{t}") for t in _teachers(train, "cos/")}
+    h["eval_ce"] = _first_last(evals, "eval/ce")
+    times = _series(train, "time_s")[1]
+    # wall time ~ mean step time x steps done (records are logged every few steps; steps count from 1)
+    h["wall_time_s"] = sum(times) / len(times) * max(steps[-1], 1) if times else None
+    both = [r for r in train if _num(r.get("time_s")) and _num(r.get("teacher_wait_s"))]
+    total = sum(float(r["time_s"]) for r in both)
+    h["teacher_wait_share"] = sum(float(r["teacher_wait_s"]) for r in both) / total if total > 0 else None
+    last_phase = next((r["phase"] for r in reversed(train) if isinstance(r.get("phase"), str)), None)
+    h["phase"] = last_phase or (phase(h["cos_sim"][1]) if h["cos_sim"] else None)
+    gap = h["contrast_gap"][1] if h["contrast_gap"] else None
+    h["collapse_warning"] = gap is not None and math.isfinite(gap) and gap < COLLAPSE_GAP
+    h["last_eval"] = {k: v for k, v in evals[-1].items() if k != "kind"} if evals else None
+    return h
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 100 else f"{v:.4f}"
+    return str(v)
+
+
+def _rows(h: dict) -> list[list[str]]:
+    """(metric, first, last) rows of the headline numbers that are present."""
+    named = [("loss", h["loss"]), ("ce", h["ce"]), ("kv_loss", h["kv_loss"]), ("cos_sim", h["cos_sim"]),
+             ("cos_raw", h["cos_raw"])]
+    named += [(f"cos/{t}", fl) for t, fl in h["cos"].items()]
+    named += [("contrast_gap", h["contrast_gap"]), ("held-out ce (eval)", h["eval_ce"])]
+    return [[name, _fmt(fl[0]), _fmt(fl[1])] for name, fl in named if fl is not None]
+
+
+def _facts(h: dict) -> list[tuple[str, str]]:
+    wall = h["wall_time_s"]
+    share = h["teacher_wait_share"]
+    return [("steps", f"{h['first_step']} -> {h['last_step']}"),
+            ("wall time", f"~{wall:.0f} s" if wall is not None else "-"),
+            ("final phase", h["phase"] or "-"),
+            ("teacher wait share of step time", f"{share:.1%}" if share is not None else "-")]
+
+
+def summarize_run(run_dir) -> str:
+    """The headline numbers of a run as plain text tables (for `kava-ray report RUN_DIR`)."""
+    h = headline(*_load(run_dir))
+    text = format_table(["metric", "first", "last"], _rows(h))
+    text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in _facts(h))
+    if h["collapse_warning"]:
+        text += f"\n\nwarning: final contrast gap {_fmt(h['contrast_gap'][1])} < {COLLAPSE_GAP}: {COLLAPSE_WARNING}"
+    return text
+
+
+def _markdown(h: dict, title: str) -> str:
+    def table(header, rows):
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+    parts = [f"# kava-ray run: {title}", "\n".join(f"- **{k}**: {v}" for k, v in _facts(h)),
+             table(["metric", "first", "last"], _rows(h))]
+    if h["collapse_warning"]:
+        parts.append(f"> **Warning:** the final contrast gap is {_fmt(h['contrast_gap'][1])} (< {COLLAPSE_GAP}): "
+                     f"{COLLAPSE_WARNING}.")
+    if h["last_eval"]:
+        ev = h["last_eval"]
+        parts.append(f"## Last eval (step {ev['step']})\n\n"
+                     + table(["metric", "value"], [[k, _fmt(v)] for k, v in ev.items() if k != "step"]))
+    parts.append("Plots: ![loss](loss.png) ![cos](cos.png) ![contrast gap](contrast_gap.png) "
+                 "![teacher wait](teacher_wait.png)")
+    return "\n\n".join(parts) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def _plot(path: Path, title: str, ylabel: str, lines, markers=(), twin=None, hline=None) -> None:
+    """One PNG: `lines`/`markers` are (label, steps, values); `twin` is one (label, steps, values) on a right axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors: dict[str, str] = {}
+    for label, x, y in lines:
+        if x:
+            colors[label] = ax.plot(x, y, label=label)[0].get_color()
+    for label, x, y, like in markers:
+        if x:
+            ax.plot(x, y, "o", label=label, color=colors.get(like), markersize=6, markeredgecolor="black")
+    if hline is not None:
+        ax.axhline(hline[1], color="grey", linestyle=":", label=hline[0])
+    handles, labels = ax.get_legend_handles_labels()
+    if twin and twin[1]:
+        ax2 = ax.twinx()
+        handles += ax2.plot(twin[1], twin[2], color="tab:green", linestyle="--", label=twin[0])
+        labels.append(twin[0])
+        ax2.set_ylabel(twin[0])
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:  # readers never see a half-written PNG
+        fig.savefig(tmp, format="png")
+
+
+def write_report(run_dir) -> dict:
+    """Write loss/cos/contrast_gap/teacher_wait PNGs and summary.md into run_dir/report/.
+
+    Returns {"report_dir", "summary", "plots": {name: path}, **headline numbers}.
+    """
+    train, evals = _load(run_dir)
+    run_dir = _metrics_path(run_dir).parent
+    out = run_dir / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    h = headline(train, evals)
+    tr = lambda k: (k, *_series(train, k))  # noqa: E731
+    ev = lambda k, like: (k, *_series(evals, k), like)  # noqa: E731
+    teachers = list(h["cos"])
+    plots = {name: out / f"{name}.png" for name in ("loss", "cos", "contrast_gap", "teacher_wait")}
+    _plot(plots["loss"], "Loss", "loss", [tr("loss"), tr("ce"), tr("kv_loss")], [ev("eval/ce", "ce")])
+    _plot(plots["cos"], "KV cosine similarity (centred; raw for reference)", "cos",
+          [tr("cos_sim")] + [tr(f"cos/{t}") for t in teachers] + [tr("cos_raw")],
+          [ev("eval/cos_sim", "cos_sim")] + [ev(f"eval/cos/{t}", f"cos/{t}") for t in teachers]
+          + [ev("eval/cos_raw", "cos_raw")])
+    _plot(plots["contrast_gap"], "Contrast gap (own - other sample's target)", "gap", [tr("contrast_gap")],
+          [ev("eval/contrast_gap", "contrast_gap")], hline=(f"collapse threshold {COLLAPSE_GAP}", COLLAPSE_GAP))
+    _plot(plots["teacher_wait"], "Teacher wait and throughput", "teacher_wait_s (s)", [tr("teacher_wait_s")],
+          twin=tr("tokens_per_s"))
+    summary = out / "summary.md"
+    text = _markdown(h, run_dir.name)
+    atomic_write(summary, text)
+    return {"report_dir": str(out), "summary": str(summary), "plots": {k: str(p) for k, p in plots.items()}, **h}

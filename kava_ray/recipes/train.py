@@ -1,0 +1,212 @@
+"""`kava-ray train`, the driver: Ray, the teacher pool, a TorchTrainer over `worker.train_loop_per_worker`.
+
+Connect to Ray (or start an embedded one sized for the job), start or find the teacher pool, read
+the teachers' geometry and plan their layers (all through `kava_ray.runtime.job`), then
+`TorchTrainer(train_loop_per_worker, ScalingConfig, RunConfig)`.fit() while a progress bar follows
+`metrics.jsonl`. `build_trainer` and `fit` are shared with Tune's trials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import ray
+
+from kava_ray.common import resources
+from kava_ray.common.config import JobConfig
+from kava_ray.common.errors import KavaError, root_cause
+from kava_ray.common.metrics_file import METRICS
+from kava_ray.recipes.distill import train_loop_per_worker
+
+
+def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
+                  callbacks: Optional[list] = None, resume_override: bool = False):
+    """The TorchTrainer of one run; its outputs and Ray's checkpoints go to `run_dir`."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from kava_ray.core.plans import plans_payload
+    from kava_ray.runtime.process_group import LoopbackTorchConfig
+
+    return TorchTrainer(
+        train_loop_per_worker,
+        torch_config=LoopbackTorchConfig(),  # the group's store on 127.0.0.1 when the run is on one machine
+        train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
+                           "resume": str(Path(resume).resolve()) if resume else None,
+                           "resume_override": resume_override},
+        scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=resources.worker(cfg, use_gpu),
+                                     label_selector=dict(cfg.ray.worker_label_selector or {}) or None),
+        run_config=RunConfig(name=run_dir.name, storage_path=str(run_dir.parent), callbacks=callbacks,
+                             checkpoint_config=CheckpointConfig(
+                                 num_to_keep=cfg.train.num_to_keep,
+                                 checkpoint_score_attribute=cfg.train.checkpoint_score,
+                                 checkpoint_score_order=cfg.train.checkpoint_mode),
+                             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+    )
+
+
+def fit(trainer):
+    """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on)."""
+    from kava_ray.runtime.console import with_logs
+
+    # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
+    # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
+    # waits ~15 s, prints a traceback and exits 1
+    from kava_ray.runtime.ray_private import drop_train_sigint_handler
+
+    drop_train_sigint_handler(trainer)
+    with _interruptible():
+        try:
+            return trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            raise KavaError(with_logs(f"training failed: {root_cause(e)}")) from None
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """A Ctrl-C during the block always ends in KeyboardInterrupt, even one that arrives as `ray.get` returns:
+    Ray checks signals inside `ray.get` and a KeyboardInterrupt raised there just as the result lands is
+    dropped (the run then finished and exited 0). The handler records the signal before raising; a recorded
+    signal is raised again once the block has returned. Main thread only (a Tune trial's fit runs in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen = []
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
+
+
+def check_memory(cfg: JobConfig) -> None:
+    """Refuse a config the planner says cannot fit the cluster's smallest GPU (one line + the fix)."""
+    from kava_ray.runtime.planner import check_fits
+
+    @ray.remote(num_gpus=0.001, num_cpus=0)
+    def gpu_memory() -> int:  # runs on a GPU node: the driver may be a CPU-only head
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+
+    check_fits(cfg, int(ray.get(gpu_memory.remote(), timeout=120)))
+
+
+def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
+                 address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
+                 restart_teachers: bool = False, verbose: bool = False) -> dict:
+    """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
+
+    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from; resume_override: let
+    optim.*/train.*/data.* differ from the checkpoint's (the new values win); restart_teachers: replace a
+    running pool that was started for another config instead of refusing it. The run dir is named before
+    Ray starts: the console stays quiet (status lines + the progress bar; every other line in
+    `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
+    """
+    from kava_ray.core.checkpoint import find_checkpoint
+    from kava_ray.runtime.console import quiet, with_logs
+    from kava_ray.runtime.preflight import preflight
+
+    # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
+    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)
+    if resume:
+        resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir the preflight checked
+    name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
+    with quiet(run_dir / "logs", verbose):
+        try:
+            return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
+        except KavaError as e:
+            if "(logs: " in str(e):
+                raise
+            raise KavaError(with_logs(str(e))) from None
+
+
+def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
+         restart_teachers: bool, verbose: bool) -> dict:
+    from actors.pool import check_resources
+    from kava_ray.core.plans import cross_vocab_lines, prepare_data
+    from kava_ray.runtime.connect import resolve_use_gpu
+    from kava_ray.runtime.console import status
+    from kava_ray.runtime.job import job_teachers
+    from kava_ray.runtime.progress import follow_metrics
+
+    t0 = time.time()
+    prepared = prepare_data(cfg)  # tokenized (and packed) once, cached: a bad record deep in the data stops us here
+    status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
+           f"({cfg.data.source}) in {time.time() - t0:.0f} s")
+    use_gpu = None
+    t0 = time.time()
+
+    def connected(how: str) -> None:  # Ray is up, no teacher has started: fail fast on what cannot fit
+        nonlocal use_gpu
+        status(f"connecting: {_describe_ray(how)} in {time.time() - t0:.0f} s")
+        use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+        check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
+        if use_gpu:
+            check_memory(cfg)
+
+    with job_teachers(cfg, address, restart=restart_teachers, on_connected=connected,
+                      command="train") as job:
+        names = ", ".join(job.plans)
+        if job.handles is None:
+            status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
+        else:
+            status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
+                   f"in {job.setup_s:.0f} s")
+        for line in cross_vocab_lines(cfg, job.plans):
+            status(line)
+        trainer = build_trainer(cfg, job.plans, run_dir, use_gpu, resume, resume_override=resume_override)
+        workers = cfg.ray.num_workers
+        status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
+        t0 = time.time()
+        with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
+            result = fit(trainer)
+    test = _test_line(run_dir / METRICS)
+    if test:
+        status(test)
+    if not verbose:
+        status(f"logs: {run_dir / 'logs'}")
+    return {"run_dir": str(run_dir), "wall_s": time.time() - t0, "metrics": dict(result.metrics or {}),
+            "checkpoint": result.checkpoint.path if result.checkpoint else None}
+
+
+def _describe_ray(connected: str) -> str:
+    """`embedded Ray (8 CPUs, 127.0.0.1)` / `Ray at ADDRESS (16 CPUs, 2 GPUs)`."""
+    res = ray.cluster_resources()
+    parts = [f"{res.get('CPU', 0):.0f} CPUs"] + ([f"{res['GPU']:.0f} GPUs"] if res.get("GPU") else [])
+    if connected in ("embedded", "existing"):
+        with contextlib.suppress(Exception):
+            parts.append(ray.util.get_node_ip_address())
+        kind = "embedded Ray" if connected == "embedded" else "this process's Ray"
+        return f"{kind} ({', '.join(parts)})"
+    return f"Ray at {connected} ({', '.join(parts)})"
+
+
+def _test_line(metrics_path: Path) -> Optional[str]:
+    """`test: CE 4.77, centred cos 0.25, gap 0.21` from the run's test record (None when there is none)."""
+    from kava_ray.common.metrics_file import last
+
+    test = last(metrics_path, "test")
+    if not test or "test/ce" not in test:
+        return None
+    out = f"test: CE {test['test/ce']:.2f}"
+    if "test/cos_sim" in test:
+        out += f", centred cos {test['test/cos_sim']:.2f}"
+    if "test/contrast_gap" in test:
+        out += f", gap {test['test/contrast_gap']:.2f}"
+    return out

@@ -1,0 +1,172 @@
+"""A quiet console: status lines and one progress bar on the terminal, every other line in the run's logs.
+
+`with quiet(run_dir / "logs", verbose):` around a command's work (train does it as soon as its run dir is
+named, before Ray starts):
+
+- the driver's file descriptors 1 and 2 (and `sys.stdout` / `sys.stderr`) point at `logs/driver.log`: Ray's,
+  transformers', torch's, bitsandbytes' and torchao's log lines, Python warnings, Ray's C++ lines of the
+  driver's core worker, tqdm bars of libraries, all of it (a descriptor-level redirect is a superset of
+  routing each library's `logging` handler and `warnings.showwarning`: it also takes C++ and `print` output);
+- `status(line)` and the progress bar (`console()`) write to the terminal saved before the redirect;
+- Ray is started with `log_to_driver=False` (`kava_ray.runtime.connect.LOG_TO_DRIVER`, which `quiet` turns off):
+  workers and actors keep writing into Ray's session dir, and on the way out `collect_ray_logs` copies this
+  job's worker/actor logs (named by actor class and pid) and Ray Train's own logs into `logs/ray/`.
+
+`verbose=True` changes nothing: everything streams to the terminal as before, and the logs dir still gets
+the Ray logs copied at the end. Nested `quiet` calls are no-ops (the outermost one owns the redirect).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional, TextIO
+
+_state: dict = {"console": None, "log_dir": None}
+
+
+def console() -> TextIO:
+    """The terminal's stderr: the saved one while `quiet` redirects, else `sys.stderr`."""
+    return _state["console"] or sys.stderr
+
+
+def log_dir() -> Optional[Path]:
+    """The logs dir of the active `quiet` (also set when verbose), else None."""
+    return _state["log_dir"]
+
+
+def status(line: str) -> None:
+    """One short line for the user, on the terminal (stderr), whatever is redirected."""
+    out = console()
+    print(line, file=out, flush=True)
+
+
+def with_logs(message: str) -> str:
+    """An error line with the logs dir appended: `... (logs: RUN_DIR/logs)` (unchanged outside `quiet`)."""
+    d = log_dir()
+    return f"{message} (logs: {d})" if d is not None else message
+
+
+@contextlib.contextmanager
+def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
+    """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`: leave it live."""
+    if _state["log_dir"] is not None:  # nested: the outer one owns the console
+        yield
+        return
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    _state["log_dir"] = log_dir
+    _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
+    from kava_ray.runtime import connect
+
+    prev_log_to_driver = getattr(connect, "LOG_TO_DRIVER", True)
+    connect.LOG_TO_DRIVER = bool(verbose)
+    try:
+        if verbose:
+            yield
+        else:
+            with _redirect(log_dir / "driver.log"):
+                yield
+    finally:
+        connect.LOG_TO_DRIVER = prev_log_to_driver
+        pending = _state["ray_logs"]  # None once collect_before_shutdown has copied them
+        if pending:
+            try:
+                collect_ray_logs(*pending)
+            except Exception as e:  # never hide the run's own outcome behind a log copy
+                print(f"could not copy Ray's logs: {e}", file=sys.stderr)
+        _state["log_dir"] = _state["ray_logs"] = None
+
+
+@contextlib.contextmanager
+def _redirect(path: Path):
+    for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            s.flush()
+    log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    term = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+    prev_streams = sys.stdout, sys.stderr
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    _state["console"] = term
+    try:
+        yield
+    finally:
+        for s in (log, sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(Exception):
+                s.flush()
+        sys.stdout, sys.stderr = prev_streams
+        for fd, dup in saved.items():
+            os.dup2(dup, fd)
+            os.close(dup)
+        _state["console"] = None
+        term.close()
+        log.close()
+
+
+def _actor_name(path: Path) -> str:
+    """`TeacherActor` from a worker log's `:actor_name:` header line, else `task`."""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        for _ in range(3):
+            line = f.readline()
+            if line.startswith(":actor_name:"):
+                return line.split(":", 2)[2].strip() or "task"
+    return "task"
+
+
+def _has_content(path: Path) -> bool:
+    """More than Ray's `:job_id:` / `:actor_name:` header lines."""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return any(line.strip() and not line.startswith(":") for line in f)
+    return False
+
+
+def collect_before_shutdown() -> None:
+    """Copy Ray's logs into the active quiet console's run logs now: a command that started its own Ray shuts it
+    down before the console's exit (`job.job_teachers`), and the copy needs a running Ray to find them."""
+    pending = _state.get("ray_logs")
+    if pending:
+        _state["ray_logs"] = None  # copied once: the console's exit has nothing left to do
+        with contextlib.suppress(Exception):  # never hide the run's own outcome behind a log copy
+            collect_ray_logs(*pending)
+
+
+def collect_ray_logs(dest: Path, since: float = 0.0) -> list[Path]:
+    """Copy this driver's job's worker/actor logs (non-empty, written since `since`) and Ray Train's logs from
+    the local Ray session dir into `dest` as `<ActorClass>-<pid>.out|err`; returns the copies. Nothing when
+    Ray is not initialised (or the session dir is not on this machine: a remote cluster's nodes keep theirs)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    try:
+        from kava_ray.runtime.ray_private import session_logs_dir
+
+        logs = session_logs_dir()
+        job = ray.get_runtime_context().get_job_id()
+    except Exception:
+        return []
+    if logs is None or not logs.is_dir():
+        return []
+    copied = []
+    for src in sorted(logs.glob(f"worker-*-{job}-*.*")):
+        if src.suffix not in (".out", ".err") or src.stat().st_mtime < since or not _has_content(src):
+            continue
+        pid = src.stem.rsplit("-", 1)[-1]
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / f"{_actor_name(src)}-{pid}{src.suffix}"
+        shutil.copyfile(src, target)
+        copied.append(target)
+    for src in sorted((logs / "train").glob("*.log")) if (logs / "train").is_dir() else []:
+        if src.stat().st_mtime >= since:
+            (dest / "train").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest / "train" / src.name)
+            copied.append(dest / "train" / src.name)
+    return copied

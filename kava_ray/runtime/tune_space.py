@@ -1,0 +1,303 @@
+"""Ray Tune search spaces as YAML: dotted JobConfig keys -> distributions, plus metric/scheduler/search.
+
+    metric: eval/ce
+    mode: min
+    num_samples: 8
+    scheduler: {kind: asha, grace_period: 2, reduction_factor: 2}
+    search: {kind: random}
+    params:
+      optim.lr_student: {loguniform: [1.0e-5, 1.0e-4]}
+
+`load_space` checks everything up front (keys exist in JobConfig, ranges are non-empty, and, given
+a base config, every extreme value validates), so a bad space fails with one `KavaError` line
+before any trial starts.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kava_ray.common.config import (
+    JobConfig,
+    did_you_mean,
+    format_validation_error,
+    read_yaml_mapping,
+    section_of,
+    set_dotted,
+    validate_config,
+)
+from kava_ray.common.errors import KavaError
+
+SPACE_PACKAGE = "tune_spaces"
+DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
+# metrics whose direction is unambiguous; a space that optimises them the wrong way is a mistake
+_DIRECTION = {"eval/ce": "min", "eval/cos_sim": "max", "eval/cos_raw": "max", "eval/contrast_gap": "max"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SchedulerSpec(_Strict):
+    """`asha` stops weak trials early, `fifo` runs all to the end.
+
+    ASHA counts in the reported training `step` but only sees the metric at eval steps, so a
+    grace_period below train.eval_steps means "judge at the first eval".
+    """
+
+    kind: Literal["asha", "fifo"] = "asha"
+    grace_period: Optional[int] = Field(None, ge=1)
+    reduction_factor: Optional[int] = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _asha_only(self):
+        if self.kind == "fifo" and (self.grace_period is not None or self.reduction_factor is not None):
+            raise ValueError("scheduler: grace_period/reduction_factor apply only to kind asha")
+        if self.kind == "asha":
+            self.grace_period = 2 if self.grace_period is None else self.grace_period
+            self.reduction_factor = 2 if self.reduction_factor is None else self.reduction_factor
+        return self
+
+
+class SearchSpec(_Strict):
+    """`random` = Tune's BasicVariantGenerator; `optuna`/`hyperopt` need their packages."""
+
+    kind: Literal["random", "optuna", "hyperopt"] = "random"
+
+
+class SpaceSpec(_Strict):
+    """A parsed search space; `params` maps a dotted JobConfig key to one `{distribution: args}`."""
+
+    metric: str = "eval/ce"  # the task loss: a KV metric (eval/cos_sim) would favour kv_weight > 0 by construction
+    mode: Literal["max", "min"] = "min"
+    num_samples: int = Field(8, ge=1)
+    max_concurrent: Optional[int] = Field(None, ge=1)
+    scheduler: SchedulerSpec = SchedulerSpec()
+    search: SearchSpec = SearchSpec()
+    params: dict[str, dict]
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _check_params(cls, v):
+        if not isinstance(v, dict) or not v:
+            raise ValueError("params: needs a non-empty mapping of dotted JobConfig keys to distributions")
+        out = {}
+        for key, dist in v.items():
+            key = str(key)
+            if not _is_leaf(key.split(".")):
+                raise ValueError(f"param {key!r}: not a JobConfig key{did_you_mean(JobConfig, tuple(key.split('.')))}")
+            out[key] = _check_dist(key, dist)
+        return out
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if not self.metric.startswith("eval/"):
+            raise ValueError(f"metric {self.metric!r}: must be a held-out metric reported every eval_steps "
+                             "(eval/cos_sim, eval/ce, eval/contrast_gap, eval/cos/<teacher>)")
+        want = "max" if self.metric.startswith(("eval/cos/", "eval/cos_raw/")) else _DIRECTION.get(self.metric)
+        if want and want != self.mode:
+            raise ValueError(f"mode {self.mode!r}: {self.metric} is optimised with mode {want}")
+        grids = [k for k, d in self.params.items() if "grid" in d]
+        if grids and self.search.kind != "random":
+            raise ValueError(f"param {grids[0]!r}: grid needs search kind random (got {self.search.kind})")
+        return self
+
+
+# ----------------------------------------------------------------------------- params
+
+
+_SCI = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _num(x: Any) -> Any:
+    """PyYAML reads `1e-5` (no dot) as a string; turn such strings into floats."""
+    return float(x) if isinstance(x, str) and _SCI.fullmatch(x.strip()) else x
+
+
+def _is_number(x: Any, integer: bool = False) -> bool:
+    return isinstance(x, int if integer else (int, float)) and not isinstance(x, bool)
+
+
+def _check_dist(key: str, dist: Any) -> dict:
+    """Normalised `{kind: values}`; a ValueError names the param and what is wrong."""
+    where = f"param {key!r}"
+    if not isinstance(dist, dict) or len(dist) != 1:
+        raise ValueError(f"{where}: needs exactly one distribution, e.g. {{choice: [...]}} "
+                         f"(one of {', '.join(DISTRIBUTIONS)})")
+    (kind, args), = dist.items()
+    if kind not in DISTRIBUTIONS:
+        raise ValueError(f"{where}: unknown distribution {kind!r} (expected {', '.join(DISTRIBUTIONS)})")
+    if kind in ("choice", "grid"):
+        if not isinstance(args, list) or not args:
+            raise ValueError(f"{where}: {kind} needs a non-empty list")
+        return {kind: [_num(a) for a in args]}
+    integer = kind == "randint"
+    if not isinstance(args, list) or len(args) != 2 or not all(_is_number(_num(a), integer) for a in args):
+        raise ValueError(f"{where}: {kind} needs [low, high] with two {'integers' if integer else 'numbers'}")
+    low, high = (_num(a) for a in args)
+    if low >= high:
+        raise ValueError(f"{where}: empty range [{low!r}, {high!r}] (needs low < high)")
+    if kind == "loguniform" and low <= 0:
+        raise ValueError(f"{where}: loguniform needs 0 < low (got [{low!r}, {high!r}])")
+    return {kind: [low, high]}
+
+
+def _unwrap(ann: Any) -> Any:
+    """Optional[X] -> X (only single-type unions wrap a section)."""
+    if typing.get_origin(ann) is Union:
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        return args[0] if len(args) == 1 else ann
+    return ann
+
+
+def _is_leaf(parts: list[str], base: Optional[dict] = None) -> bool:
+    """Whether parts name a leaf field of JobConfig; with a base dict, list indices must exist in it."""
+    model, node, i = JobConfig, base, 0
+    while i < len(parts):
+        field = model.model_fields.get(parts[i])
+        if field is None:
+            return False
+        section = section_of(field.annotation)
+        node = node.get(parts[i]) if isinstance(node, dict) else None
+        i += 1
+        if section is not None and typing.get_origin(_unwrap(field.annotation)) is list:  # teachers.N.field
+            if i == len(parts) or not parts[i].isdigit():
+                return False
+            if base is not None:
+                if int(parts[i]) >= len(node or []):
+                    return False
+                node = node[int(parts[i])]
+            i += 1
+        if section is None:
+            return i == len(parts)
+        model = section
+    return False  # a section, not a leaf
+
+
+def _extremes(dist: dict) -> list:
+    (kind, args), = dist.items()
+    if kind == "randint":
+        return [args[0], args[1] - 1]  # tune.randint's high is exclusive
+    return list(args)
+
+
+def _check_against(key: str, dist: dict, base: JobConfig) -> None:
+    data = base.to_dict()
+    if not _is_leaf(key.split("."), data):
+        n = len(data.get("teachers", []))
+        raise KavaError(f"param {key!r}: not a JobConfig key (the base config has {n} teachers)")
+    for value in _extremes(dist):
+        try:
+            apply_params(base, {key: value})
+        except KavaError as e:
+            raise KavaError(f"param {key!r}: value {value!r} is invalid for this job ({e})") from None
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def space_names() -> list[str]:
+    """Names of the search spaces shipped in the `tune_spaces` package."""
+    return sorted(p.name[:-5] for p in resources.files(SPACE_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def _read(path_or_name: Union[str, Path]) -> tuple[str, str]:
+    p = Path(path_or_name)
+    if p.is_file():
+        return p.read_text(), str(p)
+    name = str(path_or_name)
+    if name in space_names():
+        return resources.files(SPACE_PACKAGE).joinpath(f"{name}.yaml").read_text(), f"{SPACE_PACKAGE}/{name}.yaml"
+    shipped = ", ".join(space_names())
+    raise KavaError(f"search space {name!r}: no such file and no such shipped space (shipped: {shipped})")
+
+
+def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None) -> SpaceSpec:
+    """A validated SpaceSpec from a YAML path or shipped name; with `base`, every extreme value must validate."""
+    text, origin = _read(path_or_name)
+    raw = read_yaml_mapping(text, origin, "search space", "a mapping (metric, mode, params, ...)")
+    try:
+        spec = SpaceSpec.model_validate(raw)
+        if base is not None:
+            for key, dist in spec.params.items():
+                _check_against(key, dist, base)
+    except ValidationError as err:
+        problem = format_validation_error(err, key=None, fields=SpaceSpec.model_fields)
+        raise KavaError(f"search space {origin}: {problem}") from None
+    except KavaError as err:
+        raise KavaError(f"search space {origin}: {err}") from None
+    return spec
+
+
+# ----------------------------------------------------------------------------- Ray Tune objects
+
+
+def to_param_space(spec: SpaceSpec) -> dict[str, Any]:
+    """Flat {dotted key: ray.tune domain} for `Tuner(param_space=...)`."""
+    from ray import tune
+
+    make = {"choice": tune.choice, "grid": tune.grid_search, "uniform": lambda a: tune.uniform(*a),
+            "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}
+    out = {}
+    for key, dist in spec.params.items():
+        (kind, args), = dist.items()
+        out[key] = make[kind](list(args))
+    return out
+
+
+def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
+    """A validated copy of `base` with flat dotted params (a trial's config) set."""
+    data = base.to_dict()
+    for key, value in params.items():
+        set_dotted(data, key.split("."), value)
+    return validate_config(data)
+
+
+def last_judged_step(steps: int, eval_steps: int) -> int:
+    """The last step before the end at which a trial reports the metric (an eval step): ASHA's max_t."""
+    return (steps - 1) // eval_steps * eval_steps
+
+
+def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
+    """ASHAScheduler(time_attr="step", ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
+
+    max_t: `last_judged_step(train.steps, train.eval_steps)`. ASHA judges a rung at the first report of the metric
+    at or past it, and a STOP at a trial's last step ends it while it still saves final/ and evaluates the test
+    split, which can lose both: so every rung lies at or below the last eval before the end (ASHA puts one at each
+    grace_period * rf**k <= max_t), and stop_last_trials=False leaves a trial past max_t to finish on its own.
+    """
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    s = spec.scheduler if isinstance(spec, SpaceSpec) else spec
+    if s.kind == "fifo":
+        return FIFOScheduler()
+    if max_t < s.grace_period:
+        raise KavaError(f"scheduler: grace_period {s.grace_period} exceeds the last evaluation before the end "
+                        f"(step {max_t}, from train.steps and train.eval_steps): no rung could be judged; lower it or "
+                        f"use scheduler kind fifo")
+    return ASHAScheduler(time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor,
+                         max_t=max_t, stop_last_trials=False)
+
+
+def make_search_alg(spec: Union[SpaceSpec, SearchSpec]):
+    """None for random (Tune's BasicVariantGenerator), else an OptunaSearch / HyperOptSearch."""
+    kind = (spec.search if isinstance(spec, SpaceSpec) else spec).kind
+    if kind == "random":
+        return None
+    try:
+        __import__(kind)
+    except ImportError:
+        raise KavaError(f"search kind {kind!r} needs the {kind} package: pip install {kind}") from None
+    if kind == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch()
+    from ray.tune.search.hyperopt import HyperOptSearch
+
+    return HyperOptSearch()
