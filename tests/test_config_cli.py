@@ -144,3 +144,31 @@ def test_a_misspelt_key_names_the_key_it_is_close_to(capsys, override, suggestio
     key = override.split("=")[0].split(".")
     loc = ".".join(key[:1] if key[0] == "trian" else key)
     assert capsys.readouterr().err.strip().splitlines() == [f"error: config key {loc!r}: unknown key{suggestion}"]
+
+
+def _leaves(parser, path=()):
+    """Every runnable (sub)command of a parser: (its words, its parser)."""
+    subs = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    if not subs:
+        return [(path, parser)]
+    return [leaf for name, p in subs[0].choices.items() for leaf in _leaves(p, (*path, name))]
+
+
+def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
+    """One module per command (kava_ray/cli/): each leaf parser names its handler; importing them all (what
+    `kava-ray --help` does) loads no torch, Ray or pydantic, in a fresh interpreter."""
+    from kava_ray.cli import build_parser
+
+    leaves = _leaves(build_parser())
+    assert [words for words, p in leaves if not callable(p.get_default("func"))] == []
+    assert len(leaves) == 25  # 11 commands; config 2, teachers 4, bench 11 subcommands
+    code = "import sys, kava_ray.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'pydantic'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_python_dash_m_runs_the_command():
+    """`python -m kava_ray.cli` (how test_actors and the multi-node test run it) is the console script."""
+    out = subprocess.run([sys.executable, "-m", "kava_ray.cli", "config", "presets"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == preset_names(), out.stderr

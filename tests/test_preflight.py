@@ -230,7 +230,7 @@ def test_every_ray_command_runs_preflight(run_cli, tiny_job, tmp_path):
 
 def test_precompute_runs_preflight_before_teachers(tiny_job, tmp_path, no_start):
     """`job.precompute` itself (the CLI's `teachers precompute` connects to Ray before calling it: see
-    cli.cmd_teachers), so here the function, not the command."""
+    kava_ray.cli.teachers), so here the function, not the command."""
 
     from kava_ray.common.config import load_config
     from kava_ray.common.errors import KavaError

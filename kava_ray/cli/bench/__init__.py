@@ -1,0 +1,15 @@
+"""`kava-ray bench <name>`: side-by-side measurements on this machine; one module per bench, as in kava_ray.bench."""
+
+from __future__ import annotations
+
+from kava_ray.cli.bench import align, data, feed, gpu, heal, projector_ab, recipes, step, tune_share, vocab
+from kava_ray.cli.bench import all as all_benches
+
+BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, data, recipes, all_benches, align, vocab)  # help order
+
+
+def register(sub) -> None:
+    p_bench = sub.add_parser("bench", help="side-by-side measurements on this machine")
+    bench_sub = p_bench.add_subparsers(dest="bench_command", required=True)
+    for bench in BENCHES:
+        bench.register(bench_sub)

@@ -1,0 +1,32 @@
+"""`kava-ray bench heal`: does it distil? The demo's pruned student healed on the Python docs, a decision rule."""
+
+from __future__ import annotations
+
+from kava_ray.cli.shared import add_bench_job, show
+
+
+def register(sub) -> None:
+    p = sub.add_parser("heal", help="does it distil? the demo's pruned student healed on the Python docs: a "
+                                    "positive control (logit KD), KV arms, paired seeds, a decision rule")
+    add_bench_job(p, "<ray.storage_path>/bench-heal-<time>")
+    p.add_argument("--steps", type=int, default=None, help="steps per arm (default 40; --quick 3)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds (default 3; --quick 2)")
+    p.add_argument("--arms", nargs="+", default=None, help="a subset of ce, ce+logits, ce+kv, ce+kv+logits, logits")
+    p.add_argument("--quick", action="store_true", help="toy sizes (the test runs this)")
+    p.add_argument("--min-gap", type=float, default=1.0, help="the gate: nats the teacher must beat the student by")
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="an extra arm on top of ce, e.g. best-kv:loss.kv_weight=0.3,loss.kv_parts=keys (repeatable)")
+    p.add_argument("--base", default="ce", help="the arm every other is paired against (ce, or a --recipe name, "
+                                               "e.g. ce at a tuned learning rate); the control needs ce")
+    p.add_argument("--address", default=None)
+    p.set_defaults(func=heal)
+
+
+def heal(args) -> int:
+    from kava_ray.bench.heal import format_heal, parse_recipe, run_heal_bench
+
+    recipes = dict(parse_recipe(r) for r in args.recipe)
+    out = run_heal_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, arms=args.arms,
+                         quick=args.quick, out=args.out, min_gap=args.min_gap, arm_overrides=recipes,
+                         address=args.address, base_arm=args.base)
+    return show(args, format_heal(out), out)
