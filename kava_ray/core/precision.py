@@ -1,26 +1,10 @@
 """The student's precision policy (`student.precision`): the dtype its weights are stored in, the dtype
 its forward computes in, and an optimizer that does not round small updates away. Pure PyTorch.
 
-Pure bf16 weights with a plain AdamW lose every update smaller than half a bf16 ulp: at lr 3e-5 on
-weights ~N(0, 0.02), 10 steps change ~17-29 % of bf16 weights where fp32 changes ~100 %
-(tests/test_precision.py). So no policy trains bf16 weights with a round-to-nearest optimizer:
-
-  auto        bf16-mixed on a CUDA device with bf16 support, fp32 anywhere else (the CPU: as before)
-  fp32        fp32 weights, gradients and optimizer states; no autocast
-  bf16-mixed  fp32 master weights, gradients and optimizer states; forward and backward under bf16
-              autocast (the bf16 weight copies autocast makes live only for the step)
-  bf16-sr     bf16 weights and gradients; torchao's AdamW (`optim.optimizer: adamw`, bf16 states) or
-              AdamW8bit (`adamw8bit`, 8-bit states) computes each update in fp32 and rounds the weight
-              back to bf16 stochastically, so small updates survive on average; under bf16 autocast.
-              Half the weight memory of bf16-mixed. Needs torchao: pip install 'kava-ray[sr]'
-
-Projectors and fusion stay fp32 under every policy (they are small); autocast runs their matmuls in bf16.
-`student.dtype` is the stored weight dtype: `auto` means the policy's (fp32, or bf16 for bf16-sr); an
-explicit value must agree with the policy, and float16 is refused at config validation (fp16 weights
-under AdamW overflow to inf without loss scaling; bf16 has fp32's range and needs none).
-
-`resolve_precision(policy, device_type)` takes the device type explicitly, so the GPU policy can run
-(and be tested) on a CPU, whose autocast supports bf16.
+`auto` (bf16-mixed on a CUDA device with bf16, else fp32), `fp32`, `bf16-mixed` (fp32 master weights, grads and
+states; bf16 autocast) or `bf16-sr` (bf16 weights; torchao AdamW / AdamW8bit with stochastic rounding; needs
+`pip install 'kava-ray[sr]'`). No policy trains bf16 weights with a round-to-nearest optimizer: it loses small
+updates. Projectors and fusion stay fp32. Measurements and the `student.dtype` rules: docs/internals/core.md#precision.
 """
 
 from __future__ import annotations
@@ -108,12 +92,8 @@ def _torchao_optim():
 
 
 def sr_adamw(groups: list[dict], optim) -> torch.optim.Optimizer:
-    """torchao AdamW (`adamw`) or AdamW8bit (`adamw8bit`) with bf16 stochastic rounding over `groups`.
-
-    torchao keeps each group's lr as a tensor (so its compiled step does not recompile when the lr
-    changes); here the lr stays a float between steps, as the LR scheduler, metrics and checkpoints
-    expect, and becomes a tensor only inside `step`.
-    """
+    """torchao AdamW (`adamw`) or AdamW8bit (`adamw8bit`) with bf16 stochastic rounding over `groups`; the lr
+    stays a float between steps (`_float_lr`)."""
     tao = _torchao_optim()
     base = tao.AdamW8bit if optim.optimizer == "adamw8bit" else tao._AdamW
     return _float_lr(base)(groups, lr=groups[0]["lr"], weight_decay=optim.weight_decay, bf16_stochastic_round=True)
@@ -122,6 +102,8 @@ def sr_adamw(groups: list[dict], optim) -> torch.optim.Optimizer:
 _FLOAT_LR: dict = {}
 
 
+# torchao keeps each group's lr as a tensor (its compiled step then does not recompile when the lr changes); the
+# LR scheduler, metrics and checkpoints expect a float, so the subclass makes it a tensor only inside `step`
 def _float_lr(base):
     if base not in _FLOAT_LR:
         class FloatLR(base):

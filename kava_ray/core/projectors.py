@@ -1,15 +1,8 @@
-"""Projectors from a teacher's KV cache into the student's KV layout.
-
-KV tensors are `[L, B, H, T, D]` (layers, batch, kv heads, time, head_dim).
-A `TeacherProjector` holds the K and V projectors of one teacher and always
-returns the student layout `[L_s, B, H_s, T, D_s]`:
-
-- `flat`: per token, aggregate the shipped teacher layers (concat | mean |
-  weighted), project the whole vector with one ElasticBottleneck / Linear to
-  L_s * H_s * D_s values, reshape — every student layer gets its own slice.
-- `structured`: per student layer, a learnable combination of its mapped teacher
-  layers followed by a HeadwiseProjector (mix heads, project head_dim with one
-  projector shared by every student head, or one per student head: `head_proj`).
+"""Projectors from a teacher's KV cache (`[L, B, H, T, D]`: layers, batch, kv heads, time, head_dim) into the
+student's layout `[L_s, B, H_s, T, D_s]`. A `TeacherProjector` holds one teacher's K and V projectors: `flat`
+(the shipped layers aggregated per token, one projector for all student layers) or `structured` (per student
+layer, a learned combination of its mapped teacher layers, then a `HeadwiseProjector`).
+See docs/internals/core.md#projectors.
 """
 
 from __future__ import annotations
@@ -100,11 +93,8 @@ def num_parameters(module: nn.Module) -> int:
 
 
 def block_head_mix(h_in: int, h_out: int) -> torch.Tensor:
-    """[h_out, h_in] matrix: output head j averages its contiguous block of input heads.
-
-    With h_out > h_in, output head j copies input head floor(j * h_in / h_out).
-    Rows sum to 1.
-    """
+    """[h_out, h_in] matrix, rows summing to 1: output head j averages its contiguous block of input heads (with
+    h_out > h_in, copies input head floor(j * h_in / h_out))."""
     mix = torch.zeros(h_out, h_in)
     for j in range(h_out):
         lo = j * h_in // h_out
@@ -116,10 +106,7 @@ def block_head_mix(h_in: int, h_out: int) -> torch.Tensor:
 class PerHeadLinear(nn.Module):
     """H independent Linear(d_in, d_out) maps, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
 
-    One batched weight `[H, d_in, d_out]` and bias `[H, d_out]`, applied with one einsum (no loop
-    over heads). Each head's weight is initialised like a LinearProjector's (Xavier-uniform, the
-    same bound as nn.Linear(d_in, d_out)), biases zero.
-    """
+    One batched weight [H, d_in, d_out] applied by one einsum; each head initialised like a LinearProjector."""
 
     def __init__(self, heads: int, d_in: int, d_out: int):
         super().__init__()
@@ -137,10 +124,7 @@ class PerHeadLinear(nn.Module):
 class PerHeadElastic(nn.Module):
     """H independent ElasticBottlenecks, head h applied to head h: [..., H, T, d_in] -> [..., H, T, d_out].
 
-    A ModuleList looped over H (a kv-head count, small) rather than batched weights: a batched
-    LayerNorm with a per-head affine would save one more activation per head for backward than
-    nn.LayerNorm's fused kernel does, and the modules stay the ones the shared path uses.
-    """
+    A ModuleList looped over H, not batched weights: see docs/internals/core.md#projectors."""
 
     def __init__(self, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0, dropout: float = 0.1):
         super().__init__()
@@ -154,10 +138,8 @@ class PerHeadElastic(nn.Module):
 
 def make_head_projector(kind: str, heads: int, d_in: int, d_out: int, mlp_ratio: float = 1.0,
                         dropout: float = 0.1) -> nn.Module:
-    """One projector per head: `elastic` -> PerHeadElastic, `linear` -> PerHeadLinear.
-
-    H times the parameters of `make_projector(kind, d_in, d_out)`.
-    """
+    """One projector per head (H times `make_projector`'s parameters): `elastic` -> PerHeadElastic, `linear` ->
+    PerHeadLinear."""
     if kind == "elastic":
         return PerHeadElastic(heads, d_in, d_out, mlp_ratio, dropout)
     if kind == "linear":
@@ -166,10 +148,7 @@ def make_head_projector(kind: str, heads: int, d_in: int, d_out: int, mlp_ratio:
 
 
 def matmul_weights(module: nn.Module) -> list[nn.Parameter]:
-    """The weights a module's matmuls read: every nn.Linear weight and every PerHeadLinear weight.
-
-    The planner counts these for the bf16 copies autocast keeps.
-    """
+    """The weights a module's matmuls read (nn.Linear and PerHeadLinear): the planner counts their autocast copies."""
     out = []
     for m in module.modules():
         if isinstance(m, (nn.Linear, PerHeadLinear)):
@@ -178,18 +157,11 @@ def matmul_weights(module: nn.Module) -> list[nn.Parameter]:
 
 
 class HeadwiseProjector(nn.Module):
-    """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix, then project head_dim D_t -> D_s.
+    """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix (starts `block_head_mix`), then project head_dim
+    D_t -> D_s: [..., H_t, T, D_t] -> [..., H_s, T, D_s].
 
-    [..., H_t, T, D_t] -> [..., H_s, T, D_s]. The mixing matrix starts block-uniform
-    (`block_head_mix`). head_proj decides the head_dim projector:
-
-    - `shared` (default): one projector D_t -> D_s used by every student head and token
-      (`self.proj`, the layout older checkpoints have).
-    - `per_head`: one projector per student head, so each student head can read its own
-      subspace of the mixed teacher heads instead of every head sharing one map. `self.proj`
-      is a PerHeadLinear or PerHeadElastic, whose state_dict keys differ from the shared
-      ones (the two never load into each other). Costs H_s times the projector parameters
-      (the mix is unchanged).
+    head_proj `shared`: one projector for every student head (older checkpoints' layout); `per_head`: one per
+    student head, H_s times the parameters, with state_dict keys the shared layout never loads into.
     """
 
     def __init__(
@@ -219,21 +191,11 @@ class HeadwiseProjector(nn.Module):
 
 
 class TeacherProjector(nn.Module):
-    """The K and V projectors of one teacher, producing the student layout.
+    """The K and V projectors of one teacher: keys, values [len(teacher_layers), B, H_t, T, D_t] (the shipped
+    layers, in `teacher_layers` order) -> (k_s, v_s), each [L_s, B, H_s, T, D_s].
 
-    Input: keys, values `[len(teacher_layers), B, H_t, T, D_t]` — the layers the
-    teacher ships, in the order of `teacher_layers` (usually
-    `teacher_layers_used(layer_map)`). Output: `(k_s, v_s)`, each in the student
-    layout `[L_s, B, H_s, T, D_s]` (see `student_layout`).
-
-    mode="flat": aggregation concat (d_in = L_sel*H_t*D_t), mean or weighted
-    (learnable softmax over the shipped layers; d_in = H_t*D_t), then one projector
-    to d_out = L_s*H_s*D_s. The layer map only decides which layers are shipped.
-    mode="structured": student layer s combines its mapped teacher layers with
-    learnable (unnormalised) weights initialised from the layer map, then its own
-    HeadwiseProjector — separately for K and V. head_proj (structured only; flat ignores
-    it): `shared` = one head_dim projector for all student heads, `per_head` = one per
-    student head (H_s times the head_dim projector parameters).
+    mode `flat` (aggregation concat | mean | weighted; the layer map only picks the shipped layers) or
+    `structured` (`head_proj` shared | per_head; flat ignores it). See docs/internals/core.md#projectors.
     """
 
     def __init__(

@@ -1,10 +1,8 @@
 """An offline natural-text corpus every Python install ships: CPython's reference documentation
-(`pydoc_data.topics`, ~465k characters in 79 topics), as `text` records split by topic.
+(`pydoc_data.topics`, ~465k characters in 79 topics), as `text` records split by topic (`split_topics`).
 
-`kava-ray data pydoc --out DIR` writes DIR/train.jsonl, DIR/validation.jsonl and DIR/test.jsonl: one record
-{"text": ..., "topic": ...} per topic, every topic in exactly one split (in the order of a hash of its name, until
-validation and test each hold 10 % of the characters: the split never depends on dict order). A job reads them with
-`data.source: DIR/{split}.jsonl`, `data.val_split: validation` (packed into `train.max_length` blocks).
+`kava-ray data pydoc --out DIR` writes DIR/{train,validation,test}.jsonl, one {"text", "topic"} record per topic;
+a job reads them with `data.source: DIR/{split}.jsonl`, `data.val_split: validation`.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ def pydoc_topics() -> dict[str, str]:
 
 
 def split_topics(topics: dict[str, str]) -> dict[str, list[str]]:
-    """Every topic in one split: topics ordered by sha256 of their name go to test until it holds 10 % of the
-    characters, then to validation until it does too; the rest trains."""
+    """Every topic in one split: topics ordered by sha256 of their name (never dict order) go to test until it
+    holds 10 % of the characters, then to validation until it does too; the rest trains."""
     order = sorted(topics, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
     total = sum(len(topics[n]) for n in order)
     out: dict[str, list[str]] = {s: [] for s in SPLITS}

@@ -1,12 +1,8 @@
 """Keep a worker's resident memory at what it holds, not at the history of what it has read.
 
-`datasets` memory-maps its Arrow cache files, and every batch reads `batch_size` rows at random offsets. Each
-page fault maps the pages around it too (readahead and fault-around), so the mapped, resident share of the
-cache grows with every read: +140 MiB after 200 batches of 8 packed 128-token rows from a 100 MB corpus, and on
-a long run up to the whole cache (`kava-ray bench data`). `release_mapped_pages` drops this process's mappings
-of those pages (`madvise(MADV_DONTNEED)`: the data stays in the file and the page cache; the next read faults
-it back in, a minor fault on a warm cache). It is safe for read-only file mappings, also while another thread
-reads them. Linux only; elsewhere, or where libc refuses, it does nothing.
+Random reads of `datasets`' memory-mapped Arrow cache leave ever more of it resident; `release_mapped_pages`
+drops this process's mappings of those pages (`madvise(MADV_DONTNEED)`; the data stays in the page cache), safe
+for read-only file mappings. Linux only, else a no-op. Measurement: docs/internals/core.md#mmap-advice.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def _mappings(paths: set[str]) -> list[tuple[int, int]]:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    """libc, looked up once: `find_library` runs `ldconfig -p` in a subprocess (~2.4 ms), and the stream releases
-    every 16 batches."""
+    """libc, looked up once (`find_library` runs `ldconfig -p`, ~2.4 ms; the stream releases every 16 batches)."""
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 

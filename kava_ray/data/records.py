@@ -1,21 +1,9 @@
 """Record formats: what a row of a dataset is, which of its tokens carry loss, and where its content lies.
 
-Four formats, detected from a row's (renamed, `data.columns`) fields or set with `data.format`, following
-TRL's dataset conventions:
-
-  text               {"text": str}: language modelling, loss on every token (+ EOS).
-  prompt_completion  {"prompt", "completion"}: strings (tokenized separately and concatenated, as torchtune
-                     does, so the prompt's tokens are exactly what generation starts from; + EOS), or lists
-                     of messages (TRL's conversational form: the student's chat template over prompt +
-                     completion); loss on the completion.
-  messages           {"messages": [{role, content}, ...]}: the student's chat template, loss on the assistant
-                     turns only (their content and the end-of-turn token the template puts after it).
-  gsm8k              {"question", "answer"}: a prompt-completion pair rendered by `data.prompt_format` (the chat
-                     template, or "Question: ...\\nAnswer: "); the answer's `####` marker starts a segment of its own.
-
-`render` turns a row into `Rendered`: pieces of text (tokenized one by one) with the character spans that
-carry loss, and the content segments -- the spans a teacher of another tokenizer must align within (each
-message, the prompt and the completion, a document, GSM8K's question / reasoning / final answer). Pure Python.
+Four formats (TRL's conventions), detected from a row's fields after `data.columns` or set by `data.format`:
+`text`, `prompt_completion` (strings or message lists), `messages` and `gsm8k`. `render` turns a row into
+`Rendered`: text pieces tokenized one by one, the character spans that carry loss, and the content segments a
+teacher of another tokenizer aligns within. Pure Python. Each format's rules: docs/internals/core.md#records.
 """
 
 from __future__ import annotations
@@ -187,8 +175,8 @@ def _chat(tokenizer, messages: list, loss_from: int, plain_fallback: bool = Fals
 
 
 def render(row: Mapping, fmt: str, tokenizer, prompt_format: str = "auto", teacher: bool = False) -> Rendered:
-    """A checked record of format `fmt` as `tokenizer` sees it (see the module docstring). teacher: a teacher of
-    another tokenizer renders it (a conversation without a chat template is read as plain turns)."""
+    """A checked record of format `fmt` as `tokenizer` sees it (docs/internals/core.md#records). teacher: a teacher
+    of another tokenizer renders it (a conversation without a chat template is read as plain turns)."""
     if fmt == "text":
         return Rendered([Piece(row["text"], True, specials=True)], [(0, len(row["text"]))], eos=True)
     if fmt == "messages":

@@ -1,9 +1,7 @@
 """Where records come from, as Hugging Face `datasets`: the synthetic generator, local files (.jsonl, .json,
-.parquet, .csv, or a directory of such shards, `{split}` in the path), or a hub dataset id.
-
-`load_records` returns a `datasets.Dataset` (Arrow, memory-mapped from the datasets cache for files and the hub)
-with `data.columns` applied; `check_source` reads only a source's first records, in the driver, before
-anything starts (`kava_ray.runtime.preflight`), and checks they are records of one format (`data.records`).
+.parquet, .csv, or a directory of such shards, `{split}` in the path), or a hub dataset id. `load_records` loads
+a split; `check_source` checks a source's first records in the driver, before anything starts.
+See docs/internals/core.md#data-sources.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def source_path(source: str, split: str) -> Optional[str]:
-    """The local file `source` names for `split` (`{split}` filled in, `~` expanded), or None for a hub id.
-
-    The one rule the loader and `check_source` share: an existing path, a file extension, or a path-like
-    prefix (/ ./ ../ ~) makes it local.
-    """
+    """The local file `source` names for `split` (`{split}` filled in, `~` expanded), or None for a hub id: local
+    when it exists, has a file extension or a path-like prefix (the rule the loader and `check_source` share)."""
     path = os.path.expanduser(source.replace("{split}", split))
     ext = os.path.splitext(path)[1].lower()
     if os.path.exists(path) or ext in _FILE_LIKE_EXTS or source.startswith(("/", "./", "../", "~")):
@@ -71,9 +66,8 @@ def load_records(source: str, split: str, n: Optional[int] = None, seed: int = 0
                  hub_config: Optional[str] = "main", columns: Optional[Mapping] = None):
     """The records of `split` as a `datasets.Dataset`, `data.columns` applied, capped to the first `n` rows.
 
-    synthetic: `synthetic_split` (train and every other split never overlap). A local path may contain
-    `{split}` (e.g. `data/{split}.jsonl`) and name a directory of shards. Nothing is read into Python lists:
-    files and hub datasets are Arrow tables the datasets library memory-maps from its cache.
+    synthetic: `synthetic_split` (train never overlaps the others). Files and hub datasets stay Arrow tables,
+    memory-mapped from the datasets cache (nothing is read into Python lists).
     """
     import datasets
 
@@ -133,12 +127,11 @@ def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 
 
 def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
                  columns: Optional[Mapping] = None) -> None:
-    """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`kava_ray.runtime.preflight`).
+    """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`runtime.preflight`).
 
-    synthetic: nothing to check. A local file or directory (see `source_path`): exists, is not empty, and its
-    first `records` records parse and are valid records of one format (`data.records.formats_of`: one line
-    naming the file, the row and what was expected). Else the source must look like a hub id `org/name` (a
-    typo such as `synthetc` is refused here); whether the hub has it stays the loader's business.
+    A local source: exists, is not empty, and its first `records` records are valid records of one format (one
+    KavaError line naming the file and row). Else it must look like a hub id `org/name` (refuses typos such as
+    `synthetc`); whether the hub has it is the loader's business.
     """
     if source == "synthetic":
         return

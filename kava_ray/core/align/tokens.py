@@ -1,34 +1,10 @@
 """Token (time) alignment across tokenizers: teacher token positions -> student token positions.
 
-A teacher whose tokenizer differs from the student's renders the same record itself; this module maps its
-positions onto the student's through character offsets (fast tokenizers' `offset_mapping`), per record,
-within its content segments. Pure numpy/torch: no Ray, no tokenizer calls.
-
-Segments. A record's content, in a fixed order, as spans of each side's rendered text (`data.records`):
-each message of a conversation, a prompt and its completion, a (packed) document, or GSM8K's question,
-reasoning and final answer (from its `####` marker). No teacher token is used across a segment boundary.
-
-Canonical coordinate. Every token span [start, end) of a tokenizer's text is mapped into one character
-coordinate shared by student and teacher (`segment_table` -> `canonical_spans`):
-
-  same text     (teacher text == student text) the raw offsets, template text included: segment i runs
-                from the end of segment i-1 (0 for the first) to its own end (the text's end for the last).
-  content only  (texts differ) the concatenation of the segments' contents: segment i's characters map to
-                [C_i, C_i + its length), C_i = the lengths before it. Template-only tokens (chat markup,
-                BOS/EOS and other specials with empty spans) get no span.
-
-A token crossing a segment boundary goes to the segment holding most of its characters (ties: the
-earlier one) and is clipped to it. If the two sides' segments do not hold the same content (a template that
-rewrites text), the record is all-unaligned.
-
-Alignment (causal). `align_positions` gives student token i the contiguous teacher range lo[i]:hi[i] of
-exactly the teacher tokens whose canonical span overlaps its own AND ends at or before its end (hi == lo:
-unaligned), by `np.searchsorted` calls over the monotone spans. A teacher token ending after the student
-token has read characters the student has not (SmolLM2 cuts "123" into "1", "2", "3", Llama-3 keeps "123":
-the teacher's "123" has seen "23" when the student is at "1"), so a causal student could not match its KV;
-such student positions stay unaligned (counted as `causal_unaligned`). `causal=False` gives the plain
-overlap. `apply_alignment` turns teacher KV [..., B, H, T_t, D] into student time [..., B, H, T_s, D]
-(mean | last | first of the range; 0 where unaligned), O(T).
+A teacher of another tokenizer renders the same record itself; its token spans (fast tokenizers'
+`offset_mapping`) and the student's are mapped into one character coordinate per record, within its content
+segments (`data.records`), and student token i gets the teacher tokens lo[i]:hi[i] that overlap it and have
+read nothing past it (causal). `apply_alignment` then moves teacher KV to student time. Pure numpy/torch, no
+Ray, no tokenizer calls. Segments, the canonical coordinate and the causal rule: docs/internals/core.md#align-tokens.
 """
 
 from __future__ import annotations
@@ -80,9 +56,8 @@ def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Op
 def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token offsets [(start, end)] into a text -> canonical (starts, ends, segment), int64 [T] each.
 
-    Each token goes to the segment holding most of its characters (ties: the earlier segment) and is
-    clipped to it; tokens overlapping no segment, empty spans (specials, BOS/EOS) and every token when
-    `bounds` is None get start = end = segment = -1. Vectorised over tokens (3 segments).
+    A token goes to the segment holding most of its characters (ties: the earlier) and is clipped to it; tokens
+    in no segment, empty spans (specials) and every token when `bounds` is None get -1 in all three.
     """
     n = len(offsets)
     off = np.asarray(offsets, dtype=np.int64).reshape(n, 2)
@@ -106,16 +81,13 @@ def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> 
     """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own and,
     with `causal`, ends at or before its end (no teacher token that has read characters past it).
 
-    Inputs are canonical spans (`canonical_spans`), -1 = no span. Returns int64 (lo, hi) [T_s];
-    hi == lo means unaligned (no span, or no teacher token qualifies). Spans of tokens with a span
-    are monotone (starts and ends non-decreasing in token order), so the set
-    {j: t_end[j] > s_start and t_start[j] < s_end (and t_end[j] <= s_end)} is the contiguous range found
-    by searchsorted calls. A teacher token without a span is given start = the next spanned token's start
-    and end = the previous spanned token's end: it never matches by itself and keeps both arrays monotone
-    (it lands inside a range only when sandwiched between two tokens that both qualify).
+    Inputs: canonical spans (`canonical_spans`), -1 = no span. Returns int64 (lo, hi) [T_s]; hi == lo: unaligned.
     """
     ss, se = np.asarray(s_starts, np.int64), np.asarray(s_ends, np.int64)
     ts, te = np.asarray(t_starts, np.int64).copy(), np.asarray(t_ends, np.int64).copy()
+    # spans are monotone in token order, so each student token's teacher set is one contiguous range found by
+    # searchsorted; a teacher token without a span borrows its neighbours' (below) so the arrays stay monotone:
+    # it never matches by itself, only inside a range whose both ends qualify
     if len(ts):
         miss = ts < 0
         big = np.iinfo(np.int64).max
@@ -130,15 +102,10 @@ def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> 
 
 
 def pair_positions(s_canon, t_canon) -> np.ndarray:
-    """Where a student position and a teacher position predict the same text: for each student token i, the
-    teacher token j that ends at the same canonical character in the same segment, each of them followed by a
-    token of that segment (so both have read exactly the text up to there, and both next tokens are that
-    segment's text from there on); -1 where there is none. Int64 [T_s].
-
-    Never pairs a teacher token that has read past the student's (its end would be later). The last token of a
-    segment is not paired: what follows it is template text (markup, EOS) that differs between tokenizers.
-    Inputs: (starts, ends, segment) of each side (`canonical_spans`).
-    """
+    """Where a student and a teacher position predict the same text: for each student token i, the teacher token
+    j ending at the same canonical character of the same segment, both followed by a token of that segment (a
+    segment's last token, followed by template text, is never paired); -1 where none. Int64 [T_s].
+    Inputs: each side's `canonical_spans`; see docs/internals/core.md#align-tokens."""
     def followed(canon) -> np.ndarray:  # has a span, and so has the next token, in the same segment
         st, en, sg = (np.asarray(a, np.int64) for a in canon)
         ok = np.zeros(len(st), dtype=bool)
@@ -158,9 +125,8 @@ def pair_positions(s_canon, t_canon) -> np.ndarray:
 def align_texts(s_offsets, s_text: str, s_segments, t_offsets, t_text: str, t_segments):
     """One record end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
 
-    `*_segments`: each side's content spans in its own text, in one order. Chooses the canonical coordinate
-    (same text or content only), maps both tokenizations into it and aligns them causally; a record whose
-    segments differ in number or content between the two sides is all-unaligned.
+    `*_segments`: each side's content spans in its own text, in one order; a record whose segments differ in
+    number or content between the two sides is all-unaligned.
     """
     same = s_text == t_text
     s_segs, t_segs = list(s_segments or []), list(t_segments or [])
@@ -175,10 +141,8 @@ def align_texts(s_offsets, s_text: str, s_segments, t_offsets, t_text: str, t_se
 def apply_alignment(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mode: str = "mean") -> torch.Tensor:
     """Teacher-time x [..., B, H, T_t, D] -> student time [..., B, H, T_s, D] (same dtype and device).
 
-    lo, hi: LongTensor [B, T_s] (any device; moved to x's). mean: mean of x[..., lo:hi, :] from float32
-    prefix sums (a zero row prepended, gathered at hi and lo: O(T), no [T_s, T_t] matrix); last:
-    x[..., hi - 1, :]; first: x[..., lo, :]. Unaligned positions (hi == lo) are 0. Not differentiable
-    by design (teacher KV carries no grad); pure torch, so CUDA tensors stay on the GPU.
+    lo, hi: LongTensor [B, T_s]. mean | last | first of x[..., lo:hi, :]; 0 where hi == lo. No grad by design
+    (teacher KV carries none); O(T), on x's device.
     """
     if mode not in MODES:
         raise ValueError(f"token alignment mode must be one of {MODES}, not {mode!r}")
@@ -199,6 +163,7 @@ def apply_alignment(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mode: s
 
     with torch.no_grad():
         if mode == "mean":
+            # float32 prefix sums gathered at hi and lo: O(T), no [T_s, T_t] matrix
             cs = torch.cumsum(x.float(), dim=-2)
             cs = torch.cat([cs.new_zeros(*lead, B, H, 1, D), cs], dim=-2)  # cs[..., j, :] = sum x[..., :j, :]
             hi_c, lo_c = hi.clamp(0, T_t), lo.clamp(0, T_t)

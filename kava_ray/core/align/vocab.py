@@ -1,19 +1,9 @@
-"""The vocabulary map between two tokenizers: teacher token id -> the student token id of the same string.
+"""The vocabulary map between two tokenizers: teacher token id -> the student token id of the same string, for
+the hybrid cross-vocabulary logit loss (`losses.hybrid_logit_loss`, as TRL's GOLD trainer). Pure numpy.
 
-Used by the hybrid cross-vocabulary logit loss (`losses.hybrid_logit_loss`, as TRL's GOLD trainer): the teacher's
-probability of a token whose string the student also has is compared with the student's probability of that
-very token; the rest by the sorted (ULD) distance. Pure numpy: no Ray, no torch.
-
-What "the same string" is. Each token is keyed by the text it stands for, decoded from its vocabulary entry:
-byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM2: `Ġ` for a space) by inverting GPT-2's byte-to-unicode table,
-SentencePiece pieces by `▁` -> space and `<0xNN>` -> that byte, anything else as written. Added and special
-tokens (`<|im_end|>`, `<|begin_of_text|>`) are keyed by their content and match only each other. For two
-byte-level vocabularies this is exactly TRL GOLD's map (`ULDLoss._initialize_vocabulary_mapping`: equal
-`get_vocab()` strings), since the byte table is a bijection; it also matches `▁the` with `Ġthe`. A key two ids
-of one side share (rare: a duplicate added token) maps from/to its lowest id only, so the map is one to one.
-
-Built once per (teacher, student) tokenizer pair: cached as a `.npy` under the kava-ray cache (keyed by both
-tokenizer fingerprints) and, for a KV cache, beside the teacher's tokenizer copy in it.
+A token is keyed by the text it decodes to (byte-level BPE and SentencePiece entries decoded; added and special
+tokens by their content, matching only each other); the map is one to one. Built once per tokenizer pair and
+cached (`.npz`, named by both fingerprints). Keys and the comparison with GOLD: docs/internals/core.md#align-vocab.
 """
 
 from __future__ import annotations

@@ -25,10 +25,9 @@ _ELEM_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp3
 class KVBatch:
     """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token.
 
-    topk_ids / topk_logp: optionally, the teacher's top-k next-token log-probabilities from the same
-    forward, [B, T, k] (ids int64; log-probs at temperature 1 over the full vocabulary, sorted descending),
-    None when not asked for; topk_tail [B, T]: the log of the mass outside those k ids (the tail bucket of
-    `losses.topk_kl_loss`), None in batches from before it was served.
+    topk_ids (int64) / topk_logp [B, T, k]: the teacher's top-k next-token log-probs from the same forward
+    (temperature 1, full vocabulary, sorted descending), or None; topk_tail [B, T]: log of the mass outside
+    those k ids (`losses.topk_kl_loss`'s tail bucket), None in batches from before it was served.
     """
 
     keys: torch.Tensor
@@ -123,18 +122,11 @@ class KVBatch:
     # ------------------------------------------------------------------------------------- wire
 
     def to_wire(self, dtype: str = "bf16") -> dict:
-        """Compact, pickle-friendly payload of numpy arrays (zero-copy views where possible).
+        """Compact, pickle-friendly payload of numpy arrays (zero-copy views of CPU tensors already in `dtype`).
 
-        bf16 -> uint16 view of the bf16 bits (numpy has no bfloat16); fp16 -> float16;
-        fp8 -> uint8 view of float8_e4m3fn plus a float32 scale per (layer, head, head_dim) channel
-        (amax over batch and time / 448). A CPU, contiguous tensor already in the wire dtype is not
-        copied: the arrays share its memory.
-
-        Top-k log-probs, when the batch has them: `topk_ids` as int32 [B, T, k] and `topk_logp` in the
-        wire dtype (bf16 as a uint16 view, fp16), named by `topk_dtype`; an fp8 wire sends them as fp16
-        (log-probs span a range per-channel fp8 scales do not fit, and they are k values per token, not
-        a KV stack); `topk_tail` [B, T] float32 (the log mass outside the k ids: small, and its precision
-        decides the tail bucket). A batch without them yields a payload without these keys, as before.
+        K, V: bf16 (as a uint16 view), fp16, or fp8 e4m3 (a uint8 view + `k_scale`/`v_scale` [L, H, D] float32).
+        Top-k, when the batch has them: ids int32 [B, T, k], log-probs bf16 or fp16 (`topk_dtype`; fp16 on an
+        fp8 wire), tail float32 [B, T]. Layout and reasons: docs/internals/core.md#kv.
         """
         dtype = _wire_dtype(dtype)
         payload = {
@@ -175,9 +167,8 @@ class KVBatch:
     def from_wire(cls, payload: dict, device=None, dtype: torch.dtype | None = torch.float32) -> "KVBatch":
         """Rebuild a KVBatch from `to_wire` output; the compact arrays move to `device` before the cast.
 
-        dtype=None keeps the wire dtype (bf16/fp16; fp8 is always de-scaled to float32). Top-k log-probs,
-        when the payload has them, come back as int64 ids and float32 log-probs (float64 if dtype is
-        float64) on `device`, whatever `dtype` is: they keep at least fp32 precision after decode.
+        dtype=None keeps the wire dtype (bf16/fp16; fp8 always de-scales to float32). Top-k come back as int64
+        ids and float32 log-probs (float64 when dtype is), whatever `dtype` is.
         """
         if payload.get("version") != WIRE_VERSION:
             raise KavaError(f"KV wire version {payload.get('version')!r} not supported (expected {WIRE_VERSION})")
@@ -229,8 +220,7 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
 
 
 def wire_nbytes(payload: dict) -> int:
-    """Bytes of the K and V arrays of a wire payload, plus the top-k ids and log-probs when it has them
-    (not the mask, fp8 scales or metadata)."""
+    """Bytes of a wire payload's K, V and top-k arrays (not the mask, fp8 scales or metadata)."""
     return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload))
 
 

@@ -36,13 +36,11 @@ def extract_kv(
     layers=None,
     mask=None,
 ) -> KVBatch:
-    """Stack the selected layers of a cache into a KVBatch; de-rotate keys for key_space="pre_rope".
+    """Stack the selected layers of a cache into a KVBatch; de-rotate keys for key_space="pre_rope". Keeps autograd.
 
-    position_ids: [B, T] or [T] positions the forward used; default position_ids_from_mask(mask), or
-    arange(T) without a mask. pre_rope needs `model`: a model without rotary keeps its cached keys; a
-    Llama-style rotary (full head_dim, rotate_half) is undone with the model's own rotary embedding;
-    other rotary variants raise KavaError -- `teacher_forward_kv` / `student_forward_kv` capture exact
-    pre-RoPE keys at the projections for every family. Keeps autograd.
+    position_ids: [B, T] or [T], those the forward used (default `position_ids_from_mask(mask)`, else arange(T)).
+    pre_rope needs `model` and handles no rotary or Llama-style rotary only (KavaError for others; the forwards
+    capture exact pre-RoPE keys for every family).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -95,19 +93,12 @@ def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
 
 def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
                        logits_top_k: int = 0, stop_early: bool = True) -> KVBatch:
-    """Inference forward with explicit position ids -> KVBatch of the selected layers.
+    """Inference forward (input_ids, attention_mask [B, T]) -> KVBatch of the selected layers, as ordinary (not
+    inference-mode) tensors on the model's device and dtype. pre_rope: K, V captured at the projections and
+    checked against the cache; post_rope: the cache.
 
-    pre_rope: K and V captured at the projections during the forward (exact on every family; checked
-    against the cache the forward fills); post_rope: K and V as the cache holds them.
-    input_ids, attention_mask: [B, T]. The returned tensors are ordinary (not inference-mode)
-    tensors on the model's device, in the model's dtype.
-
-    logits_top_k 0: the decoder runs without its LM head (no logits). logits_top_k k > 0: the same forward
-    runs the LM head, and the batch carries topk_ids / topk_logp [B, T, k]: log_softmax of the logits in
-    fp32 (temperature 1), then its top k, sorted descending (padding positions included; losses mask them).
-
-    stop_early (with logits_top_k 0): the forward stops right after the attention of the deepest selected
-    layer has filled the cache (`_StopAfter`): the layers below it, the final norm and the LM head never run.
+    logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included);
+    k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -187,9 +178,8 @@ def _cache_of(out, stop):
 
 
 def output_cache(out):
-    """The Cache a forward returned: `out.cache` (transformers >= 5.24, where `past_key_values` is a deprecated
-    alias that warns), else `out.past_key_values`."""
-    cache = getattr(out, "cache", None)
+    """The Cache a forward returned: `out.cache` (transformers >= 5.24), else `out.past_key_values`."""
+    cache = getattr(out, "cache", None)  # >= 5.24: past_key_values is a deprecated alias that warns
     return cache if cache is not None else out.past_key_values
 
 
@@ -220,13 +210,9 @@ def _checkpointing(model) -> bool:
 def student_forward_kv(
     model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope", **forward_kwargs
 ) -> tuple:
-    """Training forward that keeps the autograd graph -> (model outputs incl. loss/logits, KVBatch).
-
-    Extra keyword arguments go to the model's forward (e.g. output_hidden_states=True).
-
-    pre_rope: K and V captured at the projections, as in `teacher_forward_kv` (checked against the cache
-    when there is one). post_rope: the cache; with gradient checkpointing in training mode HF disables the
-    cache, so the captured keys are rotated with the model's own rotary (Llama-style rotary, or none).
+    """Training forward that keeps the autograd graph -> (model outputs incl. loss/logits, KVBatch); extra keyword
+    arguments go to the model's forward. pre_rope: captured as in `teacher_forward_kv`. post_rope: the cache, or,
+    under gradient checkpointing in training (HF then has no cache), captured keys rotated Llama-style.
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")

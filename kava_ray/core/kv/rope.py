@@ -52,12 +52,8 @@ def _llama_rotary_problem(model) -> str | None:
 
 
 def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate (or un-rotate) keys [L, B, H, T, D] with the model's own rotary embedding, in float32.
-
-    Only for Llama-style rotary (`_llama_rotary_problem` is None). HF applies k * cos + rotate_half(k) * sin
-    with cos/sin already multiplied by attention_scaling s, so the inverse is
-    (k * cos - rotate_half(k) * sin) / s**2 (s = 1 for default RoPE).
-    """
+    """Rotate (or un-rotate) keys [L, B, H, T, D] with the model's own rotary embedding, in float32; only for
+    Llama-style rotary (`_llama_rotary_problem` is None)."""
     rotary = rotary_embedding(model)
     x = keys.float()
     dev = getattr(rotary, "inv_freq", x).device
@@ -65,7 +61,8 @@ def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) 
     cos, sin = rotary(probe, position_ids.to(dev))  # [B or 1, T, D]
     cos, sin = cos.to(x.device, torch.float32)[None, :, None], sin.to(x.device, torch.float32)[None, :, None]
     if inverse:
-        s = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        # HF rotates k * cos + rotate_half(k) * sin with cos, sin already scaled by attention_scaling s
+        s = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)  # 1 for default RoPE
         out = (x * cos - rotate_half(x) * sin) / (s * s)
     else:
         out = x * cos + rotate_half(x) * sin
