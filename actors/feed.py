@@ -26,7 +26,7 @@ import torch
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
-from kava_ray.data import BatchStream
+from kava_ray.data import Batch, BatchStream
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +89,11 @@ class KVSource(Protocol):
 class ActorSource:
     """Live teacher actors: `submit` sends the request and returns an ObjectRef; `result` waits for it.
 
-    handles: {teacher: actor handle or `TeacherReplicas`}. A teacher with replicas gets each batch at the
-    replica its key routes to (`TeacherReplicas.route`), so batches spread over the replicas while every
-    consumer of one batch asks the same replica; results still come back in the feed's order.
-
-    A teacher that dies mid-request restarts (max_restarts) and Ray retries the call
-    (max_task_retries); if Ray gives up on the call, or the payload died with its teacher, it is submitted
-    again, up to `max_retries` times.
-
-    prefetch: each answer starts moving to this node as soon as the teacher has it (`_pull_here`), so a batch
-    from a teacher on another node crosses while the student trains on the ones before it (False: at `ray.get`,
-    on the student's critical path; `kava-ray bench feed` compares the two).
-
-    unplaceable(teacher) -> a line or None: while an answer is late (every `poll_s`), why the teacher could not
-    run again now (its node died and no live node can hold it: `actors.pool.unplaceable`); after `lost_wait_s`
-    of that, the line is raised (KavaError) instead of waiting forever on an actor Ray cannot place.
+    handles: {teacher: actor handle or `TeacherReplicas`} (a batch goes to the replica its key routes to). A call
+    Ray gives up on, or a payload lost with its teacher, is submitted again up to `max_retries` times. prefetch:
+    each answer starts moving to this node as soon as it exists (`_pull_here`), off the student's critical path.
+    unplaceable(teacher) -> a line or None (`actors.pool.unplaceable`): raised as a KavaError once a late
+    answer's teacher has been unplaceable for `lost_wait_s`, instead of waiting forever.
     """
 
     def __init__(self, handles: dict, max_retries: int = 5, retry_wait_s: float = 1.0, prefetch: bool = True,
@@ -276,15 +266,13 @@ def _for(x, name: str) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def request_arrays(batch: dict) -> tuple:
+def request_arrays(batch: Batch) -> tuple:
     """(input_ids, attention_mask) of a batch as the teachers get them: the student's arrays, or, when a
-    teacher of another tokenizer has its own (`teacher_input_ids/<teacher>`), {teacher: array, None: the
-    student's}."""
-    ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy()
-    own = [k.split("/", 1)[1] for k in batch if k.startswith("teacher_input_ids/")]
-    if own:
-        ids = {None: ids, **{t: batch[f"teacher_input_ids/{t}"].numpy() for t in own}}
-        mask = {None: mask, **{t: batch[f"teacher_attention_mask/{t}"].numpy() for t in own}}
+    teacher of another tokenizer has its own (`batch.teachers`), {teacher: array, None: the student's}."""
+    ids, mask = batch.input_ids.numpy(), batch.attention_mask.numpy()
+    if batch.teachers:
+        ids = {None: ids, **{t: v.input_ids.numpy() for t, v in batch.teachers.items()}}
+        mask = {None: mask, **{t: v.attention_mask.numpy() for t, v in batch.teachers.items()}}
     return ids, mask
 
 

@@ -37,10 +37,12 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from actors.feed import ActorSource, KVFeed, request_arrays
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_dir, atomic_write
+from kava_ray.common.files import atomic_dir, atomic_write, write_json
 from kava_ray.core.align.vocab import save_vocab_map
 from kava_ray.core.kv import TOPK_ARRAYS, KVBatch
+from kava_ray.data import collate_split
 
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
@@ -135,7 +137,7 @@ class KVCache:
 
     def _save_manifest(self) -> None:
         legacy = {} if self.by_example else {"shards": self.shards}  # new entries live in index.jsonl
-        atomic_write(self.root / MANIFEST, json.dumps({"meta": self.meta, **legacy}, indent=1).encode())
+        write_json(self.root / MANIFEST, {"meta": self.meta, **legacy})
 
     def has(self, key: str) -> bool:
         entry = self.shards.get(key)
@@ -281,8 +283,6 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
     (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads it there). Returns counts in examples (written, skipped, total), bytes and the teacher
     forwards (batches) run.
     """
-    from actors.feed import ActorSource, KVFeed, request_arrays
-    from kava_ray.data import collate_split
 
     k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)
     cache = KVCache(out_dir, cache_meta(cfg, plans, splits[0].fingerprint, k), create=True)

@@ -1,5 +1,6 @@
 """Measured CKA layer maps: streamed linear CKA, the per-teacher JSON, `kava-ray align cka` end to end."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,13 +117,15 @@ def test_single_map_format_still_loads_for_any_teacher(tmp_path):
 
 def test_teacher_features_use_real_tokens_and_the_alignment_when_present():
     from kava_ray.core.kv import KVBatch
+    from kava_ray.data import Batch, TeacherInputs
     from kava_ray.recipes.cka import _layer_features, _teacher_features
 
     L, B, H, T, D = 2, 2, 3, 5, 4
     keys, values = torch.randn(L, B, H, T, D), torch.randn(L, B, H, T, D)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     kv = KVBatch(keys=keys, values=values, mask=mask, layer_ids=[0, 1], key_space="pre_rope")
-    k, v, keep = _teacher_features({"attention_mask": mask}, kv, "t", "mean")
+    plain = Batch(mask, mask, mask, mask)  # only the attention mask matters here
+    k, v, keep = _teacher_features(plain, kv, "t", "mean")
     assert k is keys and keep.sum() == 8
     feats = _layer_features(k, keep)
     assert feats.shape == (L, 8, H * D)
@@ -132,13 +135,14 @@ def test_teacher_features_use_real_tokens_and_the_alignment_when_present():
     hi = torch.tensor([[1, 3, 3, 0, 0], [1, 1, 2, 3, 3]])
     t_kv = KVBatch(keys=keys[:, :, :, :3], values=values[:, :, :, :3], mask=torch.ones(B, 3, dtype=torch.long),
                    layer_ids=[0, 1], key_space="pre_rope")
-    batch = {"attention_mask": mask, "align_lo/t": lo, "align_hi/t": hi}
+    none = torch.zeros(B, 3, dtype=torch.long)
+    batch = dataclasses.replace(plain, teachers={"t": TeacherInputs(none, none, lo, hi, logit_pair=lo)})
     k, v, keep = _teacher_features(batch, t_kv, "t", "mean")
     assert k.shape == (L, B, H, T, D)
     assert keep.tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
     assert torch.allclose(k[:, 0, :, 1], keys[:, 0, :, 1:3].mean(2))
     with pytest.raises(KavaError, match="no alignment"):
-        _teacher_features({"attention_mask": mask}, t_kv, "t", "mean")
+        _teacher_features(plain, t_kv, "t", "mean")
 
 
 def test_cli_typo_in_a_config_key_exits_2_with_one_line(tiny_job, capsys):

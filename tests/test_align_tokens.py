@@ -7,6 +7,7 @@ segment labels, O(T_s * T_t) overlap), independent of the module's searchsorted 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import numpy as np
@@ -238,14 +239,13 @@ def test_batching_equals_one_at_a_time(smollm2_tokenizer, llama3_tokenizer, exam
     per_sample_kv = [torch.randn(2, 1, 2, len(it["input_ids"]), 8) for it in view.items]
     for _ in range(3):
         _, _, _, batch = stream.next()
-        assert all(isinstance(v, torch.Tensor) for v in batch.values())
-        B, T_s = batch["input_ids"].shape
-        lo, hi = batch["align_lo/llama"], batch["align_hi/llama"]
-        t_ids, t_mask = batch["teacher_input_ids/llama"], batch["teacher_attention_mask/llama"]
+        B, T_s = batch.input_ids.shape
+        part = batch.teachers["llama"]
+        lo, hi, t_ids, t_mask = part.align_lo, part.align_hi, part.input_ids, part.attention_mask
         assert lo.shape == hi.shape == (B, T_s) and t_ids.shape == t_mask.shape and t_ids.dtype == torch.long
         # which examples are in the batch: match the student rows back to items
-        rows = [next(k for k, it in enumerate(split.items) if batch["input_ids"][b, :len(it["input_ids"])].tolist()
-                     == it["input_ids"] and int(batch["attention_mask"][b].sum()) == len(it["input_ids"]))
+        rows = [next(k for k, it in enumerate(split.items) if batch.input_ids[b, :len(it["input_ids"])].tolist()
+                     == it["input_ids"] and int(batch.attention_mask[b].sum()) == len(it["input_ids"]))
                 for b in range(B)]
         assert len({len(split.items[k]["input_ids"]) for k in rows}) > 1  # really different lengths
         x = torch.zeros(2, B, 2, t_ids.shape[1], 8)
@@ -263,14 +263,14 @@ def test_batching_equals_one_at_a_time(smollm2_tokenizer, llama3_tokenizer, exam
                                       torch.tensor([view.items[k]["align_hi"]]), mode)
                 torch.testing.assert_close(out[:, b:b + 1, :, :m], one, rtol=1e-5, atol=1e-5)
                 assert (out[:, b, :, m:] == 0).all()
-        same = collate_view(view, rows, T_s, "llama")
-        assert all(torch.equal(same[k], batch[k]) for k in same)
+        same = collate_view(view, rows, T_s)
+        assert all(torch.equal(getattr(same, f.name), getattr(part, f.name)) for f in dataclasses.fields(part))
 
 
 def test_batches_without_views_unchanged(tiny_tokenizer, examples):
     split = tokenize_split(tiny_tokenizer, examples, 512, "plain", source_id="t")
     _, _, _, batch = BatchStream(split, batch_size=4, seed=0).next()
-    assert set(batch) == {"input_ids", "attention_mask", "labels", "answer_mask"}
+    assert batch.teachers == {}
 
 
 def reference_apply(x, lo, hi, mode):
@@ -397,12 +397,12 @@ def test_alignment_time_8x512(smollm2_tokenizer, llama3_tokenizer):
                       "align_hi": np.minimum(hi, n).tolist(), "logit_pair": np.where(pair < n, pair, -1).tolist()})
     batch = collate_view(TeacherView(items, 0, "fp"), range(8), 512)
     t1 = time.perf_counter()
-    x = torch.randn(4, 8, 2, batch["teacher_input_ids"].shape[1], 64)
+    x = torch.randn(4, 8, 2, batch.input_ids.shape[1], 64)
     t2 = time.perf_counter()
-    out = {m: apply_alignment(x, batch["align_lo"], batch["align_hi"], m) for m in MODES}
+    out = {m: apply_alignment(x, batch.align_lo, batch.align_hi, m) for m in MODES}
     t3 = time.perf_counter()
     assert out["mean"].shape == (4, 8, 2, 512, 64)
-    frac = alignment_stats(batch["align_lo"], batch["align_hi"], torch.ones(8, 512))["aligned_fraction"].item()
+    frac = alignment_stats(batch.align_lo, batch.align_hi, torch.ones(8, 512))["aligned_fraction"].item()
     print(f"\n8x512 alignment (SmolLM2 student, Llama-3 teacher, T_t={x.shape[3]}, aligned {frac:.3f}): "
           f"spans+align_positions+collate {1e3 * (t1 - t0):.1f} ms, apply_alignment "
           f"{1e3 * (t3 - t2) / 3:.1f} ms per mode on {tuple(x.shape)}")

@@ -170,7 +170,7 @@ def _distiller(distill_setup, overrides):
         g = kv_geometry(model)
         lm, layers = plan_teacher_layers("ratio", g.num_layers, s_geom.num_layers, mode=cfg.align.mode)
         plans[name] = TeacherPlan(name, g, lm, layers)
-        kv[name] = teacher_forward_kv(model, batch["input_ids"], batch["attention_mask"], layers=layers)
+        kv[name] = teacher_forward_kv(model, batch.input_ids, batch.attention_mask, layers=layers)
     return Distiller(student, plans, s_geom, cfg), batch, kv
 
 
@@ -215,8 +215,8 @@ def test_center_loss_trains(distill_setup, kind):
 
 def test_no_shared_prefix_masks_the_template(distill_setup):
     distiller, batch, kv = _distiller(distill_setup, ["loss.loss_tokens=no_shared_prefix"])
-    keep = drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
-    assert keep.sum() < batch["attention_mask"].sum()  # the chat template's system prompt is shared
+    keep = drop_shared_prefix(batch.input_ids, batch.attention_mask)
+    assert keep.sum() < batch.attention_mask.sum()  # the chat template's system prompt is shared
     assert not keep[:, 0].any()
     torch.manual_seed(0)
     _, m = distiller(batch, kv)

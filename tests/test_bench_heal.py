@@ -119,3 +119,15 @@ def test_a_recipe_base_pairs_every_arm_against_it_and_leaves_the_control_unjudge
     assert s["kv_fast"]["decision"]["verdict"] == "no measurable gain"
     assert s["ce"]["decision"]["verdict"] == "hurts"  # the default ce, 0.4 nats behind ce at the tuned rate
     assert summarize(arms)["ce_fast"]["decision"]["verdict"] == "helps"  # against ce, the learning rate "helps"
+
+
+def test_a_recipe_reads_its_items_as_override_lines():
+    from kava_ray.bench.heal import parse_recipe
+    from kava_ray.common.errors import KavaError
+
+    assert parse_recipe("tuned:optim.lr_student=1.0e-4,loss.kv_parts=keys") == \
+        ("tuned", {"optim.lr_student": 1e-4, "loss.kv_parts": "keys"})
+    for bad, words in (("ce:train.steps=2", "with a new name"), ("x:train.steps", "is not key=value"),
+                       ("x:train..steps=2", "expected KEY=VALUE")):
+        with pytest.raises(KavaError, match=words):
+            parse_recipe(bad)

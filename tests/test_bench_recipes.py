@@ -61,3 +61,10 @@ def test_paired_intervals_by_hand():
             "kd": [{"figures": {"test_ce": 2.9 + s}} for s in (0.0, 1.0, 2.0)]}
     d = summarize(arms)["kd"]["vs_base"]["test_ce"]
     assert d["mean"] == pytest.approx(-0.1) and d["hi"] == pytest.approx(-0.1) and d["excludes_zero"]
+
+
+def test_mean_sd_over_the_values_that_exist():
+    from kava_ray.bench.stats import mean_sd
+
+    assert mean_sd([1.0, None, 3.0]) == {"mean": 2.0, "sd": pytest.approx(math.sqrt(2)), "n": 2}
+    assert mean_sd([4.0]) == {"mean": 4.0, "sd": 0.0, "n": 1} and mean_sd([None]) is None

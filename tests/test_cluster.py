@@ -108,7 +108,7 @@ def test_working_dir_upload_stays_far_below_the_job_server_limit(tmp_path, gitig
     size = out.stat().st_size
     print(f"working_dir package: {size / MIB:.2f} MiB, {len(names)} files")
     assert size < limit / 10
-    assert "kava_ray/cli.py" in names and "actors/pool.py" in names and "runtime_env.yaml" in names
+    assert "kava_ray/cli/__init__.py" in names and "actors/pool.py" in names and "runtime_env.yaml" in names
     for top in (".venv/", ".git/", "kava_runs/", "runs/", ".pytest_cache/"):
         assert not any(n.startswith(top) for n in names), top
     assert not any(n.endswith((".safetensors", ".gguf", ".pyc")) or "__pycache__" in n for n in names)

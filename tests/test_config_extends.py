@@ -126,3 +126,19 @@ def test_extends_unknown_base_is_one_line_naming_it(tmp_path):
     assert "'no_such_base'" in _one_line_error(deep)
     odd = _write(tmp_path / "odd.yaml", {"extends": ["demo_cpu"]})
     assert "extends must name a preset or a file" in _one_line_error(odd)
+
+
+def test_derive_sets_dotted_keys_and_validates_like_an_override_line():
+    from kava_ray.common.config import derive, parse_overrides
+
+    demo = load_config("demo_cpu")
+    cfg = derive(demo, {"data.kv_source": "cache", "data.kv_cache_dir": "/tmp/c", "teachers.0.replicas": 2})
+    assert (cfg.data.kv_source, cfg.data.kv_cache_dir, cfg.teachers[0].replicas) == ("cache", "/tmp/c", 2)
+    assert derive(demo, {"teachers": demo.teachers[:1]}).teachers == demo.teachers[:1]  # a section value
+    assert demo.data.kv_source == "live" and cfg is not demo  # a new config; the base is unchanged
+    assert derive(demo, parse_overrides(["optim.lr_student=1e-4", "train.steps=3"])).to_dict() == \
+        load_config(demo, ["optim.lr_student=1e-4", "train.steps=3"]).to_dict()
+    with pytest.raises(KavaError, match=r"config key 'optim.lr_student'"):
+        derive(demo, {"optim.lr_student": -1.0})
+    with pytest.raises(KavaError, match="unknown key"):
+        derive(demo, {"optim.lr": 1.0})

@@ -7,6 +7,7 @@ distribution, fetched at install: `kava_ray.testing.tokenizers`). Its KV reaches
 character alignment of `kava_ray.core.align.tokens`.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from jobs import assert_same_curve, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.distiller import Distiller
+from kava_ray.core.logit_kd import logit_term
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers
 from kava_ray.data import BatchStream
@@ -52,10 +54,11 @@ def test_plans_align_only_the_teacher_of_another_tokenizer(xjob):
     assert list(toks) == ["qtok"] and len(toks["qtok"]) > 150_000
     train, _ = load_splits(cfg, student_tokenizer(cfg)[0], toks)
     _, _, _, batch = BatchStream(train, 2, 0).next()
-    T = batch["input_ids"].shape[1]
-    assert batch["align_lo/qtok"].shape == batch["align_hi/qtok"].shape == (2, T)
-    assert batch["teacher_input_ids/qtok"].shape[1] < T  # Qwen2's BPE needs fewer tokens than bytes
-    assert "align_lo/qwen" not in batch  # the same-tokenizer teacher keeps one-to-one positions
+    T = batch.input_ids.shape[1]
+    view = batch.teachers["qtok"]
+    assert view.align_lo.shape == view.align_hi.shape == view.logit_pair.shape == (2, T)
+    assert view.input_ids.shape[1] < T  # Qwen2's BPE needs fewer tokens than bytes
+    assert list(batch.teachers) == ["qtok"]  # the same-tokenizer teacher keeps one-to-one positions
 
 
 def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
@@ -69,7 +72,7 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
     feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
                   {n: p.layers for n, p in plans.items()}, depth=1)
     (_, _, _, batch), kv = next(feed)
-    assert kv["qtok"].keys.shape[3] == batch["teacher_input_ids/qtok"].shape[1]  # teacher time, not student time
+    assert kv["qtok"].keys.shape[3] == batch.teachers["qtok"].input_ids.shape[1]  # teacher time, not student time
     student = load_student(cfg.student.model, dtype="float32")
     distiller = Distiller(student, plans, kv_geometry(student), cfg)
     history = [{k: float(v) for k, v in m.items()}
@@ -78,10 +81,10 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
         assert history[-1][f"cos/{n}"] > history[0][f"cos/{n}"] + 0.05, n
     # causal: a byte of the student takes a Qwen2 token only where that token ends (its last byte), ~1/3 here
     assert 0.25 < history[0]["aligned/qtok"] < 0.6
-    real = int(batch["attention_mask"].sum())
+    real = int(batch.attention_mask.sum())
     assert history[0]["kv_tokens"] <= real  # the fused target exists only where both teachers have one
     with pytest.raises(KavaError, match="carries no token alignment") as info:
-        distiller({k: v for k, v in batch.items() if not k.startswith("align_")}, kv)
+        distiller(dataclasses.replace(batch, teachers={}), kv)
     assert "\n" not in str(info.value)
 
 
@@ -110,8 +113,8 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
 @pytest.mark.parametrize("mode", ["hybrid", "uld"])
 def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     """Both teachers' logits train the student: qtok's top-k (over Qwen2's 151k ids) at the teacher positions
-    paired with the student's (`logit_pair/qtok`: both have read the same text), by the hybrid or ULD loss;
-    `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone (no CE,
+    paired with the student's (`batch.teachers["qtok"].logit_pair`: both have read the same text), by the hybrid or
+    ULD loss; `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone (no CE,
     KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
     batch lower it."""
     from actors.feed import KVFeed, feed_items
@@ -124,8 +127,8 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
                   {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg, plans))
     (_, _, _, batch), kv = next(feed)
-    pair = batch["logit_pair/qtok"]
-    assert pair.shape == batch["input_ids"].shape and int(pair.max()) < kv["qtok"].topk_ids.shape[1]
+    pair = batch.teachers["qtok"].logit_pair
+    assert pair.shape == batch.input_ids.shape and int(pair.max()) < kv["qtok"].topk_ids.shape[1]
     maps = vocab_maps(cfg, plans, s_tok, toks)
     assert list(maps) == ["qtok"] and maps["qtok"].matched >= 256  # every byte of the byte-level student
     student = load_student(cfg.student.model, dtype="float32")
@@ -137,8 +140,9 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     assert {"logit_kl/qwen", "top1_agree/qwen", "top1_agree/qtok"} <= set(m)
     parts = {"logit_kl/qtok", "logit_uld/qtok"} if mode == "hybrid" else {"logit_uld/qtok"}  # KL: matched ids
     assert {k for k in m if k.startswith(("logit_kl/", "logit_uld/")) and k.endswith("/qtok")} == parts
-    with pytest.raises(KavaError, match="carries no position pairs") as info:
-        distiller({k: v for k, v in batch.items() if not k.startswith("logit_pair")}, kv)
+    with pytest.raises(KavaError, match="carries no position pairs") as info:  # the KV term would refuse it first
+        logit_term(distiller.logit_specs["qtok"], torch.zeros(*pair.shape, 8), kv["qtok"],
+                   dataclasses.replace(batch, teachers={}), pair >= 0, cfg.loss)
     assert "\n" not in str(info.value)
     alone = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}",
                                "loss.ce_weight=0", "loss.kv_weight=0"])
@@ -215,7 +219,7 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
                    logits_top_k=k),
             KVFeed(InProcessSource(models), feed_items(BatchStream(train, 3, 5), 2), layers, logits_top_k=k)):
         batch = item[3]
-        for n, mask in (("qwen", batch["attention_mask"]), ("qtok", batch["teacher_attention_mask/qtok"])):
+        for n, mask in (("qwen", batch.attention_mask), ("qtok", batch.teachers["qtok"].attention_mask)):
             m = mask.bool()[None, :, None, :, None]
             assert kc[n].keys.shape == kl[n].keys.shape
             assert torch.allclose(kc[n].keys * m, kl[n].keys * m, rtol=2 ** -7, atol=1e-3), n

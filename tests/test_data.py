@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -270,14 +271,15 @@ def test_collate():
     items = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "answer_mask": [0, 1, 1]},
              {"input_ids": [8], "labels": [8], "answer_mask": [1]}]
     out = collate(items, pad_id=0)
-    assert {k: tuple(v.shape) for k, v in out.items()} == {
+    assert {k: tuple(v.shape) for k, v in _tensors(out).items()} == {
         "input_ids": (2, 3), "attention_mask": (2, 3), "labels": (2, 3), "answer_mask": (2, 3)}
-    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
-    assert out["answer_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert out.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert out.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out.labels.tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert out.answer_mask.tolist() == [[0, 1, 1], [1, 0, 0]]
     left = collate(items, pad_id=0, padding_side="left")
-    assert left["input_ids"].tolist()[1] == [0, 0, 8] and left["labels"].tolist()[1] == [-100, -100, 8]
+    assert left.input_ids.tolist()[1] == [0, 0, 8] and left.labels.tolist()[1] == [-100, -100, 8]
+    assert out.teachers == {} and out.to("cpu").input_ids.equal(out.input_ids)
 
 
 def test_batch_key():
@@ -298,7 +300,16 @@ def _same(a, b):
     _same_batch(a[3], b[3])
 
 
+def _tensors(batch) -> dict:
+    """Every tensor of a Batch by name, its teachers' as `<field>/<teacher>`."""
+    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "teachers"}
+    for t, view in batch.teachers.items():
+        out.update({f"{f.name}/{t}": getattr(view, f.name) for f in dataclasses.fields(view)})
+    return out
+
+
 def _same_batch(a, b):
+    a, b = _tensors(a), _tensors(b)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -322,7 +333,7 @@ def test_batch_stream_resume(small_split):
 
     key, step, epoch, batch = expected[0]
     assert step == 0 and epoch == 0 and expected[10][2] == 1
-    assert batch["input_ids"].shape[0] == 4
+    assert batch.input_ids.shape[0] == 4
     plan = plan_batches(small_split.lengths, 4, seed=0, epoch=0)  # epoch 0 as documented (one worker)
     for (_, _, _, got), idx in zip(expected[:10], plan, strict=True):
         _same_batch(got, _collated(small_split, idx))

@@ -118,7 +118,7 @@ def test_packing_leaves_no_padding_and_separates_documents_with_eos(smollm2_toke
     stream = BatchStream(split, 2, seed=0)
     for _ in range(len(split) // 2):
         _, _, _, b = stream.next()
-        assert b["attention_mask"].all() and (b["labels"] == b["input_ids"]).all()
+        assert b.attention_mask.all() and (b.labels == b.input_ids).all()
     # every document, in order, is its tokens + EOS; a block's pieces name which document tokens it holds
     whole = [tok(d["text"], add_special_tokens=True)["input_ids"] + [tok.eos_token_id] for d in docs]
     stream_ids = [t for d in whole for t in d]
@@ -152,7 +152,8 @@ def test_exact_resume_mid_epoch(smollm2_tokenizer, kind):
     for k, (key, step, epoch, batch) in enumerate(want[5:]):
         got = resumed.next()
         assert got[:3] == (key, step, epoch), k
-        assert all(np.array_equal(got[3][c], batch[c]) for c in batch)
+        assert all(np.array_equal(getattr(got[3], c), getattr(batch, c))
+                   for c in ("input_ids", "attention_mask", "labels", "answer_mask")) and not batch.teachers
 
 
 def test_teacher_of_another_tokenizer_aligns_within_each_message(smollm2_tokenizer, llama3_tokenizer):

@@ -25,7 +25,7 @@ from kava_ray.core.losses import (
 )
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import TeacherPlan, load_splits, student_tokenizer
-from kava_ray.data import BatchStream
+from kava_ray.data import Batch, BatchStream
 from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit
@@ -224,7 +224,7 @@ def test_kd_and_ce_count_the_same_positions_under_every_loss_tokens(tokens):
     labels = torch.where(attn.bool(), ids, -100)
     labels[:, :3] = -100  # a 3-token prompt
     answer = (labels != -100).long()
-    batch = {"input_ids": ids, "attention_mask": attn, "labels": labels, "answer_mask": answer}
+    batch = Batch(ids, attn, labels, answer)
     kv, nxt = position_masks(batch, tokens)
     want = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
     assert torch.equal(nxt, want)  # the position before the first answer token counts, the last answer token not
@@ -272,9 +272,9 @@ def setup(job_path):
         lm, layers = plan_teacher_layers("ratio", g.num_layers, s_geom.num_layers, mode=cfg.align.mode)
         plans[t.name] = TeacherPlan(t.name, g, lm, layers)
         with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         ids, logp, tail = teacher_topk(logits * SHARPEN, 8)
-        kv_t = teacher_forward_kv(model, batch["input_ids"], batch["attention_mask"], layers=layers)
+        kv_t = teacher_forward_kv(model, batch.input_ids, batch.attention_mask, layers=layers)
         kv[t.name] = dataclasses.replace(kv_t.to(dtype=torch.float32), topk_ids=ids, topk_logp=logp, topk_tail=tail)
     return cfg.to_dict(), batch, plans, kv, s_geom
 
@@ -334,7 +334,7 @@ def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
     msg = str(info.value)
     assert "\n" not in msg and "'llama'" in msg and "loss.logit_weight" in msg, msg
     big = kv["qwen"].topk_ids.clone()
-    b, t = next_token_mask(batch["labels"]).nonzero()[0].tolist()  # a position the KD counts
+    b, t = next_token_mask(batch.labels).nonzero()[0].tolist()  # a position the KD counts
     big[b, t, 1] = 10_000
     with pytest.raises(KavaError) as info:
         distiller(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})

@@ -160,3 +160,17 @@ def test_tune_gets_the_trackers_callbacks(tmp_path, monkeypatch):
 
 # A real run's trackers (TensorBoard + MLflow hold exactly metrics.jsonl) are checked on test_train's 2-worker run:
 # tests/test_train.py::test_the_run_is_tracked_exactly (one Ray Train run fewer).
+
+
+def test_write_json_is_atomic_and_writes_numbers_paths_and_arrays(tmp_path):
+    import json
+
+    import numpy as np
+    import torch
+
+    from kava_ray.common.files import write_json
+
+    path = write_json(tmp_path / "out" / "x.json", {"f": np.float32(0.5), "t": torch.tensor(2.0), "p": tmp_path,
+                                                   "a": np.arange(3), "i": 7})
+    assert json.loads(path.read_text()) == {"f": 0.5, "t": 2.0, "p": str(tmp_path), "a": [0, 1, 2], "i": 7}
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary file left beside it

@@ -61,7 +61,7 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
         g = kv_geometry(model)
         lm, layers = plan_teacher_layers("ratio", g.num_layers, s_geom.num_layers, mode=mode)
         plans[t.name] = TeacherPlan(t.name, g, lm, layers)
-        kv[t.name] = teacher_forward_kv(model, batch["input_ids"], batch["attention_mask"], layers=layers).to(
+        kv[t.name] = teacher_forward_kv(model, batch.input_ids, batch.attention_mask, layers=layers).to(
             dtype=torch.float32)
     distiller = Distiller(student, plans, s_geom, cfg)
     opt = build_optimizer(distiller, cfg.optim)
@@ -145,7 +145,7 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
     _, _, _, batch = BatchStream(train, 2, 0).next()
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
-    kv = {n: teacher_forward_kv(m, batch["input_ids"], batch["attention_mask"], layers=plans[n].layers,
+    kv = {n: teacher_forward_kv(m, batch.input_ids, batch.attention_mask, layers=plans[n].layers,
                                 key_space="post_rope") for n, m in teachers_in_process.items()}
     student = load_student(cfg.student.model, dtype="float32")
     with pytest.raises(KavaError, match=r"sent post_rope keys, the student aligns pre_rope keys"):
@@ -173,7 +173,7 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
         for (_, _, _, batch), kv in KVFeed(source, feed_items(stream, stream.steps_per_epoch),
                                            {n: p.layers for n, p in plans.items()}):
             _, m = distiller(batch, kv)
-            answer = float(batch["answer_mask"].sum())
+            answer = float(batch.answer_mask.sum())
             assert float(m["kv_tokens"]) == answer < float(m["tokens"])
             num, den = num + float(m["cos_sim"]) * answer, den + answer
     assert got["eval/cos_sim"] == pytest.approx(num / den, rel=1e-6)

@@ -9,7 +9,7 @@ projector seed, batches):
   `align.token_align` mean vs last vs first. The teacher's weights are random, so its numbers show what the
   alignment does to a teacher whose KV depends on its tokens, not what a trained Llama-3 would teach.
 
-Every variant runs the production step (`worker.DistillRecipe.step`) and the validation evaluation
+Every variant runs the production step (`recipes.distill.DistillRecipe.step`) and the validation evaluation
 (`DistillRecipe.evaluate`, what Tune and checkpoint selection read) in this process; teacher KV comes from
 the production forward (`kv.teacher_forward_kv`, via `testing.InProcessSource`) outside the timed step.
 Reported: validation centred cos, contrast gap and CE, median step time; for the aligned teacher also the
@@ -19,7 +19,6 @@ share of student tokens aligned, teacher tokens per student token, and the align
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -27,24 +26,30 @@ from typing import Optional
 
 import torch
 
-from kava_ray.common.config import JobConfig, load_config
-from kava_ray.common.files import atomic_write, format_table
+from kava_ray.bench.inprocess import train_in_process
+from kava_ray.common.config import JobConfig, derive, load_config
+from kava_ray.common.files import format_table, write_json
+from kava_ray.core.align.tokens import alignment_stats, apply_alignment
+from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS_SIM, of
+from kava_ray.core.models import load_model, load_tokenizer
+from kava_ray.core.plans import data_seed, in_process_plans
+from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
+from kava_ray.recipes.cka import measure_cka
+from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.tiny import build_tiny_model
+from kava_ray.testing.tokenizers import real_tokenizer
 
 CROSS_TOKENIZER = "llama3"  # the real tokenizer the cross-family teacher is built around
 
 
 def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
     """Train `steps` steps in this process and evaluate on the validation split; returns the figures."""
-    from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.core.plans import in_process_plans
-    from kava_ray.testing.sources import InProcessSource
-
     plans = in_process_plans(cfg, models)
     source = InProcessSource(models, cfg.align.key_space)
     run = train_in_process(cfg, plans, source, steps)
     ev = run["recipe"].evaluate(source)
-    out = {"eval_cos": ev["eval/cos_sim"], "eval_gap": ev["eval/contrast_gap"], "eval_ce": ev["eval/ce"],
-           "train_cos": float(run["last"]["cos_sim"]), "step_s": run["step_s"]}
+    out = {"eval_cos": ev[of("eval", COS_SIM)], "eval_gap": ev[of("eval", CONTRAST_GAP)],
+           "eval_ce": ev[of("eval", CE)], "train_cos": float(run["last"][COS_SIM]), "step_s": run["step_s"]}
     out.update({k[len("eval/"):]: v for k, v in ev.items() if k.startswith("eval/aligned/")})
     return out
 
@@ -52,11 +57,6 @@ def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
 def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
     """The aligned teacher's own figures over the training split: share of student tokens aligned, teacher
     tokens per student token, and time per batch to build the alignment from text and to apply it."""
-    from kava_ray.core.align.tokens import alignment_stats, apply_alignment
-    from kava_ray.core.models import load_tokenizer
-    from kava_ray.core.plans import data_seed
-    from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
-
     d = cfg.data
     s_tok, t_tok = load_tokenizer(cfg.student.model), load_tokenizer(cfg.teacher(name).model)
     examples = load_examples(d.source, d.train_split, batches * cfg.train.batch_size, d.seed, d.hub_config)
@@ -69,13 +69,14 @@ def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
     apply_s = []
     for _ in range(batches):
         _, _, _, b = stream.next()
-        lo, hi = b[f"align_lo/{name}"], b[f"align_hi/{name}"]
-        stats = alignment_stats(lo, hi, b["attention_mask"])
-        n_real = float(b["attention_mask"].sum())
+        view = b.teachers[name]
+        lo, hi = view.align_lo, view.align_hi
+        stats = alignment_stats(lo, hi, b.attention_mask)
+        n_real = float(b.attention_mask.sum())
         sums["tokens"] += n_real
         sums["aligned"] += float(stats["aligned_fraction"]) * n_real
         sums["per"] += float(stats["teacher_per_student"]) * float(stats["aligned_fraction"]) * n_real
-        kv = torch.randn(4, lo.shape[0], 2, b[f"teacher_input_ids/{name}"].shape[1], 64)  # [L, B, H, T_t, D]
+        kv = torch.randn(4, lo.shape[0], 2, view.input_ids.shape[1], 64)  # [L, B, H, T_t, D]
         t1 = time.perf_counter()
         apply_alignment(kv, lo, hi, cfg.align.token_align)
         apply_s.append(time.perf_counter() - t1)
@@ -88,9 +89,6 @@ def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
 
 def cross_teacher_dir(out: Path, tokenizer: str = CROSS_TOKENIZER) -> Path:
     """A tiny random Llama (4 layers, 2 KV heads of 32) around a real tokenizer: another family's teacher."""
-    from kava_ray.testing.tiny import build_tiny_model
-    from kava_ray.testing.tokenizers import real_tokenizer
-
     path = out / f"teacher-{tokenizer}"
     if not (path / "config.json").is_file():
         build_tiny_model(path, family="llama", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
@@ -101,17 +99,13 @@ def cross_teacher_dir(out: Path, tokenizer: str = CROSS_TOKENIZER) -> Path:
 def run_align_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: int = 24,
                     out: Optional[str] = None, cka_samples: int = 32, progress: bool = True) -> dict:
     """Both parts; returns {"same_tokenizer": {variant: figures}, "cross_tokenizer": {...}, "alignment": {...}}."""
-    from kava_ray.core.models import load_model
-    from kava_ray.recipes.cka import measure_cka
-
     base = load_config(config, overrides)
     first = base.teachers[0]
     out_dir = Path(out or Path(base.ray.storage_path).expanduser() / "bench-align").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     say = print if progress else (lambda *a, **k: None)
 
-    one = _with(load_config(config, list(overrides or []) + [f"train.steps={steps}"]),
-                teachers=[first.model_dump()])
+    one = derive(load_config(config, [*(overrides or []), f"train.steps={steps}"]), {"teachers": [first]})
     models = {first.name: load_model(first.model, dtype=first.dtype, quantization=first.quantization)}
     say(f"measuring a CKA layer map ({cka_samples} samples) ...")
     cka_path = out_dir / "cka.json"
@@ -121,37 +115,24 @@ def run_align_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = N
         for head_proj in ("shared", "per_head"):
             name = f"{layer_map} / {head_proj}"
             say(f"same tokenizer: {name} ...")
-            cfg = _with(one, align={"layer_map": layer_map, "cka_path": str(cka_path) if layer_map == "cka" else None,
-                                    "projector": {"head_proj": head_proj}})
+            cfg = derive(one, {"align.layer_map": layer_map, "align.projector.head_proj": head_proj,
+                               "align.cka_path": str(cka_path) if layer_map == "cka" else None})
             same[name] = run_variant(cfg, models, steps)
 
     teacher = cross_teacher_dir(out_dir)
     xname = f"random-llama-{CROSS_TOKENIZER}"
-    cross_base = _with(one, teachers=[{"name": xname, "model": str(teacher), "dtype": "float32"}])
+    cross_base = derive(one, {"teachers": [{"name": xname, "model": str(teacher), "dtype": "float32"}]})
     xmodels = {xname: load_model(str(teacher), dtype="float32")}
     cross = {}
     for mode in ("mean", "last", "first"):
         say(f"another tokenizer: token_align={mode} ...")
-        cross[mode] = run_variant(_with(cross_base, align={"token_align": mode}), xmodels, steps)
+        cross[mode] = run_variant(derive(cross_base, {"align.token_align": mode}), xmodels, steps)
     result = {"config": config, "steps": steps, "same_tokenizer": same, "cross_tokenizer": cross,
               "alignment": alignment_figures(cross_base, xname), "teacher": first.name, "cross_teacher": xname,
               "cka_map": str(cka_path), "out": str(out_dir)}
-    atomic_write(out_dir / "bench_align.json", json.dumps(result, indent=1).encode())
+    write_json(out_dir / "bench_align.json", result)
     return result
 
-
-def _with(cfg: JobConfig, **sections) -> JobConfig:
-    """`cfg` with sections merged (nested dicts merge, lists replace), validated again."""
-    from kava_ray.common.config import validate_config
-
-    def merge(a, b):
-        return {k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                for k, v in {**a, **b}.items()} if isinstance(b, dict) else b
-
-    d = cfg.to_dict()
-    for k, v in sections.items():
-        d[k] = merge(d.get(k, {}), v) if isinstance(v, dict) else v
-    return validate_config(d)
 
 
 def format_align_bench(r: dict) -> str:

@@ -1,24 +1,9 @@
 """`kava-ray bench feed`'s cross-node regime: a teacher on one Ray node, the student on another.
 
-On one node a KV batch never moves: the student maps it from the object store the teacher put it in. Across
-nodes, Ray copies it from the teacher node's object store to the student node's (object manager, TCP) when the
-student asks for it — unless `ActorSource` has already asked (`prefetch`: it starts the pull as soon as the
-teacher's answer exists, so the copy runs while the student trains on earlier batches).
-
-On `kava_ray.runtime.local_cluster` (a teacher node and a student node, each with its own raylet and object store, on
-this machine), one student actor on the student node runs the production feed (`KVFeed` over `ActorSource`,
-depth 2) against a `TimedTeacher` (a teacher on a GPU of its own: the real wire payload of a Qwen2.5-1.5B
-geometry, put into its node's store like the production teacher's, after a fixed delay), and stands for a
-student on a GPU: per batch, it decodes the payload, then is busy for `step_s` without using a CPU. Three
-regimes on the same batches, interleaved over rounds (each keeps its fastest): teacher on the student's node; on
-the teacher node without prefetch; with prefetch. Step time is steady state (first to last delivered batch), the
-ratio is against the same-node run, and bytes moved are the payload bytes of the batches that crossed. The raw pull
-(one fresh payload, not prefetched, ready before the pull starts) gives the cross-node throughput.
-
     python -m kava_ray.bench.cross_node [--address HOST:PORT] [--json]
 
-Without --address it starts its own `local_cluster`; with one, the cluster must have nodes labelled
-`kava-role: teacher` and `kava-role: student`.
+Step time with the teacher on the student's node, on another without and with prefetch, and the bytes that
+crossed; without --address on a `local_cluster` of its own. The method: docs/internals/runtime.md#bench-cross-node.
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ from actors.feed import ActorSource, KVFeed, KVRequest, get_kv
 from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.common.files import format_table
 from kava_ray.core.kv import KVBatch
-from kava_ray.runtime.connect import connect
+from kava_ray.runtime.connect import ray_session
 from kava_ray.runtime.local_cluster import STUDENT_NODE, TEACHER_NODE, local_cluster
 
 # Qwen2.5-1.5B's KV geometry (28 KiB of bf16 K+V per token, every layer served)
@@ -126,11 +111,8 @@ def run_cross_node(address: Optional[str] = None, steps: int = 12, batch: int = 
     if address is None:
         with local_cluster() as own:
             return run_cross_node(own.gcs_address, steps, batch, tokens, step_s, teacher_s, depth, rounds)
-    connect(address, "kava-bench")
-    try:
+    with ray_session(address, "kava-bench", client=True):
         return _measure(steps, batch, tokens, step_s, teacher_s, depth, rounds)
-    finally:
-        ray.shutdown()
 
 
 def format_cross_node(r: dict) -> str:

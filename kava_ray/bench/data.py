@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 from kava_ray.data.batching import RELEASE_EVERY
+from kava_ray.runtime.console import status
 
 SIZES_MB = (10, 100, 1000)
 ROW_CAP = 1024  # unpacked text documents, one per row, are cut here for the padding comparison
@@ -115,7 +116,7 @@ def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: i
     tokens = 0
     for _ in range(batches):
         _, _, _, b = stream.next()
-        tokens += int(b["attention_mask"].sum())
+        tokens += int(b.attention_mask.sum())
         anon = max(anon, _anon_rss_mib())
     dt = time.perf_counter() - t1
     return {"first_batch_s": first, "stream_tokens_per_s": tokens / dt, "peak_rss_mib": _peak_rss_mib(),
@@ -200,14 +201,13 @@ def run_data_bench(sizes_mb: Sequence[float] = SIZES_MB, max_length: int = 128, 
         t0 = time.time()
         info = write_corpus(corpus, mb)
         if progress:
-            print(f"[bench data] {mb:g} MB: {info['documents']} documents written ({time.time() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+            status(f"[bench data] {mb:g} MB: {info['documents']} documents written ({time.time() - t0:.0f} s)")
         d = _in_fresh_process("driver", str(corpus), max_length, str(cache), batch_size)
         w = _in_fresh_process("worker", str(corpus), max_length, str(cache), batch_size, batches)
         rows.append({"size_mb": mb, **info, "driver": d, "worker": w})
         if progress:
-            print(f"[bench data] {mb:g} MB: prepared in {d['prepare_s']:.0f} s ({d['tokens']} tokens), worker peak "
-                  f"{w['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
+            status(f"[bench data] {mb:g} MB: prepared in {d['prepare_s']:.0f} s ({d['tokens']} tokens), worker peak "
+                   f"{w['peak_rss_mib']:.0f} MiB")
     step = student_step_tokens_per_s(max_length, batch_size)
     pads = padding_shares(max_length, batch_size)
     first, last = rows[0]["worker"], rows[-1]["worker"]

@@ -1,26 +1,8 @@
 """`kava-ray bench feed`: does the KVFeed hide teacher time behind the student's step, in every regime?
 
-S is one production training step (`worker.DistillRecipe.step`: Distiller forward, projectors, fusion,
-Mercator + CE, backward, AdamW; decoding the wire payloads included), one thread, measured alone. T is one
-teacher's `kv()` round trip (forward or wait + wire + object store), measured alone. Pipelined: the KVFeed at
-depth 1, 2, 4 feeding that step; in steady state (from the first delivered batch on: the pipeline's fill is
-not a per-step cost). Overlap efficiency = max(T_slowest, S) / pipelined step (1.0 = teacher time fully hidden).
-
-Two kinds of teacher, labelled in the output:
-- timed: `TimedTeacher` actors (a teacher on a GPU of its own: real geometry and wire payload, a fixed delay
-  per batch, no CPU while busy) at T/S = 0.25 ... 4, with 1, 2 and 3 teachers of different speeds (the
-  slowest at T/S, the others at 1/2 and 1/4 of it); and replica scaling: one teacher at T/S = 4 served by
-  N = 1, 2, 4 replicas (`TeacherReplicas`, batches routed by key as in production), against max(T / N, S).
-- real: the production teacher actor (`start_pool`) with a tiny random Qwen2 of 8 and 32 layers; on a 2-core
-  CPU it shares the cores with the student, so only these points are real.
-
-Cross-node (`kava_ray.bench.cross_node`, on a teacher node and a student node of a `local_cluster` started in a
-subprocess): step time with the teacher on another node, with and without prefetch, over the same run on one
-node, and the bytes that crossed.
-
-Also: teacher ms per batch serving the first half of its layers, the forward run whole vs stopped after the
-deepest served layer (`teacher_forward_kv(stop_early=...)`); and the transport of one KV payload from an actor
-as the wire format (numpy views), as pickled torch tensors, and an in-process memcpy of the same bytes.
+S: one production step alone; T: one teacher's round trip alone; pipelined: the KVFeed at depth 1, 2, 4.
+Overlap efficiency = max(T_slowest, S) / pipelined step. Regimes (timed and real teachers, replicas,
+cross-node, early stop, transport): docs/internals/runtime.md#bench-feed.
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ import ray
 import torch
 
 from actors.feed import ActorSource, KVFeed, get_kv
-from actors.pool import TeacherReplicas, start_pool, stop_pool
+from actors.pool import TeacherReplicas
 from kava_ray.bench.cross_node import format_cross_node
 from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.common.config import JobConfig, validate_config
@@ -49,10 +31,11 @@ from kava_ray.common.resources import embedded_cpus
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
 from kava_ray.core.models import kv_geometry, load_model, load_model_config
 from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
-from kava_ray.data.batching import batch_key
+from kava_ray.data.batching import Batch, batch_key
 from kava_ray.recipes.distill import DistillRecipe
-from kava_ray.runtime.connect import connect
-from kava_ray.runtime.job import live_plans
+from kava_ray.runtime.connect import connect, disconnect
+from kava_ray.runtime.console import status
+from kava_ray.runtime.job import job_teachers
 from kava_ray.testing.tiny import build_tiny_model
 
 TEACHER = dict(family="qwen2", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2)
@@ -73,13 +56,13 @@ def bench_config(t_dirs: dict, s_dir: Path, storage: Path) -> JobConfig:
     })
 
 
-def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list[dict]:
+def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list[Batch]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab - 4, (batch, tokens), generator=g)
         mask = torch.ones_like(ids)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "answer_mask": mask})
+        out.append(Batch(input_ids=ids, attention_mask=mask, labels=ids.clone(), answer_mask=mask))
     return out
 
 
@@ -87,7 +70,7 @@ def _items(batches, keyed: bool):
     """KVFeed items. keyed: batch keys as training uses them (routing to replicas); else None (a real teacher's
     LRU would otherwise answer a repeated run from memory)."""
     for i, b in enumerate(batches):
-        yield (batch_key("bench", 0, i) if keyed else None), b["input_ids"].numpy(), b["attention_mask"].numpy(), b
+        yield (batch_key("bench", 0, i) if keyed else None), b.input_ids.numpy(), b.attention_mask.numpy(), b
 
 
 class _Student:
@@ -141,8 +124,8 @@ def _teacher_alone(handle, layers, data: list, keyed: bool) -> float:
 
 
 def _log(msg: str, t0: float) -> None:
-    """One progress line on stderr (the tables go to stdout)."""
-    print(f"bench feed [{time.perf_counter() - t0:5.0f} s] {msg}", file=sys.stderr, flush=True)
+    """One progress line on the console (the tables go to stdout)."""
+    status(f"bench feed [{time.perf_counter() - t0:5.0f} s] {msg}")
 
 
 def _local_payloads(plans: dict, data: list) -> list[dict]:
@@ -150,12 +133,12 @@ def _local_payloads(plans: dict, data: list) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     out = []
     for b in data:
-        B, T = b["input_ids"].shape
+        B, T = b.input_ids.shape
         p = {}
         for n, plan in plans.items():
             shape = (len(plan.layers), B, plan.geometry.num_kv_heads, T, plan.geometry.head_dim)
             p[n] = KVBatch(torch.randn(shape, generator=g), torch.randn(shape, generator=g), plan.layers,
-                           b["attention_mask"].bool(), "pre_rope").to_wire("bf16")
+                           b.attention_mask.bool(), "pre_rope").to_wire("bf16")
         out.append(p)
     return out
 
@@ -220,21 +203,18 @@ def _real_teachers(tmp: Path, s_dir, storage, data, layer_counts, depths) -> lis
     for L in layer_counts:
         t_dir = build_tiny_model(tmp / f"teacher{L}", **dict(TEACHER, num_layers=L), seed=0)
         cfg = bench_config({"t": t_dir}, s_dir, storage)
-        handles = start_pool(cfg)  # named, with restarts: what `kava-ray train` talks to
-        try:
-            plans = live_plans(cfg, handles)
+        with job_teachers(cfg) as job:  # named, with restarts: what `kava-ray train` talks to (this Ray stays up)
+            handles, plans = job.handles, job.plans
             layers = {"t": plans["t"].layers}
             student = _Student(cfg, plans)
-            payloads = [{"t": get_kv(handles["t"].kv.remote(None, b["input_ids"].numpy(),
-                                                             b["attention_mask"].numpy(), layers["t"], "bf16"))}
+            payloads = [{"t": get_kv(handles["t"].kv.remote(None, b.input_ids.numpy(), b.attention_mask.numpy(),
+                                                             layers["t"], "bf16"))}
                         for b in data]
             student.alone(data[:1], payloads[:1])  # warm-up
             S = student.alone(data, payloads)
             T = _teacher_alone(handles["t"], layers["t"], data, keyed=False)
             seq = student.sequential(handles, layers, data)
             pipe = {d: student.pipelined(ActorSource(handles), layers, data, d, keyed=False) for d in depths}
-        finally:
-            stop_pool(cfg)
         best = max(T, S)
         rows.append({"mode": "real", "teachers": 1, "teacher_layers": L, "served_layers": layers["t"],
                      "T_s": [T], "S_s": S, "t_over_s": T / S, "sequential_s": seq,
@@ -297,7 +277,7 @@ def run_feed_bench(steps: int = 12, batch: int = 4, tokens: int = 128, depths=(1
             _log("cross node", t0)
     finally:
         if started_ray:
-            ray.shutdown()
+            disconnect()
     return {
         "config": {"steps": steps, "batch": batch, "tokens": tokens, "teacher": TEACHER, "student": STUDENT,
                    "threads": "1 per teacher + 1 student", "speed_steps": list(SPEED_STEPS),

@@ -5,7 +5,7 @@ Weights cannot be downloaded on a GPU machine without network, but memory and sp
 not on the values: the models are built from the real configs (`known_models.QWEN25`) with random weights.
 Everything runs in this process: the teacher forward is `kv.teacher_forward_kv` (what a teacher actor runs),
 its batch crosses the wire format (`to_wire` -> `KVBatch.from_wire`, as through Ray's object store), and the
-student step is the production `worker.DistillRecipe.step`. Nothing here imports Ray (a GPU image may have
+student step is the production `recipes.distill.DistillRecipe.step`. Nothing here imports Ray (a GPU image may have
 none: `scripts/gpu_check.sh`).
 
 Sections (each a dict; one that cannot run here says so in `not_run`):
@@ -26,18 +26,26 @@ On a CPU it runs at toy sizes (the test suite runs it, so it cannot rot); on CUD
 from __future__ import annotations
 
 import importlib.util
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import transformers
 
 from kava_ray.bench.step import _batch, _sync, _timed
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_write, format_table
+from kava_ray.common.files import atomic_write, format_table, write_json
+from kava_ray.core.known_models import KNOWN
+from kava_ray.core.kv import KVBatch, teacher_forward_kv
+from kava_ray.core.models import load_model
+from kava_ray.core.plans import in_process_plans, student_geometry, teacher_logits_top_k
+from kava_ray.data import Batch
+from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.runtime.planner import plan
+from kava_ray.testing.tiny import build_tiny_model
 
 GIB = 1024 ** 3
 SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire")
@@ -52,8 +60,6 @@ TOY = {"toy-student": dict(family="qwen2", num_layers=2, hidden_size=64, num_hea
 
 def qwen_geometry(name: str) -> dict:
     """build_tiny_model kwargs of a real Qwen2.5 config ('qwen2.5-0.5b', ...) from `known_models`."""
-    from kava_ray.core.known_models import KNOWN
-
     c = KNOWN[name]
     return dict(family="qwen2", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
                 num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
@@ -79,13 +85,10 @@ def not_run(reason: str) -> dict:
 class Models:
     """Random-weight models of the bench's geometries, each saved once to a temporary dir (the production
     step loads its student from a directory, as `kava-ray train` does)."""
-
     def __init__(self, root: Path):
         self.root, self.dirs = root, {}
 
     def dir(self, name: str) -> Path:
-        from kava_ray.testing.tiny import build_tiny_model
-
         if name not in self.dirs:
             kwargs = dict(TOY[name]) if name in TOY else \
                 {**qwen_geometry(name), "dtype": torch.bfloat16, "max_position_embeddings": 32768}
@@ -119,36 +122,27 @@ def job(models: Models, student: str, teacher: str, batch: int, tokens: int, pre
 
 def teacher_model(cfg: JobConfig, device):
     """The job's teacher on `device` (bitsandbytes places a quantized one on the GPU while loading)."""
-    from kava_ray.core.models import load_model
-
     t = cfg.teachers[0]
     model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
     return model if t.quantization != "none" else model.to(device)
 
 
-def teacher_kv(cfg: JobConfig, plans: dict, model, data: dict, device):
+def teacher_kv(cfg: JobConfig, plans: dict, model, data: Batch, device):
     """The teacher's batch as a student worker receives it: forward, wire, decode on `device`."""
-    from kava_ray.core.kv import KVBatch, teacher_forward_kv
-    from kava_ray.core.plans import teacher_logits_top_k
-
     dev = next(model.parameters()).device
-    wire = teacher_forward_kv(model, data["input_ids"].to(dev), data["attention_mask"].to(dev),
+    wire = teacher_forward_kv(model, data.input_ids.to(dev), data.attention_mask.to(dev),
                               layers=plans["t"].layers, key_space=cfg.align.key_space,
                               logits_top_k=teacher_logits_top_k(cfg, plans)["t"])
     return {"t": KVBatch.from_wire(wire.to_wire(cfg.align.wire_dtype), device=device)}
 
 
 def recipe_of(cfg: JobConfig, plans: dict, device):
-    from kava_ray.recipes.distill import DistillRecipe
-
     recipe = DistillRecipe(cfg, plans, device=device)
-    recipe.setup(data=False)  # the bench feeds its own batches: no tokenizer, no `datasets`
+    recipe.build_model()  # the bench feeds its own batches: no tokenizer, no `datasets`
     return recipe
 
 
 def _plans(cfg: JobConfig, model) -> dict:
-    from kava_ray.core.plans import in_process_plans
-
     return in_process_plans(cfg, {"t": model})
 
 
@@ -161,8 +155,6 @@ def timed(fn: Callable, n: int, device) -> float:
 # ------------------------------------------------------------------------------------------------ sections
 
 def device_section(device) -> dict:
-    import transformers
-
     out = {"type": device.type, "torch": torch.__version__, "transformers": transformers.__version__,
            "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
            "torchao": importlib.util.find_spec("torchao") is not None, "threads": torch.get_num_threads()}
@@ -175,15 +167,12 @@ def device_section(device) -> dict:
 
 def correctness_section(models: Models, device, small: tuple) -> dict:
     """Teacher KV and top-k log-probs on CUDA in bf16 against the CPU in fp32, on the small geometry."""
-    from kava_ray.core.kv import teacher_forward_kv
-    from kava_ray.core.models import load_model
-
     student, teacher = small
     data = _batch(2, 64, models.vocab(teacher))
     cpu = load_model(str(models.dir(teacher)), dtype="float32")
     gpu = load_model(str(models.dir(teacher)), dtype="bfloat16").to(device)
-    ref = teacher_forward_kv(cpu, data["input_ids"], data["attention_mask"], logits_top_k=8)
-    got = teacher_forward_kv(gpu, data["input_ids"].to(device), data["attention_mask"].to(device),
+    ref = teacher_forward_kv(cpu, data.input_ids, data.attention_mask, logits_top_k=8)
+    got = teacher_forward_kv(gpu, data.input_ids.to(device), data.attention_mask.to(device),
                              logits_top_k=8).to("cpu", torch.float32)
 
     def rel(a, b):
@@ -201,8 +190,6 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
     """The production step under each precision policy on one fixed batch: share of student weights that
     changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element that gets an
     update; bf16-sr rounds each update stochastically, so small updates change a weight only sometimes."""
-    from kava_ray.core.models import load_model
-
     student, teacher = small
     data = _batch(2, 64, models.vocab(student))
     base = job(models, student, teacher, 2, 64, overrides=["optim.lr_student=1e-3"])
@@ -245,8 +232,6 @@ def _peak(device, fn) -> tuple[int, int]:
 
 def _planned(cfg: JobConfig) -> dict:
     """The planner's items for the job on one GPU, grouped into the classes measured here."""
-    from kava_ray.runtime.planner import plan
-
     items = {k: v for d in plan(cfg, gpu_mem_bytes=80 * GIB)["devices"].values() for k, v in d["items"].items()}
     t_weights = sum(v for k, v in items.items() if k.startswith("teacher:") and "weights" in k)
     t_forward = sum(v for k, v in items.items() if k.startswith("teacher:") and "weights" not in k)
@@ -286,8 +271,6 @@ def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
 
 
 def cfg_vocab(cfg: JobConfig) -> int:
-    from kava_ray.core.plans import student_geometry
-
     return student_geometry(cfg).vocab_size
 
 
@@ -358,15 +341,13 @@ def flops_per_token(model, tokens: int) -> float:
 def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's share against a
     plain forward) and of the production student step, at each (batch, tokens) point."""
-    from kava_ray.core.kv import teacher_forward_kv
-
     peak = matmul_peak(device, sz["matmul"])
     rows = []
     for name in sz["teachers"]:
         model = teacher_model(job(models, sz["students"][0], name, 1, 64), device)
         for b, t in sz["points"]:
             data = _batch(b, t, models.vocab(name))
-            ids, mask = data["input_ids"].to(device), data["attention_mask"].to(device)
+            ids, mask = data.input_ids.to(device), data.attention_mask.to(device)
 
             def plain():
                 with torch.inference_mode():
@@ -403,14 +384,11 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
 
 def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     """Encode (device -> wire arrays) and decode (wire -> fp32 on the device) of one teacher batch."""
-    from kava_ray.core.kv import KVBatch, teacher_forward_kv
-    from kava_ray.core.models import load_model
-
     name = sz["teachers"][-1] if device.type == "cuda" else sz["small"][1]
     b, t = sz["wire_tokens"]
     model = load_model(str(models.dir(name)), dtype="bfloat16" if device.type == "cuda" else "float32").to(device)
     data = _batch(b, t, models.vocab(name))
-    kv = teacher_forward_kv(model, data["input_ids"].to(device), data["attention_mask"].to(device),
+    kv = teacher_forward_kv(model, data.input_ids.to(device), data.attention_mask.to(device),
                             logits_top_k=TOP_K)
     del model
     nbytes = (kv.keys.numel() + kv.values.numel()) * kv.keys.element_size()
@@ -461,7 +439,7 @@ def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: 
     if out:
         path = Path(out).expanduser()
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / "bench_gpu.json", json.dumps(result, indent=1, default=str))
+        write_json(path / "bench_gpu.json", result)
         atomic_write(path / "bench_gpu.md", format_gpu(result) + "\n")
     return result
 

@@ -1,43 +1,23 @@
 """`kava-ray bench heal`: does it distil? A pruned student healed on natural text, with a positive control,
 paired seeds and a decision rule fixed before the run.
 
-The regime where the literature says distillation works (Minitron: a student pruned from its teacher recovers
-far more with logit KD than with cross-entropy alone): the demo's SmolLM2-135M teacher (fp32) and its
-layer-dropped copy (`student.keep_layers`), on the Python-docs corpus (`kava-ray data pydoc`), packed into
-128-token blocks, loss on every token.
-
-1. The teacher's outputs are computed once, for every block of every split, into the example-indexed KV cache
-   (KV and the top-64 log-probs with their tail); every run reads it.
-2. Gate: the teacher's and the pruned student's test CE; the bench stops with one line unless the teacher is
-   at least `min_gap` nats better (nothing to distil otherwise).
-3. A shared warm start: `warm_steps` CE-only steps from the pruned student, saved once (its config keeps
-   where its layers came from); every arm branches from it, so the first steps' recalibration from ~17 nats
-   does not drown the comparison.
-4. Arms: `ce`, `ce+logits` (the positive control: the field's full-vocabulary top-k KD), `ce+kv`,
-   `ce+kv+logits`, `logits` alone; a short warm-up then a constant learning rate; gradients clipped per
-   group (the student's own norm). Paired seeds: a seed draws the block order and the initialisation; within
-   a seed every arm sees the same blocks. Each run is the production step (`worker.DistillRecipe.step`) in
-   this process (`bench.inprocess`).
-5. Per arm, on the test split: CE, the share of the teacher-student gap recovered
-   GR = (CE_start - CE_arm) / (CE_start - CE_teacher) (CE_start: the warm start), KL(teacher || student) with
-   the tail, top-1 agreement, the projector-free KV cosine; paired differences against `ce` per seed with a
-   95 % t-interval; the decision rule below, printed before the run and with the result.
-6. Plots: held-out CE against step per arm (log scale, the teacher as a line) and GR per arm with its interval.
+The teacher's outputs cached once, a gate (the teacher must beat the pruned student), a shared CE warm start,
+then every arm (`ARMS`) per seed, scored on the test split with paired intervals against the base arm.
+The method step by step: docs/internals/runtime.md#bench-heal.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray.bench.stats import fmt_interval, paired
-from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.bench.stats import fmt_interval, mean_sd, paired
+from kava_ray.common.config import JobConfig, derive, load_config, parse_override
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_write, format_table
+from kava_ray.common.files import atomic_write, format_table, write_json
+from kava_ray.runtime.console import status
 
 # arm: (loss.ce_weight, loss.kv_weight, loss.logit_weight)
 ARMS: dict[str, tuple[float, float, float]] = {
@@ -67,31 +47,20 @@ def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: 
     top-k logits cached, a constant learning rate after a short warm-up. topics: (train, validation, test)
     records kept per split (None: all)."""
     n_train, n_val, n_test = topics or (None, None, None)
-    d = base.to_dict()
-    d["teachers"] = d["teachers"][:1]
-    d["fusion"] = {**d["fusion"], "weights": None}
-    d["data"] = {**d["data"], "source": f"{corpus}/{{split}}.jsonl", "format": "text", "val_split": "validation",
-                 "num_train": n_train, "num_val": n_val, "num_test": n_test, "packing": True,
-                 "kv_cache_dir": str(root / "kv_cache")}
-    d["train"] = {**d["train"], "max_length": block, "batch_size": batch_size}
-    d["loss"] = {**d["loss"], "logit_top_k": TOP_K, "logit_tail": "bucket"}
-    d["optim"] = {**d["optim"], "schedule": "constant", "warmup_steps": 2}
-    d["ray"] = {**d["ray"], "storage_path": str(root / "runs")}
-    return validate_config(d)
-
-
-def _with(cfg: JobConfig, **sections) -> JobConfig:
-    d = cfg.to_dict()
-    for k, v in sections.items():
-        d[k] = {**d[k], **v}
-    return validate_config(d)
+    return derive(base, {
+        "teachers": base.teachers[:1], "fusion.weights": None,
+        "data.source": f"{corpus}/{{split}}.jsonl", "data.format": "text", "data.val_split": "validation",
+        "data.num_train": n_train, "data.num_val": n_val, "data.num_test": n_test, "data.packing": True,
+        "data.kv_cache_dir": str(root / "kv_cache"), "train.max_length": block, "train.batch_size": batch_size,
+        "loss.logit_top_k": TOP_K, "loss.logit_tail": "bucket", "optim.schedule": "constant",
+        "optim.warmup_steps": 2, "ray.storage_path": str(root / "runs")})
 
 
 def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int) -> JobConfig:
     ce_w, kv_w, logit_w = ARMS[arm]
-    return _with(job, loss={"ce_weight": ce_w, "kv_weight": kv_w, "logit_weight": logit_w},
-                 train={"seed": seed, "data_seed": seed, "steps": steps},
-                 student={"model": student, "keep_layers": None}, data={"kv_source": "cache"})
+    return derive(job, {"loss.ce_weight": ce_w, "loss.kv_weight": kv_w, "loss.logit_weight": logit_w,
+                        "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
+                        "student.model": student, "student.keep_layers": None, "data.kv_source": "cache"})
 
 
 def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
@@ -104,15 +73,13 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
     is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
-    import ray
-
     from kava_ray.bench.inprocess import train_in_process
     from kava_ray.bench.recipes import Scorer, plot_curves
     from kava_ray.core.models import load_model, load_student, load_tokenizer
     from kava_ray.core.plans import load_test_split
     from kava_ray.data.corpus import write_pydoc_corpus
     from kava_ray.recipes.evaluate import heldout_ce
-    from kava_ray.runtime.job import connect_job, precompute
+    from kava_ray.runtime.job import job_session, precompute
     from kava_ray.runtime.preflight import check_model_files
 
     p = dict(QUICK if quick else DEFAULTS)
@@ -126,7 +93,7 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     base = load_config(config, overrides)
     for name, recipe in (arm_overrides or {}).items():  # a typo in a recipe: one line now, not after the cache
         try:
-            validate_config(_apply(base.to_dict(), recipe))
+            derive(base, recipe)
         except KavaError as e:
             raise KavaError(f"bench heal: --recipe {name}: {e}") from None
     check_model_files(base)
@@ -138,7 +105,7 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
 
     def say(msg):
         if progress:
-            print(f"[bench heal] {msg}", file=sys.stderr, flush=True)
+            status(f"[bench heal] {msg}")
 
     rule = decision_rule(base_arm)
     say(f"decision rule, fixed before the run: {rule}")
@@ -162,25 +129,21 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                         f"student ({ce_pruned:.2f} nats) on the test split: nothing to distil")
 
     # 2. the teacher's outputs, every block once
-    pre = _with(job, data={"kv_source": "live"}, loss={"logit_weight": 1.0})
+    pre = derive(job, {"data.kv_source": "live", "loss.logit_weight": 1.0})
     t0 = time.time()
-    connected = connect_job(pre, address)
-    try:
+    with job_session(pre, address):
         stats = precompute(pre, root / "kv_cache", progress=progress)
-    finally:
-        if connected == "embedded":
-            ray.shutdown()
     precompute_s = time.time() - t0
     say(f"teacher cache: {stats['written']} blocks in {stats['forwards']} teacher batches ({precompute_s:.0f} s)")
 
-    cache_job = _with(job, data={"kv_source": "cache"})
+    cache_job = derive(job, {"data.kv_source": "cache"})
     scorer = Scorer(cache_job, 0, 0)
     test = scorer.test
 
     # 3. the shared warm start
     warm_dir = root / "warm_start"
-    warm_cfg = _with(cache_job, loss={"ce_weight": 1.0, "kv_weight": 0.0, "logit_weight": 0.0},
-                     train={"steps": p["warm_steps"], "seed": 0, "data_seed": 0})
+    warm_cfg = derive(cache_job, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
+                                  "train.steps": p["warm_steps"], "train.seed": 0, "train.data_seed": 0})
     warm = train_in_process(warm_cfg, scorer.plans, scorer.source, p["warm_steps"])
     warm["recipe"].distiller.student.save_pretrained(warm_dir)
     tok.save_pretrained(warm_dir)
@@ -188,8 +151,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     say(f"warm start: {p['warm_steps']} CE steps -> {ce_start:.3f} nats ({warm_dir})")
 
     # the job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0, evaluated at the end only
-    tune_job = _with(arm_config(job, "ce+kv", 0, str(warm_dir), p["steps"]),
-                     train={"eval_steps": p["steps"], "save_steps": p["steps"]})
+    tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), p["steps"]),
+                      {"train.eval_steps": p["steps"], "train.save_steps": p["steps"]})
     atomic_write(root / "heal_job.yaml", tune_job.to_yaml().encode())
 
     # 4. the arms, paired per seed
@@ -199,7 +162,7 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         for arm in names:
             cfg = arm_config(job, arm if arm in ARMS else BASE, seed, str(warm_dir), p["steps"])
             if arm_overrides and arm in arm_overrides:
-                cfg = validate_config(_apply(cfg.to_dict(), arm_overrides[arm]))
+                cfg = derive(cfg, arm_overrides[arm])
             t1 = time.time()
 
             def evaluate(recipe):
@@ -234,24 +197,25 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
               "summary": summary, "runs": runs, "plots": {"ce": str(ce_png), "gr": str(gr_png)},
               "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
               "wall_s": time.time() - t_start}
-    atomic_write(root / "bench_heal.json", json.dumps(result, indent=1, default=float).encode())
+    write_json(root / "bench_heal.json", result)
     return result
 
 
 def parse_recipe(text: str) -> tuple[str, dict]:
     """`NAME:key=value,key=value` (an arm of its own on top of `ce`, e.g. a Tune sweep's winner) ->
-    (NAME, {dotted key: value}); values are YAML."""
-    import yaml
-
+    (NAME, {dotted key: value}); each item is read as an override line (`parse_override`: values are YAML)."""
     name, sep, rest = text.partition(":")
     if not sep or not name or name in ARMS:
         raise KavaError(f"--recipe {text!r}: expected NAME:key=value,... with a new name (not one of {', '.join(ARMS)})")
     out = {}
     for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
+        if "=" not in item:
             raise KavaError(f"--recipe {text!r}: {item!r} is not key=value")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            parts, value = parse_override(item)
+        except KavaError as e:
+            raise KavaError(f"--recipe {text!r}: {e}") from None
+        out[".".join(parts)] = value
     return name, out
 
 
@@ -262,26 +226,15 @@ def load_splits_head(cfg: JobConfig, tok, n: int):
     return load_splits(cfg, tok)[1].head(n)
 
 
-def _apply(d: dict, overrides: dict) -> dict:
-    """Dotted {key: value} overrides on a config dict (an arm's own recipe, e.g. from a Tune sweep)."""
-    from kava_ray.common.config import set_dotted
-
-    for k, v in overrides.items():
-        set_dotted(d, k.split("."), v)
-    return d
-
-
 def summarize(runs: dict, base_arm: str = BASE) -> dict:
     """Per arm: mean ± sd of each figure; per non-base arm: paired differences against the base and the
     decision (gains are positive: CE and KL differences are reported as base - arm)."""
-    from kava_ray.bench.recipes import _mean_sd
-
     out = {}
     base = runs.get(base_arm, [])
     for arm, rs in runs.items():
         figs = [r["figures"] for r in rs]
-        s = {"mean": {k: _mean_sd([f.get(k) for f in figs]) for k in figs[0]},
-             "step_s": _mean_sd([r["step_s"] for r in rs])}
+        s = {"mean": {k: mean_sd([f.get(k) for f in figs]) for k in figs[0]},
+             "step_s": mean_sd([r["step_s"] for r in rs])}
         if arm != base_arm and base:
             ref = [r["figures"] for r in base]
             s["vs_base"] = {k: paired([f.get(k) for f in figs], [f.get(k) for f in ref]) for k in figs[0]}

@@ -1,6 +1,6 @@
 """Training runs inside the bench's own process: the production step without Ray Train.
 
-`train_in_process` builds the production `worker.DistillRecipe` (Distiller, optimizer, schedule, resumable
+`train_in_process` builds the production `recipes.distill.DistillRecipe` (Distiller, optimizer, schedule, resumable
 batch stream), feeds it teacher KV through the production `KVFeed` from any source (the example-indexed KV
 cache, or teachers in this process), runs `steps` optimizer steps and, on request, scores a held-out split
 every `eval_every` steps. What a Ray Train worker does per step, minus the process boundary (which costs a
@@ -13,13 +13,13 @@ import statistics
 import time
 from typing import Callable, Optional
 
+from kava_ray.recipes.distill import DistillRecipe
+
 
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
                      evaluate: Optional[Callable] = None, device: str = "cpu") -> dict:
     """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
     "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
-    from kava_ray.recipes.distill import DistillRecipe
-
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     accum = cfg.optim.accumulation

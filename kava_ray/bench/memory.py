@@ -1,21 +1,8 @@
 """Measured memory of a job's student worker and teacher beside `kava-ray plan`'s estimate.
 
-`measure_peak(cfg, steps)` runs the job in a fresh Python process (this module's `__main__`), in two parts,
-each measured from a settled baseline (imports done, one warm-up forward/backward, freed heap handed back
-to the OS, the peak RSS reset):
-
-1. the teachers, as their actors would: `kv.teacher_forward_kv` for every batch the steps read (the shipped
-   layers, and top-k log-probs when the loss uses logits), kept as pickled wire payloads; then freed.
-   Its peak RSS growth is compared with the plan's `teacher:*` items.
-2. the student worker: `steps` optimizer steps of the Distiller (student + projectors + fusion + losses,
-   backward, AdamW), each micro-batch's payload unpickled as the KVFeed receives it, `align.prefetch_depth`
-   batches in flight. Two steps reach the peak: the second runs with AdamW's states allocated by the first.
-   CPU: its peak RSS growth (VmHWM), compared with the plan's student-worker items. CUDA (when
-   `torch.cuda.is_available()`): `torch.cuda.max_memory_allocated()`, compared with the plan's student
-   worker on a GPU less its CUDA runtime item (a context and allocator slack that it does not count).
-
-On the CPU both sides get the planner's allocator slack (`plan.cpu_allocator_slack`), as its `cpu` device
-does. Used by `kava-ray bench step --memory` and tests/test_plan.py (the planner within 30 %).
+`measure_peak(cfg, steps)` runs the teachers' forwards, then the student worker's steps, in a fresh Python
+process, each from a settled baseline; `compare_with_plan` sets them beside the planner's items. The method:
+docs/internals/runtime.md#bench-memory.
 """
 
 from __future__ import annotations
@@ -29,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kava_ray.common.config import JobConfig, load_config
+from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
 
 
@@ -53,14 +40,14 @@ def planned_bytes(cfg: JobConfig, device: str) -> dict:
     def with_slack(items: dict) -> int:  # the planner's CPU rule, on one process's items
         return sum(items.values()) + cpu_allocator_slack(items)
 
-    on_cpu = [f"teachers.{i}.num_gpus=0" for i in range(len(cfg.teachers))]
-    items = plan(load_config(cfg, ["ray.use_gpu=false"] + on_cpu))["devices"]["cpu"]["items"]
+    on_cpu = {f"teachers.{i}.num_gpus": 0 for i in range(len(cfg.teachers))}
+    items = plan(derive(cfg, {"ray.use_gpu": False, **on_cpu}))["devices"]["cpu"]["items"]
     teacher = {k: v for k, v in items.items() if k.startswith("teacher:")}
     out = {"teacher": with_slack(teacher)}
     if device == "cpu":  # the student worker's items: not the teachers', not the cpu device's slack
         out["student"] = with_slack({k: v for k, v in items.items() if k not in teacher and "slack" not in k})
     else:
-        gpu = load_config(cfg, ["ray.use_gpu=true", "ray.gpus_per_worker=1", "ray.num_workers=1"] + on_cpu)
+        gpu = derive(cfg, {"ray.use_gpu": True, "ray.gpus_per_worker": 1, "ray.num_workers": 1, **on_cpu})
         out["student"] = plan(gpu)["devices"]["student worker"]["total"] - RUNTIME_BYTES
     return out
 
@@ -116,6 +103,7 @@ def _run(job: str, steps: int) -> dict:
     from kava_ray.core.models import kv_geometry, load_model, load_student
     from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
     from kava_ray.core.precision import student_precision
+    from kava_ray.data.batching import Batch
 
     cfg = load_config(job)
     cuda = torch.cuda.is_available()
@@ -131,7 +119,7 @@ def _run(job: str, steps: int) -> dict:
         mask[0, T // 2:] = 0
         labels = torch.where(mask.bool(), ids, -100)
         labels[:, : T // 4] = -100  # prompt tokens
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "answer_mask": (labels != -100).long()}
+        return Batch(input_ids=ids, attention_mask=mask, labels=labels, answer_mask=(labels != -100).long())
 
     # warm up one-time allocations (lazy imports, kernels), then hand freed heap back to the OS
     warm = load_student(cfg.student.model, dtype="float32")
@@ -146,7 +134,7 @@ def _run(job: str, steps: int) -> dict:
     plans = in_process_plans(cfg, teachers)
     top_k = teacher_logits_top_k(cfg, plans)
     batches = [batch() for _ in range(steps * accum + depth - 1)]
-    sent = [pickle.dumps({n: teacher_forward_kv(teachers[n], b["input_ids"], b["attention_mask"], layers=p.layers,
+    sent = [pickle.dumps({n: teacher_forward_kv(teachers[n], b.input_ids, b.attention_mask, layers=p.layers,
                                                 logits_top_k=top_k[n]).to_wire(cfg.align.wire_dtype)
                           for n, p in plans.items()}, protocol=5) for b in batches]
     teacher_peak = _peak() - base
@@ -170,7 +158,7 @@ def _run(job: str, steps: int) -> dict:
             kv = {n: KVBatch.from_wire(w, device=device, dtype=torch.float32) for n, w in payload.items()}
             del payload
             with precision.autocast():
-                loss, _ = distiller({k: v.to(device) for k, v in b.items()}, kv)
+                loss, _ = distiller(b.to(device), kv)
             del kv
             (loss / accum).backward()
             del loss

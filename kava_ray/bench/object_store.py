@@ -38,7 +38,7 @@ def run_object_store(plasma_directory: Optional[str] = None, preallocate: bool =
     import torch
 
     from kava_ray.bench.feed import _TransportProbe
-    from kava_ray.runtime.connect import single_machine_mode
+    from kava_ray.runtime.connect import disconnect, single_machine_mode
 
     single_machine_mode()
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def run_object_store(plasma_directory: Optional[str] = None, preallocate: bool =
             np.copyto(dst, src)
             copies.append(time.perf_counter() - t)
     finally:
-        ray.shutdown()
+        disconnect()
 
     def part(rs):
         s = statistics.median(r[0] for r in rs)

@@ -16,12 +16,12 @@ recipe or learning rate, so its numbers are shown for reference only.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from kava_ray.bench.stats import mean_sd
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 from kava_ray.core.projectors import ElasticBottleneck, LinearProjector
@@ -57,10 +57,6 @@ def _fit(model: torch.nn.Module, x, y, x_test, y_test, steps: int, lr: float) ->
         return float(F.mse_loss(model(x_test), y_test))
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def run_projector_ab(
     seeds: int = 5,
     steps: int = 40,
@@ -93,7 +89,7 @@ def run_projector_ab(
             lin.append(_fit(LinearProjector(d, d), x, y, x_test, y_test, steps, lr))
             torch.manual_seed(seed)
             mlp.append(_fit(ElasticBottleneck(d, d, mlp_ratio, dropout), x, y, x_test, y_test, steps, lr))
-        (lm, ls), (mm, ms) = _stats(lin), _stats(mlp)
+        (lm, ls), (mm, ms) = ((s["mean"], s["sd"]) for s in (mean_sd(lin), mean_sd(mlp)))
         rep_l, rep_m = REPORTED[scenario]
         rows.append({
             "scenario": scenario,

@@ -1,35 +1,22 @@
 """`kava-ray bench recipes`: which recipe gives the better student at equal compute, with error bars.
 
-The same student, data, batch, steps and optimizer under four recipes -- `ce` (plain fine-tuning), `ce+kv`
-(this product's default), `ce+logits` (the field's top-k logit KD: the student normalised over its full
-vocabulary, the teacher's tail as a bucket) and `ce+kv+logits` -- each the production step
-(`worker.DistillRecipe.step`) run in this process (`bench.inprocess`: no TorchTrainer start per run). The
-teachers run once: `kava_ray.runtime.job.precompute` stores every example's KV
-and top-64 log-probs in the example-indexed cache that every run reads (`data.kv_source: cache`), so a
-seed may reshuffle the data and still costs no teacher forward.
-
-A seed draws both the data order (`train.data_seed`) and the initialisation (`train.seed`); within a seed
-every recipe sees the same batches. Every finished student is then scored the same way, whatever trained
-it (`evaluate.score_student`, from the cache): test CE (fp32, as `kava-ray eval`), KL(teacher || student)
-and top-1 agreement with each teacher, the projector-free KV cosine (`kava_ray.core.probe`), and greedy exact
-match on `limit` test problems with a budget that reaches `#### <answer>`. Differences against `ce` are
-paired per seed, with a 95 % t-interval (`bench.stats.paired`); the teachers' own CE and exact match are a
-row of their own.
+Four recipes (`RECIPES`) x seeds, each the production step in this process over one precomputed teacher
+cache, every student scored alike (`Scorer`), differences against `ce` paired per seed. The method:
+docs/internals/runtime.md#bench-recipes.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray.bench.stats import fmt_interval, paired
-from kava_ray.common.config import JobConfig, load_config, validate_config
-from kava_ray.common.files import format_table
+from kava_ray.bench.stats import fmt_interval, mean_sd, paired
+from kava_ray.common.config import JobConfig, derive, load_config
+from kava_ray.common.files import format_table, write_json
+from kava_ray.runtime.console import status
 
 # recipe: (loss.kv_weight, loss.logit_weight)
 RECIPES: dict[str, tuple[float, float]] = {"ce": (0.0, 0.0), "ce+logits": (0.0, 1.0), "ce+kv": (1.0, 0.0),
@@ -43,34 +30,20 @@ FIGURES = {"test_ce": ("test CE", True, 4, 1.0), "kl": ("KL(teacher||student)", 
            "exact": ("exact match %", False, 1, 100.0)}
 
 
-def _merge(d: dict, **sections) -> dict:
-    return {**d, **{k: {**d[k], **v} for k, v in sections.items()}}
-
-
-def _mean_sd(xs: Sequence[Optional[float]]) -> Optional[dict]:
-    xs = [float(x) for x in xs if x is not None]
-    if not xs:
-        return None
-    return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
-
-
 def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[int] = None,
-                  fit_data: bool = True, num_test: Optional[int] = None) -> tuple[JobConfig, dict]:
-    """(the precompute config, the run dict every recipe x seed is derived from). fit_data: the training
+                  fit_data: bool = True, num_test: Optional[int] = None) -> tuple[JobConfig, JobConfig]:
+    """(the precompute config, the cache config every recipe x seed is derived from). fit_data: the training
     split holds exactly the examples one run trains on (one epoch; every seed reshuffles the same examples)."""
-    d = base.to_dict()
     t, o = base.train, base.optim
-    train = {"steps": steps, "eval_steps": eval_steps or max(1, steps // 8), "save_steps": steps}
-    data = {"kv_cache_dir": str(out / "kv_cache")}
+    run = {"train.steps": steps, "train.eval_steps": eval_steps or max(1, steps // 8), "train.save_steps": steps,
+           "data.kv_cache_dir": str(out / "kv_cache"), "ray.storage_path": str(out / "runs")}
     if fit_data:
-        data["num_train"] = steps * o.accumulation * base.ray.num_workers * t.batch_size
+        run["data.num_train"] = steps * o.accumulation * base.ray.num_workers * t.batch_size
     if num_test:
-        data["num_test"] = num_test
-    d = _merge(d, train=train, data=data, ray={"storage_path": str(out / "runs")})
-    pre = validate_config(_merge(d, data={"kv_source": "live"},
-                                 loss={"logit_weight": max(1.0, base.loss.logit_weight),
-                                       "logit_top_k": max(TOP_K, base.loss.logit_top_k)}))
-    return pre, _merge(d, data={"kv_source": "cache"})
+        run["data.num_test"] = num_test
+    pre = derive(base, {**run, "data.kv_source": "live", "loss.logit_weight": max(1.0, base.loss.logit_weight),
+                        "loss.logit_top_k": max(TOP_K, base.loss.logit_top_k)})
+    return pre, derive(base, {**run, "data.kv_source": "cache"})
 
 
 class Scorer:
@@ -132,8 +105,8 @@ def summarize(arms: dict, base: str = BASE) -> dict:
     out = {}
     for name, runs in arms.items():
         figs = [r["figures"] for r in runs]
-        out[name] = {"mean": {k: _mean_sd([f.get(k) for f in figs]) for k in FIGURES},
-                     "s_per_step": _mean_sd([r.get("s_per_step") for r in runs])}
+        out[name] = {"mean": {k: mean_sd([f.get(k) for f in figs]) for k in FIGURES},
+                     "s_per_step": mean_sd([r.get("s_per_step") for r in runs])}
         if name != base and base in arms:
             ref = [r["figures"] for r in arms[base]]
             out[name]["vs_base"] = {k: paired([f.get(k) for f in figs], [f.get(k) for f in ref]) for k in FIGURES}
@@ -189,18 +162,17 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
     root = Path(out or Path(base.ray.storage_path) / f"bench-recipes-{datetime.now():%Y%m%d-%H%M%S}")
     root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    pre, run_dict = bench_configs(base, steps, root, eval_steps, num_test=num_test)
+    pre, cache_cfg = bench_configs(base, steps, root, eval_steps, num_test=num_test)
     seed_values = [base.train.seed + i for i in range(seeds)]
 
     def say(msg):
-        print(f"[bench recipes] {msg}", file=sys.stderr, flush=True)
+        status(f"[bench recipes] {msg}")
 
     t_start = time.time()
     stats = precompute(pre, root / "kv_cache", progress=progress, address=address)  # the only part that needs Ray
     precompute_s = time.time() - t_start
     say(f"teacher cache: {stats['written']} examples in {stats['forwards']} teacher batches, "
         f"{stats['skipped']} already there ({precompute_s:.0f} s)")
-    cache_cfg = validate_config(run_dict)
     scorer = Scorer(cache_cfg, limit, max_new_tokens)
     teachers = [t.name for t in pre.teachers]
     tok = load_tokenizer(cache_cfg.student.model)
@@ -208,8 +180,8 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
     for seed in seed_values:
         for name in names:
             kv_w, logit_w = RECIPES[name]
-            cfg = validate_config(_merge(run_dict, loss={"kv_weight": kv_w, "logit_weight": logit_w},
-                                         train={"seed": seed, "data_seed": seed}))
+            cfg = derive(cache_cfg, {"loss.kv_weight": kv_w, "loss.logit_weight": logit_w, "train.seed": seed,
+                                     "train.data_seed": seed})
             t0 = time.time()
             run = train_in_process(cfg, scorer.plans, scorer.source, steps, cfg.train.eval_steps,
                                    lambda recipe: recipe.evaluate(scorer.source)["eval/ce"])
@@ -230,7 +202,7 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
               "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1),
               "precompute_s": precompute_s, "wall_s": time.time() - t_start, "plot": str(png),
               "teacher_rows": teacher_rows, "summary": summarize(arms), "arms": arms}
-    (root / "bench_recipes.json").write_text(json.dumps(result, indent=1, default=float))
+    write_json(root / "bench_recipes.json", result)
     return result
 
 

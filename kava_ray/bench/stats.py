@@ -1,9 +1,8 @@
-"""Paired comparisons across seeds: per-seed differences of an arm against a baseline, their mean and a
-Student-t confidence interval (what `bench recipes` and `bench heal` report).
+"""The benches' statistics: mean ± sd over seeds, and paired per-seed differences against a baseline with a
+Student-t interval (`bench recipes`, `bench heal`, `bench projector`).
 
-A seed draws the data order and the initialisation; every arm of one seed sees the same batches, so the
-per-seed difference removes what the seed alone explains, and the t-interval over seeds is the error bar
-of the mean difference. The t quantile comes from the regularised incomplete beta function (no SciPy).
+A seed draws the data order and the initialisation, so the per-seed difference removes what the seed alone
+explains. The t quantile comes from the regularised incomplete beta function (no SciPy).
 """
 
 from __future__ import annotations
@@ -60,6 +59,14 @@ def t_quantile(p: float, df: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def mean_sd(xs: Sequence[Optional[float]]) -> Optional[dict]:
+    """{mean, sd, n} of the values that exist (sd 0.0 for one value), or None when there are none."""
+    xs = [float(x) for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
 def paired(arm: Sequence[Optional[float]], base: Sequence[Optional[float]], level: float = 0.95) -> Optional[dict]:

@@ -4,7 +4,7 @@ The same student, batch and optimizer settings, one optimizer step each, side by
 
   ce                 plain fine-tuning: the student alone (HF forward with labels, backward, gradient
                      clipping, AdamW, schedule) -- no capture hooks, no projectors
-  ce+kv structured   the production step (`worker.DistillRecipe.step`, what `kava-ray train` runs) with
+  ce+kv structured   the production step (`recipes.distill.DistillRecipe.step`, what `kava-ray train` runs) with
                      the default recipe: structured elastic projectors, Mercator (centred) + CE
   ce+kv flat         the same with `align.mode: flat` (concat of the shipped layers, one projector)
   ce+kv+logits       structured, plus the top-k logit KD loss (`loss.logit_weight: 1`)
@@ -17,7 +17,7 @@ The same student, batch and optimizer settings, one optimizer step each, side by
 Teacher KV (and top-k log-probs) are computed once beforehand with `kv.teacher_forward_kv`, sent through
 the wire format (`to_wire` -> `KVBatch.from_wire`), so only the student is timed. Variants are interleaved
 over `rounds` rounds (the order rotates); each keeps its fastest round. The per-phase breakdown comes from
-separate profiled steps (torch.profiler, the `kava/*` record_function scopes in `distill.Distiller.forward`
+separate profiled steps (torch.profiler, the `kava/*` record_function scopes in `core.distiller.Distiller.forward`
 and `DistillRecipe.step`, which cost nothing without a profiler): student forward (incl. KV capture; for
 `ce` also its CE), projectors, fusion + losses + metrics, backward, optimizer, and `other` (the rest of
 the profiled step). The KV capture's own cost: the student's training forward with and without the
@@ -31,6 +31,7 @@ in a fresh process (`kava_ray.bench.memory`) beside `kava-ray plan`'s estimate.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -38,12 +39,23 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from kava_ray.bench.memory import compare_with_plan
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
+from kava_ray.core.align.vocab import VocabMap
+from kava_ray.core.distiller import build_scheduler
+from kava_ray.core.kv import KVBatch, student_forward_kv, teacher_forward_kv
+from kava_ray.core.models import load_model, load_student
+from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+from kava_ray.core.precision import student_precision
+from kava_ray.data import Batch, TeacherInputs
+from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.testing.tiny import build_tiny_model
 
 # a small student: ~25% of its forward FLOPs in the LM head, as in Qwen2.5-0.5B (vocab 8192 at hidden 384)
 STUDENT = dict(family="qwen2", num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024,
@@ -88,21 +100,16 @@ def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) 
     })
 
 
-def _cross_vocab(plans: dict, data: dict, s_vocab: int):
+def _cross_vocab(plans: dict, data: Batch, s_vocab: int):
     """The bench's teacher of another vocabulary: its plan marked aligned, the batch with a one-to-one alignment
-    and pairing (`align_lo/t`, `align_hi/t`, `logit_pair/t`), and a vocabulary map reaching CROSS_COVERAGE of the
-    student's ids from random teacher ids (the cost of the loss depends on the sizes, not on which ids)."""
-    import dataclasses
-
-    import numpy as np
-
-    from kava_ray.core.align.vocab import VocabMap
-
+    and pairing (`batch.teachers["t"]`), and a vocabulary map reaching CROSS_COVERAGE of the student's ids from
+    random teacher ids (the cost of the loss depends on the sizes, not on which ids)."""
     plan = plans["t"]
     plans = {"t": dataclasses.replace(plan, tokenizer="(bench: another tokenizer)", tokenizer_fingerprint=None)}
-    B, T = data["input_ids"].shape
+    B, T = data.input_ids.shape
     pos = torch.arange(T).expand(B, T)
-    batch = {**data, "align_lo/t": pos, "align_hi/t": pos + 1, "logit_pair/t": pos}
+    one_to_one = TeacherInputs(data.input_ids, data.attention_mask, align_lo=pos, align_hi=pos + 1, logit_pair=pos)
+    batch = dataclasses.replace(data, teachers={"t": one_to_one})
     rng = np.random.default_rng(0)
     v_t = int(plan.geometry.vocab_size)
     t2s = np.full(v_t, -1, dtype=np.int64)
@@ -111,21 +118,17 @@ def _cross_vocab(plans: dict, data: dict, s_vocab: int):
     return plans, batch, {"t": VocabMap(t2s, s_vocab)}
 
 
-def _batch(batch: int, tokens: int, vocab: int) -> dict:
+def _batch(batch: int, tokens: int, vocab: int) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, tokens), generator=g)
     mask = torch.ones_like(ids)
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "answer_mask": mask}
+    return Batch(ids, mask, labels=ids.clone(), answer_mask=mask)
 
 
 class _Plain:
     """Plain fine-tuning of the student alone, with the recipe's precision and optimizer settings."""
 
-    def __init__(self, cfg: JobConfig, device, batch: dict):
-        from kava_ray.core.distiller import build_scheduler
-        from kava_ray.core.models import load_student
-        from kava_ray.core.precision import student_precision
-
+    def __init__(self, cfg: JobConfig, device, batch: Batch):
         self.precision = student_precision(cfg.student, device)
         self.model = load_student(cfg.student.model, dtype=self.precision.weight_dtype).to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -133,12 +136,12 @@ class _Plain:
         self.opt = torch.optim.AdamW(self.params, lr=o.lr_student, weight_decay=o.weight_decay)
         self.sched = build_scheduler(self.opt, o, cfg.train.steps)
         self.grad_clip = o.grad_clip
-        self.batch = {k: v.to(device) for k, v in batch.items()}
+        self.batch = batch.to(device)
 
     def step(self) -> None:
         b = self.batch
         with self.precision.autocast(), record_function("kava/student_forward"):  # incl. HF's CE
-            out = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
+            out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
         with record_function("kava/backward"):
             out.loss.backward()
         with record_function("kava/optimizer"):
@@ -203,12 +206,6 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                    memory: bool = False, memory_steps: int = 2) -> dict:
     """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
     down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
-    from kava_ray.core.kv import KVBatch, student_forward_kv, teacher_forward_kv
-    from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
-    from kava_ray.recipes.distill import DistillRecipe
-    from kava_ray.testing.tiny import build_tiny_model
-
     for name, value in (("steps", steps), ("rounds", rounds), ("profile_steps", profile_steps), ("batch", batch),
                         ("tokens", tokens), ("threads", threads), ("memory_steps", memory_steps)):
         if int(value) < 1:
@@ -237,7 +234,7 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                 plans = in_process_plans(cfg, {"t": t_models[which]})
                 layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
                 if (which, tuple(layers), k) not in payloads:  # the teacher runs once per distinct request
-                    wire = teacher_forward_kv(t_models[which], data["input_ids"], data["attention_mask"],
+                    wire = teacher_forward_kv(t_models[which], data.input_ids, data.attention_mask,
                                               layers=layers, key_space=cfg.align.key_space, logits_top_k=k)
                     payloads[(which, tuple(layers), k)] = wire.to_wire(cfg.align.wire_dtype)
                 kv = {"t": KVBatch.from_wire(payloads[(which, tuple(layers), k)], device=device)}
@@ -245,7 +242,10 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                 if which == "x":  # the other vocabulary, aligned one to one (every position aligned and paired)
                     plans, feed, maps = _cross_vocab(plans, data, student["vocab_size"])
                 recipe = DistillRecipe(cfg, plans, device=device)
-                recipe.setup(data=maps is None, maps=maps)
+                if maps is None:
+                    recipe.setup()
+                else:  # the bench's own batch: no tokenizer of the other vocabulary to load
+                    recipe.build_model(maps)
                 counter = iter(range(1, 10**9))
                 steppers[name] = (lambda r=recipe, kv=kv, c=counter, b=feed: r.step(next(c), [(b, kv)]))
             del t_models
@@ -257,7 +257,7 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
             times: dict[str, list] = {n: [] for n in names}
             prof: dict[str, dict] = {}
             fwd: dict[str, list] = {"plain": [], "capture": []}
-            ids, mask = plain.batch["input_ids"], plain.batch["attention_mask"]
+            ids, mask = plain.batch.input_ids, plain.batch.attention_mask
 
             def forward_plain():
                 with plain.precision.autocast():
@@ -313,9 +313,6 @@ def memory_table(student: Optional[dict] = None, teacher: Optional[dict] = None,
                  tokens: int = 256, steps: int = 2, recipes: Optional[dict] = None) -> dict:
     """{recipe: {"device", "measured", "planned", "error"}}: each recipe of the bench job measured in a fresh
     process (`kava_ray.bench.memory.compare_with_plan`) beside `kava-ray plan`'s estimate."""
-    from kava_ray.bench.memory import compare_with_plan
-    from kava_ray.testing.tiny import build_tiny_model
-
     student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from kava_ray.common.config import load_config
-from kava_ray.common.files import format_table
+from kava_ray.common.config import derive, load_config, validate_config
+from kava_ray.common.files import format_table, write_json
+from kava_ray.runtime.connect import disconnect
 from kava_ray.testing.tiny import build_tiny_model
 
 SPACE = {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "search": {"kind": "random"},
@@ -56,27 +57,24 @@ def forwards_per_batch(stats: list[dict], distinct_batches: int) -> float:
 
 def own_teachers_trial(config: dict, setup: dict) -> None:
     """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
-    namespace of its own, then runs the production trial (`kava_ray.recipes.tune.trial_fn`) against them."""
+    namespace of its own (`job_teachers` in the trial's Ray), then runs the production trial
+    (`kava_ray.recipes.tune.trial_fn`) against them."""
     from ray import tune
 
-    from actors.pool import pool_stats, start_pool, stop_pool
-    from kava_ray.common.config import validate_config
+    from actors.pool import pool_stats
     from kava_ray.recipes.tune import trial_dir, trial_fn
-    from kava_ray.runtime.job import teacher_geometries
+    from kava_ray.runtime.job import job_teachers, teacher_geometries
 
-    base = validate_config(setup["base"])
-    cfg = base.model_copy(update={"ray": base.ray.model_copy(
-        update={"namespace": f"kava-{tune.get_context().get_trial_id()}"})})
-    handles = start_pool(cfg)
-    try:
-        trial_fn(config, dict(setup, base=cfg.to_dict(), geometries=teacher_geometries(handles)))
-    finally:
-        stats = pool_stats(handles)
-        (trial_dir(cfg) / "teacher_stats.json").write_text(json.dumps(stats))
-        stop_pool(cfg)
+    cfg = derive(validate_config(setup["base"]), {"ray.namespace": f"kava-{tune.get_context().get_trial_id()}"})
+    with job_teachers(cfg) as job:
+        try:
+            trial_fn(config, dict(setup, base=cfg.to_dict(), geometries=teacher_geometries(job.handles)))
+        finally:
+            write_json(trial_dir(cfg) / "teacher_stats.json", pool_stats(job.handles), indent=None)
 
 
 def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
+    """Both sweeps over one tiny job; teacher forwards per distinct batch and wall time of each."""
     import ray
 
     from kava_ray.recipes.tune import run_tune
@@ -104,7 +102,7 @@ def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
                              "trials_finished": sum(1 for r in res["rows"] if not r["error"])}
         finally:
             if started:
-                ray.shutdown()
+                disconnect()
     out["wall_ratio_per_trial_over_shared"] = out["per_trial"]["wall_s"] / out["shared"]["wall_s"]
     return out
 

@@ -67,14 +67,8 @@ def cluster_yaml(path: str) -> list:
 
 def live_nodes(args) -> list:
     """The live nodes of the running cluster at --address (connects, reads them, disconnects)."""
-    import ray
-
     from actors.pool import cluster_nodes
-    from kava_ray.runtime.connect import connect
+    from kava_ray.runtime.connect import ray_session
 
-    with quiet(args, "plan"):
-        connect(args.address, "kava-plan", require_cluster=True)
-        try:
-            return cluster_nodes()
-        finally:
-            ray.shutdown()
+    with quiet(args, "plan"), ray_session(args.address, "kava-plan", client=True, require_cluster=True):
+        return cluster_nodes()

@@ -64,8 +64,9 @@ def select_teachers(cfg, names):
     """Restrict cfg to the teachers named with --teacher (unknown names are a one-line error)."""
     if not names:
         return cfg
-    keep = [cfg.teacher(n) for n in names]
-    return cfg.model_copy(update={"teachers": keep})
+    from kava_ray.common.config import derive
+
+    return derive(cfg, {"teachers": [cfg.teacher(n) for n in names]})
 
 
 def format_status(rows: list[dict]) -> str:

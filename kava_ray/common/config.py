@@ -45,7 +45,7 @@ def _check_selector(selector: Optional[dict]) -> Optional[dict]:
 
 
 class TeacherConfig(_Section):
-    # names key batch fields (`teacher_input_ids/<name>`) and replicas (`<name>#1`): no '/', '#' or spaces
+    # names key metrics (`cos/<name>`) and replicas (`<name>#1`): no '/', '#' or spaces
     name: str = Field(min_length=1, pattern=r"^[^/#\s]+$")
     model: str = Field(min_length=1)  # hub id, local dir, .gguf path, or pypi://dist/path/in/dist
     quantization: Literal["none", "4bit", "8bit"] = "none"
@@ -408,6 +408,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, parsed
 
 
+def parse_overrides(lines: Iterable[str]) -> dict[str, Any]:
+    """Override lines -> {dotted key: value} for `derive`: ['train.steps=5'] -> {'train.steps': 5}."""
+    return {".".join(parts): value for parts, value in map(parse_override, lines)}
+
+
 def set_dotted(data: dict, parts: list[str], value: Any) -> None:
     """Set data[a][b][c] = value; a numeric part indexes a list (teachers.0.model=...)."""
     node: Any = data
@@ -437,11 +442,34 @@ def _index(part: str, where: str, n: int) -> int:
 
 
 def apply_overrides(data: dict, overrides: Optional[list[str]]) -> dict:
+    """A copy of `data` with `KEY=VALUE` override lines set (`--set`, the CLI's trailing overrides)."""
     out = copy.deepcopy(data)
     for text in overrides or []:
         parts, value = parse_override(text)
         set_dotted(out, parts, value)
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A config section (or a list of them) as the plain data a config dict holds."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def derive(cfg: JobConfig, changes: dict[str, Any]) -> JobConfig:
+    """A new JobConfig: `cfg` with {dotted key: value} set, validated as override lines are.
+
+    The one way a config is made from another (benches, Tune trials, precompute's live teachers):
+    `derive(cfg, {"data.kv_source": "live", "teachers.0.model": path})`. A value may be a section
+    (`{"teachers": [TeacherConfig, ...]}`); a bad key or value is one KavaError line naming it.
+    """
+    data = cfg.to_dict()
+    for key, value in changes.items():
+        set_dotted(data, key.split("."), _plain(value))
+    return validate_config(data)
 
 
 # keys an earlier version had, for the one-line error a config that still uses them gets

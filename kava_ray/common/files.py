@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 from filelock import FileLock
 
@@ -62,6 +63,25 @@ def atomic_write(path: Union[str, Path], data: Union[str, bytes], keep_same: boo
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return path
+
+
+def _json_default(x: Any) -> Any:
+    """What json cannot write itself: numbers (numpy, 0-d tensors) as floats, paths as strings, arrays and
+    tensors as lists, anything else as its str()."""
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    if getattr(x, "ndim", 0):  # an array or tensor of several values
+        return x.tolist()
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def write_json(path: Union[str, Path], obj: Any, indent: Optional[int] = 1) -> Path:
+    """Write `obj` as JSON to `path` atomically (`atomic_write`); the one JSON writer of kava-ray.
+    Values json cannot write go through one policy: numpy / torch numbers -> float, paths -> str."""
+    return atomic_write(path, json.dumps(obj, indent=indent, default=_json_default))
 
 
 @contextlib.contextmanager

@@ -1,23 +1,8 @@
 """Experiment tracking (`train.loggers`): rank 0 mirrors every metrics.jsonl record to TensorBoard, MLflow, W&B.
 
-`open_trackers(names, run_dir, cfg_dict)` -> `Trackers` with `.log(record)` (one metrics.jsonl record: its
-numbers at `record["step"]`, unprefixed keys under the record's kind, `train/loss`; `eval/*`, `test/*` keys as
-they are), `.log_artifact(path)` (the final student) and `.close()`. Everything is local and offline by default:
-
-  tensorboard  RUN_DIR/tensorboard/ event files (torch's SummaryWriter); the config as a text summary;
-               no artifacts. A restart in the same run dir purges the steps after the resumed one (purge_step).
-  mlflow       MlflowClient on $MLFLOW_TRACKING_URI, else the file store file:RUN_DIR/mlruns (MLflow 3 refuses
-               file stores unless MLFLOW_ALLOW_FILE_STORE=true, which is set for it); experiment
-               $MLFLOW_EXPERIMENT_NAME or the job's name; the config as params (dotted keys); the final
-               student under the run's artifacts `final/`. Keys keep one folder, the kind:
-               `train/cos_raw.qwen` (see `mlflow_key`). A restart resumes the same run (its id is kept in
-               RUN_DIR/tracking.json); MLflow cannot drop metric points, so re-run steps hold two values.
-  wandb        wandb.init(mode=$WANDB_MODE or "offline", dir=RUN_DIR -> RUN_DIR/wandb/), project $WANDB_PROJECT
-               or the job's name; the config as the run config; the final student as a `model` artifact. A
-               restart reuses the run id (resume="allow").
-
-Pure Python: no Ray; each tracker's package is imported only when it is opened. A tracker that fails in
-the middle of a run is switched off with one warning (metrics.jsonl stays the record of the run).
+`open_trackers(names, run_dir, cfg_dict)` -> `Trackers` (`.log(record)`, `.log_artifact(path)`, `.close()`);
+local and offline by default, each package imported only when opened; a tracker that fails mid-run is
+switched off with one warning. Per tracker: docs/internals/runtime.md#trackers.
 """
 
 from __future__ import annotations
@@ -32,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_write
+from kava_ray.common.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -242,5 +227,5 @@ def open_trackers(names: Iterable[str], run_dir, cfg_dict: dict, resume_step: in
     except BaseException:
         opened.close()
         raise
-    atomic_write(state_path, json.dumps(state, indent=1))
+    write_json(state_path, state)
     return opened

@@ -24,7 +24,7 @@ from typing import Optional
 
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_dir, first_line
+from kava_ray.common.files import atomic_dir, first_line, write_json
 
 STATE = "state.json"
 
@@ -65,7 +65,7 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
                  **(extra or {}),
                  "files": {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
                            if f.is_file()}}
-        (tmp / STATE).write_text(json.dumps(state, indent=1))
+        write_json(tmp / STATE, state)
     return path
 
 

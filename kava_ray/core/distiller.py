@@ -9,6 +9,7 @@ whole module in DDP syncs the student, the projectors and the fusion together. P
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -28,9 +29,31 @@ from kava_ray.core.losses import (
     masked_ce,
     position_masks,
 )
+from kava_ray.core.metric_names import (
+    ALIGNED,
+    CE,
+    CONTRAST_GAP,
+    COS,
+    COS_LAYERS,
+    COS_RAW,
+    COS_SIM,
+    FUSION,
+    KV_LOSS,
+    KV_TOKENS,
+    LABEL_TOKENS,
+    LOGIT_KL,
+    LOSS,
+    TOKENS,
+    TOP1_AGREE,
+    of,
+)
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import TeacherPlan, logit_specs
+from kava_ray.core.precision import sr_adamw
 from kava_ray.core.projectors import TeacherProjector
+
+if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
+    from kava_ray.data import Batch
 
 
 class Distiller(nn.Module):
@@ -62,173 +85,194 @@ class Distiller(nn.Module):
         self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
         self.logit_names = list(self.logit_specs)
 
-    def _kv_loss(self, s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor):
+    def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch]):
+        """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels / answer_mask
+        [B, T], `teachers` for those of another tokenizer), teacher_kv {teacher: KVBatch}.
+
+        Returns (loss, metrics): loss = ce_weight * CE + kv_weight * KV (+ logit_weight * logit KD); metrics
+        (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device, converted once per log step.
+        KV terms count token positions, CE and logit KD next-token positions (`losses.position_masks`).
+        """
+        kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
+        with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
+            out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
+                                          key_space=self.key_space, output_hidden_states=self.fusion.kind == "router")
+        with record_function("kava/projectors"):
+            projected, masks = self._project(batch, teacher_kv, kv_mask)
+        with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
+            c = self.loss_cfg
+            ce, lse = self._ce_term(out.logits, batch.labels)
+            metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
+                       for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
+            if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
+                kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
+            kvl, kv_m, per_teacher = self._kv_term(out, skv, projected, masks, kv_mask)
+            metrics.update(per_teacher)
+            loss = c.ce_weight * ce + c.kv_weight * kvl
+            if c.logit_weight > 0:
+                kl, m_logit = self._logit_term(out.logits, teacher_kv, batch, next_mask, lse)
+                loss = loss + c.logit_weight * kl
+                metrics.update(m_logit)
+            metrics.update(self._metrics(loss, ce, kvl, kv_m, batch, kv_mask, next_mask))
+            return loss, metrics
+
+    # ---------------------------------------------------------------------------------- teachers -> student
+
+    def _project(self, batch: Batch, teacher_kv: dict[str, KVBatch], kv_mask: torch.Tensor) -> tuple[dict, dict]:
+        """Every teacher's KV in the student's layout and positions: ({t: (keys, values)}, each
+        [L_s, B, H_s, T, D_s]; {t: its KV mask [B, T]})."""
+        projected, masks = {}, {}
+        for n in self.names:
+            t = teacher_kv[n]
+            if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
+                raise KavaError(f"teacher '{n}' sent {t.key_space} keys, the student aligns {self.key_space} keys "
+                                f"(align.key_space)")
+            if t.layer_ids != self.layers[n]:
+                raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
+            keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
+            projected[n] = self.projectors[n](keys, values)
+        return projected, masks
+
+    def _to_student_time(self, n: str, t: KVBatch, batch: Batch, kv_mask: torch.Tensor):
+        """(keys, values, mask) of teacher `n` on the student's positions.
+
+        Same tokenizer: its KV as sent and the KV mask. Another tokenizer: `align.tokens.apply_alignment` maps
+        [L_t, B, H_t, T_t, D_t] to [L_t, B, H_t, T_s, D_t] (`batch.teachers[n]`'s align_lo / align_hi), and student
+        positions no teacher token overlaps leave the mask."""
+        if n not in self.aligned:
+            return t.keys, t.values, kv_mask
+        view = batch.teachers.get(n)
+        if view is None:
+            raise KavaError(f"teacher '{n}' uses another tokenizer than the student, but the batch carries no token "
+                            f"alignment for it (splits must be built with job.teacher_tokenizers)")
+        lo, hi = view.align_lo.to(t.keys.device), view.align_hi.to(t.keys.device)
+        keys = apply_alignment(t.keys, lo, hi, self.token_align)
+        values = apply_alignment(t.values, lo, hi, self.token_align)
+        return keys, values, kv_mask * aligned_mask(lo, hi).to(kv_mask.device, kv_mask.dtype)
+
+    # ------------------------------------------------------------------------------------------ the terms
+
+    def _ce_term(self, logits: torch.Tensor, labels: torch.Tensor):
+        """(CE on the next-token positions, the logsumexp it shares with the logit KD's full-vocab normaliser at
+        temperature 1, else None): one logsumexp over the vocabulary per position for both."""
         c = self.loss_cfg
-        return kv_loss(c.kind, s, t, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
-                       center=c.center)
+        lse = log_normalizer(logits) if c.logit_weight > 0 and c.logit_temperature == 1.0 else None
+        return masked_ce(logits, labels, lse=lse), lse
+
+    def _kv_term(self, out, skv: KVBatch, projected: dict, masks: dict, kv_mask: torch.Tensor):
+        """(KV loss, its summary {cos_sim, cos_raw, cos_per_layer, contrast_gap}, {cos/<t>, cos_raw/<t>}).
+
+        A fused target (fixed, gate, router): one loss against the fusion of the projected teachers, on the
+        positions every teacher covers; per-teacher metrics against each teacher's own. `sum`: one loss per
+        teacher (`Fusion.combine_losses`), the summary the prior-weighted mean of the teachers'."""
+        if not self.fusion.fuses_targets:
+            return self._summed_kv(skv, projected, masks)
+        feat = out.hidden_states[-1].detach() if self.fusion.kind == "router" else None  # [B, T, hidden]
+        tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)  # [L_s, B, H_s, T, D_s]
+        tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
+        kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
+        per_teacher = {}
+        for n in self.names:
+            if tk is projected[n][0] and tv is projected[n][1]:  # one teacher, fixed: it is the target
+                m_n = m
+            else:
+                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
+                                     cos_metrics(skv.values, projected[n][1], masks[n]))
+            per_teacher[of(COS, n)], per_teacher[of(COS_RAW, n)] = m_n[COS_SIM], m_n[COS_RAW]
+        m[CONTRAST_GAP] = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
+        return kvl, m, per_teacher
+
+    def _summed_kv(self, skv: KVBatch, projected: dict, masks: dict):
+        """`fusion.kind: sum`'s KV term: one loss per teacher on its own positions, as `_kv_term` returns it."""
+        losses, ms, per_teacher = [], [], {}
+        for n in self.names:
+            loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
+            losses.append(loss_n)
+            ms.append(m_n)
+            per_teacher[of(COS, n)], per_teacher[of(COS_RAW, n)] = m_n[COS_SIM], m_n[COS_RAW]
+        kvl = self.fusion.combine_losses(losses)
+        w = self.fusion.prior.tolist()
+        m = {COS_SIM: sum(wi * mi[COS_SIM] for wi, mi in zip(w, ms)),
+             COS_RAW: sum(wi * mi[COS_RAW] for wi, mi in zip(w, ms)),
+             "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
+                               for i in range(len(ms[0]["cos_per_layer"]))]}
+        # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
+        m[CONTRAST_GAP] = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
+                                    + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
+                              for wi, n in zip(w, self.names))
+        return kvl, m, per_teacher
+
+    def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
+        """The KV loss -- mean of the K and V losses, or one of them (`loss.kv_parts`); metrics averaged over K
+        and V either way."""
+        c = self.loss_cfg
+        lk, mk = kv_loss(c.kind, skv.keys, tk, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
+                         center=c.center)
+        lv, mv = kv_loss(c.kind, skv.values, tv, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
+                         center=c.center)
+        loss = lk if c.kv_parts == "keys" else lv if c.kv_parts == "values" else (lk + lv) / 2
+        return loss, self._kv_means(mk, mv)
 
     @staticmethod
     def _kv_means(mk: dict, mv: dict) -> dict:
         """cos_sim (centred), cos_raw and cos_per_layer (centred), each the mean of K and V."""
         per_layer = [(a + b) / 2 for a, b in zip(mk["cos_per_layer"], mv["cos_per_layer"])]
-        return {"cos_sim": (mk["cos_sim"] + mv["cos_sim"]) / 2, "cos_raw": (mk["cos_raw"] + mv["cos_raw"]) / 2,
+        return {COS_SIM: (mk[COS_SIM] + mv[COS_SIM]) / 2, COS_RAW: (mk[COS_RAW] + mv[COS_RAW]) / 2,
                 "cos_per_layer": per_layer}
 
-    def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
-        """The KV loss -- mean of the K and V losses, or one of them (`loss.kv_parts`); metrics averaged over K and V
-        either way."""
-        lk, mk = self._kv_loss(skv.keys, tk, mask)
-        lv, mv = self._kv_loss(skv.values, tv, mask)
-        parts = self.loss_cfg.kv_parts
-        loss = lk if parts == "keys" else lv if parts == "values" else (lk + lv) / 2
-        return loss, self._kv_means(mk, mv)
-
-    def _logit_weights(self) -> list:
-        """The teachers' shares of the logit KD loss, detached (the logit loss never trains the fusion):
-        fixed / sum: the normalised `fusion.weights` (the prior); gate: the current softmax (mean over
-        layers with per_layer); router: the mean router weight over this batch's counted tokens (its
-        last forward) -- i.e. `Fusion.current_weights()`, which for `sum` is the normalised prior too."""
-        w = self.fusion.current_weights()
-        total = sum(w[n] for n in self.logit_names)  # renormalised over the teachers whose logits count
-        return [w[n] / total for n in self.logit_names]
-
-    def _logit_loss(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], batch: dict, mask: torch.Tensor,
+    def _logit_term(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], batch: Batch, mask: torch.Tensor,
                     lse: torch.Tensor | None = None):
-        """Every logit teacher's term (`logit_kd.logit_term`: top-k forward KL for the student's tokenizer, hybrid
-        or ULD at paired positions for another), weighted with the fusion weights, on the next-token positions
-        `mask`; metrics `logit_kl` (the weighted loss), `logit_kl/<t>`, `logit_uld/<t>`, `logit_aligned/<t>`,
-        `top1_agree/<t>`."""
-        c = self.loss_cfg
-        # the student's tokenizer: ids past its vocabulary? one host sync for all (a gather past the vocab would be a
-        # device-side assert on CUDA); a teacher that sent no top-k is named by `logit_term`
-        # (a teacher whose head is wider than the student's may: `logit_term` counts those ids as tail mass)
-        vocab = logits.shape[-1]
-        same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
-                and not self.logit_specs[n].wider_than(vocab)]
-        if same:
-            keep = mask.to(logits.device)[..., None] != 0
-            ids = [teacher_kv[n].topk_ids for n in same]
-            top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(logits.device), 0).max() for i in ids])
-            if int(top.max()) >= vocab:
-                worst = same[int(top.argmax())]
-                raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
-                                f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
+        """Every logit teacher's term (`logit_kd.logit_term`) weighted by the fusion weights (`_logit_weights`), on
+        the next-token positions `mask`; metrics logit_kl (the weighted loss), logit_kl/<t>, logit_uld/<t>,
+        logit_aligned/<t>, top1_agree/<t>."""
+        self._check_top_k_ids(logits, teacher_kv, mask)
         metrics, total = {}, 0
         for n, w in zip(self.logit_names, self._logit_weights()):
             spec = self.logit_specs[n].to(logits.device)  # its map's tensors (a no-op once there)
-            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask, c, lse)
+            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask, self.loss_cfg, lse)
             total = total + w.to(loss_n.device) * loss_n
-            metrics.update({f"{'top1_agree' if k == 'top1_agree' else 'logit_' + k}/{n}": v for k, v in m.items()})
-        metrics["logit_kl"] = total.detach()
+            metrics.update({of(TOP1_AGREE if k == TOP1_AGREE else "logit_" + k, n): v for k, v in m.items()})
+        metrics[LOGIT_KL] = total.detach()
         return total, metrics
 
-    def _to_student_time(self, n: str, t: KVBatch, batch: dict, kv_mask: torch.Tensor):
-        """(keys, values, mask) of teacher `n` on the student's positions.
+    def _check_top_k_ids(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
+        """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a
+        gather past the vocab would be a device-side assert on CUDA). A teacher that sent no top-k is named by
+        `logit_term`; one whose head is wider than the student's may (`logit_term` counts those as tail mass)."""
+        c, vocab = self.loss_cfg, logits.shape[-1]
+        same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
+                and not self.logit_specs[n].wider_than(vocab)]
+        if not same:
+            return
+        keep = mask.to(logits.device)[..., None] != 0
+        ids = [teacher_kv[n].topk_ids for n in same]
+        top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(logits.device), 0).max() for i in ids])
+        if int(top.max()) >= vocab:
+            worst = same[int(top.argmax())]
+            raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "
+                            f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={c.logit_weight})")
 
-        Same tokenizer: its KV as sent and the KV mask. Another tokenizer: `align.tokens.apply_alignment`
-        maps [L_t, B, H_t, T_t, D_t] to [L_t, B, H_t, T_s, D_t] (the batch's `align_lo/<n>`, `align_hi/<n>`),
-        and student positions no teacher token overlaps leave the mask (counted as `aligned/<n>`)."""
-        if n not in self.aligned:
-            return t.keys, t.values, kv_mask
-        if f"align_lo/{n}" not in batch:
-            raise KavaError(f"teacher '{n}' uses another tokenizer than the student, but the batch carries no token "
-                            f"alignment for it (splits must be built with job.teacher_tokenizers)")
-        lo, hi = batch[f"align_lo/{n}"].to(t.keys.device), batch[f"align_hi/{n}"].to(t.keys.device)
-        keys = apply_alignment(t.keys, lo, hi, self.token_align)
-        values = apply_alignment(t.values, lo, hi, self.token_align)
-        return keys, values, kv_mask * aligned_mask(lo, hi).to(kv_mask.device, kv_mask.dtype)
+    def _logit_weights(self) -> list:
+        """The teachers' shares of the logit KD loss, detached (the logit loss never trains the fusion):
+        `Fusion.current_weights()` (fixed / sum: the normalised prior; gate: the softmax, mean over layers;
+        router: the mean router weight of its last forward), renormalised over the logit teachers."""
+        w = self.fusion.current_weights()
+        total = sum(w[n] for n in self.logit_names)
+        return [w[n] / total for n in self.logit_names]
 
-    def forward(self, batch: dict, teacher_kv: dict[str, KVBatch]):
-        """batch: input_ids / attention_mask / labels / answer_mask [B, T]; teacher_kv: {teacher: KVBatch}.
-
-        Returns (loss, metrics); metrics are detached 0-d tensors on the loss's device (no GPU sync here:
-        the worker converts them once per log step). KV metrics: `cos_sim` / `cos/<teacher>` (cosine
-        centred per (layer, head) over the batch's counted tokens: a constant target scores 0),
-        `cos_raw` / `cos_raw/<teacher>` (plain cosine), `cos_layer/{first,middle,last}` (centred),
-        `contrast_gap` (centred, see `losses.contrast_gap`); all the mean of K and V. With
-        `loss.logit_weight` > 0 also the logit KD loss (top-k forward KL, every teacher's KVBatch must carry
-        `topk_ids` / `topk_logp`): `logit_kl` (weighted over teachers), `logit_kl/<teacher>`,
-        `top1_agree/<teacher>` (student argmax == teacher's top-1), on the positions CE counts
-        (`losses.position_masks`: logits at t predict t + 1); KV losses count token positions.
-        Teachers of another tokenizer are first mapped to the student's positions (`_to_student_time`):
-        with a fused target the KV loss counts the positions every teacher covers, per-teacher metrics (and
-        `fusion.kind: sum`'s losses) each teacher's own; `aligned/<teacher>` is the share it covers.
-        """
-        mask = batch["attention_mask"]
-        kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
-        router = self.fusion.kind == "router"
-        with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
-            out, skv = student_forward_kv(self.student, batch["input_ids"], mask, key_space=self.key_space,
-                                          output_hidden_states=router)
-        with record_function("kava/projectors"):
-            projected, masks, metrics = {}, {}, {}
-            for n in self.names:
-                t = teacher_kv[n]
-                if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
-                    raise KavaError(f"teacher '{n}' sent {t.key_space} keys, the student aligns {self.key_space} keys "
-                                    f"(align.key_space)")
-                if t.layer_ids != self.layers[n]:
-                    raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
-                keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
-                projected[n] = self.projectors[n](keys, values)  # each [L_s, B, H_s, T, D_s]
-        with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
-            c = self.loss_cfg
-            kd = c.logit_weight > 0
-            # one logsumexp over the vocabulary per position for CE and (at T = 1) the KD's full-vocab normaliser
-            lse = log_normalizer(out.logits) if kd and c.logit_temperature == 1.0 else None
-            ce = masked_ce(out.logits, batch["labels"], lse=lse)
-            if self.aligned:  # a fused target exists where every teacher has one
-                for n in self.aligned:
-                    metrics[f"aligned/{n}"] = (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
-                if self.fusion.fuses_targets:
-                    kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
-            if self.fusion.fuses_targets:
-                feat = out.hidden_states[-1].detach() if router else None  # [B, T, hidden]
-                tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)
-                tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
-                kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
-                for n in self.names:
-                    if tk is projected[n][0] and tv is projected[n][1]:  # one teacher, fixed: it is the target
-                        m_n = m
-                    else:
-                        m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
-                                             cos_metrics(skv.values, projected[n][1], masks[n]))
-                    metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
-                gap = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
-            else:
-                losses, ms = [], []
-                for n in self.names:
-                    loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
-                    losses.append(loss_n)
-                    ms.append(m_n)
-                    metrics[f"cos/{n}"], metrics[f"cos_raw/{n}"] = m_n["cos_sim"], m_n["cos_raw"]
-                kvl = self.fusion.combine_losses(losses)
-                w = self.fusion.prior.tolist()
-                m = {"cos_sim": sum(wi * mi["cos_sim"] for wi, mi in zip(w, ms)),
-                     "cos_raw": sum(wi * mi["cos_raw"] for wi, mi in zip(w, ms)),
-                     "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
-                                       for i in range(len(ms[0]["cos_per_layer"]))]}
-                # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
-                gap = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
-                                + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
-                          for wi, n in zip(w, self.names))
-            loss = c.ce_weight * ce + c.kv_weight * kvl
-            if kd:
-                kl, m_logit = self._logit_loss(out.logits, teacher_kv, batch, next_mask, lse)
-                loss = loss + c.logit_weight * kl
-                metrics.update(m_logit)
-            layers = m["cos_per_layer"]
-            metrics.update(
-                loss=loss.detach(), ce=ce.detach(), kv_loss=kvl.detach(), cos_sim=m["cos_sim"], cos_raw=m["cos_raw"],
-                **{"cos_layer/first": layers[0], "cos_layer/middle": layers[len(layers) // 2],
-                   "cos_layer/last": layers[-1]},
-                contrast_gap=gap,
-                tokens=mask.sum(),
-                kv_tokens=(kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
-                label_tokens=next_mask.sum(),  # what CE and logit KD average over
-            )
-            metrics.update({f"fusion/{n}": w for n, w in self.fusion.current_weights().items()})
-            return loss, metrics
+    def _metrics(self, loss, ce, kvl, kv_m: dict, batch: Batch, kv_mask: torch.Tensor, next_mask: torch.Tensor) -> dict:
+        """The step's summary metrics: losses, the KV cosines and gap (mean of K and V), the token counts and the
+        fusion weights."""
+        layers = kv_m["cos_per_layer"]
+        first, middle, last = COS_LAYERS
+        out = {LOSS: loss.detach(), CE: ce.detach(), KV_LOSS: kvl.detach(), COS_SIM: kv_m[COS_SIM],
+               COS_RAW: kv_m[COS_RAW], first: layers[0], middle: layers[len(layers) // 2], last: layers[-1],
+               CONTRAST_GAP: kv_m[CONTRAST_GAP],
+               TOKENS: batch.attention_mask.sum(),
+               KV_TOKENS: (kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
+               LABEL_TOKENS: next_mask.sum()}  # what CE and logit KD average over
+        out.update({of(FUSION, n): w for n, w in self.fusion.current_weights().items()})
+        return out
 
 
 # ------------------------------------------------------------------------------------ optimisation
@@ -254,11 +298,9 @@ def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Opt
         raise KavaError("student weights are float16: refused (AdamW overflows them to inf without loss scaling); "
                         "use student.precision: bf16-mixed or fp32")
     if low:
-        from kava_ray.core.precision import sr_adamw
-
         return sr_adamw(groups, optim)
     if optim.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional (CUDA only)
 
         return bnb.optim.AdamW8bit(groups, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(groups, weight_decay=optim.weight_decay)

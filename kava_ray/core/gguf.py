@@ -10,14 +10,13 @@ appears complete or not at all.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_dir, content_key, file_lock, first_line
+from kava_ray.common.files import atomic_dir, content_key, file_lock, first_line, write_json
 
 GGUF_MARKER = ".kava-gguf-complete"
 
@@ -81,5 +80,5 @@ def gguf_to_hf_dir(gguf_path, out_dir) -> Path:
         with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            (tmp / GGUF_MARKER).write_text(json.dumps({"source": str(gguf_path.resolve())}) + "\n")
+            write_json(tmp / GGUF_MARKER, {"source": str(gguf_path.resolve())}, indent=None)
     return out_dir

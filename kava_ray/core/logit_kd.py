@@ -2,7 +2,7 @@
 
 Same tokenizer: the top-k forward KL (`losses.topk_kl_loss`) on every next-token position. Another tokenizer
 (`loss.logit_cross_vocab`): the teacher's top-k are taken at the teacher positions paired with the student's
-(`batch["logit_pair/<t>"]`, `align.tokens.pair_positions`: both have read exactly the same text and predict
+(`batch.teachers[t].logit_pair`, `align.tokens.pair_positions`: both have read exactly the same text and predict
 what follows it), then compared by the hybrid loss (TRL GOLD: ids with a student token of the same string by
 forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or by ULD alone
 (`losses.uld_loss`). Student positions without a pair do not count. Pure PyTorch; the Distiller (training) and
@@ -12,7 +12,7 @@ forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,14 +20,17 @@ from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
 from kava_ray.core.losses import hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
 
+if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
+    from kava_ray.data import Batch
+
 
 @dataclass
 class LogitTeacher:
     """How one teacher's logits meet the student's: `cross` None (same tokenizer), "hybrid" or "uld"; for a
     teacher of another tokenizer its vocabulary map (`align.vocab.VocabMap`) as tensors: t2s [V_t] (student id
     of each teacher id, -1 none), student_unmatched [U], and the matched part's weight (the map's coverage).
-    `vocab_size`: the rows of the teacher's LM head (same tokenizer: may exceed the student's, e.g. Qwen2.5 >= 7B's
-    152,064 against <= 3B's 151,936 -- padding rows past the tokenizer's 151,665 tokens)."""
+    `vocab_size`: the rows of the teacher's LM head (one tokenizer: may exceed the student's, padding rows;
+    docs/internals/step.md)."""
 
     name: str
     cross: Optional[str] = None
@@ -68,16 +71,18 @@ def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Ten
     return ids.gather(1, rows), logp.gather(1, rows), tail.gather(1, idx)
 
 
-def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: dict, mask: torch.Tensor, loss_cfg,
+def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
                lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s].
+    """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s]; `batch` a
+    `kava_ray.data.Batch` (for another tokenizer, `batch.teachers[lt.name].logit_pair` [B, T_s]).
 
     metrics (detached 0-d tensors): `kl` (same tokenizer: the KD loss; hybrid: its matched part), `uld` (hybrid:
     the unmatched part; uld: the loss), `top1_agree` (student argmax == the teacher's top-1, through the map for
     another tokenizer: a top-1 without a student token of its string disagrees), and for another tokenizer
     `aligned` (the share of `mask`'s positions with a paired teacher position)."""
     c, k = loss_cfg, loss_cfg.logit_top_k
-    pair = None if lt.cross is None else batch.get(f"logit_pair/{lt.name}")
+    view = None if lt.cross is None else batch.teachers.get(lt.name)
+    pair = None if view is None else view.logit_pair
     if lt.cross is not None and pair is None:
         raise KavaError(f"teacher '{lt.name}' uses another tokenizer than the student, but the batch carries no "
                         f"position pairs for it (splits must be built with its tokenizer: plans.teacher_tokenizers)")

@@ -1,35 +1,27 @@
-"""KV losses (all masked), the CE anchor, the logit KD loss (top-k forward KL, `topk_kl_loss`) and its
-top-1 agreement metric, the contrast-gap metric and the shared-prefix token mask.
+"""KV losses (all masked), the CE anchor, the logit KD losses (top-k forward KL, ULD, hybrid) with the top-1
+agreement metric, the contrast-gap metric and the token masks every loss follows.
 
-Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target
-`[L, B, H, T, D]` and mask `[B, T]` (nonzero = token that counts) and returns
-`(loss: scalar tensor, metrics: dict)`. Masked-out positions are replaced by a
-constant before any arithmetic, so their values (huge, inf or NaN) reach neither
-the loss, the metrics nor the gradients (which are exactly 0 there).
-
-Centred cosine. A target that is one constant vector per (layer, head) already scores a high raw
-cosine on real keys (SmolLM2-135M: K ≈ 0.88), so a projector that ignores its input looks aligned.
-The centred cosine subtracts, from student and target separately, the mask-weighted mean of each
-(layer, head) slice over the batch's counted tokens (B and T) before the per-token cosine: a
-constant (per head or per layer) then scores 0, an identical student 1, another sample's target ~0.
-A centred vector shorter than `CENTER_TOL` x the slice's RMS raw norm is treated as (near) zero
-(its cosine shrinks toward 0): without that floor the float rounding left after subtracting the
-mean of a constant would get a direction of its own. Centring is done in float32 at least.
-
-Metrics (detached tensors): `cos_sim` (masked mean centred cosine), `cos_raw` (masked mean raw
-cosine), `cos_per_layer` / `cos_raw_per_layer` (lists of L), `n_tokens`, `loss`, and the loss
-components (`cos_term`, `mag_term`, `mse`, `smooth_l1`, `mercator`). With `center=True` the
-cosine term of mercator/hybrid uses the centred cosine (the magnitude term is unchanged: raw norms).
+Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target `[L, B, H, T, D]` and
+mask `[B, T]` (nonzero = token that counts) and returns `(loss, metrics)`. Masked-out positions are replaced by a
+constant before any arithmetic, so their values (huge, inf or NaN) reach neither the loss, the metrics nor the
+gradients. Metrics (detached): `cos_sim` (masked mean centred cosine: a constant target scores 0), `cos_raw`,
+`cos_per_layer` / `cos_raw_per_layer`, `n_tokens` and the loss components. Why centred, and the other
+derivations: docs/internals/step.md.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kava_ray.common.errors import KavaError
+from kava_ray.core.metric_names import COS_RAW, COS_SIM
+
+if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
+    from kava_ray.data import Batch
 
 COS_EPS = 1e-8
 NORM_EPS = 1e-6
@@ -111,7 +103,7 @@ def _centred_side(x: torch.Tensor, m: torch.Tensor):
 
 def centred_cos(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Per-token cosine [L, B, H, T] of student and target, each centred per (layer, head) over the
-    tokens where m [1, B, 1, T] is True (see the module docstring). Inputs as from `_prepare`."""
+    tokens where m [1, B, 1, T] is True (docs/internals/step.md). Inputs as from `_prepare`."""
     sc, ns = _centred_side(s, m)
     tc, nt = _centred_side(t, m)
     return (sc * tc).sum(-1) / (ns * nt)
@@ -121,8 +113,8 @@ def _cos_metrics(cos_c: torch.Tensor, cos_r: torch.Tensor, m: torch.Tensor) -> d
     """Centred and raw cosines [L, B, H, T] -> their masked means, per layer and overall (detached)."""
     cos_c, cos_r = cos_c.detach(), cos_r.detach()
     return {
-        "cos_sim": _masked_mean(cos_c, m),
-        "cos_raw": _masked_mean(cos_r, m),
+        COS_SIM: _masked_mean(cos_c, m),
+        COS_RAW: _masked_mean(cos_r, m),
         "cos_per_layer": _per_layer(cos_c, m),
         "cos_raw_per_layer": _per_layer(cos_r, m),
         "n_tokens": m.sum(),
@@ -230,23 +222,10 @@ def kv_loss(kind: str, student, target, mask=None, alpha: float = 1.0, beta: flo
 @torch.no_grad()
 def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
                  centered: bool = True) -> torch.Tensor:
-    """mean cos(student, own target) - mean cos(student, target of the previous sample).
-
-    The other sample is `target.roll(1, dims=1)`; both means use the positions real
-    in both the sample and the rolled sample (mask & mask.roll(1, 0)). ~0 means the
-    student matches targets no better than another sample's: nothing
-    sample-specific was learned (the collapse trap). With B == 1 there is no other
-    sample to compare with, so it returns 0.0; also 0.0 if no position is real in both
-    (both masked means are then 0). A detached 0-d tensor, like every metric here.
-
-    Centred by default (the same per-(layer, head) centring as `cos_sim`): the raw cosines of own
-    and other target both carry the large per-head constant every sample shares (raw K cos of a
-    constant ≈ 0.88 on real keys), which compresses the gap toward 0 even for a student that did
-    learn something sample-specific and puts it on a different scale from `cos_sim`. Centred, the
-    shared constant is removed from both terms alike, the other-sample term is ~0 for unrelated
-    samples, and the gap reads on the scale of `cos_sim` (a constant student still scores 0, so the
-    collapse trap still shows as a gap of 0). `centered=False` gives the raw gap.
-    """
+    """mean cos(student, own target) - mean cos(student, target of the previous sample, `target.roll(1, 1)`), over
+    the positions real in both: ~0 means nothing sample-specific was learned (the collapse trap). A detached 0-d
+    tensor; 0 with B == 1 or no shared position. Centred like `cos_sim` (why: docs/internals/step.md);
+    `centered=False` gives the raw gap."""
     if student.shape != target.shape or student.dim() != 5:
         raise KavaError(f"contrast_gap needs [L, B, H, T, D] of one shape, "
                         f"got {tuple(student.shape)} and {tuple(target.shape)}")
@@ -302,8 +281,8 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:] != -100, (0, 1), value=False)
 
 
-def position_masks(batch: dict, loss_tokens: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
-    """(KV mask, next-token mask), both [B, T] bool, from one batch: the one rule every loss follows.
+def position_masks(batch: Batch, loss_tokens: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+    """(KV mask, next-token mask), both [B, T] bool, from one `kava_ray.data.Batch`: the one rule every loss follows.
 
     KV losses count token positions (a token's key and value describe the token itself): `loss_tokens`
     all = the real tokens, answer = `answer_mask`, no_shared_prefix = the real tokens minus the leading
@@ -311,14 +290,14 @@ def position_masks(batch: dict, loss_tokens: str = "all") -> tuple[torch.Tensor,
     where labels[t + 1] carries a loss (`next_token_mask`), under every `loss_tokens` -- so with `answer`,
     KD scores the position before the first answer token and stops at the one before the last."""
     if loss_tokens == "answer":
-        kv = batch["answer_mask"] != 0
+        kv = batch.answer_mask != 0
     elif loss_tokens == "no_shared_prefix":
-        kv = drop_shared_prefix(batch["input_ids"], batch["attention_mask"])
+        kv = drop_shared_prefix(batch.input_ids, batch.attention_mask)
     elif loss_tokens == "all":
-        kv = batch["attention_mask"] != 0
+        kv = batch.attention_mask != 0
     else:
         raise KavaError(f"loss_tokens must be all, answer or no_shared_prefix, not {loss_tokens!r}")
-    return kv, next_token_mask(batch["labels"])
+    return kv, next_token_mask(batch.labels)
 
 
 def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -375,33 +354,16 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
                  mask: torch.Tensor | None = None, temperature: float = 1.0, tail: str = "bucket",
                  teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled, masked mean.
+    """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled, masked mean (as
+    DistillKit's `sparse_kl_div`; the tails and `valid`: docs/internals/step.md).
 
-    student_logits [B, T, V]; topk_ids [B, T, k] and topk_logp [B, T, k]: the teacher's top-k ids and their
-    log-probs at temperature 1, normalised over the teacher's full vocabulary (what a teacher serves);
-    teacher_tail [B, T]: log of the teacher's mass outside those ids (served with them; else 1 - sum p);
-    mask [B, T]: the positions that count (`next_token_mask`: logits at t predict t + 1); lse [B, T]: the
-    student's `log_normalizer(logits, temperature)` when the caller has it (CE's, at T = 1).
-
-    Matches DistillKit (`distillkit/lossfuncs/kl.py`, `sparse_kl_div`, with `get_logprobs` in
-    `lossfuncs/common.py`): the student's log-probs are `logits[ids] / T - logsumexp(logits / T)` over the
-    whole vocabulary, so its mass outside the teacher's ids stays visible to the loss and its gradient.
-    - tail "bucket" (DistillKit's `MissingProbabilityHandling.SYMMETRIC_UNIFORM`): a (k+1)-th entry holds the
-      mass outside the ids, the teacher's tail against the student's 1 - sum_k p_s; the teacher at temperature
-      T is (p_i^(1/T), tail^(1/T)) renormalised over the k + 1 entries (DistillKit's `get_target_logprobs`).
-      The loss is exactly 0 (and its gradient 0) when the student's distribution equals the teacher's at T = 1,
-      and a student whose mass sits off the teacher's support pays log(tail_t / tail_s)-weighted terms whose
-      gradient moves that mass onto the support.
-    - tail "none" (DistillKit's `ZERO`): the teacher renormalised over its k ids, no tail term; the student
-      still normalised over its full vocabulary (sum_k q_t (log q_t - log p_s) >= KL over the k ids).
-    Tail masses are floored at TAIL_FLOOR on both sides (fp32 noise). Computed in float32 at least (only the k
-    gathered logits and the [B, T] normaliser are cast); masked positions (their logits, ids and log-probs
-    may be anything, inf or NaN) change neither the loss nor its gradient. Returns 0 (with grad) if no
-    position counts.
-    valid [B, T, k] bool: the entries that count as ids (the hybrid cross-vocabulary loss: teacher ids without a
-    student token of their string; `logit_kd`: ids past the student's LM head). With tail "bucket" the others'
-    mass joins the tail bucket on both sides; with "none" they leave the k the teacher is renormalised over, and
-    a position with none left does not count.
+    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their log-probs at
+    T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask
+    [B, T]: the positions that count (`next_token_mask`); tail: "bucket" (a (k+1)-th entry for the mass outside
+    the ids) or "none" (renormalised over the k); lse [B, T]: the student's `log_normalizer` when the caller has
+    it; valid [B, T, k]: the entries that count as ids.
+    Returns the loss (0 with grad if no position counts); masked positions (anything, NaN included) change
+    neither the loss nor its gradient.
     """
     if not temperature > 0:
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
@@ -437,21 +399,13 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
 
 def uld_loss(student_logits: torch.Tensor, topk_logp: torch.Tensor, mask: torch.Tensor | None = None,
              teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Universal Logit Distillation distance, for a teacher of another vocabulary: no map between the two
-    vocabularies, only the shapes of the two next-token distributions. Masked mean over positions of
-    sum_i |t_i - s_i|, t the teacher's top-k probabilities sorted descending and s the student's top-k (over its
-    full vocabulary) sorted descending, each followed by its mass outside those k as one bucket.
+    """Universal Logit Distillation distance for a teacher of another vocabulary (as TRL GOLD's `ULDLoss`): the
+    masked mean over positions of sum_i |t_i - s_i|, both sides' top-k probabilities sorted descending, each
+    followed by its mass outside those k as one bucket (docs/internals/step.md).
 
-    student_logits [B, T, V_s]; topk_logp [B, T, k]: the teacher's top-k log-probs over its full vocabulary (any
-    order); teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse: the student's
-    `log_normalizer` at T = 1 when the caller has it.
-
-    Matches TRL's GOLD trainer (`trl/experimental/gold/gold_trainer.py`, `ULDLoss`, non-hybrid): both sides'
-    probabilities sorted descending, the shorter zero-padded, L1 summed over the vocabulary, divided by the
-    number of positions. With k = the teacher's whole vocabulary its tail is 0 and so is the student's bucket
-    past k = min(k, V_s) ids plus zero padding: GOLD's value. Invariant to permuting either vocabulary, 0 for
-    equal shapes. Float32 at least; masked positions (the teacher's rows there may be anything, NaN included)
-change neither the loss nor its gradient.
+    Args: student_logits [B, T, V_s]; topk_logp [B, T, k]: the teacher's top-k log-probs (any order);
+    teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse: the student's
+    `log_normalizer` at T = 1 when the caller has it. Float32 at least; masked positions count for nothing.
     """
     m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "ULD")
     k = topk_logp.shape[-1]
@@ -483,23 +437,15 @@ def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk
                       t2s: torch.Tensor, student_unmatched: torch.Tensor, mask: torch.Tensor | None = None,
                       teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                       temperature: float = 1.0, matched_weight: float | None = None):
-    """The hybrid cross-vocabulary logit loss (as TRL's GOLD trainer, `ULDLoss._compute_hybrid_uld_loss`):
-    teacher ids whose string the student also has (`t2s`, `align.vocab.VocabMap`) are compared id by id, the
-    rest by the sorted distance. Returns (loss, {"kl": matched part, "uld": unmatched part}).
+    """The hybrid cross-vocabulary logit loss (as TRL GOLD's hybrid ULD): teacher ids whose string the student
+    has are compared id by id (`topk_kl_loss` on the mapped ids), the rest by the sorted distance (`uld_loss`),
+    weighted `matched_weight` (default: the share of the teacher's vocabulary that maps) and 1 - it.
+    Returns (loss, {"kl": matched part, "uld": unmatched part}); details: docs/internals/step.md.
 
-    student_logits [B, T, V_s]; topk_ids / topk_logp [B, T, k]: the teacher's top-k in ITS vocabulary (already at
-    the student's positions); t2s [V_t] long: student id of each teacher id or -1; student_unmatched [U] long:
-    the student ids no teacher id maps to; teacher_tail [B, T]: log of its mass outside the k ids.
-    - matched: `topk_kl_loss` on the mapped ids (forward KL, the student over its full vocabulary, the tail
-      bucket holding the teacher's mass outside its matched top-k ids against the student's outside their
-      images): with one tokenizer (t2s = identity) it IS the same-tokenizer KD loss.
-    - unmatched: the L1 distance between the teacher's unmatched top-k probabilities and the student's top-k over
-      its unmatched ids, both sorted descending (`uld_loss` on the remainders, no buckets: their tail mass is
-      the matched part's).
-    - weights: `matched_weight` and 1 - it; default (as GOLD) the share of the teacher's vocabulary that maps,
-      len(matched) / V_t -- 1 for one tokenizer, so the loss equals the full-vocabulary KD.
-    Where this differs from GOLD: GOLD compares matched tokens by a generalized JSD on full distributions;
-    here forward KL on the teacher's top-k (what it serves), as the same-tokenizer loss.
+    Args: student_logits [B, T, V_s]; topk_ids / topk_logp [B, T, k]: the teacher's top-k in ITS vocabulary (at the
+    student's positions); t2s [V_t] long: student id of each teacher id or -1 (`align.vocab.VocabMap`);
+    student_unmatched [U] long: the student ids no teacher id maps to; teacher_tail [B, T]: log of its mass
+    outside the k ids.
     """
     m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "hybrid logit loss")
     t2s = t2s.to(student_logits.device)
@@ -540,12 +486,10 @@ def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
               lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-LM cross entropy: logits [B, T, V], labels [B, T] with -100 ignored.
 
-    With `shift`, position t predicts label t+1 (the positions `next_token_mask` names). Returns 0 (with
-    grad) if no label counts. The labels are shifted, not the logits (the last position gets -100): slicing
-    [B, T, V] logits would copy them, and its backward fill and copy a second [B, T, V] gradient (~20 ms of a
-    ~700 ms CPU step, `kava-ray bench step`); Hugging Face's causal-LM loss does the same.
-    lse [B, T]: the logits' `log_normalizer` when the caller computed it for logit KD too; CE is then
-    lse - logits[label] (one logsumexp per position for both losses) instead of `F.cross_entropy`.
+    With `shift`, position t predicts label t+1 (the positions `next_token_mask` names); the labels are shifted,
+    not the logits (a copy of [B, T, V] saved: docs/internals/step.md). Returns 0 (with grad) if no label
+    counts. lse [B, T]: the logits' `log_normalizer` when the caller has it for logit KD too (CE = lse -
+    logits[label]).
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=-100)

@@ -7,14 +7,17 @@
   corpus     the offline natural-text corpus (Python's own reference documentation, split by topic)
   answers    final_answer / normalize_number
   tokenize   rendering + tokenization with loss masks over Dataset.map, packing, TokenizedSplit, teacher views
-  batching   length-bucketed deterministic batches, DDP sharding, collate, batch keys, BatchStream
+  batching   the Batch type (TeacherInputs per teacher of another tokenizer), length-bucketed deterministic
+             batches, DDP sharding, collate, batch keys, BatchStream
 
 Pure Python/torch/HF (no Ray). The public names are re-exported here: `from kava_ray.data import X`.
 """
 
 from kava_ray.data.answers import final_answer, normalize_number
 from kava_ray.data.batching import (
+    Batch,
     BatchStream,
+    TeacherInputs,
     batch_key,
     collate,
     collate_split,
@@ -39,8 +42,8 @@ from kava_ray.data.tokenize import (
 )
 
 __all__ = [
-    "FORMATS", "IGNORE_INDEX", "PLAIN_PROMPT", "BatchStream", "Example", "TeacherView", "TokenizedSplit", "batch_key",
-    "collate", "collate_split", "collate_view", "encode_example", "encode_prompt", "encode_record", "final_answer",
-    "load_examples", "load_records", "normalize_number", "plan_batches", "shard_batches", "synthetic_gsm8k",
-    "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
+    "FORMATS", "IGNORE_INDEX", "PLAIN_PROMPT", "Batch", "BatchStream", "Example", "TeacherInputs", "TeacherView",
+    "TokenizedSplit", "batch_key", "collate", "collate_split", "collate_view", "encode_example", "encode_prompt",
+    "encode_record", "final_answer", "load_examples", "load_records", "normalize_number", "plan_batches",
+    "shard_batches", "synthetic_gsm8k", "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
 ]

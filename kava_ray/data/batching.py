@@ -1,8 +1,11 @@
-"""Length-bucketed deterministic batching, DDP sharding, collation, batch keys and a resumable stream."""
+"""Length-bucketed deterministic batching, DDP sharding, the `Batch` type and its collation, batch keys and a
+resumable stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -53,7 +56,52 @@ def shard_batches(batches, rank: int, world_size: int):
     return batches[rank::world_size][:per_rank]
 
 
-def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> dict[str, torch.Tensor]:
+def _to(obj, device):
+    """A copy of a dataclass of tensors with every tensor on `device`."""
+    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)
+                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+
+@dataclass(eq=False)  # tensors: no elementwise ==
+class TeacherInputs:
+    """A teacher of another tokenizer's part of a batch: its own tokens, and how they meet the student's.
+
+    Student token j reads teacher tokens align_lo[j]:align_hi[j] (equal: unaligned; KV); logit_pair[j] is the
+    teacher position that predicts the same text (-1: none; logits). All long tensors.
+    """
+
+    input_ids: torch.Tensor  # [B, T_t], right-padded with the teacher's pad id
+    attention_mask: torch.Tensor  # [B, T_t]
+    align_lo: torch.Tensor  # [B, T_s], 0 on student padding
+    align_hi: torch.Tensor  # [B, T_s], 0 on student padding
+    logit_pair: torch.Tensor  # [B, T_s], -1 for none and on student padding
+
+    def to(self, device) -> "TeacherInputs":
+        return _to(self, device)
+
+
+@dataclass(eq=False)
+class Batch:
+    """A batch of the student's examples (what the data layer yields and the Distiller reads); all long.
+
+    teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the student's
+    tokenizer reads `input_ids` / `attention_mask` as they are).
+    """
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T], IGNORE_INDEX off the loss
+    answer_mask: torch.Tensor  # [B, T]
+    teachers: dict[str, TeacherInputs] = field(default_factory=dict)
+
+    def to(self, device) -> "Batch":
+        """A copy with every tensor (the teachers' too) on `device`."""
+        out = _to(self, device)
+        out.teachers = {n: t.to(device) for n, t in self.teachers.items()}
+        return out
+
+
+def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> Batch:
     """Pad encoded examples to the longest: input_ids / attention_mask / labels / answer_mask, all [B, T]."""
     T = max(len(it["input_ids"]) for it in items)
     out = {k: torch.full((len(items), T), v, dtype=torch.long)
@@ -65,44 +113,36 @@ def collate(items: Sequence[dict], pad_id: int, padding_side: str = "right") -> 
         out["attention_mask"][b, sl] = 1
         out["labels"][b, sl] = torch.tensor(it["labels"])
         out["answer_mask"][b, sl] = torch.tensor(it["answer_mask"])
-    return out
+    return Batch(**out)
 
 
-def collate_view(view: TeacherView, indices: Sequence[int], T_s: int,
-                 name: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """A teacher view's part of a batch of examples `indices` (student batch padded to T_s, right-padded).
-
-    teacher_input_ids / teacher_attention_mask [B, T_t] long (right-padded with view.pad_id / 0),
-    align_lo / align_hi [B, T_s] long (0 on student padding), logit_pair [B, T_s] long (the paired teacher
-    position, -1 for none and on padding). With `name`, every key gets "/<name>"
-    (what BatchStream puts in its batches: `teacher_input_ids/<name>`, ...).
-    """
+def collate_view(view: TeacherView, indices: Sequence[int], T_s: int) -> TeacherInputs:
+    """A teacher view's part of a batch of examples `indices` (the student batch padded to T_s), right-padded."""
     items = view.items.many(indices) if hasattr(view.items, "many") else [view.items[i] for i in indices]
     B = len(items)
     T_t = max((len(it["input_ids"]) for it in items), default=0)
-    out = {"teacher_input_ids": torch.full((B, T_t), view.pad_id, dtype=torch.long),
-           "teacher_attention_mask": torch.zeros((B, T_t), dtype=torch.long),
-           "align_lo": torch.zeros((B, T_s), dtype=torch.long),
-           "align_hi": torch.zeros((B, T_s), dtype=torch.long),
-           "logit_pair": torch.full((B, T_s), -1, dtype=torch.long)}
+    out = TeacherInputs(input_ids=torch.full((B, T_t), view.pad_id, dtype=torch.long),
+                        attention_mask=torch.zeros((B, T_t), dtype=torch.long),
+                        align_lo=torch.zeros((B, T_s), dtype=torch.long),
+                        align_hi=torch.zeros((B, T_s), dtype=torch.long),
+                        logit_pair=torch.full((B, T_s), -1, dtype=torch.long))
     for b, it in enumerate(items):
         n, m = len(it["input_ids"]), len(it["align_lo"])
         if m > T_s:
             raise KavaError(f"teacher view item {indices[b]} aligns {m} student tokens > the batch's {T_s}")
-        out["teacher_input_ids"][b, :n] = torch.tensor(it["input_ids"], dtype=torch.long)
-        out["teacher_attention_mask"][b, :n] = 1
-        out["align_lo"][b, :m] = torch.tensor(it["align_lo"], dtype=torch.long)
-        out["align_hi"][b, :m] = torch.tensor(it["align_hi"], dtype=torch.long)
-        out["logit_pair"][b, :m] = torch.tensor(it["logit_pair"], dtype=torch.long)
-    return out if name is None else {f"{k}/{name}": v for k, v in out.items()}
+        out.input_ids[b, :n] = torch.tensor(it["input_ids"], dtype=torch.long)
+        out.attention_mask[b, :n] = 1
+        out.align_lo[b, :m] = torch.tensor(it["align_lo"], dtype=torch.long)
+        out.align_hi[b, :m] = torch.tensor(it["align_hi"], dtype=torch.long)
+        out.logit_pair[b, :m] = torch.tensor(it["logit_pair"], dtype=torch.long)
+    return out
 
 
-def collate_split(split: TokenizedSplit, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-    """`collate` of the split's examples `indices` plus, for every teacher view, its `collate_view` keys."""
+def collate_split(split: TokenizedSplit, indices: Sequence[int]) -> Batch:
+    """`collate` of the split's examples `indices`, with every teacher view's `collate_view` in `teachers`."""
     batch = collate(split.items.many(indices), split.pad_id)
-    T_s = batch["input_ids"].shape[1]
-    for name, view in split.views.items():
-        batch.update(collate_view(view, indices, T_s, name))
+    T_s = batch.input_ids.shape[1]
+    batch.teachers = {name: collate_view(view, indices, T_s) for name, view in split.views.items()}
     return batch
 
 
@@ -152,11 +192,11 @@ class BatchStream:
             self._cached = (epoch, (ids, plan[ids]))
         return self._cached[1]
 
-    def next(self) -> tuple[str, int, int, dict[str, torch.Tensor]]:
+    def next(self) -> tuple[str, int, int, Batch]:
         """(key, step, epoch, batch) for the next batch; advances the stream."""
         return self.next_indexed()[:4]
 
-    def next_indexed(self) -> tuple[str, int, int, dict[str, torch.Tensor], list[int]]:
+    def next_indexed(self) -> tuple[str, int, int, Batch, list[int]]:
         """`next()` plus the batch's example indices into the split (what an example-indexed KV cache reads)."""
         if self.position >= self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0

@@ -27,6 +27,7 @@ from kava_ray.core.align.tokens import align_positions, align_texts, pair_positi
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.records import (
     PLAIN_PROMPT,
+    Piece,
     Rendered,
     detect_format,
     generation_prompt,
@@ -275,7 +276,7 @@ def _cache_file(cache_dir, name: str) -> Optional[str]:
 
 
 def _as_dataset(records):
-    import datasets
+    import datasets  # heavy (pyarrow): loaded where a split is built, never by `bench gpu`
 
     if isinstance(records, datasets.Dataset):
         return records
@@ -285,7 +286,7 @@ def _as_dataset(records):
 
 def _map(ds, fn, fingerprint: str, cache_dir, **kw):
     """`Dataset.map` with our fingerprint (and its Arrow cache file under `cache_dir`), quiet."""
-    import datasets
+    import datasets  # heavy: see `_as_dataset`
 
     was = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
@@ -436,8 +437,6 @@ class TeacherView:
 def _teacher_rendering(split: TokenizedSplit, i: int, s_item: dict, tokenizer, prompt_format: str) -> Rendered:
     """The same content as student row i, as the teacher renders it: the record with its own template, or a
     packed block's pieces (tokenized one by one, each a segment)."""
-    from kava_ray.data.records import Piece
-
     if split.packed:
         segs = s_item["segments"]
         pieces = [Piece(s_item["text"][a:b], False) for a, b in segs]

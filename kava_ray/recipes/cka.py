@@ -21,16 +21,25 @@ the student positions that are real and have a teacher token, after mapping its 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
-from kava_ray.common.config import JobConfig
+from actors.feed import KVFeed, feed_items
+from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.errors import KavaError
+from kava_ray.common.files import write_json
 from kava_ray.core.align.layers import CKAStats, layer_map_json, ratio_map, top_k_map
+from kava_ray.core.align.tokens import aligned_mask, apply_alignment
+from kava_ray.core.kv import student_forward_kv
+from kava_ray.core.models import load_student
+from kava_ray.core.plans import data_seed, load_splits, student_tokenizer, teacher_tokenizers
+from kava_ray.data import Batch, BatchStream
+from kava_ray.runtime.job import job_teachers
+from kava_ray.runtime.preflight import preflight
 
 FEATURES = ("k", "v", "kv")
 
@@ -46,10 +55,7 @@ def calibration_config(cfg: JobConfig, samples: int) -> JobConfig:
     if samples > cfg.data.num_train:
         raise KavaError(f"--samples {samples} exceeds data.num_train={cfg.data.num_train}: calibration reads only "
                         f"the job's training examples")
-    return cfg.model_copy(update={
-        "align": cfg.align.model_copy(update={"layer_map": "ratio"}),
-        "data": cfg.data.model_copy(update={"kv_source": "live", "num_train": int(samples)}),
-    })
+    return derive(cfg, {"align.layer_map": "ratio", "data.kv_source": "live", "data.num_train": int(samples)})
 
 
 def _layer_features(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -59,20 +65,19 @@ def _layer_features(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return flat[:, keep.reshape(-1).to(flat.device).bool()].float().cpu()
 
 
-def _teacher_features(batch: dict, kv, name: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _teacher_features(batch: Batch, kv, name: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys, values) of teacher `name` in student time [L, B, H, T_s, D] and the [B, T_s] student positions
-    to compare at: real student tokens, and, for a teacher of another tokenizer (the batch carries
-    `align_lo/<name>` and `align_hi/<name>`), only those with a teacher token, after `apply_alignment`
-    with `mode` (align.token_align). A teacher sharing the student's tokenizer is used as it is."""
-    mask = batch["attention_mask"].bool()
-    lo, hi = batch.get(f"align_lo/{name}"), batch.get(f"align_hi/{name}")
-    if lo is None or hi is None:
+    to compare at: real student tokens, and, for a teacher of another tokenizer (in `batch.teachers`), only
+    those with a teacher token, after `apply_alignment` with `mode` (align.token_align). A teacher sharing the
+    student's tokenizer is used as it is."""
+    mask = batch.attention_mask.bool()
+    view = batch.teachers.get(name)
+    if view is None:
         if kv.keys.shape[3] != mask.shape[1]:
             raise KavaError(f"teacher '{name}' returned {kv.keys.shape[3]} positions for a batch of "
                             f"{mask.shape[1]} student positions and the batch carries no alignment for it")
         return kv.keys, kv.values, mask
-    from kava_ray.core.align.tokens import aligned_mask, apply_alignment
-
+    lo, hi = view.align_lo, view.align_hi
     keys, values = (apply_alignment(x, lo.to(x.device), hi.to(x.device), mode) for x in (kv.keys, kv.values))
     return keys, values, mask & aligned_mask(lo, hi).bool().to(mask.device)
 
@@ -89,7 +94,7 @@ def _diagonality(layer_map, n_teacher_cols: int, teacher_layers: list[int]) -> i
 
 def plot_cka(cka: torch.Tensor, layer_map, teacher_layers: list[int], title: str, path: Path) -> None:
     """Heat map of CKA [student layers x teacher layers]; the chosen cells framed (best first: white)."""
-    import matplotlib
+    import matplotlib  # heavy, loaded for plots only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -120,17 +125,6 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
     """Measure linear CKA between every teacher and the student, layer by layer, on the first `samples`
     training examples; write `out` (default `default_out(cfg)`) and one `<out stem>.<teacher>.png` per
     teacher. Returns the written JSON's content plus `path`, `plots` and `wall_s`."""
-    from tqdm import tqdm
-
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.common.files import atomic_write
-    from kava_ray.core.kv import student_forward_kv
-    from kava_ray.core.models import load_student
-    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer, teacher_tokenizers
-    from kava_ray.data import BatchStream
-    from kava_ray.runtime.job import job_teachers
-    from kava_ray.runtime.preflight import preflight
-
     preflight(cfg, "align cka", out=out, address=address)  # data, models, output dir: before Ray starts
     if features not in FEATURES:
         raise KavaError(f"--features {features!r}: expected one of {', '.join(FEATURES)}")
@@ -166,7 +160,7 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
         with torch.no_grad():
             for (_, _, _, batch), kv in tqdm(feed, total=steps, desc="cka", unit="batch",
                                              disable=None if progress else True):
-                _, s_kv = student_forward_kv(student, batch["input_ids"], batch["attention_mask"],
+                _, s_kv = student_forward_kv(student, batch.input_ids, batch.attention_mask,
                                              key_space=cal.align.key_space)
                 for name in layers:
                     t_keys, t_values, keep = _teacher_features(batch, kv[name], name, cal.align.token_align)
@@ -187,7 +181,7 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
         result["teachers"][name] = entry
         result["student_layers"] = cka.shape[0]
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(result, indent=1))
+    write_json(path, result)
     plots = []
     for name, entry in result["teachers"].items():
         png = path.with_name(f"{path.stem}.{name}.png")

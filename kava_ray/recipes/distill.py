@@ -1,39 +1,84 @@
-"""The Ray Train worker, as a recipe: `setup`, `step`, `save` (torchtune's shape, Ray Train's idioms).
+"""The student's recipe: `DistillRecipe.setup`, `step`, `save`, and the Ray Train loop that runs it.
 
-`DistillRecipe` holds one rank's state — the Distiller (student + projector bank + fusion, DDP when
-there is more than one worker), the optimizer and schedule, the data stream — and does one
-optimizer step over `optim.accumulation` micro-batches of (batch, teacher KV). It knows nothing of
-where the KV comes from, so `kava-ray bench feed` times exactly this step.
+`DistillRecipe` holds one rank's state -- the Distiller (student + projector bank + fusion, DDP when there is more
+than one worker), the optimizer and schedule, the data stream -- and does one optimizer step over
+`optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}). It knows nothing of where the KV comes from, so
+`kava-ray bench feed` times exactly this step.
 
-`train_loop_per_worker` is the plain loop Ray Train runs: a KVFeed over the rank's shard, `step`,
-metrics averaged over ranks on log steps, `ray.train.report` with a checkpoint every `save_steps`,
-evaluation on the validation split (rank 0) every `eval_steps`, and the test split once at the end. Resume (after a worker failure, or `--resume`)
-continues the same curve: the stream restarts at the saved position and the RNG is reseeded every
-step from (seed, step, rank).
+`train_loop_per_worker` is the plain loop Ray Train runs: a KVFeed over the rank's shard, `step`, metrics averaged
+over ranks on log steps, `ray.train.report` with a checkpoint every `save_steps`, evaluation on the validation split
+(rank 0) every `eval_steps`, and the test split once at the end. A resume (a worker failure, or `--resume`)
+continues the same curve: the stream restarts at the saved position and the RNG is reseeded every step from
+(seed, step, rank).
+
+Ray (and `actors`, the KV sources that need it) is imported inside the functions that use it: `kava-ray bench gpu`
+builds this recipe on images without Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
-from kava_ray.common.config import JobConfig, validate_config
+from kava_ray.common.config import JobConfig, TrainConfig, validate_config
+from kava_ray.common.errors import KavaError
 from kava_ray.common.metrics_file import METRICS, MetricsLog
+from kava_ray.common.trackers import open_trackers
+from kava_ray.core.checkpoint import check_compatible, load_into, save_checkpoint
+from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
+from kava_ray.core.metric_names import (
+    COS_SIM,
+    KV_TOKENS,
+    LABEL_TOKENS,
+    SKIPPED_BATCHES,
+    SUMMED,
+    TOKENS,
+    phase,
+)
+from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
+from kava_ray.core.plans import (
+    data_seed,
+    load_splits,
+    load_test_split,
+    plans_from_payload,
+    teacher_logits_top_k,
+    teacher_tokenizers,
+    vocab_maps,
+)
 from kava_ray.core.precision import student_precision
+from kava_ray.data import BatchStream
+from kava_ray.recipes.evaluate import evaluate_heldout
 
-SUMMED = ("tokens", "kv_tokens", "label_tokens", "skipped_batches")  # counts: summed over micro-batches and ranks; every other metric is a mean
 
+@dataclass
+class LoopConfig:
+    """What the driver hands each Ray Train worker (as a dict: `to_dict` / `from_dict`, Ray Train's
+    train_loop_config). job: `JobConfig.to_dict()`; plans: `plans.plans_payload`; resume: a checkpoint dir;
+    resume_override: `--resume-override` (the config's optim.*/train.*/data.* replace the checkpoint's)."""
 
-def _to_device(batch: dict, device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+    job: dict
+    plans: dict
+    run_dir: str
+    resume: Optional[str] = None
+    resume_override: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopConfig":
+        return cls(**d)
 
 
 class DistillRecipe:
@@ -48,33 +93,34 @@ class DistillRecipe:
         self.precision = student_precision(cfg.student, self.device)
         self.autocast = self.precision.autocast
 
-    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False,
-              data: bool = True, maps: Optional[dict] = None) -> Optional[dict]:
-        """Build (or restore from `checkpoint_dir`) the Distiller, optimizer, schedule, tokenizer and stream.
-        data=False: no tokenizer, splits or stream, and the vocabulary maps of teachers of another tokenizer are
-        `maps` (`kava-ray bench gpu` and `bench step` feed their own batches; a GPU image
-        may have no `datasets`).
+    def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
+        """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the tokenizers and the
+        rank's stream of training batches. Returns the checkpoint's state (None from scratch)."""
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.student.model)
+        self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
+        maps = vocab_maps(cfg, self.plans, self.tokenizer, self.teacher_toks)  # for their logits (hybrid)
+        state = self.build_model(maps, checkpoint_dir, wrap, run_changes)
+        self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
+        self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
+                                  world_size=self.world, state=state["stream"] if state else None)
+        self.skipped_before = skip_resumed(self.stream, state["stream"] if state else None)  # train.on_bad_kv
+        return state
 
-        wrap: e.g. `ray.train.torch.prepare_model` for DDP when world > 1. run_changes (`--resume-override`):
-        the config's optim.*/train.*/data.* may differ from the checkpoint's, and its learning rates, weight
-        decay and schedule replace the checkpoint's. Returns the checkpoint's state.
-        """
-        from kava_ray.core.checkpoint import check_compatible, load_into
-        from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
-        from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
-        from kava_ray.core.plans import data_seed, load_splits, teacher_tokenizers, vocab_maps
-        from kava_ray.data import BatchStream
+    def build_model(self, maps: Optional[dict] = None, checkpoint_dir: Optional[str] = None, wrap=None,
+                    run_changes: bool = False) -> Optional[dict]:
+        """The Distiller, optimizer and schedule alone (restored from `checkpoint_dir`): no tokenizer and no data,
+        for callers that bring their own batches (`bench gpu`, `bench step`; a GPU image may lack `datasets`).
 
+        maps: the vocabulary maps of logit teachers of another tokenizer (`plans.vocab_maps`). wrap: e.g.
+        `ray.train.torch.prepare_model` (DDP) when world > 1. run_changes (`--resume-override`): the checkpoint's
+        optim.*/train.*/data.* may differ, and the config's learning rates, weight decay and schedule win.
+        Returns the checkpoint's state (None from scratch)."""
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
-        source_model = str(Path(checkpoint_dir) / "student") if state else cfg.student.model
-        student = load_student(source_model, dtype=self.precision.weight_dtype,
-                               keep=None if state else cfg.student.keep_layers,
+        student = load_student(str(Path(checkpoint_dir) / "student") if state else cfg.student.model,
+                               dtype=self.precision.weight_dtype, keep=None if state else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
-        if data:
-            self.tokenizer = load_tokenizer(cfg.student.model)
-            self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
-            maps = vocab_maps(cfg, self.plans, self.tokenizer, self.teacher_toks)  # for their logits (hybrid)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps).to(self.device)
         self.opt = build_optimizer(self.distiller, cfg.optim)
@@ -86,27 +132,7 @@ class DistillRecipe:
         self.start_step = state["step"] if state else 0
         self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
         self.params = [p for p in self.distiller.parameters() if p.requires_grad]
-        if not data:
-            return state
-        self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
-        self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
-                                  world_size=self.world, state=state["stream"] if state else None)
-        self.skipped_before = skip_resumed(self.stream, state["stream"] if state else None)  # train.on_bad_kv
         return state
-
-    def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
-        """The KVFeed over this rank's stream: exactly the batches of the steps up to `until` (train.steps),
-        no read-ahead past the last step (wasted teacher forwards; a skipped batch, train.on_bad_kv=skip,
-        extends the read by one)."""
-        from actors.feed import KVFeed, feed_items
-        from kava_ray.core.plans import teacher_logits_top_k
-
-        cfg = self.cfg
-        remaining = max(0, (until or cfg.train.steps) - self.start_step) * cfg.optim.accumulation
-        return KVFeed(source, feed_items(self.stream), {n: p.layers for n, p in self.plans.items()},
-                      depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
-                      device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
-                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining)
 
     def _adopt_optim_settings(self) -> None:
         """The config's learning rates, weight decay and schedule replace a restored checkpoint's (Adam's
@@ -120,10 +146,22 @@ class DistillRecipe:
         for g, base, fn in zip(self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas):
             g["lr"] = base * fn(self.sched.last_epoch)  # the lambdas already follow the new train.steps / warmup
 
-    def step(self, step_no: int, micro_batches) -> dict[str, torch.Tensor]:
-        """One optimizer step over `micro_batches` (an iterable of (batch, {teacher: KVBatch})).
+    def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
+        """The KVFeed over this rank's stream: exactly the batches of the steps up to `until` (train.steps), no
+        read-ahead past the last step (a skipped batch, train.on_bad_kv=skip, extends the read by one)."""
+        from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
-        Returns the step's metrics as float64 tensors on the device: means over micro-batches, counts
+        cfg = self.cfg
+        remaining = max(0, (until or cfg.train.steps) - self.start_step) * cfg.optim.accumulation
+        return KVFeed(source, feed_items(self.stream), {n: p.layers for n, p in self.plans.items()},
+                      depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
+                      device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
+                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining)
+
+    def step(self, step_no: int, micro_batches) -> dict[str, torch.Tensor]:
+        """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
+
+        Returns the step's metrics as float64 tensors on the device: means over micro-batches, counts (SUMMED)
         summed, plus grad_norm. Nothing is converted to Python here (no GPU sync).
         """
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
@@ -132,7 +170,7 @@ class DistillRecipe:
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
             with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
-                loss, m = self.model(_to_device(batch, self.device), kv)
+                loss, m = self.model(batch.to(self.device), kv)
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
             for k, v in m.items():
@@ -154,27 +192,23 @@ class DistillRecipe:
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
              extra: Optional[dict] = None) -> Path:
-        from kava_ray.core.checkpoint import save_checkpoint
-
         return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
                                self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra)
 
     def evaluate(self, source) -> dict[str, float]:
         """`eval/*` on the validation split: what checkpoint selection and Tune read."""
-        from kava_ray.recipes.evaluate import evaluate_heldout
-
         return evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
                                 autocast=self.autocast)
 
     def test(self, source) -> dict[str, float]:
         """`test/*` on the test split, once, after the last step (never used to select anything), in fp32
         without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
-        from kava_ray.core.plans import load_test_split
-        from kava_ray.recipes.evaluate import evaluate_heldout
-
         split = load_test_split(self.cfg, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
                                 prefix="test")
+
+
+# ---------------------------------------------------------------------------------- streams, ranks, metrics
 
 
 def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
@@ -182,8 +216,6 @@ def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, flo
     keys = sorted(values)
     flat = torch.stack([values[k].reshape(()) for k in keys])
     if world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(flat)
         scale = torch.tensor([1.0 if k in SUMMED else 1.0 / world for k in keys], dtype=flat.dtype,
                              device=flat.device)
@@ -194,11 +226,9 @@ def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, flo
 def stream_state_after(stream, feed, skipped: Optional[list[int]] = None) -> dict:
     """The stream position just after the last batch the student trained on, with every rank's skips.
 
-    The feed reads ahead by `depth` batches, so the stream itself is ahead: step back by the
-    batches still in flight. Batches skipped for non-finite teacher KV (train.on_bad_kv=skip) differ
-    between ranks (each rank reads its own shard), so the saved position counts only the batches trained
-    on — the same on every rank — and `skipped` lists each rank's cumulative skips (`skipped_by_rank`);
-    on resume each rank steps forward by its own count (`skip_resumed`).
+    The feed reads ahead, so the stream is ahead by the batches in flight: step back by those. The saved position
+    counts only the batches trained on (the same on every rank); `skipped` lists each rank's cumulative skips
+    (train.on_bad_kv=skip: each rank reads its own shard), which `skip_resumed` steps over on resume.
     """
     s = stream.state()
     own = int(skipped[stream.rank]) if skipped else 0
@@ -230,8 +260,6 @@ def skipped_by_rank(own: int, rank: int, world: int, device) -> list[int]:
     """Every rank's cumulative skipped-batch count (one all-reduce; every rank calls it at save steps)."""
     if world == 1:
         return [int(own)]
-    import torch.distributed as dist
-
     counts = torch.zeros(world, dtype=torch.float64, device=device)
     counts[rank] = own
     dist.all_reduce(counts)
@@ -239,10 +267,9 @@ def skipped_by_rank(own: int, rank: int, world: int, device) -> list[int]:
 
 
 def micro_batches(feed, accum: int, step: int, wait: list):
-    """The step's `accum` (batch, {teacher: KVBatch}) from the feed; a batch of non-finite teacher KV with
+    """The step's `accum` (Batch, {teacher: KVBatch}) from the feed; a batch of non-finite teacher KV with
     train.on_bad_kv=stop becomes one line naming the teacher, batch key and step."""
-    from actors.feed import BadKV
-    from kava_ray.common.errors import KavaError
+    from actors.feed import BadKV  # Ray: see the module docstring
 
     for _ in range(accum):
         try:
@@ -253,99 +280,137 @@ def micro_batches(feed, accum: int, step: int, wait: list):
         yield batch, kv
 
 
+def train_step(recipe: DistillRecipe, feed, step: int) -> dict[str, torch.Tensor]:
+    """`recipe.step` on the feed's next micro-batches, plus the time it waited for teachers and the rank's
+    cumulative skipped batches (float64 tensors on the device, like the step's own metrics)."""
+    waits: list = []
+    values = recipe.step(step, micro_batches(feed, recipe.cfg.optim.accumulation, step, waits))
+    device = values["grad_norm"].device
+    values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=device)
+    values[SKIPPED_BATCHES] = torch.tensor(float(recipe.skipped_before + feed.skipped), dtype=torch.float64,
+                                           device=device)  # cumulative, summed over ranks
+    return values
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What a step does besides training: log its metrics, evaluate (rank 0), save a checkpoint."""
+
+    log: bool
+    eval: bool
+    save: bool
+
+
+def step_kind(step: int, t: TrainConfig) -> StepKind:
+    """Save every save_steps and at the end; evaluate every eval_steps, at the end and at every save a kept
+    checkpoint is scored by (`train.checkpoint_score` eval/*); log every log_steps and at each of those."""
+    save = step % t.save_steps == 0 or step == t.steps
+    scored_by_eval = (t.checkpoint_score or "").startswith("eval/")
+    evaluate = step % t.eval_steps == 0 or step == t.steps or (save and scored_by_eval)
+    return StepKind(log=save or evaluate or step % t.log_steps == 0, eval=evaluate, save=save)
+
+
+def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list, world: int) -> dict:
+    """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the all-reduce),
+    token counts turned into tokens_per_s, the phase, the learning rates of this step."""
+    metrics = reduce_metrics(values, world)
+    metrics.pop(LABEL_TOKENS)
+    metrics.pop(KV_TOKENS)
+    metrics[SKIPPED_BATCHES] = int(metrics[SKIPPED_BATCHES])
+    metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop(TOKENS) / dt,
+                   phase=phase(metrics[COS_SIM]), lr_student=lrs[0], lr_projector=lrs[-1])
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------ the Ray Train loop
+
+
 def _quiet_train_logs() -> None:
     """Ray Train V2 logs every report at INFO from a logger named after its source file (so its own
     `LoggingConfig`, which filters `ray.train*` names, does not reach it); metrics.jsonl and the
     progress bar already carry those numbers. Found by name, without importing Ray internals."""
-    import ray.train
+    import ray.train  # Ray: see the module docstring
 
     name = os.path.join(os.path.dirname(ray.train.__file__), "v2", "_internal", "execution", "context.py")
     logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """One Ray Train worker. `config`: job (JobConfig dict), plans (payload), run_dir, resume (optional path)."""
-    import ray.train
-    import ray.train.torch
-    from ray.train import Checkpoint
+def report_step(recipe: DistillRecipe, feed, record: dict, step: int, skips: Optional[list[int]] = None) -> None:
+    """`ray.train.report` of a step's numbers; at a save step (`skips`: every rank's cumulative skips) with rank
+    0's checkpoint, its numbers inside (a restored run re-announces them)."""
+    import ray.train  # Ray: see the module docstring
 
-    from kava_ray.common.trackers import open_trackers
-    from kava_ray.core.plans import plans_from_payload
-    from kava_ray.recipes.report import phase
+    if skips is None:
+        ray.train.report(record)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = None
+        if recipe.rank == 0:
+            recipe.save(Path(tmp) / "ckpt", step, stream_state_after(recipe.stream, feed, skips),
+                        extra={"metrics": record})
+            ck = ray.train.Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
+        ray.train.report(record, checkpoint=ck)
+
+
+def finish(recipe: DistillRecipe, source, feed, log: MetricsLog, run_dir: Path, skips: list[int]) -> None:
+    """Rank 0, after the last step: the test split, read once after every selection decision, and the final
+    student in `run_dir/final` (outside Ray's checkpoint dirs), logged to the trackers as an artifact."""
+    steps = recipe.cfg.train.steps
+    if recipe.start_step < steps:
+        test = recipe.test(source)
+        log.write({"step": steps, "kind": "test", **test})
+        recipe.save(run_dir / "final", steps, stream_state_after(recipe.stream, feed, skips), with_optimizer=False,
+                    extra={"test": test})
+        log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
+    log.trackers.close()
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker; `config` is a `LoopConfig` as a dict."""
+    import ray.train  # Ray: see the module docstring
+    import ray.train.torch
+
     from kava_ray.runtime.job import kv_source
 
-    cfg = validate_config(config["job"])
+    loop = LoopConfig.from_dict(config)
+    cfg, plans, run_dir = validate_config(loop.job), plans_from_payload(loop.plans), Path(loop.run_dir)
     _quiet_train_logs()
-    plans = plans_from_payload(config["plans"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     recipe = DistillRecipe(cfg, plans, rank, world, ray.train.torch.get_device())
-    run_dir = Path(config["run_dir"])
-
     ckpt = ray.train.get_checkpoint()
-    with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(config.get("resume"))) as ckdir:
-        state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=config.get("resume_override", False))
-    t_cfg, accum = cfg.train, cfg.optim.accumulation
-    stream = recipe.stream
-    source = kv_source(cfg, plans, stream.split.fingerprint)
+    with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(loop.resume)) as ckdir:
+        state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=loop.resume_override)
+    source = kv_source(cfg, plans, recipe.stream.split.fingerprint)
     feed = recipe.feed(source)
     log = MetricsLog(run_dir / METRICS, recipe.start_step,
-                     open_trackers(t_cfg.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None
+                     open_trackers(cfg.train.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
     if recipe.start_step == 0 and rank == 0:  # held-out numbers before any training
         last_eval = recipe.evaluate(source)
         log.write({"step": 0, "kind": "eval", **last_eval})
-
-    if state and recipe.start_step >= t_cfg.steps:  # restored after the last step: re-announce the final result
+    if state and recipe.start_step >= cfg.train.steps:  # restored after the last step: re-announce the final result
         ray.train.report(state.get("metrics", {"step": recipe.start_step}))
 
     skips = [recipe.skipped_before] * world  # every rank's cumulative skips at the last save (final/ reuses them)
-    for step in range(recipe.start_step + 1, t_cfg.steps + 1):
+    for step in range(recipe.start_step + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
-        waits: list = []
-        values = recipe.step(step, micro_batches(feed, accum, step, waits))
-        values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=values["grad_norm"].device)
-        values["skipped_batches"] = torch.tensor(float(recipe.skipped_before + feed.skipped), dtype=torch.float64,
-                                                 device=values["grad_norm"].device)  # cumulative, summed over ranks
+        values = train_step(recipe, feed, step)
         dt = time.perf_counter() - t0
-        lr_student, lr_projector = recipe.last_lrs[0], recipe.last_lrs[-1]
-        is_save = step % t_cfg.save_steps == 0 or step == t_cfg.steps
-        scored_by_eval = (t_cfg.checkpoint_score or "").startswith("eval/")  # a kept checkpoint needs its score
-        is_eval = step % t_cfg.eval_steps == 0 or step == t_cfg.steps or (is_save and scored_by_eval)
-        is_log = is_save or is_eval or step % t_cfg.log_steps == 0
-        if not is_log:
+        kind = step_kind(step, cfg.train)
+        if not kind.log:
             continue
-        metrics = reduce_metrics(values, world)  # every rank joins the all-reduce
-        metrics.pop("label_tokens")
-        metrics.pop("kv_tokens")
-        metrics["skipped_batches"] = int(metrics["skipped_batches"])
-        metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop("tokens") / dt,
-                       phase=phase(metrics["cos_sim"]), lr_student=lr_student, lr_projector=lr_projector)
+        record = step_record(values, step, dt, recipe.last_lrs, world)
         if rank == 0:
-            log.write(metrics)
-            if is_eval:
+            log.write(record)
+            if kind.eval:
                 last_eval = recipe.evaluate(source)
                 log.write({"step": step, "kind": "eval", **last_eval})
-            metrics.update(last_eval)
-        report = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if is_save:
+            record.update(last_eval)
+        if kind.save:
             skips = skipped_by_rank(recipe.skipped_before + feed.skipped, rank, world, values["grad_norm"].device)
-            with tempfile.TemporaryDirectory() as tmp:
-                ck = None
-                if rank == 0:
-                    recipe.save(Path(tmp) / "ckpt", step, stream_state_after(stream, feed, skips),
-                                extra={"metrics": report})
-                    ck = Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
-                ray.train.report(report, checkpoint=ck)
-        else:
-            ray.train.report(report)
-
-    if rank == 0 and recipe.start_step < t_cfg.steps:  # the final outputs, outside Ray's checkpoint dirs
-        test = recipe.test(source)  # the test split, read once, after every selection decision
-        log.write({"step": t_cfg.steps, "kind": "test", **test})
-        recipe.save(run_dir / "final", t_cfg.steps, stream_state_after(stream, feed, skips), with_optimizer=False,
-                    extra={"test": test})
-        log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
+        report_step(recipe, feed, {k: v for k, v in record.items() if isinstance(v, (int, float))}, step,
+               skips if kind.save else None)
     if rank == 0:
-        log.trackers.close()
+        finish(recipe, source, feed, log, run_dir, skips)

@@ -4,7 +4,8 @@ records only), and KV alignment against the teachers.
 `heldout_ce`, `generate_answers`, `score_answers` and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
 `evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
 `evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.runtime.job`, so this
-module belongs to the orchestration layer. Accuracy on the tiny random test models is ~0 (they emit
+module belongs to the orchestration layer. Those two (Ray) are imported where used: the recipe imports this
+module, and `kava-ray bench gpu` builds the recipe on images without Ray. Accuracy on the tiny random test models is ~0 (they emit
 byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
 """
 
@@ -15,14 +16,41 @@ import math
 from typing import Optional, Sequence
 
 import torch
+from transformers import GenerationConfig
 
+from kava_ray.common.config import derive
 from kava_ray.common.errors import KavaError
-from kava_ray.core.checkpoint import checkpoint_config
-from kava_ray.core.losses import masked_ce
+from kava_ray.core.checkpoint import checkpoint_config, load_into
+from kava_ray.core.distiller import Distiller
+from kava_ray.core.kv import student_forward_kv
+from kava_ray.core.logit_kd import logit_term
+from kava_ray.core.losses import masked_ce, next_token_mask
+from kava_ray.core.metric_names import (
+    ALIGNED,
+    CE,
+    CONTRAST_GAP,
+    COS,
+    COS_RAW,
+    COS_SIM,
+    KV_TOKENS,
+    LABEL_TOKENS,
+    LOGIT_KL,
+    LOGIT_PER_TEACHER,
+    TOP1_AGREE,
+    of,
+)
+from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
+from kava_ray.core.plans import (
+    eval_stream,
+    load_test_split,
+    logit_specs,
+    teacher_logits_top_k,
+    teacher_tokenizers,
+    vocab_maps,
+)
+from kava_ray.core.probe import KVAlignment
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
 from kava_ray.runtime.preflight import preflight
-
-LOGIT_METRICS = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
 
@@ -50,11 +78,10 @@ def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None) -
     with _inference(model):
         for s in range(0, len(split), batch_size):
             batch = collate(split.items[s:s + batch_size], split.pad_id)
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits
-            n = int((batch["labels"][:, 1:] != -100).sum())  # the tokens masked_ce averages over
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+            n = int((batch.labels[:, 1:] != -100).sum())  # the tokens masked_ce averages over
             if n:
-                total += float(masked_ce(logits, batch["labels"])) * n
+                total += float(masked_ce(logits, batch.labels)) * n
                 count += n
     if count == 0:
         raise KavaError("held-out split has no answer tokens to compute CE on")
@@ -72,8 +99,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
 def generate_answers(model, tokenizer, questions: Sequence[str], prompt_format: str = "auto",
                      max_new_tokens: int = 128, batch_size: int = 8) -> list[str]:
     """Greedy completions (without the prompt) of each question, batched with left padding, stop at eos."""
-    from transformers import GenerationConfig
-
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     # Greedy, with neutral sampling values: left unset, they would be filled from the model's own
@@ -139,8 +164,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     end: one conversion, not one per batch. `autocast`: a context factory -- the training step's
     (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
     """
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.core.plans import eval_stream, teacher_logits_top_k
+    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     was_training = distiller.training
     distiller.eval()
@@ -149,23 +173,23 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
                   logits_top_k=teacher_logits_top_k(cfg, plans))
     sums: dict = {}
-    weights: dict = {"kv_tokens": 0, "label_tokens": 0}
+    weights: dict = {KV_TOKENS: 0, LABEL_TOKENS: 0}
     for (_, _, _, batch), kv in feed:
         with autocast():
-            _, m = distiller({k: v.to(device) for k, v in batch.items()}, kv)
+            _, m = distiller(batch.to(device), kv)
         for w in weights:
             weights[w] = weights[w] + m[w].double()
         # CE and the logit KD: per next-token position CE counts
-        label_keys = ["ce"] + [k for k in m if k == "logit_kl" or k.startswith(LOGIT_METRICS)]
+        label_keys = [CE] + [k for k in m if k == LOGIT_KL or k.startswith(LOGIT_PER_TEACHER)]
         for k in label_keys:
-            sums[k] = sums.get(k, 0) + m[k].double() * m["label_tokens"]
-        kv_keys = ["cos_sim", "cos_raw", "contrast_gap"] + [f"{c}/{t}" for c in ("cos", "cos_raw") for t in plans]
-        kv_keys += [k for k in m if k.startswith("aligned/")]  # teachers of another tokenizer: share covered
+            sums[k] = sums.get(k, 0) + m[k].double() * m[LABEL_TOKENS]
+        kv_keys = [COS_SIM, COS_RAW, CONTRAST_GAP] + [of(c, t) for c in (COS, COS_RAW) for t in plans]
+        kv_keys += [k for k in m if k.startswith(of(ALIGNED, ""))]  # teachers of another tokenizer: share covered
         for k in kv_keys:  # KV: per token the KV loss counts
-            sums[k] = sums.get(k, 0) + m[k].double() * m["kv_tokens"]
+            sums[k] = sums.get(k, 0) + m[k].double() * m[KV_TOKENS]
     distiller.train(was_training)
-    by_label = {k for k in sums if k == "ce" or k == "logit_kl" or k.startswith(LOGIT_METRICS)}
-    out = {f"{prefix}/{k}": float(v / max(float(weights["label_tokens" if k in by_label else "kv_tokens"]), 1))
+    by_label = {k for k in sums if k == CE or k == LOGIT_KL or k.startswith(LOGIT_PER_TEACHER)}
+    out = {of(prefix, k): float(v / max(float(weights[LABEL_TOKENS if k in by_label else KV_TOKENS]), 1))
            for k, v in sums.items()}
     if split.format == "text":  # language modelling: per-token CE and its perplexity
         out[f"{prefix}/ppl"] = math.exp(min(out[f"{prefix}/ce"], 50.0))
@@ -189,17 +213,13 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     - `alignment` {teacher: `probe.KVAlignment`, already fit when it probes}: `kv_cos_free/<t>`, the
       projector-free centred KV cosine (see `kava_ray.core.probe`), over the real tokens.
     """
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.core.kv import student_forward_kv
-    from kava_ray.core.logit_kd import logit_term
-    from kava_ray.core.losses import next_token_mask
-    from kava_ray.core.plans import eval_stream, logit_specs
+    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     stream = eval_stream(split, cfg)
     same = {n: p for n, p in plans.items() if not p.aligned}
     specs = logit_specs(cfg, same) if logit_top_k else {}
     logit_names = list(specs)
-    kd = cfg.loss.model_copy(update=dict(logit_top_k=logit_top_k, logit_temperature=1.0, logit_tail="bucket"))
+    kd = derive(cfg, {"loss.logit_top_k": logit_top_k, "loss.logit_temperature": 1.0, "loss.logit_tail": "bucket"}).loss
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device,
                   logits_top_k={n: (logit_top_k if n in logit_names else 0) for n in plans})
@@ -207,16 +227,16 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     n_lab = 0
     with _inference(student):
         for (_, _, _, batch), kv in feed:
-            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
             out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space)
-            nxt = next_token_mask(batch["labels"]).to(device)
+            nxt = next_token_mask(batch.labels).to(device)
             n = int(nxt.sum())
             n_lab += n
-            sums["ce"] = sums.get("ce", 0.0) + float(masked_ce(out.logits, batch["labels"])) * n
+            sums[CE] = sums.get(CE, 0.0) + float(masked_ce(out.logits, batch.labels)) * n
             for t in logit_names:
                 _, m = logit_term(specs[t], out.logits, kv[t], batch, nxt, kd)
                 sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(m["kl"]) * n
-                sums[f"top1_agree/{t}"] = sums.get(f"top1_agree/{t}", 0.0) + float(m["top1_agree"]) * n
+                sums[of(TOP1_AGREE, t)] = sums.get(of(TOP1_AGREE, t), 0.0) + float(m[TOP1_AGREE]) * n
             for t, kva in (alignment or {}).items():
                 kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
     out = {k: v / max(n_lab, 1) for k, v in sums.items()}
@@ -233,10 +253,7 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
     `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`), else a linear probe from
     each student layer to the heaviest teacher layer of its layer map, fit on the first `fit_batches`
     batches of `train_split` (the frozen student's KV against the teacher's)."""
-    from actors.feed import KVFeed, feed_items
-    from kava_ray.core.kv import student_forward_kv
-    from kava_ray.core.plans import eval_stream
-    from kava_ray.core.probe import KVAlignment
+    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     out, probes = {}, {}
     for t, p in plans.items():
@@ -253,8 +270,8 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
                       depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device)
         with _inference(student):
             for (_, _, _, batch), kv in feed:
-                mask = batch["attention_mask"].to(device)
-                _, skv = student_forward_kv(student, batch["input_ids"].to(device), mask, key_space=cfg.align.key_space)
+                mask = batch.attention_mask.to(device)
+                _, skv = student_forward_kv(student, batch.input_ids.to(device), mask, key_space=cfg.align.key_space)
                 for t, kva in probes.items():
                     kva.fit_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
         for kva in probes.values():
@@ -269,11 +286,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
                         restart_teachers: bool = False) -> dict:
     """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
     and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
-    from kava_ray.core.checkpoint import load_into
-    from kava_ray.core.distiller import Distiller
-    from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
-    from kava_ray.core.plans import load_test_split, teacher_tokenizers, vocab_maps
-    from kava_ray.runtime.job import job_teachers
+    from kava_ray.runtime.job import job_teachers  # Ray: see the module docstring
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts

@@ -19,18 +19,12 @@ from typing import Optional
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, format_table
 from kava_ray.common.metrics_file import METRICS, read_metrics
+from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS, COS_RAW, COS_SIM, KV_LOSS, LOSS, of, phase
 
 REPORT_DIR = "report"
 COLLAPSE_GAP = 0.01  # a final contrast gap below this means nothing sample-specific was learned
 COLLAPSE_WARNING = ("the student matches other samples' targets as well as its own — nothing "
                     "sample-specific was learned (the collapse trap)")
-_PHASES = [(0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")]
-
-
-def phase(cos: float) -> str:
-    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores ~0:
-    "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real keys."""
-    return next((name for limit, name in _PHASES if cos < limit), "Excellent")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -82,9 +76,9 @@ def headline(train: list[dict], evals: list[dict]) -> dict:
                "num_eval_records": len(evals)}
     steps = [r["step"] for r in train] or [r["step"] for r in evals]
     h["first_step"], h["last_step"] = steps[0], steps[-1]
-    for key in ("loss", "ce", "kv_loss", "cos_sim", "cos_raw", "contrast_gap"):
+    for key in (LOSS, CE, KV_LOSS, COS_SIM, COS_RAW, CONTRAST_GAP):
         h[key] = _first_last(train, key)
-    h["cos"] = {t: _first_last(train, f"cos/{t}") for t in _teachers(train, "cos/")}
+    h["cos"] = {t: _first_last(train, of(COS, t)) for t in _teachers(train, of(COS, ""))}
     h["eval_ce"] = _first_last(evals, "eval/ce")
     times = _series(train, "time_s")[1]
     # wall time ~ mean step time x steps done (records are logged every few steps; steps count from 1)
@@ -93,8 +87,8 @@ def headline(train: list[dict], evals: list[dict]) -> dict:
     total = sum(float(r["time_s"]) for r in both)
     h["teacher_wait_share"] = sum(float(r["teacher_wait_s"]) for r in both) / total if total > 0 else None
     last_phase = next((r["phase"] for r in reversed(train) if isinstance(r.get("phase"), str)), None)
-    h["phase"] = last_phase or (phase(h["cos_sim"][1]) if h["cos_sim"] else None)
-    gap = h["contrast_gap"][1] if h["contrast_gap"] else None
+    h["phase"] = last_phase or (phase(h[COS_SIM][1]) if h[COS_SIM] else None)
+    gap = h[CONTRAST_GAP][1] if h[CONTRAST_GAP] else None
     h["collapse_warning"] = gap is not None and math.isfinite(gap) and gap < COLLAPSE_GAP
     h["last_eval"] = {k: v for k, v in evals[-1].items() if k != "kind"} if evals else None
     return h
@@ -110,10 +104,9 @@ def _fmt(v) -> str:
 
 def _rows(h: dict) -> list[list[str]]:
     """(metric, first, last) rows of the headline numbers that are present."""
-    named = [("loss", h["loss"]), ("ce", h["ce"]), ("kv_loss", h["kv_loss"]), ("cos_sim", h["cos_sim"]),
-             ("cos_raw", h["cos_raw"])]
-    named += [(f"cos/{t}", fl) for t, fl in h["cos"].items()]
-    named += [("contrast_gap", h["contrast_gap"]), ("held-out ce (eval)", h["eval_ce"])]
+    named = [(k, h[k]) for k in (LOSS, CE, KV_LOSS, COS_SIM, COS_RAW)]
+    named += [(of(COS, t), fl) for t, fl in h["cos"].items()]
+    named += [(CONTRAST_GAP, h[CONTRAST_GAP]), ("held-out ce (eval)", h["eval_ce"])]
     return [[name, _fmt(fl[0]), _fmt(fl[1])] for name, fl in named if fl is not None]
 
 
@@ -160,7 +153,7 @@ def _markdown(h: dict, title: str) -> str:
 
 def _plot(path: Path, title: str, ylabel: str, lines, markers=(), twin=None, hline=None) -> None:
     """One PNG: `lines`/`markers` are (label, steps, values); `twin` is one (label, steps, values) on a right axis."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: heavy, loaded for plots only
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -208,13 +201,12 @@ def write_report(run_dir) -> dict:
     ev = lambda k, like: (k, *_series(evals, k), like)  # noqa: E731
     teachers = list(h["cos"])
     plots = {name: out / f"{name}.png" for name in ("loss", "cos", "contrast_gap", "teacher_wait")}
-    _plot(plots["loss"], "Loss", "loss", [tr("loss"), tr("ce"), tr("kv_loss")], [ev("eval/ce", "ce")])
-    _plot(plots["cos"], "KV cosine similarity (centred; raw for reference)", "cos",
-          [tr("cos_sim")] + [tr(f"cos/{t}") for t in teachers] + [tr("cos_raw")],
-          [ev("eval/cos_sim", "cos_sim")] + [ev(f"eval/cos/{t}", f"cos/{t}") for t in teachers]
-          + [ev("eval/cos_raw", "cos_raw")])
-    _plot(plots["contrast_gap"], "Contrast gap (own - other sample's target)", "gap", [tr("contrast_gap")],
-          [ev("eval/contrast_gap", "contrast_gap")], hline=(f"collapse threshold {COLLAPSE_GAP}", COLLAPSE_GAP))
+    _plot(plots["loss"], "Loss", "loss", [tr(LOSS), tr(CE), tr(KV_LOSS)], [ev(of("eval", CE), CE)])
+    cos = [COS_SIM] + [of(COS, t) for t in teachers] + [COS_RAW]
+    _plot(plots["cos"], "KV cosine similarity (centred; raw for reference)", "cos", [tr(k) for k in cos],
+          [ev(of("eval", k), k) for k in cos])
+    _plot(plots["contrast_gap"], "Contrast gap (own - other sample's target)", "gap", [tr(CONTRAST_GAP)],
+          [ev(of("eval", CONTRAST_GAP), CONTRAST_GAP)], hline=(f"collapse threshold {COLLAPSE_GAP}", COLLAPSE_GAP))
     _plot(plots["teacher_wait"], "Teacher wait and throughput", "teacher_wait_s (s)", [tr("teacher_wait_s")],
           twin=tr("tokens_per_s"))
     summary = out / "summary.md"

@@ -1,4 +1,4 @@
-"""`kava-ray train`, the driver: Ray, the teacher pool, a TorchTrainer over `worker.train_loop_per_worker`.
+"""`kava-ray train`, the driver: Ray, the teacher pool, a TorchTrainer over `distill.train_loop_per_worker`.
 
 Connect to Ray (or start an embedded one sized for the job), start or find the teacher pool, read
 the teachers' geometry and plan their layers (all through `kava_ray.runtime.job`), then
@@ -17,29 +17,32 @@ from pathlib import Path
 from typing import Optional
 
 import ray
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
 from kava_ray.common import resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
-from kava_ray.common.metrics_file import METRICS
-from kava_ray.recipes.distill import train_loop_per_worker
+from kava_ray.common.metrics_file import METRICS, last
+from kava_ray.core.checkpoint import find_checkpoint
+from kava_ray.core.plans import cross_vocab_lines, plans_payload, prepare_data
+from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
+from kava_ray.runtime.console import quiet, status, with_logs
+from kava_ray.runtime.job import job_teachers
+from kava_ray.runtime.preflight import preflight
+from kava_ray.runtime.process_group import LoopbackTorchConfig
+from kava_ray.runtime.progress import follow_metrics
+from kava_ray.runtime.ray_private import drop_train_sigint_handler
 
 
 def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
                   callbacks: Optional[list] = None, resume_override: bool = False):
     """The TorchTrainer of one run; its outputs and Ray's checkpoints go to `run_dir`."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from kava_ray.core.plans import plans_payload
-    from kava_ray.runtime.process_group import LoopbackTorchConfig
-
     return TorchTrainer(
         train_loop_per_worker,
         torch_config=LoopbackTorchConfig(),  # the group's store on 127.0.0.1 when the run is on one machine
-        train_loop_config={"job": cfg.to_dict(), "plans": plans_payload(plans), "run_dir": str(run_dir),
-                           "resume": str(Path(resume).resolve()) if resume else None,
-                           "resume_override": resume_override},
+        train_loop_config=LoopConfig(cfg.to_dict(), plans_payload(plans), str(run_dir),
+                                     str(Path(resume).resolve()) if resume else None, resume_override).to_dict(),
         scaling_config=ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=resources.worker(cfg, use_gpu),
                                      label_selector=dict(cfg.ray.worker_label_selector or {}) or None),
@@ -54,13 +57,9 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
 
 def fit(trainer):
     """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on)."""
-    from kava_ray.runtime.console import with_logs
-
     # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
     # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
     # waits ~15 s, prints a traceback and exits 1
-    from kava_ray.runtime.ray_private import drop_train_sigint_handler
-
     drop_train_sigint_handler(trainer)
     with _interruptible():
         try:
@@ -93,19 +92,6 @@ def _interruptible():
         raise KeyboardInterrupt
 
 
-def check_memory(cfg: JobConfig) -> None:
-    """Refuse a config the planner says cannot fit the cluster's smallest GPU (one line + the fix)."""
-    from kava_ray.runtime.planner import check_fits
-
-    @ray.remote(num_gpus=0.001, num_cpus=0)
-    def gpu_memory() -> int:  # runs on a GPU node: the driver may be a CPU-only head
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory
-
-    check_fits(cfg, int(ray.get(gpu_memory.remote(), timeout=120)))
-
-
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
                  address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
                  restart_teachers: bool = False, verbose: bool = False) -> dict:
@@ -117,10 +103,6 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
     """
-    from kava_ray.core.checkpoint import find_checkpoint
-    from kava_ray.runtime.console import quiet, with_logs
-    from kava_ray.runtime.preflight import preflight
-
     # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
     preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)
     if resume:
@@ -138,30 +120,11 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
 
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
-    from actors.pool import check_resources
-    from kava_ray.core.plans import cross_vocab_lines, prepare_data
-    from kava_ray.runtime.connect import resolve_use_gpu
-    from kava_ray.runtime.console import status
-    from kava_ray.runtime.job import job_teachers
-    from kava_ray.runtime.progress import follow_metrics
-
     t0 = time.time()
     prepared = prepare_data(cfg)  # tokenized (and packed) once, cached: a bad record deep in the data stops us here
     status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
            f"({cfg.data.source}) in {time.time() - t0:.0f} s")
-    use_gpu = None
-    t0 = time.time()
-
-    def connected(how: str) -> None:  # Ray is up, no teacher has started: fail fast on what cannot fit
-        nonlocal use_gpu
-        status(f"connecting: {_describe_ray(how)} in {time.time() - t0:.0f} s")
-        use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
-        check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
-        if use_gpu:
-            check_memory(cfg)
-
-    with job_teachers(cfg, address, restart=restart_teachers, on_connected=connected,
-                      command="train") as job:
+    with job_teachers(cfg, address, restart=restart_teachers, command="train") as job:
         names = ", ".join(job.plans)
         if job.handles is None:
             status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
@@ -170,7 +133,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
                    f"in {job.setup_s:.0f} s")
         for line in cross_vocab_lines(cfg, job.plans):
             status(line)
-        trainer = build_trainer(cfg, job.plans, run_dir, use_gpu, resume, resume_override=resume_override)
+        trainer = build_trainer(cfg, job.plans, run_dir, job.use_gpu, resume, resume_override=resume_override)
         workers = cfg.ray.num_workers
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
         t0 = time.time()
@@ -185,22 +148,8 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
             "checkpoint": result.checkpoint.path if result.checkpoint else None}
 
 
-def _describe_ray(connected: str) -> str:
-    """`embedded Ray (8 CPUs, 127.0.0.1)` / `Ray at ADDRESS (16 CPUs, 2 GPUs)`."""
-    res = ray.cluster_resources()
-    parts = [f"{res.get('CPU', 0):.0f} CPUs"] + ([f"{res['GPU']:.0f} GPUs"] if res.get("GPU") else [])
-    if connected in ("embedded", "existing"):
-        with contextlib.suppress(Exception):
-            parts.append(ray.util.get_node_ip_address())
-        kind = "embedded Ray" if connected == "embedded" else "this process's Ray"
-        return f"{kind} ({', '.join(parts)})"
-    return f"Ray at {connected} ({', '.join(parts)})"
-
-
 def _test_line(metrics_path: Path) -> Optional[str]:
     """`test: CE 4.77, centred cos 0.25, gap 0.21` from the run's test record (None when there is none)."""
-    from kava_ray.common.metrics_file import last
-
     test = last(metrics_path, "test")
     if not test or "test/ce" not in test:
         return None

@@ -124,8 +124,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     """
     from ray import tune
 
-    from actors.pool import check_resources
-    from kava_ray.runtime.job import connect_job, job_teachers
+    from kava_ray.runtime.job import job_session, job_teachers
     from kava_ray.runtime.preflight import preflight
     from kava_ray.runtime.tune_space import load_space
 
@@ -136,18 +135,9 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
         raise KavaError(f"nothing to resume at {exp_dir} (pass the directory of an earlier sweep)")
     runs = max_concurrent or spec.max_concurrent or DEFAULT_EMBEDDED_TRIALS
     if trial is not None:  # the trials bring their own teachers: only Ray here
-        with contextlib.ExitStack() as stack:
-            connected = connect_job(cfg, address, concurrent_runs=runs)
-            if connected == "embedded":
-                stack.callback(ray.shutdown)
+        with job_session(cfg, address, concurrent_runs=runs):
             return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial, None, {})
-    def connected(_) -> None:  # the teachers and one trial's Train workers, node by node
-        from kava_ray.runtime.connect import resolve_use_gpu
-
-        check_resources(cfg, workers=resources.worker(cfg, resolve_use_gpu(cfg.ray.use_gpu)))
-
-    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, on_connected=connected,
-                      command="tune") as job:
+    with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, command="tune") as job:
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
                          tokenizer=p.tokenizer) for n, p in job.plans.items()}

@@ -1,28 +1,25 @@
-"""Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an embedded one.
+"""Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an embedded one,
+and leaving it (`ray_session`, `owned_ray`, `disconnect`: the one place Ray is shut down).
 
-No address: a fresh embedded Ray of this process's own, in Ray's single-machine mode (every server it
-starts listens on 127.0.0.1 only, and its node IP is 127.0.0.1), even when a `ray start --head` runs on
-this machine. An address: a TCP probe first (an address nothing answers at is one error line in
-seconds, not minutes of GCS retries); a loopback cluster (`ray start --head --node-ip-address
-127.0.0.1`) is joined in single-machine mode too, any other exactly as Ray does it.
-
-Token authentication stays on (Ray 2.60's default): an embedded Ray generates a token in
-~/.ray/auth_token; a client of a remote cluster needs that cluster's token (README: "Token auth").
+No address: a fresh embedded Ray of this process's own on 127.0.0.1; an address: a TCP probe first, then
+Ray's own join. Single-machine mode and token auth: docs/internals/runtime.md#connect.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import ray
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
+from kava_ray.runtime.console import collect_before_shutdown, status
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
 # run that reports every step would be throttled to one step per 2 s. Poll faster, on our own Ray and on a
@@ -36,26 +33,11 @@ PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
 LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.runtime.console.quiet turns it off (workers' lines stay in Ray's logs)
 
 
-def _note(line: str) -> None:
-    """A status line on the terminal: kava_ray.runtime.console's (the saved terminal while `quiet` redirects fd 2) when
-    that module is in use, else stderr. Looked up, not imported: connect sits below the console in no contract."""
-    status = getattr(sys.modules.get("kava_ray.runtime.console"), "status", None)
-    if status is not None:
-        status(line)
-    else:
-        print(line, file=sys.stderr, flush=True)
-
-
 def single_machine_mode() -> None:
     """Ray's single-machine mode for this process and every process it starts: 127.0.0.1 stays 127.0.0.1.
 
-    On Linux Ray rewrites a loopback node IP / address to the machine's routable IP and binds every
-    server (GCS, raylet, object manager, workers, dashboard, agents) to it, unless
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0. Ray reads that variable once, at `import ray`, into
-    `ray_constants.ENABLE_RAY_CLUSTER`, which `services.get_node_ip_address` and
-    `resolve_ip_for_localhost` read at call time: the variable reaches the processes Ray starts, the
-    constant this (already importing) driver. The constant is the one Ray private API kava-ray sets;
-    tests/test_service_ray.py (every listening socket of an embedded Ray on loopback) guards it.
+    Sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and Ray's already-imported constant (the one private Ray API
+    kava-ray sets); why both: docs/internals/runtime.md#connect.
     """
     from kava_ray.runtime.ray_private import set_single_machine_constant
 
@@ -152,8 +134,8 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
                             "and pass --address auto")
         head = running_head()
         if head:
-            _note(f"note: a Ray cluster is running on this machine ({head}); kava-ray uses its own embedded Ray "
-                  f"unless you pass --address auto")
+            status(f"note: a Ray cluster is running on this machine ({head}); kava-ray uses its own embedded Ray "
+                   f"unless you pass --address auto")
         single_machine_mode()
         # Fixed defaults (44227, 44217) that a second Ray on this machine would already hold; read by the
         # dashboard and autoscaler processes ray.init starts. (The dashboard agent's HTTP port, 52365, has
@@ -196,6 +178,32 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
                 " (a cluster started with RAY_AUTH_MODE=token needs it here too: export RAY_AUTH_MODE=token)")
         raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}{hint}") from None
     return address
+
+
+def disconnect(collect_logs: bool = True) -> None:
+    """Leave Ray (`ray.shutdown()`, the one call of it): the quiet console copies Ray's logs first, which needs
+    Ray up. collect_logs=False: a client of a cluster, whose workers' logs stay with the cluster."""
+    if collect_logs:
+        collect_before_shutdown()
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def owned_ray(connected: str, client: bool = False) -> Iterator[str]:
+    """Yield `connected` (what `connect` answered); on exit shut down the Ray it started ("embedded"). A Ray the
+    caller had started ("existing") stays up. client=True: disconnect whatever Ray was joined (a command that
+    only asks a cluster something; the cluster and its detached actors stay up)."""
+    try:
+        yield connected
+    finally:
+        if client or connected == "embedded":
+            disconnect(collect_logs=not client)
+
+
+def ray_session(address: Optional[str], namespace: str, client: bool = False, **kwargs):
+    """`with ray_session(address, namespace, ...) as connected:` connected to Ray for the block (`connect`'s
+    keyword arguments), then `owned_ray`'s shutdown rule."""
+    return owned_ray(connect(address, namespace, **kwargs), client)
 
 
 def resolve_use_gpu(use_gpu) -> bool:

@@ -1,19 +1,8 @@
 """A quiet console: status lines and one progress bar on the terminal, every other line in the run's logs.
 
-`with quiet(run_dir / "logs", verbose):` around a command's work (train does it as soon as its run dir is
-named, before Ray starts):
-
-- the driver's file descriptors 1 and 2 (and `sys.stdout` / `sys.stderr`) point at `logs/driver.log`: Ray's,
-  transformers', torch's, bitsandbytes' and torchao's log lines, Python warnings, Ray's C++ lines of the
-  driver's core worker, tqdm bars of libraries, all of it (a descriptor-level redirect is a superset of
-  routing each library's `logging` handler and `warnings.showwarning`: it also takes C++ and `print` output);
-- `status(line)` and the progress bar (`console()`) write to the terminal saved before the redirect;
-- Ray is started with `log_to_driver=False` (`kava_ray.runtime.connect.LOG_TO_DRIVER`, which `quiet` turns off):
-  workers and actors keep writing into Ray's session dir, and on the way out `collect_ray_logs` copies this
-  job's worker/actor logs (named by actor class and pid) and Ray Train's own logs into `logs/ray/`.
-
-`verbose=True` changes nothing: everything streams to the terminal as before, and the logs dir still gets
-the Ray logs copied at the end. Nested `quiet` calls are no-ops (the outermost one owns the redirect).
+`status(line)` is kava-ray's one writer of status lines. `with quiet(run_dir / "logs", verbose):` sends the
+driver's fds 1 and 2 to `logs/driver.log` and copies Ray's worker logs into `logs/ray/` on the way out;
+`verbose` leaves everything live. How the redirect works: docs/internals/runtime.md#console.
 """
 
 from __future__ import annotations

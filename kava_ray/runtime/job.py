@@ -17,10 +17,18 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
 
+from actors.feed import ActorSource
+from actors.kv_cache import CacheSource, CacheWriter, KVCache, cache_meta, check_logits
+from actors.kv_cache import precompute as write_cache
+from actors.pool import check_resources, find_pool, pool_status, start_missing, start_pool, stop_pool, unplaceable
 from kava_ray.common import placement, resources
-from kava_ray.common.config import JobConfig
+from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.errors import KavaError, root_cause
+from kava_ray.core.kv import kv_bytes_per_token
 from kava_ray.core.plans import (
     TeacherPlan,
     check_vocab,
@@ -34,6 +42,12 @@ from kava_ray.core.plans import (
     teacher_tokenizers,
     vocab_maps,
 )
+from kava_ray.data.tokenize import portable
+from kava_ray.runtime.connect import connect, owned_ray, resolve_use_gpu
+from kava_ray.runtime.console import status
+from kava_ray.runtime.node_paths import Read, check_node_paths, reads, tokenizer_reads
+from kava_ray.runtime.planner import check_fits
+from kava_ray.runtime.preflight import preflight
 
 # ----------------------------------------------------------------------------------------- Ray
 
@@ -41,10 +55,15 @@ from kava_ray.core.plans import (
 def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: int = 1,
                 require_cluster: bool = False) -> str:
     """Connect to the job's Ray (`address`, else `ray.address`, else an embedded one sized for the job)."""
-    from kava_ray.runtime.connect import connect
-
     return connect(address or cfg.ray.address, cfg.ray.namespace,
                    num_cpus=cfg.ray.num_cpus or resources.embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster)
+
+
+def job_session(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: int = 1,
+                require_cluster: bool = False, client: bool = False):
+    """`with job_session(cfg) as connected:` the job's Ray (`connect_job`) for the block; on exit the Ray it
+    started is shut down (`connect.owned_ray`; `client`: always left, a cluster's client)."""
+    return owned_ray(connect_job(cfg, address, concurrent_runs, require_cluster), client)
 
 
 # ------------------------------------------------------------------------------------ teachers
@@ -62,6 +81,7 @@ class JobTeachers:
     started: list[str]
     connected: str
     setup_s: float = 0.0
+    use_gpu: Optional[bool] = None  # train / tune: whether the Train workers get GPUs (ray.use_gpu resolved)
 
     def source(self, data_fingerprint: Optional[str] = None):
         """The KV source of this job (the cache, or these handles)."""
@@ -70,45 +90,67 @@ class JobTeachers:
 
 @contextlib.contextmanager
 def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = False, concurrent_runs: int = 1,
-                 on_connected: Optional[Callable[[str], None]] = None, command: str = "") -> Iterator[JobTeachers]:
+                 command: str = "") -> Iterator[JobTeachers]:
     """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
     and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
     the KV source. On exit it stops only the teacher replicas it started (a pool that was running, or the part of
     it that was, stays up) and shuts down only a Ray it started.
 
-    on_connected(connected): runs once Ray is up, before any teacher starts (resource checks, status lines).
-    command: "train" / "tune" when Ray Train workers will read the job's inputs: on a cluster, the local paths they
-    and the teachers read are looked at on the nodes that read them (`kava_ray.runtime.node_paths`) before any teacher
-    starts.
+    command: "train" / "tune" when Ray Train workers will run: once Ray is up and before any teacher starts, the
+    run's actors must fit the cluster (`check_run_fits`) and, on a cluster, the local paths they and the teachers
+    read are looked at on the nodes that read them (`kava_ray.runtime.node_paths`).
     """
-    connected = connect_job(cfg, address, concurrent_runs)
-    try:
-        if on_connected is not None:
-            on_connected(connected)
+    t0 = time.time()
+    with job_session(cfg, address, concurrent_runs) as connected:
+        use_gpu = check_run_fits(cfg, command, connected, t0) if command in ("train", "tune") else None
         on_nodes = connected != "embedded"  # other nodes than this one may read the job's local paths
         if on_nodes:
-            from kava_ray.runtime.connect import resolve_use_gpu
-            from kava_ray.runtime.node_paths import check_node_paths, reads, tokenizer_reads
-
-            use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+            use_gpu = resolve_use_gpu(cfg.ray.use_gpu) if use_gpu is None else use_gpu
             check_node_paths(reads(cfg, command, use_gpu))
         t0 = time.time()
         handles, plans, started = setup_teachers(cfg, restart=restart)
         try:
             if on_nodes and command in ("train", "tune"):
                 check_node_paths(tokenizer_reads(cfg, plans, use_gpu))
-            yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0)
+            yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0, use_gpu)
         finally:
             if started:
-                from actors.pool import stop_pool
-
                 stop_pool(cfg, only=started)
-    finally:
-        if connected == "embedded":  # ours to stop; a Ray the caller started stays up
-            from kava_ray.runtime.console import collect_before_shutdown
 
-            collect_before_shutdown()  # the quiet console's copy of Ray's logs needs Ray up
-            ray.shutdown()
+
+def check_run_fits(cfg: JobConfig, command: str, connected: str, t0: float) -> bool:
+    """Ray is up, no teacher has started: the teachers and a run's Train workers (`train`: with the run's
+    controller, and its planned memory on the smallest GPU) must fit, node by node. Returns use_gpu."""
+    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+    if command == "tune":  # the teachers and one trial's Train workers
+        check_resources(cfg, workers=resources.worker(cfg, use_gpu))
+        return use_gpu
+    status(f"connecting: {describe_ray(connected)} in {time.time() - t0:.0f} s")
+    check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
+    if use_gpu:
+        check_gpu_memory(cfg)
+    return use_gpu
+
+
+def check_gpu_memory(cfg: JobConfig) -> None:
+    """Refuse a config the planner says cannot fit the cluster's smallest GPU (one line + the fix)."""
+    @ray.remote(num_gpus=0.001, num_cpus=0)
+    def gpu_memory() -> int:  # runs on a GPU node: the driver may be a CPU-only head
+        return torch.cuda.get_device_properties(0).total_memory
+
+    check_fits(cfg, int(ray.get(gpu_memory.remote(), timeout=120)))
+
+
+def describe_ray(connected: str) -> str:
+    """`embedded Ray (8 CPUs, 127.0.0.1)` / `Ray at ADDRESS (16 CPUs, 2 GPUs)`."""
+    res = ray.cluster_resources()
+    parts = [f"{res.get('CPU', 0):.0f} CPUs"] + ([f"{res['GPU']:.0f} GPUs"] if res.get("GPU") else [])
+    if connected in ("embedded", "existing"):
+        with contextlib.suppress(Exception):
+            parts.append(ray.util.get_node_ip_address())
+        kind = "embedded Ray" if connected == "embedded" else "this process's Ray"
+        return f"{kind} ({', '.join(parts)})"
+    return f"Ray at {connected} ({', '.join(parts)})"
 
 
 def teacher_geometries(handles: dict) -> dict[str, dict]:
@@ -172,8 +214,6 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
     A running pool started for another config (model, weights, quantization, dtype, key space) is refused
     in one line, or replaced with `restart` (`--restart-teachers`).
     """
-    from actors.kv_cache import KVCache, check_logits
-    from actors.pool import find_pool, start_missing, stop_pool
 
     if cfg.data.kv_source == "cache":
         cache = KVCache(cfg.data.kv_cache_dir)
@@ -209,9 +249,6 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
     """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked against
     this job when `data_fingerprint`, the training split's fingerprint, is given) or the live actors
     (`handles`, else found by name)."""
-    from actors.feed import ActorSource
-    from actors.kv_cache import CacheSource, KVCache, cache_meta
-    from actors.pool import find_pool, unplaceable
 
     if cfg.data.kv_source == "cache":
         meta = cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg)) if data_fingerprint is not None else None
@@ -227,24 +264,17 @@ def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> 
     """`kava-ray teachers up | status | down` on a running cluster: start the pool as detached actors (they
     outlive the command), list it, or stop it. Returns {"action", "teachers" (up: names with replica counts,
     status: rows, down: the stopped names), "namespace"}."""
-    from actors import pool
-
-    connect_job(cfg, address, require_cluster=True)
-    try:
+    with job_session(cfg, address, require_cluster=True, client=True):  # the pool (detached) outlives it
         if action == "up":
-            from kava_ray.runtime.node_paths import check_node_paths, reads
-
             check_node_paths(reads(cfg))  # the teachers' model paths, on the nodes that load them
-            handles = pool.start_pool(cfg, detached=True)
+            handles = start_pool(cfg, detached=True)
             out = [n + (f" ({len(h)} replicas)" if len(h) > 1 else "") for n, h in handles.items()]
         elif action == "down":
-            out = pool.stop_pool(cfg)
+            out = stop_pool(cfg)
         elif action == "status":
-            out = pool.pool_status(cfg)
+            out = pool_status(cfg)
         else:
             raise KavaError(f"unknown teachers action {action!r} (up, status, down)")
-    finally:
-        ray.shutdown()  # a client of the cluster: the pool (detached) stays
     return {"action": action, "teachers": out, "namespace": cfg.ray.namespace}
 
 
@@ -253,14 +283,9 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
     """`kava-ray teachers precompute`: the teacher KV of every example of the training, validation and test
     splits to disk, once each (`actors.kv_cache`: any batch size, data seed or number of epochs reads it), from
     the running pool (checked against the config) or one started for it."""
-    from tqdm import tqdm
-
-    from actors.kv_cache import precompute as write_cache
-    from kava_ray.runtime.preflight import preflight
-
     preflight(cfg, "teachers precompute", out=out_dir, address=address)  # before any teacher starts
     if cfg.data.kv_source != "live":  # precompute always asks live teachers
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"kv_source": "live"})})
+        cfg = derive(cfg, {"data.kv_source": "live"})
     with job_teachers(cfg, address, restart=restart_teachers) as job:
         tok = student_tokenizer(cfg)[0]
         teacher_toks = teacher_tokenizers(job.plans)
@@ -287,8 +312,6 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
 def writer_node(cfg: JobConfig, handles: dict, plans: dict) -> Optional[str]:
     """Where `teachers precompute` writes the cache from: the node of the teacher that ships the most KV per
     token (its first replica), or None when that is this driver's node."""
-    from kava_ray.core.kv import kv_bytes_per_token
-
     heaviest = max(plans, key=lambda n: kv_bytes_per_token(plans[n].geometry, cfg.align.wire_dtype, plans[n].layers))
     node = teacher_weights({heaviest: handles[heaviest]})[heaviest][0].get("node_id")  # (a pool of an older version:
     return None if node in (None, ray.get_runtime_context().get_node_id()) else node  # none; written from here)
@@ -297,12 +320,6 @@ def writer_node(cfg: JobConfig, handles: dict, plans: dict) -> Optional[str]:
 def _write_on(node: str, cfg: JobConfig, out_dir, args: tuple, kwargs: dict, report: Callable[[dict], None]) -> dict:
     """`actors.kv_cache.precompute` in a `CacheWriter` actor on `node`; the cache dir must be the one the driver
     sees (shared storage), which a file the driver writes there proves before anything is written."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from actors.kv_cache import CacheWriter
-    from kava_ray.data.tokenize import portable
-    from kava_ray.runtime.node_paths import Read, check_node_paths
-
     writer_demand = placement.Demand("the KV cache writer", {})
     check_node_paths([Read("--out", str(out_dir), "the teachers", writer_demand, writes=True, does="write their KV")],
                      only={node})

@@ -1,16 +1,9 @@
-"""Several Ray nodes on one machine (docs/cluster.md, "Several nodes on one machine"): a head with no CPUs, a
-teacher node and a student node, each its own raylet and object store, all on 127.0.0.1, labelled the way
-cluster.yaml labels its node types. What the multinode tests and `kava-ray bench feed`'s cross-node regime run on.
+"""Several Ray nodes on one machine (a CPU-less head, a teacher node, a student node), as cluster.yaml labels them.
 
     RAY_AUTH_MODE=token python -m kava_ray.runtime.local_cluster [--stdin]
 
-prints the GCS address, then keeps the nodes up until Ctrl+C (or, with --stdin, until its stdin closes). With
---stdin it also takes a command per line, answering each with one line: `add teacher` / `add student` starts
-another node of that kind (the answer: its node id), `remove NODE_ID` kills every process of that node at once,
-as a machine that dies (`Cluster.remove_node`; the answer: `removed`).
-
-Built on `ray.cluster_utils.Cluster`, the multi-raylet harness Ray's own object-manager and Train scheduling tests
-use. Token authentication stays as the environment sets it.
+prints the GCS address and keeps the nodes up; with --stdin it takes `add teacher` / `add student` /
+`remove NODE_ID` per line. Details: docs/internals/runtime.md#local-cluster.
 """
 
 from __future__ import annotations

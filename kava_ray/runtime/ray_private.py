@@ -1,23 +1,7 @@
 """The private Ray APIs kava-ray uses, in one place, written against Ray 2.60.
 
-Ray has no public equivalent for these four; everything else goes through public APIs.
-`tests/test_ray_private.py` fails loudly when the installed Ray is not the version below or one of these
-attributes is gone, so an upgrade is a deliberate re-check of this file, not a silent break:
-
-- `ray._private.ray_constants.ENABLE_RAY_CLUSTER`: read by Ray's IP resolution at call time; set to False
-  (with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 for the processes Ray starts) it keeps a single-machine Ray on
-  127.0.0.1 (`kava_ray.runtime.connect.single_machine_mode`).
-- `ray._private.worker._global_node.get_logs_dir_path()`: the local session's logs dir, from which a run
-  collects its workers' logs into `RUN_DIR/logs/ray/` (`kava_ray.runtime.console.collect_ray_logs`).
-- `TorchTrainer._register_sigint_handler`: Ray Train V2 installs a SIGINT handler that aborts "gracefully"
-  (~15 s, a traceback, exit 1); kava-ray replaces it with nothing so Ctrl-C is one line and exit 130
-  (`kava_ray.recipes.train.fit`).
-- Ray Train's torch backend (`TorchConfig().backend_cls`, whose `on_start` sets up the process group) and the
-  worker group its `on_start` receives (`execute_single`, `execute_single_async`, `get_resources_per_worker`,
-  `len`), and the function its `on_start` sets each worker's torchrun variables with
-  (`ray.train.torch.config._set_torch_distributed_env_vars`): `kava_ray.runtime.process_group` subclasses the one and
-  drives the other to bind the group's store to 127.0.0.1 on one machine (Ray's `TorchConfig` has no option for
-  where the store listens).
+`tests/test_ray_private.py` fails loudly when the installed Ray is another version or an attribute is gone.
+Which APIs and why each has no public equivalent: docs/internals/runtime.md#ray-private.
 """
 
 from __future__ import annotations

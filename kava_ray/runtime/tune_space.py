@@ -25,12 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kava_ray.common.config import (
     JobConfig,
+    derive,
     did_you_mean,
     format_validation_error,
     read_yaml_mapping,
     section_of,
-    set_dotted,
-    validate_config,
 )
 from kava_ray.common.errors import KavaError
 
@@ -253,10 +252,7 @@ def to_param_space(spec: SpaceSpec) -> dict[str, Any]:
 
 def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
     """A validated copy of `base` with flat dotted params (a trial's config) set."""
-    data = base.to_dict()
-    for key, value in params.items():
-        set_dotted(data, key.split("."), value)
-    return validate_config(data)
+    return derive(base, params)
 
 
 def last_judged_step(steps: int, eval_steps: int) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.files import write_json
 
 LayerMap = list[tuple[int, list[tuple[int, float]]]]
 
@@ -279,7 +280,7 @@ def layer_map_json(layer_map: LayerMap) -> list:
 
 def save_layer_map(layer_map: LayerMap, path: str | Path) -> None:
     """Write a map as JSON: {"layer_map": [[student, [[teacher, weight], ...]], ...]}."""
-    Path(path).write_text(json.dumps({"layer_map": layer_map_json(layer_map)}, indent=1))
+    write_json(path, {"layer_map": layer_map_json(layer_map)})
 
 
 def _parse_map(entries) -> LayerMap:

@@ -1,0 +1,33 @@
+"""The names of the step's metrics, defined once: the Distiller and the losses make them, the recipe sums or
+averages them, evaluation, the report and the trackers read them (metrics.jsonl keys)."""
+
+from __future__ import annotations
+
+LOSS, CE, KV_LOSS = "loss", "ce", "kv_loss"
+COS_SIM = "cos_sim"  # centred per (layer, head) over the batch's counted tokens: a constant target scores 0
+COS_RAW = "cos_raw"  # the plain cosine (flattered by constants)
+COS_LAYERS = ("cos_layer/first", "cos_layer/middle", "cos_layer/last")  # centred, at those student layers
+CONTRAST_GAP = "contrast_gap"
+LOGIT_KL = "logit_kl"  # the logit KD loss, weighted over teachers
+TOKENS, KV_TOKENS, LABEL_TOKENS = "tokens", "kv_tokens", "label_tokens"  # real / KV-counted / next-token positions
+SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV (the recipe's count)
+SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES)  # summed over micro-batches and ranks; the rest: means
+
+# per teacher, as `of(COS, teacher)`: cos/<t> (centred), cos_raw/<t>, aligned/<t> (the share of KV positions a
+# teacher of another tokenizer covers), fusion/<t> (its fusion weight), top1_agree/<t>, and the logit terms
+# logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>
+COS, ALIGNED, FUSION, TOP1_AGREE = "cos", "aligned", "fusion", "top1_agree"
+LOGIT_PER_TEACHER = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
+
+_PHASES = [(0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")]
+
+
+def of(name: str, teacher: str) -> str:
+    """A per-teacher metric's name: `cos/<teacher>`."""
+    return f"{name}/{teacher}"
+
+
+def phase(cos: float) -> str:
+    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores ~0:
+    "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real keys."""
+    return next((name for limit, name in _PHASES if cos < limit), "Excellent")
