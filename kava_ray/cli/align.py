@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_address, add_config_args, add_json, add_verbose, job_config, quiet, show
+from kava_ray.cli.shared import add_address, add_config_args, add_output, job_config, quiet, show
 
 
 def register(sub) -> None:
@@ -18,9 +18,7 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="the JSON (default: <ray.storage_path>/cka/<config name>.json); "
                                                "a PNG per teacher goes next to it")
     add_address(p)
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=cka)
+    add_output(p, cka)
 
 
 def cka(args) -> int:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_address, add_json, add_verbose, show
+from kava_ray.cli.shared import add_address, add_output, show
 
 
 def register(sub) -> None:
     p = sub.add_parser("demo", help="the CPU demo: real SmolLM2 teachers (fp32 + NF4) -> a 6-layer student")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
     add_address(p)
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=demo)
+    add_output(p, demo)
 
 
 def demo(args) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_address, add_json, add_restart_teachers, add_verbose, quiet, show
+from kava_ray.cli.shared import add_address, add_output, add_restart_teachers, quiet, show
 from kava_ray.common.files import format_table
 
 
@@ -13,9 +13,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_address(p)
     add_restart_teachers(p)
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=evaluate)
+    add_output(p, evaluate)
 
 
 def evaluate(args) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kava_ray.cli.shared import EXIT_DOES_NOT_FIT, add_config_args, add_json, add_verbose, job_config, quiet, show
+from kava_ray.cli.shared import EXIT_DOES_NOT_FIT, add_config_args, add_output, job_config, quiet, show
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
 
@@ -20,9 +20,7 @@ def register(sub) -> None:
                        help="also place the job on the nodes this Ray cluster launcher config can bring up")
     where.add_argument("--address", default=None,
                        help="also place the job on the live nodes of this running Ray cluster (auto = local head)")
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=plan)
+    add_output(p, plan)
 
 
 def plan(args) -> int:

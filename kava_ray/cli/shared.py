@@ -84,6 +84,13 @@ def add_verbose(p: argparse.ArgumentParser) -> None:
                         "and the progress bar; the rest goes to the run's logs/ dir)")
 
 
+def add_output(p: argparse.ArgumentParser, handler) -> None:
+    """--json and --verbose (a command that starts Ray), then the command's handler."""
+    add_json(p)
+    add_verbose(p)
+    p.set_defaults(func=handler)
+
+
 def add_address(p: argparse.ArgumentParser, cluster_only: bool = False) -> None:
     help_ = ("Ray address of a running cluster (auto = a local `ray start --head`)" if cluster_only else
              "Ray address (default: an embedded local Ray of the job's own; auto = a local `ray start --head`)")

@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import (
-    add_address,
-    add_config_args,
-    add_json,
-    add_name,
-    add_restart_teachers,
-    add_verbose,
-    job_config,
-    show,
-)
+from kava_ray.cli import shared
 from kava_ray.common.files import format_table
 
 METRICS = ("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wait_s")  # the prefixes shown
@@ -19,27 +10,25 @@ METRICS = ("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wai
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
-    add_config_args(p)
-    add_address(p)
+    shared.add_config_args(p)
+    shared.add_address(p)
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue a run: its directory (latest checkpoint) or one checkpoint dir")
     p.add_argument("--resume-override", action="store_true",
                    help="with --resume: continue with this config's optim.*/train.*/data.* values where they differ")
-    add_name(p, "run")
-    add_restart_teachers(p)
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=train)
+    shared.add_name(p, "run")
+    shared.add_restart_teachers(p)
+    shared.add_output(p, train)
 
 
 def train(args) -> int:
     from kava_ray.recipes.train import run_training
 
-    cfg = job_config(args)
+    cfg = shared.job_config(args)
     out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
                        resume_override=args.resume_override, restart_teachers=args.restart_teachers,
                        verbose=args.verbose)
-    return show(args, format_final(out), out)
+    return shared.show(args, format_final(out), out)
 
 
 def format_final(out: dict) -> str:

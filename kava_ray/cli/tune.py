@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import (
-    add_address,
-    add_config_args,
-    add_json,
-    add_name,
-    add_restart_teachers,
-    add_verbose,
-    job_config,
-    quiet,
-    show,
-)
+from kava_ray.cli import shared
 
 
 def register(sub) -> None:
     p = sub.add_parser("tune", help="Ray Tune search over projector/loss hyper-parameters (shared teachers)")
-    add_config_args(p)
+    shared.add_config_args(p)
     p.add_argument("--space", required=True, help="a search-space YAML or a name in tune_spaces/ (e.g. default)")
     p.add_argument("--num-samples", type=int, default=None)
     p.add_argument("--max-concurrent", type=int, default=None)
-    add_name(p, "sweep")
-    add_restart_teachers(p)
+    shared.add_name(p, "sweep")
+    shared.add_restart_teachers(p)
     p.add_argument("--resume", default=None, metavar="SWEEP_DIR",
                    help="continue an interrupted sweep: its directory (or its name); finished trials stay")
-    add_address(p)
-    add_json(p)
-    add_verbose(p)
-    p.set_defaults(func=tune)
+    shared.add_address(p)
+    shared.add_output(p, tune)
 
 
 def tune(args) -> int:
     from kava_ray.recipes.tune import format_results, run_tune
 
-    cfg = job_config(args)
-    with quiet(args, "tune", cfg.ray.storage_path):
+    cfg = shared.job_config(args)
+    with shared.quiet(args, "tune", cfg.ray.storage_path):
         out = run_tune(cfg, args.space, num_samples=args.num_samples, max_concurrent=args.max_concurrent,
                        resume=args.resume, name=args.name, address=args.address,
                        restart_teachers=args.restart_teachers)
-    return show(args, format_results(out), out)
+    return shared.show(args, format_results(out), out)
