@@ -1,16 +1,10 @@
 """KVFeed: the student-side prefetcher that keeps teacher work ahead of the student.
 
-Inside a train worker, the feed keeps `depth` batches in flight to every teacher at once and
-hands back batch i's KV from all teachers, in order, as KVBatches on the worker's device. The
-time the student blocked waiting for teachers is recorded per step (`teacher_wait_s`): near 0
-means teacher work is hidden behind the student's step.
-
-Teacher answers come from a `KVSource`: live actors (`ActorSource`) or the on-disk cache written by
-`kava-ray teachers precompute` (`actors.kv_cache.CacheSource`).
-
-A batch whose decoded K or V holds NaN/Inf (`on_bad_kv`, the worker passes `train.on_bad_kv`) is either
-skipped — the feed hands back the next batch instead, counts it in `skipped` and logs one warning line —
-or stops the run with `BadKV`, one line naming the teacher and the batch key.
+Inside a train worker, the feed keeps `depth` batches in flight to every teacher at once and hands back batch
+i's KV from all teachers, in order, as KVBatches on the worker's device; the time the student waited is
+`teacher_wait_s` (near 0: teacher work is hidden). Answers come from a `KVSource`: live actors (`ActorSource`)
+or the on-disk cache (`actors.kv_cache.CacheSource`). A batch with NaN/Inf K or V is skipped or stops the run
+(`on_bad_kv`): docs/internals/step.md#feed.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Teacher KV on disk: `kava-ray teachers precompute` writes it, `data.kv_source: cache` reads it.
 
-The cache is indexed by example: every example of the training, validation and test splits is run through
-the teachers once (in batches of `train.batch_size`, in split order) and stored on its own, cut to its real
-tokens. A job assembles each batch it trains on from its examples, whatever its batch size, data seed
-(`train.data_seed`), number of epochs or DDP ranks, so one precompute serves every run and every seed of a
-bench with one teacher forward per example.
-
-Layout of a cache dir:
-  manifest.json                 meta: `layout: examples`, the training split's fingerprint (`data`), wire dtype,
-                                key space, per-teacher layers + geometry (+ `logits_top_k` with teacher logits)
-  index.jsonl                   one line per stored example: {key, file, sha256, bytes}, key = `<split>/x<i>`
-                                (appended as examples are written: an interrupted precompute resumes)
-  tokenizers/<teacher>/         the tokenizer of a teacher whose tokenizer differs from the student's
-                                (its positions are aligned by characters from the same text), and when its
-                                logits are cached its vocabulary map to the student's (vocab_map-*.npz)
-  shard-<hash of key>.safetensors  one example: `<teacher>.k`, `<teacher>.v` [L, 1, H, n, D] (+ `.k_scale`,
-                                `.v_scale` for fp8; + `.topk_ids`, `.topk_logp`, `.topk_tail` with teacher logits);
-                                the wire metadata in the safetensors header
-A cache written before this layout (one shard per batch key, listed in manifest.json's `shards`) is still
-read by batch key. Every shard is written to a temp file and renamed before its index line is appended;
-reads verify the checksum. An fp8 cache read in another batch composition is re-quantized per batch (one
-more fp8 rounding); bf16 and fp16 round-trip exactly.
+Indexed by example: every example of the training, validation and test splits goes through the teachers once
+and is stored on its own, so a job assembles each batch from its examples whatever its batch size, data seed,
+epochs or DDP ranks -- one precompute serves every run and every seed. A shard is written to a temp file and
+renamed before its index line is appended (an interrupted precompute resumes); reads verify the checksum.
+The layout of a cache dir, the older per-batch layout and fp8: docs/internals/runtime.md#kv-cache.
 """
 
 from __future__ import annotations

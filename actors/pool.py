@@ -17,6 +17,7 @@ import zlib
 from typing import Optional
 
 import ray
+from ray.util import get_placement_group
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -25,6 +26,8 @@ from kava_ray.common import placement, resources
 from kava_ray.common.config import JobConfig, TeacherConfig, replica_label
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
+from kava_ray.core.kv import kv_bytes_per_token
+from kava_ray.core.models import KVGeometry
 
 ACTOR_PREFIX = "kava-teacher-"
 TASK_RETRIES = 5
@@ -243,8 +246,6 @@ def start_missing(cfg: JobConfig, timeout_s: float = 600.0) -> tuple[dict, list[
 def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
     """Kill the running teachers of cfg (and their placement groups), or only the replicas labelled in `only`
     (those a command started); returns the labels stopped."""
-    from ray.util import get_placement_group
-
     stopped = []
     for t in cfg.teachers:
         for r, h in _running_replicas(t, cfg.ray.namespace):
@@ -262,9 +263,6 @@ def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
 
 def pool_status(cfg: JobConfig) -> list[dict]:
     """One row per teacher of cfg: geometry, device, counters; `running: False` for a missing one."""
-    from kava_ray.core.kv import kv_bytes_per_token
-    from kava_ray.core.models import KVGeometry
-
     rows = []
     for t in cfg.teachers:
         running = dict(_running_replicas(t, cfg.ray.namespace))
@@ -308,7 +306,7 @@ def pool_stats(handles: dict, since: Optional[dict] = None) -> dict:
 def _num_restarts(name: str, namespace: str):
     """Restart count from Ray's state API (needs the dashboard); '?' when it is not available."""
     try:
-        from ray.util.state import list_actors
+        from ray.util.state import list_actors  # needs ray[default] (the dashboard's packages): '?' without it
 
         # the cluster this driver is connected to (auto-detection fails when a machine runs two Rays)
         found = list_actors(address=ray.get_runtime_context().gcs_address, timeout=5, raise_on_missing_output=False,

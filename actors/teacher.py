@@ -26,16 +26,13 @@ from kava_ray.common.config import TeacherConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import content_key, first_line
 from kava_ray.core.kv import teacher_forward_kv, wire_logits_nbytes, wire_nbytes
-from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
+from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_tokenizer, resolve_packaged_file
 from kava_ray.data import tokenizer_fingerprint
 
 
 def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
-    """(device_map for from_pretrained, device label) for a teacher given its GPU share.
-
-    Ray sets CUDA_VISIBLE_DEVICES for the actor, so its GPUs are cuda:0..n-1. A teacher with more
-    than one GPU is spread across them by accelerate (`device_map="auto"`).
-    """
+    """(device_map for from_pretrained, device label) for a teacher's GPU share. Ray sets CUDA_VISIBLE_DEVICES for
+    the actor, so its GPUs are cuda:0..n-1; more than one are spread across by accelerate (`device_map="auto"`)."""
     if num_gpus > 0 and torch.cuda.is_available():
         if num_gpus > 1:
             return "auto", f"cuda x{torch.cuda.device_count()}"
@@ -47,8 +44,6 @@ def weights_fingerprint(spec: str) -> Optional[str]:
     """A fingerprint of a local model's content (each weights and config file's name and `content_key`: size,
     first and last MiB), or None for a hub id. Where or when the files were written does not count: two copies
     of the same weights (on two nodes, in two places) match; weights rewritten with other values do not."""
-    from kava_ray.core.models import PYPI_SCHEME, resolve_packaged_file
-
     path = resolve_packaged_file(spec) if spec.startswith(PYPI_SCHEME) else Path(spec).expanduser()
     if not path.exists():
         return None

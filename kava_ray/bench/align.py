@@ -1,20 +1,10 @@
 """`kava-ray bench align`: layer maps, head projection and token alignment side by side, at equal steps.
 
-Two parts, each a set of variants trained for the same number of steps from the same start (student,
-projector seed, batches):
-
-- same tokenizer (the demo's real SmolLM2-135M teacher -> its 6-layer student): layer map `ratio` vs a
-  `cka` map measured by `kava-ray align cka` on the training data, x `head_proj` shared vs per_head;
-- another tokenizer (a tiny random Llama built around the real Llama-3 tokenizer -> the same student):
-  `align.token_align` mean vs last vs first. The teacher's weights are random, so its numbers show what the
-  alignment does to a teacher whose KV depends on its tokens, not what a trained Llama-3 would teach.
-
-Every variant runs the production step (`recipes.distill.DistillRecipe.step`) and the validation evaluation
-(`DistillRecipe.evaluate`, what Tune and checkpoint selection read) in this process; teacher KV comes from
-the production forward (`kv.teacher_forward_kv`, via `testing.InProcessSource`) outside the timed step.
-Reported: validation centred cos, contrast gap and CE, median step time; for the aligned teacher also the
-share of student tokens aligned, teacher tokens per student token, and the alignment's own time per batch
-(building it from text and applying it to the KV).
+Two parts, each a set of variants trained for the same number of steps from the same start: the same tokenizer
+(layer map `ratio` vs `cka`, x `head_proj` shared vs per_head) and another tokenizer (`align.token_align` mean
+vs last vs first). Every variant runs the production step and validation in this process, with teacher KV
+from the production forward outside the timed step. The models, and what is reported:
+docs/internals/runtime.md#bench-align.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kava_ray.bench.feed import format_feed_bench, run_feed_bench
+from kava_ray.bench.step import format_step_bench, run_step_bench
+from kava_ray.bench.vocab import format_vocab_bench, run_vocab_bench
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 
@@ -26,10 +29,6 @@ MEMORY_CMD = "`kava-ray bench step --memory`"
 
 def run_all(feed_kwargs: Optional[dict] = None, step_kwargs: Optional[dict] = None) -> dict:
     """Every bench once, in this order (each its own Ray or none); wall seconds of each."""
-    from kava_ray.bench.feed import run_feed_bench
-    from kava_ray.bench.step import run_step_bench
-    from kava_ray.bench.vocab import run_vocab_bench
-
     out, wall = {}, {}
     step_kwargs = {"memory": True} if step_kwargs is None else step_kwargs
     for name, fn, kw in (("feed", run_feed_bench, feed_kwargs), ("step", run_step_bench, step_kwargs),
@@ -117,9 +116,6 @@ def step_summary_rows(step: dict) -> list[list[str]]:
 
 def performance_block(r: dict, machine: str) -> str:
     """The Performance block: the summary table, then each bench's own tables."""
-    from kava_ray.bench.feed import format_feed_bench
-    from kava_ray.bench.step import format_step_bench
-
     rows = summary_rows(r)
     table = ["| figure | measured | target | regenerate |", "|---|---|---|---|"]
     table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
@@ -131,8 +127,6 @@ def performance_block(r: dict, machine: str) -> str:
     if r.get("step"):
         parts += ["", "```", format_step_bench(r["step"]), "```"]
     if r.get("vocab"):  # not a timing: what teachers of another tokenizer can give the logits, real tokenizers
-        from kava_ray.bench.vocab import format_vocab_bench
-
         parts += ["", "`kava-ray bench vocab`:", "", "```", format_vocab_bench(r["vocab"]), "```"]
     parts.append(PERF_END)
     return "\n".join(parts)

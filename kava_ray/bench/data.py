@@ -22,10 +22,20 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from kava_ray.common.config import validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
+from kava_ray.core.models import load_tokenizer
+from kava_ray.core.plans import load_splits
+from kava_ray.data import BatchStream, plan_batches, synthetic_gsm8k, tokenize_split
 from kava_ray.data.batching import RELEASE_EVERY
+from kava_ray.data.corpus import pydoc_topics, split_topics
 from kava_ray.runtime.console import status
+from kava_ray.testing.tiny import build_tiny_model
+from kava_ray.testing.tokenizers import ensure_tokenizer
 
 SIZES_MB = (10, 100, 1000)
 ROW_CAP = 1024  # unpacked text documents, one per row, are cut here for the padding comparison
@@ -33,8 +43,6 @@ ROW_CAP = 1024  # unpacked text documents, one per row, are cut here for the pad
 
 def write_corpus(path: Path, megabytes: float, seed: int = 0) -> dict:
     """A JSONL text corpus of about `megabytes` MB: documents of 3-12 paragraphs of the Python docs, shuffled."""
-    from kava_ray.data.corpus import pydoc_topics
-
     paras = [p.strip() for t in pydoc_topics().values() for p in t.split("\n\n") if len(p.strip()) > 40]
     rng = random.Random(seed)
     target, written, docs = int(megabytes * 2 ** 20), 0, 0
@@ -67,8 +75,6 @@ def _peak_rss_mib() -> float:
 
 
 def _job(corpus: Path, max_length: int, cache: Path, batch_size: int):
-    from kava_ray.common.config import validate_config
-
     return validate_config({
         "teachers": [{"name": "t", "model": "unused"}], "student": {"model": str(_tokenizer_dir())},
         "data": {"source": str(corpus), "format": "text", "num_train": None, "num_val": 4, "num_test": 4,
@@ -78,16 +84,11 @@ def _job(corpus: Path, max_length: int, cache: Path, batch_size: int):
 
 def _tokenizer_dir() -> Path:
     """The real SmolLM2 tokenizer (cached by `make install`): the demo's student tokenizer."""
-    from kava_ray.testing.tokenizers import ensure_tokenizer
-
     return ensure_tokenizer("smollm2")
 
 
 def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
     """What `kava-ray train` does to the data before Ray starts: read, tokenize, pack, cache (this process)."""
-    from kava_ray.core.models import load_tokenizer
-    from kava_ray.core.plans import load_splits
-
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)
     base = _peak_rss_mib()
@@ -99,10 +100,6 @@ def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
 
 def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: int) -> dict:
     """What a train worker does: load the cached split, build the stream, take `batches` batches (this process)."""
-    from kava_ray.core.models import load_tokenizer
-    from kava_ray.core.plans import load_splits
-    from kava_ray.data import BatchStream
-
     cfg = _job(Path(corpus), max_length, Path(cache), batch_size)
     tok = load_tokenizer(cfg.student.model)
     base = _peak_rss_mib()
@@ -125,11 +122,8 @@ def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: i
 
 def student_step_tokens_per_s(max_length: int, batch_size: int, steps: int = 3) -> float:
     """Tokens/s of a plain training step (forward, backward, AdamW) of `bench step`'s student, one thread."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    # here, not at the top: the driver and worker processes import this module, and their peak RSS is the measure
     from kava_ray.bench.step import STUDENT
-    from kava_ray.testing.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,10 +146,6 @@ def padding_shares(max_length: int = 128, batch_size: int = 8) -> dict:
     (its max_length 224, batch 4) batched at random vs by length (`data.group_by_length`), and the Python-docs
     corpus's training documents padded one per row (cut at ROW_CAP) vs packed into `max_length` blocks
     (`data.packing`)."""
-    from kava_ray.core.models import load_tokenizer
-    from kava_ray.data import plan_batches, synthetic_gsm8k, tokenize_split
-    from kava_ray.data.corpus import pydoc_topics, split_topics
-
     tok = load_tokenizer(str(_tokenizer_dir()))
     gsm = tokenize_split(tok, synthetic_gsm8k(256, 0), 224, source_id="bench-data/gsm8k")
     topics = pydoc_topics()

@@ -1,26 +1,10 @@
 """`kava-ray bench gpu`: proof on a GPU -- the production step, the teacher forward, memory against the planner
-and the 8 GB preset, on the real Qwen2.5 geometries, by one command on any CUDA machine. Ray-free.
+and the 8 GB preset, on the real Qwen2.5 geometries, by one command on any CUDA machine.
 
-Weights cannot be downloaded on a GPU machine without network, but memory and speed depend on the geometry,
-not on the values: the models are built from the real configs (`known_models.QWEN25`) with random weights.
-Everything runs in this process: the teacher forward is `kv.teacher_forward_kv` (what a teacher actor runs),
-its batch crosses the wire format (`to_wire` -> `KVBatch.from_wire`, as through Ray's object store), and the
-student step is the production `recipes.distill.DistillRecipe.step`. Nothing here imports Ray (a GPU image may have
-none: `scripts/gpu_check.sh`).
-
-Sections (each a dict; one that cannot run here says so in `not_run`):
-  device       the device, torch/transformers versions, what is installed (bitsandbytes, torchao)
-  correctness  CUDA: teacher KV (pre-RoPE capture) and top-k log-probs on CUDA (bf16) against the CPU (fp32)
-  precision    the student step under fp32 / bf16-mixed / bf16-sr on a fixed batch: the share of weights that
-               changed and the loss before and after (CPU and CUDA)
-  memory       CUDA: peak `torch.cuda.max_memory_allocated` of the teacher forward and the student step on the
-               single_gpu_8gb and qwen_multi student geometries, beside `kava-ray plan`'s items, error per class
-  fits_8gb     CUDA: the single_gpu_8gb job's steps with the process capped at 8 GiB, and its peak
-  speed        teacher forward tokens/s and the KV capture's share, student step tokens/s, each as a share of
-               the measured matmul peak (model FLOPs utilisation); toy geometries on a CPU
-  wire         KV wire encode / decode GB/s on the device, bf16 and fp8
-
-On a CPU it runs at toy sizes (the test suite runs it, so it cannot rot); on CUDA the same code at real sizes.
+The models are built from the real configs with random weights (memory and speed depend on the geometry, not
+on the values) and everything runs in this process. Nothing here imports Ray: a GPU image may have none
+(`scripts/gpu_check.sh`). On a CPU it runs at toy sizes (the test suite runs it, so it cannot rot); on CUDA the
+same code at real sizes. The sections (`SECTIONS`) and what each measures: docs/internals/runtime.md#bench-gpu.
 """
 
 from __future__ import annotations

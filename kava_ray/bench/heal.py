@@ -13,11 +13,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kava_ray.bench.inprocess import train_in_process
+from kava_ray.bench.recipes import Scorer, plot_curves
 from kava_ray.bench.stats import fmt_interval, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive, load_config, parse_override
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
+from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.core.plans import load_splits, load_test_split
+from kava_ray.data.corpus import write_pydoc_corpus
+from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.console import status
+from kava_ray.runtime.job import job_session, precompute
+from kava_ray.runtime.preflight import check_model_files
 
 # arm: (loss.ce_weight, loss.kv_weight, loss.logit_weight)
 ARMS: dict[str, tuple[float, float, float]] = {
@@ -73,15 +81,6 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
     is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
-    from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.bench.recipes import Scorer, plot_curves
-    from kava_ray.core.models import load_model, load_student, load_tokenizer
-    from kava_ray.core.plans import load_test_split
-    from kava_ray.data.corpus import write_pydoc_corpus
-    from kava_ray.recipes.evaluate import heldout_ce
-    from kava_ray.runtime.job import job_session, precompute
-    from kava_ray.runtime.preflight import check_model_files
-
     p = dict(QUICK if quick else DEFAULTS)
     p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
     names = list(arms or ARMS)
@@ -221,8 +220,6 @@ def parse_recipe(text: str) -> tuple[str, dict]:
 
 def load_splits_head(cfg: JobConfig, tok, n: int):
     """The first `n` blocks of the validation split: the curve's held-out CE, cheap enough every few steps."""
-    from kava_ray.core.plans import load_splits
-
     return load_splits(cfg, tok)[1].head(n)
 
 
@@ -249,7 +246,7 @@ def summarize(runs: dict, base_arm: str = BASE) -> dict:
 
 def plot_gr(summary: dict, path: Path, base_arm: str = BASE) -> None:
     """The gap recovered per arm (mean over seeds) with the 95 % interval of its paired difference to the base."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: heavy, loaded for plots only
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))

@@ -7,8 +7,13 @@ docs/internals/runtime.md#bench-memory.
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import gc
 import json
 import os
+import pickle
+import resource
 import subprocess
 import sys
 import tempfile
@@ -18,6 +23,13 @@ import torch
 
 from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
+from kava_ray.core.distiller import Distiller, build_optimizer
+from kava_ray.core.kv import KVBatch, teacher_forward_kv
+from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+from kava_ray.core.precision import student_precision
+from kava_ray.data.batching import Batch
+from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
 
 
 def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: float = 300) -> dict:
@@ -35,8 +47,6 @@ def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: floa
 
 def planned_bytes(cfg: JobConfig, device: str) -> dict:
     """{"student", "teacher"}: what the planner says `measure_peak` measures (see the module docstring)."""
-    from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
-
     def with_slack(items: dict) -> int:  # the planner's CPU rule, on one process's items
         return sum(items.values()) + cpu_allocator_slack(items)
 
@@ -70,10 +80,6 @@ def compare_with_plan(cfg: JobConfig, steps: int = 2, threads: int = 2) -> dict:
 
 def _settled() -> int:
     """Free what is garbage, hand freed heap back to the OS, reset the peak RSS; the RSS now (bytes)."""
-    import ctypes
-    import gc
-    import resource
-
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -95,16 +101,6 @@ def _peak() -> int:
 def _run(job: str, steps: int) -> dict:
     """The measuring process: the job's teacher payloads first (then the teachers are freed), then the
     student worker's Distiller and optimizer, `steps` steps, reading each payload as the KVFeed receives it."""
-    import collections
-    import pickle
-
-    from kava_ray.core.distiller import Distiller, build_optimizer
-    from kava_ray.core.kv import KVBatch, teacher_forward_kv
-    from kava_ray.core.models import kv_geometry, load_model, load_student
-    from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
-    from kava_ray.core.precision import student_precision
-    from kava_ray.data.batching import Batch
-
     cfg = load_config(job)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -1,15 +1,11 @@
 """Where a same-node KV payload's time goes: a teacher's writes into object-store memory its process has not
-written before. Each 4 KiB page of it is a page fault in that process (the kernel allocates and zeroes the page
-and maps it); once the store hands out memory the process has written, the payload costs one copy and the call.
+written before, each 4 KiB page a page fault; once the store hands out memory the process has written, the
+payload costs one copy and the call.
 
     RAY_AUTH_MODE=token python -m kava_ray.bench.object_store [--plasma-directory DIR] [--preallocate]
 
-A fresh local Ray of its own with an object store of `--store-gib` (4) GiB; an actor answers `--payloads`
-wire payloads of 64 MiB (Qwen2.5-1.5B's KV geometry, bf16), enough to write the whole store once, and each
-answer's time and the actor's minor page faults are recorded (Linux: /proc/PID/stat). It prints the first ten
-answers against the last ten, and a memcpy of the same bytes. `--preallocate` sets
-RAY_preallocate_plasma_memory=1 (the raylet writes the whole store at start); `--plasma-directory` puts the
-store on another tmpfs, e.g. one mounted with `huge=always` (2 MiB pages: 512 times fewer faults).
+A fresh local Ray of its own; an actor answers 64 MiB payloads until the store is written once, and the first
+ten answers are set against the last ten. The method and options: docs/internals/runtime.md#bench-object-store.
 """
 
 from __future__ import annotations
@@ -23,6 +19,11 @@ import warnings
 from typing import Optional
 
 import numpy as np
+import ray
+import torch
+
+from kava_ray.bench.feed import _TransportProbe
+from kava_ray.runtime.connect import disconnect, single_machine_mode
 
 
 def _minor_faults(pid: int) -> int:
@@ -34,12 +35,6 @@ def run_object_store(plasma_directory: Optional[str] = None, preallocate: bool =
     """The first and the last ten answers of an actor writing payloads through a fresh object store."""
     if preallocate:
         os.environ["RAY_preallocate_plasma_memory"] = "1"  # read by the raylet ray.init starts
-    import ray
-    import torch
-
-    from kava_ray.bench.feed import _TransportProbe
-    from kava_ray.runtime.connect import disconnect, single_machine_mode
-
     single_machine_mode()
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=2, object_store_memory=int(store_gib * 2**30), include_dashboard=False,

@@ -1,17 +1,9 @@
 """Synthetic A/B of LinearProjector vs ElasticBottleneck, repeating the predecessor's published table.
 
-Scenarios (d -> d regression, W ~ N(0, 1/d) so x @ W has unit variance for unit x):
-1. `gaussian`: x ~ N(0, 1), y = x @ W.
-2. `shifted_outliers`: x ~ N(2.4, 5.6^2), then 3% of the entries replaced by +-20 (random
-   sign), y = x @ W (targets have std ~5.6, so MSEs are on a larger scale).
-3. `tanh`: x ~ N(0, 1), y = tanh(x @ W).
-
-Per scenario and seed: fresh data (train N, held-out N) and fresh models, `steps`
-full-batch Adam steps (lr 1e-3) on MSE, then the held-out MSE with the model in
-eval mode (dropout off). ElasticBottleneck uses mlp_ratio 1, dropout 0.1, as the
-predecessor did. Defaults: d=64, N=1024, 5 seeds, 40 steps (well under a second
-per scenario on a 2-core CPU). The predecessor did not publish its dims, data
-recipe or learning rate, so its numbers are shown for reference only.
+Three d -> d regression scenarios (`gaussian`, `shifted_outliers`, `tanh`); per scenario and seed fresh data and
+models, full-batch Adam on MSE, then the held-out MSE in eval mode. The predecessor did not publish its dims,
+data recipe or learning rate, so its numbers are shown for reference only. The scenarios and settings:
+docs/internals/runtime.md#bench-projector.
 """
 
 from __future__ import annotations

@@ -13,10 +13,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kava_ray.bench.inprocess import train_in_process
 from kava_ray.bench.stats import fmt_interval, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive, load_config
+from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table, write_json
+from kava_ray.core.models import load_model, load_tokenizer
+from kava_ray.core.plans import copied_layers, load_splits, load_test_split
+from kava_ray.recipes.evaluate import gsm8k_accuracy, heldout_ce, kv_alignment, score_student
 from kava_ray.runtime.console import status
+from kava_ray.runtime.job import kv_source, precompute, setup_teachers
+from kava_ray.runtime.preflight import check_model_files
 
 # recipe: (loss.kv_weight, loss.logit_weight)
 RECIPES: dict[str, tuple[float, float]] = {"ce": (0.0, 0.0), "ce+logits": (0.0, 1.0), "ce+kv": (1.0, 0.0),
@@ -51,10 +58,6 @@ class Scorer:
     the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
 
     def __init__(self, cache_cfg: JobConfig, limit: int, max_new_tokens: int):
-        from kava_ray.core.models import load_tokenizer
-        from kava_ray.core.plans import copied_layers, load_splits, load_test_split
-        from kava_ray.runtime.job import kv_source, setup_teachers
-
         self.cfg, self.limit, self.max_new_tokens = cache_cfg, limit, max_new_tokens
         _, self.plans, _ = setup_teachers(cache_cfg)  # the cache: no Ray, no teacher model
         self.source = kv_source(cache_cfg, self.plans)
@@ -65,8 +68,6 @@ class Scorer:
 
     def model(self, model, tokenizer, split=None) -> dict:
         """Score a student model on `split` (default the test split); exact match on gsm8k records only."""
-        from kava_ray.recipes.evaluate import gsm8k_accuracy, kv_alignment, score_student
-
         split = self.test if split is None else split
         align = kv_alignment(model, self.source, self.plans, self.train_split, self.cfg, self.copied)
         out = score_student(model, self.source, self.plans, split, self.cfg, logit_top_k=TOP_K, alignment=align)
@@ -77,9 +78,6 @@ class Scorer:
         return out
 
     def teacher(self, name: str) -> dict:
-        from kava_ray.core.models import load_model, load_tokenizer
-        from kava_ray.recipes.evaluate import gsm8k_accuracy, heldout_ce
-
         t = self.cfg.teacher(name)
         model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
         out = {"test_ce": heldout_ce(model, self.test)}
@@ -115,7 +113,7 @@ def summarize(arms: dict, base: str = BASE) -> dict:
 
 def plot_curves(arms: dict, path: Path, log_y: bool = False, teacher_ce: Optional[float] = None) -> None:
     """Validation CE over steps, one line per arm (mean over seeds), shaded min-max; the teacher as a line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: heavy, loaded for plots only
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
@@ -146,12 +144,6 @@ def run_recipes_bench(config="demo_cpu", overrides: Optional[list[str]] = None, 
                       eval_steps: Optional[int] = None, recipes: Optional[Sequence[str]] = None,
                       address: Optional[str] = None, progress: bool = True) -> dict:
     """Every recipe x seed over one precomputed teacher cache, every student scored alike; see the module doc."""
-    from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.common.errors import KavaError
-    from kava_ray.core.models import load_tokenizer
-    from kava_ray.runtime.job import precompute
-    from kava_ray.runtime.preflight import check_model_files
-
     names = list(recipes or RECIPES)
     unknown = [n for n in names if n not in RECIPES]
     if unknown or seeds < 1 or steps < 1:

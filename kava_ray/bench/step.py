@@ -1,31 +1,10 @@
 """`kava-ray bench step`: what KV distillation adds to a training step, and where the time goes.
 
-The same student, batch and optimizer settings, one optimizer step each, side by side in one process:
-
-  ce                 plain fine-tuning: the student alone (HF forward with labels, backward, gradient
-                     clipping, AdamW, schedule) -- no capture hooks, no projectors
-  ce+kv structured   the production step (`recipes.distill.DistillRecipe.step`, what `kava-ray train` runs) with
-                     the default recipe: structured elastic projectors, Mercator (centred) + CE
-  ce+kv flat         the same with `align.mode: flat` (concat of the shipped layers, one projector)
-  ce+kv+logits       structured, plus the top-k logit KD loss (`loss.logit_weight: 1`)
-  ce+kv+logits cross-vocab
-                     the same with a teacher of another vocabulary (3 x the student's; a map that reaches 80 %
-                     of the student's ids, as the real Qwen2 -> SmolLM2 pair): its KV through the character
-                     alignment (`align.tokens.apply_alignment`) and its logits through the hybrid loss
-                     (`loss.logit_cross_vocab: hybrid`) at every position; target <= 1.1 x ce+kv+logits
-
-Teacher KV (and top-k log-probs) are computed once beforehand with `kv.teacher_forward_kv`, sent through
-the wire format (`to_wire` -> `KVBatch.from_wire`), so only the student is timed. Variants are interleaved
-over `rounds` rounds (the order rotates); each keeps its fastest round. The per-phase breakdown comes from
-separate profiled steps (torch.profiler, the `kava/*` record_function scopes in `core.distiller.Distiller.forward`
-and `DistillRecipe.step`, which cost nothing without a profiler): student forward (incl. KV capture; for
-`ce` also its CE), projectors, fusion + losses + metrics, backward, optimizer, and `other` (the rest of
-the profiled step). The KV capture's own cost: the student's training forward with and without the
-capture hooks (`kv.student_forward_kv` vs a plain forward), interleaved the same way.
-
-fp32 on the CPU with one thread (a Ray Train CPU worker gets OMP_NUM_THREADS = its 1 CPU), bf16-mixed on
-a CUDA GPU when there is one (`student.precision: auto`). `memory=True` also measures each recipe's memory
-in a fresh process (`kava_ray.bench.memory`) beside `kava-ray plan`'s estimate.
+Five variants of one optimizer step -- `ce` (plain fine-tuning), `ce+kv structured` (the production step with
+the default recipe), `ce+kv flat`, `ce+kv+logits` and `ce+kv+logits cross-vocab` -- on the same student, batch
+and optimizer, interleaved over `rounds` in one process, each keeping its fastest round; profiled steps split
+the time by phase. Teacher KV is computed beforehand, so only the student is timed. `memory=True` also
+measures memory beside `kava-ray plan`. The variants and the method: docs/internals/runtime.md#bench-step.
 """
 
 from __future__ import annotations

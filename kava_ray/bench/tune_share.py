@@ -14,11 +14,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
 import yaml
+from ray import tune
 
+from actors.pool import pool_stats
 from kava_ray.common.config import derive, load_config, validate_config
 from kava_ray.common.files import format_table, write_json
+from kava_ray.recipes.tune import run_tune, trial_dir, trial_fn
 from kava_ray.runtime.connect import disconnect
+from kava_ray.runtime.job import job_teachers, teacher_geometries
 from kava_ray.testing.tiny import build_tiny_model
 
 SPACE = {"metric": "eval/cos_sim", "mode": "max", "scheduler": {"kind": "fifo"}, "search": {"kind": "random"},
@@ -59,12 +64,6 @@ def own_teachers_trial(config: dict, setup: dict) -> None:
     """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
     namespace of its own (`job_teachers` in the trial's Ray), then runs the production trial
     (`kava_ray.recipes.tune.trial_fn`) against them."""
-    from ray import tune
-
-    from actors.pool import pool_stats
-    from kava_ray.recipes.tune import trial_dir, trial_fn
-    from kava_ray.runtime.job import job_teachers, teacher_geometries
-
     cfg = derive(validate_config(setup["base"]), {"ray.namespace": f"kava-{tune.get_context().get_trial_id()}"})
     with job_teachers(cfg) as job:
         try:
@@ -75,10 +74,6 @@ def own_teachers_trial(config: dict, setup: dict) -> None:
 
 def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
     """Both sweeps over one tiny job; teacher forwards per distinct batch and wall time of each."""
-    import ray
-
-    from kava_ray.recipes.tune import run_tune
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cfg = load_config(tiny_job(root, steps))

@@ -1,17 +1,10 @@
 """`kava-ray bench vocab`: what a teacher of another tokenizer can give the student's logits, for real pairs.
 
 For every ordered (teacher, student) pair of the real SmolLM2, Qwen2 and Llama-3 tokenizers
-(`kava_ray.testing.tokenizers`, no download at run time):
-
-  map       the vocabulary map (`align.vocab`): the share of the teacher's vocabulary with a student token of the
-            same string (GOLD's weight of the hybrid loss's matched part) and the share of the student's it reaches;
-  paired    on natural text (CPython's reference docs, `pydoc_data.topics`) and on math word problems (the
-            synthetic GSM8K records the tests use), the share of student tokens whose next-token distribution has
-            a teacher position to be compared with (`align.tokens.pair_positions`: both have read exactly the
-            same text, both are followed by more of it) -- the `logit_aligned/<t>` a run reports;
-  kv        for comparison, the share of student tokens the KV alignment covers (`aligned/<t>`).
-
-Tokenization only: no model runs. ~1 min on a 2-core CPU (the maps of 50k-150k vocabularies take 1-4 s each).
+(`kava_ray.testing.tokenizers`, no download at run time): the vocabulary map's coverage, and on natural text
+and on math word problems the share of student tokens with a teacher position to compare logits with, beside
+the KV alignment's share. Tokenization only: no model runs (~1 min on a 2-core CPU). The figures:
+docs/internals/runtime.md#bench-vocab.
 """
 
 from __future__ import annotations
@@ -20,14 +13,16 @@ import warnings
 from typing import Optional
 
 from kava_ray.common.files import format_table
+from kava_ray.core.align.vocab import build_vocab_map
+from kava_ray.data import teacher_view, tokenize_split
+from kava_ray.data.corpus import pydoc_topics
+from kava_ray.data.synthetic import synthetic_gsm8k
+from kava_ray.testing.tokenizers import real_tokenizer
 
 NAMES = ("smollm2", "qwen2", "llama3")
 
 
 def _corpora(docs: int, problems: int) -> dict[str, list]:
-    from kava_ray.data.corpus import pydoc_topics
-    from kava_ray.data.synthetic import synthetic_gsm8k
-
     topics = pydoc_topics()
     return {"python docs": [{"text": topics[k]} for k in sorted(topics)[:docs]],
             "math problems": synthetic_gsm8k(problems, seed=0)}
@@ -36,10 +31,6 @@ def _corpora(docs: int, problems: int) -> dict[str, list]:
 def run_vocab_bench(names=NAMES, docs: int = 24, problems: int = 64, max_length: int = 512) -> dict:
     """{"pairs": [{teacher, student, map: {coverage, student_coverage, matched}, <corpus>: {paired, kv,
     student_tokens}}], "config"}."""
-    from kava_ray.core.align.vocab import build_vocab_map
-    from kava_ray.data import teacher_view, tokenize_split
-    from kava_ray.testing.tokenizers import real_tokenizer
-
     toks = {n: real_tokenizer(n) for n in names}
     corpora = _corpora(docs, problems)
     pairs = []

@@ -20,6 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.placement import normalize_selector
+from kava_ray.common.trackers import check_loggers
 
 PRESET_PACKAGE = "kava_ray.configs"
 # the sections that fix model and projector shapes: what a checkpoint must match to resume
@@ -39,8 +41,6 @@ def replica_label(teacher: str, replica: int) -> str:
 
 def _check_selector(selector: Optional[dict]) -> Optional[dict]:
     """A Ray label selector ({label: value | !value | in(a, b) | !in(a, b)}), checked before Ray sees it."""
-    from kava_ray.common.placement import normalize_selector
-
     return normalize_selector(selector) if selector else None
 
 
@@ -260,8 +260,6 @@ class TrainConfig(_Section):
     @field_validator("loggers")
     @classmethod
     def _loggers(cls, v: list) -> list:
-        from kava_ray.common.trackers import check_loggers
-
         check_loggers(v)  # duplicates, and a tracker whose package is missing (the pip command)
         return v
 
@@ -460,12 +458,9 @@ def _plain(value: Any) -> Any:
 
 
 def derive(cfg: JobConfig, changes: dict[str, Any]) -> JobConfig:
-    """A new JobConfig: `cfg` with {dotted key: value} set, validated as override lines are.
-
-    The one way a config is made from another (benches, Tune trials, precompute's live teachers):
-    `derive(cfg, {"data.kv_source": "live", "teachers.0.model": path})`. A value may be a section
-    (`{"teachers": [TeacherConfig, ...]}`); a bad key or value is one KavaError line naming it.
-    """
+    """`cfg` with {dotted key: value} set, validated as override lines are: the one way a config is made from
+    another (benches, Tune trials, precompute), e.g. `derive(cfg, {"data.kv_source": "live", "teachers.0.model": p})`.
+    A value may be a section (`{"teachers": [TeacherConfig, ...]}`); a bad key or value is one KavaError line."""
     data = cfg.to_dict()
     for key, value in changes.items():
         set_dotted(data, key.split("."), _plain(value))

@@ -1,15 +1,9 @@
 """Where a job's actors can go, decided per node before anything starts (Ray-free: nodes are plain data).
 
-Ray schedules an actor on one node: a teacher's `num_gpus` (and CPUs) must all be on one node that its
-`label_selector` admits, and so must each Ray Train worker's `resources_per_worker`. A cluster-wide sum
-hides that — a 4-GPU teacher on nodes of 2 GPUs passes it, then Ray waits forever — so `fit` places every
-replica and worker on the nodes' total resources (first fit: the demands its selector restricts to the
-fewest nodes first, then the largest) and names what cannot be placed, with the node that comes closest.
-Fractional GPUs are counted as a pool per node (Ray packs them per GPU: 3 x 0.6 on 2 GPUs passes here and
-waits in Ray).
-
-Label selectors use Ray's syntax (`ray.util.scheduling_strategies`, Ray 2.60's label selector API):
-`{"key": "value"}`, `"!value"` (not that value, or no such label), `"in(a, b)"`, `"!in(a, b)"`.
+Ray schedules an actor on one node, so a cluster-wide sum of resources hides a demand no node can meet (Ray
+then waits forever). `fit` places every teacher replica and train worker on the nodes' total resources (first
+fit) and names what cannot be placed, with the node that comes closest. Label selectors use Ray 2.60's syntax.
+The rule, fractional GPUs and the selectors: docs/internals/runtime.md#placement.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Checkpoints of a distillation run, written through `_io.atomic_dir` (a temp dir renamed into place).
+"""Checkpoints of a distillation run, written through `common.files.atomic_dir` (a temp dir renamed into place).
 
-  student/                 save_pretrained (safetensors) + tokenizer
-  projectors.safetensors   every teacher's projector, keys `<teacher>.<param>`
-  fusion.safetensors       fusion parameters and buffers
-  optimizer.pt             optimizer + LR scheduler state (loaded with weights_only=True)
-  state.json               step, data-stream position, RNG scheme, config hash, the full config and the
-                           size of every other file (`files`), written last
-
-The torch and safetensors imports are local to the functions that write or load tensors: `kava_ray.runtime.preflight`
-reads checkpoints through this module before anything heavy is imported.
-
-A checkpoint that cannot be used — state.json not JSON, a file missing or of another size than state.json
-records (a partial copy into storage, a full disk), a tensor file that does not parse — is one KavaError
-line naming the file; a write that fails (unwritable storage, disk full) is one line too, and never
-replaces the checkpoint that was there.
+A checkpoint holds the student (save_pretrained + tokenizer), projectors and fusion (safetensors), optimizer
+and LR scheduler state, and `state.json`, written last. One that cannot be used (state.json not JSON, a file
+missing or of another size than state.json records, a tensor file that does not parse) is one KavaError line
+naming the file; a write that fails is one line too, and never replaces the checkpoint that was there.
+The files: docs/internals/core.md#checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.common.errors import KavaError
@@ -33,8 +28,6 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
                     cfg: JobConfig, extra: Optional[dict] = None) -> Path:
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
     replaced only once the new one is complete."""
-    from safetensors import SafetensorError
-
     path = Path(path)
     try:
         return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra)
@@ -46,9 +39,6 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
 
 
 def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra) -> Path:
-    import torch
-    from safetensors.torch import save_file
-
     with atomic_dir(path) as tmp:
         distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
         if tokenizer is not None:
@@ -70,8 +60,6 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
 
 
 def _load_tensors(f: Path) -> dict:
-    from safetensors.torch import load_file
-
     if not f.is_file():
         raise KavaError(f"checkpoint {f.parent}: {f} is missing (an incomplete checkpoint)")
     try:
@@ -207,8 +195,6 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
 
     The student itself is loaded by the caller with from_pretrained(path / "student").
     """
-    import torch
-
     path = Path(path)
     distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}

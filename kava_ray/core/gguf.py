@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, content_key, file_lock, first_line, write_json
@@ -56,8 +57,6 @@ def gguf_to_hf_dir(gguf_path, out_dir) -> Path:
     into place, replacing an incomplete leftover of a crashed conversion).
     Measured on 2 CPUs with SmolLM2-135M Q4_1: ~30 s the first time, then a no-op.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     if (out_dir / GGUF_MARKER).is_file():
         return out_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kava_ray.common.errors import KavaError
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
 
 _QWEN25_COMMON = dict(model_type="qwen2", rope_theta=1000000.0, attention_bias=True)
@@ -61,8 +62,6 @@ def model_geometry(spec, keep_layers=None) -> KVGeometry:
         return kv_geometry(load_model_config(spec, keep=keep_layers))
     n = c["num_hidden_layers"]
     if keep_layers:
-        from kava_ray.common.errors import KavaError
-
         if max(keep_layers) >= n or min(keep_layers) < 0:
             raise KavaError(f"student.keep_layers {list(keep_layers)}: need layer indices in [0, {n - 1}]")
         n = len(keep_layers)
@@ -88,8 +87,6 @@ def param_count(spec, keep_layers=None) -> int:
     """Total parameters of a table model (e.g. Qwen2.5-0.5B: 494M); KavaError for models not in the table."""
     c = known_config(spec)
     if c is None:
-        from kava_ray.common.errors import KavaError
-
         raise KavaError(f"model '{spec}' is not in the known-models table (Qwen2.5 0.5B..72B)")
     n = len(keep_layers) if keep_layers else None
     return sum(param_breakdown(c, n).values())

@@ -160,12 +160,9 @@ def _mse(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def mercator_loss(student, target, mask=None, alpha: float = 1.0, beta: float = 0.0, center: bool = False, **kw):
-    """alpha * (1 - masked mean cos) + beta * masked MSE(log||s||, log||t||).
-
-    Cosine over head_dim per (layer, batch, head, token) — of the centred vectors with `center`
-    (see the module docstring); norms (raw, also with `center`) get +1e-6 before the log. Without
-    `center`, parallel vectors of any lengths give 0 (beta=0), opposite ones 2.
-    """
+    """alpha * (1 - masked mean cos) + beta * masked MSE(log||s||, log||t||). Cosine over head_dim per (layer, batch,
+    head, token), of the centred vectors with `center` (module docstring); norms (raw) get +1e-6 before the log.
+    Without `center`, parallel vectors of any lengths give 0 (beta=0), opposite ones 2."""
     s, t, m = _prepare(student, target, mask)
     cos_term, mag_term, metrics = _mercator_parts(s, t, m, center)
     loss = alpha * cos_term + (beta * mag_term if beta else 0.0)
@@ -251,14 +248,9 @@ def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
 
 
 def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The KV token mask [B, T] (bool) of `loss_tokens: no_shared_prefix`: the real tokens minus the
-    leading positions whose token id is the same, and real, in every sample of the batch (a chat
-    template's system prompt, BOS). Vectorised; no host sync.
-
-    Nothing is dropped when the batch cannot tell a template from content: B == 1 (every position of
-    a lone sample is trivially "shared"), or when dropping would leave no token in the batch (all
-    samples identical). Left padding leaves no shared prefix at position 0, so nothing is dropped.
-    """
+    """The KV token mask [B, T] (bool) of `loss_tokens: no_shared_prefix`: the real tokens minus the leading positions
+    whose id is the same, and real, in every sample (a chat template's system prompt, BOS); vectorised, no host sync.
+    When nothing can be told apart, nothing is dropped: docs/internals/step.md#shared-prefix."""
     m = attention_mask.to(input_ids.device) != 0
     if input_ids.shape[0] < 2:
         return m

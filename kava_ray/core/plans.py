@@ -15,8 +15,11 @@ from typing import Optional
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import LayerMap, plan_teacher_layers
-from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config, load_tokenizer
-from kava_ray.data import TokenizedSplit, tokenize_split, tokenizer_fingerprint
+from kava_ray.core.align.vocab import cached_vocab_map
+from kava_ray.core.gguf import default_cache_dir
+from kava_ray.core.logit_kd import LogitTeacher
+from kava_ray.core.models import KVGeometry, copied_from, kv_geometry, load_model_config, load_tokenizer
+from kava_ray.data import BatchStream, TokenizedSplit, teacher_view, tokenize_split, tokenizer_fingerprint
 from kava_ray.data.sources import load_records, source_fingerprint
 
 
@@ -81,9 +84,6 @@ def vocab_maps(cfg: JobConfig, plans: dict[str, "TeacherPlan"], student_tok, tea
     logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's tokenizer (a KV cache keeps one
     there) or the kava-ray cache (`<cache>/vocab_maps/`), else built (1-4 s for 50k-150k vocabularies) and
     saved there."""
-    from kava_ray.core.align.vocab import cached_vocab_map
-    from kava_ray.core.gguf import default_cache_dir
-
     if not logits_top_k(cfg) or cross_vocab(cfg) == "off":
         return {}
     s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(cfg).vocab_size
@@ -109,8 +109,6 @@ def cross_vocab_lines(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[s
 
 def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[dict] = None) -> dict:
     """{teacher: `logit_kd.LogitTeacher`} for the `logit_teachers`; `maps`: `vocab_maps` (needed for hybrid)."""
-    from kava_ray.core.logit_kd import LogitTeacher
-
     out = {}
     for n in logit_teachers(cfg, plans):
         if not plans[n].aligned:
@@ -172,8 +170,6 @@ def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
     """The teacher layers the student's were copied from (`student.keep_layers` of this teacher's model, or a saved
     student's `models.copied_from`), else None. Such a pair shares its per-layer geometry: `align.layer_map: auto`
     is then identity, and KV compares without a projector (`core.probe`)."""
-    from kava_ray.core.models import copied_from
-
     keep, source = cfg.student.keep_layers, cfg.student.model
     if not keep:
         prov = copied_from(load_model_config(cfg.student.model)) if _is_local_dir(source) else None
@@ -227,8 +223,6 @@ def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
 
 def data_cache_dir(cfg: JobConfig) -> Path:
     """Where tokenized splits are cached (Arrow): `data.cache_dir`, else $KAVA_RAY_CACHE or ~/.cache/kava-ray, /data."""
-    from kava_ray.core.gguf import default_cache_dir
-
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir() / "data"
 
 
@@ -279,8 +273,6 @@ def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
 
 def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dict]) -> TokenizedSplit:
     """Attach every character-aligned teacher's view of `split` (its token ids + the alignment)."""
-    from kava_ray.data import teacher_view
-
     for name, tok in (teacher_toks or {}).items():
         split.views[name] = teacher_view(split, tok, cfg.data.prompt_format, cfg.train.max_length)
     return split
@@ -311,6 +303,4 @@ def data_seed(cfg: JobConfig) -> int:
 
 def eval_stream(split: TokenizedSplit, cfg: JobConfig):
     """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree)."""
-    from kava_ray.data import BatchStream
-
     return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)

@@ -85,7 +85,7 @@ def student_bytes_per_param(policy: str, optimizer: str) -> dict:
 
 def _torchao_optim():
     try:
-        import torchao.optim as tao
+        import torchao.optim as tao  # optional: the `sr` extra
     except ImportError:
         raise KavaError(f"student.precision bf16-sr needs torchao: {SR_INSTALL}") from None
     return tao

@@ -1,15 +1,10 @@
 """Projector-free KV alignment: how close the student's own keys and values are to a teacher's, with no
-learned part between them. The projector's cosine (`cos_sim`) is measured through a projector that only
-the KV loss trains, so it is ~0 for a `ce` run by construction; this figure is the same for every recipe.
+learned part between them -- the same figure for every recipe, where the projector's `cos_sim` is ~0 for a
+`ce` run by construction.
 
-- A student built by `student.keep_layers` from the teacher's own model: student layer i and the teacher
-  layer it was copied from (`source_layers`) have one geometry, so their K and V compare directly.
-- Any other pair: a ridge least-squares linear probe from the frozen student's K (and V) at layer i, all
-  heads concatenated, to the teacher's mapped layer, fit on one split and scored on another.
-
-Both score the centred cosine of `losses.cos_metrics` (each (layer, head) centred over the batch's real
-tokens), token-weighted over batches, the mean of K and V. A student equal to its teacher on those
-layers scores 1, a random one ~0. Pure PyTorch.
+Layers the student copied from the teacher compare directly; any other pair goes through a ridge linear probe
+fit on one split and scored on another. Both score the centred cosine, the mean of K and V: 1 for a student
+equal to its teacher on those layers, ~0 for a random one. Pure PyTorch. Details: docs/internals/core.md#probe.
 """
 
 from __future__ import annotations

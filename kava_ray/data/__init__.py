@@ -1,16 +1,8 @@
-"""Data, one module per job:
-
-  records    the record formats (text, prompt/completion, messages, gsm8k): detection, checks, rendering
-  sources    load_records: synthetic, local .jsonl/.json/.parquet/.csv files or shard dirs, or a hub dataset
-             (Hugging Face `datasets`); check_source (the driver's fail-fast read of the first records)
-  synthetic  the synthetic GSM8K-format generator (deterministic per seed)
-  corpus     the offline natural-text corpus (Python's own reference documentation, split by topic)
-  answers    final_answer / normalize_number
-  tokenize   rendering + tokenization with loss masks over Dataset.map, packing, TokenizedSplit, teacher views
-  batching   the Batch type (TeacherInputs per teacher of another tokenizer), length-bucketed deterministic
-             batches, DDP sharding, collate, batch keys, BatchStream
+"""Data: record formats and sources, tokenization with loss masks and packing, and the batches a step reads.
 
 Pure Python/torch/HF (no Ray). The public names are re-exported here: `from kava_ray.data import X`.
+One module per job (records, sources, synthetic, corpus, answers, tokenize, batching):
+docs/internals/core.md#data.
 """
 
 from kava_ray.data.answers import final_answer, normalize_number

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from kava_ray.common.files import atomic_write
 
@@ -19,8 +20,6 @@ SHARES = {"validation": 0.1, "test": 0.1}  # the rest trains
 
 def pydoc_topics() -> dict[str, str]:
     """{topic: text} of this Python's reference documentation."""
-    from pydoc_data.topics import topics
-
     return {k: v for k, v in topics.items() if v.strip()}
 
 

@@ -69,7 +69,7 @@ def load_records(source: str, split: str, n: Optional[int] = None, seed: int = 0
     synthetic: `synthetic_split` (train never overlaps the others). Files and hub datasets stay Arrow tables,
     memory-mapped from the datasets cache (nothing is read into Python lists).
     """
-    import datasets
+    import datasets  # heavy (pyarrow), here and below: loaded where records are read, never by `bench gpu`
 
     if source == "synthetic":
         if n is None:

@@ -55,11 +55,9 @@ def _sha(*parts) -> str:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable short hash of what decides token ids: vocab, bos/eos/pad, and the ids of a probe text.
-
-    The probe catches pre-tokenizer/normaliser differences; the tokenizer class and an unused unk
-    token do not count (transformers may load one tokenizer file as different classes).
-    """
+    """Stable short hash of what decides token ids: vocab, bos/eos/pad, and the ids of a probe text (it catches
+    pre-tokenizer/normaliser differences); not the tokenizer class (transformers may load one tokenizer file as
+    different classes) nor an unused unk token."""
     vocab = sorted(tokenizer.get_vocab().items())
     specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
     probe = tokenizer("Tom buys 12 apples at $3.50 each; naïve 東京 costs\n  1,000 -> 3*4=12", add_special_tokens=True)

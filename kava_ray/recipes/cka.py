@@ -1,22 +1,10 @@
 """`kava-ray align cka`: measure which teacher layers resemble which student layer, and write the map.
 
-Real forwards of every teacher (the job's pool, running or started here, through the production KVFeed)
-and of the student on a calibration split -- the first N examples of the job's *training* data, never its
-validation or test examples -- give per layer the [tokens, H*D] matrix of keys and/or values (the job's
-`align.key_space`, pre-RoPE by default) over real tokens. Linear CKA between every teacher layer and
-every student layer (`kava_ray.core.align.layers.CKAStats`: streamed second moments, so memory does not grow
-with N) picks each student layer's top-k teacher layers. One JSON holds every teacher's map; a heat map
-PNG per teacher lies next to it.
-
-    {"teachers": {name: {"layer_map": [[s, [[t, w], ...]], ...], "cka": [[...L_t...] x L_s],
-                         "teacher_layers": [...], "tokens": n, "cka_k": ..., "cka_v": ...}},
-     "features": "kv", "samples": N, "config": name, "key_space": ..., "student_layers": L_s}
-
-`cka` columns follow `teacher_layers` (every teacher layer, or the teacher's `layers` selection);
-`features: kv` scores a layer pair by the mean of its K and its V CKA (each kept as `cka_k` / `cka_v`),
-so neither side dominates by scale. A teacher with another tokenizer than the student is compared at
-the student positions that are real and have a teacher token, after mapping its KV to student time
-(`kava_ray.core.align.tokens.apply_alignment` with `align.token_align`).
+Real forwards of every teacher (the job's pool, through the production KVFeed) and of the student on the first
+N examples of the job's training data give per layer the keys and/or values over real tokens; linear CKA
+between every teacher and every student layer (`kava_ray.core.align.layers.CKAStats`, streamed: memory does not
+grow with N) picks each student layer's top-k teacher layers. One JSON holds every teacher's map, a heat map
+PNG per teacher lies next to it. The JSON, and teachers of another tokenizer: docs/internals/core.md#align-cka.
 """
 
 from __future__ import annotations

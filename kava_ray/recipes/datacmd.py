@@ -15,6 +15,11 @@ from typing import Optional
 
 from kava_ray.common.config import load_config
 from kava_ray.common.files import format_table
+from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.core.plans import load_splits, load_test_split
+from kava_ray.data.corpus import write_pydoc_corpus
+from kava_ray.recipes.evaluate import heldout_ce
+from kava_ray.runtime.preflight import check_model_files
 
 
 def corpus_job(config, out: Path, block: int, overrides: Optional[list[str]] = None):
@@ -29,12 +34,6 @@ def pydoc_corpus(out, config: str = "demo_cpu", block: int = 128, overrides: Opt
                  models: bool = True) -> dict:
     """Write the corpus to `out`; count its tokens under the job's student tokenizer; with `models`, the test
     split's CE (and perplexity) under the job's first teacher and its student as built (`keep_layers`)."""
-    from kava_ray.core.models import load_model, load_student, load_tokenizer
-    from kava_ray.core.plans import load_splits, load_test_split
-    from kava_ray.data.corpus import write_pydoc_corpus
-    from kava_ray.recipes.evaluate import heldout_ce
-    from kava_ray.runtime.preflight import check_model_files
-
     written = write_pydoc_corpus(out)
     root = Path(written["train"]["path"]).parent
     cfg = corpus_job(config, root, block, overrides)

@@ -14,14 +14,16 @@ from pathlib import Path
 
 from kava_ray.common.config import JobConfig, load_config
 from kava_ray.common.files import format_table
+from kava_ray.common.metrics_file import read_metrics
+from kava_ray.core.checkpoint import read_state
+from kava_ray.recipes.report import write_report
+from kava_ray.recipes.train import run_training
+from kava_ray.runtime.console import status
 from kava_ray.runtime.preflight import preflight
 
 
 def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
     """The headline numbers of a finished run: its metrics.jsonl (train, validation) and final/ (test)."""
-    from kava_ray.common.metrics_file import read_metrics
-    from kava_ray.core.checkpoint import read_state
-
     train, evals = read_metrics(run_dir / "metrics.jsonl")
     test = read_state(run_dir / "final")["test"]
     last = train[-1]
@@ -64,10 +66,6 @@ def format_summary(s: dict) -> str:
 
 def run_demo(overrides: list[str] | None = None, address: str | None = None, verbose: bool = False) -> dict:
     """The demo's run (status lines + a progress bar on stderr unless `verbose`); its summary for the table."""
-    from kava_ray.recipes.report import write_report
-    from kava_ray.recipes.train import run_training
-    from kava_ray.runtime.console import status
-
     t0 = time.time()
     cfg = load_config("demo_cpu", overrides)
     preflight(cfg, "demo", address=address)  # the model files (pip command if missing), storage: before Ray starts

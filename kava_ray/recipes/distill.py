@@ -1,15 +1,9 @@
 """The student's recipe: `DistillRecipe.setup`, `step`, `save`, and the Ray Train loop that runs it.
 
-`DistillRecipe` holds one rank's state -- the Distiller (student + projector bank + fusion, DDP when there is more
-than one worker), the optimizer and schedule, the data stream -- and does one optimizer step over
-`optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}). It knows nothing of where the KV comes from, so
-`kava-ray bench feed` times exactly this step.
-
-`train_loop_per_worker` is the plain loop Ray Train runs: a KVFeed over the rank's shard, `step`, metrics averaged
-over ranks on log steps, `ray.train.report` with a checkpoint every `save_steps`, evaluation on the validation split
-(rank 0) every `eval_steps`, and the test split once at the end. A resume (a worker failure, or `--resume`)
-continues the same curve: the stream restarts at the saved position and the RNG is reseeded every step from
-(seed, step, rank).
+`DistillRecipe` holds one rank's state (the Distiller, the optimizer and schedule, the data stream) and does one
+optimizer step over `optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}); it knows nothing of where
+the KV comes from, so `kava-ray bench feed` times exactly this step. `train_loop_per_worker` is the plain loop
+Ray Train runs; what it does and how a resume continues the same curve: docs/internals/step.md#recipe.
 
 Ray (and `actors`, the KV sources that need it) is imported inside the functions that use it: `kava-ray bench gpu`
 builds this recipe on images without Ray.

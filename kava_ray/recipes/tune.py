@@ -1,14 +1,9 @@
 """`kava-ray tune`: Ray Tune over projector and loss hyper-parameters, one shared teacher pool.
 
-Ray 2.60 runs Train V2, so a trial is a function (`trial_fn`) that builds a TorchTrainer for its
-sampled config and calls fit() with `TuneReportCallback`. The Tune driver starts the teacher pool
-once; every trial's workers find it by name, and because all trials walk the same batches (the
-batch key depends on data, batch size and seed — not on the searched values), each teacher computes
-a batch's KV once for the whole sweep (the actors' LRU serves the rest).
-
-Outputs in `<storage>/<name>/`: Tune's experiment state, one run dir per trial, `results.csv`,
-`trials.png` (the metric per trial over steps) and `best.yaml`, a complete job config that
-`kava-ray train --config best.yaml` runs.
+A trial is a function (`trial_fn`: Ray 2.60 runs Train V2) that builds a TorchTrainer for its sampled config.
+The Tune driver starts the teacher pool once and every trial's workers find it by name; all trials walk the same
+batches, so each teacher computes a batch's KV once for the whole sweep. Outputs in `<storage>/<name>/`,
+`best.yaml` among them: docs/internals/runtime.md#tune.
 """
 
 from __future__ import annotations
@@ -24,18 +19,33 @@ from pathlib import Path
 from typing import Optional
 
 import ray
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
 
+from actors.pool import pool_stats
 from kava_ray.common import resources
 from kava_ray.common.config import JobConfig, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, first_line, format_table
+from kava_ray.common.trackers import mlflow_uri
 from kava_ray.core.models import KVGeometry
+from kava_ray.core.plans import student_geometry, teacher_plans
+from kava_ray.recipes.train import build_trainer, fit
+from kava_ray.runtime.connect import resolve_use_gpu
+from kava_ray.runtime.job import job_session, job_teachers
+from kava_ray.runtime.preflight import preflight
+from kava_ray.runtime.tune_space import (
+    apply_params,
+    last_judged_step,
+    load_space,
+    make_scheduler,
+    make_search_alg,
+    to_param_space,
+)
 
 
 def trial_dir(cfg: JobConfig) -> Path:
     """This trial's dir in the experiment's storage (not Tune's local staging dir), shared by all nodes."""
-    from ray import tune
-
     ctx = tune.get_context()
     path = Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name() / Path(ctx.get_trial_dir()).name
     path.mkdir(parents=True, exist_ok=True)
@@ -43,18 +53,9 @@ def trial_dir(cfg: JobConfig) -> Path:
 
 
 def trial_fn(config: dict, setup: dict) -> None:
-    """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune.
-
-    `config` holds only the searched params (what Tune shows and records); `setup` the constant
-    rest (base config, teacher and student geometries), passed once through the object store by
-    tune.with_parameters. The trial's workers find the shared teacher pool by name.
-    """
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from kava_ray.core.plans import teacher_plans
-    from kava_ray.recipes.train import build_trainer, fit
-    from kava_ray.runtime.tune_space import apply_params
-
+    """One Tune trial: the base job + this trial's params -> TorchTrainer.fit() reporting to Tune. `config` holds only
+    the searched params (what Tune shows and records); `setup` the constant rest (base config, geometries), passed once
+    through the object store by tune.with_parameters. The trial's workers find the shared teacher pool by name."""
     cfg = apply_params(validate_config(setup["base"]), config["params"])
     geoms = setup["geometries"]
     plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]),
@@ -89,12 +90,9 @@ def tracker_callbacks(cfg: JobConfig, exp_dir: Path) -> list:
     (kava_ray.common.trackers, in the trial's run dir). TensorBoard: TBXLoggerCallback, event files in each trial
     dir; MLflow: one experiment named after the sweep, $MLFLOW_TRACKING_URI or file:<sweep>/mlruns; W&B:
     project = the job's name, group = the sweep, WANDB_MODE offline unless set."""
-    import os
-
-    from kava_ray.common.trackers import mlflow_uri
-
     out = []
     if "tensorboard" in cfg.train.loggers:
+        # each tracker's callback where it is asked for: the mlflow and wandb ones import those (heavy, optional)
         from ray.tune.logger import TBXLoggerCallback
 
         out.append(TBXLoggerCallback())
@@ -122,12 +120,6 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     trial: a trial function to use instead of `trial_fn`; it then brings its own teachers (the shared
     pool is not started). `kava-ray bench tune-share` passes one that starts teachers per trial.
     """
-    from ray import tune
-
-    from kava_ray.runtime.job import job_session, job_teachers
-    from kava_ray.runtime.preflight import preflight
-    from kava_ray.runtime.tune_space import load_space
-
     preflight(cfg, "tune", resume=resume, space=space, address=address)  # the space first, then data, models...
     spec = load_space(space, base=cfg)  # every space error before anything starts
     exp_dir = experiment_dir(cfg, name, resume)
@@ -146,13 +138,6 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
 
 def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurrent, trial, handles, geoms) -> dict:
     """The Tuner over `trial` (Ray is up; the shared pool, if any, is `handles`)."""
-    from ray import tune
-
-    from actors.pool import pool_stats
-    from kava_ray.core.plans import student_geometry
-    from kava_ray.runtime.connect import resolve_use_gpu
-    from kava_ray.runtime.tune_space import last_judged_step, make_scheduler, make_search_alg, to_param_space
-
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
     setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
@@ -218,8 +203,6 @@ def ctrl_c_saves_the_sweep():
 
 def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
     """results.csv, trials.png and best.yaml from a ResultGrid."""
-    from kava_ray.runtime.tune_space import apply_params
-
     rows, curves = [], {}
     better = max if spec.mode == "max" else min
     for r in grid:
@@ -249,7 +232,7 @@ def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
 
 
 def _plot(curves: dict, metric: str, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: heavy, loaded for plots only
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))

@@ -20,6 +20,7 @@ import ray
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
 from kava_ray.runtime.console import collect_before_shutdown, status
+from kava_ray.runtime.ray_private import set_single_machine_constant
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
 # run that reports every step would be throttled to one step per 2 s. Poll faster, on our own Ray and on a
@@ -34,13 +35,9 @@ LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.runtime.console.qu
 
 
 def single_machine_mode() -> None:
-    """Ray's single-machine mode for this process and every process it starts: 127.0.0.1 stays 127.0.0.1.
-
-    Sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and Ray's already-imported constant (the one private Ray API
-    kava-ray sets); why both: docs/internals/runtime.md#connect.
-    """
-    from kava_ray.runtime.ray_private import set_single_machine_constant
-
+    """Ray's single-machine mode for this process and every process it starts (127.0.0.1 stays 127.0.0.1):
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and Ray's already-imported constant; why both:
+    docs/internals/runtime.md#connect."""
     os.environ[SINGLE_MACHINE_ENV] = "0"
     set_single_machine_constant()
 

@@ -15,6 +15,10 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
+import ray
+
+from kava_ray.runtime.ray_private import session_logs_dir
+
 _state: dict = {"console": None, "log_dir": None}
 
 
@@ -51,7 +55,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     t0 = time.time()
     _state["log_dir"] = log_dir
     _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
-    from kava_ray.runtime import connect
+    from kava_ray.runtime import connect  # here: connect imports this module (an import cycle)
 
     prev_log_to_driver = getattr(connect, "LOG_TO_DRIVER", True)
     connect.LOG_TO_DRIVER = bool(verbose)
@@ -131,13 +135,9 @@ def collect_ray_logs(dest: Path, since: float = 0.0) -> list[Path]:
     """Copy this driver's job's worker/actor logs (non-empty, written since `since`) and Ray Train's logs from
     the local Ray session dir into `dest` as `<ActorClass>-<pid>.out|err`; returns the copies. Nothing when
     Ray is not initialised (or the session dir is not on this machine: a remote cluster's nodes keep theirs)."""
-    import ray
-
     if not ray.is_initialized():
         return []
     try:
-        from kava_ray.runtime.ray_private import session_logs_dir
-
         logs = session_logs_dir()
         job = ray.get_runtime_context().get_job_id()
     except Exception:

@@ -15,6 +15,8 @@ import socket
 import sys
 from typing import Iterator
 
+from ray.cluster_utils import Cluster
+
 from kava_ray.runtime.connect import single_machine_mode
 
 TEACHER_NODE = {"kava-role": "teacher"}
@@ -64,8 +66,6 @@ def local_cluster() -> Iterator:
         os.environ.setdefault(key, value)
     os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())  # fixed defaults another Ray here may hold
     os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
-    from ray.cluster_utils import Cluster
-
     local = {"node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={**local, "num_cpus": 0, "dashboard_host": "127.0.0.1",

@@ -16,6 +16,7 @@ from typing import Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.pool import cluster_nodes
 from kava_ray.common import placement, resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
@@ -133,8 +134,6 @@ def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> Non
     on another node that can read it, or `ray.storage_path` is not shared with a node its workers can run on.
     `only`: look on these node ids alone. Nothing runs when there is nothing to look at or the cluster has only
     the driver's node."""
-    from actors.pool import cluster_nodes
-
     here = ray.get_runtime_context().get_node_id()
     nodes = [n for n in cluster_nodes() if n.node_id != here and (only is None or n.node_id in only)]
     if not wanted or not nodes:

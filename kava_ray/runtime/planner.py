@@ -13,15 +13,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from kava_ray.common import placement, resources
 from kava_ray.common.config import JobConfig, derive, parse_overrides, replica_label
 from kava_ray.common.errors import KavaError
+from kava_ray.core.fusion import Fusion
 from kava_ray.core.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.core.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
-from kava_ray.core.plans import layer_plan, logits_top_k
+from kava_ray.core.plans import cross_vocab, layer_plan, logits_top_k
 from kava_ray.core.precision import planned_policy, student_bytes_per_param
+from kava_ray.core.projectors import TeacherProjector, matmul_weights
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -101,8 +104,6 @@ class ModelInfo:
 
 def _meta_params(config) -> dict:
     """Parameters by kind of an HF config's model, built on the meta device (no memory, no weights)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -134,9 +135,6 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
 
     small: params in tensors < 4096 elements (bitsandbytes keeps 32-bit Adam states for those).
     """
-    from kava_ray.core.fusion import Fusion
-    from kava_ray.core.projectors import TeacherProjector, matmul_weights
-
     a, p = cfg.align, cfg.align.projector
     mods = []
     with torch.device("meta"):
@@ -212,8 +210,6 @@ def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
 
 def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
     """The top-k a teacher serves: the job's, or 0 for another vocabulary with loss.logit_cross_vocab off."""
-    from kava_ray.core.plans import cross_vocab
-
     return 0 if _other_vocab(geom, s_geom) and cross_vocab(cfg) == "off" else _top_k(cfg)
 
 

@@ -13,8 +13,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from huggingface_hub import constants
+
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import load_layer_map
+from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
+from kava_ray.core.models import PYPI_SCHEME, _resolve, load_tokenizer, resolve_packaged_file
+from kava_ray.data.sources import check_source
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 
@@ -37,8 +43,6 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
         if command == "tune":
             check_sweep(cfg, resume)
         elif command == "eval":
-            from kava_ray.core.checkpoint import check_files
-
             check_files(resume)
         else:
             check_resume(cfg, resume, resume_override)
@@ -69,7 +73,7 @@ def about(key: str):
 
 def check_space(cfg: JobConfig, space: Optional[str]) -> None:
     """The search space parses and every searched key exists in the job config (`load_space` says which)."""
-    from kava_ray.runtime.tune_space import load_space
+    from kava_ray.runtime.tune_space import load_space  # Ray: recipes.evaluate imports this module, without Ray
 
     if not space:
         raise KavaError("tune: --space is required (a search-space YAML or a name in tune_spaces/)")
@@ -91,8 +95,6 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
     exp = sweep_dir(cfg, resume)
     if not exp.is_dir():
         raise KavaError(f"tune --resume {resume}: nothing to resume at {exp} (pass the directory of an earlier sweep)")
-    from kava_ray.core.checkpoint import STATE, read_state
-
     for i, state in enumerate(sorted(exp.glob(f"*/run/*/{STATE}"))):
         if i >= limit:
             break
@@ -105,8 +107,6 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
     """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
     the keys that differ, in one line)."""
-    from kava_ray.core.checkpoint import check_compatible, check_files, find_checkpoint
-
     ckpt = find_checkpoint(resume, for_resume=True)
     check_files(ckpt)
     check_compatible(ckpt, cfg, allow_run_changes=resume_override)
@@ -129,8 +129,6 @@ def data_splits(cfg: JobConfig, command: str) -> list[str]:
 def check_data(cfg: JobConfig, split: str) -> None:
     """`data.source` for `split`: synthetic, a local file whose first records parse and are valid records of
     one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
-    from kava_ray.data.sources import check_source
-
     with about("data.source"):
         check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
 
@@ -138,7 +136,7 @@ def check_data(cfg: JobConfig, split: str) -> None:
 def check_kv_cache(cfg: JobConfig, command: str) -> None:
     """`data.kv_source=cache` reads teacher KV from `data.kv_cache_dir`: its manifest must be there and parse
     (`actors.kv_cache.KVCache` reads it; precompute writes it, so it is not checked there)."""
-    from actors.kv_cache import KVCache
+    from actors.kv_cache import KVCache  # Ray: see check_space
 
     if cfg.data.kv_source != "cache" or command == "teachers precompute":
         return
@@ -149,8 +147,6 @@ def check_kv_cache(cfg: JobConfig, command: str) -> None:
 def check_layer_map(cfg: JobConfig, command: str) -> None:
     """`align.layer_map=cka`: `align.cka_path` exists and holds a map for every teacher (`align cka` itself
     measures that map, so it is not checked there)."""
-    from kava_ray.core.align.layers import load_layer_map
-
     if cfg.align.layer_map != "cka" or command == "align cka":
         return
     with about("align.cka_path"):
@@ -163,8 +159,6 @@ def check_layer_map(cfg: JobConfig, command: str) -> None:
 
 def check_model_files(cfg: JobConfig) -> None:
     """Every pypi:// model file of the job must be installed (KavaError names the pip command)."""
-    from kava_ray.core.models import PYPI_SCHEME, resolve_packaged_file
-
     for key, spec in [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers] + [("student.model",
                                                                                          cfg.student.model)]:
         if spec.startswith(PYPI_SCHEME):
@@ -177,8 +171,6 @@ def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
     its tokenizer loads -- the driver tokenizes with it. A hub id is loaded only with HF_HUB_OFFLINE (from the
     cache: instant); online, huggingface_hub retries a missing network for minutes, so it stays the loader's.
     `eval` loads the checkpoint's student instead."""
-    from kava_ray.core.models import _resolve, load_tokenizer
-
     if command == "eval" and ckpt is not None:
         with about(f"checkpoint {ckpt}"):
             load_tokenizer(Path(ckpt) / "student")
@@ -192,8 +184,6 @@ def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
 
 def _hub_offline() -> bool:
     """HF_HUB_OFFLINE: a hub id then loads from the local cache only, so trying it costs no network waits."""
-    from huggingface_hub import constants
-
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -206,8 +196,6 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
     """Teachers given as local paths exist (a dir with config.json, an existing .gguf, an installed pypi://
     package) when they load on this machine; a hub id is the loader's business. Not checked when the KV
     cache serves the teachers, nor on a cluster (a path there is resolved on the teacher's node)."""
-    from kava_ray.core.models import _resolve
-
     if cfg.data.kv_source == "cache" and command != "teachers precompute":
         return
     if not _embedded(cfg, address):

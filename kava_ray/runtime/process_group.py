@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
+import torch.distributed as dist
 from ray.train.torch import TorchConfig
 
 from kava_ray.runtime.ray_private import set_torch_distributed_env_vars
@@ -22,8 +23,6 @@ _STORE = None  # rank 0's store server, alive as long as its worker process
 
 def _serve_store(world_size: int, timeout_s: int) -> int:
     """On rank 0: a TCPStore server on a socket bound to 127.0.0.1 (the store takes the socket over); its port."""
-    import torch.distributed as dist
-
     global _STORE
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -36,8 +35,6 @@ def _serve_store(world_size: int, timeout_s: int) -> int:
 
 def _join(backend: str, port: int, timeout_s: int) -> None:
     """On every rank (after Ray Train's own torchrun variables, `_set_torch_distributed_env_vars`): the group."""
-    import torch.distributed as dist
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":

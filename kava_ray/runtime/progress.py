@@ -10,17 +10,16 @@ import contextlib
 import threading
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kava_ray.common.metrics_file import parse
+from kava_ray.runtime.console import console
 
 # "{desc}" carries the step's figures after the bar (tqdm's "{postfix}" would start with ", ")
 BAR_FORMAT = "train {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]"
 
 
 def _follow(path: Path, total: int, stop: threading.Event) -> None:
-    from tqdm import tqdm
-
-    from kava_ray.runtime.console import console
-
     # on the terminal even while kava_ray.runtime.console.quiet sends stderr to the run's logs; none when not a tty
     bar = tqdm(total=total, desc="", unit="step", disable=None, dynamic_ncols=True, file=console(),
                bar_format=BAR_FORMAT)

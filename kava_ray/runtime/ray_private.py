@@ -1,6 +1,8 @@
 """The private Ray APIs kava-ray uses, in one place, written against Ray 2.60.
 
 `tests/test_ray_private.py` fails loudly when the installed Ray is another version or an attribute is gone.
+Each is imported inside the function that uses it, so a Ray that lacks one fails in `missing()`, which names it,
+not at import; `_global_node` is read when called (ray.init sets it).
 Which APIs and why each has no public equivalent: docs/internals/runtime.md#ray-private.
 """
 

@@ -1,16 +1,8 @@
 """Ray Tune search spaces as YAML: dotted JobConfig keys -> distributions, plus metric/scheduler/search.
 
-    metric: eval/ce
-    mode: min
-    num_samples: 8
-    scheduler: {kind: asha, grace_period: 2, reduction_factor: 2}
-    search: {kind: random}
-    params:
-      optim.lr_student: {loguniform: [1.0e-5, 1.0e-4]}
-
 `load_space` checks everything up front (keys exist in JobConfig, ranges are non-empty, and, given
 a base config, every extreme value validates), so a bad space fails with one `KavaError` line
-before any trial starts.
+before any trial starts. An example space: docs/internals/runtime.md#tune-space.
 """
 
 from __future__ import annotations
@@ -22,6 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from kava_ray.common.config import (
     JobConfig,
@@ -239,8 +233,6 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
 
 def to_param_space(spec: SpaceSpec) -> dict[str, Any]:
     """Flat {dotted key: ray.tune domain} for `Tuner(param_space=...)`."""
-    from ray import tune
-
     make = {"choice": tune.choice, "grid": tune.grid_search, "uniform": lambda a: tune.uniform(*a),
             "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}
     out = {}
@@ -268,8 +260,6 @@ def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
     split, which can lose both: so every rung lies at or below the last eval before the end (ASHA puts one at each
     grace_period * rf**k <= max_t), and stop_last_trials=False leaves a trial past max_t to finish on its own.
     """
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
     s = spec.scheduler if isinstance(spec, SpaceSpec) else spec
     if s.kind == "fifo":
         return FIFOScheduler()
@@ -291,7 +281,7 @@ def make_search_alg(spec: Union[SpaceSpec, SearchSpec]):
     except ImportError:
         raise KavaError(f"search kind {kind!r} needs the {kind} package: pip install {kind}") from None
     if kind == "optuna":
-        from ray.tune.search.optuna import OptunaSearch
+        from ray.tune.search.optuna import OptunaSearch  # optional packages: imported for the search asked for
 
         return OptunaSearch()
     from ray.tune.search.hyperopt import HyperOptSearch

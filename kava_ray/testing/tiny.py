@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -19,9 +21,6 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """Byte-level tokenizer: 256 byte tokens + 4 specials = 260 ids; encodes any text, no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     for tok in SPECIAL_TOKENS:
@@ -60,8 +59,6 @@ def build_tiny_model(
     tokenizer: the HF tokenizer to build around (vocab_size defaults to its length; its pad/eos/bos ids; saved
     beside), default the shared byte tokenizer. dtype: of the saved weights (default float32; bench gpu: bf16).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
     tok = build_tokenizer() if tokenizer is None else tokenizer
     vocab_size = vocab_size or len(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -12,11 +12,15 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, file_lock
 from kava_ray.core.gguf import default_cache_dir
+from kava_ray.core.models import load_tokenizer
 
 SDIST_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
@@ -73,11 +77,7 @@ def _extract_vocab(sdist: Path, filename: str, folder: Path) -> Path:
 
 def _build(name: str, out: Path) -> None:
     """Write the save_pretrained files of tokenizer `name` into the (temporary) directory `out`."""
-    from transformers import AutoTokenizer
-
     if name == "smollm2":
-        from kava_ray.core.models import load_tokenizer
-
         tok = load_tokenizer(SMOLLM2_SPEC)  # resolve_packaged_file + the GGUF loader the demo uses
     else:
         gguf_dir = out / "_gguf"
@@ -109,8 +109,6 @@ def ensure_tokenizer(name: str, fetch: bool = True) -> Path:
 
 def _load(name: str, fetch: bool):
     if name not in _loaded:
-        from transformers import AutoTokenizer
-
         try:
             path = ensure_tokenizer(name, fetch)
         except KavaError:
@@ -136,8 +134,6 @@ def smollm2_tokenizer(fetch: bool = True):
 
 def main(argv=None) -> int:
     """Fetch every test tokenizer; one line per tokenizer, exit 1 (one line each) if any fails."""
-    import time
-
     failed = 0
     for name in NAMES:
         t0 = time.perf_counter()

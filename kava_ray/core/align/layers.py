@@ -1,16 +1,9 @@
 """Layer maps: which teacher layers feed which student layer, and with what weight.
 
-A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of
-(teacher_layer, weight) pairs whose weights sum to 1:
-
-    [(0, [(0, 1.0)]), (1, [(2, 0.5), (3, 0.5)]), ...]
-
-Kinds: `identity` (student layer i <- the teacher layer it was copied from: a student built by
-`student.keep_layers` from the teacher's own model; layer i without keep_layers), `ratio` (one teacher
-layer per student layer, spread evenly, first and last teacher layer included), `uniform` (contiguous
-groups, every teacher layer used),
-`explicit` (user spec), `cka` (measured with linear CKA by `kava-ray align cka` and stored as JSON, one
-map per teacher).
+A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of (teacher_layer, weight) pairs
+whose weights sum to 1. Kinds: `identity`, `ratio`, `uniform`, `explicit` (user spec) and `cka` (measured by
+`kava-ray align cka`, stored as JSON, one map per teacher). What each kind picks, with an example:
+docs/internals/core.md#align-layers.
 """
 
 from __future__ import annotations
@@ -199,12 +192,8 @@ def top_k_map(scores: torch.Tensor, top_k: int = 1, teacher_layers: list[int] | 
 
 
 def cka_map(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tensor], top_k: int = 1) -> LayerMap:
-    """For each student layer, its top-k teacher layers by linear CKA.
-
-    Features are per-layer [N, d] (e.g. flattened K of N tokens). Weights are the
-    CKA values normalised to sum to 1 (equal if all are 0); the pairs are listed
-    best first.
-    """
+    """For each student layer, its top-k teacher layers by linear CKA, best first. Features: per-layer [N, d] (e.g.
+    flattened K of N tokens); weights: the CKA values normalised to sum to 1 (equal if all are 0)."""
     if not teacher_feats or not student_feats:
         raise KavaError("cka_map needs features for at least one teacher and one student layer")
     if not 1 <= top_k <= len(teacher_feats):

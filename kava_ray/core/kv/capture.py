@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.models import kv_geometry
@@ -32,8 +33,6 @@ def _family(model) -> str:
 
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) [B, H, T, D] from a transformers Cache (cache.layers) or legacy ((k, v), ...)."""
-    from transformers.cache_utils import Cache
-
     if isinstance(cache, Cache):
         return [(layer.keys, layer.values) for layer in cache.layers]
     if isinstance(cache, (tuple, list)) and all(

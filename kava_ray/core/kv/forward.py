@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.cache_utils import Cache
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv.batch import KEY_SPACES, KVBatch
@@ -151,8 +152,6 @@ class _StopAfter:
         return cls(attn[last])
 
     def _hook(self, _mod, args, kwargs, _out):
-        from transformers.cache_utils import Cache
-
         # families name the argument differently (past_key_values, layer_past, ...): take the Cache passed in
         self.cache = next((a for a in (*kwargs.values(), *args) if isinstance(a, Cache)), None)
         self.stopped = True
