@@ -38,7 +38,7 @@ def write_job(tmp: Path, qwen_dir, llama_dir, student_dir, **sections) -> Path:
 # ------------------------------------------------------------------ the worker loop in process, and its curves
 
 
-def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None, save_at=None):
+def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None, save_at=None, grad_share=False):
     """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its KVFeed,
     from the checkpoint `resume` (or step 0) to `steps`; after step `save_at`, a checkpoint into `ckpt_dir`.
     Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, feed)."""
@@ -49,7 +49,7 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
     feed = recipe.feed(source, until=steps)
     out = {}
     for step in range(recipe.start_step + 1, steps + 1):
-        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []))
+        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []), grad_share)
         out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
         if step == save_at:
             recipe.save(ckpt_dir, step, stream_state_after(recipe.stream, feed, [recipe.skipped_before + feed.skipped]))

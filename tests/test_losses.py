@@ -226,3 +226,54 @@ def test_centred_contrast_gap_vs_raw():
     assert centred > 0.8 and 0 < raw < 0.1
     cos = mercator_loss(student, target)[1]["cos_sim"]
     assert float(centred) == pytest.approx(float(cos), abs=0.15)
+
+
+# ------------------------------------------------------------------------------ MiniLMv2 relation loss (issue 39)
+
+
+def _relation_by_hand(s, t, lengths, heads):
+    """bloomberg/minilmv2.bb `_get_kl_loss`, one sequence at a time (rows and columns sliced to its length n),
+    with the decoder's causal mask: sum of KL(R_T || R_S) over keys, / (heads * n), mean over sequences, layers."""
+    def rel(x, layer, b, n):  # [heads, n, n]
+        H, T, D = x.shape[2], x.shape[3], x.shape[4]
+        d_r = H * D // heads
+        r = x[layer, b].permute(1, 0, 2).reshape(T, H * D)[:n].double().reshape(n, heads, d_r).transpose(0, 1)
+        return r @ r.transpose(-1, -2) / math.sqrt(d_r)
+
+    total, (L, B) = 0.0, s.shape[:2]
+    for layer in range(L):
+        for b, n in enumerate(lengths):
+            rs, rt = rel(s, layer, b, n), rel(t, layer, b, n)
+            kl = 0.0
+            for h in range(heads):
+                for i in range(n):
+                    ps, pt = torch.log_softmax(rs[h, i, : i + 1], -1), torch.log_softmax(rt[h, i, : i + 1], -1)
+                    kl += float((pt.exp() * (pt - ps)).sum())
+            total += kl / (heads * n)
+    return total / (L * B)
+
+
+def test_relation_loss_matches_minilmv2_by_hand_across_head_counts():
+    from kava_ray.core.losses import relation_loss
+
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 2, 7, 8)  # [L, B, H_s=2, T, D=8]
+    t = torch.randn(2, 3, 4, 7, 4)  # [L, B, H_t=4, T, D=4]: another head count, the same 32 features
+    lengths = [7, 5, 3]  # right padding
+    mask = torch.zeros(3, 7)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    for heads in (1, 2, 4):
+        got = float(relation_loss(s, t, mask, heads))
+        assert got == pytest.approx(_relation_by_hand(s, t, lengths, heads), rel=1e-5)
+    assert float(relation_loss(t, t, mask, 2)) == pytest.approx(0.0, abs=1e-6)  # its own relations: no loss
+
+
+def test_relation_loss_trains_the_student_side_only():
+    from kava_ray.core.losses import relation_loss
+
+    torch.manual_seed(1)
+    s = torch.randn(1, 2, 2, 5, 8, requires_grad=True)
+    t = torch.randn(1, 2, 2, 5, 8, requires_grad=True)
+    relation_loss(s, t, torch.ones(2, 5), 2).backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0 and t.grad is None

@@ -148,7 +148,8 @@ class DataConfig(_Section):
 
 
 class ProjectorConfig(_Section):
-    kind: Literal["elastic", "linear"] = "elastic"
+    # auto: identity (the teacher's own KV is the target, nothing learned) where the geometry allows, else linear
+    kind: Literal["auto", "identity", "elastic", "linear"] = "auto"
     mlp_ratio: float = Field(1.0, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
     # structured mode: one head_dim projector shared by every student head, or one per student head
@@ -206,6 +207,8 @@ class LossConfig(_Section):
     # each teacher's top-k next-token log-probs, the student normalised over its full vocabulary, T^2-scaled,
     # on the positions CE counts; teachers combined with the fusion weights. 0 = off (no teacher logits)
     logit_weight: float = Field(0.0, ge=0)
+    # MiniLMv2's K-K and V-V self-relation KL to each teacher's matched layer (`losses.relation_loss`): no projector
+    relation_weight: float = Field(0.0, ge=0)
     logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
     logit_temperature: float = Field(1.0, gt=0)  # applied to teacher and student alike
     # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside

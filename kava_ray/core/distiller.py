@@ -28,6 +28,7 @@ from kava_ray.core.losses import (
     log_normalizer,
     masked_ce,
     position_masks,
+    relation_loss,
 )
 from kava_ray.core.metric_names import (
     ALIGNED,
@@ -43,6 +44,7 @@ from kava_ray.core.metric_names import (
     LABEL_TOKENS,
     LOGIT_KL,
     LOSS,
+    RELATION,
     TOKENS,
     TOP1_AGREE,
     of,
@@ -82,6 +84,10 @@ class Distiller(nn.Module):
         # `vocab_maps` (`plans.vocab_maps`: needed for hybrid), see `kava_ray.core.logit_kd`
         self.aligned = [n for n in self.names if plans[n].aligned]
         self.token_align = a.token_align
+        # relation loss: each student layer against its heaviest mapped teacher layer (an index into the shipped ones)
+        self.relation_pairs = {n: [self.layers[n].index(max(pairs, key=lambda tw: tw[1])[0])
+                                   for _, pairs in plan.layer_map] for n, plan in plans.items()}
+        self.relation_heads = {n: math.gcd(s_geom.num_kv_heads, plan.geometry.num_kv_heads) for n, plan in plans.items()}
         self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
         self.logit_names = list(self.logit_specs)
 
@@ -97,8 +103,9 @@ class Distiller(nn.Module):
         with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
                                           key_space=self.key_space, output_hidden_states=self.fusion.kind == "router")
+        self.student_kv = None if self.training else skv  # evaluation reads the projector-free cosine from it
         with record_function("kava/projectors"):
-            projected, masks = self._project(batch, teacher_kv, kv_mask)
+            projected, masks, native = self._project(batch, teacher_kv, kv_mask)
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
             c = self.loss_cfg
             ce, lse = self._ce_term(out.logits, batch.labels)
@@ -108,7 +115,12 @@ class Distiller(nn.Module):
                 kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
             kvl, kv_m, per_teacher = self._kv_term(out, skv, projected, masks, kv_mask)
             metrics.update(per_teacher)
-            loss = c.ce_weight * ce + c.kv_weight * kvl
+            self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
+            loss = c.ce_weight * ce + self.kv_term
+            if c.relation_weight > 0:
+                rel = self._relation_term(skv, native, masks)
+                loss = loss + c.relation_weight * rel
+                metrics[RELATION] = rel.detach()
             if c.logit_weight > 0:
                 kl, m_logit = self._logit_term(out.logits, teacher_kv, batch, next_mask, lse)
                 loss = loss + c.logit_weight * kl
@@ -118,10 +130,10 @@ class Distiller(nn.Module):
 
     # ---------------------------------------------------------------------------------- teachers -> student
 
-    def _project(self, batch: Batch, teacher_kv: dict[str, KVBatch], kv_mask: torch.Tensor) -> tuple[dict, dict]:
+    def _project(self, batch: Batch, teacher_kv: dict[str, KVBatch], kv_mask: torch.Tensor):
         """Every teacher's KV in the student's layout and positions: ({t: (keys, values)}, each
-        [L_s, B, H_s, T, D_s]; {t: its KV mask [B, T]})."""
-        projected, masks = {}, {}
+        [L_s, B, H_s, T, D_s]; {t: its KV mask [B, T]}; {t: (keys, values) unprojected, [L_t, B, H_t, T, D_t]})."""
+        projected, masks, native = {}, {}, {}
         for n in self.names:
             t = teacher_kv[n]
             if t.key_space != self.key_space:  # rotated keys against de-rotated ones would align nothing
@@ -130,8 +142,9 @@ class Distiller(nn.Module):
             if t.layer_ids != self.layers[n]:
                 raise KavaError(f"teacher '{n}' sent layers {t.layer_ids}, its projector expects {self.layers[n]}")
             keys, values, masks[n] = self._to_student_time(n, t, batch, kv_mask)  # [L_t, B, H_t, T, D_t]
+            native[n] = (keys, values)
             projected[n] = self.projectors[n](keys, values)
-        return projected, masks
+        return projected, masks, native
 
     def _to_student_time(self, n: str, t: KVBatch, batch: Batch, kv_mask: torch.Tensor):
         """(keys, values, mask) of teacher `n` on the student's positions.
@@ -259,6 +272,18 @@ class Distiller(nn.Module):
         w = self.fusion.current_weights()
         total = sum(w[n] for n in self.logit_names)
         return [w[n] / total for n in self.logit_names]
+
+    def _relation_term(self, skv: KVBatch, native: dict, masks: dict) -> torch.Tensor:
+        """MiniLMv2's K-K and V-V relation KL (`losses.relation_loss`, the mean of the two) to every teacher's matched
+        layers, weighted with the normalised fusion prior: no projector between student and teacher."""
+        w = self.fusion.prior.tolist()
+        total = 0
+        for wi, n in zip(w, self.names):
+            keys, values = native[n]
+            pick, heads = self.relation_pairs[n], self.relation_heads[n]
+            total = total + wi * (relation_loss(skv.keys, keys[pick], masks[n], heads)
+                                  + relation_loss(skv.values, values[pick], masks[n], heads)) / 2
+        return total
 
     def _metrics(self, loss, ce, kvl, kv_m: dict, batch: Batch, kv_mask: torch.Tensor, next_mask: torch.Tensor) -> dict:
         """The step's summary metrics: losses, the KV cosines and gap (mean of K and V), the token counts and the

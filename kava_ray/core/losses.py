@@ -495,3 +495,32 @@ def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
     if not (flat_labels != -100).any():
         return logits.sum() * 0.0
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100)
+
+
+def relation_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """MiniLMv2's self-relation loss for one of K or V, no projector: s [L, B, H_s, T, D_s], t [L, B, H_t, T, D_t]
+    (the teacher layer matched to each student layer), mask [B, T].
+
+    Per layer the heads are concatenated and split into `heads` relation heads of d_r = H*D / heads on each side
+    (how MiniLMv2 reconciles head counts); R = softmax(X Xᵀ / √d_r) over the keys; KL(R_T ‖ R_S) summed over
+    the keys, averaged over relation heads and a sequence's valid query rows, then over sequences and layers --
+    bloomberg/minilmv2.bb `minilmv2.py` (`_get_relation_vectors`, `_get_kl_loss`). For a decoder the keys are
+    causal (j <= i); padding is masked instead of sliced, so any padding side works.
+    """
+    def relations(x: torch.Tensor) -> torch.Tensor:  # [L, B, H, T, D] -> [L, B, heads, T, T]
+        L, B, H, T, D = x.shape
+        if (H * D) % heads:
+            raise KavaError(f"relation loss: {H} heads x {D} do not split into {heads} relation heads")
+        x = x.float().permute(0, 1, 3, 2, 4).reshape(L, B, T, heads, H * D // heads).transpose(2, 3)
+        return x @ x.transpose(-1, -2) / math.sqrt(x.shape[-1])
+
+    m = mask.to(s.device).bool()  # [B, T]
+    T = m.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+    allowed = (m[:, :, None] & m[:, None, :] & causal)[None, :, None]  # [1, B, 1, T, T]
+    low = torch.finfo(torch.float32).min
+    log_s = torch.log_softmax(relations(s).masked_fill(~allowed, low), -1)
+    log_t = torch.log_softmax(relations(t.detach()).masked_fill(~allowed, low), -1)
+    kl = (log_t.exp() * (log_t - log_s)).masked_fill(~allowed, 0.0).sum(-1)  # [L, B, heads, T]
+    rows = m.sum(-1).clamp(min=1)  # [B] valid query rows per sequence
+    return (kl.sum((2, 3)) / (heads * rows)).mean()  # per sequence, then over sequences and layers

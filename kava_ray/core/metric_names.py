@@ -8,8 +8,10 @@ COS_SIM = "cos_sim"  # centred per (layer, head) over the batch's counted tokens
 COS_RAW = "cos_raw"  # the plain cosine (flattered by constants)
 COS_LAYERS = ("cos_layer/first", "cos_layer/middle", "cos_layer/last")  # centred, at those student layers
 CONTRAST_GAP = "contrast_gap"
+RELATION = "relation_loss"  # the MiniLMv2 relation term (loss.relation_weight), weighted over teachers
 LOGIT_KL = "logit_kl"  # the logit KD loss, weighted over teachers
 TOKENS, KV_TOKENS, LABEL_TOKENS = "tokens", "kv_tokens", "label_tokens"  # real / KV-counted / next-token positions
+GRAD_KV_SHARE = "grad/kv_share"  # |grad of kv_weight * KV on the student| / |the whole loss's| (log steps)
 SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV (the recipe's count)
 SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES)  # summed over micro-batches and ranks; the rest: means
 

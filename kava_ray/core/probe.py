@@ -40,11 +40,14 @@ class KVAlignment:
     (a linear map per student layer and per K / V, ridge `ridge` x mean feature variance), then `score`.
     """
 
-    def __init__(self, pairs: list[int], probe: bool = False, ridge: float = 1e-3):
+    def __init__(self, pairs: list[int], probe: bool = False, ridge: float = 1e-3, exclude: tuple = ()):
         self.pairs, self.probe, self.ridge = list(pairs), probe, ridge
+        self.exclude = sorted(set(int(i) for i in exclude))  # student layers left out of the mean (a copy: ~1)
+        if len(self.exclude) >= len(self.pairs):
+            self.exclude = []
         self._stats: dict[str, list] = {}  # K / V -> per student layer [n, sum x, sum y, X'X, X'Y]
         self.maps: dict[str, list] = {}  # K / V -> per student layer (W, b)
-        self._sum = {"k": 0.0, "v": 0.0}
+        self._per = {"k": [0.0] * len(self.pairs), "v": [0.0] * len(self.pairs)}  # per layer, token-weighted
         self.tokens = 0
 
     def _check(self, student: torch.Tensor, teacher: torch.Tensor) -> None:
@@ -103,12 +106,18 @@ class KVAlignment:
             self._check(s, t)
             target = t[self.pairs]
             pred = self._predict(name, s, target) if self.probe else s.to(target.dtype)
-            self._sum[name] += float(cos_metrics(pred, target, mask)["cos_sim"]) * n
+            per = cos_metrics(pred, target, mask)["cos_per_layer"]  # centred, one per student layer
+            self._per[name] = [acc + float(c) * n for acc, c in zip(self._per[name], per)]
         self.tokens += n
 
     def result(self) -> dict:
-        """{"kv_cos_free": mean of K and V, "kv_cos_free_k", "kv_cos_free_v", "tokens", "method"}."""
+        """{"kv_cos_free": mean of K and V over the layers not excluded, "kv_cos_free_k", "kv_cos_free_v",
+        "per_layer": [mean of K and V per student layer], "excluded", "tokens", "method"}."""
         n = max(self.tokens, 1)
-        k, v = self._sum["k"] / n, self._sum["v"] / n
-        return {"kv_cos_free": (k + v) / 2, "kv_cos_free_k": k, "kv_cos_free_v": v, "tokens": self.tokens,
+        keep = [i for i in range(len(self.pairs)) if i not in self.exclude]
+        k, v = ([self._per[x][i] / n for i in keep] for x in ("k", "v"))
+        k, v = sum(k) / len(keep), sum(v) / len(keep)
+        per_layer = [(a + b) / (2 * n) for a, b in zip(self._per["k"], self._per["v"])]
+        return {"kv_cos_free": (k + v) / 2, "kv_cos_free_k": k, "kv_cos_free_v": v, "per_layer": per_layer,
+                "excluded": self.exclude, "tokens": self.tokens,
                 "method": "linear probe" if self.probe else "direct (source layers)"}

@@ -13,10 +13,19 @@ import torch.nn as nn
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import LayerMap, validate_layer_map
 
-PROJECTOR_KINDS = ("elastic", "linear")
+PROJECTOR_KINDS = ("elastic", "linear", "identity")  # and "auto" (`resolve_kind`)
 MODES = ("flat", "structured")
 AGGREGATIONS = ("concat", "mean", "weighted")
 HEAD_PROJS = ("shared", "per_head")
+
+
+def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int) -> str:
+    """`auto` -> `identity` where the student's KV has its teacher's geometry per layer (structured mode: a
+    layer-dropped or same-family student), so the target is the teacher's own KV; else `linear`."""
+    if kind != "auto":
+        return kind
+    same = mode == "structured" and (int(t_heads), int(t_head_dim)) == (int(s_heads), int(s_head_dim))
+    return "identity" if same else "linear"
 
 
 def _init_linear(layer: nn.Linear) -> None:
@@ -190,6 +199,14 @@ class HeadwiseProjector(nn.Module):
         return self.proj(mixed)  # [..., H_s, T, D_s]
 
 
+def _check_identity(mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int) -> None:
+    if mode != "structured":
+        raise KavaError("align.projector.kind: identity needs align.mode: structured (flat mixes every layer)")
+    if (t_heads, t_head_dim) != (s_heads, s_head_dim):
+        raise KavaError(f"align.projector.kind: identity needs the teacher's KV geometry per layer: teacher "
+                        f"{t_heads} heads x {t_head_dim}, student {s_heads} x {s_head_dim} (use auto, linear or elastic)")
+
+
 class TeacherProjector(nn.Module):
     """The K and V projectors of one teacher: keys, values [len(teacher_layers), B, H_t, T, D_t] (the shipped
     layers, in `teacher_layers` order) -> (k_s, v_s), each [L_s, B, H_s, T, D_s].
@@ -218,6 +235,9 @@ class TeacherProjector(nn.Module):
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
         if mode not in MODES:
             raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
+        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim)
+        if kind == "identity":
+            _check_identity(mode, t_heads, t_head_dim, s_heads, s_head_dim)
         if kind not in PROJECTOR_KINDS:
             raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
         _check_head_proj(head_proj)
@@ -254,10 +274,13 @@ class TeacherProjector(nn.Module):
             # positions (into the shipped layers) and initial weights of each student layer's sources
             self._sources = [[pos[t] for t, _ in pairs] for _, pairs in self.layer_map]
             init = [torch.tensor([w for _, w in pairs]) for _, pairs in self.layer_map]
-            self.k_layer_weights = nn.ParameterList([nn.Parameter(w.clone()) for w in init])
-            self.v_layer_weights = nn.ParameterList([nn.Parameter(w.clone()) for w in init])
+            learned = kind != "identity"  # identity: the mapped teacher layers as they are, nothing trained
+            self.k_layer_weights = nn.ParameterList([nn.Parameter(w.clone(), requires_grad=learned) for w in init])
+            self.v_layer_weights = nn.ParameterList([nn.Parameter(w.clone(), requires_grad=learned) for w in init])
 
             def bank() -> nn.ModuleList:
+                if not learned:
+                    return nn.ModuleList(nn.Identity() for _ in range(self.s_layers))
                 return nn.ModuleList(
                     HeadwiseProjector(t_heads, t_head_dim, s_heads, s_head_dim, kind, mlp_ratio, dropout, head_proj)
                     for _ in range(self.s_layers)

@@ -33,6 +33,7 @@ from kava_ray.core.checkpoint import check_compatible, load_into, save_checkpoin
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.metric_names import (
     COS_SIM,
+    GRAD_KV_SHARE,
     KV_TOKENS,
     LABEL_TOKENS,
     SKIPPED_BATCHES,
@@ -152,11 +153,12 @@ class DistillRecipe:
                       device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
                       on_bad_kv=cfg.train.on_bad_kv, limit=remaining)
 
-    def step(self, step_no: int, micro_batches) -> dict[str, torch.Tensor]:
+    def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
 
         Returns the step's metrics as float64 tensors on the device: means over micro-batches, counts (SUMMED)
-        summed, plus grad_norm. Nothing is converted to Python here (no GPU sync).
+        summed, plus grad_norm (and with `grad_share`, grad/kv_share of the first micro-batch). Nothing is
+        converted to Python here (no GPU sync).
         """
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
         accum = self.cfg.optim.accumulation
@@ -165,8 +167,13 @@ class DistillRecipe:
             no_sync = self.world > 1 and micro < accum - 1
             with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
                 loss, m = self.model(batch.to(self.device), kv)
+            kv_grad = self._kv_grad_norm() if grad_share and micro == 0 else None
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
+            if kv_grad is not None:  # the student's .grad now holds exactly this micro-batch's whole gradient
+                total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self._student_params()
+                                                              if p.grad is not None])) * accum
+                sums[GRAD_KV_SHARE] = (kv_grad / total.clamp_min(1e-30)).double() * accum  # / accum below
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
         with record_function("kava/optimizer"):
@@ -183,6 +190,19 @@ class DistillRecipe:
         if "projector" in norms:
             out["grad_norm_projector"] = norms["projector"].detach().double()
         return out
+
+    def _student_params(self) -> list:
+        return [p for p in self.distiller.student.parameters() if p.requires_grad]
+
+    def _kv_grad_norm(self) -> torch.Tensor:
+        """|d(kv_weight * KV loss) / d(student)| of the forward just run (`Distiller.kv_term`): a separate
+        backward that leaves .grad alone. Zero when the KV term does not reach the student."""
+        term = self.distiller.kv_term
+        if not term.requires_grad:
+            return torch.zeros((), device=term.device)
+        grads = torch.autograd.grad(term, self._student_params(), retain_graph=True, allow_unused=True)
+        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None] or
+                                                    [torch.zeros((), device=term.device)]))
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
              extra: Optional[dict] = None) -> Path:
@@ -274,11 +294,11 @@ def micro_batches(feed, accum: int, step: int, wait: list):
         yield batch, kv
 
 
-def train_step(recipe: DistillRecipe, feed, step: int) -> dict[str, torch.Tensor]:
+def train_step(recipe: DistillRecipe, feed, step: int, grad_share: bool = False) -> dict[str, torch.Tensor]:
     """`recipe.step` on the feed's next micro-batches, plus the time it waited for teachers and the rank's
     cumulative skipped batches (float64 tensors on the device, like the step's own metrics)."""
     waits: list = []
-    values = recipe.step(step, micro_batches(feed, recipe.cfg.optim.accumulation, step, waits))
+    values = recipe.step(step, micro_batches(feed, recipe.cfg.optim.accumulation, step, waits), grad_share)
     device = values["grad_norm"].device
     values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=device)
     values[SKIPPED_BATCHES] = torch.tensor(float(recipe.skipped_before + feed.skipped), dtype=torch.float64,
@@ -389,10 +409,10 @@ def train_loop_per_worker(config: dict) -> None:
 
     skips = [recipe.skipped_before] * world  # every rank's cumulative skips at the last save (final/ reuses them)
     for step in range(recipe.start_step + 1, cfg.train.steps + 1):
-        t0 = time.perf_counter()
-        values = train_step(recipe, feed, step)
-        dt = time.perf_counter() - t0
         kind = step_kind(step, cfg.train)
+        t0 = time.perf_counter()
+        values = train_step(recipe, feed, step, grad_share=kind.log and cfg.loss.kv_weight > 0)
+        dt = time.perf_counter() - t0
         if not kind.log:
             continue
         record = step_record(values, step, dt, recipe.last_lrs, world)

@@ -41,6 +41,7 @@ from kava_ray.core.metric_names import (
 )
 from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
 from kava_ray.core.plans import (
+    copied_layers,
     eval_stream,
     load_test_split,
     logit_specs,
@@ -174,9 +175,13 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
                   logits_top_k=teacher_logits_top_k(cfg, plans))
     sums: dict = {}
     weights: dict = {KV_TOKENS: 0, LABEL_TOKENS: 0}
+    free = direct_alignment(cfg, plans)
     for (_, _, _, batch), kv in feed:
         with autocast():
             _, m = distiller(batch.to(device), kv)
+        for t, kva in free.items():  # the student's own KV against its source layers, no projector
+            skv = distiller.student_kv
+            kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), batch.attention_mask.to(device))
         for w in weights:
             weights[w] = weights[w] + m[w].double()
         # CE and the logit KD: per next-token position CE counts
@@ -193,7 +198,27 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
            for k, v in sums.items()}
     if split.format == "text":  # language modelling: per-token CE and its perplexity
         out[f"{prefix}/ppl"] = math.exp(min(out[f"{prefix}/ce"], 50.0))
+    for t, kva in free.items():
+        out.update({of(prefix, k): v for k, v in free_cos(t, kva).items()})
     return out
+
+
+def direct_alignment(cfg, plans: dict) -> dict:
+    """{teacher: a direct `probe.KVAlignment`} for each teacher of the student's tokenizer it was copied from by
+    `keep_layers` and whose source layers it ships; a copied layer 0 (the same embeddings) is left out of the mean."""
+    out = {}
+    for t, p in plans.items():
+        src = copied_layers(cfg, t)
+        if src is not None and not p.aligned and all(layer in p.layers for layer in src):
+            out[t] = KVAlignment([p.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
+    return out
+
+
+def free_cos(teacher: str, kva: KVAlignment) -> dict:
+    """`kv_cos_free/<t>` (the mean over student layers, a copied layer 0 left out) and `kv_cos_free/<t>/layer<i>`."""
+    res = kva.result()
+    return {f"kv_cos_free/{teacher}": res["kv_cos_free"],
+            **{f"kv_cos_free/{teacher}/layer{i}": c for i, c in enumerate(res["per_layer"])}}
 
 
 # ----------------------------------------------------------------------------- figures every recipe shares
@@ -211,7 +236,8 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
       top-k KL(teacher || student) with the tail bucket at T = 1 (`losses.topk_kl_loss`, the KD loss itself),
       and `top1_agree/<t>`, on the same positions;
     - `alignment` {teacher: `probe.KVAlignment`, already fit when it probes}: `kv_cos_free/<t>`, the
-      projector-free centred KV cosine (see `kava_ray.core.probe`), over the real tokens.
+      projector-free centred KV cosine (see `kava_ray.core.probe`) over the real tokens, the mean over student
+      layers with a copied layer 0 left out, and `kv_cos_free/<t>/layer<i>` per student layer.
     """
     from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
@@ -219,7 +245,8 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     same = {n: p for n, p in plans.items() if not p.aligned}
     specs = logit_specs(cfg, same) if logit_top_k else {}
     logit_names = list(specs)
-    kd = derive(cfg, {"loss.logit_top_k": logit_top_k, "loss.logit_temperature": 1.0, "loss.logit_tail": "bucket"}).loss
+    kd = derive(cfg, {"loss.logit_top_k": logit_top_k, "loss.logit_temperature": 1.0,
+                      "loss.logit_tail": "bucket"}).loss if logit_names else None  # top-k 0: no logit figures
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device,
                   logits_top_k={n: (logit_top_k if n in logit_names else 0) for n in plans})
@@ -242,7 +269,7 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     out = {k: v / max(n_lab, 1) for k, v in sums.items()}
     out["tokens"] = n_lab
     for t, kva in (alignment or {}).items():
-        out[f"kv_cos_free/{t}"] = kva.result()["kv_cos_free"]
+        out.update(free_cos(t, kva))
         out["kv_cos_free_method"] = kva.result()["method"]
     return out
 
@@ -259,7 +286,8 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
     for t, p in plans.items():
         src = copied.get(t)
         if src is not None and all(layer in p.layers for layer in src):
-            out[t] = KVAlignment([p.layers.index(layer) for layer in src])
+            # student layer 0 copied from teacher layer 0 reads the same embeddings: ~1 by construction, not in the mean
+            out[t] = KVAlignment([p.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
         elif not p.aligned:  # a teacher of another tokenizer would need its KV in student time first
             heaviest = [max(pairs, key=lambda tw: tw[1])[0] for _, pairs in p.layer_map]
             out[t] = probes[t] = KVAlignment([p.layers.index(layer) for layer in heaviest], probe=True)

@@ -24,7 +24,7 @@ from kava_ray.core.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
 from kava_ray.core.plans import cross_vocab, layer_plan, logits_top_k
 from kava_ray.core.precision import planned_policy, student_bytes_per_param
-from kava_ray.core.projectors import TeacherProjector, matmul_weights
+from kava_ray.core.projectors import TeacherProjector, matmul_weights, resolve_kind
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -290,10 +290,13 @@ def _projector_bytes(cfg: JobConfig, geom: KVGeometry, layers: list[int], s_geom
     sees its own D_t slice). Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
     """
     al, p = cfg.align, cfg.align.projector
-    r = p.mlp_ratio if p.kind == "elastic" else 0.0
+    kind = resolve_kind(p.kind, al.mode, geom.num_kv_heads, geom.head_dim, s_geom.num_kv_heads, s_geom.head_dim)
+    if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
+        return 0.0
+    r = p.mlp_ratio if kind == "elastic" else 0.0
 
     def proj(d: float) -> float:  # [.., d] -> projector; LayerNorm keeps an fp32 input even under autocast
-        if p.kind == "linear":
+        if kind == "linear":
             return d * a
         return d * 4 + d * (1 + 2 * r) * a + (d * r if p.dropout > 0 else 0)
 

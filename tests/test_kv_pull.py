@@ -1,0 +1,84 @@
+"""The KV loss pulls the student toward its teacher (issue 39's positive control), on tiny real models in process.
+
+A layer-dropped student (teacher layers 0 and 3) has its teacher's KV geometry, so `align.projector.kind: auto`
+makes the teacher's own KV the target (identity). KV-only training then raises the *projector-free* centred
+cosine between the student's KV and its source layers' on held-out batches, against CE-only training (the trivial
+baseline) and against a randomly initialised learned projector (the old default, which aligns the student with a
+random image of the teacher).
+"""
+
+import pytest
+
+from jobs import run_recipe, write_job
+from kava_ray.common.config import load_config
+from kava_ray.core.models import load_model
+from kava_ray.core.plans import copied_layers, in_process_plans
+from kava_ray.core.projectors import resolve_kind
+from kava_ray.recipes.evaluate import kv_alignment, score_student
+from kava_ray.testing.sources import InProcessSource
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def pull_job(tmp_path_factory, tiny_qwen2_dir):
+    tmp = tmp_path_factory.mktemp("pull")
+    return write_job(tmp, tiny_qwen2_dir, tiny_qwen2_dir, tiny_qwen2_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"}],
+                     student={"model": str(tiny_qwen2_dir), "dtype": "float32", "keep_layers": [0, 3]},
+                     align={"mode": "structured", "layer_map": "auto", "projector": {"kind": "auto", "dropout": 0.0}},
+                     data={"source": "synthetic", "num_train": 64, "num_val": 8, "num_test": 8},
+                     optim={"lr_student": 3e-3, "lr_projector": 3e-3, "warmup_steps": 0, "schedule": "constant"},
+                     train={"steps": STEPS, "batch_size": 4, "max_length": 288, "log_steps": 1,
+                            "eval_steps": STEPS, "save_steps": STEPS})
+
+
+def _free_cos(cfg, recipe, models, plans) -> dict:
+    """The projector-free centred KV cosine per student layer on the validation split (the evaluation's own path)."""
+    student = recipe.distiller.student
+    src = InProcessSource(models)
+    align = kv_alignment(student, src, plans, recipe.train_split, cfg, {"qwen": copied_layers(cfg, "qwen")})
+    out = score_student(student, src, plans, recipe.val, cfg, alignment=align)
+    return {"mean": out["kv_cos_free/qwen"], "layers": [out["kv_cos_free/qwen/layer0"], out["kv_cos_free/qwen/layer1"]]}
+
+
+def _arm(pull_job, *overrides):
+    cfg = load_config(pull_job, list(overrides))
+    models = {"qwen": load_model(cfg.teachers[0].model, dtype="float32")}
+    plans = in_process_plans(cfg, models)
+    curve, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), 0)  # step 0: the start
+    start = _free_cos(cfg, recipe, models, plans)
+    curve, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), STEPS, grad_share=True)
+    return start, _free_cos(cfg, recipe, models, plans), curve
+
+
+def test_auto_is_identity_for_the_teachers_own_geometry_and_linear_otherwise():
+    assert resolve_kind("auto", "structured", 2, 16, 2, 16) == "identity"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 8) == "linear"
+    assert resolve_kind("auto", "flat", 2, 16, 2, 16) == "linear"
+    assert resolve_kind("elastic", "structured", 2, 16, 2, 16) == "elastic"
+
+
+def test_kv_only_training_from_the_teachers_own_kv_raises_the_projector_free_cosine(pull_job):
+    start, kv_id, curve = _arm(pull_job, "loss.ce_weight=0", "loss.kv_weight=1")
+    _, ce_only, _ = _arm(pull_job, "loss.ce_weight=1", "loss.kv_weight=0")
+    _, kv_random, random_curve = _arm(pull_job, "loss.ce_weight=0", "loss.kv_weight=1", "align.projector.kind=linear")
+    # the identity start: student layer 0 reads the teacher's own embeddings (a copy, left out of the mean)
+    assert start["layers"][0] == pytest.approx(1.0, abs=1e-4) and start["mean"] == pytest.approx(start["layers"][1])
+    # through the identity "projector" the step's cosine is the projector-free one; through a random map it is ~0
+    assert curve[1]["cos_sim"] > 0.5 and abs(random_curve[1]["cos_sim"]) < 0.2
+    assert "grad_norm_projector" not in curve[1] and "grad_norm_projector" in random_curve[1]
+    # measured on held-out batches: KV-only training moves the student toward its teacher; CE-only training and
+    # a KV loss through a random projector move it away (measured: 0.905 -> 0.963, 0.428, 0.052)
+    assert kv_id["mean"] - start["mean"] > 0.03, (start, kv_id)
+    assert kv_id["mean"] > ce_only["mean"] + 0.1 and kv_id["mean"] > kv_random["mean"] + 0.1, (kv_id, ce_only, kv_random)
+    # KV-only: the KV term is the whole loss, so its share of the student's gradient is 1
+    assert all(v["grad/kv_share"] == pytest.approx(1.0, rel=1e-4) for v in curve.values())
+
+
+def test_grad_kv_share_is_a_part_of_the_whole_with_ce(pull_job):
+    _, _, curve = _arm(pull_job, "loss.ce_weight=1", "loss.kv_weight=1")
+    shares = [v["grad/kv_share"] for v in curve.values()]
+    assert all(0.0 < s < 1.0 for s in shares), shares
+    _, _, ce_curve = _arm(pull_job, "loss.ce_weight=1", "loss.kv_weight=0")
+    assert all(v["grad/kv_share"] == 0.0 for v in ce_curve.values())  # kv_weight 0: the KV term has no gradient
