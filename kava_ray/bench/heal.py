@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kava_ray.bench.inprocess import train_in_process
 from kava_ray.bench.recipes import Scorer, plot_curves
@@ -81,6 +81,41 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
     is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
+    p, names = _bench_params(quick, steps, seeds, arms, arm_overrides, base_arm)
+    base = _base_job(config, overrides, arm_overrides)
+    root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    say = _reporter(progress)
+    rule = decision_rule(base_arm)
+    say(f"decision rule, fixed before the run: {rule}")
+    corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
+    job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
+    tok = load_tokenizer(job.student.model)
+    gate = _gate(job, tok, min_gap, say)  # 1. before anything starts
+    cache = _cache_teacher(job, root, address, progress, say)  # 2. the teacher's outputs, every block once
+    scorer = Scorer(derive(job, {"data.kv_source": "cache"}), 0, 0)
+    warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
+    ce_start = _warm_start(scorer, tok, warm_dir, p["warm_steps"], say)
+    _write_tune_job(job, warm_dir, p["steps"], root / "heal_job.yaml")
+    runs = _run_arms(job, names, p, arm_overrides, scorer, tok, warm_dir, (ce_start, gate["teacher_ce"]), say)  # 4.
+    summary = summarize(runs, base_arm)  # 5. figures, paired differences, decisions
+    passes = _control_passes(summary, base_arm)
+    plots = _plot(runs, summary, root, gate["teacher_ce"], base_arm)
+    result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm,
+              "decision_rule": rule, "gate": gate, "ce_start": ce_start, "teacher": job.teachers[0].name,
+              "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
+              "train_blocks": len(scorer.train_split), **cache, "control_passes": passes, "summary": summary,
+              "runs": runs, "plots": plots, "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
+              "wall_s": time.time() - t_start}
+    write_json(root / "bench_heal.json", result)
+    return result
+
+
+def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
+                  arm_overrides: Optional[dict], base_arm: str) -> tuple[dict, list[str]]:
+    """The run's sizes (QUICK or DEFAULTS, then `steps` and `seeds`) and its arms (`arms`, then the recipes),
+    checked before anything loads."""
     p = dict(QUICK if quick else DEFAULTS)
     p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
     names = list(arms or ARMS)
@@ -89,6 +124,12 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     if unknown or base_arm not in names or p["seeds"] < 1 or p["steps"] < 1:
         raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} or --recipe names and include the base "
                         f"{base_arm} (got {names}); seeds and steps >= 1")
+    return p, names
+
+
+def _base_job(config: str, overrides: Optional[list[str]], arm_overrides: Optional[dict]) -> JobConfig:
+    """The base job, checked before any output or model: every recipe applies to it, its model files exist and
+    its student is pruned (`student.keep_layers`)."""
     base = load_config(config, overrides)
     for name, recipe in (arm_overrides or {}).items():  # a typo in a recipe: one line now, not after the cache
         try:
@@ -98,22 +139,21 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     check_model_files(base)
     if not base.student.keep_layers:
         raise KavaError(f"bench heal needs a pruned student: {config} has no student.keep_layers")
-    root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+    return base
 
+
+def _reporter(progress: bool) -> Callable[[str], None]:
+    """`say`: one progress line on the console (`[bench heal] ...`), or nothing without `progress`."""
     def say(msg):
         if progress:
             status(f"[bench heal] {msg}")
+    return say
 
-    rule = decision_rule(base_arm)
-    say(f"decision rule, fixed before the run: {rule}")
-    corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
-    job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
+
+def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
+    """The gate, before any teacher cache or training: the teacher must beat the pruned student on the test split
+    by `min_gap` nats, or there is nothing to distil (a one-line error)."""
     teacher = job.teachers[0]
-    tok = load_tokenizer(job.student.model)
-
-    # 1. the gate (before anything starts)
     test = load_test_split(job, tok)
     t_model = load_model(teacher.model, dtype=teacher.dtype, quantization=teacher.quantization)
     ce_teacher = heldout_ce(t_model, test)
@@ -126,36 +166,48 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     if gate["gap"] < min_gap:
         raise KavaError(f"bench heal: the teacher ({ce_teacher:.2f} nats) is not {min_gap:g} nat(s) better than the "
                         f"student ({ce_pruned:.2f} nats) on the test split: nothing to distil")
+    return gate
 
-    # 2. the teacher's outputs, every block once
+
+def _cache_teacher(job: JobConfig, root: Path, address: Optional[str], progress: bool, say) -> dict:
+    """The teacher's outputs for every block, computed once (a Ray job) into root/kv_cache and read by every arm
+    and seed; returns the result's figures of the cache."""
     pre = derive(job, {"data.kv_source": "live", "loss.logit_weight": 1.0})
     t0 = time.time()
     with job_session(pre, address):
         stats = precompute(pre, root / "kv_cache", progress=progress)
     precompute_s = time.time() - t0
     say(f"teacher cache: {stats['written']} blocks in {stats['forwards']} teacher batches ({precompute_s:.0f} s)")
+    return {"teacher_forwards": stats["forwards"], "cached_blocks": stats["written"] + stats["skipped"],
+            "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1), "precompute_s": precompute_s}
 
-    cache_job = derive(job, {"data.kv_source": "cache"})
-    scorer = Scorer(cache_job, 0, 0)
-    test = scorer.test
 
-    # 3. the shared warm start
-    warm_dir = root / "warm_start"
-    warm_cfg = derive(cache_job, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
-                                  "train.steps": p["warm_steps"], "train.seed": 0, "train.data_seed": 0})
-    warm = train_in_process(warm_cfg, scorer.plans, scorer.source, p["warm_steps"])
+def _warm_start(scorer: Scorer, tok, warm_dir: Path, warm_steps: int, say) -> float:
+    """The shared warm start: `warm_steps` CE steps (seed 0) on the cache, saved to warm_dir where every arm
+    begins; returns its test CE, the point the gap recovered is measured from."""
+    warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
+                                   "train.steps": warm_steps, "train.seed": 0, "train.data_seed": 0})
+    warm = train_in_process(warm_cfg, scorer.plans, scorer.source, warm_steps)
     warm["recipe"].distiller.student.save_pretrained(warm_dir)
     tok.save_pretrained(warm_dir)
-    ce_start = heldout_ce(warm["recipe"].distiller.student, test)
-    say(f"warm start: {p['warm_steps']} CE steps -> {ce_start:.3f} nats ({warm_dir})")
+    ce_start = heldout_ce(warm["recipe"].distiller.student, scorer.test)
+    say(f"warm start: {warm_steps} CE steps -> {ce_start:.3f} nats ({warm_dir})")
+    return ce_start
 
-    # the job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0, evaluated at the end only
-    tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), p["steps"]),
-                      {"train.eval_steps": p["steps"], "train.save_steps": p["steps"]})
-    atomic_write(root / "heal_job.yaml", tune_job.to_yaml().encode())
 
-    # 4. the arms, paired per seed
-    val_head = load_splits_head(cache_job, tok, p["eval_blocks"])
+def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, path: Path) -> None:
+    """The job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0 from the warm start, evaluated
+    at the end only."""
+    tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), steps),
+                      {"train.eval_steps": steps, "train.save_steps": steps})
+    atomic_write(path, tune_job.to_yaml().encode())
+
+
+def _run_arms(job: JobConfig, names: list[str], p: dict, arm_overrides: Optional[dict], scorer: Scorer, tok,
+              warm_dir: Path, ends: tuple[float, float], say) -> dict:
+    """Every arm for every seed (a seed's arms back to back: paired), each from the warm start with its held-out
+    CE curve, scored on the test split; ends: (warm start CE, teacher CE), the span of the gap recovered."""
+    val_head = load_splits_head(scorer.cfg, tok, p["eval_blocks"])
     runs: dict = {a: [] for a in names}
     for seed in range(p["seeds"]):
         for arm in names:
@@ -163,41 +215,48 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
             if arm_overrides and arm in arm_overrides:
                 cfg = derive(cfg, arm_overrides[arm])
             t1 = time.time()
-
-            def evaluate(recipe):
-                return heldout_ce(recipe.distiller.student, val_head)
-
-            run = train_in_process(cfg, scorer.plans, scorer.source, p["steps"], p["eval_every"], evaluate)
-            student = run["recipe"].distiller.student
-            score = scorer.model(student, tok)
-            fig = {"test_ce": score["ce"], "gr": gap_recovered(ce_start, score["ce"], ce_teacher),
-                   "kl": score.get(f"kl/{teacher.name}"), "top1": score.get(f"top1_agree/{teacher.name}"),
-                   "kv_cos_free": score.get(f"kv_cos_free/{teacher.name}")}
+            run = _train_arm(cfg, scorer, val_head, p["steps"], p["eval_every"])
+            score = scorer.model(run["recipe"].distiller.student, tok)
+            fig = _figures(score, *ends, job.teachers[0].name)
             runs[arm].append({"seed": seed, "figures": fig, "curve": run["curve"], "step_s": run["step_s"],
                               "wall_s": time.time() - t1, "score": score})
             say(f"{arm} seed {seed}: test CE {fig['test_ce']:.4f}, GR {100 * fig['gr']:.1f} % "
                 f"({time.time() - t1:.0f} s)")
+    return runs
 
-    # 5. figures, paired differences, decisions
-    summary = summarize(runs, base_arm)
+
+def _train_arm(cfg: JobConfig, scorer: Scorer, val_head, steps: int, eval_every: int) -> dict:
+    """One arm's training in process on the cache, its curve the held-out CE on `val_head` every `eval_every`
+    steps (`train_in_process`'s result)."""
+    def evaluate(recipe):
+        return heldout_ce(recipe.distiller.student, val_head)
+
+    return train_in_process(cfg, scorer.plans, scorer.source, steps, eval_every, evaluate)
+
+
+def _figures(score: dict, ce_start: float, ce_teacher: float, teacher: str) -> dict:
+    """A run's score -> its figures: test CE, gap recovered from the warm start, and KL, top-1 agreement and
+    projector-free KV cosine against the teacher (None where not scored)."""
+    return {"test_ce": score["ce"], "gr": gap_recovered(ce_start, score["ce"], ce_teacher),
+            "kl": score.get(f"kl/{teacher}"), "top1": score.get(f"top1_agree/{teacher}"),
+            "kv_cos_free": score.get(f"kv_cos_free/{teacher}")}
+
+
+def _control_passes(summary: dict, base_arm: str) -> Optional[bool]:
+    """Whether the positive control (CONTROL against BASE) helps; None: the control was not run against ce in
+    this bench."""
     control = summary.get(CONTROL, {}).get("decision") if base_arm == BASE else None
+    return None if control is None else bool(control["helps"])
+
+
+def _plot(runs: dict, summary: dict, root: Path, ce_teacher: float, base_arm: str) -> dict:
+    """Both plots in root: the held-out CE curves per arm (the teacher's CE as a line) and the gap recovered per
+    arm; returns {"ce": path, "gr": path}."""
     ce_png, gr_png = root / "heal_ce_curves.png", root / "heal_gap_recovered.png"
     curves = {a: [{"eval_ce": r["curve"]} for r in rs] for a, rs in runs.items()}
     plot_curves(curves, ce_png, log_y=True, teacher_ce=ce_teacher)
     plot_gr(summary, gr_png, base_arm)
-    result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm, "decision_rule": rule,
-              "gate": gate, "ce_start": ce_start, "teacher": teacher.name, "teacher_ce": ce_teacher,
-              "test_tokens": int(test.lengths.sum()), "train_blocks": len(scorer.train_split),
-              "teacher_forwards": stats["forwards"], "cached_blocks": stats["written"] + stats["skipped"],
-              "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1),
-              "precompute_s": precompute_s,
-              # None: the control was not run against ce in this bench
-              "control_passes": None if control is None else bool(control["helps"]),
-              "summary": summary, "runs": runs, "plots": {"ce": str(ce_png), "gr": str(gr_png)},
-              "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
-              "wall_s": time.time() - t_start}
-    write_json(root / "bench_heal.json", result)
-    return result
+    return {"ce": str(ce_png), "gr": str(gr_png)}
 
 
 def parse_recipe(text: str) -> tuple[str, dict]:

@@ -185,84 +185,134 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
                    memory: bool = False, memory_steps: int = 2) -> dict:
     """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
     down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
-    for name, value in (("steps", steps), ("rounds", rounds), ("profile_steps", profile_steps), ("batch", batch),
-                        ("tokens", tokens), ("threads", threads), ("memory_steps", memory_steps)):
-        if int(value) < 1:
-            raise KavaError(f"bench step: {name} must be >= 1, got {value}")
+    _check_sizes(steps=steps, rounds=rounds, profile_steps=profile_steps, batch=batch, tokens=tokens,
+                 threads=threads, memory_steps=memory_steps)
     student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            t_dir = build_tiny_model(Path(tmp) / "teacher", **teacher, seed=0)
-            s_dir = build_tiny_model(Path(tmp) / "student", **student, seed=1)
-            base = bench_job(t_dir, s_dir, Path(tmp) / "runs", batch, tokens)
-            data = _batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
-            x_dir = build_tiny_model(Path(tmp) / "teacher_x", **{**teacher, "vocab_size": CROSS_VOCAB
-                                                                 * student["vocab_size"]}, seed=0)
-            t_models = {"t": load_model(str(t_dir), dtype="float32"), "x": load_model(str(x_dir), dtype="float32")}
-            steppers, payloads = {}, {}
-            for name, overrides in VARIANTS.items():
-                if overrides is None:
-                    plain = _Plain(base, device, data)
-                    steppers[name] = plain.step
-                    continue
-                which = "x" if name == CROSS else "t"
-                cfg = load_config(base, overrides + ([f"teachers.0.model={x_dir}"] if which == "x" else []))
-                plans = in_process_plans(cfg, {"t": t_models[which]})
-                layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
-                if (which, tuple(layers), k) not in payloads:  # the teacher runs once per distinct request
-                    wire = teacher_forward_kv(t_models[which], data.input_ids, data.attention_mask,
-                                              layers=layers, key_space=cfg.align.key_space, logits_top_k=k)
-                    payloads[(which, tuple(layers), k)] = wire.to_wire(cfg.align.wire_dtype)
-                kv = {"t": KVBatch.from_wire(payloads[(which, tuple(layers), k)], device=device)}
-                feed, maps = data, None
-                if which == "x":  # the other vocabulary, aligned one to one (every position aligned and paired)
-                    plans, feed, maps = _cross_vocab(plans, data, student["vocab_size"])
-                recipe = DistillRecipe(cfg, plans, device=device)
-                if maps is None:
-                    recipe.setup()
-                else:  # the bench's own batch: no tokenizer of the other vocabulary to load
-                    recipe.build_model(maps)
-                counter = iter(range(1, 10**9))
-                steppers[name] = (lambda r=recipe, kv=kv, c=counter, b=feed: r.step(next(c), [(b, kv)]))
-            del t_models
+            base, steppers, plain = _build(Path(tmp), student, teacher, batch, tokens, device)
             precision = plain.precision.policy
-
-            names = list(steppers)
-            for fn in steppers.values():  # warm-up: first-step allocations, the optimizer's states
-                fn()
-            times: dict[str, list] = {n: [] for n in names}
-            prof: dict[str, dict] = {}
-            fwd: dict[str, list] = {"plain": [], "capture": []}
-            ids, mask = plain.batch.input_ids, plain.batch.attention_mask
-
-            def forward_plain():
-                with plain.precision.autocast():
-                    plain.model(input_ids=ids, attention_mask=mask)
-
-            def forward_capture():
-                with plain.precision.autocast():
-                    student_forward_kv(plain.model, ids, mask, key_space=base.align.key_space)
-
-            for r in range(rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for n in order:
-                    times[n].append(_timed(steppers[n], steps, device))
-                for n in order:  # the breakdown: separate profiled steps; the least disturbed round is kept
-                    p = _profiled(steppers[n], profile_steps, device)
-                    if n not in prof or p["step"] < prof[n]["step"]:
-                        prof[n] = p
-                pair = [("plain", forward_plain), ("capture", forward_capture)]
-                for k, fn in (pair if r % 2 == 0 else pair[::-1]):
-                    fwd[k].append(_timed(fn, steps, device))
+            times, prof, fwd = _measure(steppers, plain, base.align.key_space, rounds, steps, profile_steps, device)
     finally:
         torch.set_num_threads(old_threads)
+    config = {"steps": steps, "rounds": rounds, "batch": batch, "tokens": tokens, "threads": threads,
+              "profile_steps": profile_steps, "memory_steps": memory_steps, "student": student, "teacher": teacher,
+              "device": device.type, "precision": precision}
+    out = _result(config, times, prof, fwd)
+    if memory:
+        out["memory"] = memory_table(student=student, teacher=teacher, batch=batch, tokens=tokens,
+                                     steps=memory_steps)
+    return out
 
+
+def _check_sizes(**sizes: int) -> None:
+    """Every size >= 1, or a one-line error naming the first (in the order given) that is not."""
+    for name, value in sizes.items():
+        if int(value) < 1:
+            raise KavaError(f"bench step: {name} must be >= 1, got {value}")
+
+
+def _build(tmp: Path, student: dict, teacher: dict, batch: int, tokens: int, device) -> tuple:
+    """The bench's models in `tmp` (a teacher, the student, a teacher of CROSS_VOCAB x the student's vocabulary),
+    its job and batch, and one step function per variant; returns (base job, {variant: step}, the plain step)."""
+    t_dir = build_tiny_model(tmp / "teacher", **teacher, seed=0)
+    s_dir = build_tiny_model(tmp / "student", **student, seed=1)
+    base = bench_job(t_dir, s_dir, tmp / "runs", batch, tokens)
+    data = _batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
+    x_dir = build_tiny_model(tmp / "teacher_x", **{**teacher, "vocab_size": CROSS_VOCAB * student["vocab_size"]},
+                             seed=0)
+    t_models = {"t": load_model(str(t_dir), dtype="float32"), "x": load_model(str(x_dir), dtype="float32")}
+    steppers, payloads = {}, {}
+    for name, overrides in VARIANTS.items():
+        if overrides is None:
+            plain = _Plain(base, device, data)
+            steppers[name] = plain.step
+            continue
+        which = "x" if name == CROSS else "t"
+        cfg = load_config(base, overrides + ([f"teachers.0.model={x_dir}"] if which == "x" else []))
+        steppers[name] = _kv_stepper(cfg, t_models[which], which, data, payloads, student["vocab_size"], device)
+    return base, steppers, plain
+
+
+def _kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict, s_vocab: int, device):
+    """A KV variant's step function: a DistillRecipe of `cfg` stepping on the bench's batch with the teacher's
+    KV computed beforehand; which: "x" for the teacher of another vocabulary (aligned one to one)."""
+    plans = in_process_plans(cfg, {"t": t_model})
+    kv = {"t": _teacher_kv(cfg, plans, t_model, which, data, payloads, device)}
+    feed, maps = data, None
+    if which == "x":  # the other vocabulary, aligned one to one (every position aligned and paired)
+        plans, feed, maps = _cross_vocab(plans, data, s_vocab)
+    recipe = DistillRecipe(cfg, plans, device=device)
+    if maps is None:
+        recipe.setup()
+    else:  # the bench's own batch: no tokenizer of the other vocabulary to load
+        recipe.build_model(maps)
+    counter = iter(range(1, 10**9))
+    return lambda: recipe.step(next(counter), [(feed, kv)])
+
+
+def _teacher_kv(cfg: JobConfig, plans: dict, t_model, which: str, data: Batch, payloads: dict, device) -> KVBatch:
+    """The teacher's KV (and top-k logits) for the batch on `device`: the teacher runs once per distinct
+    (teacher, layers, k) request, its wire payload kept in `payloads` for the variants that share it."""
+    layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
+    key = (which, tuple(layers), k)
+    if key not in payloads:
+        wire = teacher_forward_kv(t_model, data.input_ids, data.attention_mask,
+                                  layers=layers, key_space=cfg.align.key_space, logits_top_k=k)
+        payloads[key] = wire.to_wire(cfg.align.wire_dtype)
+    return KVBatch.from_wire(payloads[key], device=device)
+
+
+def _measure(steppers: dict, plain: _Plain, key_space, rounds: int, steps: int, profile_steps: int,
+             device) -> tuple[dict, dict, dict]:
+    """A warm-up step each, then `rounds` interleaved rounds (each starting one variant later): every variant
+    timed, then profiled (the least disturbed round kept), then the student's forward without and with the KV
+    capture (alternating which goes first); returns ({variant: [s]}, {variant: phases}, {forward: [s]})."""
+    names = list(steppers)
+    for fn in steppers.values():  # warm-up: first-step allocations, the optimizer's states
+        fn()
+    times: dict[str, list] = {n: [] for n in names}
+    prof: dict[str, dict] = {}
+    fwd: dict[str, list] = {"plain": [], "capture": []}
+    pair = _forwards(plain, key_space)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            times[n].append(_timed(steppers[n], steps, device))
+        for n in order:  # the breakdown: separate profiled steps; the least disturbed round is kept
+            p = _profiled(steppers[n], profile_steps, device)
+            if n not in prof or p["step"] < prof[n]["step"]:
+                prof[n] = p
+        for k, fn in (pair if r % 2 == 0 else pair[::-1]):
+            fwd[k].append(_timed(fn, steps, device))
+    return times, prof, fwd
+
+
+def _forwards(plain: _Plain, key_space) -> list:
+    """The student's forward on the bench's batch without and with the KV capture hooks (`student_forward_kv`):
+    [("plain", fn), ("capture", fn)], the capture's cost the difference."""
+    ids, mask = plain.batch.input_ids, plain.batch.attention_mask
+
+    def forward_plain():
+        with plain.precision.autocast():
+            plain.model(input_ids=ids, attention_mask=mask)
+
+    def forward_capture():
+        with plain.precision.autocast():
+            student_forward_kv(plain.model, ids, mask, key_space=key_space)
+
+    return [("plain", forward_plain), ("capture", forward_capture)]
+
+
+def _result(config: dict, times: dict, prof: dict, fwd: dict) -> dict:
+    """The JSON-able result: per variant its fastest round, its ratio to the plain step and its phases (the
+    profiled step's remainder as "other_s"), the capture's overhead, and both targets."""
     plain_s = min(times[PLAIN])
     variants = {}
-    for n in names:
+    for n in times:
         p = prof[n]
         phases = {ph: p[ph] for ph in PHASES if ph in p}
         variants[n] = {"step_s": min(times[n]), "rounds_s": times[n], "ratio": min(times[n]) / plain_s,
@@ -270,9 +320,7 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
     f_plain, f_cap = min(fwd["plain"]), min(fwd["capture"])
     target, limit = TARGET
     out = {
-        "config": {"steps": steps, "rounds": rounds, "batch": batch, "tokens": tokens, "threads": threads,
-                   "profile_steps": profile_steps, "memory_steps": memory_steps, "student": student, "teacher": teacher,
-                   "device": device.type, "precision": precision},
+        "config": config,
         "variants": variants,
         "capture": {"forward_s": f_plain, "forward_capture_s": f_cap, "overhead": f_cap / f_plain - 1},
         "target": {"variant": target, "max_ratio": limit, "ratio": variants[target]["ratio"],
@@ -281,10 +329,8 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
     cross, same, limit = CROSS_TARGET
     ratio = variants[cross]["step_s"] / variants[same]["step_s"]
     out["cross_vocab"] = {"variant": cross, "against": same, "max_ratio": limit, "ratio": ratio, "met": ratio <= limit,
-                          "teacher_vocab": CROSS_VOCAB * student["vocab_size"], "student_coverage": CROSS_COVERAGE}
-    if memory:
-        out["memory"] = memory_table(student=student, teacher=teacher, batch=batch, tokens=tokens,
-                                     steps=memory_steps)
+                          "teacher_vocab": CROSS_VOCAB * config["student"]["vocab_size"],
+                          "student_coverage": CROSS_COVERAGE}
     return out
 
 
