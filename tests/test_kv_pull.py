@@ -82,3 +82,17 @@ def test_grad_kv_share_is_a_part_of_the_whole_with_ce(pull_job):
     assert all(0.0 < s < 1.0 for s in shares), shares
     _, _, ce_curve = _arm(pull_job, "loss.ce_weight=1", "loss.kv_weight=0")
     assert all(v["grad/kv_share"] == 0.0 for v in ce_curve.values())  # kv_weight 0: the KV term has no gradient
+
+
+def test_bench_pull_reports_both_arms_per_layer(pull_job, tmp_path):
+    from kava_ray.bench.pull import format_pull, run_pull_bench
+
+    out = run_pull_bench(str(pull_job), steps=2, eval_every=1, share_steps=1, out=str(tmp_path / "pull"))
+    assert set(out["arms"]) == {"old: linear projector", "new: auto"} and out["student_layers"] == [0, 3]
+    for arm in out["arms"].values():
+        assert [s for s, _ in arm["trajectory"]] == [0, 1, 2] and all(len(c) == 2 for _, c in arm["trajectory"])
+        assert len(arm["grad_kv_share"]) == 1 and 0.0 < arm["grad_kv_share"][0] <= 1.0
+    new, old = out["arms"]["new: auto"], out["arms"]["old: linear projector"]
+    assert new["trajectory"][0] == old["trajectory"][0]  # one start
+    assert new["step1_cos_through_projector"] > 0.5 > abs(old["step1_cos_through_projector"])
+    assert "L1" in format_pull(out) and (tmp_path / "pull" / "bench_pull.json").exists()

@@ -17,21 +17,26 @@ from kava_ray.recipes.distill import DistillRecipe
 
 
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
-                     evaluate: Optional[Callable] = None, device: str = "cpu") -> dict:
-    """Run `steps` production steps; returns {"recipe", "last" (the last step's metrics), "step_s" (median),
-    "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end}."""
+                     evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False) -> dict:
+    """Run `steps` production steps; returns {"recipe", "first" / "last" (the first / last step's metrics),
+    "step_s" (median), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
+    "shares" (each step's grad/kv_share with `grad_share`)}."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     accum = cfg.optim.accumulation
     feed = recipe.feed(source, until=steps, depth=1)
-    times, last, curve = [], {}, []
+    times, last, curve, first, shares = [], {}, [], {}, []
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
     for step in range(1, steps + 1):
         micro = [(item[3], kv) for item, kv in (next(feed) for _ in range(accum))]  # teachers: outside the clock
         t0 = time.perf_counter()
-        last = recipe.step(step, micro)
+        last = recipe.step(step, micro, grad_share)
         times.append(time.perf_counter() - t0)
+        first = first or {k: float(v) for k, v in last.items()}
+        if grad_share:
+            shares.append(float(last.get("grad/kv_share", 0.0)))
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps):
             curve.append((step, evaluate(recipe)))
-    return {"recipe": recipe, "last": last, "step_s": statistics.median(times) if times else None, "curve": curve}
+    return {"recipe": recipe, "first": first, "last": last, "step_s": statistics.median(times) if times else None,
+            "curve": curve, "shares": shares}

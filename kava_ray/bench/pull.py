@@ -1,0 +1,84 @@
+"""`kava-ray bench pull`: does the KV loss pull the student toward its teacher? (issue 39's KV control)
+
+From the same start, two KV-only runs (loss.ce_weight 0) of the job's first teacher: the old default (a learned
+`linear` projector, randomly initialised) and the new one (`align.projector.kind: auto`, identity where the
+geometry allows). Each reports the projector-free centred KV cosine per student layer on the validation split
+at step 0 and every `eval_every` steps, and the through-projector cosine of its first step. Then a few steps of the
+job's own recipe (CE + KV) per arm give `grad/kv_share`. In process, no Ray: the teacher runs here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from kava_ray.bench.inprocess import train_in_process
+from kava_ray.common.config import derive, load_config
+from kava_ray.common.files import format_table, write_json
+from kava_ray.core.models import load_model
+from kava_ray.core.plans import copied_layers, in_process_plans
+from kava_ray.recipes.evaluate import kv_alignment, score_student
+from kava_ray.runtime.console import status
+from kava_ray.runtime.preflight import check_model_files
+from kava_ray.testing.sources import InProcessSource
+
+ARMS = {"old: linear projector": "linear", "new: auto": "auto"}
+
+
+def _free_cos(recipe, cfg, plans, source, teacher: str) -> list[float]:
+    """Projector-free centred KV cosine per student layer on the validation split (the evaluation's own path)."""
+    student = recipe.distiller.student
+    align = kv_alignment(student, source, plans, recipe.train_split, cfg, {teacher: copied_layers(cfg, teacher)})
+    out = score_student(student, source, plans, recipe.val, cfg, alignment=align)
+    return [out[k] for k in sorted((k for k in out if k.startswith(f"kv_cos_free/{teacher}/layer")),
+                                   key=lambda k: int(k.rsplit("layer", 1)[1]))]
+
+
+def _arm(base, kind: str, source, plans, teacher: str, steps: int, eval_every: int, share_steps: int) -> dict:
+    """One arm: the KV-only trajectory, then the job's own recipe for `share_steps` steps (its grad/kv_share)."""
+    cfg = derive(base, {"align.projector.kind": kind, "loss.ce_weight": 0.0, "loss.kv_weight": 1.0})
+    run = train_in_process(cfg, plans, source, steps, eval_every, lambda r: _free_cos(r, cfg, plans, source, teacher),
+                           grad_share=True)
+    first = run["first"]
+    own = train_in_process(derive(base, {"align.projector.kind": kind}), plans, source, share_steps, grad_share=True)
+    return {"kind": kind, "trajectory": run["curve"], "step1_cos_through_projector": first["cos_sim"],
+            "grad_kv_share": own["shares"], "step_s": run["step_s"]}
+
+
+def run_pull_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: int = 30,
+                   eval_every: int = 5, share_steps: int = 4, out: Optional[str] = None) -> dict:
+    """Both arms from the same start; writes `bench_pull.json` under `out`."""
+    base = load_config(config, overrides)
+    check_model_files(base)
+    t = base.teachers[0]
+    base = derive(base, {"teachers": [t], "data.kv_source": "live", "train.steps": steps})
+    root = Path(out or Path(base.ray.storage_path) / "bench-pull").expanduser().resolve()
+    t0 = time.time()
+    models = {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization)}
+    source, plans = InProcessSource(models), in_process_plans(base, models)
+    arms = {}
+    for name, kind in ARMS.items():
+        status(f"[bench pull] {name}: {steps} KV-only steps ...")
+        arms[name] = _arm(base, kind, source, plans, t.name, steps, eval_every, share_steps)
+    result = {"config": str(config), "teacher": t.name, "steps": steps, "student_layers": copied_layers(base, t.name),
+              "arms": arms, "wall_s": time.time() - t0, "out": str(root)}
+    write_json(root / "bench_pull.json", result)
+    return result
+
+
+def format_pull(out: dict) -> str:
+    """Per arm: the projector-free cosine per student layer at each evaluated step, the mean without a copied
+    layer 0, the first step's through-projector cosine and grad/kv_share of the job's recipe."""
+    lines = []
+    for name, arm in out["arms"].items():
+        n = len(arm["trajectory"][0][1])
+        rows = [[step, *[f"{c:.3f}" for c in cos], f"{sum(cos[1:]) / max(1, n - 1):.3f}"]
+                for step, cos in arm["trajectory"]]
+        lines += [f"{name} (projector kind {arm['kind']}): projector-free centred KV cos, validation, vs teacher "
+                  f"{out['teacher']} layers {out['student_layers']}",
+                  format_table(["step", *[f"L{i}" for i in range(n)], "mean (L1..)"], rows),
+                  f"  step 1 cos through the projector {arm['step1_cos_through_projector']:.3f}; grad/kv_share of the "
+                  f"job's recipe (steps 1..{len(arm['grad_kv_share'])}): "
+                  + " ".join(f"{s:.3f}" for s in arm["grad_kv_share"]), ""]
+    return "\n".join(lines + [f"wall time {out['wall_s']:.0f} s"])
