@@ -297,7 +297,7 @@ def _cross_node(steps: int) -> dict:
 
 
 @ray.remote(num_cpus=1)
-class _TransportProbe:
+class TransportProbe:
     """Holds one bf16 KV batch of ~`mib` MiB and returns it as wire payload or as torch tensors."""
 
     def __init__(self, mib: int):
@@ -331,7 +331,7 @@ def _transport(mib: int, repeats: int, warmup_bytes: Optional[int] = None, cold:
     `kava_ray.bench.object_store`), then, after `warmup_bytes` of traffic (default: the object store's size +
     25 %, at most 16 GiB: the actor has then written all of it), the steady state a run spends its steps in.
     Minor page faults of one put, first and steady, say where the difference goes."""
-    probe = _TransportProbe.remote(mib)
+    probe = TransportProbe.remote(mib)
     nbytes = ray.get(probe.nbytes.remote())
     if warmup_bytes is None:
         warmup_bytes = min(int(1.25 * ray.cluster_resources().get("object_store_memory", 0)), 16 * 2**30)

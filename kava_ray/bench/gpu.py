@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import transformers
 
-from kava_ray.bench.step import _batch, _sync, _timed
+from kava_ray.bench.step import random_batch, sync_device, timed_mean
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
@@ -133,7 +133,7 @@ def _plans(cfg: JobConfig, model) -> dict:
 def timed(fn: Callable, n: int, device) -> float:
     """Seconds per call: one warm-up call, then the mean of `n` (`bench.step`'s clock)."""
     fn()
-    return _timed(fn, n, device)
+    return timed_mean(fn, n, device)
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -152,7 +152,7 @@ def device_section(device) -> dict:
 def correctness_section(models: Models, device, small: tuple) -> dict:
     """Teacher KV and top-k log-probs on CUDA in bf16 against the CPU in fp32, on the small geometry."""
     student, teacher = small
-    data = _batch(2, 64, models.vocab(teacher))
+    data = random_batch(2, 64, models.vocab(teacher))
     cpu = load_model(str(models.dir(teacher)), dtype="float32")
     gpu = load_model(str(models.dir(teacher)), dtype="bfloat16").to(device)
     ref = teacher_forward_kv(cpu, data.input_ids, data.attention_mask, logits_top_k=8)
@@ -175,7 +175,7 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
     changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element that gets an
     update; bf16-sr rounds each update stochastically, so small updates change a weight only sometimes."""
     student, teacher = small
-    data = _batch(2, 64, models.vocab(student))
+    data = random_batch(2, 64, models.vocab(student))
     base = job(models, student, teacher, 2, 64, overrides=["optim.lr_student=1e-3"])
     t_model = load_model(base.teachers[0].model, dtype="float32").to(device)
     plans = _plans(base, t_model)
@@ -206,11 +206,11 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
 
 def _peak(device, fn) -> tuple[int, int]:
     """(bytes allocated before, peak bytes allocated during `fn()`) on a CUDA device."""
-    _sync(device)
+    sync_device(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    sync_device(device)
     return before, torch.cuda.max_memory_allocated(device)
 
 
@@ -225,7 +225,7 @@ def _planned(cfg: JobConfig) -> dict:
 
 def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
     """Teacher weights, teacher forward peak and the student step's peak (CUDA bytes) of a one-teacher job."""
-    data = _batch(cfg.train.batch_size, cfg.train.max_length, cfg_vocab(cfg))
+    data = random_batch(cfg.train.batch_size, cfg.train.max_length, cfg_vocab(cfg))
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     model = teacher_model(cfg, device)
@@ -244,7 +244,7 @@ def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
     for i in range(steps):
         torch.cuda.reset_peak_memory_stats(device)
         recipe.step(i + 1, [(data, kv)])
-        _sync(device)
+        sync_device(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device))
     measured = {"teacher weights": t_weights, "teacher forward": t_forward, "student step (all)": peak - start}
     del recipe
@@ -283,7 +283,7 @@ def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
     try:
         cfg = job(models, "qwen2.5-0.5b", "qwen2.5-1.5b", 2, 512, "single_gpu_8gb",
                   {k: v for k, v in nf4.items() if k != "note"})
-        data = _batch(2, 512, cfg_vocab(cfg))
+        data = random_batch(2, 512, cfg_vocab(cfg))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         model = teacher_model(cfg, device)  # teacher and student share the card, as the preset plans
@@ -330,7 +330,7 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     for name in sz["teachers"]:
         model = teacher_model(job(models, sz["students"][0], name, 1, 64), device)
         for b, t in sz["points"]:
-            data = _batch(b, t, models.vocab(name))
+            data = random_batch(b, t, models.vocab(name))
             ids, mask = data.input_ids.to(device), data.attention_mask.to(device)
 
             def plain():
@@ -350,7 +350,7 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
                       if device.type == "cuda" else [])
             t_model = teacher_model(cfg, device)
             plans = _plans(cfg, t_model)
-            data = _batch(b, t, min(models.vocab(name), models.vocab(sz["teachers"][0])))
+            data = random_batch(b, t, min(models.vocab(name), models.vocab(sz["teachers"][0])))
             kv = teacher_kv(cfg, plans, t_model, data, device)
             del t_model
             recipe = recipe_of(cfg, plans, device)
@@ -371,7 +371,7 @@ def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     name = sz["teachers"][-1] if device.type == "cuda" else sz["small"][1]
     b, t = sz["wire_tokens"]
     model = load_model(str(models.dir(name)), dtype="bfloat16" if device.type == "cuda" else "float32").to(device)
-    data = _batch(b, t, models.vocab(name))
+    data = random_batch(b, t, models.vocab(name))
     kv = teacher_forward_kv(model, data.input_ids.to(device), data.attention_mask.to(device),
                             logits_top_k=TOP_K)
     del model

@@ -22,7 +22,7 @@ import numpy as np
 import ray
 import torch
 
-from kava_ray.bench.feed import _TransportProbe
+from kava_ray.bench.feed import TransportProbe
 from kava_ray.runtime.connect import disconnect, single_machine_mode
 
 
@@ -42,7 +42,7 @@ def run_object_store(plasma_directory: Optional[str] = None, preallocate: bool =
              **({"_plasma_directory": plasma_directory} if plasma_directory else {}))
     init_s = time.perf_counter() - t0
     try:
-        probe = _TransportProbe.remote(mib)
+        probe = TransportProbe.remote(mib)
         nbytes = ray.get(probe.nbytes.remote())
         pid = ray.get(probe.__ray_call__.remote(lambda self: os.getpid()))
         n = payloads or int(1.25 * store_gib * 2**30 / nbytes) + 10

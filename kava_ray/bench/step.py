@@ -97,7 +97,7 @@ def _cross_vocab(plans: dict, data: Batch, s_vocab: int):
     return plans, batch, {"t": VocabMap(t2s, s_vocab)}
 
 
-def _batch(batch: int, tokens: int, vocab: int) -> Batch:
+def random_batch(batch: int, tokens: int, vocab: int) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, tokens), generator=g)
     mask = torch.ones_like(ids)
@@ -130,17 +130,19 @@ class _Plain:
             self.opt.zero_grad(set_to_none=True)
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so a clock reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, n: int, device) -> float:
-    _sync(device)
+def timed_mean(fn, n: int, device) -> float:
+    """Mean seconds of `fn()` over `n` back-to-back calls, the device synchronised before and after."""
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    _sync(device)
+    sync_device(device)
     return (time.perf_counter() - t0) / n
 
 
@@ -168,7 +170,7 @@ def _profiled(fn, n: int, device) -> dict:
         for _ in range(n):
             with record_function("kava/step"):
                 fn()
-        _sync(device)
+        sync_device(device)
     finally:
         with _native_stderr_muted():
             prof.stop()
@@ -221,7 +223,7 @@ def _build(tmp: Path, student: dict, teacher: dict, batch: int, tokens: int, dev
     t_dir = build_tiny_model(tmp / "teacher", **teacher, seed=0)
     s_dir = build_tiny_model(tmp / "student", **student, seed=1)
     base = bench_job(t_dir, s_dir, tmp / "runs", batch, tokens)
-    data = _batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
+    data = random_batch(batch, tokens, min(student["vocab_size"], teacher["vocab_size"]))
     x_dir = build_tiny_model(tmp / "teacher_x", **{**teacher, "vocab_size": CROSS_VOCAB * student["vocab_size"]},
                              seed=0)
     t_models = {"t": load_model(str(t_dir), dtype="float32"), "x": load_model(str(x_dir), dtype="float32")}
@@ -281,13 +283,13 @@ def _measure(steppers: dict, plain: _Plain, key_space, rounds: int, steps: int, 
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            times[n].append(_timed(steppers[n], steps, device))
+            times[n].append(timed_mean(steppers[n], steps, device))
         for n in order:  # the breakdown: separate profiled steps; the least disturbed round is kept
             p = _profiled(steppers[n], profile_steps, device)
             if n not in prof or p["step"] < prof[n]["step"]:
                 prof[n] = p
         for k, fn in (pair if r % 2 == 0 else pair[::-1]):
-            fwd[k].append(_timed(fn, steps, device))
+            fwd[k].append(timed_mean(fn, steps, device))
     return times, prof, fwd
 
 
