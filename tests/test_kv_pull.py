@@ -10,11 +10,11 @@ random image of the teacher).
 import pytest
 
 from jobs import run_recipe, write_job
+from kava_ray.bench.pull import projector_free
 from kava_ray.common.config import load_config
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import copied_layers, in_process_plans
+from kava_ray.core.plans import in_process_plans
 from kava_ray.core.projectors import resolve_kind
-from kava_ray.recipes.evaluate import kv_alignment, score_student
 from kava_ray.testing.sources import InProcessSource
 
 STEPS = 12
@@ -34,12 +34,9 @@ def pull_job(tmp_path_factory, tiny_qwen2_dir):
 
 
 def _free_cos(cfg, recipe, models, plans) -> dict:
-    """The projector-free centred KV cosine per student layer on the validation split (the evaluation's own path)."""
-    student = recipe.distiller.student
-    src = InProcessSource(models)
-    align = kv_alignment(student, src, plans, recipe.train_split, cfg, {"qwen": copied_layers(cfg, "qwen")})
-    out = score_student(student, src, plans, recipe.val, cfg, alignment=align)
-    return {"mean": out["kv_cos_free/qwen"], "layers": [out["kv_cos_free/qwen/layer0"], out["kv_cos_free/qwen/layer1"]]}
+    """The projector-free centred KV cosine per student layer on the validation split (the benches' scoring path)."""
+    res = projector_free(recipe, cfg, plans, InProcessSource(models), "qwen")
+    return {"mean": res["kv_cos_free"], "layers": res["per_layer"]}
 
 
 def _arm(pull_job, *overrides):
@@ -49,7 +46,12 @@ def _arm(pull_job, *overrides):
     curve, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), 0)  # step 0: the start
     start = _free_cos(cfg, recipe, models, plans)
     curve, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), STEPS, grad_share=True)
-    return start, _free_cos(cfg, recipe, models, plans), curve
+    end = _free_cos(cfg, recipe, models, plans)
+    # the training evaluation (eval/, what metrics.jsonl and Tune read) reports the same figures
+    held = recipe.evaluate(InProcessSource(models))
+    assert held["eval/kv_cos_free/qwen"] == pytest.approx(end["mean"], abs=1e-5)
+    assert [held[f"eval/kv_cos_free/qwen/layer{i}"] for i in range(2)] == pytest.approx(end["layers"], abs=1e-5)
+    return start, end, curve
 
 
 def test_auto_is_identity_for_the_teachers_own_geometry_and_linear_otherwise():

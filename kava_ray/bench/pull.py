@@ -26,20 +26,20 @@ from kava_ray.testing.sources import InProcessSource
 ARMS = {"old: linear projector": "linear", "new: auto": "auto"}
 
 
-def _free_cos(recipe, cfg, plans, source, teacher: str) -> list[float]:
-    """Projector-free centred KV cosine per student layer on the validation split (the evaluation's own path)."""
+def projector_free(recipe, cfg, plans, source, teacher: str) -> dict:
+    """The student's projector-free centred KV cosine to `teacher` on the validation split, scored the way every
+    bench scores a student (`score_student`): `probe.KVAlignment.result()` (`kv_cos_free`, `per_layer`, ...)."""
     student = recipe.distiller.student
     align = kv_alignment(student, source, plans, recipe.train_split, cfg, {teacher: copied_layers(cfg, teacher)})
-    out = score_student(student, source, plans, recipe.val, cfg, alignment=align)
-    return [out[k] for k in sorted((k for k in out if k.startswith(f"kv_cos_free/{teacher}/layer")),
-                                   key=lambda k: int(k.rsplit("layer", 1)[1]))]
+    score_student(student, source, plans, recipe.val, cfg, alignment=align)
+    return align[teacher].result()
 
 
 def _arm(base, kind: str, source, plans, teacher: str, steps: int, eval_every: int, share_steps: int) -> dict:
     """One arm: the KV-only trajectory, then the job's own recipe for `share_steps` steps (its grad/kv_share)."""
     cfg = derive(base, {"align.projector.kind": kind, "loss.ce_weight": 0.0, "loss.kv_weight": 1.0})
-    run = train_in_process(cfg, plans, source, steps, eval_every, lambda r: _free_cos(r, cfg, plans, source, teacher),
-                           grad_share=True)
+    run = train_in_process(cfg, plans, source, steps, eval_every,
+                           lambda r: projector_free(r, cfg, plans, source, teacher)["per_layer"], grad_share=True)
     first = run["first"]
     own = train_in_process(derive(base, {"align.projector.kind": kind}), plans, source, share_steps, grad_share=True)
     return {"kind": kind, "trajectory": run["curve"], "step1_cos_through_projector": first["cos_sim"],

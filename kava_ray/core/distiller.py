@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, OptimConfig
 from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
@@ -85,8 +86,8 @@ class Distiller(nn.Module):
         self.aligned = [n for n in self.names if plans[n].aligned]
         self.token_align = a.token_align
         # relation loss: each student layer against its heaviest mapped teacher layer (an index into the shipped ones)
-        self.relation_pairs = {n: [self.layers[n].index(max(pairs, key=lambda tw: tw[1])[0])
-                                   for _, pairs in plan.layer_map] for n, plan in plans.items()}
+        self.relation_pairs = {n: [self.layers[n].index(t) for t in heaviest_sources(plan.layer_map)]
+                               for n, plan in plans.items()}
         self.relation_heads = {n: math.gcd(s_geom.num_kv_heads, plan.geometry.num_kv_heads) for n, plan in plans.items()}
         self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
         self.logit_names = list(self.logit_specs)
@@ -219,10 +220,9 @@ class Distiller(nn.Module):
         """The KV loss -- mean of the K and V losses, or one of them (`loss.kv_parts`); metrics averaged over K
         and V either way."""
         c = self.loss_cfg
-        lk, mk = kv_loss(c.kind, skv.keys, tk, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
-                         center=c.center)
-        lv, mv = kv_loss(c.kind, skv.values, tv, mask, alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight,
-                         center=c.center)
+        kw = dict(alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight, center=c.center)
+        lk, mk = kv_loss(c.kind, skv.keys, tk, mask, **kw)
+        lv, mv = kv_loss(c.kind, skv.values, tv, mask, **kw)
         loss = lk if c.kv_parts == "keys" else lv if c.kv_parts == "values" else (lk + lv) / 2
         return loss, self._kv_means(mk, mv)
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import get_total_norm
 from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, TrainConfig, validate_config
@@ -126,7 +127,6 @@ class DistillRecipe:
                 self._adopt_optim_settings()
         self.start_step = state["step"] if state else 0
         self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
-        self.params = [p for p in self.distiller.parameters() if p.requires_grad]
         return state
 
     def _adopt_optim_settings(self) -> None:
@@ -163,6 +163,7 @@ class DistillRecipe:
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
         accum = self.cfg.optim.accumulation
         sums: dict[str, torch.Tensor] = {}
+        share = None
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
             with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
@@ -170,10 +171,10 @@ class DistillRecipe:
             kv_grad = self._kv_grad_norm() if grad_share and micro == 0 else None
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
-            if kv_grad is not None:  # the student's .grad now holds exactly this micro-batch's whole gradient
-                total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self._student_params()
-                                                              if p.grad is not None])) * accum
-                sums[GRAD_KV_SHARE] = (kv_grad / total.clamp_min(1e-30)).double() * accum  # / accum below
+            if kv_grad is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
+                # DDP: averaged over ranks)
+                total = get_total_norm([p.grad for p in self._student_params() if p.grad is not None]) * accum
+                share = (kv_grad / total.clamp_min(1e-30)).double()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
         with record_function("kava/optimizer"):
@@ -186,13 +187,16 @@ class DistillRecipe:
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
         out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
+        if share is not None:
+            out[GRAD_KV_SHARE] = share
         out["grad_norm"] = norms["student"].detach().double()  # the student's gradient norm (before clipping)
         if "projector" in norms:
             out["grad_norm_projector"] = norms["projector"].detach().double()
         return out
 
     def _student_params(self) -> list:
-        return [p for p in self.distiller.student.parameters() if p.requires_grad]
+        """The optimizer's student group (`distiller.param_groups`): what grad_norm measures."""
+        return next(g["params"] for g in self.opt.param_groups if g.get("name") == "student")
 
     def _kv_grad_norm(self) -> torch.Tensor:
         """|d(kv_weight * KV loss) / d(student)| of the forward just run (`Distiller.kv_term`): a separate
@@ -201,8 +205,7 @@ class DistillRecipe:
         if not term.requires_grad:
             return torch.zeros((), device=term.device)
         grads = torch.autograd.grad(term, self._student_params(), retain_graph=True, allow_unused=True)
-        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None] or
-                                                    [torch.zeros((), device=term.device)]))
+        return get_total_norm([g for g in grads if g is not None]).to(term.device)
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
              extra: Optional[dict] = None) -> Path:

@@ -20,6 +20,7 @@ from transformers import GenerationConfig
 
 from kava_ray.common.config import derive
 from kava_ray.common.errors import KavaError
+from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import checkpoint_config, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
@@ -204,14 +205,18 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
 
 
 def direct_alignment(cfg, plans: dict) -> dict:
-    """{teacher: a direct `probe.KVAlignment`} for each teacher of the student's tokenizer it was copied from by
-    `keep_layers` and whose source layers it ships; a copied layer 0 (the same embeddings) is left out of the mean."""
-    out = {}
-    for t, p in plans.items():
-        src = copied_layers(cfg, t)
-        if src is not None and not p.aligned and all(layer in p.layers for layer in src):
-            out[t] = KVAlignment([p.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
-    return out
+    """{teacher: `direct_kv_alignment`} for each teacher the student was copied from by `keep_layers`."""
+    found = {t: direct_kv_alignment(p, copied_layers(cfg, t)) for t, p in plans.items()}
+    return {t: kva for t, kva in found.items() if kva is not None}
+
+
+def direct_kv_alignment(plan, src: Optional[list[int]]) -> Optional[KVAlignment]:
+    """A direct (projector-free, no probe) `probe.KVAlignment` of the student against the teacher layers `src` it was
+    copied from, when the teacher ships them all; None otherwise. A student layer 0 copied from teacher layer 0 reads
+    the same embeddings (~1 by construction) and is left out of the mean."""
+    if src is None or plan.aligned or not all(layer in plan.layers for layer in src):
+        return None
+    return KVAlignment([plan.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
 
 
 def free_cos(teacher: str, kva: KVAlignment) -> dict:
@@ -284,13 +289,12 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
 
     out, probes = {}, {}
     for t, p in plans.items():
-        src = copied.get(t)
-        if src is not None and all(layer in p.layers for layer in src):
-            # student layer 0 copied from teacher layer 0 reads the same embeddings: ~1 by construction, not in the mean
-            out[t] = KVAlignment([p.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
+        direct = direct_kv_alignment(p, copied.get(t))
+        if direct is not None:
+            out[t] = direct
         elif not p.aligned:  # a teacher of another tokenizer would need its KV in student time first
-            heaviest = [max(pairs, key=lambda tw: tw[1])[0] for _, pairs in p.layer_map]
-            out[t] = probes[t] = KVAlignment([p.layers.index(layer) for layer in heaviest], probe=True)
+            out[t] = probes[t] = KVAlignment([p.layers.index(t_layer) for t_layer in heaviest_sources(p.layer_map)],
+                                             probe=True)
     if probes:
         stream = eval_stream(train_split, cfg)
         n = min(fit_batches, stream.steps_per_epoch)

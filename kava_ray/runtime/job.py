@@ -81,7 +81,7 @@ class JobTeachers:
     started: list[str]
     connected: str
     setup_s: float = 0.0
-    use_gpu: Optional[bool] = None  # train / tune: whether the Train workers get GPUs (ray.use_gpu resolved)
+    use_gpu: Optional[bool] = None  # whether Train workers would get GPUs (ray.use_gpu resolved on this cluster)
 
     def source(self, data_fingerprint: Optional[str] = None):
         """The KV source of this job (the cache, or these handles)."""
@@ -102,10 +102,11 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
     """
     t0 = time.time()
     with job_session(cfg, address, concurrent_runs) as connected:
-        use_gpu = check_run_fits(cfg, command, connected, t0) if command in ("train", "tune") else None
+        use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+        if command in ("train", "tune"):
+            check_run_fits(cfg, command, connected, t0, use_gpu)
         on_nodes = connected != "embedded"  # other nodes than this one may read the job's local paths
         if on_nodes:
-            use_gpu = resolve_use_gpu(cfg.ray.use_gpu) if use_gpu is None else use_gpu
             check_node_paths(reads(cfg, command, use_gpu))
         t0 = time.time()
         handles, plans, started = setup_teachers(cfg, restart=restart)
@@ -118,18 +119,16 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                 stop_pool(cfg, only=started)
 
 
-def check_run_fits(cfg: JobConfig, command: str, connected: str, t0: float) -> bool:
+def check_run_fits(cfg: JobConfig, command: str, connected: str, t0: float, use_gpu: bool) -> None:
     """Ray is up, no teacher has started: the teachers and a run's Train workers (`train`: with the run's
-    controller, and its planned memory on the smallest GPU) must fit, node by node. Returns use_gpu."""
-    use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
+    controller, and its planned memory on the smallest GPU) must fit, node by node."""
     if command == "tune":  # the teachers and one trial's Train workers
         check_resources(cfg, workers=resources.worker(cfg, use_gpu))
-        return use_gpu
+        return
     status(f"connecting: {describe_ray(connected)} in {time.time() - t0:.0f} s")
     check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
     if use_gpu:
         check_gpu_memory(cfg)
-    return use_gpu
 
 
 def check_gpu_memory(cfg: JobConfig) -> None:

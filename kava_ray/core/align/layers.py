@@ -336,6 +336,11 @@ def build_layer_map(
     raise KavaError(f"unknown layer map kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 
+def heaviest_sources(layer_map: LayerMap) -> list[int]:
+    """Per student layer, the mapped teacher layer of the largest weight (what a one-to-one comparison uses)."""
+    return [max(pairs, key=lambda tw: tw[1])[0] for _, pairs in layer_map]
+
+
 def teacher_layers_used(layer_map: LayerMap) -> list[int]:
     """Sorted teacher layers that appear in the map (the ones a teacher must ship)."""
     return sorted({int(t) for _, pairs in layer_map for t, _w in pairs})
