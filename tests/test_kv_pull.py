@@ -98,3 +98,10 @@ def test_bench_pull_reports_both_arms_per_layer(pull_job, tmp_path):
     assert new["trajectory"][0] == old["trajectory"][0]  # one start
     assert new["step1_cos_through_projector"] > 0.5 > abs(old["step1_cos_through_projector"])
     assert "L1" in format_pull(out) and (tmp_path / "pull" / "bench_pull.json").exists()
+
+
+def test_identity_with_flat_mode_is_one_line_before_anything_starts(pull_job):
+    from kava_ray.common.errors import KavaError
+
+    with pytest.raises(KavaError, match=r"identity needs align.mode: structured"):
+        load_config(pull_job, ["align.projector.kind=identity", "align.mode=flat"])

@@ -172,6 +172,12 @@ class AlignConfig(_Section):
     prefetch_depth: int = Field(2, ge=1, le=64)
     projector: ProjectorConfig = ProjectorConfig()
 
+    @model_validator(mode="after")
+    def _identity_needs_structured(self):
+        if self.projector.kind == "identity" and self.mode == "flat":
+            raise ValueError("align.projector.kind: identity needs align.mode: structured (flat mixes every layer)")
+        return self
+
 
 class FusionConfig(_Section):
     kind: Literal["fixed", "gate", "router", "sum"] = "fixed"
