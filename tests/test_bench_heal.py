@@ -53,7 +53,24 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     assert r["gate"]["gap"] >= 0.02 and r["gate"]["teacher_ce"] < r["gate"]["student_ce"]
     assert r["ce_start"] < r["gate"]["student_ce"]  # the shared warm start already healed some of it
     assert Path(r["out"], "warm_start", "config.json").is_file()
+    w = r["warm_start"]  # CE every 2 steps until a stretch gains < 0 nats, at most 4 steps
+    assert [s for s, _ in w["curve"]] == [0, 2, 4][:len(w["curve"])] and w["steps"] == w["curve"][-1][0]
+    assert w["flattened"] == (w["curve"][-2][1] - w["curve"][-1][1] < 0) and (w["flattened"] or w["steps"] == 4)
     assert list(r["summary"]) == list(ARMS) and all(len(r["runs"][a]) == 2 for a in ARMS)
+    # the KV weights come from the gradient they give: the 1x arms' KV gradient equals CE's at the warm start
+    calib = r["kv_calibration"]
+    assert calib["ratio_at_1"] > 0 and calib["weights"]["ce+kv"] == pytest.approx(1 / calib["ratio_at_1"])
+    assert calib["weights"]["ce+kv-0.3"] == pytest.approx(0.3 / calib["ratio_at_1"])
+    # each arm's rate is the grid's best by validation CE on seed 0, and its seeds train at it
+    for arm, v in r["lr"].items():
+        runs = r["runs"][arm]
+        assert all(run["lr"] == v["lr"] for run in runs), arm
+        if arm != "kv-only":
+            assert len(v["grid"]) == 2 and v["grid"][str(v["lr"])] == min(v["grid"].values()), arm
+    assert r["lr"]["kv-only"]["lr"] == r["lr"]["ce"]["lr"] and r["kv_control"]["start"] == r["start"]["kv_cos_free"]
+    # the other-batch arm reads other blocks' KV: same CE data, another target
+    assert r["runs"]["ce+kv-otherbatch"][0]["figures"] != r["runs"]["ce+kv"][0]["figures"]
+    assert Path(r["out"], "kv_cache_nf4", "manifest.json").is_file() and r["nf4"]["cached_blocks"] > 0
     for arm, runs in r["runs"].items():
         for run in runs:
             f = run["figures"]
@@ -81,6 +98,12 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     assert all(Path(p).stat().st_size > 0 for p in r["plots"].values())
     text = format_heal(r)
     assert "decision rule" in text and "positive control (ce+logits vs ce): " in text and "teacher tiny" in text
+    assert "KV control (kv-only raises the projector-free KV cosine): " in text and "warm start" in text
+    # a re-run into the same --out reads every finished run back: nothing trains again, the same figures
+    again = run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), min_gap=0.02, progress=False,
+                           arms=["ce", "ce+logits"])
+    assert again["runs"]["ce+logits"] == json.loads(json.dumps(r["runs"]["ce+logits"])) and again["runs_wall_s"] == pytest.approx(
+        sum(x["wall_s"] for a in ("ce", "ce+logits") for x in r["runs"][a]))
     capsys.readouterr()
     _print_json_last(r)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,14 +1,21 @@
 """`kava-ray bench heal`: does it distil? A pruned student healed on natural text, with a positive control,
 paired seeds and a decision rule fixed before the run.
 
-The teacher's outputs cached once, a gate (the teacher must beat the pruned student), a shared CE warm start,
-then every arm (`ARMS`) per seed, scored on the test split with paired intervals against the base arm.
+The teacher's outputs cached once (and an NF4 twin's, for the NF4 arm), a gate (the teacher must beat the pruned
+student), a shared CE warm start run until its held-out curve flattens (past the logit-scale recalibration),
+the KV weights set from the gradient they give at that start (`grad/kv_ratio`), then every arm (`ARMS`): its
+learning rate chosen from a small grid on seed 0 by validation CE, the other seeds at that rate, scored on the test
+split with paired intervals against the base arm. Each finished run is kept under OUT/runs/, so an interrupted
+bench re-run with the same --out goes on where it stopped (and an added arm runs alone).
 The method step by step: docs/internals/runtime.md#bench-heal.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -24,14 +31,32 @@ from kava_ray.core.plans import load_splits, load_test_split
 from kava_ray.data.corpus import write_pydoc_corpus
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.console import status
-from kava_ray.runtime.job import job_session, precompute
+from kava_ray.runtime.job import job_session, kv_source, precompute, setup_teachers
 from kava_ray.runtime.preflight import check_model_files
 
-# arm: (loss.ce_weight, loss.kv_weight, loss.logit_weight)
-ARMS: dict[str, tuple[float, float, float]] = {
-    "ce": (1.0, 0.0, 0.0), "ce+logits": (1.0, 0.0, 1.0), "ce+kv": (1.0, 1.0, 0.0), "ce+kv+logits": (1.0, 1.0, 1.0),
-    "logits": (0.0, 0.0, 1.0)}
-BASE, CONTROL = "ce", "ce+logits"
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm's loss: CE (weight 1, or 0 for the KV-only control), logit KD at `logit`, the KV loss (projector
+    kind auto: none where the geometry allows) at the weight whose gradient on the student is `kv_ratio` x CE's
+    at the warm start, the MiniLMv2 relation loss at `relation`; `other_batch`: the KV target is the teacher's KV
+    of other training blocks (teacher information vs mere regularisation); `nf4`: the teacher loaded in NF4.
+    `grid`: the learning rate is chosen from the grid (else the base arm's chosen rate is used)."""
+    logit: float = 0.0
+    kv_ratio: float = 0.0
+    relation: float = 0.0
+    ce: float = 1.0
+    other_batch: bool = False
+    nf4: bool = False
+    grid: bool = True
+
+
+ARMS: dict[str, Arm] = {  # in the order they run (what a cut-short bench has first)
+    "ce": Arm(), "ce+logits": Arm(logit=1.0), "ce+kv": Arm(kv_ratio=1.0),
+    "ce+kv-otherbatch": Arm(kv_ratio=1.0, other_batch=True), "ce+logits+kv": Arm(logit=1.0, kv_ratio=1.0),
+    "ce+logits-nf4": Arm(logit=1.0, nf4=True), "kv-only": Arm(ce=0.0, kv_ratio=1.0, grid=False),
+    "ce+kv-0.3": Arm(kv_ratio=0.3), "ce+logits+relation": Arm(logit=1.0, relation=1.0)}
+BASE, CONTROL, KV_CONTROL = "ce", "ce+logits", "kv-only"
 MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
 
 
@@ -41,12 +66,14 @@ def decision_rule(base: str = BASE) -> str:
 
 
 TOP_K = 64
-DEFAULTS = {"steps": 40, "seeds": 3, "warm_steps": 10, "eval_every": 10, "block": 128, "batch_size": 8,
-            "eval_blocks": 24, "topics": None}
+# lr_grid: multiples of the job's optim.lr_student tried on seed 0 per arm; the warm start trains CE until a
+# `warm_every`-step stretch lowers the held-out CE by less than `warm_flat` nats (at most `warm_max` steps)
+DEFAULTS = {"steps": 30, "seeds": 5, "lr_grid": (1.0, 2.0, 4.0), "warm_every": 20, "warm_max": 200,
+            "warm_flat": 0.1, "eval_every": 10, "block": 128, "batch_size": 8, "eval_blocks": 24, "topics": None}
 # --quick (the test): a few topics per split (train, validation, test), so the teacher runs over hundreds of
 # blocks, not the whole corpus
-QUICK = {"steps": 3, "seeds": 2, "warm_steps": 2, "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4,
-         "topics": (4, 1, 4)}
+QUICK = {"steps": 3, "seeds": 2, "lr_grid": (1.0, 2.0), "warm_every": 2, "warm_max": 4, "warm_flat": 0.0,
+         "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4, "topics": (4, 1, 4)}
 
 
 def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int,
@@ -61,14 +88,26 @@ def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: 
         "data.num_train": n_train, "data.num_val": n_val, "data.num_test": n_test, "data.packing": True,
         "data.kv_cache_dir": str(root / "kv_cache"), "train.max_length": block, "train.batch_size": batch_size,
         "loss.logit_top_k": TOP_K, "loss.logit_tail": "bucket", "optim.schedule": "constant",
-        "optim.warmup_steps": 2, "ray.storage_path": str(root / "runs")})
+        "optim.warmup_steps": 2, "align.projector.kind": "auto", "ray.storage_path": str(root / "runs")})
 
 
-def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int) -> JobConfig:
-    ce_w, kv_w, logit_w = ARMS[arm]
-    return derive(job, {"loss.ce_weight": ce_w, "loss.kv_weight": kv_w, "loss.logit_weight": logit_w,
-                        "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
-                        "student.model": student, "student.keep_layers": None, "data.kv_source": "cache"})
+def nf4_job(job: JobConfig, root: Path) -> JobConfig:
+    """The NF4 arm's job: the same teacher loaded in bitsandbytes NF4, its own cache."""
+    t = job.teachers[0]
+    return derive(job, {"teachers": [{**t.model_dump(), "name": f"{t.name}-nf4", "quantization": "4bit"}],
+                        "data.kv_cache_dir": str(root / "kv_cache_nf4")})
+
+
+def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int, lr: Optional[float] = None,
+               kv_unit: float = 1.0, nf4: Optional[JobConfig] = None) -> JobConfig:
+    """One run's config: ARMS[arm]'s weights (KV at `kv_ratio` x `kv_unit`, the weight whose gradient equals
+    CE's), from `student` (the warm start), at learning rate `lr` (None: the job's); `nf4`: the NF4 job."""
+    a = ARMS[arm]
+    cfg = derive(nf4 if a.nf4 and nf4 is not None else job, {
+        "loss.ce_weight": a.ce, "loss.kv_weight": a.kv_ratio * kv_unit, "loss.logit_weight": a.logit,
+        "loss.relation_weight": a.relation, "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
+        "student.model": student, "student.keep_layers": None, "data.kv_source": "cache"})
+    return cfg if lr is None else derive(cfg, {"optim.lr_student": lr})
 
 
 def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
@@ -93,21 +132,31 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     tok = load_tokenizer(job.student.model)
     gate = _gate(job, tok, min_gap, say)  # 1. before anything starts
-    cache = _cache_teacher(job, root, address, progress, say)  # 2. the teacher's outputs, every block once
+    cache = _cache_teacher(job, root / "kv_cache", address, progress, say)  # 2. the teacher's outputs, once
+    nf4 = nf4_job(job, root) if any(ARMS[a].nf4 for a in names if a in ARMS) else None
+    if nf4 is not None:
+        cache["nf4"] = _cache_teacher(nf4, root / "kv_cache_nf4", address, progress, say)
     scorer = Scorer(derive(job, {"data.kv_source": "cache"}), 0, 0)
     warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
-    ce_start = _warm_start(scorer, tok, warm_dir, p["warm_steps"], say)
-    _write_tune_job(job, warm_dir, p["steps"], root / "heal_job.yaml")
-    runs = _run_arms(job, names, p, arm_overrides, scorer, tok, warm_dir, (ce_start, gate["teacher_ce"]), say)  # 4.
-    summary = summarize(runs, base_arm)  # 5. figures, paired differences, decisions
+    warm = _warm_start(scorer, tok, warm_dir, p, say)
+    start = _figures(scorer.model(load_student(str(warm_dir), dtype="float32"), tok), warm["ce"],
+                     gate["teacher_ce"], job.teachers[0].name)
+    calib = _calibrate_kv(job, scorer, str(warm_dir), say)  # 4. the KV weight whose gradient equals CE's
+    _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
+    ctx = _RunContext(job, nf4, scorer, tok, str(warm_dir), p, arm_overrides or {}, calib["kv_unit"],
+                      (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
+    runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
+    summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
     passes = _control_passes(summary, base_arm)
     plots = _plot(runs, summary, root, gate["teacher_ce"], base_arm)
     result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm,
-              "decision_rule": rule, "gate": gate, "ce_start": ce_start, "teacher": job.teachers[0].name,
+              "decision_rule": rule, "gate": gate, "ce_start": warm["ce"], "warm_start": warm, "start": start,
+              "kv_calibration": calib, "lr": lrs, "teacher": job.teachers[0].name,
               "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
-              "train_blocks": len(scorer.train_split), **cache, "control_passes": passes, "summary": summary,
-              "runs": runs, "plots": plots, "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
-              "wall_s": time.time() - t_start}
+              "train_blocks": len(scorer.train_split), **cache, "control_passes": passes,
+              "kv_control": _kv_control(runs, start, summary), "summary": summary, "runs": runs, "plots": plots,
+              "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
+              "runs_wall_s": sum(r["wall_s"] for rs in runs.values() for r in rs), "wall_s": time.time() - t_start}
     write_json(root / "bench_heal.json", result)
     return result
 
@@ -125,8 +174,6 @@ def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms:
         raise KavaError(f"bench heal: arms must be among {', '.join(ARMS)} or --recipe names and include the base "
                         f"{base_arm} (got {names}); seeds and steps >= 1")
     return p, names
-
-
 def _base_job(config: str, overrides: Optional[list[str]], arm_overrides: Optional[dict]) -> JobConfig:
     """The base job, checked before any output or model: every recipe applies to it, its model files exist and
     its student is pruned (`student.keep_layers`)."""
@@ -169,69 +216,193 @@ def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
     return gate
 
 
-def _cache_teacher(job: JobConfig, root: Path, address: Optional[str], progress: bool, say) -> dict:
-    """The teacher's outputs for every block, computed once (a Ray job) into root/kv_cache and read by every arm
-    and seed; returns the result's figures of the cache."""
-    pre = derive(job, {"data.kv_source": "live", "loss.logit_weight": 1.0})
+def _cache_teacher(job: JobConfig, out: Path, address: Optional[str], progress: bool, say) -> dict:
+    """The teacher's outputs for every block, computed once (a Ray job) into `out` and read by every arm and
+    seed (a re-run finds them there); returns the result's figures of the cache."""
+    pre = derive(job, {"data.kv_source": "live", "loss.logit_weight": 1.0, "data.kv_cache_dir": str(out)})
     t0 = time.time()
     with job_session(pre, address):
-        stats = precompute(pre, root / "kv_cache", progress=progress)
+        stats = precompute(pre, out, progress=progress)
     precompute_s = time.time() - t0
-    say(f"teacher cache: {stats['written']} blocks in {stats['forwards']} teacher batches ({precompute_s:.0f} s)")
+    say(f"teacher cache {pre.teachers[0].name}: {stats['written']} blocks in {stats['forwards']} teacher batches, "
+        f"{stats['skipped']} already there ({precompute_s:.0f} s)")
     return {"teacher_forwards": stats["forwards"], "cached_blocks": stats["written"] + stats["skipped"],
-            "teacher_forwards_per_sample": stats["written"] / max(stats["total"], 1), "precompute_s": precompute_s}
+            "teacher_forwards_per_sample": (stats["written"] + stats["skipped"]) / max(stats["total"], 1),
+            "precompute_s": precompute_s}
 
 
-def _warm_start(scorer: Scorer, tok, warm_dir: Path, warm_steps: int, say) -> float:
-    """The shared warm start: `warm_steps` CE steps (seed 0) on the cache, saved to warm_dir where every arm
-    begins; returns its test CE, the point the gap recovered is measured from."""
+def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
+    """The shared warm start: CE steps (seed 0) on the cache until a `warm_every`-step stretch lowers the held-out
+    CE (validation head) by less than `warm_flat` nats, at most `warm_max` steps; saved to warm_dir where every
+    arm begins, with its curve and test CE (the point the gap recovered is measured from). Kept: a re-run with
+    the same settings reads it back."""
+    key = {k: p[k] for k in ("warm_every", "warm_max", "warm_flat", "eval_blocks")}
+    meta_path = warm_dir / "warm_start.json"
+    if meta_path.is_file() and (warm_dir / "config.json").is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") == key:
+            say(f"warm start: {meta['steps']} CE steps -> {meta['ce']:.3f} nats (kept from an earlier run)")
+            return meta
     warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
-                                   "train.steps": warm_steps, "train.seed": 0, "train.data_seed": 0})
-    warm = train_in_process(warm_cfg, scorer.plans, scorer.source, warm_steps)
+                                   "train.steps": p["warm_max"], "train.seed": 0, "train.data_seed": 0})
+    val_head = load_splits_head(scorer.cfg, tok, p["eval_blocks"])
+
+    def flat(curve):
+        return len(curve) > 1 and curve[-2][1] - curve[-1][1] < p["warm_flat"]
+
+    warm = train_in_process(warm_cfg, scorer.plans, scorer.source, p["warm_max"], p["warm_every"],
+                            lambda r: heldout_ce(r.distiller.student, val_head), stop=flat)
     warm["recipe"].distiller.student.save_pretrained(warm_dir)
     tok.save_pretrained(warm_dir)
-    ce_start = heldout_ce(warm["recipe"].distiller.student, scorer.test)
-    say(f"warm start: {warm_steps} CE steps -> {ce_start:.3f} nats ({warm_dir})")
-    return ce_start
+    steps = warm["curve"][-1][0]
+    meta = {"key": key, "steps": steps, "curve": warm["curve"], "flattened": flat(warm["curve"]),
+            "ce": heldout_ce(warm["recipe"].distiller.student, scorer.test)}
+    write_json(meta_path, meta)
+    say(f"warm start: {steps} CE steps -> {meta['ce']:.3f} nats ({warm_dir}; validation-head curve "
+        + " ".join(f"{s}:{c:.3f}" for s, c in warm["curve"]) + ")")
+    return meta
 
 
-def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, path: Path) -> None:
+def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, steps: int = 3) -> dict:
+    """The KV weight whose gradient on the student equals CE's at the warm start: `steps` CE + KV steps (weight 1,
+    seed 0) measure grad/kv_ratio (|KV's gradient| / |CE's|, linear in the weight); kv_unit = 1 / its median."""
+    cfg = arm_config(job, "ce+kv", 0, warm, steps)
+    ratios = sorted(train_in_process(cfg, scorer.plans, scorer.source, steps, grad_share=True)["ratios"])
+    ratio = ratios[len(ratios) // 2]
+    if not ratio > 0:
+        raise KavaError("bench heal: the KV loss has no gradient on the student at the warm start (grad/kv_ratio 0)")
+    say(f"KV weight: grad/kv_ratio at weight 1 is {ratio:.4f} (steps 1..{steps}: "
+        + " ".join(f"{r:.4f}" for r in ratios) + f"), so KV's gradient equals CE's at weight {1 / ratio:.1f}")
+    return {"ratio_at_1": ratio, "ratios": ratios, "kv_unit": 1 / ratio,
+            "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio}}
+
+
+def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, kv_unit: float, path: Path) -> None:
     """The job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0 from the warm start, evaluated
     at the end only."""
-    tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), steps),
+    tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), steps, kv_unit=kv_unit),
                       {"train.eval_steps": steps, "train.save_steps": steps})
     atomic_write(path, tune_job.to_yaml().encode())
 
 
-def _run_arms(job: JobConfig, names: list[str], p: dict, arm_overrides: Optional[dict], scorer: Scorer, tok,
-              warm_dir: Path, ends: tuple[float, float], say) -> dict:
-    """Every arm for every seed (a seed's arms back to back: paired), each from the warm start with its held-out
-    CE curve, scored on the test split; ends: (warm start CE, teacher CE), the span of the gap recovered."""
-    val_head = load_splits_head(scorer.cfg, tok, p["eval_blocks"])
-    runs: dict = {a: [] for a in names}
-    for seed in range(p["seeds"]):
-        for arm in names:
-            cfg = arm_config(job, arm if arm in ARMS else BASE, seed, str(warm_dir), p["steps"])
-            if arm_overrides and arm in arm_overrides:
-                cfg = derive(cfg, arm_overrides[arm])
-            t1 = time.time()
-            run = _train_arm(cfg, scorer, val_head, p["steps"], p["eval_every"])
-            score = scorer.model(run["recipe"].distiller.student, tok)
-            fig = _figures(score, *ends, job.teachers[0].name)
-            runs[arm].append({"seed": seed, "figures": fig, "curve": run["curve"], "step_s": run["step_s"],
-                              "wall_s": time.time() - t1, "score": score})
-            say(f"{arm} seed {seed}: test CE {fig['test_ce']:.4f}, GR {100 * fig['gr']:.1f} % "
-                f"({time.time() - t1:.0f} s)")
-    return runs
+@dataclass
+class _RunContext:
+    """What every run of the bench shares."""
+    job: JobConfig
+    nf4: Optional[JobConfig]
+    scorer: Scorer
+    tok: object
+    warm: str
+    p: dict
+    recipes: dict
+    kv_unit: float
+    ends: tuple  # (warm start CE, teacher CE): the span of the gap recovered
+    done: Path  # finished runs, one JSON each
+    say: Callable[[str], None]
 
 
-def _train_arm(cfg: JobConfig, scorer: Scorer, val_head, steps: int, eval_every: int) -> dict:
-    """One arm's training in process on the cache, its curve the held-out CE on `val_head` every `eval_every`
-    steps (`train_in_process`'s result)."""
-    def evaluate(recipe):
-        return heldout_ce(recipe.distiller.student, val_head)
+def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, dict]:
+    """Every arm: its learning rate from the grid on seed 0 (by validation CE; that run is its seed 0), then
+    the other seeds at that rate; a seed's arms train on the same blocks in the same order (paired).
+    Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
+    val_head = load_splits_head(ctx.scorer.cfg, ctx.tok, ctx.p["eval_blocks"])
+    val = load_splits(ctx.scorer.cfg, ctx.tok)[1]
+    sources = {False: (ctx.scorer.plans, ctx.scorer.source)}
+    if ctx.nf4 is not None:
+        _, plans = setup_teachers(ctx.nf4)[:2]
+        sources[True] = (plans, kv_source(ctx.nf4, plans))
+    runs, lrs = {}, {}
+    base_lr = ctx.job.optim.lr_student
+    for arm in sorted(names, key=lambda x: x != BASE):  # the base first: the KV control trains at its rate
+        a = ARMS.get(arm, Arm())
+        if a.grid:
+            grid = {}
+            for m in ctx.p["lr_grid"]:
+                r = _run(ctx, arm, 0, base_lr * m, sources[a.nf4], val_head, val)
+                grid[base_lr * m] = r
+            lr = min(grid, key=lambda x: grid[x]["val_ce"])
+            lrs[arm] = {"lr": lr, "grid": {str(x): g["val_ce"] for x, g in grid.items()}}
+            first = grid[lr]
+        else:  # the KV control: at the base arm's rate
+            lr = lrs.get(BASE, {}).get("lr", base_lr)
+            lrs[arm] = {"lr": lr, "grid": {}}
+            first = _run(ctx, arm, 0, lr, sources[a.nf4], val_head)
+        runs[arm] = [first] + [_run(ctx, arm, seed, lr, sources[a.nf4], val_head)
+                               for seed in range(1, ctx.p["seeds"])]
+    return runs, lrs
 
-    return train_in_process(cfg, scorer.plans, scorer.source, steps, eval_every, evaluate)
+
+def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_head, val=None) -> dict:
+    """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps, scored on the
+    test split (and on the whole validation split `val`, what the grid selects by); kept under ctx.done and
+    read back by a re-run with the same config."""
+    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], lr, ctx.kv_unit, ctx.nf4)
+    if arm in ctx.recipes:
+        cfg = derive(cfg, ctx.recipes[arm])
+    other = arm in ARMS and ARMS[arm].other_batch
+    settings = {"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
+                "eval_every": ctx.p["eval_every"], "eval_blocks": ctx.p["eval_blocks"], "val": val is not None}
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = ctx.done / _safe(arm) / f"seed{seed}-{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    plans, src = source
+    if other:
+        src = OtherBatchSource(src, ctx.scorer.train_split)
+    t1 = time.time()
+    run = train_in_process(cfg, plans, src, ctx.p["steps"], ctx.p["eval_every"],
+                           lambda r: heldout_ce(r.distiller.student, val_head))
+    student = run["recipe"].distiller.student
+    score = ctx.scorer.model(student, ctx.tok)
+    fig = _figures(score, *ctx.ends, ctx.job.teachers[0].name)
+    out = {"seed": seed, "lr": lr, "figures": fig, "curve": run["curve"], "step_s": run["step_s"],
+           "wall_s": time.time() - t1, "score": score,
+           "val_ce": heldout_ce(student, val) if val is not None else None}
+    write_json(path, out)
+    ctx.say(f"{arm} seed {seed} lr {lr:.2g}: test CE {fig['test_ce']:.4f}, GR {100 * fig['gr']:.1f} %"
+            + (f", validation CE {out['val_ce']:.4f}" if val is not None else "") + f" ({out['wall_s']:.0f} s)")
+    return out
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "+-._" else "_" for c in name)
+
+
+class OtherBatchSource:
+    """A KV source that answers a training batch with the teacher outputs of *other* training blocks of the same
+    length (each block's partner is fixed: half a length group away): the `ce+kv-otherbatch` arm, whose KV target
+    carries no information about the tokens the student reads."""
+
+    def __init__(self, inner, split):
+        self.inner, self.fingerprint = inner, split.fingerprint
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(split.lengths.tolist()):
+            by_len.setdefault(n, []).append(i)
+        self.partner = {}
+        for idx in by_len.values():
+            for j, i in enumerate(idx):
+                self.partner[i] = idx[(j + len(idx) // 2) % len(idx)]
+
+    def submit(self, name: str, request):
+        fp, rows = request.examples
+        if fp == self.fingerprint:
+            request = request._replace(examples=(fp, tuple(self.partner[int(i)] for i in rows)))
+        return self.inner.submit(name, request)
+
+    def result(self, name: str, request, future) -> dict:
+        return self.inner.result(name, request, future)
+
+
+def _kv_control(runs: dict, start: dict, summary: dict) -> Optional[dict]:
+    """The KV control: KV-only training must raise the projector-free KV cosine from the warm start's (paired per
+    seed against that start, and against ce)."""
+    if KV_CONTROL not in runs or start.get("kv_cos_free") is None:
+        return None
+    cos = [r["figures"]["kv_cos_free"] for r in runs[KV_CONTROL]]
+    d = paired(cos, [start["kv_cos_free"]] * len(cos))
+    return {"start": start["kv_cos_free"], "end": mean_sd(cos), "vs_start": d,
+            "vs_base": summary.get(KV_CONTROL, {}).get("vs_base", {}).get("kv_cos_free"),
+            "passes": bool(d and d["excludes_zero"] and d["mean"] > 0)}
 
 
 def _figures(score: dict, ce_start: float, ce_teacher: float, teacher: str) -> dict:
@@ -332,6 +503,9 @@ def format_heal(r: dict) -> str:
     keys = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
             ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]
     rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
+    st = r["start"]
+    rows.append(["warm start", f"{st['test_ce']:.4f}", "0.0", *[("—" if st.get(k) is None else f"{st[k] * sc:.{d}f}")
+                                                             for k, _, d, sc in keys[2:]], "—", "(all arms start here)"])
     for arm, s in r["summary"].items():
         cells = []
         for k, _, d, sc in keys:
@@ -346,13 +520,28 @@ def format_heal(r: dict) -> str:
         v = s["vs_base"]
         d_rows.append([arm, fmt_interval(v["test_ce"], 4), fmt_interval(v["gr"], 1, 100.0), fmt_interval(v["kl"], 3),
                        fmt_interval(v["top1"], 1, 100.0), fmt_interval(v["kv_cos_free"], 3)])
+    calib, warm, kc = r["kv_calibration"], r["warm_start"], r.get("kv_control")
+    lr_rows = [[arm, f"{v['lr']:.2g}", " ".join(f"{float(x):.2g}:{c:.4f}" for x, c in v["grid"].items()) or
+                f"(the {BASE} arm's rate)"] for arm, v in r["lr"].items()]
+    kv_line = "KV control (kv-only raises the projector-free KV cosine): " + (
+        "not in this run" if kc is None else
+        f"{'passes' if kc['passes'] else 'FAILS'}: {kc['start']:.3f} at the warm start -> {kc['end']['mean']:.3f} "
+        f"(paired over seeds {fmt_interval(kc['vs_start'], 3)}; vs {BASE} {fmt_interval(kc['vs_base'], 3)})")
     return "\n".join([
         f"heal bench ({r['config']}): teacher {r['teacher']}, its pruned student, Python-docs text in "
-        f"{r['block']}-token blocks x {r['batch_size']}; warm start {r['warm_steps']} CE steps, then {r['steps']} "
-        f"steps per arm; seeds {list(range(r['seeds']))} (each draws the block order and the initialisation)",
+        f"{r['block']}-token blocks x {r['batch_size']}; warm start {warm['steps']} CE steps (until a "
+        f"{r['warm_every']}-step stretch gained < {r['warm_flat']:g} nats, at most {r['warm_max']}), then "
+        f"{r['steps']} steps per arm; seeds {list(range(r['seeds']))} (each draws the block order and the "
+        f"initialisation)",
         f"gate: teacher {g['teacher_ce']:.3f} nats vs pruned student {g['student_ce']:.3f} nats on the test split "
         f"({r['test_tokens']} tokens): gap {g['gap']:.2f} nats (needs >= {g['min_gap']:g}); warm start "
-        f"{r['ce_start']:.3f} nats (GR measured from here)",
+        f"{r['ce_start']:.3f} nats (GR measured from here; its validation-head curve "
+        + " ".join(f"{s}:{c:.3f}" for s, c in warm["curve"]) + ")",
+        f"KV weights: grad/kv_ratio (|KV's gradient| / |CE's| on the student) at weight 1 is {calib['ratio_at_1']:.4f} "
+        f"at the warm start, so " + ", ".join(f"{a} {w:.1f}" for a, w in calib["weights"].items()),
+        "learning rate per arm (seed 0, by CE on the whole validation split):",
+        format_table(["arm", "lr", "grid (lr:validation CE)"], lr_rows),
+        "",
         format_table(["arm", *[k[1] for k in keys], "s/step", "decision"], rows),
         "",
         f"paired differences against {base} (arm - {base}, mean [95 % t-interval], * = excludes 0):",
@@ -360,6 +549,8 @@ def format_heal(r: dict) -> str:
         f"decision rule (fixed before the run): {r['decision_rule']}",
         f"positive control ({CONTROL} vs {BASE}): " + {True: "passes", False: "FAILS: no conclusion about KV",
                                                         None: "not in this run"}[r["control_passes"]],
+        kv_line,
         f"teacher forwards per training sample: {r['teacher_forwards_per_sample']:.2f} ({r['cached_blocks']} blocks "
         f"computed once in {r['teacher_forwards']} teacher batches, read by every arm and seed)",
-        f"plots: {r['plots']['ce']}, {r['plots']['gr']}; wall {r['wall_s'] / 60:.1f} min; out {r['out']}"])
+        f"plots: {r['plots']['ce']}, {r['plots']['gr']}; wall {r['wall_s'] / 60:.1f} min (the runs' own: "
+        f"{r['runs_wall_s'] / 60:.1f} min); out {r['out']}"])

@@ -13,19 +13,22 @@ import statistics
 import time
 from typing import Callable, Optional
 
+from kava_ray.core.metric_names import GRAD_KV_RATIO, GRAD_KV_SHARE
 from kava_ray.recipes.distill import DistillRecipe
 
 
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
-                     evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False) -> dict:
+                     evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
+                     stop: Optional[Callable[[list], bool]] = None) -> dict:
     """Run `steps` production steps; returns {"recipe", "first" / "last" (the first / last step's metrics),
     "step_s" (median), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
-    "shares" (each step's grad/kv_share with `grad_share`)}."""
+    "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`)}. stop(curve): called after
+    each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     accum = cfg.optim.accumulation
     feed = recipe.feed(source, until=steps, depth=1)
-    times, last, curve, first, shares = [], {}, [], {}, []
+    times, last, curve, first, shares, ratios = [], {}, [], {}, [], []
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
     for step in range(1, steps + 1):
@@ -35,8 +38,11 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
         times.append(time.perf_counter() - t0)
         first = first or {k: float(v) for k, v in last.items()}
         if grad_share:
-            shares.append(float(last.get("grad/kv_share", 0.0)))
+            shares.append(float(last.get(GRAD_KV_SHARE, 0.0)))
+            ratios.append(float(last.get(GRAD_KV_RATIO, 0.0)))
         if evaluate is not None and eval_every and (step % eval_every == 0 or step == steps):
             curve.append((step, evaluate(recipe)))
+            if stop is not None and stop(curve):
+                break
     return {"recipe": recipe, "first": first, "last": last, "step_s": statistics.median(times) if times else None,
-            "curve": curve, "shares": shares}
+            "curve": curve, "shares": shares, "ratios": ratios}

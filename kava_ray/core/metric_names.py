@@ -12,6 +12,7 @@ RELATION = "relation_loss"  # the MiniLMv2 relation term (loss.relation_weight),
 LOGIT_KL = "logit_kl"  # the logit KD loss, weighted over teachers
 TOKENS, KV_TOKENS, LABEL_TOKENS = "tokens", "kv_tokens", "label_tokens"  # real / KV-counted / next-token positions
 GRAD_KV_SHARE = "grad/kv_share"  # |grad of kv_weight * KV on the student| / |the whole loss's| (log steps)
+GRAD_KV_RATIO = "grad/kv_ratio"  # |grad of kv_weight * KV on the student| / |every other term's| (log steps)
 SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV (the recipe's count)
 SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES)  # summed over micro-batches and ranks; the rest: means
 

@@ -34,6 +34,7 @@ from kava_ray.core.checkpoint import check_compatible, load_into, save_checkpoin
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.metric_names import (
     COS_SIM,
+    GRAD_KV_RATIO,
     GRAD_KV_SHARE,
     KV_TOKENS,
     LABEL_TOKENS,
@@ -168,13 +169,12 @@ class DistillRecipe:
             no_sync = self.world > 1 and micro < accum - 1
             with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
                 loss, m = self.model(batch.to(self.device), kv)
-            kv_grad = self._kv_grad_norm() if grad_share and micro == 0 else None
+            kv_grads = self._kv_grads() if grad_share and micro == 0 else None
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
-            if kv_grad is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
+            if kv_grads is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
                 # DDP: averaged over ranks)
-                total = get_total_norm([p.grad for p in self._student_params() if p.grad is not None]) * accum
-                share = (kv_grad / total.clamp_min(1e-30)).double()
+                share = self._kv_shares(kv_grads, accum)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
         with record_function("kava/optimizer"):
@@ -188,7 +188,7 @@ class DistillRecipe:
             self.opt.zero_grad(set_to_none=True)
         out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
         if share is not None:
-            out[GRAD_KV_SHARE] = share
+            out.update(share)
         out["grad_norm"] = norms["student"].detach().double()  # the student's gradient norm (before clipping)
         if "projector" in norms:
             out["grad_norm_projector"] = norms["projector"].detach().double()
@@ -198,14 +198,31 @@ class DistillRecipe:
         """The optimizer's student group (`distiller.param_groups`): what grad_norm measures."""
         return next(g["params"] for g in self.opt.param_groups if g.get("name") == "student")
 
-    def _kv_grad_norm(self) -> torch.Tensor:
-        """|d(kv_weight * KV loss) / d(student)| of the forward just run (`Distiller.kv_term`): a separate
-        backward that leaves .grad alone. Zero when the KV term does not reach the student."""
-        term = self.distiller.kv_term
+    def _kv_grads(self) -> list:
+        """d(kv_weight * KV loss) / d(student) of the forward just run (`Distiller.kv_term`), per student parameter
+        (None where it does not reach one): a separate backward that leaves .grad alone."""
+        term, params = self.distiller.kv_term, self._student_params()
         if not term.requires_grad:
-            return torch.zeros((), device=term.device)
-        grads = torch.autograd.grad(term, self._student_params(), retain_graph=True, allow_unused=True)
-        return get_total_norm([g for g in grads if g is not None]).to(term.device)
+            return [None] * len(params)
+        return list(torch.autograd.grad(term, params, retain_graph=True, allow_unused=True))
+
+    def _kv_shares(self, kv_grads: list, accum: int) -> dict[str, torch.Tensor]:
+        """grad/kv_share, |KV's gradient| / |the whole loss's|, and grad/kv_ratio, |KV's| / |every other term's|
+        (CE's in a CE + KV recipe: the rest is the whole gradient minus KV's), on the student's parameters."""
+        whole, kv, rest = [], [], []
+        for p, g in zip(self._student_params(), kv_grads):
+            if p.grad is None:
+                continue
+            w = p.grad * accum
+            whole.append(w)
+            kv.append(g if g is not None else torch.zeros_like(w))
+            rest.append(w - kv[-1])
+        if not whole:
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            return {GRAD_KV_SHARE: zero, GRAD_KV_RATIO: zero}
+        n_kv = get_total_norm(kv)
+        return {GRAD_KV_SHARE: (n_kv / get_total_norm(whole).clamp_min(1e-30)).double(),
+                GRAD_KV_RATIO: (n_kv / get_total_norm(rest).clamp_min(1e-30)).double()}
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
              extra: Optional[dict] = None) -> Path:

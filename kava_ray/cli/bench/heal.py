@@ -7,11 +7,14 @@ from kava_ray.cli.shared import add_bench_job, show
 
 def register(sub) -> None:
     p = sub.add_parser("heal", help="does it distil? the demo's pruned student healed on the Python docs: a "
-                                    "positive control (logit KD), KV arms, paired seeds, a decision rule")
+                                    "positive control (logit KD), KV arms, paired seeds, a decision rule; re-run "
+                                    "with the same --out to go on where it stopped")
     add_bench_job(p, "<ray.storage_path>/bench-heal-<time>")
-    p.add_argument("--steps", type=int, default=None, help="steps per arm (default 40; --quick 3)")
-    p.add_argument("--seeds", type=int, default=None, help="paired seeds (default 3; --quick 2)")
-    p.add_argument("--arms", nargs="+", default=None, help="a subset of ce, ce+logits, ce+kv, ce+kv+logits, logits")
+    p.add_argument("--steps", type=int, default=None, help="steps per arm (default 30; --quick 3)")
+    p.add_argument("--seeds", type=int, default=None, help="paired seeds (default 5; --quick 2)")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="a subset of ce, ce+logits, ce+kv, ce+kv-0.3, ce+kv-otherbatch, ce+logits+kv, "
+                        "ce+logits+relation, ce+logits-nf4, kv-only (default: all)")
     p.add_argument("--quick", action="store_true", help="toy sizes (the test runs this)")
     p.add_argument("--min-gap", type=float, default=1.0, help="the gate: nats the teacher must beat the student by")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME:KEY=VALUE,...",
