@@ -46,6 +46,7 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
 
     recipe = DistillRecipe(cfg, plans)
     recipe.setup(resume)
+    recipe.fit_maps(source)
     feed = recipe.feed(source, until=steps)
     out = {}
     for step in range(recipe.start_step + 1, steps + 1):

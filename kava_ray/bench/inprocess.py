@@ -26,6 +26,7 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
     each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
+    recipe.fit_maps(source)
     accum = cfg.optim.accumulation
     feed = recipe.feed(source, until=steps, depth=1)
     times, last, curve, first, shares, ratios = [], {}, [], {}, [], []

@@ -148,8 +148,11 @@ class DataConfig(_Section):
 
 
 class ProjectorConfig(_Section):
-    # auto: identity (the teacher's own KV is the target, nothing learned) where the geometry allows, else linear
-    kind: Literal["auto", "identity", "elastic", "linear"] = "auto"
+    # auto: identity (the teacher's own KV is the target, nothing learned) where the geometry allows, else linear;
+    # fit: a map on the student's side (student KV -> its teacher layer's), the ridge fit of the student to the
+    # teacher before step 1, then frozen (or trained at the student's rate: train_map)
+    kind: Literal["auto", "identity", "elastic", "linear", "fit"] = "auto"
+    train_map: bool = False
     mlp_ratio: float = Field(1.0, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
     # structured mode: one head_dim projector shared by every student head, or one per student head
@@ -174,8 +177,9 @@ class AlignConfig(_Section):
 
     @model_validator(mode="after")
     def _identity_needs_structured(self):
-        if self.projector.kind == "identity" and self.mode == "flat":
-            raise ValueError("align.projector.kind: identity needs align.mode: structured (flat mixes every layer)")
+        if self.projector.kind in ("identity", "fit") and self.mode == "flat":
+            raise ValueError(f"align.projector.kind: {self.projector.kind} needs align.mode: structured (flat mixes "
+                             f"every layer)")
         return self
 
 

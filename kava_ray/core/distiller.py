@@ -73,12 +73,15 @@ class Distiller(nn.Module):
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                dropout=p.dropout, head_proj=p.head_proj)
+                                dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map)
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,
                              feature_dim=s_geom.hidden_size, names=self.names, center=cfg.loss.center)
         self.loss_cfg = cfg.loss
+        if self.fusion.fuses_targets and len(self.names) > 1 and any(pr.student_side for pr in self.projectors.values()):
+            raise KavaError(f"align.projector.kind: fit compares the student with each teacher in that teacher's own "
+                            f"space, so there is no fused target: use fusion.kind: sum with {len(self.names)} teachers")
         self.key_space = a.key_space
         # teachers of another tokenizer: their KV is mapped to student positions by characters
         # (`align.token_align`); their logits, unless loss.logit_cross_vocab is off, at paired positions through
@@ -114,7 +117,9 @@ class Distiller(nn.Module):
                        for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
             if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
                 kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
-            kvl, kv_m, per_teacher = self._kv_term(out, skv, projected, masks, kv_mask)
+            views = {n: self.projectors[n].map_student(skv.keys, skv.values) if self.projectors[n].student_side
+                     else (skv.keys, skv.values) for n in self.names}  # the student as each teacher's loss sees it
+            kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
             self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
             loss = c.ce_weight * ce + self.kv_term
@@ -173,34 +178,36 @@ class Distiller(nn.Module):
         lse = log_normalizer(logits) if c.logit_weight > 0 and c.logit_temperature == 1.0 else None
         return masked_ce(logits, labels, lse=lse), lse
 
-    def _kv_term(self, out, skv: KVBatch, projected: dict, masks: dict, kv_mask: torch.Tensor):
+    def _kv_term(self, out, views: dict, projected: dict, masks: dict, kv_mask: torch.Tensor):
         """(KV loss, its summary {cos_sim, cos_raw, cos_per_layer, contrast_gap}, {cos/<t>, cos_raw/<t>}).
 
-        A fused target (fixed, gate, router): one loss against the fusion of the projected teachers, on the
+        views: {t: the student's (keys, values) as t's loss sees them} (the student's own; kind fit: mapped into t's
+        space). A fused target (fixed, gate, router): one loss against the fusion of the projected teachers, on the
         positions every teacher covers; per-teacher metrics against each teacher's own. `sum`: one loss per
         teacher (`Fusion.combine_losses`), the summary the prior-weighted mean of the teachers'."""
         if not self.fusion.fuses_targets:
-            return self._summed_kv(skv, projected, masks)
+            return self._summed_kv(views, projected, masks)
+        sk, sv = views[self.names[0]]  # one teacher, or none of kind fit (Distiller refuses the rest)
         feat = out.hidden_states[-1].detach() if self.fusion.kind == "router" else None  # [B, T, hidden]
         tk = self.fusion([projected[n][0] for n in self.names], feat, kv_mask)  # [L_s, B, H_s, T, D_s]
         tv = self.fusion([projected[n][1] for n in self.names], feat, kv_mask)
-        kvl, m = self._kv_pair_loss(skv, tk, tv, kv_mask)
+        kvl, m = self._kv_pair_loss(sk, sv, tk, tv, kv_mask)
         per_teacher = {}
         for n in self.names:
             if tk is projected[n][0] and tv is projected[n][1]:  # one teacher, fixed: it is the target
                 m_n = m
             else:
-                m_n = self._kv_means(cos_metrics(skv.keys, projected[n][0], masks[n]),
-                                     cos_metrics(skv.values, projected[n][1], masks[n]))
+                m_n = self._kv_means(cos_metrics(sk, projected[n][0], masks[n]),
+                                     cos_metrics(sv, projected[n][1], masks[n]))
             per_teacher[of(COS, n)], per_teacher[of(COS_RAW, n)] = m_n[COS_SIM], m_n[COS_RAW]
-        m[CONTRAST_GAP] = (contrast_gap(skv.keys, tk, kv_mask) + contrast_gap(skv.values, tv, kv_mask)) / 2
+        m[CONTRAST_GAP] = (contrast_gap(sk, tk, kv_mask) + contrast_gap(sv, tv, kv_mask)) / 2
         return kvl, m, per_teacher
 
-    def _summed_kv(self, skv: KVBatch, projected: dict, masks: dict):
+    def _summed_kv(self, views: dict, projected: dict, masks: dict):
         """`fusion.kind: sum`'s KV term: one loss per teacher on its own positions, as `_kv_term` returns it."""
         losses, ms, per_teacher = [], [], {}
         for n in self.names:
-            loss_n, m_n = self._kv_pair_loss(skv, *projected[n], masks[n])
+            loss_n, m_n = self._kv_pair_loss(*views[n], *projected[n], masks[n])
             losses.append(loss_n)
             ms.append(m_n)
             per_teacher[of(COS, n)], per_teacher[of(COS_RAW, n)] = m_n[COS_SIM], m_n[COS_RAW]
@@ -211,18 +218,19 @@ class Distiller(nn.Module):
              "cos_per_layer": [sum(wi * mi["cos_per_layer"][i] for wi, mi in zip(w, ms))
                                for i in range(len(ms[0]["cos_per_layer"]))]}
         # one loss per teacher, so the gap is the weighted mean of the per-teacher gaps
-        m[CONTRAST_GAP] = sum(wi * (contrast_gap(skv.keys, projected[n][0], masks[n])
-                                    + contrast_gap(skv.values, projected[n][1], masks[n])) / 2
+        m[CONTRAST_GAP] = sum(wi * (contrast_gap(views[n][0], projected[n][0], masks[n])
+                                    + contrast_gap(views[n][1], projected[n][1], masks[n])) / 2
                               for wi, n in zip(w, self.names))
         return kvl, m, per_teacher
 
-    def _kv_pair_loss(self, skv: KVBatch, tk: torch.Tensor, tv: torch.Tensor, mask: torch.Tensor):
-        """The KV loss -- mean of the K and V losses, or one of them (`loss.kv_parts`); metrics averaged over K
-        and V either way."""
+    def _kv_pair_loss(self, sk: torch.Tensor, sv: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor,
+                      mask: torch.Tensor):
+        """The KV loss of student (sk, sv) against (tk, tv) -- mean of the K and V losses, or one of them
+        (`loss.kv_parts`); metrics averaged over K and V either way."""
         c = self.loss_cfg
         kw = dict(alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight, center=c.center)
-        lk, mk = kv_loss(c.kind, skv.keys, tk, mask, **kw)
-        lv, mv = kv_loss(c.kind, skv.values, tv, mask, **kw)
+        lk, mk = kv_loss(c.kind, sk, tk, mask, **kw)
+        lv, mv = kv_loss(c.kind, sv, tv, mask, **kw)
         loss = lk if c.kv_parts == "keys" else lv if c.kv_parts == "values" else (lk + lv) / 2
         return loss, self._kv_means(mk, mv)
 
@@ -304,12 +312,17 @@ class Distiller(nn.Module):
 
 
 def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
-    """Two groups: the student at lr_student; projectors and fusion at lr_projector."""
+    """The student at lr_student; projectors and fusion at lr_projector; a trained student-side map (kind fit,
+    align.projector.train_map) at lr_student -- it must not learn faster than the student it maps."""
     student = [p for p in distiller.student.parameters() if p.requires_grad]
-    heads = [p for m in (distiller.projectors, distiller.fusion) for p in m.parameters() if p.requires_grad]
+    maps = [p for n, p in distiller.projectors.named_parameters() if p.requires_grad and "_map." in n]
+    heads = [p for m in (distiller.projectors, distiller.fusion) for p in m.parameters()
+             if p.requires_grad and not any(p is q for q in maps)]
     groups = [{"params": student, "lr": optim.lr_student, "name": "student"}]
     if heads:
         groups.append({"params": heads, "lr": optim.lr_projector, "name": "projector"})
+    if maps:
+        groups.append({"params": maps, "lr": optim.lr_student, "name": "map"})
     return groups
 
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.align.layers import LayerMap, validate_layer_map
+from kava_ray.core.align.layers import LayerMap, heaviest_sources, validate_layer_map
 
-PROJECTOR_KINDS = ("elastic", "linear", "identity")  # and "auto" (`resolve_kind`)
+PROJECTOR_KINDS = ("elastic", "linear", "identity", "fit")  # and "auto" (`resolve_kind`)
 MODES = ("flat", "structured")
 AGGREGATIONS = ("concat", "mean", "weighted")
 HEAD_PROJS = ("shared", "per_head")
@@ -199,6 +199,43 @@ class HeadwiseProjector(nn.Module):
         return self.proj(mixed)  # [..., H_s, T, D_s]
 
 
+class StudentMap(nn.Module):
+    """The student-side map of projector kind `fit` (FitNets / TinyBERT / Minitron put the learned map on the
+    student's side, against a fixed teacher target): per student layer, one affine map of its KV (heads flattened)
+    into its teacher layer's, [L_s, B, H_s, T, D_s] -> [L_s, B, H_t, T, D_t].
+
+    It starts as the ridge fit of `probe.KVAlignment.fit` (`load_fit`, before training: the best linear image of the
+    student in the teacher's space, so the loss's gradient pulls the student toward its teacher from step 1), then
+    stays frozen (`trainable` False) or trains at the student's learning rate. `fitted` (a buffer, saved with the
+    checkpoint) is 0 until then: a resumed run is not fitted again."""
+
+    def __init__(self, layers: int, s_heads: int, s_head_dim: int, t_heads: int, t_head_dim: int,
+                 trainable: bool = False):
+        super().__init__()
+        _check_dims(layers=layers, s_heads=s_heads, s_head_dim=s_head_dim, t_heads=t_heads, t_head_dim=t_head_dim)
+        self.t_heads, self.t_head_dim = int(t_heads), int(t_head_dim)
+        f_s, f_t = s_heads * s_head_dim, t_heads * t_head_dim
+        self.weight = nn.Parameter(torch.zeros(layers, f_s, f_t), requires_grad=trainable)  # [L_s, F_s, F_t]
+        self.bias = nn.Parameter(torch.zeros(layers, f_t), requires_grad=trainable)  # [L_s, F_t]
+        self.register_buffer("fitted", torch.zeros(()))
+
+    @torch.no_grad()
+    def load_fit(self, maps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """maps: per student layer (W [F_s, F_t], b [F_t]), as `probe.KVAlignment.maps[k or v]` holds them."""
+        if len(maps) != self.weight.shape[0]:
+            raise KavaError(f"fit: {len(maps)} layer maps for {self.weight.shape[0]} student layers")
+        for i, (w, b) in enumerate(maps):
+            self.weight[i].copy_(w.to(self.weight.dtype))
+            self.bias[i].copy_(b.to(self.bias.dtype))
+        self.fitted.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        L, B, H, T, D = x.shape
+        flat = x.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D).to(self.weight.dtype)  # [L_s, N, F_s]
+        out = torch.baddbmm(self.bias[:, None, :], flat, self.weight)  # [L_s, N, F_t]
+        return out.reshape(L, B, T, self.t_heads, self.t_head_dim).permute(0, 1, 3, 2, 4)  # [L_s, B, H_t, T, D_t]
+
+
 def _check_identity(mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int) -> None:
     if mode != "structured":
         raise KavaError("align.projector.kind: identity needs align.mode: structured (flat mixes every layer)")
@@ -230,6 +267,7 @@ class TeacherProjector(nn.Module):
         mlp_ratio: float = 1.0,
         dropout: float = 0.1,
         head_proj: str = "shared",
+        train_map: bool = False,
     ):
         super().__init__()
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
@@ -238,6 +276,8 @@ class TeacherProjector(nn.Module):
         kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim)
         if kind == "identity":
             _check_identity(mode, t_heads, t_head_dim, s_heads, s_head_dim)
+        if kind == "fit" and mode != "structured":
+            raise KavaError("align.projector.kind: fit needs align.mode: structured (one map per student layer)")
         if kind not in PROJECTOR_KINDS:
             raise KavaError(f"unknown projector kind {kind!r} (expected one of {', '.join(PROJECTOR_KINDS)})")
         _check_head_proj(head_proj)
@@ -270,6 +310,11 @@ class TeacherProjector(nn.Module):
             if aggregation == "weighted":
                 self.k_layer_logits = nn.Parameter(torch.zeros(n_sel))
                 self.v_layer_logits = nn.Parameter(torch.zeros(n_sel))
+        elif kind == "fit":
+            # the target: each student layer's heaviest mapped teacher layer as the teacher computed it
+            self.target_pos = [pos[t] for t in heaviest_sources(self.layer_map)]
+            self.k_map = StudentMap(self.s_layers, s_heads, s_head_dim, t_heads, t_head_dim, train_map)
+            self.v_map = StudentMap(self.s_layers, s_heads, s_head_dim, t_heads, t_head_dim, train_map)
         else:
             # positions (into the shipped layers) and initial weights of each student layer's sources
             self._sources = [[pos[t] for t, _ in pairs] for _, pairs in self.layer_map]
@@ -291,8 +336,17 @@ class TeacherProjector(nn.Module):
 
     @property
     def student_layout(self) -> tuple[int, int, int]:
-        """(L_s, H_s, D_s): outputs are [L_s, B, H_s, T, D_s]."""
+        """(L_s, H_s, D_s): outputs are [L_s, B, H_s, T, D_s] (kind fit: [L_s, B, H_t, T, D_t], the teacher's)."""
         return self.s_layers, self.s_heads, self.s_head_dim
+
+    @property
+    def student_side(self) -> bool:
+        """Kind `fit`: `forward` returns the teacher's own KV and `map_student` moves the student's into its space."""
+        return self.kind == "fit"
+
+    def map_student(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kind fit: the student's (keys, values) [L_s, B, H_s, T, D_s] -> the teacher's space [L_s, B, H_t, T, D_t]."""
+        return self.k_map(keys), self.v_map(values)
 
     def num_parameters(self) -> int:
         """Trainable parameters of the K and V projectors together."""
@@ -331,6 +385,8 @@ class TeacherProjector(nn.Module):
         self._check_input(values, "values")
         dtype = next(self.parameters()).dtype
         keys, values = keys.to(dtype), values.to(dtype)
+        if self.kind == "fit":  # the target is the teacher's KV itself; the map is on the student's side
+            return keys[self.target_pos], values[self.target_pos]  # [L_s, B, H_t, T, D_t]
         if self.mode == "flat":
             weighted = self.aggregation == "weighted"
             k = self._flat(keys, self.k_proj, self.k_layer_logits if weighted else None)

@@ -55,7 +55,7 @@ from kava_ray.core.plans import (
 )
 from kava_ray.core.precision import student_precision
 from kava_ray.data import BatchStream
-from kava_ray.recipes.evaluate import evaluate_heldout
+from kava_ray.recipes.evaluate import evaluate_heldout, kv_alignment
 
 
 @dataclass
@@ -141,6 +141,24 @@ class DistillRecipe:
         self.sched.base_lrs = [g["initial_lr"] for g in self.opt.param_groups]
         for g, base, fn in zip(self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas):
             g["lr"] = base * fn(self.sched.last_epoch)  # the lambdas already follow the new train.steps / warmup
+
+    def fit_maps(self, source, batches: int = 16) -> list[str]:
+        """Projector kind fit: each teacher's student-side map starts as the ridge fit of the student's KV to that
+        teacher's (`evaluate.kv_alignment`'s probe over the first `batches` batches of the training split, the same
+        batches on every rank), so step 1 already compares the student's best linear image with the teacher. A map
+        restored from a checkpoint is kept. Returns the teachers fitted here."""
+        todo = {n: pr for n, pr in self.distiller.projectors.items() if pr.student_side and not pr.k_map.fitted}
+        if not todo:
+            return []
+        probes = kv_alignment(self.distiller.student, source, {n: self.plans[n] for n in todo}, self.train_split,
+                              self.cfg, copied={}, device=self.device, fit_batches=batches)
+        for n, pr in todo.items():
+            if n not in probes:
+                raise KavaError(f"align.projector.kind: fit needs teacher '{n}' to share the student's tokenizer (its "
+                                f"KV is fit token by token); use linear or elastic for it")
+            pr.k_map.load_fit(probes[n].maps["k"])
+            pr.v_map.load_fit(probes[n].maps["v"])
+        return list(todo)
 
     def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
         """The KVFeed over this rank's stream: exactly the batches of the steps up to `until` (train.steps), no
@@ -416,6 +434,7 @@ def train_loop_per_worker(config: dict) -> None:
     with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(loop.resume)) as ckdir:
         state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=loop.resume_override)
     source = kv_source(cfg, plans, recipe.stream.split.fingerprint)
+    recipe.fit_maps(source)  # kind fit: the student-side maps start as the ridge fit (not on a resumed run)
     feed = recipe.feed(source)
     log = MetricsLog(run_dir / METRICS, recipe.start_step,
                      open_trackers(cfg.train.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None

@@ -142,7 +142,7 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                         dropout=p.dropout, head_proj=p.head_proj))
+                                         dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map))
         mods.append(Fusion(cfg.fusion.kind, len(plans), n_layers=s_geom.num_layers, weights=cfg.fusion.weights,
                            per_layer=cfg.fusion.per_layer, feature_dim=s_geom.hidden_size, names=list(plans)))
     params = [q for m in mods for q in m.parameters() if q.requires_grad]
@@ -293,6 +293,8 @@ def _projector_bytes(cfg: JobConfig, geom: KVGeometry, layers: list[int], s_geom
     kind = resolve_kind(p.kind, al.mode, geom.num_kv_heads, geom.head_dim, s_geom.num_kv_heads, s_geom.head_dim)
     if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
         return 0.0
+    if kind == "fit":  # the student-side map saves its input, the student's KV of each layer
+        return 2 * s_geom.num_layers * s_geom.kv_dim * a
     r = p.mlp_ratio if kind == "elastic" else 0.0
 
     def proj(d: float) -> float:  # [.., d] -> projector; LayerNorm keeps an fp32 input even under autocast
