@@ -68,6 +68,7 @@ class KVRequest(NamedTuple):
     wire_dtype: str
     logits_top_k: int = 0
     examples: Optional[tuple[str, tuple[int, ...]]] = None
+    hidden: bool = False  # the layers' output hidden states too (loss.hidden_weight)
 
 
 class KVSource(Protocol):
@@ -106,7 +107,8 @@ class ActorSource:
         r = request
         h = self.handles[name]
         h = h.route(r.key) if hasattr(h, "route") else h
-        ref = h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k)
+        extra = {"hidden": True} if r.hidden else {}  # (a pool of an older version takes no `hidden`)
+        ref = h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k, **extra)
         if self.prefetch:
             _pull_here(ref)
         return ref
@@ -153,7 +155,8 @@ class KVFeed:
     {teacher: array}, with the key None for every teacher not named: a teacher of another tokenizer gets
     its own tokenization of the batch (`feed_items` builds these). layers: {teacher: layer ids to ship}.
     logits_top_k > 0 (an int for every teacher, or {teacher: k}): the teacher also serves its top-k
-    log-probs from the same forward (KVBatch.topk_ids / topk_logp).
+    log-probs from the same forward (KVBatch.topk_ids / topk_logp). hidden: the layers' output hidden states too
+    (KVBatch.hidden).
 
     Every source receives a `KVRequest` per teacher and batch.
 
@@ -165,7 +168,8 @@ class KVFeed:
 
     def __init__(self, source: KVSource, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
                  wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True,
-                 logits_top_k: int = 0, on_bad_kv: Optional[str] = None, limit: Optional[int] = None):
+                 logits_top_k: int = 0, on_bad_kv: Optional[str] = None, limit: Optional[int] = None,
+                 hidden: bool = False):
         if depth < 1:
             raise ValueError("depth must be >= 1")
         if on_bad_kv not in (None, "skip", "stop"):
@@ -178,6 +182,7 @@ class KVFeed:
         self.logits_top_k = logits_top_k if isinstance(logits_top_k, dict) else {n: int(logits_top_k) for n in layers}
         self.device = device
         self.dtype = dtype
+        self.hidden = bool(hidden)
         self.decode = decode  # False: hand back the wire payloads as they arrived (precompute writes them)
         self._inflight: collections.deque = collections.deque()
         self.wait_s: list[float] = []  # per delivered batch
@@ -196,7 +201,8 @@ class KVFeed:
                 self._exhausted = True
                 return
             reqs = {name: KVRequest(key, _for(ids, name), _for(mask, name), layers, self.wire_dtype,
-                                    int(self.logits_top_k.get(name, 0)), examples[0] if examples else None)
+                                    int(self.logits_top_k.get(name, 0)), examples[0] if examples else None,
+                                    self.hidden)
                     for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))

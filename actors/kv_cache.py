@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
 TOKENIZERS = "tokenizers"
 LAYOUT = "examples"
-ARRAYS = ("k", "v", "k_scale", "v_scale", *TOPK_ARRAYS)
+ARRAYS = ("k", "v", "k_scale", "v_scale", *TOPK_ARRAYS, "h")
 
 
 def example_key(split_fingerprint: str, index: int) -> str:
@@ -52,7 +52,8 @@ def encode_shard(payloads: dict[str, dict]) -> bytes:
         for a in ARRAYS:
             if p.get(a) is not None:
                 tensors[f"{name}.{a}"] = np.ascontiguousarray(p[a])
-        meta[name] = {k: p[k] for k in ("version", "dtype", "shape", "layer_ids", "key_space", "topk_dtype") if k in p}
+        meta[name] = {k: p[k] for k in ("version", "dtype", "shape", "layer_ids", "key_space", "topk_dtype",
+                                        "hidden_dtype") if k in p}
         mask = p.get("mask") if mask is None else mask
     if mask is not None:
         tensors["mask"] = np.ascontiguousarray(mask)
@@ -99,7 +100,11 @@ class KVCache:
                 ignore = set()
                 if not create:
                     check_logits(self.root, self.meta, meta.get("logits_top_k", 0))
-                    ignore = {"logits_top_k"}
+                    if meta.get("hidden") and not self.meta.get("hidden"):
+                        raise KavaError(f"KV cache {self.root} was written without the teachers' hidden states; this "
+                                        f"job needs them (loss.hidden_weight > 0): re-run `kava-ray teachers "
+                                        f"precompute` for this job into another --out")
+                    ignore = {"logits_top_k", "hidden"}
                 diff = sorted(k for k in set(meta) | set(self.meta)
                               if k not in ignore and meta.get(k) != self.meta.get(k))
                 if diff:
@@ -197,6 +202,8 @@ class CacheSource:
             p = KVBatch.stack(rows, torch.as_tensor(request.attention_mask)).to_wire(p["dtype"])
         if not request.logits_top_k:  # a job without logits gets the payload it always got
             p = {k: v for k, v in p.items() if k not in (*TOPK_ARRAYS, "topk_dtype")}
+        if not getattr(request, "hidden", False):  # nor hidden states it did not ask for
+            p = {k: v for k, v in p.items() if k not in ("h", "hidden_dtype")}
         return p
 
 
@@ -210,6 +217,9 @@ def _check_payload(root, name: str, request, p: dict) -> None:
     if k and has != k:
         raise KavaError(f"KV cache {root}: teacher '{name}' batch {request.key!r} has top-{has} logits, the "
                         f"job wants top-{k}; re-run `kava-ray teachers precompute` for this job")
+    if getattr(request, "hidden", False) and p.get("h") is None:
+        raise KavaError(f"KV cache {root}: teacher '{name}' batch {request.key!r} has no hidden states, the job "
+                        f"wants them (loss.hidden_weight > 0); re-run `kava-ray teachers precompute` for this job")
 
 
 def _read_index(path: Path) -> dict:
@@ -235,7 +245,7 @@ def check_logits(root, meta: dict, logits_top_k: int) -> None:
                         f"(loss.logit_weight > 0, loss.logit_top_k): re-run `kava-ray teachers precompute`")
 
 
-def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0) -> dict:
+def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0, hidden: bool = False) -> dict:
     """What a cache must match to serve a job: its training split (`data`: the split's fingerprint, which
     depends on the data, tokenizer and max_length, not on batching), teachers' layers, wire dtype, key space,
     and the top-k of teacher logits (recorded only when > 0)."""
@@ -253,11 +263,13 @@ def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0) -
     }
     if logits_top_k:
         meta["logits_top_k"] = int(logits_top_k)
+    if hidden:  # the teachers' hidden states (loss.hidden_weight): recorded only when there
+        meta["hidden"] = True
     return meta
 
 
 def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=None, logits_top_k=0,
-               tokenizers: Optional[dict] = None, vocab_maps: Optional[dict] = None) -> dict:
+               tokenizers: Optional[dict] = None, vocab_maps: Optional[dict] = None, hidden: bool = False) -> dict:
     """Run every example of `splits` (TokenizedSplits; the first is the training split the cache is checked
     against) through the teachers once, in batches of `train.batch_size` in split order, and store each
     example on its own (`example_key`); examples already stored are skipped (an interrupted precompute
@@ -269,7 +281,7 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
     """
 
     k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)
-    cache = KVCache(out_dir, cache_meta(cfg, plans, splits[0].fingerprint, k), create=True)
+    cache = KVCache(out_dir, cache_meta(cfg, plans, splits[0].fingerprint, k, hidden), create=True)
     for name, tok in (tokenizers or {}).items():
         if not (cache.root / TOKENIZERS / name).is_dir():
             with atomic_dir(cache.root / TOKENIZERS / name) as tmp:
@@ -292,7 +304,7 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
 
     feed = KVFeed(ActorSource(handles), todo(), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, decode=False,
-                  logits_top_k=logits_top_k)
+                  logits_top_k=logits_top_k, hidden=hidden)
     for (fp, idx), payloads in feed:
         batches = {n: KVBatch.from_wire(p, dtype=None) for n, p in payloads.items()}
         for b, i in enumerate(idx):

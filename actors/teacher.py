@@ -121,21 +121,24 @@ class TeacherActor:
         )
 
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
-           layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0) -> ray.ObjectRef:
+           layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0,
+           hidden: bool = False) -> ray.ObjectRef:
         """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays);
         `actors.feed.get_kv` turns the call's result into the payload.
 
         `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
         the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of
         the LRU key, so consumers asking for the same batch with the same k share one forward
-        (k = 0 keeps the key it always had). `bytes_served` counts KV and logits, `logit_bytes_served`
-        the logits alone.
+        (k = 0 keeps the key it always had). hidden: the layers' output hidden states too (part of the LRU key).
+        `bytes_served` counts KV and logits, `logit_bytes_served` the logits alone.
         """
         self.counters["requests"] += 1
         logits_top_k = int(logits_top_k or 0)
         cache_key = None if key is None else (key, tuple(layers) if layers is not None else None, wire_dtype)
         if cache_key is not None and logits_top_k:
             cache_key = cache_key + (logits_top_k,)
+        if cache_key is not None and hidden:
+            cache_key = cache_key + ("hidden",)
         if cache_key is not None and cache_key in self._lru:
             self._lru.move_to_end(cache_key)
             self.counters["hits"] += 1
@@ -145,7 +148,7 @@ class TeacherActor:
             ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
             mask = torch.tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
             batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
-                                       logits_top_k=logits_top_k)
+                                       logits_top_k=logits_top_k, hidden=bool(hidden))
             payload = batch.to_wire(wire_dtype)
             ref, nbytes, logit_nbytes = ray.put(payload), wire_nbytes(payload), wire_logits_nbytes(payload)
             self.counters["forward_s"] += time.perf_counter() - t0

@@ -71,6 +71,10 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     # the other-batch arm reads other blocks' KV: same CE data, another target
     assert r["runs"]["ce+kv-otherbatch"][0]["figures"] != r["runs"]["ce+kv"][0]["figures"]
     assert Path(r["out"], "kv_cache_nf4", "manifest.json").is_file() and r["nf4"]["cached_blocks"] > 0
+    # the hidden-state arm reads a cache with the teacher's hidden states, at Minitron's α fixed at the warm start
+    hidden_meta = json.loads(Path(r["out"], "kv_cache_hidden", "manifest.json").read_text())["meta"]
+    assert hidden_meta["hidden"] is True and r["hidden"]["cached_blocks"] == r["cached_blocks"]
+    assert calib["hidden_unit"] == pytest.approx(calib["logit_kl_at_start"] / calib["hidden_loss_at_1"])
     for arm, runs in r["runs"].items():
         for run in runs:
             f = run["figures"]

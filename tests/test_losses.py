@@ -277,3 +277,26 @@ def test_relation_loss_trains_the_student_side_only():
     t = torch.randn(1, 2, 2, 5, 8, requires_grad=True)
     relation_loss(s, t, torch.ones(2, 5), 2).backward()
     assert s.grad is not None and s.grad.abs().sum() > 0 and t.grad is None
+
+
+def test_hidden_cosine_loss_matches_modelopt_by_hand():
+    """ModelOpt's HiddenStateCosineLoss per token (1 - cos, no reduction), Megatron's masked mean over tokens, the
+    mean over layer pairs; the teacher side gets no gradient."""
+    import torch.nn.functional as F
+
+    from kava_ray.core.losses import hidden_cosine_loss
+
+    torch.manual_seed(0)
+    s = torch.randn(3, 2, 5, 8, requires_grad=True)  # [L, B, T, h]
+    t = torch.randn(3, 2, 5, 8, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    by_hand = []
+    for layer in range(3):
+        terms = [1 - float(F.cosine_similarity(s[layer, b, i], t[layer, b, i], dim=0))
+                 for b in range(2) for i in range(5) if mask[b, i]]
+        by_hand.append(sum(terms) / len(terms))
+    loss = hidden_cosine_loss(s, t, mask)
+    assert float(loss) == pytest.approx(sum(by_hand) / 3, rel=1e-5)
+    loss.backward()
+    assert s.grad.abs().sum() > 0 and t.grad is None
+    assert float(hidden_cosine_loss(t, 2.0 * t, mask)) == pytest.approx(0.0, abs=1e-6)  # scale-free

@@ -397,3 +397,29 @@ def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, ba
         back = KVBatch.from_wire(bare)
         assert back.topk_ids is None and back.topk_logp is None
     assert logits_bytes_per_token(0) == 0 and logits_bytes_per_token(64, "fp32") == 64 * 8 + 4
+
+
+def test_hidden_states_are_the_layers_outputs_and_travel_the_wire(qwen2, batch):
+    """`hidden=True`: each selected layer's output hidden state, what HF's output_hidden_states[i + 1] holds for a
+    layer before the last (the last one HF returns after the final norm), for the teacher and the student alike;
+    on the wire (bf16 / fp16) and through an example-indexed cache's row / stack."""
+    ids, mask = batch
+    with torch.no_grad():
+        ref = qwen2(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                    output_hidden_states=True).hidden_states
+    kv = teacher_forward_kv(qwen2, ids, mask, layers=[0, 2], hidden=True)
+    assert kv.hidden.shape == (2, ids.shape[0], ids.shape[1], qwen2.config.hidden_size)
+    for j, i in enumerate([0, 2]):
+        assert torch.allclose(kv.hidden[j], ref[i + 1], atol=1e-5)
+    assert teacher_forward_kv(qwen2, ids, mask, layers=[0, 2]).hidden is None  # not asked: not served
+    _, skv = student_forward_kv(qwen2, ids, mask, hidden=True)
+    assert torch.allclose(skv.hidden[:3], torch.stack(ref[1:4]), atol=1e-5)
+    for dtype, tol in (("bf16", 2e-2), ("fp16", 2e-3)):
+        back = KVBatch.from_wire(kv.to_wire(dtype))
+        assert back.hidden.dtype == torch.float32
+        assert torch.allclose(back.hidden, kv.hidden, atol=tol * kv.hidden.abs().max())
+    real = mask.bool()
+    if bool(real[:, 0].all()):  # right padding: what a cache's rows are
+        again = KVBatch.stack([kv.row(b) for b in range(ids.shape[0])], mask)
+        assert torch.equal(again.hidden[:, real], kv.hidden[:, real]) and not again.hidden[:, ~real].any()
+    assert torch.equal(kv.select_layers([2]).hidden[0], kv.hidden[1])

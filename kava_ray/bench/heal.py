@@ -39,8 +39,10 @@ from kava_ray.runtime.preflight import check_model_files
 class Arm:
     """One arm's loss: CE (weight 1, or 0 for the KV-only control), logit KD at `logit`, the KV loss (projector
     kind auto: none where the geometry allows) at the weight whose gradient on the student is `kv_ratio` x CE's
-    at the warm start, the MiniLMv2 relation loss at `relation`; `other_batch`: the KV target is the teacher's KV
-    of other training blocks (teacher information vs mere regularisation); `nf4`: the teacher loaded in NF4.
+    at the warm start, the MiniLMv2 relation loss at `relation`, Minitron's hidden-state loss (`hidden`) at the weight
+    that makes it as large as the logit loss at the warm start (Minitron's α = L_logits / L_is, fixed there);
+    `other_batch`: the KV target is the teacher's KV of other training blocks (teacher information vs mere
+    regularisation); `nf4`: the teacher loaded in NF4.
     `grid`: the learning rate is chosen from the grid (else the base arm's chosen rate is used)."""
     logit: float = 0.0
     kv_ratio: float = 0.0
@@ -48,14 +50,21 @@ class Arm:
     ce: float = 1.0
     other_batch: bool = False
     nf4: bool = False
+    hidden: bool = False
     grid: bool = True
+
+    @property
+    def variant(self) -> str:
+        """The teacher cache the arm reads: "" (the fp32 teacher's), "nf4" or "hidden" (with hidden states)."""
+        return "nf4" if self.nf4 else "hidden" if self.hidden else ""
 
 
 ARMS: dict[str, Arm] = {  # in the order they run (what a cut-short bench has first)
     "ce": Arm(), "ce+logits": Arm(logit=1.0), "ce+kv": Arm(kv_ratio=1.0),
     "ce+kv-otherbatch": Arm(kv_ratio=1.0, other_batch=True), "ce+logits+kv": Arm(logit=1.0, kv_ratio=1.0),
     "ce+logits-nf4": Arm(logit=1.0, nf4=True), "kv-only": Arm(ce=0.0, kv_ratio=1.0, grid=False),
-    "ce+kv-0.3": Arm(kv_ratio=0.3), "ce+logits+relation": Arm(logit=1.0, relation=1.0)}
+    "ce+kv-0.3": Arm(kv_ratio=0.3), "ce+logits+relation": Arm(logit=1.0, relation=1.0),
+    "ce+logits+hidden": Arm(logit=1.0, hidden=True)}
 BASE, CONTROL, KV_CONTROL = "ce", "ce+logits", "kv-only"
 MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
 
@@ -91,21 +100,30 @@ def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: 
         "optim.warmup_steps": 2, "align.projector.kind": "auto", "ray.storage_path": str(root / "runs")})
 
 
-def nf4_job(job: JobConfig, root: Path) -> JobConfig:
-    """The NF4 arm's job: the same teacher loaded in bitsandbytes NF4, its own cache."""
+def variant_jobs(job: JobConfig, root: Path, names: Sequence[str]) -> dict[str, JobConfig]:
+    """{cache variant: its job} for the arms `names`: "" the bench's job; "nf4" the same teacher loaded in
+    bitsandbytes NF4; "hidden" the teacher serving its hidden states too. Each has its own cache under root."""
     t = job.teachers[0]
-    return derive(job, {"teachers": [{**t.model_dump(), "name": f"{t.name}-nf4", "quantization": "4bit"}],
-                        "data.kv_cache_dir": str(root / "kv_cache_nf4")})
+    out = {"": job}
+    wanted = {ARMS[a].variant for a in names if a in ARMS}
+    if "nf4" in wanted:
+        out["nf4"] = derive(job, {"teachers": [{**t.model_dump(), "name": f"{t.name}-nf4", "quantization": "4bit"}],
+                                  "data.kv_cache_dir": str(root / "kv_cache_nf4")})
+    if "hidden" in wanted:
+        out["hidden"] = derive(job, {"loss.hidden_weight": 1.0, "data.kv_cache_dir": str(root / "kv_cache_hidden")})
+    return out
 
 
 def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int, lr: Optional[float] = None,
-               kv_unit: float = 1.0, nf4: Optional[JobConfig] = None) -> JobConfig:
+               kv_unit: float = 1.0, variants: Optional[dict] = None, hidden_unit: float = 1.0) -> JobConfig:
     """One run's config: ARMS[arm]'s weights (KV at `kv_ratio` x `kv_unit`, the weight whose gradient equals
-    CE's), from `student` (the warm start), at learning rate `lr` (None: the job's); `nf4`: the NF4 job."""
+    CE's; the hidden-state loss at `hidden_unit`), from `student` (the warm start), at learning rate `lr` (None:
+    the job's), on its cache variant's job (`variant_jobs`)."""
     a = ARMS[arm]
-    cfg = derive(nf4 if a.nf4 and nf4 is not None else job, {
+    cfg = derive((variants or {}).get(a.variant, job), {
         "loss.ce_weight": a.ce, "loss.kv_weight": a.kv_ratio * kv_unit, "loss.logit_weight": a.logit,
-        "loss.relation_weight": a.relation, "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
+        "loss.relation_weight": a.relation, "loss.hidden_weight": hidden_unit if a.hidden else 0.0,
+        "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
         "student.model": student, "student.keep_layers": None, "data.kv_source": "cache"})
     return cfg if lr is None else derive(cfg, {"optim.lr_student": lr})
 
@@ -132,19 +150,23 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     tok = load_tokenizer(job.student.model)
     gate = _gate(job, tok, min_gap, say)  # 1. before anything starts
-    cache = _cache_teacher(job, root / "kv_cache", address, progress, say)  # 2. the teacher's outputs, once
-    nf4 = nf4_job(job, root) if any(ARMS[a].nf4 for a in names if a in ARMS) else None
-    if nf4 is not None:
-        cache["nf4"] = _cache_teacher(nf4, root / "kv_cache_nf4", address, progress, say)
+    variants = variant_jobs(job, root, names)  # 2. the teacher's outputs, once per cache variant
+    cache = _cache_teacher(job, root / "kv_cache", address, progress, say)
+    for name, vjob in variants.items():
+        if name:
+            cache[name] = _cache_teacher(vjob, Path(vjob.data.kv_cache_dir), address, progress, say)
     scorer = Scorer(derive(job, {"data.kv_source": "cache"}), 0, 0)
     warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
     warm = _warm_start(scorer, tok, warm_dir, p, say)
     start = _figures(scorer.model(load_student(str(warm_dir), dtype="float32"), tok), warm["ce"],
                      gate["teacher_ce"], job.teachers[0].name)
+    sources = _sources(scorer, variants)
     calib = _calibrate_kv(job, scorer, str(warm_dir), say)  # 4. the KV weight whose gradient equals CE's
+    if "hidden" in variants:  # and the hidden-state loss's, as large as the logit loss
+        calib.update(_calibrate_hidden(variants, sources["hidden"], str(warm_dir), say))
     _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
-    ctx = _RunContext(job, nf4, scorer, tok, str(warm_dir), p, arm_overrides or {}, calib["kv_unit"],
-                      (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
+    ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {}, calib["kv_unit"],
+                      calib.get("hidden_unit", 1.0), (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
     runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
     summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
     passes = _control_passes(summary, base_arm)
@@ -277,6 +299,28 @@ def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, steps: int = 3
             "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio}}
 
 
+def _sources(scorer: Scorer, variants: dict) -> dict:
+    """{cache variant: (teacher plans, KV source)}: the scorer's for the bench's own cache."""
+    out = {"": (scorer.plans, scorer.source)}
+    for name, vjob in variants.items():
+        if name:
+            cfg = derive(vjob, {"data.kv_source": "cache"})
+            plans = setup_teachers(cfg)[1]
+            out[name] = (plans, kv_source(cfg, plans))
+    return out
+
+
+def _calibrate_hidden(variants: dict, source: tuple, warm: str, say) -> dict:
+    """Minitron's α, fixed at the warm start: the hidden-state weight that makes the term as large as the logit
+    loss (one ce+logits+hidden step at weight 1, seed 0: logit_kl / hidden_loss)."""
+    cfg = arm_config(variants[""], "ce+logits+hidden", 0, warm, 1, variants=variants)
+    first = train_in_process(cfg, *source, 1)["first"]
+    unit = first["logit_kl"] / max(first["hidden_loss"], 1e-12)
+    say(f"hidden-state weight: logit KD {first['logit_kl']:.4f} / hidden-state loss {first['hidden_loss']:.4f} at the "
+        f"warm start -> {unit:.2f}")
+    return {"hidden_unit": unit, "hidden_loss_at_1": first["hidden_loss"], "logit_kl_at_start": first["logit_kl"]}
+
+
 def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, kv_unit: float, path: Path) -> None:
     """The job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0 from the warm start, evaluated
     at the end only."""
@@ -289,13 +333,15 @@ def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, kv_unit: float, 
 class _RunContext:
     """What every run of the bench shares."""
     job: JobConfig
-    nf4: Optional[JobConfig]
+    variants: dict  # {cache variant: job}
+    sources: dict  # {cache variant: (plans, source)}
     scorer: Scorer
     tok: object
     warm: str
     p: dict
     recipes: dict
     kv_unit: float
+    hidden_unit: float
     ends: tuple  # (warm start CE, teacher CE): the span of the gap recovered
     done: Path  # finished runs, one JSON each
     say: Callable[[str], None]
@@ -307,10 +353,7 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
     Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
     val_head = load_splits_head(ctx.scorer.cfg, ctx.tok, ctx.p["eval_blocks"])
     val = load_splits(ctx.scorer.cfg, ctx.tok)[1]
-    sources = {False: (ctx.scorer.plans, ctx.scorer.source)}
-    if ctx.nf4 is not None:
-        _, plans = setup_teachers(ctx.nf4)[:2]
-        sources[True] = (plans, kv_source(ctx.nf4, plans))
+    sources = ctx.sources
     runs, lrs = {}, {}
     base_lr = ctx.job.optim.lr_student
     for arm in sorted(names, key=lambda x: x != BASE):  # the base first: the KV control trains at its rate
@@ -318,7 +361,7 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
         if a.grid:
             grid = {}
             for m in ctx.p["lr_grid"]:
-                r = _run(ctx, arm, 0, base_lr * m, sources[a.nf4], val_head, val)
+                r = _run(ctx, arm, 0, base_lr * m, sources[a.variant], val_head, val)
                 grid[base_lr * m] = r
             lr = min(grid, key=lambda x: grid[x]["val_ce"])
             lrs[arm] = {"lr": lr, "grid": {str(x): g["val_ce"] for x, g in grid.items()}}
@@ -326,8 +369,8 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
         else:  # the KV control: at the base arm's rate
             lr = lrs.get(BASE, {}).get("lr", base_lr)
             lrs[arm] = {"lr": lr, "grid": {}}
-            first = _run(ctx, arm, 0, lr, sources[a.nf4], val_head)
-        runs[arm] = [first] + [_run(ctx, arm, seed, lr, sources[a.nf4], val_head)
+            first = _run(ctx, arm, 0, lr, sources[a.variant], val_head)
+        runs[arm] = [first] + [_run(ctx, arm, seed, lr, sources[a.variant], val_head)
                                for seed in range(1, ctx.p["seeds"])]
     return runs, lrs
 
@@ -336,7 +379,8 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
     """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps, scored on the
     test split (and on the whole validation split `val`, what the grid selects by); kept under ctx.done and
     read back by a re-run with the same config."""
-    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], lr, ctx.kv_unit, ctx.nf4)
+    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], lr, ctx.kv_unit,
+                     ctx.variants, ctx.hidden_unit)
     if arm in ctx.recipes:
         cfg = derive(cfg, ctx.recipes[arm])
     other = arm in ARMS and ARMS[arm].other_batch
@@ -521,6 +565,9 @@ def format_heal(r: dict) -> str:
         d_rows.append([arm, fmt_interval(v["test_ce"], 4), fmt_interval(v["gr"], 1, 100.0), fmt_interval(v["kl"], 3),
                        fmt_interval(v["top1"], 1, 100.0), fmt_interval(v["kv_cos_free"], 3)])
     calib, warm, kc = r["kv_calibration"], r["warm_start"], r.get("kv_control")
+    hidden_line = ([f"hidden-state weight (ce+logits+hidden): {calib['hidden_unit']:.2f}, the logit loss "
+                    f"({calib['logit_kl_at_start']:.4f}) over the hidden-state loss ({calib['hidden_loss_at_1']:.4f}) "
+                    f"at the warm start (Minitron's dynamic α, fixed there)"] if "hidden_unit" in calib else [])
     lr_rows = [[arm, f"{v['lr']:.2g}", " ".join(f"{float(x):.2g}:{c:.4f}" for x, c in v["grid"].items()) or
                 f"(the {BASE} arm's rate)"] for arm, v in r["lr"].items()]
     kv_line = "KV control (kv-only raises the projector-free KV cosine): " + (
@@ -539,6 +586,7 @@ def format_heal(r: dict) -> str:
         + " ".join(f"{s}:{c:.3f}" for s, c in warm["curve"]) + ")",
         f"KV weights: grad/kv_ratio (|KV's gradient| / |CE's| on the student) at weight 1 is {calib['ratio_at_1']:.4f} "
         f"at the warm start, so " + ", ".join(f"{a} {w:.1f}" for a, w in calib["weights"].items()),
+        *hidden_line,
         "learning rate per arm (seed 0, by CE on the whole validation split):",
         format_table(["arm", "lr", "grid (lr:validation CE)"], lr_rows),
         "",

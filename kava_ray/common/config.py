@@ -219,6 +219,11 @@ class LossConfig(_Section):
     logit_weight: float = Field(0.0, ge=0)
     # MiniLMv2's K-K and V-V self-relation KL to each teacher's matched layer (`losses.relation_loss`): no projector
     relation_weight: float = Field(0.0, ge=0)
+    # Minitron's hidden-state cosine loss (NVIDIA ModelOpt `HiddenStateCosineLoss`): 1 - cos between each student
+    # layer's output hidden state and its matched teacher layer's, on the CE positions; through one learned
+    # Linear(student hidden -> teacher hidden) per teacher where the widths differ (ModelOpt's ProjectionLayer),
+    # else none. The teachers then serve hidden states too (`losses.hidden_cosine_loss`)
+    hidden_weight: float = Field(0.0, ge=0)
     logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
     logit_temperature: float = Field(1.0, gt=0)  # applied to teacher and student alike
     # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside
@@ -257,7 +262,8 @@ class TrainConfig(_Section):
     eval_steps: int = Field(50, ge=1)
     save_steps: int = Field(50, ge=1)
     num_to_keep: int = Field(2, ge=1)
-    checkpoint_score: Optional[str] = None  # e.g. "eval/cos_sim": keep the best checkpoints, not the latest
+    # e.g. "eval/ce" (min): keep the best checkpoints, not the latest (eval/cos_sim is through the projector)
+    checkpoint_score: Optional[str] = None
     checkpoint_mode: Literal["max", "min"] = "max"
     max_failures: int = Field(1, ge=0)
     seed: int = 0

@@ -46,6 +46,9 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
         save_file(_contiguous(distiller.projectors.state_dict()), tmp / "projectors.safetensors")
         save_file(_contiguous(distiller.fusion.state_dict()) or {"_empty": torch.zeros(0)},
                   tmp / "fusion.safetensors")
+        hidden = getattr(distiller, "hidden_proj", None)
+        if hidden is not None and len(hidden.state_dict()):  # the hidden-state loss's maps (loss.hidden_weight)
+            save_file(_contiguous(hidden.state_dict()), tmp / "hidden_proj.safetensors")
         if optimizer is not None:
             torch.save({"optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict() if scheduler is not None else None},
@@ -199,6 +202,9 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
     distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
     distiller.fusion.load_state_dict(fusion)
+    hidden = getattr(distiller, "hidden_proj", None)
+    if hidden is not None and len(hidden.state_dict()):
+        hidden.load_state_dict(_load_tensors(path / "hidden_proj.safetensors"))
     opt_file = path / "optimizer.pt"
     if optimizer is not None and not opt_file.is_file() and "optimizer.pt" in (_recorded_files(path) or {}):
         raise KavaError(f"checkpoint {path}: {opt_file} is missing (an incomplete checkpoint)")

@@ -25,6 +25,7 @@ from kava_ray.core.logit_kd import logit_term
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
+    hidden_cosine_loss,
     kv_loss,
     log_normalizer,
     masked_ce,
@@ -40,6 +41,7 @@ from kava_ray.core.metric_names import (
     COS_RAW,
     COS_SIM,
     FUSION,
+    HIDDEN,
     KV_LOSS,
     KV_TOKENS,
     LABEL_TOKENS,
@@ -92,6 +94,11 @@ class Distiller(nn.Module):
         self.relation_pairs = {n: [self.layers[n].index(t) for t in heaviest_sources(plan.layer_map)]
                                for n, plan in plans.items()}
         self.relation_heads = {n: math.gcd(s_geom.num_kv_heads, plan.geometry.num_kv_heads) for n, plan in plans.items()}
+        # hidden-state loss: the same pairs; a learned map where the widths differ (ModelOpt's ProjectionLayer:
+        # Linear with bias, weights N(0, 0.02) as Megatron's init_method, bias 0), else none
+        self.hidden_proj = nn.ModuleDict(
+            {n: _hidden_projection(s_geom.hidden_size, plan.geometry.hidden_size) for n, plan in plans.items()}
+            if cfg.loss.hidden_weight > 0 else {})
         self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
         self.logit_names = list(self.logit_specs)
 
@@ -106,7 +113,8 @@ class Distiller(nn.Module):
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
         with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
-                                          key_space=self.key_space, output_hidden_states=self.fusion.kind == "router")
+                                          key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
+                                          output_hidden_states=self.fusion.kind == "router")
         self.student_kv = None if self.training else skv  # evaluation reads the projector-free cosine from it
         with record_function("kava/projectors"):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask)
@@ -127,6 +135,10 @@ class Distiller(nn.Module):
                 rel = self._relation_term(skv, native, masks)
                 loss = loss + c.relation_weight * rel
                 metrics[RELATION] = rel.detach()
+            if c.hidden_weight > 0:
+                hid = self._hidden_term(skv, teacher_kv, batch, next_mask)
+                loss = loss + c.hidden_weight * hid
+                metrics[HIDDEN] = hid.detach()
             if c.logit_weight > 0:
                 kl, m_logit = self._logit_term(out.logits, teacher_kv, batch, next_mask, lse)
                 loss = loss + c.logit_weight * kl
@@ -293,6 +305,27 @@ class Distiller(nn.Module):
                                   + relation_loss(skv.values, values[pick], masks[n], heads)) / 2
         return total
 
+    def _hidden_term(self, skv: KVBatch, teacher_kv: dict[str, KVBatch], batch: Batch, mask: torch.Tensor):
+        """Minitron's hidden-state cosine loss (`losses.hidden_cosine_loss`) to every teacher's matched layers on the
+        CE positions `mask`, weighted with the normalised fusion prior; a teacher of another tokenizer's states are
+        first moved to student positions as its KV is (`_to_student_time`)."""
+        w = self.fusion.prior.tolist()
+        total = 0
+        for wi, n in zip(w, self.names):
+            t = teacher_kv[n]
+            if t.hidden is None:
+                raise KavaError(f"teacher '{n}' sent no hidden states (loss.hidden_weight > 0 needs them; a KV cache "
+                                f"must be precomputed with it)")
+            th, m = t.hidden, mask
+            if n in self.aligned:  # [L, B, T_t, h] -> [L, B, T_s, h], as the KV
+                view = batch.teachers[n]
+                lo, hi = view.align_lo.to(th.device), view.align_hi.to(th.device)
+                th = apply_alignment(th.unsqueeze(2), lo, hi, self.token_align).squeeze(2)
+                m = mask * aligned_mask(lo, hi).to(mask.device, mask.dtype)
+            s = self.hidden_proj[n](skv.hidden)  # [L_s, B, T, h_t]
+            total = total + wi * hidden_cosine_loss(s, th[self.relation_pairs[n]], m)
+        return total
+
     def _metrics(self, loss, ce, kvl, kv_m: dict, batch: Batch, kv_mask: torch.Tensor, next_mask: torch.Tensor) -> dict:
         """The step's summary metrics: losses, the KV cosines and gap (mean of K and V), the token counts and the
         fusion weights."""
@@ -308,6 +341,16 @@ class Distiller(nn.Module):
         return out
 
 
+def _hidden_projection(s_hidden: int, t_hidden: int) -> nn.Module:
+    """The student-side map of the hidden-state loss: none for one width, else ModelOpt's ProjectionLayer."""
+    if int(s_hidden) == int(t_hidden):
+        return nn.Identity()
+    proj = nn.Linear(int(s_hidden), int(t_hidden))
+    nn.init.normal_(proj.weight, std=0.02)
+    nn.init.zeros_(proj.bias)
+    return proj
+
+
 # ------------------------------------------------------------------------------------ optimisation
 
 
@@ -316,7 +359,7 @@ def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
     align.projector.train_map) at lr_student -- it must not learn faster than the student it maps."""
     student = [p for p in distiller.student.parameters() if p.requires_grad]
     maps = [p for n, p in distiller.projectors.named_parameters() if p.requires_grad and "_map." in n]
-    heads = [p for m in (distiller.projectors, distiller.fusion) for p in m.parameters()
+    heads = [p for m in (distiller.projectors, distiller.fusion, distiller.hidden_proj) for p in m.parameters()
              if p.requires_grad and not any(p is q for q in maps)]
     groups = [{"params": student, "lr": optim.lr_student, "name": "student"}]
     if heads:

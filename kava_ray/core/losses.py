@@ -524,3 +524,21 @@ def relation_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, heads: i
     kl = (log_t.exp() * (log_t - log_s)).masked_fill(~allowed, 0.0).sum(-1)  # [L, B, heads, T]
     rows = m.sum(-1).clamp(min=1)  # [B] valid query rows per sequence
     return (kl.sum((2, 3)) / (heads * rows)).mean()  # per sequence, then over sequences and layers
+
+
+def hidden_cosine_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Minitron's intermediate-state loss: s [L, B, T, h] (the student's layers' output hidden states, projected to
+    the teacher's width where it differs), t [L, B, T, h] (each one's matched teacher layer), mask [B, T] (the
+    positions CE counts).
+
+    Per layer pair, 1 - cos(s, t) per token with no reduction (NVIDIA ModelOpt `HiddenStateCosineLoss`:
+    `F.cosine_embedding_loss(..., target 1, reduction="none")`, the teacher detached), the mean over the masked
+    tokens (Megatron-LM `post_training/loss_func.py::_mask_loss`), then the mean over layer pairs
+    (`LogitsAndIntermediatesLossBalancer`: sum / len). Its dynamic rescaling to the logit loss is not applied:
+    `loss.hidden_weight` is a fixed weight, like kava-ray's other terms.
+    """
+    L, B, T, h = s.shape
+    per = F.cosine_embedding_loss(s.float().reshape(-1, h), t.detach().float().reshape(-1, h),
+                                  torch.ones(1, device=s.device), reduction="none").view(L, B, T)
+    m = mask.to(s.device, torch.float32)[None]  # [1, B, T]
+    return ((per * m).sum((1, 2)) / m.sum().clamp(min=1)).mean()

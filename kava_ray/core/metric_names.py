@@ -8,6 +8,7 @@ COS_SIM = "cos_sim"  # centred per (layer, head) over the batch's counted tokens
 COS_RAW = "cos_raw"  # the plain cosine (flattered by constants)
 COS_LAYERS = ("cos_layer/first", "cos_layer/middle", "cos_layer/last")  # centred, at those student layers
 CONTRAST_GAP = "contrast_gap"
+HIDDEN = "hidden_loss"  # Minitron's hidden-state cosine term (loss.hidden_weight), weighted over teachers
 RELATION = "relation_loss"  # the MiniLMv2 relation term (loss.relation_weight), weighted over teachers
 LOGIT_KL = "logit_kl"  # the logit KD loss, weighted over teachers
 TOKENS, KV_TOKENS, LABEL_TOKENS = "tokens", "kv_tokens", "label_tokens"  # real / KV-counted / next-token positions

@@ -50,6 +50,11 @@ def logits_top_k(cfg: JobConfig) -> int:
     return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
 
 
+def wants_hidden(cfg: JobConfig) -> bool:
+    """Whether the job's teachers serve their layers' hidden states too (`loss.hidden_weight` > 0)."""
+    return float(getattr(cfg.loss, "hidden_weight", 0.0) or 0.0) > 0
+
+
 def cross_vocab(cfg: JobConfig) -> str:
     """How teachers of another tokenizer train the student's logits: "hybrid", "uld" or "off"."""
     return getattr(cfg.loss, "logit_cross_vocab", "off")

@@ -52,6 +52,7 @@ from kava_ray.core.plans import (
     teacher_logits_top_k,
     teacher_tokenizers,
     vocab_maps,
+    wants_hidden,
 )
 from kava_ray.core.precision import student_precision
 from kava_ray.data import BatchStream
@@ -170,7 +171,7 @@ class DistillRecipe:
         return KVFeed(source, feed_items(self.stream), {n: p.layers for n, p in self.plans.items()},
                       depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
                       device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
-                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining)
+                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining, hidden=wants_hidden(cfg))
 
     def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).

@@ -49,6 +49,7 @@ from kava_ray.core.plans import (
     teacher_logits_top_k,
     teacher_tokenizers,
     vocab_maps,
+    wants_hidden,
 )
 from kava_ray.core.probe import KVAlignment
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
@@ -173,7 +174,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     stream = eval_stream(split, cfg)
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
-                  logits_top_k=teacher_logits_top_k(cfg, plans))
+                  logits_top_k=teacher_logits_top_k(cfg, plans), hidden=wants_hidden(cfg))
     sums: dict = {}
     weights: dict = {KV_TOKENS: 0, LABEL_TOKENS: 0}
     free = direct_alignment(cfg, plans)

@@ -41,6 +41,7 @@ from kava_ray.core.plans import (
     teacher_plans,
     teacher_tokenizers,
     vocab_maps,
+    wants_hidden,
 )
 from kava_ray.data.tokenize import portable
 from kava_ray.runtime.connect import connect, owned_ray, resolve_use_gpu
@@ -250,7 +251,8 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
     (`handles`, else found by name)."""
 
     if cfg.data.kv_source == "cache":
-        meta = cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg)) if data_fingerprint is not None else None
+        meta = (cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg), wants_hidden(cfg))
+                if data_fingerprint is not None else None)
         return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
     return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)),
                        unplaceable=functools.partial(unplaceable, cfg), lost_wait_s=cfg.ray.lost_teacher_wait_s)
@@ -298,7 +300,7 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
 
         args = (cfg, job.handles, job.plans, splits, Path(out_dir).expanduser().absolute())
         kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks,
-                      vocab_maps=vocab_maps(cfg, job.plans, tok, teacher_toks))
+                      vocab_maps=vocab_maps(cfg, job.plans, tok, teacher_toks), hidden=wants_hidden(cfg))
         try:
             node = writer_node(cfg, job.handles, job.plans)
             if node is None:  # the teachers' KV is on this node: written from here

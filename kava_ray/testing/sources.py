@@ -22,5 +22,6 @@ class InProcessSource:
     def result(self, name: str, request, _future) -> dict:
         r = request  # an `actors.feed.KVRequest`
         kv = teacher_forward_kv(self.models[name], torch.as_tensor(r.input_ids), torch.as_tensor(r.attention_mask),
-                                layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k)
+                                layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k,
+                                hidden=r.hidden)
         return kv.to_wire(r.wire_dtype)

@@ -28,6 +28,8 @@ class KVBatch:
     topk_ids (int64) / topk_logp [B, T, k]: the teacher's top-k next-token log-probs from the same forward
     (temperature 1, full vocabulary, sorted descending), or None; topk_tail [B, T]: log of the mass outside
     those k ids (`losses.topk_kl_loss`'s tail bucket), None in batches from before it was served.
+    hidden [L, B, T, hidden_size]: the same layers' output hidden states (the residual stream after each layer),
+    served for `loss.hidden_weight`, else None.
     """
 
     keys: torch.Tensor
@@ -38,6 +40,7 @@ class KVBatch:
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
     topk_tail: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -55,6 +58,7 @@ class KVBatch:
             None if self.topk_ids is None else self.topk_ids.to(device),  # top-k keeps its dtypes
             None if self.topk_logp is None else self.topk_logp.to(device),
             None if self.topk_tail is None else self.topk_tail.to(device),
+            None if self.hidden is None else self.hidden.to(device=device, dtype=dtype),
         )
 
     def select_layers(self, ids) -> "KVBatch":
@@ -65,7 +69,8 @@ class KVBatch:
             raise KavaError(f"layers {missing} not in this KV batch (has {self.layer_ids})")
         idx = torch.tensor([self.layer_ids.index(i) for i in ids], device=self.keys.device)
         return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space,
-                       self.topk_ids, self.topk_logp, self.topk_tail)
+                       self.topk_ids, self.topk_logp, self.topk_tail,
+                       None if self.hidden is None else self.hidden.index_select(0, idx))
 
     def row(self, b: int) -> "KVBatch":
         """Sample `b` alone ([L, 1, H, n, D]), cut to its n real tokens (right padding: mask[b] is 1...1 0...0)."""
@@ -78,7 +83,8 @@ class KVBatch:
             return None if x is None else x[b:b + 1, :n]
 
         return KVBatch(kv(self.keys), kv(self.values), list(self.layer_ids), tok(self.mask), self.key_space,
-                       tok(self.topk_ids), tok(self.topk_logp), tok(self.topk_tail))
+                       tok(self.topk_ids), tok(self.topk_logp), tok(self.topk_tail),
+                       None if self.hidden is None else self.hidden[:, b:b + 1, :n])
 
     @classmethod
     def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
@@ -103,6 +109,8 @@ class KVBatch:
                 n = x.shape[time_dim]
                 if time_dim == 3:
                     out[:, b, :, :n] = x[:, 0]
+                elif time_dim == 2:  # hidden [L, 1, n, hidden]
+                    out[:, b, :n] = x[:, 0]
                 else:
                     out[b, :n] = x[0]
             return out
@@ -113,7 +121,9 @@ class KVBatch:
                    list(first.layer_ids), mask, first.key_space,
                    fill(lambda r: r.topk_ids, (B, T, k), torch.int64, 1),
                    fill(lambda r: r.topk_logp, (B, T, k), torch.float32, 1),
-                   fill(lambda r: r.topk_tail, (B, T), torch.float32, 1))
+                   fill(lambda r: r.topk_tail, (B, T), torch.float32, 1),
+                   fill(lambda r: r.hidden, (L, B, T, first.hidden.shape[-1]) if first.hidden is not None else None,
+                        first.hidden.dtype if first.hidden is not None else None, 2))
 
     def num_bytes(self) -> int:
         """Bytes held by K and V (not the mask)."""
@@ -161,6 +171,11 @@ class KVBatch:
                 payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
             if self.topk_tail is not None:
                 payload["topk_tail"] = self.topk_tail.detach().to("cpu", torch.float32).contiguous().numpy()
+        if self.hidden is not None:  # bf16, or fp16 on an fp16 / fp8 wire (no per-channel fp8 for activations)
+            payload["hidden_dtype"] = "bf16" if dtype == "bf16" else "fp16"
+            h = self.hidden.detach()
+            payload["h"] = (h.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy() if dtype == "bf16"
+                            else h.to("cpu", torch.float16).contiguous().numpy())
         return payload
 
     @classmethod
@@ -196,8 +211,18 @@ class KVBatch:
         topk_ids = topk_logp = topk_tail = None
         if payload.get("topk_ids") is not None and payload.get("topk_logp") is not None:
             topk_ids, topk_logp, topk_tail = _topk_from_wire(payload, device, dtype)
+        hidden = None
+        if payload.get("h") is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(payload["h"]))
+            h = raw.to(device) if device is not None else raw
+            h = h.view(torch.bfloat16) if payload.get("hidden_dtype", "bf16") == "bf16" else h
+            hidden = h.to(dtype) if dtype is not None else h.clone()
+            if hidden.data_ptr() == raw.data_ptr():
+                hidden = hidden.clone()
         return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp,
-                   topk_tail)
+                   topk_tail, hidden)
 
 
 def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

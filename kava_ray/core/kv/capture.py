@@ -290,3 +290,42 @@ def _check_against_cache(model, keys, values, ids: list[int], cache, mask) -> No
             )
 
 
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers in order: the module that holds each attention module (`attention_layers`), e.g.
+    `model.layers.3` for `model.layers.3.self_attn`."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [model.get_submodule(names[id(a)].rpartition(".")[0]) for a in attention_layers(model)]
+
+
+class HiddenCapture:
+    """Forward hooks that capture the output hidden state (the residual stream after the layer) of the selected
+    decoder layers during one forward; `stack()` -> [L, B, T, hidden]. Autograd is kept (the student's)."""
+
+    def __init__(self, model, ids: list[int]):
+        layers = decoder_layers(model)
+        self.ids, self.mods = list(ids), [layers[i] for i in ids]
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.handles: list = []
+
+    def _hook(self, i: int):
+        def fn(_mod, _inputs, out):
+            self.outputs[i] = out[0] if isinstance(out, (tuple, list)) else out
+        return fn
+
+    def __enter__(self) -> "HiddenCapture":
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in zip(self.ids, self.mods)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def stack(self) -> torch.Tensor:
+        missing = [i for i in self.ids if i not in self.outputs]
+        if missing:
+            raise KavaError(f"decoder layers {missing} did not run in the forward: no hidden state to serve")
+        dev = self.outputs[self.ids[0]].device
+        return torch.stack([self.outputs[i].to(dev) for i in self.ids])  # [L, B, T, hidden]

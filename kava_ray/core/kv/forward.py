@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv.batch import KEY_SPACES, KVBatch
-from kava_ray.core.kv.capture import _Capture, _check_against_cache, attention_layers, cache_layers
+from kava_ray.core.kv.capture import HiddenCapture, _Capture, _check_against_cache, attention_layers, cache_layers
 from kava_ray.core.kv.rope import _rotate_outside_forward, position_ids_from_mask
 from kava_ray.core.models import kv_geometry
 
@@ -93,13 +93,15 @@ def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
 
 
 def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
-                       logits_top_k: int = 0, stop_early: bool = True) -> KVBatch:
+                       logits_top_k: int = 0, stop_early: bool = True, hidden: bool = False) -> KVBatch:
     """Inference forward (input_ids, attention_mask [B, T]) -> KVBatch of the selected layers, as ordinary (not
     inference-mode) tensors on the model's device and dtype. pre_rope: K, V captured at the projections and
     checked against the cache; post_rope: the cache.
 
     logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included);
     k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
+    hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T, hidden]; the forward then
+    runs every decoder layer).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -112,20 +114,29 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
     n_layers = kv_geometry(model).num_layers
     ids = _check_layers(layers, n_layers)
-    stop = _StopAfter.at(model, max(ids), n_layers) if stop_early and not logits_top_k else contextlib.nullcontext()
+    early = stop_early and not logits_top_k and not hidden
+    stop = _StopAfter.at(model, max(ids), n_layers) if early else contextlib.nullcontext()
+    hid = HiddenCapture(model, ids) if hidden else contextlib.nullcontext()
     out = None  # stays None when the forward is stopped early
     if key_space == "post_rope":
-        with stop, torch.inference_mode():
+        with hid, stop, torch.inference_mode():
             out = run(**kwargs)
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
             kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
-            return _with_topk(kv, out, logits_top_k)
-    with _Capture(model, ids) as cap, stop, torch.inference_mode():
+            return _with_hidden(_with_topk(kv, out, logits_top_k), hid)
+    with _Capture(model, ids) as cap, hid, stop, torch.inference_mode():
         out = run(**kwargs)
     with torch.no_grad():
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
         _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
-        return _with_topk(kv, out, logits_top_k)
+        return _with_hidden(_with_topk(kv, out, logits_top_k), hid)
+
+
+def _with_hidden(kv: KVBatch, hid) -> KVBatch:
+    """kv with the captured hidden states (a normal tensor copy, outside inference mode), if any were asked."""
+    if isinstance(hid, HiddenCapture):
+        kv.hidden = hid.stack().clone()
+    return kv
 
 
 class _Stopped(Exception):
@@ -207,11 +218,13 @@ def _checkpointing(model) -> bool:
 
 
 def student_forward_kv(
-    model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope", **forward_kwargs
+    model, input_ids, attention_mask, labels=None, layers=None, key_space: str = "pre_rope", hidden: bool = False,
+    **forward_kwargs
 ) -> tuple:
     """Training forward that keeps the autograd graph -> (model outputs incl. loss/logits, KVBatch); extra keyword
     arguments go to the model's forward. pre_rope: captured as in `teacher_forward_kv`. post_rope: the cache, or,
     under gradient checkpointing in training (HF then has no cache), captured keys rotated Llama-style.
+    hidden: also the layers' output hidden states (`KVBatch.hidden`, with grad).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -220,11 +233,16 @@ def student_forward_kv(
     if labels is not None:
         kwargs["labels"] = labels.to(input_ids.device)
     cached = not (model.training and _checkpointing(model))
-    if key_space == "post_rope" and cached:
-        out = model(**kwargs, use_cache=True)
-        return out, extract_kv(output_cache(out), model, pos, key_space=key_space, layers=layers, mask=attention_mask)
     ids = _check_layers(layers, kv_geometry(model).num_layers)
-    with _Capture(model, ids) as cap:
+    hid = HiddenCapture(model, ids) if hidden else contextlib.nullcontext()
+    if key_space == "post_rope" and cached:
+        with hid:
+            out = model(**kwargs, use_cache=True)
+        kv = extract_kv(output_cache(out), model, pos, key_space=key_space, layers=layers, mask=attention_mask)
+        if hidden:
+            kv.hidden = hid.stack()
+        return out, kv
+    with _Capture(model, ids) as cap, hid:
         out = model(**kwargs, use_cache=cached)
     kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
     if cached:
@@ -232,4 +250,6 @@ def student_forward_kv(
             _check_against_cache(model, kv.keys, kv.values, ids, output_cache(out), kv.mask)
     if key_space == "post_rope":
         kv.keys = _rotate_outside_forward(kv.keys, model, pos, inverse=False)
+    if hidden:
+        kv.hidden = hid.stack()
     return out, kv
