@@ -84,7 +84,7 @@ def test_grad_kv_share_is_a_part_of_the_whole_with_ce(pull_job):
     shares = [v["grad/kv_share"] for v in curve.values()]
     assert all(0.0 < s < 1.0 for s in shares), shares
     _, _, ce_curve = _arm(pull_job, "loss.ce_weight=1", "loss.kv_weight=0")
-    assert all(v["grad/kv_share"] == 0.0 for v in ce_curve.values())  # kv_weight 0: the KV term has no gradient
+    assert all(v["grad/kv_share"] == 0.0 == v["grad/kv_ratio"] for v in ce_curve.values())  # kv_weight 0: none
 
 
 def test_bench_pull_reports_both_arms_per_layer(pull_job, tmp_path):
@@ -95,7 +95,9 @@ def test_bench_pull_reports_both_arms_per_layer(pull_job, tmp_path):
     for arm in out["arms"].values():
         assert [s for s, _ in arm["trajectory"]] == [0, 1, 2] and all(len(c) == 2 for _, c in arm["trajectory"])
         assert len(arm["grad_kv_share"]) == 1 and 0.0 < arm["grad_kv_share"][0] <= 1.0
+        assert len(arm["grad_kv_ratio"]) == 1 and arm["grad_kv_ratio"][0] > 0  # |KV's gradient| / |CE's|
     new, old = out["arms"]["new: auto"], out["arms"]["old: linear projector"]
+    assert (old["kind"], old["kv_weight"], new["kind"]) == ("linear", 1.0, "auto")  # the recipe before issue 39
     assert new["trajectory"][0] == old["trajectory"][0]  # one start
     assert new["step1_cos_through_projector"] > 0.5 > abs(old["step1_cos_through_projector"])
     assert "L1" in format_pull(out) and (tmp_path / "pull" / "bench_pull.json").exists()
@@ -218,3 +220,13 @@ def test_minitrons_hidden_state_loss_pulls_the_students_hidden_states(pull_job, 
     proj = recipe.distiller.hidden_proj["qwen"]
     assert isinstance(proj, torch.nn.Linear) and tuple(proj.weight.shape) == (64, 32)
     assert "grad_norm_projector" in curve[1] and curve[4]["hidden_loss"] < curve[1]["hidden_loss"]
+
+
+def test_grad_kv_ratio_is_kvs_gradient_over_the_rest(pull_job):
+    """grad/kv_ratio = |KV's gradient| / |CE's| on the student: with KV at weight w it scales with w (the KV gradient
+    is linear in it, CE's is not touched); 0 without KV (`test_grad_kv_share_is_a_part_of_the_whole_with_ce`)."""
+    ratios = {}
+    for w in (1.0, 4.0):
+        _, _, curve = _arm(pull_job, "loss.ce_weight=1", f"loss.kv_weight={w}")
+        ratios[w] = curve[1]["grad/kv_ratio"]  # step 1: both from the same start
+    assert ratios[4.0] == pytest.approx(4 * ratios[1.0], rel=1e-4) and ratios[1.0] > 0

@@ -1,10 +1,11 @@
 """`kava-ray bench pull`: does the KV loss pull the student toward its teacher? (issue 39's KV control)
 
-From the same start, two KV-only runs (loss.ce_weight 0) of the job's first teacher: the old default (a learned
-`linear` projector, randomly initialised) and the new one (`align.projector.kind: auto`, identity where the
+From the same start, two KV-only runs (loss.ce_weight 0) of the job's first teacher: the old default (`OLD`: the
+demo's recipe before issue 39, a learned `linear` projector, randomly initialised, at kv_weight 1 and
+lr_projector 5e-3) and the new one (the job's own weights with `align.projector.kind: auto`, identity where the
 geometry allows). Each reports the projector-free centred KV cosine per student layer on the validation split
-at step 0 and every `eval_every` steps, and the through-projector cosine of its first step. Then a few steps of the
-job's own recipe (CE + KV) per arm give `grad/kv_share`. In process, no Ray: the teacher runs here.
+at step 0 and every `eval_every` steps, and the through-projector cosine of its first step. Then a few steps of
+each arm's CE + KV recipe give `grad/kv_share` and `grad/kv_ratio`. In process, no Ray: the teacher runs here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from kava_ray.runtime.console import status
 from kava_ray.runtime.preflight import check_model_files
 from kava_ray.testing.sources import InProcessSource
 
-ARMS = {"old: linear projector": "linear", "new: auto": "auto"}
+OLD = {"align.projector.kind": "linear", "loss.kv_weight": 1.0, "optim.lr_projector": 5e-3}
+ARMS = {"old: linear projector": OLD, "new: auto": {"align.projector.kind": "auto"}}
 
 
 def projector_free(recipe, cfg, plans, source, teacher: str) -> dict:
@@ -35,15 +37,17 @@ def projector_free(recipe, cfg, plans, source, teacher: str) -> dict:
     return align[teacher].result()
 
 
-def _arm(base, kind: str, source, plans, teacher: str, steps: int, eval_every: int, share_steps: int) -> dict:
-    """One arm: the KV-only trajectory, then the job's own recipe for `share_steps` steps (its grad/kv_share)."""
-    cfg = derive(base, {"align.projector.kind": kind, "loss.ce_weight": 0.0, "loss.kv_weight": 1.0})
+def _arm(base, overrides: dict, source, plans, teacher: str, steps: int, eval_every: int, share_steps: int) -> dict:
+    """One arm: the KV-only trajectory, then its CE + KV recipe for `share_steps` steps (grad/kv_share, _ratio)."""
+    recipe = derive(base, overrides)
+    cfg = derive(recipe, {"loss.ce_weight": 0.0})
     run = train_in_process(cfg, plans, source, steps, eval_every,
                            lambda r: projector_free(r, cfg, plans, source, teacher)["per_layer"], grad_share=True)
     first = run["first"]
-    own = train_in_process(derive(base, {"align.projector.kind": kind}), plans, source, share_steps, grad_share=True)
-    return {"kind": kind, "trajectory": run["curve"], "step1_cos_through_projector": first["cos_sim"],
-            "grad_kv_share": own["shares"], "step_s": run["step_s"]}
+    own = train_in_process(recipe, plans, source, share_steps, grad_share=True)
+    return {"kind": recipe.align.projector.kind, "kv_weight": recipe.loss.kv_weight, "trajectory": run["curve"],
+            "step1_cos_through_projector": first["cos_sim"], "grad_kv_share": own["shares"],
+            "grad_kv_ratio": own["ratios"], "step_s": run["step_s"]}
 
 
 def run_pull_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: int = 30,
@@ -58,9 +62,9 @@ def run_pull_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     models = {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization)}
     source, plans = InProcessSource(models), in_process_plans(base, models)
     arms = {}
-    for name, kind in ARMS.items():
+    for name, overrides in ARMS.items():
         status(f"[bench pull] {name}: {steps} KV-only steps ...")
-        arms[name] = _arm(base, kind, source, plans, t.name, steps, eval_every, share_steps)
+        arms[name] = _arm(base, overrides, source, plans, t.name, steps, eval_every, share_steps)
     result = {"config": str(config), "teacher": t.name, "steps": steps, "student_layers": copied_layers(base, t.name),
               "arms": arms, "wall_s": time.time() - t0, "out": str(root)}
     write_json(root / "bench_pull.json", result)
@@ -75,10 +79,11 @@ def format_pull(out: dict) -> str:
         n = len(arm["trajectory"][0][1])
         rows = [[step, *[f"{c:.3f}" for c in cos], f"{sum(cos[1:]) / max(1, n - 1):.3f}"]
                 for step, cos in arm["trajectory"]]
-        lines += [f"{name} (projector kind {arm['kind']}): projector-free centred KV cos, validation, vs teacher "
-                  f"{out['teacher']} layers {out['student_layers']}",
+        lines += [f"{name} (projector kind {arm['kind']}, kv_weight {arm['kv_weight']:g}): projector-free centred KV "
+                  f"cos, validation, vs teacher {out['teacher']} layers {out['student_layers']}",
                   format_table(["step", *[f"L{i}" for i in range(n)], "mean (L1..)"], rows),
-                  f"  step 1 cos through the projector {arm['step1_cos_through_projector']:.3f}; grad/kv_share of the "
-                  f"job's recipe (steps 1..{len(arm['grad_kv_share'])}): "
-                  + " ".join(f"{s:.3f}" for s in arm["grad_kv_share"]), ""]
+                  f"  step 1 cos through the projector {arm['step1_cos_through_projector']:.3f}; its CE + KV recipe, "
+                  f"steps 1..{len(arm['grad_kv_share'])}: grad/kv_share "
+                  + " ".join(f"{s:.3f}" for s in arm["grad_kv_share"]) + ", grad/kv_ratio "
+                  + " ".join(f"{s:.3f}" for s in arm.get("grad_kv_ratio", [])), ""]
     return "\n".join(lines + [f"wall time {out['wall_s']:.0f} s"])
