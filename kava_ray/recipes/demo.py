@@ -43,6 +43,9 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
         "test_cos": {t.name: round(test[f"test/cos/{t.name}"], 4) for t in cfg.teachers},
         "test_cos_raw": {t.name: round(test[f"test/cos_raw/{t.name}"], 4) for t in cfg.teachers},
         "test_contrast_gap": round(test["test/contrast_gap"], 4),
+        # the student's own KV against the layers it was copied from, no projector (layer 0, a copy, left out)
+        "test_kv_cos_free": {t.name: round(test[f"test/kv_cos_free/{t.name}"], 4) for t in cfg.teachers
+                             if f"test/kv_cos_free/{t.name}" in test},
         "mean_teacher_wait_s": round(sum(r["teacher_wait_s"] for r in train) / len(train), 3),
         "mean_step_s": round(sum(r["time_s"] for r in train) / len(train), 3),
         "run_dir": str(run_dir),
@@ -50,9 +53,11 @@ def demo_summary(run_dir: Path, wall_s: float, cfg: JobConfig) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    rows = [[f"KV cos, {name} (last step / validation / test)",
-             f"{s['cos'][name]:.3f} / {s['heldout_cos'][name]:.3f} / {s['test_cos'][name]:.3f}"] for name in s["cos"]]
-    rows += [[f"raw KV cos, {name} (validation / test)",
+    rows = [[f"projector-free KV cos, {name} (test; the student's own KV vs its source layers)", f"{c:.3f}"]
+            for name, c in s.get("test_kv_cos_free", {}).items()]
+    rows += [[f"KV cos through the projector, {name} (last step / validation / test)",
+              f"{s['cos'][name]:.3f} / {s['heldout_cos'][name]:.3f} / {s['test_cos'][name]:.3f}"] for name in s["cos"]]
+    rows += [[f"raw KV cos through the projector, {name} (validation / test)",
               f"{s['heldout_cos_raw'][name]:.3f} / {s['test_cos_raw'][name]:.3f}"] for name in s["cos"]]
     rows += [["contrast gap (last step / validation / test)",
               f"{s['contrast_gap']:.3f} / {s['heldout_contrast_gap']:.3f} / {s['test_contrast_gap']:.3f}"],
