@@ -240,9 +240,10 @@ class KVFeed:
 
     @staticmethod
     def _bad(kv: dict[str, KVBatch]) -> Optional[tuple[str, str]]:
-        """(teacher, "K" | "V") of the first non-finite tensor, else None; one device sync for the batch."""
+        """(teacher, "K" | "V" | "hidden states") of the first non-finite tensor, else None; one device sync for the
+        batch."""
         checks = [(name, what, torch.isfinite(t).all()) for name, b in kv.items()
-                  for what, t in (("K", b.keys), ("V", b.values))]
+                  for what, t in (("K", b.keys), ("V", b.values), ("hidden states", b.hidden)) if t is not None]
         ok = torch.stack([c for _, _, c in checks]).cpu()
         if bool(ok.all()):
             return None

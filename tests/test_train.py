@@ -303,6 +303,10 @@ def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
     cfg = load_config(e2e_job, ["align.projector.kind=elastic", "align.mode=flat"])
     with pytest.raises(KavaError, match=r"align.mode, align.projector.kind differ"):
         run_training(cfg, resume=str(ckpt), progress=False)
+    # the hidden-state loss switched on changes what a checkpoint holds (its maps, their optimizer state): one line
+    cfg = load_config(e2e_job, ["loss.hidden_weight=1"])
+    with pytest.raises(KavaError, match=r"trained with loss.hidden_weight=0: it cannot continue with loss.hidden_wei"):
+        run_training(cfg, resume=str(ckpt), progress=False)
 
 
 def test_eval_and_report_of_the_run(e2e_run, ray_session):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -161,14 +162,17 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     start = _figures(scorer.model(load_student(str(warm_dir), dtype="float32"), tok), warm["ce"],
                      gate["teacher_ce"], job.teachers[0].name)
     sources = _sources(scorer, variants)
-    calib = _calibrate_kv(job, scorer, str(warm_dir), say)  # 4. the KV weight whose gradient equals CE's
-    if "hidden" in variants:  # and the hidden-state loss's, as large as the logit loss
-        calib.update(_calibrate_hidden(variants, sources["hidden"], str(warm_dir), say))
+    calib = _calibration(root / "calibration.json", lambda: _calibrate_kv(job, scorer, str(warm_dir), say))  # 4.
+    if "hidden" in variants:  # the KV weight whose gradient equals CE's; the hidden-state loss's, as the logit loss
+        calib.update(_calibration(root / "calibration_hidden.json",
+                                  lambda: _calibrate_hidden(variants, sources["hidden"], str(warm_dir), say)))
     _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
     ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {}, calib["kv_unit"],
                       calib.get("hidden_unit", 1.0), (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
     runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
     summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
+    # seed 0 chose each arm's rate on validation CE, so its test CE is a little optimistic: the same without it
+    later = summarize({a: rs[1:] for a, rs in runs.items()}, base_arm) if p["seeds"] > 2 else None
     passes = _control_passes(summary, base_arm)
     plots = _plot(runs, summary, root, gate["teacher_ce"], base_arm)
     result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm,
@@ -176,7 +180,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
               "kv_calibration": calib, "lr": lrs, "teacher": job.teachers[0].name,
               "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
               "train_blocks": len(scorer.train_split), **cache, "control_passes": passes,
-              "kv_control": _kv_control(runs, start, summary), "summary": summary, "runs": runs, "plots": plots,
+              "kv_control": _kv_control(runs, start, summary), "summary": summary, "summary_later_seeds": later,
+              "runs": runs, "plots": plots,
               "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
               "runs_wall_s": sum(r["wall_s"] for rs in runs.values() for r in rs), "wall_s": time.time() - t_start}
     write_json(root / "bench_heal.json", result)
@@ -258,15 +263,20 @@ def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
     CE (validation head) by less than `warm_flat` nats, at most `warm_max` steps; saved to warm_dir where every
     arm begins, with its curve and test CE (the point the gap recovered is measured from). Kept: a re-run with
     the same settings reads it back."""
+    warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
+                                   "train.steps": p["warm_max"], "train.seed": 0, "train.data_seed": 0})
     key = {k: p[k] for k in ("warm_every", "warm_max", "warm_flat", "eval_blocks")}
+    job_key = _fingerprint(warm_cfg.model_dump(mode="json", exclude_defaults=True))
     meta_path = warm_dir / "warm_start.json"
     if meta_path.is_file() and (warm_dir / "config.json").is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("key") == key:
+        # (a warm start written before its job was recorded is taken as this job's)
+        if meta.get("key") == key and meta.get("job", job_key) == job_key:
             say(f"warm start: {meta['steps']} CE steps -> {meta['ce']:.3f} nats (kept from an earlier run)")
             return meta
-    warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
-                                   "train.steps": p["warm_max"], "train.seed": 0, "train.data_seed": 0})
+    for stale in (warm_dir.parent / "runs_done", warm_dir.parent / "calibration.json"):  # they belong to the old one
+        if stale.exists():
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     val_head = load_splits_head(scorer.cfg, tok, p["eval_blocks"])
 
     def flat(curve):
@@ -277,7 +287,7 @@ def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
     warm["recipe"].distiller.student.save_pretrained(warm_dir)
     tok.save_pretrained(warm_dir)
     steps = warm["curve"][-1][0]
-    meta = {"key": key, "steps": steps, "curve": warm["curve"], "flattened": flat(warm["curve"]),
+    meta = {"key": key, "job": job_key, "steps": steps, "curve": warm["curve"], "flattened": flat(warm["curve"]),
             "ce": heldout_ce(warm["recipe"].distiller.student, scorer.test)}
     write_json(meta_path, meta)
     say(f"warm start: {steps} CE steps -> {meta['ce']:.3f} nats ({warm_dir}; validation-head curve "
@@ -297,6 +307,20 @@ def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, steps: int = 3
         + " ".join(f"{r:.4f}" for r in ratios) + f"), so KV's gradient equals CE's at weight {1 / ratio:.1f}")
     return {"ratio_at_1": ratio, "ratios": ratios, "kv_unit": 1 / ratio,
             "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio}}
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _calibration(path: Path, measure: Callable[[], dict]) -> dict:
+    """A calibration measured once per warm start and kept beside it (the KV arms' weights are part of their
+    configs: a re-run must find the same ones to read its finished runs back)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    out = measure()
+    write_json(path, out)
+    return out
 
 
 def _sources(scorer: Scorer, variants: dict) -> dict:
@@ -355,9 +379,9 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
     val = load_splits(ctx.scorer.cfg, ctx.tok)[1]
     sources = ctx.sources
     runs, lrs = {}, {}
-    base_lr = ctx.job.optim.lr_student
     for arm in sorted(names, key=lambda x: x != BASE):  # the base first: the KV control trains at its rate
         a = ARMS.get(arm, Arm())
+        base_lr = ctx.recipes.get(arm, {}).get("optim.lr_student", ctx.job.optim.lr_student)  # a recipe's own rate
         if a.grid:
             grid = {}
             for m in ctx.p["lr_grid"]:
@@ -379,14 +403,14 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
     """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps, scored on the
     test split (and on the whole validation split `val`, what the grid selects by); kept under ctx.done and
     read back by a re-run with the same config."""
-    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], lr, ctx.kv_unit,
+    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], None, ctx.kv_unit,
                      ctx.variants, ctx.hidden_unit)
     if arm in ctx.recipes:
         cfg = derive(cfg, ctx.recipes[arm])
+    cfg = derive(cfg, {"optim.lr_student": lr})  # the grid's rate, over a recipe's own
     other = arm in ARMS and ARMS[arm].other_batch
-    settings = {"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
-                "eval_every": ctx.p["eval_every"], "eval_blocks": ctx.p["eval_blocks"], "val": val is not None}
-    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    key = _fingerprint({"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
+                        "eval_every": ctx.p["eval_every"], "eval_blocks": ctx.p["eval_blocks"], "val": val is not None})
     path = ctx.done / _safe(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -428,10 +452,11 @@ class OtherBatchSource:
                 self.partner[i] = idx[(j + len(idx) // 2) % len(idx)]
 
     def submit(self, name: str, request):
-        fp, rows = request.examples
-        if fp == self.fingerprint:
-            request = request._replace(examples=(fp, tuple(self.partner[int(i)] for i in rows)))
-        return self.inner.submit(name, request)
+        fp, rows = request.examples or (None, ())
+        if fp != self.fingerprint:  # anything else would quietly be the ce+kv arm
+            raise KavaError("bench heal: the other-batch arm reads an example-indexed cache of the training split; "
+                            f"got a request for {fp!r}")
+        return self.inner.submit(name, request._replace(examples=(fp, tuple(self.partner[int(i)] for i in rows))))
 
     def result(self, name: str, request, future) -> dict:
         return self.inner.result(name, request, future)
@@ -542,6 +567,17 @@ def plot_gr(summary: dict, path: Path, base_arm: str = BASE) -> None:
     fig.savefig(str(path), dpi=110)
 
 
+def _later_lines(r: dict, base: str) -> list[str]:
+    """The paired test-CE differences and decisions on the seeds after 0 (seed 0 chose each arm's rate)."""
+    later = r.get("summary_later_seeds")
+    if not later:
+        return []
+    rows = [[arm, fmt_interval(s["vs_base"]["test_ce"], 4), s["decision"]["verdict"]]
+            for arm, s in later.items() if "vs_base" in s]
+    return [f"the same on seeds 1..{r['seeds'] - 1} alone (seed 0 chose each arm's learning rate on validation CE):",
+            format_table(["arm", f"Δ test CE vs {base}", "decision"], rows)]
+
+
 def format_heal(r: dict) -> str:
     g, base = r["gate"], r.get("base", BASE)
     keys = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
@@ -578,8 +614,8 @@ def format_heal(r: dict) -> str:
         f"heal bench ({r['config']}): teacher {r['teacher']}, its pruned student, Python-docs text in "
         f"{r['block']}-token blocks x {r['batch_size']}; warm start {warm['steps']} CE steps (until a "
         f"{r['warm_every']}-step stretch gained < {r['warm_flat']:g} nats, at most {r['warm_max']}), then "
-        f"{r['steps']} steps per arm; seeds {list(range(r['seeds']))} (each draws the block order and the "
-        f"initialisation)",
+        f"{r['steps']} steps per arm; seeds {list(range(r['seeds']))} (each draws the block order, dropout and any "
+        f"projector's initialisation; every arm starts from the warm start)",
         f"gate: teacher {g['teacher_ce']:.3f} nats vs pruned student {g['student_ce']:.3f} nats on the test split "
         f"({r['test_tokens']} tokens): gap {g['gap']:.2f} nats (needs >= {g['min_gap']:g}); warm start "
         f"{r['ce_start']:.3f} nats (GR measured from here; its validation-head curve "
@@ -594,6 +630,7 @@ def format_heal(r: dict) -> str:
         "",
         f"paired differences against {base} (arm - {base}, mean [95 % t-interval], * = excludes 0):",
         format_table(["arm", "Δ test CE", "Δ GR %", "Δ KL", "Δ top-1 %", "Δ KV cos"], d_rows),
+        *_later_lines(r, base),
         f"decision rule (fixed before the run): {r['decision_rule']}",
         f"positive control ({CONTROL} vs {BASE}): " + {True: "passes", False: "FAILS: no conclusion about KV",
                                                         None: "not in this run"}[r["control_passes"]],

@@ -20,7 +20,7 @@ from kava_ray.recipes.distill import DistillRecipe
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
                      evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
                      stop: Optional[Callable[[list], bool]] = None) -> dict:
-    """Run `steps` production steps; returns {"recipe", "first" / "last" (the first / last step's metrics),
+    """Run `steps` production steps (after `DistillRecipe.fit_maps`, as a Train worker does); returns {"recipe", "first" / "last" (the first / last step's metrics),
     "step_s" (median), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
     "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`)}. stop(curve): called after
     each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""

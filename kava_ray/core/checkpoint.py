@@ -185,6 +185,10 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
+    if (saved.loss.hidden_weight > 0) != (cfg.loss.hidden_weight > 0):  # the hidden-state maps and their optimizer
+        raise KavaError(f"checkpoint {path} was trained with loss.hidden_weight={saved.loss.hidden_weight:g}: it "  # state
+                        f"cannot continue with loss.hidden_weight={cfg.loss.hidden_weight:g} (on / off changes what "
+                        f"the checkpoint holds)")
     if not allow_run_changes:
         changed = diff_keys(saved, cfg, RUN_SECTIONS)
         if changed:

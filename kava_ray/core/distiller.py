@@ -55,7 +55,7 @@ from kava_ray.core.metric_names import (
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import TeacherPlan, logit_specs
 from kava_ray.core.precision import sr_adamw
-from kava_ray.core.projectors import TeacherProjector
+from kava_ray.core.projectors import StudentMap, TeacherProjector
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -125,8 +125,7 @@ class Distiller(nn.Module):
                        for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
             if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
                 kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
-            views = {n: self.projectors[n].map_student(skv.keys, skv.values) if self.projectors[n].student_side
-                     else (skv.keys, skv.values) for n in self.names}  # the student as each teacher's loss sees it
+            views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
             self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
@@ -165,21 +164,35 @@ class Distiller(nn.Module):
         return projected, masks, native
 
     def _to_student_time(self, n: str, t: KVBatch, batch: Batch, kv_mask: torch.Tensor):
-        """(keys, values, mask) of teacher `n` on the student's positions.
+        """(keys, values, mask) of teacher `n` on the student's positions (`_in_student_time`)."""
+        (keys, values), mask = self._in_student_time(n, (t.keys, t.values), batch, kv_mask)
+        return keys, values, mask
 
-        Same tokenizer: its KV as sent and the KV mask. Another tokenizer: `align.tokens.apply_alignment` maps
-        [L_t, B, H_t, T_t, D_t] to [L_t, B, H_t, T_s, D_t] (`batch.teachers[n]`'s align_lo / align_hi), and student
-        positions no teacher token overlaps leave the mask."""
+    def _in_student_time(self, n: str, xs: tuple, batch: Batch, mask: torch.Tensor):
+        """(tensors, mask): teacher `n`'s tensors [L_t, B, H_t, T, D_t] on the student's positions, and `mask`.
+
+        Same tokenizer: as sent. Another tokenizer: `align.tokens.apply_alignment` maps T_t to T_s
+        (`batch.teachers[n]`'s align_lo / align_hi), and student positions no teacher token overlaps leave the mask."""
         if n not in self.aligned:
-            return t.keys, t.values, kv_mask
+            return xs, mask
         view = batch.teachers.get(n)
         if view is None:
             raise KavaError(f"teacher '{n}' uses another tokenizer than the student, but the batch carries no token "
                             f"alignment for it (splits must be built with job.teacher_tokenizers)")
-        lo, hi = view.align_lo.to(t.keys.device), view.align_hi.to(t.keys.device)
-        keys = apply_alignment(t.keys, lo, hi, self.token_align)
-        values = apply_alignment(t.values, lo, hi, self.token_align)
-        return keys, values, kv_mask * aligned_mask(lo, hi).to(kv_mask.device, kv_mask.dtype)
+        lo, hi = view.align_lo.to(xs[0].device), view.align_hi.to(xs[0].device)
+        return (tuple(apply_alignment(x, lo, hi, self.token_align) for x in xs),
+                mask * aligned_mask(lo, hi).to(mask.device, mask.dtype))
+
+    def _student_view(self, n: str, skv: KVBatch) -> tuple:
+        """The student's (keys, values) as teacher `n`'s KV loss sees them: its own, or (kind fit) mapped into the
+        teacher's space; a fit map that was never fitted (`DistillRecipe.fit_maps`) would train nothing: refused."""
+        pr = self.projectors[n]
+        if not pr.student_side:
+            return skv.keys, skv.values
+        if self.training and not bool(pr.k_map.fitted):
+            raise KavaError(f"teacher '{n}': align.projector.kind fit, but its student-side map was never fitted "
+                            f"(call DistillRecipe.fit_maps before training)")
+        return pr.map_student(skv.keys, skv.values)
 
     # ------------------------------------------------------------------------------------------ the terms
 
@@ -316,12 +329,8 @@ class Distiller(nn.Module):
             if t.hidden is None:
                 raise KavaError(f"teacher '{n}' sent no hidden states (loss.hidden_weight > 0 needs them; a KV cache "
                                 f"must be precomputed with it)")
-            th, m = t.hidden, mask
-            if n in self.aligned:  # [L, B, T_t, h] -> [L, B, T_s, h], as the KV
-                view = batch.teachers[n]
-                lo, hi = view.align_lo.to(th.device), view.align_hi.to(th.device)
-                th = apply_alignment(th.unsqueeze(2), lo, hi, self.token_align).squeeze(2)
-                m = mask * aligned_mask(lo, hi).to(mask.device, mask.dtype)
+            (th,), m = self._in_student_time(n, (t.hidden.unsqueeze(2),), batch, mask)  # [L, B, 1, T, h], as the KV
+            th = th.squeeze(2)  # [L_t, B, T_s, h_t]
             s = self.hidden_proj[n](skv.hidden)  # [L_s, B, T, h_t]
             total = total + wi * hidden_cosine_loss(s, th[self.relation_pairs[n]], m)
         return total
@@ -358,7 +367,8 @@ def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
     """The student at lr_student; projectors and fusion at lr_projector; a trained student-side map (kind fit,
     align.projector.train_map) at lr_student -- it must not learn faster than the student it maps."""
     student = [p for p in distiller.student.parameters() if p.requires_grad]
-    maps = [p for n, p in distiller.projectors.named_parameters() if p.requires_grad and "_map." in n]
+    maps = [p for m in distiller.projectors.modules() if isinstance(m, StudentMap) for p in m.parameters()
+            if p.requires_grad]
     heads = [p for m in (distiller.projectors, distiller.fusion, distiller.hidden_proj) for p in m.parameters()
              if p.requires_grad and not any(p is q for q in maps)]
     groups = [{"params": student, "lr": optim.lr_student, "name": "student"}]

@@ -538,7 +538,11 @@ def hidden_cosine_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor) -> 
     `loss.hidden_weight` is a fixed weight, like kava-ray's other terms.
     """
     L, B, T, h = s.shape
-    per = F.cosine_embedding_loss(s.float().reshape(-1, h), t.detach().float().reshape(-1, h),
-                                  torch.ones(1, device=s.device), reduction="none").view(L, B, T)
-    m = mask.to(s.device, torch.float32)[None]  # [1, B, T]
-    return ((per * m).sum((1, 2)) / m.sum().clamp(min=1)).mean()
+    m = mask.to(s.device, torch.float32)  # [B, T]
+    one = torch.ones(1, device=s.device)
+    total = 0
+    for i in range(L):  # one layer's fp32 copies at a time, not [L, B, T, h] of them
+        per = F.cosine_embedding_loss(s[i].float().reshape(-1, h), t[i].detach().float().reshape(-1, h), one,
+                                      reduction="none").view(B, T)
+        total = total + (per * m).sum() / m.sum().clamp(min=1)
+    return total / L

@@ -15,6 +15,7 @@ import torch
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.losses import cos_metrics
+from kava_ray.core.projectors import affine_per_layer
 
 
 def source_layers(keep_layers: Optional[list[int]], student_layers: int, teacher_layers: int) -> list[int]:
@@ -90,11 +91,9 @@ class KVAlignment:
 
     def _predict(self, name: str, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Student [L_s, B, H_s, T, D_s] -> its probe's prediction of teacher layers `pairs` [L_s, B, H_t, T, D_t]."""
-        L, B, H, T, D = s.shape
-        Ht, Dt = t.shape[2], t.shape[4]
-        x = s.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D).double()
-        out = torch.stack([x[i] @ w + b for i, (w, b) in enumerate(self.maps[name])])  # [L, B*T, Ht*Dt]
-        return out.reshape(L, B, T, Ht, Dt).permute(0, 1, 3, 2, 4).to(t.dtype)
+        w = torch.stack([w for w, _ in self.maps[name]])  # [L, F_s, F_t] float64
+        b = torch.stack([b for _, b in self.maps[name]])  # [L, F_t]
+        return affine_per_layer(s.double(), w, b, t.shape[2], t.shape[4]).to(t.dtype)
 
     @torch.no_grad()
     def score_batch(self, skv: tuple, tkv: tuple, mask: torch.Tensor) -> None:

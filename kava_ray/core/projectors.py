@@ -199,6 +199,16 @@ class HeadwiseProjector(nn.Module):
         return self.proj(mixed)  # [..., H_s, T, D_s]
 
 
+def affine_per_layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """[L, B, H, T, D] -> [L, B, heads, T, head_dim]: per layer i, each token's features (heads flattened, H*D)
+    times weight[i] [H*D, heads*head_dim] plus bias[i] -- a `StudentMap`, and `probe.KVAlignment`'s probe."""
+    L, B, H, T, D = x.shape
+    flat = x.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D).to(weight.dtype)  # [L, N, F_in]
+    out = torch.baddbmm(bias[:, None, :], flat, weight)  # [L, N, F_out]
+    return out.reshape(L, B, T, heads, head_dim).permute(0, 1, 3, 2, 4)
+
+
 class StudentMap(nn.Module):
     """The student-side map of projector kind `fit` (FitNets / TinyBERT / Minitron put the learned map on the
     student's side, against a fixed teacher target): per student layer, one affine map of its KV (heads flattened)
@@ -229,11 +239,8 @@ class StudentMap(nn.Module):
             self.bias[i].copy_(b.to(self.bias.dtype))
         self.fitted.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        L, B, H, T, D = x.shape
-        flat = x.permute(0, 1, 3, 2, 4).reshape(L, B * T, H * D).to(self.weight.dtype)  # [L_s, N, F_s]
-        out = torch.baddbmm(self.bias[:, None, :], flat, self.weight)  # [L_s, N, F_t]
-        return out.reshape(L, B, T, self.t_heads, self.t_head_dim).permute(0, 1, 3, 2, 4)  # [L_s, B, H_t, T, D_t]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L_s, B, H_s, T, D_s] -> [L_s, B, H_t, T, D_t]
+        return affine_per_layer(x, self.weight, self.bias, self.t_heads, self.t_head_dim)
 
 
 def _check_identity(mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int) -> None:

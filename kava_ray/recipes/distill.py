@@ -145,20 +145,25 @@ class DistillRecipe:
 
     def fit_maps(self, source, batches: int = 16) -> list[str]:
         """Projector kind fit: each teacher's student-side map starts as the ridge fit of the student's KV to that
-        teacher's (`evaluate.kv_alignment`'s probe over the first `batches` batches of the training split, the same
-        batches on every rank), so step 1 already compares the student's best linear image with the teacher. A map
-        restored from a checkpoint is kept. Returns the teachers fitted here."""
+        teacher's (`evaluate.kv_alignment`'s probe over the first `batches` batches of the training split, on rank 0,
+        broadcast to the other ranks), so step 1 already compares the student's best linear image with the teacher.
+        A map restored from a checkpoint is kept. Returns the teachers fitted here."""
         todo = {n: pr for n, pr in self.distiller.projectors.items() if pr.student_side and not pr.k_map.fitted}
         if not todo:
             return []
-        probes = kv_alignment(self.distiller.student, source, {n: self.plans[n] for n in todo}, self.train_split,
-                              self.cfg, copied={}, device=self.device, fit_batches=batches)
-        for n, pr in todo.items():
-            if n not in probes:
-                raise KavaError(f"align.projector.kind: fit needs teacher '{n}' to share the student's tokenizer (its "
-                                f"KV is fit token by token); use linear or elastic for it")
-            pr.k_map.load_fit(probes[n].maps["k"])
-            pr.v_map.load_fit(probes[n].maps["v"])
+        if self.rank == 0:  # fit once; the other ranks receive the maps (DDP broadcast only at its construction)
+            probes = kv_alignment(self.distiller.student, source, {n: self.plans[n] for n in todo}, self.train_split,
+                                  self.cfg, copied={}, device=self.device, fit_batches=batches)
+            for n, pr in todo.items():
+                if n not in probes:
+                    raise KavaError(f"align.projector.kind: fit needs teacher '{n}' to share the student's tokenizer "
+                                    f"(its KV is fit token by token); use linear or elastic for it")
+                pr.k_map.load_fit(probes[n].maps["k"])
+                pr.v_map.load_fit(probes[n].maps["v"])
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            for pr in todo.values():
+                for t in (*pr.k_map.parameters(), *pr.v_map.parameters(), pr.k_map.fitted, pr.v_map.fitted):
+                    dist.broadcast(t.data, src=0)
         return list(todo)
 
     def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
@@ -192,7 +197,11 @@ class DistillRecipe:
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
             if kv_grads is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
-                # DDP: averaged over ranks)
+                # DDP: averaged over ranks, so KV's is averaged too before "the rest" is taken as the difference)
+                if self.world > 1 and not no_sync and dist.is_available() and dist.is_initialized():
+                    for g in kv_grads:
+                        if g is not None:
+                            dist.all_reduce(g, op=dist.ReduceOp.AVG)
                 share = self._kv_shares(kv_grads, accum)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()

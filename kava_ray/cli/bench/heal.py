@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=int, default=None, help="paired seeds (default 5; --quick 2)")
     p.add_argument("--arms", nargs="+", default=None,
                    help="a subset of ce, ce+logits, ce+kv, ce+kv-0.3, ce+kv-otherbatch, ce+logits+kv, "
-                        "ce+logits+relation, ce+logits-nf4, kv-only (default: all)")
+                        "ce+logits+relation, ce+logits+hidden, ce+logits-nf4, kv-only (default: all)")
     p.add_argument("--quick", action="store_true", help="toy sizes (the test runs this)")
     p.add_argument("--min-gap", type=float, default=1.0, help="the gate: nats the teacher must beat the student by")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME:KEY=VALUE,...",

@@ -245,8 +245,9 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
 
 
 def wire_nbytes(payload: dict) -> int:
-    """Bytes of a wire payload's K, V and top-k arrays (not the mask, fp8 scales or metadata)."""
-    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload))
+    """Bytes of a wire payload's K, V, top-k and hidden-state arrays (not the mask, fp8 scales or metadata)."""
+    hidden = payload["h"].nbytes if payload.get("h") is not None else 0
+    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload) + hidden)
 
 
 def wire_logits_nbytes(payload: dict) -> int:

@@ -133,9 +133,9 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
 
 
 def _with_hidden(kv: KVBatch, hid) -> KVBatch:
-    """kv with the captured hidden states (a normal tensor copy, outside inference mode), if any were asked."""
+    """kv with the captured hidden states (stacked outside inference mode: a normal tensor), if any were asked."""
     if isinstance(hid, HiddenCapture):
-        kv.hidden = hid.stack().clone()
+        kv.hidden = hid.stack()
     return kv
 
 
