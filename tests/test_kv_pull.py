@@ -55,11 +55,17 @@ def _arm(pull_job, *overrides):
     return start, end, curve
 
 
-def test_auto_is_identity_for_the_teachers_own_geometry_and_linear_otherwise():
+def test_auto_is_identity_for_the_teachers_own_geometry_fit_for_another_and_linear_where_neither_can_serve():
+    from kava_ray.core.projectors import fit_allowed
+
     assert resolve_kind("auto", "structured", 2, 16, 2, 16) == "identity"
-    assert resolve_kind("auto", "structured", 2, 16, 2, 8) == "linear"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 8) == "fit"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 8, fit_ok=False) == "linear"
     assert resolve_kind("auto", "flat", 2, 16, 2, 16) == "linear"
     assert resolve_kind("elastic", "structured", 2, 16, 2, 16) == "elastic"
+    # fit needs the teacher's own loss (one teacher, or fusion sum) and its tokenizer
+    assert fit_allowed("fixed", 1) and fit_allowed("sum", 3) and not fit_allowed("fixed", 2)
+    assert not fit_allowed("sum", 1, aligned=True)
 
 
 def test_kv_only_training_from_the_teachers_own_kv_raises_the_projector_free_cosine(pull_job):

@@ -55,7 +55,7 @@ from kava_ray.core.metric_names import (
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import TeacherPlan, logit_specs
 from kava_ray.core.precision import sr_adamw
-from kava_ray.core.projectors import StudentMap, TeacherProjector
+from kava_ray.core.projectors import StudentMap, TeacherProjector, fit_allowed
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -75,7 +75,8 @@ class Distiller(nn.Module):
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map)
+                                dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map,
+                                fit_ok=fit_allowed(cfg.fusion.kind, len(plans), plan.aligned))
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,

@@ -19,13 +19,25 @@ AGGREGATIONS = ("concat", "mean", "weighted")
 HEAD_PROJS = ("shared", "per_head")
 
 
-def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int) -> str:
+def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int,
+                 fit_ok: bool = True) -> str:
     """`auto` -> `identity` where the student's KV has its teacher's geometry per layer (structured mode: a
-    layer-dropped or same-family student), so the target is the teacher's own KV; else `linear`."""
+    layer-dropped or same-family student), so the target is the teacher's own KV; else, in structured mode,
+    `fit` (the teacher's own KV as the target, a student-side map started as the ridge fit) where `fit_ok` (the
+    teacher shares the student's tokenizer, and its loss is its own: one teacher or fusion `sum`); else `linear`."""
     if kind != "auto":
         return kind
-    same = mode == "structured" and (int(t_heads), int(t_head_dim)) == (int(s_heads), int(s_head_dim))
-    return "identity" if same else "linear"
+    if mode != "structured":
+        return "linear"
+    if (int(t_heads), int(t_head_dim)) == (int(s_heads), int(s_head_dim)):
+        return "identity"
+    return "fit" if fit_ok else "linear"
+
+
+def fit_allowed(fusion_kind: str, n_teachers: int, aligned: bool = False) -> bool:
+    """Whether kind `fit` can serve a teacher: its KV loss is its own (one teacher, or fusion `sum`: a fused target
+    lives in one space, fit's in each teacher's) and it shares the student's tokenizer (the fit is token by token)."""
+    return not aligned and (fusion_kind == "sum" or n_teachers == 1)
 
 
 def _init_linear(layer: nn.Linear) -> None:
@@ -275,12 +287,13 @@ class TeacherProjector(nn.Module):
         dropout: float = 0.1,
         head_proj: str = "shared",
         train_map: bool = False,
+        fit_ok: bool = True,
     ):
         super().__init__()
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
         if mode not in MODES:
             raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
-        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim)
+        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim, fit_ok)
         if kind == "identity":
             _check_identity(mode, t_heads, t_head_dim, s_heads, s_head_dim)
         if kind == "fit" and mode != "structured":
