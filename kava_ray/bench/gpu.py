@@ -120,9 +120,12 @@ def teacher_kv(cfg: JobConfig, plans: dict, model, data: Batch, device):
     return {"t": KVBatch.from_wire(wire.to_wire(cfg.align.wire_dtype), device=device)}
 
 
-def recipe_of(cfg: JobConfig, plans: dict, device):
+def recipe_of(cfg: JobConfig, plans: dict, device, fit_on: Optional[list] = None):
+    """The production recipe on the bench's models; `fit_on` [(batch, kv)]: what a student-side map (projector
+    kind fit, `auto` for another geometry) is fitted on before step 1, as a Train worker fits it on its data."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.build_model()  # the bench feeds its own batches: no tokenizer, no `datasets`
+    recipe.fit_maps_on(fit_on or [])
     return recipe
 
 
@@ -186,7 +189,7 @@ def precision_section(models: Models, device, small: tuple, steps: int = 3) -> d
         if policy == "bf16-sr" and importlib.util.find_spec("torchao") is None:
             out[policy] = not_run("torchao is not installed (pip install torchao)")
             continue
-        recipe = recipe_of(load_config(base, [f"student.precision={policy}"]), plans, device)
+        recipe = recipe_of(load_config(base, [f"student.precision={policy}"]), plans, device, [(data, kv)])
         student_model = recipe.distiller.student
         embed = student_model.get_input_embeddings().weight
         # the input embedding's rows of tokens the batch lacks get no gradient: counted only when tied to the head
@@ -239,7 +242,7 @@ def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(device)
     box = {}
-    _, peak = _peak(device, lambda: box.update(r=recipe_of(cfg, plans, device)))
+    _, peak = _peak(device, lambda: box.update(r=recipe_of(cfg, plans, device, [(data, kv)])))
     recipe = box["r"]
     for i in range(steps):
         torch.cuda.reset_peak_memory_stats(device)
@@ -288,7 +291,7 @@ def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         model = teacher_model(cfg, device)  # teacher and student share the card, as the preset plans
         plans = _plans(cfg, model)
-        recipe = recipe_of(cfg, plans, device)
+        recipe = recipe_of(cfg, plans, device, [(data, teacher_kv(cfg, plans, model, data, device))])
         losses = []
         try:
             for i in range(steps):
@@ -353,7 +356,7 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
             data = random_batch(b, t, min(models.vocab(name), models.vocab(sz["teachers"][0])))
             kv = teacher_kv(cfg, plans, t_model, data, device)
             del t_model
-            recipe = recipe_of(cfg, plans, device)
+            recipe = recipe_of(cfg, plans, device, [(data, kv)])
             counter = iter(range(1, 10 ** 9))
             s = timed(lambda: recipe.step(next(counter), [(data, kv)]), reps, device)
             tps = b * t / s

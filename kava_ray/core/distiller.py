@@ -370,7 +370,9 @@ def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
     student = [p for p in distiller.student.parameters() if p.requires_grad]
     maps = [p for m in distiller.projectors.modules() if isinstance(m, StudentMap) for p in m.parameters()
             if p.requires_grad]
-    heads = [p for m in (distiller.projectors, distiller.fusion, distiller.hidden_proj) for p in m.parameters()
+    extra = getattr(distiller, "hidden_proj", None)  # (a stand-in with a student, projectors and fusion only)
+    heads = [p for m in (distiller.projectors, distiller.fusion, *([extra] if extra is not None else []))
+             for p in m.parameters()
              if p.requires_grad and not any(p is q for q in maps)]
     groups = [{"params": student, "lr": optim.lr_student, "name": "student"}]
     if heads:

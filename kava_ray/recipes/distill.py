@@ -32,6 +32,7 @@ from kava_ray.common.metrics_file import METRICS, MetricsLog
 from kava_ray.common.trackers import open_trackers
 from kava_ray.core.checkpoint import check_compatible, load_into, save_checkpoint
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
+from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.metric_names import (
     COS_SIM,
     GRAD_KV_RATIO,
@@ -46,6 +47,7 @@ from kava_ray.core.metric_names import (
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
 from kava_ray.core.plans import (
     data_seed,
+    eval_stream,
     load_splits,
     load_test_split,
     plans_from_payload,
@@ -55,8 +57,9 @@ from kava_ray.core.plans import (
     wants_hidden,
 )
 from kava_ray.core.precision import student_precision
+from kava_ray.core.probe import KVAlignment
 from kava_ray.data import BatchStream
-from kava_ray.recipes.evaluate import evaluate_heldout, kv_alignment
+from kava_ray.recipes.evaluate import evaluate_heldout
 
 
 @dataclass
@@ -145,25 +148,52 @@ class DistillRecipe:
 
     def fit_maps(self, source, batches: int = 16) -> list[str]:
         """Projector kind fit: each teacher's student-side map starts as the ridge fit of the student's KV to that
-        teacher's (`evaluate.kv_alignment`'s probe over the first `batches` batches of the training split, on rank 0,
+        teacher's (`probe.KVAlignment`'s ridge probe over the first `batches` batches of the training split, on rank 0,
         broadcast to the other ranks), so step 1 already compares the student's best linear image with the teacher.
         A map restored from a checkpoint is kept. Returns the teachers fitted here."""
         todo = {n: pr for n, pr in self.distiller.projectors.items() if pr.student_side and not pr.k_map.fitted}
         if not todo:
             return []
         if self.rank == 0:  # fit once; the other ranks receive the maps (DDP broadcast only at its construction)
-            probes = kv_alignment(self.distiller.student, source, {n: self.plans[n] for n in todo}, self.train_split,
-                                  self.cfg, copied={}, device=self.device, fit_batches=batches)
-            for n, pr in todo.items():
-                if n not in probes:
+            from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
+
+            for n in todo:
+                if self.plans[n].aligned:
                     raise KavaError(f"align.projector.kind: fit needs teacher '{n}' to share the student's tokenizer "
                                     f"(its KV is fit token by token); use linear or elastic for it")
-                pr.k_map.load_fit(probes[n].maps["k"])
-                pr.v_map.load_fit(probes[n].maps["v"])
+            stream = eval_stream(self.train_split, self.cfg)
+            feed = KVFeed(source, feed_items(stream, min(batches, stream.steps_per_epoch)),
+                          {n: self.plans[n].layers for n in todo}, wire_dtype=self.cfg.align.wire_dtype,
+                          device=self.device)
+            self.fit_maps_on((batch, kv) for (_, _, _, batch), kv in feed)
         if self.world > 1 and dist.is_available() and dist.is_initialized():
             for pr in todo.values():
                 for t in (*pr.k_map.parameters(), *pr.v_map.parameters(), pr.k_map.fitted, pr.v_map.fitted):
                     dist.broadcast(t.data, src=0)
+        return list(todo)
+
+    def fit_maps_on(self, micro) -> list[str]:
+        """`fit_maps` from the caller's own (Batch, {teacher: KVBatch}) pairs: for benches that bring their batches
+        and no data source (`bench gpu`). Returns the teachers fitted here."""
+        todo = {n: pr for n, pr in self.distiller.projectors.items() if pr.student_side and not pr.k_map.fitted}
+        if not todo:
+            return []
+        probes = {n: KVAlignment(list(pr.target_pos), probe=True) for n, pr in todo.items()}
+        student = self.distiller.student
+        was_training = student.training
+        student.eval()  # the student as it is, no dropout
+        with torch.no_grad():
+            for batch, kv in micro:
+                mask = batch.attention_mask.to(self.device)
+                _, skv = student_forward_kv(student, batch.input_ids.to(self.device), mask,
+                                            key_space=self.cfg.align.key_space)
+                for n, kva in probes.items():
+                    kva.fit_batch((skv.keys, skv.values), (kv[n].keys, kv[n].values), mask)
+        student.train(was_training)
+        for n, pr in todo.items():
+            probes[n].fit()
+            pr.k_map.load_fit(probes[n].maps["k"])
+            pr.v_map.load_fit(probes[n].maps["v"])
         return list(todo)
 
     def feed(self, source, until: Optional[int] = None, depth: Optional[int] = None):
