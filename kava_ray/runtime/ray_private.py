@@ -31,6 +31,15 @@ def drop_train_sigint_handler(trainer) -> None:
     trainer._register_sigint_handler = lambda controller: None
 
 
+def keep_live_runs_placement_group(trainer) -> None:
+    """Ray Train's placement-group cleaner replaced by one that removes a run's group only once its controller
+    reads DEAD (`kava_ray.runtime.pg_cleaner`): the trainer's `_create_default_callbacks` list, swapped."""
+    from kava_ray.runtime.pg_cleaner import swap_cleaner
+
+    make = trainer._create_default_callbacks
+    trainer._create_default_callbacks = lambda: swap_cleaner(make())
+
+
 def set_torch_distributed_env_vars() -> None:
     """On a Train worker: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, ACCELERATE_TORCH_DEVICE, as
     Ray Train's TorchConfig sets them before it creates the process group."""
@@ -51,6 +60,22 @@ def missing() -> list[str]:
         out.append("ray._private.worker._global_node")
     if not hasattr(ray.train.torch.TorchTrainer, "_register_sigint_handler"):
         out.append("TorchTrainer._register_sigint_handler")
+    if not hasattr(ray.train.torch.TorchTrainer, "_create_default_callbacks"):
+        out.append("TorchTrainer._create_default_callbacks")
+    try:
+        from kava_ray.runtime.pg_cleaner import ConfirmingCleaner, ConfirmingCleanerCallback
+    except ImportError as e:  # a Ray without the cleaner's classes
+        return out + [f"kava_ray.runtime.pg_cleaner: {e}"]
+    cleaner = ConfirmingCleaner(controller_actor_id="x", check_interval_s=1.0, get_actor_timeout_s=1.0,
+                                stop_timeout=1.0)
+    callback = ConfirmingCleanerCallback()
+    out += [f"PlacementGroupCleaner.{name}" for name in ("_controller_actor_id", "_get_actor_timeout_s")
+            if not hasattr(cleaner, name)]
+    out += [f"PlacementGroupCleanerCallback.{name}" for name in ("_cleaner", "_controller_actor_id",
+                                                                 "_check_interval_s", "_get_actor_timeout_s",
+                                                                 "_stop_timeout") if not hasattr(callback, name)]
+    if "_cleanup_placement_group" not in vars(ConfirmingCleaner.__mro__[1]):
+        out.append("PlacementGroupCleaner._cleanup_placement_group")
     if not hasattr(ray.train.torch.TorchConfig().backend_cls, "on_start"):
         out.append("TorchConfig().backend_cls.on_start")
     import ray.train.torch.config as torch_config
