@@ -26,15 +26,18 @@ from ray.util.state.exception import RayStateApiException
 logger = logging.getLogger(__name__)
 
 
-def controller_dead(actor_id: str, timeout_s: float, asks: int = 2, wait_s: float = 1.0) -> bool:
-    """True when the state API, asked `asks` times `wait_s` apart, each time holds the actor's record as DEAD;
-    a missing record or a failed query counts as not dead."""
+def controller_dead(actor_id: str, timeout_s: float, asks: int = 2, wait_s: float = 1.0,
+                    address: str | None = None) -> bool:
+    """True when the state API of the Ray at `address` (default: this process's), asked `asks` times `wait_s`
+    apart, each time holds the actor's record as DEAD; a missing record or a failed query counts as not dead."""
+    if address is None and ray.is_initialized():
+        address = ray.get_runtime_context().gcs_address  # explicit: a machine may run several Rays
     for i in range(asks):
         if i:
             time.sleep(wait_s)
         try:
-            state = get_actor(actor_id, timeout=timeout_s)
-        except RayStateApiException:
+            state = get_actor(actor_id, address=address, timeout=timeout_s)
+        except (RayStateApiException, ConnectionError):
             return False
         if state is None or state.state != "DEAD":
             return False
