@@ -69,6 +69,7 @@ class KVRequest(NamedTuple):
     logits_top_k: int = 0
     examples: Optional[tuple[str, tuple[int, ...]]] = None
     hidden: bool = False  # the layers' output hidden states too (loss.hidden_weight)
+    token_logprobs: bool = False  # each next token's log-prob too (on-policy distillation's sampled reverse KL)
 
 
 class KVSource(Protocol):
@@ -108,6 +109,8 @@ class ActorSource:
         h = self.handles[name]
         h = h.route(r.key) if hasattr(h, "route") else h
         extra = {"hidden": True} if r.hidden else {}  # (a pool of an older version takes no `hidden`)
+        if r.token_logprobs:
+            extra["token_logprobs"] = True
         ref = h.kv.remote(r.key, r.input_ids, r.attention_mask, r.layers, r.wire_dtype, r.logits_top_k, **extra)
         if self.prefetch:
             _pull_here(ref)
@@ -156,7 +159,8 @@ class KVFeed:
     its own tokenization of the batch (`feed_items` builds these). layers: {teacher: layer ids to ship}.
     logits_top_k > 0 (an int for every teacher, or {teacher: k}): the teacher also serves its top-k
     log-probs from the same forward (KVBatch.topk_ids / topk_logp). hidden: the layers' output hidden states too
-    (KVBatch.hidden).
+    (KVBatch.hidden). token_logprobs: the teachers that also serve each next token's log-prob. read_ahead False:
+    a batch is taken from `items` only when it is asked for (on-policy lag 0: sampled with the current weights).
 
     Every source receives a `KVRequest` per teacher and batch.
 
@@ -169,7 +173,7 @@ class KVFeed:
     def __init__(self, source: KVSource, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
                  wire_dtype: str = "bf16", device="cpu", dtype: torch.dtype = torch.float32, decode: bool = True,
                  logits_top_k: int = 0, on_bad_kv: Optional[str] = None, limit: Optional[int] = None,
-                 hidden: bool = False):
+                 hidden: bool = False, token_logprobs: Iterable[str] = (), read_ahead: bool = True):
         if depth < 1:
             raise ValueError("depth must be >= 1")
         if on_bad_kv not in (None, "skip", "stop"):
@@ -183,6 +187,8 @@ class KVFeed:
         self.device = device
         self.dtype = dtype
         self.hidden = bool(hidden)
+        self.token_logprobs = set(token_logprobs)  # teachers that also serve each next token's log-prob
+        self.read_ahead = read_ahead  # False: a batch is taken from `items` only when it is asked for
         self.decode = decode  # False: hand back the wire payloads as they arrived (precompute writes them)
         self._inflight: collections.deque = collections.deque()
         self.wait_s: list[float] = []  # per delivered batch
@@ -202,7 +208,7 @@ class KVFeed:
                 return
             reqs = {name: KVRequest(key, _for(ids, name), _for(mask, name), layers, self.wire_dtype,
                                     int(self.logits_top_k.get(name, 0)), examples[0] if examples else None,
-                                    self.hidden)
+                                    self.hidden, name in self.token_logprobs)
                     for name, layers in self.layers.items()}
             refs = {name: self.source.submit(name, req) for name, req in reqs.items()}
             self._inflight.append((item, reqs, refs))
@@ -221,7 +227,8 @@ class KVFeed:
             t0 = time.perf_counter()
             payloads = {name: self.source.result(name, reqs[name], refs[name]) for name in refs}
             waited += time.perf_counter() - t0
-            self._fill()  # top the pipeline up before the student starts computing on this batch
+            if self.read_ahead:
+                self._fill()  # top the pipeline up before the student starts computing on this batch
             if not self.decode:
                 self.wait_s.append(waited)
                 return item, payloads
@@ -250,6 +257,16 @@ class KVFeed:
         i = int((~ok).nonzero()[0])
         return checks[i][0], checks[i][1]
 
+    def pending_items(self) -> list[tuple]:
+        """The batches taken from `items` but not yet delivered, as items again ((key, input_ids, attention_mask,
+        item, examples), arrays per teacher): what a checkpoint keeps for a resumed feed to replay (on-policy)."""
+        out = []
+        for item, reqs, _ in self._inflight:
+            r = next(iter(reqs.values()))
+            out.append((r.key, {n: q.input_ids for n, q in reqs.items()}, {n: q.attention_mask for n, q in reqs.items()},
+                        item, r.examples))
+        return out
+
     @property
     def in_flight(self) -> int:
         """Batches taken from `items` but not yet delivered."""
@@ -263,7 +280,7 @@ class KVFeed:
 def _for(x, name: str) -> np.ndarray:
     """A teacher's input array: its own entry of a per-teacher dict (default: the None entry), or `x`."""
     if isinstance(x, dict):
-        x = x.get(name, x[None])
+        x = x[name] if name in x else x[None]
     return np.ascontiguousarray(x)
 
 

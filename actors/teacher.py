@@ -122,14 +122,15 @@ class TeacherActor:
 
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
            layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0,
-           hidden: bool = False) -> ray.ObjectRef:
+           hidden: bool = False, token_logprobs: bool = False) -> ray.ObjectRef:
         """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays);
         `actors.feed.get_kv` turns the call's result into the payload.
 
         `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
         the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of
         the LRU key, so consumers asking for the same batch with the same k share one forward
-        (k = 0 keeps the key it always had). hidden: the layers' output hidden states too (part of the LRU key).
+        (k = 0 keeps the key it always had). hidden: the layers' output hidden states too; token_logprobs: each next
+        token's log-prob too (on-policy distillation); both part of the LRU key.
         `bytes_served` counts KV and logits, `logit_bytes_served` the logits alone.
         """
         self.counters["requests"] += 1
@@ -139,6 +140,8 @@ class TeacherActor:
             cache_key = cache_key + (logits_top_k,)
         if cache_key is not None and hidden:
             cache_key = cache_key + ("hidden",)
+        if cache_key is not None and token_logprobs:
+            cache_key = cache_key + ("token_logprobs",)
         if cache_key is not None and cache_key in self._lru:
             self._lru.move_to_end(cache_key)
             self.counters["hits"] += 1
@@ -148,7 +151,8 @@ class TeacherActor:
             ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
             mask = torch.tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
             batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
-                                       logits_top_k=logits_top_k, hidden=bool(hidden))
+                                       logits_top_k=logits_top_k, hidden=bool(hidden),
+                                       token_logprobs=bool(token_logprobs))
             payload = batch.to_wire(wire_dtype)
             ref, nbytes, logit_nbytes = ray.put(payload), wire_nbytes(payload), wire_logits_nbytes(payload)
             self.counters["forward_s"] += time.perf_counter() - t0
@@ -161,6 +165,18 @@ class TeacherActor:
         self.counters["bytes_served"] += nbytes
         self.counters["logit_bytes_served"] += logit_nbytes
         return ref
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[int]]:
+        """Sampled completions of `prompts` (token ids of its tokenizer): on-policy distillation's `source: teacher`
+        (sequence-level KD), seeded like the student's (`core.sampling.sample`)."""
+        from kava_ray.core.sampling import sample
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        s = sample(self.model, prompts, max_new_tokens, temperature, top_p, eos_ids=[self.tokenizer.eos_token_id],
+                   pad_id=pad or 0, seed=seed)
+        self.counters["generated"] = self.counters.get("generated", 0) + s.tokens
+        return s.ids
 
     def stats(self) -> dict:
         c = dict(self.counters)

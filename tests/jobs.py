@@ -42,7 +42,7 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
     """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its KVFeed,
     from the checkpoint `resume` (or step 0) to `steps`; after step `save_at`, a checkpoint into `ckpt_dir`.
     Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, feed)."""
-    from kava_ray.recipes.distill import DistillRecipe, micro_batches, stream_state_after
+    from kava_ray.recipes.distill import DistillRecipe, micro_batches
 
     recipe = DistillRecipe(cfg, plans)
     recipe.setup(resume)
@@ -53,7 +53,8 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
         values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []), grad_share)
         out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
         if step == save_at:
-            recipe.save(ckpt_dir, step, stream_state_after(recipe.stream, feed, [recipe.skipped_before + feed.skipped]))
+            recipe.save_run(ckpt_dir, step, feed, [recipe.skipped_before + feed.skipped],
+                            pending=recipe.gather_pending(feed))
     return out, recipe, feed
 
 

@@ -302,7 +302,8 @@ def _same(a, b):
 
 def _tensors(batch) -> dict:
     """Every tensor of a Batch by name, its teachers' as `<field>/<teacher>`."""
-    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "teachers"}
+    out = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+           if isinstance(getattr(batch, f.name), torch.Tensor)}
     for t, view in batch.teachers.items():
         out.update({f"{f.name}/{t}": getattr(view, f.name) for f in dataclasses.fields(view)})
     return out

@@ -237,11 +237,32 @@ class LossConfig(_Section):
     # hybrid: the weight of the matched part (the unmatched part gets 1 - it); None = GOLD's default, the share of
     # the teacher's vocabulary that maps (1 for one tokenizer)
     logit_hybrid_matched_weight: Optional[float] = Field(None, ge=0, le=1)
+    # the divergence of the logit term for teachers of the student's tokenizer (`kava_ray.core.divergences`):
+    # forward_kl (the KD above), reverse_kl and jsd (TRL GKD's generalized JSD at jsd_beta, on the top-k with its
+    # tail), reverse_kl_sampled (on-policy distillation's per-token policy gradient on the student's own samples;
+    # reverse_kl on batches of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
+    logit_divergence: Literal["forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled"] = "forward_kl"
+    jsd_beta: float = Field(0.5, ge=0, le=1)  # GKD's beta: 0 forward KL, 1 reverse KL
 
     @field_validator("logit_cross_vocab", mode="before")
     @classmethod
     def _yaml_off(cls, v):
         return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+
+class OnPolicyConfig(_Section):
+    """On-policy distillation (README "On-policy distillation"): the share of batches whose completions are sampled,
+    and how. Prompts are the records' prompts (prompt_completion, messages, gsm8k rows)."""
+
+    fraction: float = Field(0.0, ge=0, le=1)  # GKD's lambda: the share of batches sampled; 0 = off
+    source: Literal["student", "teacher"] = "student"  # teacher: sequence-level KD (TRL's seq_kd)
+    teacher: Optional[str] = None  # source teacher: which teacher writes (default: the first)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights of one step
+    # earlier); 0: sampled with the current weights, then scored
+    lag: Literal[0, 1] = 1
 
 
 class OptimConfig(_Section):
@@ -316,6 +337,7 @@ class JobConfig(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     ray: RayConfig = RayConfig()
+    onpolicy: OnPolicyConfig = OnPolicyConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -332,6 +354,22 @@ class JobConfig(_Section):
             raise ValueError("align.cka_path: required when align.layer_map is 'cka'")
         if self.data.kv_source == "cache" and not self.data.kv_cache_dir:
             raise ValueError("data.kv_cache_dir: required when data.kv_source is 'cache'")
+        o = self.onpolicy
+        if o.fraction > 0:
+            if self.data.format == "text":
+                raise ValueError("onpolicy.fraction: text records have no prompt to sample a completion for "
+                                 "(on-policy distillation needs prompt_completion, messages or gsm8k records)")
+            if self.data.kv_source == "cache":
+                raise ValueError("onpolicy.fraction: sampled batches are scored live; a precomputed KV cache "
+                                 "(data.kv_source: cache) cannot hold them")
+            if o.source == "teacher" and o.teacher is not None and o.teacher not in names:
+                raise ValueError(f"onpolicy.teacher: no teacher named {o.teacher!r} (teachers: {', '.join(names)})")
+            if self.loss.logit_weight == 0 and self.loss.kv_weight == 0 and o.source == "student":
+                raise ValueError("onpolicy.fraction: the student's own samples train only through the teachers' "
+                                 "terms, and loss.logit_weight and loss.kv_weight are both 0")
+        if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
+            raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
+                             "(onpolicy.fraction > 0, onpolicy.source: student)")
         return self
 
     def teacher(self, name: str) -> TeacherConfig:

@@ -24,13 +24,17 @@ from kava_ray.common.files import atomic_dir, first_line, write_json
 STATE = "state.json"
 
 
+PENDING = "onpolicy_pending.pt"  # on-policy: the sampled batches in flight at the save (`load_pending`)
+
+
 def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, stream_state: dict,
-                    cfg: JobConfig, extra: Optional[dict] = None) -> Path:
+                    cfg: JobConfig, extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
-    replaced only once the new one is complete."""
+    replaced only once the new one is complete. pending: the feed items taken but not yet trained on (on-policy:
+    sampled with the weights of their time), which a resumed run trains on first."""
     path = Path(path)
     try:
-        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra)
+        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending)
     except OSError as e:  # unwritable storage, disk full, file size limit: the previous checkpoint stays
         raise KavaError(f"cannot write checkpoint {path}: {e.strerror or first_line(e)}"
                         f"{f' ({e.filename})' if e.filename else ''}") from None
@@ -38,7 +42,7 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
         raise KavaError(f"cannot write checkpoint {path}: {first_line(e)}") from None
 
 
-def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra) -> Path:
+def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending) -> Path:
     with atomic_dir(path) as tmp:
         distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
         if tokenizer is not None:
@@ -53,6 +57,8 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
             torch.save({"optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict() if scheduler is not None else None},
                        tmp / "optimizer.pt")
+        if pending is not None:
+            torch.save(pending, tmp / PENDING)
         state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
                  **(extra or {}),
@@ -195,6 +201,12 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
             raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
                             f"to continue with the new values")
     return state
+
+
+def load_pending(path) -> list:
+    """The feed items a checkpoint kept in flight (`save_checkpoint`'s `pending`), [] when it kept none."""
+    f = Path(path) / PENDING
+    return torch.load(f, weights_only=False) if f.is_file() else []
 
 
 def load_into(path, distiller, optimizer=None, scheduler=None) -> None:

@@ -48,12 +48,14 @@ from kava_ray.core.metric_names import (
     LOGIT_KL,
     LOSS,
     RELATION,
+    RKL_SUM,
+    SAMPLED_TOKENS,
     TOKENS,
     TOP1_AGREE,
     of,
 )
 from kava_ray.core.models import KVGeometry
-from kava_ray.core.plans import TeacherPlan, logit_specs
+from kava_ray.core.plans import TeacherPlan, logit_specs, token_logprob_teachers
 from kava_ray.core.precision import sr_adamw
 from kava_ray.core.projectors import StudentMap, TeacherProjector, fit_allowed
 
@@ -102,6 +104,8 @@ class Distiller(nn.Module):
             if cfg.loss.hidden_weight > 0 else {})
         self.logit_specs = logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {}
         self.logit_names = list(self.logit_specs)
+        self.scored = token_logprob_teachers(cfg, plans)  # on-policy: their reverse KL of the student's samples
+        self.onpolicy = cfg.onpolicy.fraction > 0
 
     def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch]):
         """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels / answer_mask
@@ -130,7 +134,9 @@ class Distiller(nn.Module):
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
             self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
-            loss = c.ce_weight * ce + self.kv_term
+            # CE on the student's own samples would teach it what it already says: off there (on a teacher's
+            # samples it is sequence-level KD)
+            loss = (0.0 if batch.source == "student" else c.ce_weight) * ce + self.kv_term
             if c.relation_weight > 0:
                 rel = self._relation_term(skv, native, masks)
                 loss = loss + c.relation_weight * rel
@@ -144,6 +150,8 @@ class Distiller(nn.Module):
                 loss = loss + c.logit_weight * kl
                 metrics.update(m_logit)
             metrics.update(self._metrics(loss, ce, kvl, kv_m, batch, kv_mask, next_mask))
+            if self.onpolicy:
+                metrics.update(self._sampled_metrics(teacher_kv, batch, next_mask))
             return loss, metrics
 
     # ---------------------------------------------------------------------------------- teachers -> student
@@ -335,6 +343,21 @@ class Distiller(nn.Module):
             s = self.hidden_proj[n](skv.hidden)  # [L_s, B, T, h_t]
             total = total + wi * hidden_cosine_loss(s, th[self.relation_pairs[n]], m)
         return total
+
+    def _sampled_metrics(self, teacher_kv: dict[str, KVBatch], batch: Batch, next_mask: torch.Tensor) -> dict:
+        """On-policy runs, every batch (the same names on every rank and micro-batch): the tokens the student
+        sampled (0 for a batch of the data), and per teacher of its tokenizer the sum over them of log q - log pi_T
+        (`RKL_SUM/<t>`; the step record divides by the tokens: the teacher-scored reverse KL of the samples)."""
+        sampled = batch.source == "student" and batch.sample_logp is not None
+        m = next_mask.to(batch.input_ids.device) if sampled else torch.zeros_like(next_mask, dtype=torch.bool)
+        out = {SAMPLED_TOKENS: m.sum()}
+        for n in self.scored:
+            t = teacher_kv[n].token_logp
+            if sampled and t is None:
+                raise KavaError(f"teacher '{n}' sent no token log-probs for the student's samples")
+            diff = (batch.sample_logp.to(m.device) - t.to(m.device)) if sampled else torch.zeros(m.shape)
+            out[of(RKL_SUM, n)] = torch.where(m, diff.to(m.device), 0.0).sum()
+        return out
 
     def _metrics(self, loss, ce, kvl, kv_m: dict, batch: Batch, kv_mask: torch.Tensor, next_mask: torch.Tensor) -> dict:
         """The step's summary metrics: losses, the KV cosines and gap (mean of K and V), the token counts and the

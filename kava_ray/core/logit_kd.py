@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from kava_ray.common.errors import KavaError
+from kava_ray.core.divergences import divergence_beta, sampled_reverse_kl_loss, topk_divergence
 from kava_ray.core.kv import KVBatch
-from kava_ray.core.losses import hybrid_logit_loss, top1_agreement, topk_kl_loss, topk_tail, uld_loss
+from kava_ray.core.losses import hybrid_logit_loss, log_normalizer, top1_agreement, topk_kl_loss, topk_tail, uld_loss
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -71,6 +72,33 @@ def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Ten
     return ids.gather(1, rows), logp.gather(1, rows), tail.gather(1, idx)
 
 
+def same_vocab_term(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, tail: torch.Tensor, m: torch.Tensor,
+                    valid: Optional[torch.Tensor], t: KVBatch, batch: Batch, c, lse: Optional[torch.Tensor],
+                    metrics: dict) -> torch.Tensor:
+    """A teacher of the student's tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
+    (`losses.topk_kl_loss`); reverse_kl / jsd the generalized JSD on the top-k with its tail
+    (`divergences.topk_divergence`); reverse_kl_sampled on a batch the student sampled, the sampled form
+    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`; its reverse KL of the samples goes to
+    metrics["sampled_rkl"]), on other batches reverse_kl."""
+    div = c.logit_divergence
+    if div == "forward_kl":
+        return topk_kl_loss(logits, ids.clamp(min=0), logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
+                            teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse, valid=valid)
+    if div == "reverse_kl_sampled" and batch.source == "student" and batch.sample_logp is not None:
+        if t.token_logp is None:
+            raise KavaError("loss.logit_divergence reverse_kl_sampled: a teacher sent no token log-probs for the "
+                            "student's samples")
+        nxt = batch.input_ids[:, 1:].to(logits.device)
+        full = lse if lse is not None else log_normalizer(logits)
+        student = logits[:, :-1].gather(-1, nxt[..., None])[..., 0].float() - full[:, :-1]
+        student = torch.nn.functional.pad(student, (0, 1))  # [B, T]: log pi_S of each next token
+        loss, rkl = sampled_reverse_kl_loss(student, batch.sample_logp, t.token_logp, m)
+        metrics["sampled_rkl"] = rkl
+        return loss
+    return topk_divergence(logits, ids.clamp(min=0), logp, m, beta=divergence_beta(div, c.jsd_beta),
+                           temperature=c.logit_temperature, teacher_tail=tail, lse=lse, valid=valid)
+
+
 def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
                lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s]; `batch` a
@@ -96,8 +124,7 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch,
             # tail bucket's; tail none: it leaves the renormalised k), and a top-1 there never agrees
             valid = ids < logits.shape[-1]
             ids = torch.where(valid, ids, -1)
-        loss = topk_kl_loss(logits, ids.clamp(min=0), logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
-                            teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse, valid=valid)
+        loss = same_vocab_term(logits, ids, logp, tail, m, valid, t, batch, loss_cfg, lse, metrics)
         metrics["kl"] = loss.detach()
         top1 = ids[..., 0].long()
     else:

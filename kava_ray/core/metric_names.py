@@ -15,7 +15,18 @@ TOKENS, KV_TOKENS, LABEL_TOKENS = "tokens", "kv_tokens", "label_tokens"  # real 
 GRAD_KV_SHARE = "grad/kv_share"  # |grad of kv_weight * KV on the student| / |the whole loss's| (log steps)
 GRAD_KV_RATIO = "grad/kv_ratio"  # |grad of kv_weight * KV on the student| / |every other term's| (log steps)
 SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV (the recipe's count)
-SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES)  # summed over micro-batches and ranks; the rest: means
+SAMPLED_TOKENS = "onpolicy/sampled_tokens"  # completion tokens the student sampled in the step (on-policy)
+SAMPLE_S = "time/sample_s"  # seconds the step spent sampling (on-policy; mean over ranks)
+# the teacher-scored per-token reverse KL of the student's samples, log q - log pi_T (tinker's teacher_kl), per
+# teacher of its tokenizer: summed over sampled tokens as RKL_SUM/<t>, divided by SAMPLED_TOKENS into RKL/<t>
+RKL, RKL_SUM = "onpolicy/reverse_kl", "onpolicy/reverse_kl_sum"
+SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES, SAMPLED_TOKENS)  # summed over micro-batches and ranks
+# (and every RKL_SUM/<t>: `summed`); the rest: means
+
+
+def summed(name: str) -> bool:
+    """Whether a metric is summed over micro-batches and ranks (a count) rather than averaged."""
+    return name in SUMMED or name.startswith(RKL_SUM + "/")
 
 # per teacher, as `of(COS, teacher)`: cos/<t> (centred), cos_raw/<t>, aligned/<t> (the share of KV positions a
 # teacher of another tokenizer covers), fusion/<t> (its fusion weight), top1_agree/<t>, and the logit terms

@@ -55,6 +55,15 @@ def wants_hidden(cfg: JobConfig) -> bool:
     return float(getattr(cfg.loss, "hidden_weight", 0.0) or 0.0) > 0
 
 
+def token_logprob_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+    """Teachers that also serve each next token's log-prob: those of the student's tokenizer, when the student
+    samples (`onpolicy`): the sampled reverse KL and its metric read them."""
+    o = getattr(cfg, "onpolicy", None)
+    if o is None or o.fraction == 0 or o.source != "student":
+        return []
+    return [n for n, p in plans.items() if not p.aligned]
+
+
 def cross_vocab(cfg: JobConfig) -> str:
     """How teachers of another tokenizer train the student's logits: "hybrid", "uld" or "off"."""
     return getattr(cfg.loss, "logit_cross_vocab", "off")

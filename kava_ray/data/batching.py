@@ -85,7 +85,9 @@ class Batch:
     """A batch of the student's examples (what the data layer yields and the Distiller reads); all long.
 
     teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the student's
-    tokenizer reads `input_ids` / `attention_mask` as they are).
+    tokenizer reads `input_ids` / `attention_mask` as they are). source: "data" (the records' own completions),
+    "student" or "teacher" (completions sampled by it: on-policy distillation, `data.onpolicy`); sample_logp [B, T]
+    float: at position t the sampling log-prob of token t + 1 where it was sampled (0 elsewhere).
     """
 
     input_ids: torch.Tensor  # [B, T]
@@ -93,6 +95,8 @@ class Batch:
     labels: torch.Tensor  # [B, T], IGNORE_INDEX off the loss
     answer_mask: torch.Tensor  # [B, T]
     teachers: dict[str, TeacherInputs] = field(default_factory=dict)
+    source: str = "data"
+    sample_logp: Optional[torch.Tensor] = None
 
     def to(self, device) -> "Batch":
         """A copy with every tensor (the teachers' too) on `device`."""

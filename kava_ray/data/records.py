@@ -209,6 +209,25 @@ def generation_prompt(row: Mapping, fmt: str, tokenizer, prompt_format: str = "a
     return PLAIN_PROMPT.format(q=row["question"])
 
 
+def with_completion(row: Mapping, fmt: str, text: str) -> dict:
+    """The record with its completion (the last assistant turn, a GSM8K answer) replaced by `text`: what a teacher
+    of another tokenizer renders of a sampled completion (on-policy distillation). Text records have none."""
+    out = dict(row)
+    turn = {"role": "assistant", "content": text}
+    if fmt == "prompt_completion":
+        out["completion"] = [turn] if isinstance(row["completion"], list) else text
+    elif fmt == "messages":
+        msgs = list(row["messages"])
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        out["messages"] = msgs[:last] + [turn]
+    elif fmt == "gsm8k":
+        out["answer"] = text
+    else:
+        raise KavaError(f"{fmt} records have no prompt to complete: on-policy distillation needs prompt_completion, "
+                        f"messages or gsm8k records")
+    return out
+
+
 def formats_of(rows: Iterable[tuple[str, Mapping]], fmt: str, columns: Optional[Mapping] = None) -> Optional[str]:
     """Check `(where, row)` pairs (the first records of a source): each is a valid record, all of one format.
     Returns that format (None for no rows)."""

@@ -126,19 +126,20 @@ def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 
 
 
 def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
-                 columns: Optional[Mapping] = None) -> None:
+                 columns: Optional[Mapping] = None) -> Optional[str]:
     """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`runtime.preflight`).
 
     A local source: exists, is not empty, and its first `records` records are valid records of one format (one
     KavaError line naming the file and row). Else it must look like a hub id `org/name` (refuses typos such as
-    `synthetc`); whether the hub has it is the loader's business.
+    `synthetc`); whether the hub has it is the loader's business. Returns the records' format where it read them
+    (gsm8k for synthetic; None for a hub id).
     """
     if source == "synthetic":
-        return
+        return "gsm8k"
     path = source_path(source, split)
     if path is None:
         _check_hub_id(source)
-        return
+        return None
     first_file = data_files(path)[0] if os.path.isdir(path) else path
     rows = _read_local(first_file, limit=records)
     first = next(rows, None)
@@ -149,7 +150,7 @@ def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
         if missing:
             raise KavaError(f"data.columns: column {missing[0]!r} is not in data file {first_file} (its first record "
                             f"has: {', '.join(first[1]) or 'nothing'})")
-    formats_of(((f"data file {first_file}: {at}", row) for at, row in [first, *rows]), fmt, columns)
+    return formats_of(((f"data file {first_file}: {at}", row) for at, row in [first, *rows]), fmt, columns)
 
 
 def _check_hub_id(source: str) -> None:

@@ -443,6 +443,39 @@ def _teacher_rendering(split: TokenizedSplit, i: int, s_item: dict, tokenizer, p
     return render(row, split.format, tokenizer, prompt_format, teacher=True)
 
 
+ROW_COUNTS = ("student_tokens", "aligned", "width", "teacher_tokens", "unanchored", "teacher_capped", "same_text",
+              "causal_unaligned", "paired")
+
+
+def align_item(s_item: dict, t_item: dict, max_length: int) -> tuple[dict, dict]:
+    """One row as a teacher of another tokenizer sees it: (its item {input_ids, align_lo, align_hi, logit_pair},
+    the row's counts `ROW_COUNTS`), from the student's item and the teacher's encoding of the same content (each
+    with offsets, text and segments). The rules: `teacher_view`."""
+    lo, hi, s_canon, t_canon = align_texts(s_item["offsets"], s_item["text"], s_item["segments"],
+                                           t_item["offsets"], t_item["text"], t_item["segments"])
+    ids = t_item["input_ids"]
+    n_keep = len(ids)
+    if s_item.get("truncated"):
+        covered = int(s_canon[1].max()) if len(s_canon[1]) else -1
+        keep = np.flatnonzero((t_canon[0] >= 0) & (t_canon[1] <= covered))
+        n_keep = int(keep[-1]) + 1 if len(keep) else 0
+    capped = n_keep > max_length
+    n_keep = max(1, min(n_keep, max_length)) if ids else 0
+    hi = np.minimum(hi, n_keep)
+    lo = np.minimum(lo, hi)
+    ok = hi > lo
+    lo_o, hi_o = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1], causal=False)
+    causal = int(((np.minimum(hi_o, n_keep) > np.minimum(lo_o, n_keep)) & ~ok).sum())
+    pair = pair_positions(s_canon, t_canon)  # for logits: the teacher position that predicts the same text
+    pair = np.where(pair < n_keep, pair, -1)
+    row = {"student_tokens": len(lo), "aligned": int(ok.sum()), "width": int((hi - lo).sum()), "teacher_tokens": n_keep,
+           "unanchored": int((s_canon[2] < 0).all() or (t_canon[2] < 0).all()), "teacher_capped": int(capped),
+           "same_text": int(s_item["text"] == t_item["text"]), "causal_unaligned": causal,
+           "paired": int((pair >= 0).sum())}
+    return {"input_ids": list(ids[:n_keep]), "align_lo": lo.tolist(), "align_hi": hi.tolist(),
+            "logit_pair": pair.tolist()}, row
+
+
 def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_length: int,
                  mode_unused=None) -> TeacherView:
     """Encode every row of `split` with a teacher's `tokenizer` and align it to the student's tokens.
@@ -460,38 +493,19 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     """
     if "text" not in split.dataset.column_names:
         raise KavaError("teachers of another tokenizer need the split's texts and offsets (tokenize with_text)")
-    items, n_tok, n_ok, width, n_t, unanchored, capped, same, causal, n_pair = [], 0, 0, 0, 0, 0, 0, 0, 0, 0
+    items, counts = [], dict.fromkeys(ROW_COUNTS, 0)
     for i in range(len(split)):
         s_item = split.items[i]
         r = _teacher_rendering(split, i, s_item, tokenizer, prompt_format)
-        t_item = encode_rendered(tokenizer, r, 1 << 30)
-        lo, hi, s_canon, t_canon = align_texts(s_item["offsets"], s_item["text"], s_item["segments"],
-                                               t_item["offsets"], t_item["text"], t_item["segments"])
-        same += s_item["text"] == t_item["text"]
-        if (s_canon[2] < 0).all() or (t_canon[2] < 0).all():
-            unanchored += 1
-        ids = t_item["input_ids"]
-        n_keep = len(ids)
-        if s_item.get("truncated"):
-            covered = int(s_canon[1].max()) if len(s_canon[1]) else -1
-            keep = np.flatnonzero((t_canon[0] >= 0) & (t_canon[1] <= covered))
-            n_keep = int(keep[-1]) + 1 if len(keep) else 0
-        capped += n_keep > max_length
-        n_keep = max(1, min(n_keep, max_length)) if ids else 0
-        hi = np.minimum(hi, n_keep)
-        lo = np.minimum(lo, hi)
-        ok = hi > lo
-        lo_o, hi_o = align_positions(s_canon[0], s_canon[1], t_canon[0], t_canon[1], causal=False)
-        causal += int(((np.minimum(hi_o, n_keep) > np.minimum(lo_o, n_keep)) & ~ok).sum())
-        pair = pair_positions(s_canon, t_canon)  # for logits: the teacher position that predicts the same text
-        pair = np.where(pair < n_keep, pair, -1)
-        n_tok, n_ok, width, n_t = n_tok + len(lo), n_ok + int(ok.sum()), width + int((hi - lo).sum()), n_t + n_keep
-        n_pair += int((pair >= 0).sum())
-        items.append({"input_ids": list(ids[:n_keep]), "align_lo": lo.tolist(), "align_hi": hi.tolist(),
-                      "logit_pair": pair.tolist()})
-    stats = {"aligned_fraction": n_ok / max(n_tok, 1), "teacher_per_student": width / max(n_ok, 1),
-             "unaligned": n_tok - n_ok, "causal_unaligned": causal, "student_tokens": n_tok, "teacher_tokens": n_t,
-             "unanchored": unanchored, "teacher_capped": capped, "same_text": same,
-             "paired_fraction": n_pair / max(n_tok, 1)}
+        item, row = align_item(s_item, encode_rendered(tokenizer, r, 1 << 30), max_length)
+        items.append(item)
+        counts = {k: counts[k] + row[k] for k in ROW_COUNTS}
+    n_tok = counts["student_tokens"]
+    stats = {"aligned_fraction": counts["aligned"] / max(n_tok, 1),
+             "teacher_per_student": counts["width"] / max(counts["aligned"], 1),
+             "unaligned": n_tok - counts["aligned"], "causal_unaligned": counts["causal_unaligned"],
+             "student_tokens": n_tok, "teacher_tokens": counts["teacher_tokens"], "unanchored": counts["unanchored"],
+             "teacher_capped": counts["teacher_capped"], "same_text": counts["same_text"],
+             "paired_fraction": counts["paired"] / max(n_tok, 1)}
     return TeacherView(items, _pad_id(tokenizer), tokenizer_fingerprint(tokenizer), stats)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import tempfile
@@ -30,7 +31,7 @@ from kava_ray.common.config import JobConfig, TrainConfig, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.metrics_file import METRICS, MetricsLog
 from kava_ray.common.trackers import open_trackers
-from kava_ray.core.checkpoint import check_compatible, load_into, save_checkpoint
+from kava_ray.core.checkpoint import check_compatible, load_into, load_pending, save_checkpoint
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.metric_names import (
@@ -39,10 +40,14 @@ from kava_ray.core.metric_names import (
     GRAD_KV_SHARE,
     KV_TOKENS,
     LABEL_TOKENS,
+    RKL,
+    RKL_SUM,
+    SAMPLE_S,
+    SAMPLED_TOKENS,
     SKIPPED_BATCHES,
-    SUMMED,
     TOKENS,
     phase,
+    summed,
 )
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
 from kava_ray.core.plans import (
@@ -53,6 +58,7 @@ from kava_ray.core.plans import (
     plans_from_payload,
     teacher_logits_top_k,
     teacher_tokenizers,
+    token_logprob_teachers,
     vocab_maps,
     wants_hidden,
 )
@@ -106,6 +112,8 @@ class DistillRecipe:
         self.stream = BatchStream(self.train_split, cfg.train.batch_size, data_seed(cfg), rank=self.rank,
                                   world_size=self.world, state=state["stream"] if state else None)
         self.skipped_before = skip_resumed(self.stream, state["stream"] if state else None)  # train.on_bad_kv
+        kept = load_pending(checkpoint_dir) if state else []  # on-policy: every rank's sampled batches in flight
+        self.pending = kept[self.rank] if self.rank < len(kept) else []
         return state
 
     def build_model(self, maps: Optional[dict] = None, checkpoint_dir: Optional[str] = None, wrap=None,
@@ -203,10 +211,38 @@ class DistillRecipe:
 
         cfg = self.cfg
         remaining = max(0, (until or cfg.train.steps) - self.start_step) * cfg.optim.accumulation
-        return KVFeed(source, feed_items(self.stream), {n: p.layers for n, p in self.plans.items()},
+        items, read_ahead = feed_items(self.stream), True
+        if cfg.onpolicy.fraction > 0:  # sampled batches: one in flight, taken early (lag 1) or when asked (lag 0)
+            from actors.onpolicy import onpolicy_items
+
+            self.sampler = self.make_sampler(source)
+            items = itertools.chain(getattr(self, "pending", []),
+                                    onpolicy_items(self.stream, self.sampler, cfg.onpolicy.fraction, cfg.train.seed))
+            depth, read_ahead = 1, cfg.onpolicy.lag == 1
+        return KVFeed(source, items, {n: p.layers for n, p in self.plans.items()},
                       depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
                       device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
-                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining, hidden=wants_hidden(cfg))
+                      on_bad_kv=cfg.train.on_bad_kv, limit=remaining, hidden=wants_hidden(cfg),
+                      token_logprobs=token_logprob_teachers(cfg, self.plans), read_ahead=read_ahead)
+
+    def make_sampler(self, source):
+        """On-policy: the `actors.onpolicy.Sampler` of this rank (the student samples on this worker; with
+        `onpolicy.source: teacher`, the named teacher's actor writes)."""
+        from actors.onpolicy import Sampler, check_source_teacher  # Ray: see the module docstring
+
+        cfg, teacher, model = self.cfg, None, self.distiller.student
+        if self.train_split.format == "text" or self.train_split.packed:
+            raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: the data holds text records, which have no "
+                            f"prompt to sample a completion for (on-policy distillation needs prompt_completion, "
+                            f"messages or gsm8k records)")
+        if cfg.onpolicy.source == "teacher":
+            name, model = check_source_teacher(cfg, self.plans), None
+            handles = getattr(source, "handles", None)
+            if handles is None:
+                raise KavaError("onpolicy.source: teacher needs live teacher actors (the KV source here has none)")
+            teacher = handles[name].route("") if hasattr(handles[name], "route") else handles[name]
+        return Sampler(cfg, self.train_split, self.tokenizer, self.teacher_toks, model=model, teacher=teacher,
+                       rank=self.rank, autocast=self.autocast)
 
     def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
@@ -244,7 +280,7 @@ class DistillRecipe:
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-        out = {k: v if k in SUMMED else v / accum for k, v in sums.items()}
+        out = {k: v if summed(k) else v / accum for k, v in sums.items()}
         if share is not None:
             out.update(share)
         out["grad_norm"] = norms["student"].detach().double()  # the student's gradient norm (before clipping)
@@ -283,9 +319,31 @@ class DistillRecipe:
                 GRAD_KV_RATIO: (n_kv / get_total_norm(rest).clamp_min(1e-30)).double()}
 
     def save(self, path, step: int, stream_state: dict, with_optimizer: bool = True,
-             extra: Optional[dict] = None) -> Path:
+             extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
         return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
-                               self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra)
+                               self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra,
+                               pending=pending)
+
+    def save_run(self, path, step: int, feed, skipped: list[int], with_optimizer: bool = True,
+                 extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
+        """`save` at the feed's position: the stream just after the last batch trained on, or -- with `pending`
+        (`gather_pending`: on-policy, whose batches in flight were sampled with the weights of their time) --
+        after the batches in flight, which the checkpoint keeps and a resumed run trains on first: the same curve
+        either way."""
+        state = stream_state_after(self.stream, feed, skipped, keep_in_flight=pending is not None)
+        return self.save(path, step, state, with_optimizer, extra, pending)
+
+    def gather_pending(self, feed) -> Optional[list]:
+        """On-policy, on every rank at a save step: every rank's batches in flight, [rank] -> items (rank 0
+        saves them); None off-policy (a resume reads those batches again from the stream)."""
+        if self.cfg.onpolicy.fraction == 0:
+            return None
+        mine = feed.pending_items()
+        if self.world == 1 or not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        out = [None] * self.world
+        dist.all_gather_object(out, mine)
+        return out
 
     def evaluate(self, source) -> dict[str, float]:
         """`eval/*` on the validation split: what checkpoint selection and Tune read."""
@@ -309,22 +367,23 @@ def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, flo
     flat = torch.stack([values[k].reshape(()) for k in keys])
     if world > 1:
         dist.all_reduce(flat)
-        scale = torch.tensor([1.0 if k in SUMMED else 1.0 / world for k in keys], dtype=flat.dtype,
+        scale = torch.tensor([1.0 if summed(k) else 1.0 / world for k in keys], dtype=flat.dtype,
                              device=flat.device)
         flat = flat * scale
     return dict(zip(keys, flat.tolist()))
 
 
-def stream_state_after(stream, feed, skipped: Optional[list[int]] = None) -> dict:
+def stream_state_after(stream, feed, skipped: Optional[list[int]] = None, keep_in_flight: bool = False) -> dict:
     """The stream position just after the last batch the student trained on, with every rank's skips.
 
     The feed reads ahead, so the stream is ahead by the batches in flight: step back by those. The saved position
     counts only the batches trained on (the same on every rank); `skipped` lists each rank's cumulative skips
     (train.on_bad_kv=skip: each rank reads its own shard), which `skip_resumed` steps over on resume.
+    keep_in_flight: the batches in flight are saved with the checkpoint (on-policy): no step back for them.
     """
     s = stream.state()
     own = int(skipped[stream.rank]) if skipped else 0
-    behind = feed.in_flight + own
+    behind = (0 if keep_in_flight else feed.in_flight) + own
     pos, epoch, step = s["position"] - behind, s["epoch"], s["step"] - behind
     while pos < 0:
         epoch -= 1
@@ -376,8 +435,12 @@ def train_step(recipe: DistillRecipe, feed, step: int, grad_share: bool = False)
     """`recipe.step` on the feed's next micro-batches, plus the time it waited for teachers and the rank's
     cumulative skipped batches (float64 tensors on the device, like the step's own metrics)."""
     waits: list = []
+    sampler = getattr(recipe, "sampler", None)  # on-policy: the seconds this step spent sampling
+    sampled_before = sampler.seconds if sampler is not None else 0.0
     values = recipe.step(step, micro_batches(feed, recipe.cfg.optim.accumulation, step, waits), grad_share)
     device = values["grad_norm"].device
+    if sampler is not None:
+        values[SAMPLE_S] = torch.tensor(sampler.seconds - sampled_before, dtype=torch.float64, device=device)
     values["teacher_wait_s"] = torch.tensor(sum(waits), dtype=torch.float64, device=device)
     values[SKIPPED_BATCHES] = torch.tensor(float(recipe.skipped_before + feed.skipped), dtype=torch.float64,
                                            device=device)  # cumulative, summed over ranks
@@ -409,6 +472,8 @@ def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list
     metrics.pop(LABEL_TOKENS)
     metrics.pop(KV_TOKENS)
     metrics[SKIPPED_BATCHES] = int(metrics[SKIPPED_BATCHES])
+    for k in [k for k in metrics if k.startswith(RKL_SUM + "/")]:  # on-policy: per sampled token
+        metrics[RKL + k[len(RKL_SUM):]] = metrics.pop(k) / max(metrics[SAMPLED_TOKENS], 1.0)
     metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop(TOKENS) / dt,
                    phase=phase(metrics[COS_SIM]), lr_student=lrs[0], lr_projector=lrs[-1])
     return metrics
@@ -435,11 +500,11 @@ def report_step(recipe: DistillRecipe, feed, record: dict, step: int, skips: Opt
     if skips is None:
         ray.train.report(record)
         return
+    pending = recipe.gather_pending(feed)  # every rank joins (on-policy)
     with tempfile.TemporaryDirectory() as tmp:
         ck = None
         if recipe.rank == 0:
-            recipe.save(Path(tmp) / "ckpt", step, stream_state_after(recipe.stream, feed, skips),
-                        extra={"metrics": record})
+            recipe.save_run(Path(tmp) / "ckpt", step, feed, skips, extra={"metrics": record}, pending=pending)
             ck = ray.train.Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
         ray.train.report(record, checkpoint=ck)
 
@@ -451,7 +516,7 @@ def finish(recipe: DistillRecipe, source, feed, log: MetricsLog, run_dir: Path, 
     if recipe.start_step < steps:
         test = recipe.test(source)
         log.write({"step": steps, "kind": "test", **test})
-        recipe.save(run_dir / "final", steps, stream_state_after(recipe.stream, feed, skips), with_optimizer=False,
+        recipe.save_run(run_dir / "final", steps, feed, skips, with_optimizer=False,
                     extra={"test": test})
         log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
     log.trackers.close()

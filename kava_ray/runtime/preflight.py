@@ -130,7 +130,11 @@ def check_data(cfg: JobConfig, split: str) -> None:
     """`data.source` for `split`: synthetic, a local file whose first records parse and are valid records of
     one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
     with about("data.source"):
-        check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
+        fmt = check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
+    if fmt == "text" and cfg.onpolicy.fraction > 0:
+        raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: data.source {cfg.data.source} holds text "
+                        f"records, which have no prompt to sample a completion for (on-policy distillation needs "
+                        f"prompt_completion, messages or gsm8k records)")
 
 
 def check_kv_cache(cfg: JobConfig, command: str) -> None:

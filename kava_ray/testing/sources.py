@@ -23,5 +23,5 @@ class InProcessSource:
         r = request  # an `actors.feed.KVRequest`
         kv = teacher_forward_kv(self.models[name], torch.as_tensor(r.input_ids), torch.as_tensor(r.attention_mask),
                                 layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k,
-                                hidden=r.hidden)
+                                hidden=r.hidden, token_logprobs=getattr(r, "token_logprobs", False))
         return kv.to_wire(r.wire_dtype)

@@ -30,6 +30,8 @@ class KVBatch:
     those k ids (`losses.topk_kl_loss`'s tail bucket), None in batches from before it was served.
     hidden [L, B, T, hidden_size]: the same layers' output hidden states (the residual stream after each layer),
     served for `loss.hidden_weight`, else None.
+    token_logp [B, T]: the log-prob the teacher gives each next token of the batch (at position t, that of token
+    t + 1; 0 at the last), float32, served for on-policy distillation's sampled reverse KL, else None.
     """
 
     keys: torch.Tensor
@@ -41,6 +43,7 @@ class KVBatch:
     topk_logp: torch.Tensor | None = None
     topk_tail: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    token_logp: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,6 +62,7 @@ class KVBatch:
             None if self.topk_logp is None else self.topk_logp.to(device),
             None if self.topk_tail is None else self.topk_tail.to(device),
             None if self.hidden is None else self.hidden.to(device=device, dtype=dtype),
+            None if self.token_logp is None else self.token_logp.to(device),
         )
 
     def select_layers(self, ids) -> "KVBatch":
@@ -70,7 +74,7 @@ class KVBatch:
         idx = torch.tensor([self.layer_ids.index(i) for i in ids], device=self.keys.device)
         return KVBatch(self.keys.index_select(0, idx), self.values.index_select(0, idx), ids, self.mask, self.key_space,
                        self.topk_ids, self.topk_logp, self.topk_tail,
-                       None if self.hidden is None else self.hidden.index_select(0, idx))
+                       None if self.hidden is None else self.hidden.index_select(0, idx), self.token_logp)
 
     def row(self, b: int) -> "KVBatch":
         """Sample `b` alone ([L, 1, H, n, D]), cut to its n real tokens (right padding: mask[b] is 1...1 0...0)."""
@@ -84,7 +88,7 @@ class KVBatch:
 
         return KVBatch(kv(self.keys), kv(self.values), list(self.layer_ids), tok(self.mask), self.key_space,
                        tok(self.topk_ids), tok(self.topk_logp), tok(self.topk_tail),
-                       None if self.hidden is None else self.hidden[:, b:b + 1, :n])
+                       None if self.hidden is None else self.hidden[:, b:b + 1, :n], tok(self.token_logp))
 
     @classmethod
     def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
@@ -123,7 +127,8 @@ class KVBatch:
                    fill(lambda r: r.topk_logp, (B, T, k), torch.float32, 1),
                    fill(lambda r: r.topk_tail, (B, T), torch.float32, 1),
                    fill(lambda r: r.hidden, (L, B, T, first.hidden.shape[-1]) if first.hidden is not None else None,
-                        first.hidden.dtype if first.hidden is not None else None, 2))
+                        first.hidden.dtype if first.hidden is not None else None, 2),
+                   fill(lambda r: r.token_logp, (B, T), torch.float32, 1))
 
     def num_bytes(self) -> int:
         """Bytes held by K and V (not the mask)."""
@@ -171,6 +176,8 @@ class KVBatch:
                 payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
             if self.topk_tail is not None:
                 payload["topk_tail"] = self.topk_tail.detach().to("cpu", torch.float32).contiguous().numpy()
+        if self.token_logp is not None:  # float32: a log-prob's difference to the student's is the signal
+            payload["tl"] = self.token_logp.detach().to("cpu", torch.float32).contiguous().numpy()
         if self.hidden is not None:  # bf16, or fp16 on an fp16 / fp8 wire (no per-channel fp8 for activations)
             payload["hidden_dtype"] = "bf16" if dtype == "bf16" else "fp16"
             h = self.hidden.detach()
@@ -221,8 +228,12 @@ class KVBatch:
             hidden = h.to(dtype) if dtype is not None else h.clone()
             if hidden.data_ptr() == raw.data_ptr():
                 hidden = hidden.clone()
+        token_logp = None
+        if payload.get("tl") is not None:
+            token_logp = torch.from_numpy(np.array(payload["tl"], dtype=np.float32))
+            token_logp = token_logp.to(device) if device is not None else token_logp
         return cls(tensors[0], tensors[1], list(payload["layer_ids"]), mask, payload["key_space"], topk_ids, topk_logp,
-                   topk_tail, hidden)
+                   topk_tail, hidden, token_logp)
 
 
 def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -245,9 +256,10 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
 
 
 def wire_nbytes(payload: dict) -> int:
-    """Bytes of a wire payload's K, V, top-k and hidden-state arrays (not the mask, fp8 scales or metadata)."""
-    hidden = payload["h"].nbytes if payload.get("h") is not None else 0
-    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload) + hidden)
+    """Bytes of a wire payload's K, V, top-k, token log-prob and hidden-state arrays (not the mask, fp8 scales or
+    metadata)."""
+    extra = sum(payload[a].nbytes for a in ("h", "tl") if payload.get(a) is not None)
+    return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload) + extra)
 
 
 def wire_logits_nbytes(payload: dict) -> int:

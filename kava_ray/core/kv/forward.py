@@ -93,7 +93,8 @@ def _stack(pairs, attention_mask, ids, key_space) -> KVBatch:
 
 
 def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space: str = "pre_rope",
-                       logits_top_k: int = 0, stop_early: bool = True, hidden: bool = False) -> KVBatch:
+                       logits_top_k: int = 0, stop_early: bool = True, hidden: bool = False,
+                       token_logprobs: bool = False) -> KVBatch:
     """Inference forward (input_ids, attention_mask [B, T]) -> KVBatch of the selected layers, as ordinary (not
     inference-mode) tensors on the model's device and dtype. pre_rope: K, V captured at the projections and
     checked against the cache; post_rope: the cache.
@@ -101,7 +102,7 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included);
     k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
     hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T, hidden]; the forward then
-    runs every decoder layer).
+    runs every decoder layer). token_logprobs: also each next token's log-prob (`KVBatch.token_logp` [B, T]).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -110,11 +111,12 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
         raise KavaError(f"logits_top_k must be >= 0, got {logits_top_k}")
     input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
     # the decoder without the LM head when logits are not needed; the whole model when they are
-    run = model if logits_top_k else getattr(model, "base_model", model)
+    with_logits = bool(logits_top_k) or token_logprobs
+    run = model if with_logits else getattr(model, "base_model", model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=True)
     n_layers = kv_geometry(model).num_layers
     ids = _check_layers(layers, n_layers)
-    early = stop_early and not logits_top_k and not hidden
+    early = stop_early and not with_logits and not hidden
     stop = _StopAfter.at(model, max(ids), n_layers) if early else contextlib.nullcontext()
     hid = HiddenCapture(model, ids) if hidden else contextlib.nullcontext()
     out = None  # stays None when the forward is stopped early
@@ -123,13 +125,13 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
             out = run(**kwargs)
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
             kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
-            return _with_hidden(_with_topk(kv, out, logits_top_k), hid)
+            return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
     with _Capture(model, ids) as cap, hid, stop, torch.inference_mode():
         out = run(**kwargs)
     with torch.no_grad():
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
         _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
-        return _with_hidden(_with_topk(kv, out, logits_top_k), hid)
+        return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
 
 
 def _with_hidden(kv: KVBatch, hid) -> KVBatch:
@@ -206,6 +208,22 @@ def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
     kv.topk_logp, kv.topk_ids = torch.topk(logp, k, dim=-1, sorted=True)
     # the mass outside the k ids, exactly (1 - sum p would lose a small tail to rounding): the tail bucket
     kv.topk_tail = logp.scatter(-1, kv.topk_ids, float("-inf")).logsumexp(-1)  # [B, T]
+    return kv
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(input_ids[:, t + 1] | ..t) at position t [B, T] (float32 at least; the last position 0): the form in
+    which samples, the student and the teachers' scores of one sequence are compared."""
+    z = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
+    nxt = logp.gather(-1, input_ids[:, 1:].to(logp.device)[..., None])[..., 0]
+    return torch.nn.functional.pad(nxt, (0, 1), value=0.0)
+
+
+def _with_token_logp(kv: KVBatch, out, input_ids, on: bool) -> KVBatch:
+    """kv with each next token's log-prob under the forward's logits (`next_token_logprobs`), if asked."""
+    if on:
+        kv.token_logp = next_token_logprobs(out.logits, input_ids)
     return kv
 
 

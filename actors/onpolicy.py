@@ -1,0 +1,100 @@
+"""On-policy distillation's side of the feed: batches whose completions are sampled before the teachers score them.
+
+`onpolicy_items` wraps the stream's items (`actors.feed.feed_items`): a share `onpolicy.fraction` of the batches
+(GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw the same) go through a `Sampler`,
+which samples each row's completion -- the student with its current weights on this worker, or a teacher actor
+(`source: teacher`, sequence-level KD) -- and returns the sampled batch (`data.onpolicy.sampled_batch`) under a key
+made of its content (replicas and Tune trials that sampled the same sequences share one teacher forward). The
+KVFeed then asks every teacher for it like any other batch. When the sampling happens relative to training is the
+feed's depth: `onpolicy.lag` 1 samples batch n + 1 as batch n is handed out (while the teachers score it), 0 samples
+it when it is asked for (docs/training.md#on-policy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import ray
+
+from actors.feed import feed_items, request_arrays
+from kava_ray.common.config import JobConfig
+from kava_ray.common.errors import KavaError
+from kava_ray.core.sampling import sample
+from kava_ray.data import Batch, BatchStream
+from kava_ray.data.onpolicy import prompts_of, sampled_batch
+
+
+def _unit(*parts) -> float:
+    """A number in [0, 1) from `parts` (sha256): the same on every rank, run and resume."""
+    h = hashlib.sha256("\x00".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+
+
+def sample_seed(seed: int, key: str, rank: int) -> int:
+    """The sampling seed of one batch: the run's seed, the batch's key and the rank (each its own samples)."""
+    return int(_unit("sample", seed, key, rank) * 2 ** 31)
+
+
+def content_key(batch: Batch) -> str:
+    """A sampled batch's key for the teachers' LRU: a hash of its token ids and mask."""
+    h = hashlib.sha1(np.ascontiguousarray(batch.input_ids.numpy()).tobytes())
+    h.update(np.ascontiguousarray(batch.attention_mask.numpy()).tobytes())
+    return f"sampled/{h.hexdigest()[:20]}"
+
+
+class Sampler:
+    """Samples the completions of one batch of records: `sampler(batch, rows, key)` -> the sampled `Batch`.
+
+    model: the student (sampled on this worker; `source: student`), or None with `teacher` an actor handle
+    (`TeacherActor.generate`, a teacher of the student's tokenizer). Counts `seconds` and `tokens` sampled."""
+
+    def __init__(self, cfg: JobConfig, split, tokenizer, teacher_tokenizers: dict, model=None, teacher=None,
+                 rank: int = 0, autocast=None):
+        self.cfg, self.split, self.tok, self.teacher_toks = cfg, split, tokenizer, teacher_tokenizers
+        self.model, self.teacher, self.rank, self.autocast = model, teacher, rank, autocast
+        self.seconds, self.tokens = 0.0, 0
+
+    def __call__(self, batch: Batch, rows, key: str) -> Batch:
+        o, t0 = self.cfg.onpolicy, time.perf_counter()
+        prompts = prompts_of(batch)
+        seed = sample_seed(self.cfg.train.seed, key, self.rank)
+        eos = [self.tok.eos_token_id]
+        if self.model is not None:
+            s = sample(self.model, prompts, o.max_new_tokens, o.temperature, o.top_p, eos_ids=eos,
+                       pad_id=self.split.pad_id, seed=seed, autocast=self.autocast)
+            ids, logps, source = s.ids, s.logp, "student"
+        else:
+            ids = ray.get(self.teacher.generate.remote(prompts, o.max_new_tokens, o.temperature, o.top_p, seed))
+            logps, source = None, "teacher"
+        out = sampled_batch(batch, rows, self.split, ids, logps, self.tok, self.teacher_toks,
+                            self.cfg.train.max_length, self.cfg.data.prompt_format, source)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += sum(len(r) for r in ids)
+        return out
+
+
+def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed: int,
+                   steps: Optional[int] = None) -> Iterator[tuple]:
+    """`feed_items(stream)` with a share `fraction` of the batches sampled (`sampler(batch, rows, key)`): those come
+    out under a content key and without example indices (no KV cache holds them)."""
+    for key, ids, mask, (_, step, epoch, batch), (fp, rows) in feed_items(stream, steps):
+        if fraction <= 0 or _unit("onpolicy", seed, key) >= fraction:
+            yield key, ids, mask, (key, step, epoch, batch), (fp, rows)
+            continue
+        sb = sampler(batch, list(rows), key)
+        skey = content_key(sb)
+        s_ids, s_mask = request_arrays(sb)
+        yield skey, s_ids, s_mask, (skey, step, epoch, sb)
+
+
+def check_source_teacher(cfg: JobConfig, plans: dict) -> str:
+    """The teacher that writes completions for `onpolicy.source: teacher` (named, else the first); it must share
+    the student's tokenizer (its ids are the student's)."""
+    name = cfg.onpolicy.teacher or cfg.teachers[0].name
+    if plans[name].aligned:
+        raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; '{name}' has another "
+                        f"(set onpolicy.teacher to one that shares it)")
+    return name

@@ -1,0 +1,124 @@
+"""The logit divergences of on-policy distillation (`loss.logit_divergence`), each matched to the tool users compare:
+
+- `generalized_jsd_loss`: TRL's `GKDTrainer.generalized_jsd_loss` (trl/trainer/gkd_trainer.py) on full logits:
+  beta = 0 forward KL(T || S), beta = 1 reverse KL(S || T), else beta KL(T || M) + (1 - beta) KL(S || M) with the
+  mixture M = (1 - beta) S + beta T; both sides at `temperature` (no T^2 factor, as TRL); per position the sum
+  over the vocabulary, then the mean over the positions that count (TRL's "batchmean" with labels).
+- `topk_divergence`: the same divergences on what the wire carries, the teacher's top-k ids plus one bucket for
+  the mass outside them (the student normalised over its full vocabulary, its own mass outside those ids in the
+  bucket): the full-vocabulary form when k = V (within the tail floor, 1e-6).
+- `sampled_reverse_kl_loss`: on-policy distillation's per-token policy-gradient form (Thinking Machines'
+  tinker-cookbook, `distillation/train_on_policy.py::incorporate_kl_penalty` with the `importance_sampling`
+  loss): advantage A_t = log pi_T(x_t) - log q(x_t) at the sampled token (q: the sampling policy's log-prob, no
+  gradient through A), loss -exp(log pi_S(x_t) - log q(x_t)) * A_t, averaged over the sampled tokens (tinker sums
+  them; a mean keeps the scale of kava-ray's other terms).
+
+Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`); masked
+positions change neither the loss nor its gradient. Pure PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.losses import OFF, TAIL_FLOOR, _at_least_f32, _bool_mask, _tail_of, _topk_prepare, log_normalizer
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled")
+
+
+def divergence_beta(divergence: str, jsd_beta: float) -> float:
+    """The generalized JSD's beta of a dense divergence: forward_kl 0, reverse_kl 1, jsd `jsd_beta`
+    (reverse_kl_sampled's dense counterpart, for batches without samples: 1)."""
+    if divergence not in DIVERGENCES:
+        raise KavaError(f"loss.logit_divergence must be one of {', '.join(DIVERGENCES)}, not {divergence!r}")
+    return {"forward_kl": 0.0, "reverse_kl": 1.0, "reverse_kl_sampled": 1.0}.get(divergence, float(jsd_beta))
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position [...]: sum over the last dim of p (log p - log q), as `F.kl_div(log_q, log_p,
+    log_target=True)` sums it (an entry of p with no mass adds 0)."""
+    return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+
+
+def jsd_per_position(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's generalized JSD between the student's and the teacher's log-probs [..., n] over their last dim: [...]."""
+    if not 0.0 <= beta <= 1.0:
+        raise KavaError(f"loss.jsd_beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return _kl(log_t, log_s)  # forward KL(T || S)
+    if beta == 1.0:
+        return _kl(log_s, log_t)  # reverse KL(S || T)
+    log_m = torch.logsumexp(torch.stack([log_s + math.log(1.0 - beta), log_t + math.log(beta)]), dim=0)
+    return beta * _kl(log_t, log_m) + (1.0 - beta) * _kl(log_s, log_m)
+
+
+def _masked_mean(per: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    per = torch.where(m, per, 0.0)  # a masked position's NaN never reaches the sum or its gradient
+    return per.sum() / m.sum().clamp(min=1)
+
+
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
+                         beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """TRL `GKDTrainer.generalized_jsd_loss` (module docstring) on full logits [B, T, V] of one vocabulary; mask
+    [B, T]: the positions that count (TRL: labels != -100 after the shift). Float32 at least."""
+    if student_logits.shape != teacher_logits.shape:
+        raise KavaError(f"generalized JSD needs student and teacher logits of one shape, got "
+                        f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}")
+    if not temperature > 0:
+        raise KavaError(f"temperature must be > 0, got {temperature}")
+    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "generalized JSD")
+    log_s = F.log_softmax(_at_least_f32(student_logits) / temperature, dim=-1)
+    log_t = F.log_softmax(_at_least_f32(teacher_logits.detach()) / temperature, dim=-1)
+    return _masked_mean(jsd_per_position(log_s, log_t, beta), m)
+
+
+def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                    mask: torch.Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
+                    teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The generalized JSD on the teacher's top-k support plus the tail bucket (module docstring).
+
+    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their log-probs at
+    T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask
+    [B, T]; lse [B, T]: the student's `log_normalizer` at `temperature` when the caller has it. The teacher at
+    `temperature` is its k + 1 entries' log-probs divided by it and renormalised (as `losses.topk_kl_loss`);
+    both buckets are floored at TAIL_FLOOR. valid [B, T, k]: the entries that count as ids (an id past the
+    student's head, a padded teacher row: its mass joins the teacher's bucket, as `losses.topk_kl_loss` does).
+    """
+    if not temperature > 0:
+        raise KavaError(f"temperature must be > 0, got {temperature}")
+    ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
+    keep = m[..., None]
+    if lse is None:
+        lse = log_normalizer(student_logits, temperature)
+    z = student_logits.gather(-1, ids)  # [B, T, k]
+    log_s = torch.where(keep, _at_least_f32(z) / temperature - lse[..., None], -1.0)  # full-vocabulary student
+    t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)
+    t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
+    if valid is not None:  # entries left out: no mass of their own on either side (exp(OFF) = 0)
+        out = keep & ~valid.to(t.device)
+        t_tail = torch.logaddexp(t_tail, torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
+        t, log_s = torch.where(out, OFF, t), torch.where(out, OFF, log_s)
+    t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
+    a = torch.cat([t, t_tail[..., None]], dim=-1) / temperature  # [B, T, k + 1]
+    log_t = a - torch.logsumexp(a, dim=-1, keepdim=True)
+    log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)
+    return _masked_mean(jsd_per_position(log_s, log_t, beta), m)
+
+
+def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation's importance-sampled policy gradient (module docstring), all [B, T] at the next-token
+    positions: student_logp (with grad) and sample_logp (the sampling policy's) of the sampled next token,
+    teacher_logp the teacher's of the same token; mask the sampled positions. Returns (loss, the teacher-scored
+    per-token reverse KL of the samples, mean of log q - log pi_T: tinker's `teacher_kl`, detached)."""
+    m = mask.to(student_logp.device) != 0
+    q = sample_logp.to(student_logp.device, torch.float32)
+    adv = (teacher_logp.to(q.device, q.dtype) - q).detach()  # A_t: no gradient through the advantage
+    ratio = torch.exp(torch.where(m, _at_least_f32(student_logp) - q, 0.0))
+    loss = _masked_mean(-ratio * torch.where(m, adv, 0.0), m)
+    return loss, _masked_mean(-adv, m).detach()

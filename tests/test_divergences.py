@@ -1,0 +1,180 @@
+"""On-policy distillation's divergences (`kava_ray.core.divergences`) against hand computations from their definitions
+(numpy, float64, loops over positions): TRL GKD's generalized JSD on full logits and on the top-k support with the
+tail bucket, and the sampled reverse KL of on-policy distillation; values and gradients (central differences of the
+hand computation)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kava_ray.core.divergences import (
+    divergence_beta,
+    generalized_jsd_loss,
+    sampled_reverse_kl_loss,
+    topk_divergence,
+)
+from kava_ray.core.kv import next_token_logprobs
+from kava_ray.core.losses import topk_kl_loss
+
+pytestmark = pytest.mark.unit
+
+
+def _log_softmax(x):
+    x = x - x.max()
+    return x - math.log(np.exp(x).sum())
+
+
+def _kl(p_log, q_log):
+    return float(sum(math.exp(a) * (a - b) for a, b in zip(p_log, q_log)))
+
+
+def _jsd(s_log, t_log, beta):
+    """The generalized JSD of GKD (Agarwal et al. 2024, Eq. 1) as TRL defines its ends: beta 0 = KL(T||S), 1 = KL(S||T)."""
+    if beta == 0:
+        return _kl(t_log, s_log)
+    if beta == 1:
+        return _kl(s_log, t_log)
+    m_log = [math.log((1 - beta) * math.exp(a) + beta * math.exp(b)) for a, b in zip(s_log, t_log)]
+    return beta * _kl(t_log, m_log) + (1 - beta) * _kl(s_log, m_log)
+
+
+def hand_full(zs, zt, mask, beta, tau):
+    total, n = 0.0, 0
+    for b in range(zs.shape[0]):
+        for t in range(zs.shape[1]):
+            if mask[b, t]:
+                total += _jsd(_log_softmax(zs[b, t] / tau), _log_softmax(zt[b, t] / tau), beta)
+                n += 1
+    return total / n
+
+
+def hand_topk(zs, zt, mask, beta, tau, k):
+    """The teacher's top-k at T = 1 plus one bucket for the rest, tempered over those k + 1 entries; the student
+    over its full vocabulary at tau, its mass outside the k ids in the bucket."""
+    total, n = 0.0, 0
+    for b in range(zs.shape[0]):
+        for t in range(zs.shape[1]):
+            if not mask[b, t]:
+                continue
+            lt = _log_softmax(zt[b, t])
+            ids = np.argsort(-lt)[:k]
+            rest = 1.0 - np.exp(lt[ids]).sum()
+            a = np.array([*lt[ids], math.log(max(rest, 1e-6))]) / tau
+            t_log = _log_softmax(a)
+            ls = _log_softmax(zs[b, t] / tau)
+            s_rest = 1.0 - np.exp(ls[ids]).sum()
+            s_log = np.array([*ls[ids], math.log(max(s_rest, 1e-6))])
+            total += _jsd(s_log, t_log, beta)
+            n += 1
+    return total / n
+
+
+def _case(seed=0, B=2, T=3, V=7):
+    g = np.random.default_rng(seed)
+    zs, zt = g.normal(size=(B, T, V)) * 2, g.normal(size=(B, T, V)) * 2
+    mask = np.array([[1, 1, 0], [0, 1, 1]], dtype=bool)[:B, :T]
+    return zs, zt, mask
+
+
+def _numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += eps
+        down[i] -= eps
+        g[i] = (f(up) - f(down)) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_generalized_jsd_on_full_logits_is_gkds_definition_in_value_and_gradient(beta, tau):
+    zs, zt, mask = _case()
+    s = torch.tensor(zs, requires_grad=True)
+    loss = generalized_jsd_loss(s, torch.tensor(zt), torch.tensor(mask), beta=beta, temperature=tau)
+    assert loss.item() == pytest.approx(hand_full(zs, zt, mask, beta, tau), rel=1e-10, abs=1e-12)
+    loss.backward()
+    numeric = _numeric_grad(lambda x: hand_full(x, zt, mask, beta, tau), zs)
+    np.testing.assert_allclose(s.grad.numpy(), numeric, atol=1e-7)
+    assert (s.grad.numpy()[~mask] == 0).all()  # a masked position gets no gradient
+
+
+def test_the_ends_of_the_jsd_are_the_two_kls_and_the_middle_is_symmetric_at_one_half():
+    zs, zt, mask = _case(1)
+    s, t, m = torch.tensor(zs), torch.tensor(zt), torch.tensor(mask)
+    # forward KL(T||S) at beta 0 is reverse KL at beta 1 with the roles swapped; JSD(0.5) is symmetric
+    assert generalized_jsd_loss(s, t, m, beta=0.0).item() == pytest.approx(generalized_jsd_loss(t, s, m, beta=1.0).item())
+    assert generalized_jsd_loss(s, t, m, beta=0.5).item() == pytest.approx(generalized_jsd_loss(t, s, m, beta=0.5).item())
+    assert generalized_jsd_loss(s, s, m, beta=0.5).item() == pytest.approx(0.0, abs=1e-12)
+    assert 0 < generalized_jsd_loss(s, t, m, beta=0.5).item() <= math.log(2)  # JSD's bound
+    assert [divergence_beta(d, 0.3) for d in ("forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled")] == [0, 1, 0.3, 1]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_topk_divergence_is_the_jsd_over_the_top_k_and_the_tail_bucket_in_value_and_gradient(beta, tau):
+    zs, zt, mask = _case(2, V=9)
+    k = 3
+    lt = torch.log_softmax(torch.tensor(zt), -1)
+    logp, ids = lt.topk(k, dim=-1)
+    tail = lt.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    s = torch.tensor(zs, requires_grad=True)
+    loss = topk_divergence(s, ids, logp, torch.tensor(mask), beta=beta, temperature=tau, teacher_tail=tail)
+    assert loss.item() == pytest.approx(hand_topk(zs, zt, mask, beta, tau, k), rel=1e-9)
+    loss.backward()
+    numeric = _numeric_grad(lambda x: hand_topk(x, zt, mask, beta, tau, k), zs)
+    np.testing.assert_allclose(s.grad.numpy(), numeric, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_divergence_with_the_whole_vocabulary_is_the_full_form(beta):
+    zs, zt, mask = _case(3)
+    V = zs.shape[-1]
+    s, m = torch.tensor(zs), torch.tensor(mask)
+    lt = torch.log_softmax(torch.tensor(zt), -1)
+    logp, ids = lt.topk(V, dim=-1)
+    tail = lt.scatter(-1, ids, float("-inf")).logsumexp(-1)  # -inf: nothing outside
+    full = generalized_jsd_loss(s, torch.tensor(zt), m, beta=beta)
+    assert topk_divergence(s, ids, logp, m, beta=beta, teacher_tail=tail).item() == pytest.approx(full.item(), abs=2e-5)
+
+
+def test_forward_kl_on_the_top_k_is_the_logit_kd_kava_ray_already_had_at_temperature_one():
+    zs, zt, mask = _case(4, V=11)
+    s, m = torch.tensor(zs), torch.tensor(mask)
+    lt = torch.log_softmax(torch.tensor(zt), -1)
+    logp, ids = lt.topk(4, dim=-1)
+    tail = lt.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    assert topk_divergence(s, ids, logp, m, beta=0.0, teacher_tail=tail).item() == pytest.approx(
+        topk_kl_loss(s, ids, logp, m, teacher_tail=tail).item(), rel=1e-12)
+
+
+def test_sampled_reverse_kl_is_the_importance_sampled_policy_gradient_of_on_policy_distillation():
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 4, generator=g, dtype=torch.float64) - 2
+    q = student.clone() + torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1  # sampled one step earlier
+    teacher = torch.randn(2, 4, generator=g, dtype=torch.float64) - 2
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    s = student.clone().requires_grad_(True)
+    loss, rkl = sampled_reverse_kl_loss(s, q, teacher, mask)
+    n = int(mask.sum())
+    adv = teacher - q
+    ratio = torch.exp(student - q)
+    assert loss.item() == pytest.approx(float(-(ratio * adv)[mask].sum() / n))
+    assert rkl.item() == pytest.approx(float((q - teacher)[mask].sum() / n))  # tinker's teacher_kl
+    loss.backward()
+    # d/d log pi_S of -ratio * A = -ratio * A (the advantage carries no gradient); 0 off the samples
+    torch.testing.assert_close(s.grad, torch.where(mask, -ratio * adv / n, 0.0))
+    # on-policy (q = pi_S): the gradient is -A, the REINFORCE form with the teacher's log-ratio as the reward
+    s2 = student.clone().requires_grad_(True)
+    sampled_reverse_kl_loss(s2, student, teacher, mask)[0].backward()
+    torch.testing.assert_close(s2.grad, torch.where(mask, -(teacher - student) / n, 0.0))
+
+
+def test_next_token_logprobs_reads_each_next_tokens_log_prob():
+    logits = torch.randn(2, 5, 6, dtype=torch.float64)
+    ids = torch.randint(0, 6, (2, 5))
+    out = next_token_logprobs(logits, ids)
+    lp = torch.log_softmax(logits, -1)
+    assert out[1, 2].item() == pytest.approx(lp[1, 2, ids[1, 3]].item()) and (out[:, -1] == 0).all()
