@@ -48,8 +48,9 @@ def content_key(batch: Batch) -> str:
 class Sampler:
     """Samples the completions of one batch of records: `sampler(batch, rows, key)` -> the sampled `Batch`.
 
-    model: the student (sampled on this worker; `source: student`), or None with `teacher` an actor handle
-    (`TeacherActor.generate`, a teacher of the student's tokenizer). Counts `seconds` and `tokens` sampled."""
+    model: the student (sampled on this worker; `source: student`), or None with `teacher` a function
+    (prompts, max_new_tokens, temperature, top_p, seed) -> completions (`teacher_writer`: a teacher of the student's
+    tokenizer). Counts `seconds` and `tokens` sampled."""
 
     def __init__(self, cfg: JobConfig, split, tokenizer, teacher_tokenizers: dict, model=None, teacher=None,
                  rank: int = 0, autocast=None):
@@ -67,7 +68,7 @@ class Sampler:
                        pad_id=self.split.pad_id, seed=seed, autocast=self.autocast)
             ids, logps, source = s.ids, s.logp, "student"
         else:
-            ids = ray.get(self.teacher.generate.remote(prompts, o.max_new_tokens, o.temperature, o.top_p, seed))
+            ids = self.teacher(prompts, o.max_new_tokens, o.temperature, o.top_p, seed)
             logps, source = None, "teacher"
         out = sampled_batch(batch, rows, self.split, ids, logps, self.tok, self.teacher_toks,
                             self.cfg.train.max_length, self.cfg.data.prompt_format, source)
@@ -90,11 +91,18 @@ def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed
         yield skey, s_ids, s_mask, (skey, step, epoch, sb)
 
 
-def check_source_teacher(cfg: JobConfig, plans: dict) -> str:
-    """The teacher that writes completions for `onpolicy.source: teacher` (named, else the first); it must share
-    the student's tokenizer (its ids are the student's)."""
+def teacher_writer(cfg: JobConfig, plans: dict, source) -> Callable:
+    """For `onpolicy.source: teacher`: the function that has the teacher (`onpolicy.teacher`, else the first) write
+    completions -- its actor's `generate` (a live source), or the source's own `generate` (in process). The teacher
+    must share the student's tokenizer (its ids are the student's)."""
     name = cfg.onpolicy.teacher or cfg.teachers[0].name
     if plans[name].aligned:
         raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; '{name}' has another "
                         f"(set onpolicy.teacher to one that shares it)")
-    return name
+    if hasattr(source, "generate"):
+        return lambda *args: source.generate(name, *args)
+    handles = getattr(source, "handles", None)
+    if handles is None:
+        raise KavaError("onpolicy.source: teacher needs live teachers (a KV cache cannot write completions)")
+    h = handles[name].route("") if hasattr(handles[name], "route") else handles[name]
+    return lambda *args: ray.get(h.generate.remote(*args))

@@ -218,4 +218,4 @@ def pytest_collection_modifyitems(config, items):
 LONGEST_FILES = ("test_multinode.py", "test_tune.py", "test_service_ray.py", "test_actors.py", "test_faults.py",
                  "test_train.py",
                  "test_cross_tokenizer.py", "test_cluster.py", "test_console.py", "test_align_cka.py", "test_plan.py",
-                 "test_formats.py", "test_bench_heal.py", "test_logit_loss.py", "test_bench_recipes.py")
+                 "test_formats.py", "test_bench_heal.py", "test_onpolicy.py", "test_logit_loss.py", "test_bench_recipes.py")

@@ -58,6 +58,18 @@ def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None,
     return out, recipe, feed
 
 
+def pool_beside(job_path):
+    """A module fixture's body: the job's teachers missing from the session's pool started for the module, held (Ray
+    ends a non-detached actor once no handle to it is left), then stopped -- only those."""
+    from actors.pool import start_missing, stop_pool
+    from kava_ray.common.config import load_config
+
+    cfg = load_config(job_path)
+    handles, started = start_missing(cfg)
+    yield handles
+    stop_pool(cfg, only=started)
+
+
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -44,12 +44,18 @@ def heal_job(tmp_path, teacher, student_keep=(0, 3)):
                      student={"model": str(teacher), "dtype": "float32", "keep_layers": list(student_keep)})
 
 
-def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def heal_out(tmp_path_factory):
+    """The quick bench's --out, shared: the on-policy arms below start from its teacher cache and warm start."""
+    return tmp_path_factory.mktemp("heal_out") / "heal"
+
+
+def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp_path, capsys):
     from kava_ray.bench.heal import ARMS, format_heal, run_heal_bench
     from kava_ray.cli import _print_json_last
 
     job = heal_job(tmp_path, trained_teacher)
-    r = run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), min_gap=0.02, progress=False)
+    r = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False)
     assert r["gate"]["gap"] >= 0.02 and r["gate"]["teacher_ce"] < r["gate"]["student_ce"]
     assert r["ce_start"] < r["gate"]["student_ce"]  # the shared warm start already healed some of it
     assert Path(r["out"], "warm_start", "config.json").is_file()
@@ -104,7 +110,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     assert "decision rule" in text and "positive control (ce+logits vs ce): " in text and "teacher tiny" in text
     assert "KV control (kv-only raises the projector-free KV cosine): " in text and "warm start" in text
     # a re-run into the same --out reads every finished run back: nothing trains again, the same figures
-    again = run_heal_bench(str(job), quick=True, out=str(tmp_path / "heal"), min_gap=0.02, progress=False,
+    again = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False,
                            arms=["ce", "ce+logits"])
     assert again["runs"]["ce+logits"] == json.loads(json.dumps(r["runs"]["ce+logits"])) and again["runs_wall_s"] == pytest.approx(
         sum(x["wall_s"] for a in ("ce", "ce+logits") for x in r["runs"][a]))
@@ -112,6 +118,34 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, tmp_path, cap
     _print_json_last(r)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"gate", "summary", "runs", "decision_rule", "control_passes", "wall_s"} <= set(out)
+
+
+def test_bench_heal_onpolicy_quick_pairs_the_on_policy_arms_against_off_policy_kd(ray_session, trained_teacher,
+                                                                                  heal_out, tmp_path):
+    """`bench heal --onpolicy --quick` from the quick bench's warm start (same --out): prompt/completion records cut
+    from the same text, the four arms paired over seeds, each scored by the teacher on the student's own held-out
+    samples; seq_kd's teacher wrote one completion per training sample, the others none."""
+    from kava_ray.bench.heal import run_heal_bench
+    from kava_ray.bench.heal_onpolicy import OP_ARMS, OP_BASE, format_onpolicy
+
+    job = heal_job(tmp_path, trained_teacher)
+    r = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False, onpolicy=True)
+    o = r["onpolicy"]
+    assert list(o["runs"]) == list(OP_ARMS) and all(len(rs) == 2 for rs in o["runs"].values())
+    recs = [json.loads(x) for x in Path(o["records"], "test.jsonl").read_text().splitlines()]
+    assert recs and all(set(x) == {"prompt", "completion"} for x in recs)
+    assert o["start"]["tokens"] > 0 and math.isfinite(o["start"]["rkl"])
+    for arm, rs in o["runs"].items():
+        for run in rs:
+            f = run["figures"]
+            assert math.isfinite(f["test_ce"]) and math.isfinite(f["rkl"]) and f["teacher_nll"] > 0, arm
+            assert run["teacher_rows_per_sample"] == pytest.approx(1.0), arm  # one scoring forward per sample
+            assert run["teacher_written_per_sample"] == (1.0 if arm == "seq_kd" else 0.0), arm
+            assert (run["sampled_tokens"] > 0) == arm.startswith("onpolicy"), arm
+    s = o["summary"]
+    assert "vs_start" in s[OP_BASE] and all("vs_base" in s[a] and "decision" in s[a] for a in OP_ARMS if a != OP_BASE)
+    text = format_onpolicy(r)
+    assert "reverse KL of own samples" in text and "harness control" in text and "decision rule" in text
 
 
 def test_the_gate_refuses_a_teacher_no_better_than_its_student(tmp_path, tiny_student_dir):

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from jobs import assert_same_curve, run_recipe, write_job
+from jobs import assert_same_curve, pool_beside, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.distiller import Distiller
@@ -158,12 +158,7 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
 @pytest.fixture(scope="module")
 def xpool(tiny_pool, xjob):
     """qtok beside the session's pool for this module (the run and the precompute below find both)."""
-    from actors.pool import start_missing, stop_pool
-
-    cfg = load_config(xjob)
-    handles, started = start_missing(cfg)
-    yield handles  # held: Ray ends a non-detached actor once no handle to it is left
-    stop_pool(cfg, only=started)
+    yield from pool_beside(xjob)
 
 
 def test_resume_with_a_teacher_of_another_tokenizer_is_exact(xjob, tmp_path):

@@ -136,9 +136,19 @@ def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
 def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: Optional[int] = None,
                    seeds: Optional[int] = None, arms: Optional[Sequence[str]] = None, quick: bool = False,
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
-                   address: Optional[str] = None, progress: bool = True, base_arm: str = BASE) -> dict:
+                   address: Optional[str] = None, progress: bool = True, base_arm: str = BASE,
+                   onpolicy: bool = False, lr_scale: float = 4.0) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
-    is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate)."""
+    is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate). onpolicy: after the warm start,
+    the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate."""
+    if onpolicy:
+        from kava_ray.bench.heal_onpolicy import OP_ARMS, OP_BASE
+
+        bad = [a for a in (arms or []) if a not in OP_ARMS]
+        if bad or (arms and OP_BASE not in arms):
+            raise KavaError(f"bench heal --onpolicy: arms must be among {', '.join(OP_ARMS)} and include {OP_BASE} "
+                            f"(got {list(arms)})")
+        onpolicy_arms, arms = list(arms or OP_ARMS), None
     p, names = _bench_params(quick, steps, seeds, arms, arm_overrides, base_arm)
     base = _base_job(config, overrides, arm_overrides)
     root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
@@ -159,6 +169,17 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     scorer = Scorer(derive(job, {"data.kv_source": "cache"}), 0, 0)
     warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
     warm = _warm_start(scorer, tok, warm_dir, p, say)
+    if onpolicy:
+        from kava_ray.bench.heal_onpolicy import run_onpolicy_arms
+
+        lr = lr_scale * job.optim.lr_student
+        op = run_onpolicy_arms(job, corpus, root, str(warm_dir), tok, p["steps"], p["seeds"], lr, quick, say,
+                               onpolicy_arms)
+        result = {"config": str(config), "out": str(root), "quick": quick, "gate": gate, "ce_start": warm["ce"],
+                  "warm_start": warm, "teacher": job.teachers[0].name, "batch_size": p["batch_size"],
+                  "onpolicy": op, "wall_s": time.time() - t_start}
+        write_json(root / "bench_heal_onpolicy.json", result)
+        return result
     start = _figures(scorer.model(load_student(str(warm_dir), dtype="float32"), tok), warm["ce"],
                      gate["teacher_ce"], job.teachers[0].name)
     sources = _sources(scorer, variants)

@@ -228,7 +228,7 @@ class DistillRecipe:
     def make_sampler(self, source):
         """On-policy: the `actors.onpolicy.Sampler` of this rank (the student samples on this worker; with
         `onpolicy.source: teacher`, the named teacher's actor writes)."""
-        from actors.onpolicy import Sampler, check_source_teacher  # Ray: see the module docstring
+        from actors.onpolicy import Sampler, teacher_writer  # Ray: see the module docstring
 
         cfg, teacher, model = self.cfg, None, self.distiller.student
         if self.train_split.format == "text" or self.train_split.packed:
@@ -236,11 +236,7 @@ class DistillRecipe:
                             f"prompt to sample a completion for (on-policy distillation needs prompt_completion, "
                             f"messages or gsm8k records)")
         if cfg.onpolicy.source == "teacher":
-            name, model = check_source_teacher(cfg, self.plans), None
-            handles = getattr(source, "handles", None)
-            if handles is None:
-                raise KavaError("onpolicy.source: teacher needs live teacher actors (the KV source here has none)")
-            teacher = handles[name].route("") if hasattr(handles[name], "route") else handles[name]
+            teacher, model = teacher_writer(cfg, self.plans, source), None
         return Sampler(cfg, self.train_split, self.tokenizer, self.teacher_toks, model=model, teacher=teacher,
                        rank=self.rank, autocast=self.autocast)
 

@@ -19,6 +19,17 @@ class InProcessSource:
     def submit(self, name: str, request):
         return request  # computed when asked for: nothing runs ahead
 
+    def generate(self, name: str, prompts: list, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int = 0) -> list:
+        """Completions written by teacher `name` (on-policy `source: teacher`), as `TeacherActor.generate`."""
+        from kava_ray.core.sampling import sample
+
+        model = self.models[name]
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if isinstance(eos, list) else [eos]
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else (eos[0] or 0)
+        return sample(model, prompts, max_new_tokens, temperature, top_p, eos_ids=eos, pad_id=pad, seed=seed).ids
+
     def result(self, name: str, request, _future) -> dict:
         r = request  # an `actors.feed.KVRequest`
         kv = teacher_forward_kv(self.models[name], torch.as_tensor(r.input_ids), torch.as_tensor(r.attention_mask),

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.bench import align, data, feed, gpu, heal, projector_ab, pull, recipes, step, tune_share, vocab
+from kava_ray.cli.bench import (
+    align,
+    data,
+    feed,
+    gpu,
+    heal,
+    onpolicy,
+    projector_ab,
+    pull,
+    recipes,
+    step,
+    tune_share,
+    vocab,
+)
 from kava_ray.cli.bench import all as all_benches
 
-BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, pull, data, recipes, all_benches, align, vocab)  # help order
+BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, pull, data, recipes, all_benches, align, vocab,
+           onpolicy)  # help order
 
 
 def register(sub) -> None:

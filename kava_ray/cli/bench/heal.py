@@ -21,6 +21,12 @@ def register(sub) -> None:
                    help="an extra arm on top of ce, e.g. best-kv:loss.kv_weight=0.3,loss.kv_parts=keys (repeatable)")
     p.add_argument("--base", default="ce", help="the arm every other is paired against (ce, or a --recipe name, "
                                                "e.g. ce at a tuned learning rate); the control needs ce")
+    p.add_argument("--onpolicy", action="store_true",
+                   help="after the warm start, the on-policy arms instead (ce+logits off-policy, onpolicy-jsd, "
+                        "onpolicy-rkl, seq_kd) on prompt/completion records of the same text, scored by the teacher's "
+                        "reverse KL of the student's own held-out samples")
+    p.add_argument("--lr-scale", type=float, default=4.0,
+                   help="--onpolicy: every arm's student rate, x the job's optim.lr_student (default 4)")
     p.add_argument("--address", default=None)
     p.set_defaults(func=heal)
 
@@ -31,5 +37,9 @@ def heal(args) -> int:
     recipes = dict(parse_recipe(r) for r in args.recipe)
     out = run_heal_bench(args.config, args.overrides, steps=args.steps, seeds=args.seeds, arms=args.arms,
                          quick=args.quick, out=args.out, min_gap=args.min_gap, arm_overrides=recipes,
-                         address=args.address, base_arm=args.base)
+                         address=args.address, base_arm=args.base, onpolicy=args.onpolicy, lr_scale=args.lr_scale)
+    if args.onpolicy:
+        from kava_ray.bench.heal_onpolicy import format_onpolicy
+
+        return show(args, format_onpolicy(out), out)
     return show(args, format_heal(out), out)
