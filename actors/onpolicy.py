@@ -6,8 +6,9 @@ which samples each row's completion -- the student with its current weights on t
 (`source: teacher`, sequence-level KD) -- and returns the sampled batch (`data.onpolicy.sampled_batch`) under a key
 made of its content (replicas and Tune trials that sampled the same sequences share one teacher forward). The
 KVFeed then asks every teacher for it like any other batch. When the sampling happens relative to training is the
-feed's depth: `onpolicy.lag` 1 samples batch n + 1 as batch n is handed out (while the teachers score it), 0 samples
-it when it is asked for (docs/training.md#on-policy).
+feed's depth (it takes batches only when a step asks for one): `onpolicy.lag` 1 samples batch n + 1 as step n asks
+for batch n (the teachers score n meanwhile, and n + 1 while the student trains on n), 0 samples batch n then
+(docs/training.md#on-policy).
 """
 
 from __future__ import annotations

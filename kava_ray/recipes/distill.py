@@ -212,13 +212,15 @@ class DistillRecipe:
         cfg = self.cfg
         remaining = max(0, (until or cfg.train.steps) - self.start_step) * cfg.optim.accumulation
         items, read_ahead = feed_items(self.stream), True
-        if cfg.onpolicy.fraction > 0:  # sampled batches: one in flight, taken early (lag 1) or when asked (lag 0)
+        # sampled batches, taken only as a step asks for its batch: lag 0 takes (samples) that batch then; lag 1 also
+        # the next one, sampled while the teachers score this one, and scored while the student trains on it
+        if cfg.onpolicy.fraction > 0:
             from actors.onpolicy import onpolicy_items
 
             self.sampler = self.make_sampler(source)
             items = itertools.chain(getattr(self, "pending", []),
                                     onpolicy_items(self.stream, self.sampler, cfg.onpolicy.fraction, cfg.train.seed))
-            depth, read_ahead = 1, cfg.onpolicy.lag == 1
+            depth, read_ahead = 1 + cfg.onpolicy.lag, False
         return KVFeed(source, items, {n: p.layers for n, p in self.plans.items()},
                       depth=cfg.align.prefetch_depth if depth is None else depth, wire_dtype=cfg.align.wire_dtype,
                       device=self.device, logits_top_k=teacher_logits_top_k(self.cfg, self.plans),
