@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -54,12 +55,22 @@ class Sampler:
     tokenizer). Counts `seconds` and `tokens` sampled."""
 
     def __init__(self, cfg: JobConfig, split, tokenizer, teacher_tokenizers: dict, model=None, teacher=None,
-                 rank: int = 0, autocast=None):
+                 rank: int = 0, autocast=None, flag: Optional[Path] = None):
         self.cfg, self.split, self.tok, self.teacher_toks = cfg, split, tokenizer, teacher_tokenizers
         self.model, self.teacher, self.rank, self.autocast = model, teacher, rank, autocast
+        self.flag = flag  # a file that exists while this sampler samples (the driver's progress bar reads it)
         self.seconds, self.tokens = 0.0, 0
 
     def __call__(self, batch: Batch, rows, key: str) -> Batch:
+        if self.flag is None:
+            return self._sample(batch, rows, key)
+        try:
+            self.flag.touch()
+            return self._sample(batch, rows, key)
+        finally:
+            self.flag.unlink(missing_ok=True)
+
+    def _sample(self, batch: Batch, rows, key: str) -> Batch:
         o, t0 = self.cfg.onpolicy, time.perf_counter()
         prompts = prompts_of(batch)
         seed = sample_seed(self.cfg.train.seed, key, self.rank)

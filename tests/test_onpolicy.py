@@ -119,6 +119,64 @@ def test_a_teacher_writes_the_completions_for_sequence_level_kd(ojob, teachers):
     assert all(out[s]["onpolicy/sampled_tokens"] == 0 for s in out)  # nothing the student sampled
 
 
+def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, tmp_path):
+    """A `teacher` column (NeMo-RL's MOPD): a row's logit term is its named teacher's alone, and the step's logit loss
+    is the mean over positions of each position's own teacher's term -- here on the student's own samples."""
+    import json
+
+    from kava_ray.core.logit_kd import logit_term
+    from kava_ray.core.losses import next_token_mask
+    from kava_ray.recipes.distill import DistillRecipe
+
+    models, plans = teachers
+    for split, n in (("train", 16), ("validation", 4), ("test", 4)):
+        rows = [{"prompt": f"Q: what is {i} plus {i + 3}?\nA:", "completion": f" {2 * i + 3}",
+                 "teacher": ("qwen", "smol")[i % 2]} for i in range(n)]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(ojob, ON + ["onpolicy.lag=0", f"data.source={tmp_path}/{{split}}.jsonl",
+                                  "data.val_split=validation", "data.num_train=16", "data.num_val=4", "data.num_test=4",
+                                  "train.batch_size=4"])
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    feed = recipe.feed(InProcessSource(models), until=2)
+    for _ in range(2):
+        (_, _, _, batch), kv = next(feed)
+        assert batch.source == "student" and sorted(set(batch.route)) <= ["qwen", "smol"]
+        with torch.no_grad():
+            _, m = recipe.distiller(batch, kv)
+            logits = recipe.distiller.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            mask = next_token_mask(batch.labels)
+            expected, count = 0.0, 0
+            for t in ("qwen", "smol"):  # each teacher's term on its own rows, weighted by their positions
+                rows = torch.tensor([r == t for r in batch.route])[:, None]
+                spec = recipe.distiller.logit_specs[t]
+                loss_t, _ = logit_term(spec, logits, kv[t], batch, mask & rows, cfg.loss)
+                expected += float(loss_t) * int((mask & rows).sum())
+                count += int((mask & rows).sum())
+        assert float(m["logit_kl"]) == pytest.approx(expected / count, rel=1e-5)
+    with pytest.raises(KavaError, match="names teacher 'nobody'"):
+        batch.route = ["nobody"] * len(batch.route)
+        recipe.distiller(batch, kv)
+
+
+def test_a_flag_file_says_when_the_worker_is_sampling(ojob, teachers, tmp_path):
+    """What the driver's progress bar reads (`runtime.progress`): rank 0's sampler holds `RUN_DIR/sampling.now` while it
+    samples, and only then."""
+    from kava_ray.common.metrics_file import SAMPLING
+    from kava_ray.recipes.distill import DistillRecipe
+
+    models, plans = teachers
+    cfg = load_config(ojob, ON + ["onpolicy.lag=0"])
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    recipe.sampling_flag = tmp_path / SAMPLING
+    feed = recipe.feed(InProcessSource(models), until=2)
+    seen, inner = [], recipe.sampler._sample
+    recipe.sampler._sample = lambda *a: (seen.append(recipe.sampling_flag.exists()), inner(*a))[1]
+    next(feed)
+    assert seen == [True] and not recipe.sampling_flag.exists()
+
+
 def test_text_records_and_a_typo_in_the_section_are_one_line(ojob):
     with pytest.raises(KavaError, match="text records have no prompt"):
         load_config(ojob, ["onpolicy.fraction=1", "data.format=text"])

@@ -32,3 +32,13 @@ def test_a_typo_in_the_readme_job_is_one_line(tmp_path):
     job.write_text(_readme_job().replace("logit_weight:", "logit_wieght:"))
     with pytest.raises(KavaError, match=r"loss.logit_wieght.*did you mean 'loss.logit_weight'"):
         load_config(str(job))
+
+
+def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
+    section = README.read_text().split("## On-policy distillation", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    job = tmp_path / "onpolicy.yaml"
+    job.write_text("extends: demo_cpu\n" + block)
+    cfg = load_config(str(job))
+    assert cfg.onpolicy.fraction == 1.0 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 256
+    assert cfg.loss.logit_divergence == "reverse_kl_sampled" and cfg.loss.logit_weight == 1.0

@@ -156,7 +156,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     t_start = time.time()
     say = _reporter(progress)
     rule = decision_rule(base_arm)
-    say(f"decision rule, fixed before the run: {rule}")
+    if not onpolicy:  # (the on-policy arms have a rule of their own, said before they run)
+        say(f"decision rule, fixed before the run: {rule}")
     corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
     job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     tok = load_tokenizer(job.student.model)

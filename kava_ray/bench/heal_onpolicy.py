@@ -184,14 +184,20 @@ def _sha(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def _entropy(f: dict) -> float:
+    """The student's samples' own per-token entropy estimate, -E log q = teacher NLL - reverse KL: near 0, the student
+    has collapsed onto a few sequences (whatever the teacher thinks of them)."""
+    return f["teacher_nll"] - f["rkl"]
+
+
 def op_summarize(runs: dict, start: dict) -> dict:
     """Per arm: mean ± sd of each figure, the wall and teacher work per arm; paired differences against the base
     (arm - base) and the decision; for the base, its paired move from the warm start (the harness control)."""
     out = {}
     base = [r["figures"] for r in runs.get(OP_BASE, [])]
     for arm, rs in runs.items():
-        figs = [r["figures"] for r in rs]
-        s = {"mean": {k: mean_sd([f[k] for f in figs]) for k in ("test_ce", "rkl", "teacher_nll")},
+        figs = [dict(r["figures"], entropy=_entropy(r["figures"])) for r in rs]
+        s = {"mean": {k: mean_sd([f[k] for f in figs]) for k in ("test_ce", "rkl", "teacher_nll", "entropy")},
              "wall_s": sum(r["wall_s"] for r in rs), "step_s": mean_sd([r["step_s"] for r in rs]),
              "teacher_rows_per_sample": mean_sd([r["teacher_rows_per_sample"] for r in rs]),
              "teacher_written_per_sample": mean_sd([r["teacher_written_per_sample"] for r in rs])}
@@ -211,10 +217,12 @@ def op_summarize(runs: dict, start: dict) -> dict:
 def format_onpolicy(r: dict) -> str:
     o = r["onpolicy"]
     st, p = o["start"], o["params"]
-    rows = [["warm start", f"{st['test_ce']:.4f}", f"{st['rkl']:.4f}", f"{st['teacher_nll']:.4f}", "—", "—", "—", "—"]]
+    rows = [["warm start", f"{st['test_ce']:.4f}", f"{st['rkl']:.4f}", f"{st['teacher_nll']:.4f}",
+             f"{_entropy(st):.4f}", "—", "—", "—", "—"]]
     for arm, s in o["summary"].items():
         m = s["mean"]
-        rows.append([arm, *(f"{m[k]['mean']:.4f} ± {m[k]['sd']:.4f}" for k in ("test_ce", "rkl", "teacher_nll")),
+        rows.append([arm, *(f"{m[k]['mean']:.4f} ± {m[k]['sd']:.4f}" for k in ("test_ce", "rkl", "teacher_nll",
+                                                                             "entropy")),
                      f"{s['teacher_rows_per_sample']['mean']:.2f} + {s['teacher_written_per_sample']['mean']:.2f}",
                      f"{s['step_s']['mean']:.2f}", f"{s['wall_s'] / 60:.1f}", s.get("decision", {}).get("verdict",
                                                                                                      "(base)")])
@@ -227,7 +235,7 @@ def format_onpolicy(r: dict) -> str:
         f"{p['completion']} tokens), {o['steps']} steps x batch {r['batch_size']} per arm at lr {o['lr']:.2g}, "
         f"seeds {list(range(o['seeds']))}; held out: {o['score']['prompts']} test prompts sampled once per run "
         f"(temperature 1, {st['tokens']} tokens at the warm start)",
-        format_table(["arm", "test CE", "reverse KL of own samples", "teacher NLL of samples",
+        format_table(["arm", "test CE", "reverse KL of own samples", "teacher NLL of samples", "samples' entropy",
                       "teacher fwd + writes / sample", "s/step", "wall min", "decision"], rows),
         "",
         f"paired differences against {OP_BASE} (arm - {OP_BASE}, mean [95 % t-interval], * = excludes 0):",

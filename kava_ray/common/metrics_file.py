@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 from kava_ray.common.errors import KavaError
 
 METRICS = "metrics.jsonl"
+SAMPLING = "sampling.now"  # beside metrics.jsonl while rank 0 samples a batch (on-policy): the progress bar says so
 
 
 def parse(line: str) -> Optional[dict]:

@@ -282,13 +282,37 @@ class Distiller(nn.Module):
         logit_aligned/<t>, top1_agree/<t>."""
         self._check_top_k_ids(logits, teacher_kv, mask)
         metrics, total = {}, 0
-        for n, w in zip(self.logit_names, self._logit_weights()):
+        for n, w, mask_n in self._routed(batch, mask):
             spec = self.logit_specs[n].to(logits.device)  # its map's tensors (a no-op once there)
-            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask, self.loss_cfg, lse)
+            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask_n, self.loss_cfg, lse)
             total = total + w.to(loss_n.device) * loss_n
             metrics.update({of(TOP1_AGREE if k == TOP1_AGREE else "logit_" + k, n): v for k, v in m.items()})
         metrics[LOGIT_KL] = total.detach()
         return total, metrics
+
+    def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
+        """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position
+        with the fusion weights (`_logit_weights`); with records that name their teacher (`batch.route`, NeMo-RL's
+        MOPD), a named row's positions are its teacher's alone, and each teacher's share is the share of the positions
+        it teaches (an unnamed row's split by the fusion weights): the loss is then the mean over positions of
+        each position's own teacher's term."""
+        weights = self._logit_weights()
+        if batch.route is None:
+            return [(n, w, mask) for n, w in zip(self.logit_names, weights)]
+        unknown = sorted({r for r in batch.route if r and r not in self.logit_names})
+        if unknown:
+            raise KavaError(f"a record names teacher {unknown[0]!r} (column 'teacher'), but the job's logit teachers "
+                            f"are {', '.join(self.logit_names)}")
+        m = mask.to(torch.bool)
+        tokens = m.sum(-1).to(torch.float32)  # [B] positions per row
+        out, counts = [], []
+        for n, w in zip(self.logit_names, weights):
+            mine = torch.tensor([r == n for r in batch.route], device=m.device)
+            free = torch.tensor([not r for r in batch.route], device=m.device)
+            out.append((n, m & (mine | free)[:, None]))
+            counts.append((tokens * mine.float()).sum() + w.to(m.device) * (tokens * free.float()).sum())
+        total = torch.stack(counts).sum().clamp(min=1e-12)
+        return [(n, c / total, mk) for (n, mk), c in zip(out, counts)]
 
     def _check_top_k_ids(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
         """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a

@@ -15,6 +15,7 @@ from kava_ray.common.errors import KavaError
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit, _sha
 
+ROUTE = "teacher"  # a record column naming the teacher whose logits teach that record (NeMo-RL's MOPD)
 RELEASE_EVERY = 16  # batches between releases of the Arrow cache's mapped pages (mmap_advice)
 
 
@@ -87,7 +88,9 @@ class Batch:
     teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the student's
     tokenizer reads `input_ids` / `attention_mask` as they are). source: "data" (the records' own completions),
     "student" or "teacher" (completions sampled by it: on-policy distillation, `data.onpolicy`); sample_logp [B, T]
-    float: at position t the sampling log-prob of token t + 1 where it was sampled (0 elsewhere).
+    float: at position t the sampling log-prob of token t + 1 where it was sampled (0 elsewhere). route: per row,
+    the teacher its record names (a `teacher` column: its logits alone teach that row; None or "" for every
+    teacher), or None when the records name none.
     """
 
     input_ids: torch.Tensor  # [B, T]
@@ -97,6 +100,7 @@ class Batch:
     teachers: dict[str, TeacherInputs] = field(default_factory=dict)
     source: str = "data"
     sample_logp: Optional[torch.Tensor] = None
+    route: Optional[list] = None
 
     def to(self, device) -> "Batch":
         """A copy with every tensor (the teachers' too) on `device`."""
@@ -147,6 +151,8 @@ def collate_split(split: TokenizedSplit, indices: Sequence[int]) -> Batch:
     batch = collate(split.items.many(indices), split.pad_id)
     T_s = batch.input_ids.shape[1]
     batch.teachers = {name: collate_view(view, indices, T_s) for name, view in split.views.items()}
+    if split.records is not None and ROUTE in split.records.column_names:
+        batch.route = split.records.select_columns([ROUTE])[[int(i) for i in indices]][ROUTE]
     return batch
 
 

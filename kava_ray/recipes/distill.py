@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, TrainConfig, validate_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.metrics_file import METRICS, MetricsLog
+from kava_ray.common.metrics_file import METRICS, SAMPLING, MetricsLog
 from kava_ray.common.trackers import open_trackers
 from kava_ray.core.checkpoint import check_compatible, load_into, load_pending, save_checkpoint
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
@@ -240,7 +240,7 @@ class DistillRecipe:
         if cfg.onpolicy.source == "teacher":
             teacher, model = teacher_writer(cfg, self.plans, source), None
         return Sampler(cfg, self.train_split, self.tokenizer, self.teacher_toks, model=model, teacher=teacher,
-                       rank=self.rank, autocast=self.autocast)
+                       rank=self.rank, autocast=self.autocast, flag=getattr(self, "sampling_flag", None))
 
     def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
@@ -537,6 +537,8 @@ def train_loop_per_worker(config: dict) -> None:
     with (ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(loop.resume)) as ckdir:
         state = recipe.setup(ckdir, wrap=ray.train.torch.prepare_model, run_changes=loop.resume_override)
     source = kv_source(cfg, plans, recipe.stream.split.fingerprint)
+    if rank == 0:
+        recipe.sampling_flag = run_dir / SAMPLING  # on-policy: the progress bar says when a step is sampling
     recipe.fit_maps(source)  # kind fit: the student-side maps start as the ridge fit (not on a resumed run)
     feed = recipe.feed(source)
     log = MetricsLog(run_dir / METRICS, recipe.start_step,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kava_ray.common.metrics_file import parse
+from kava_ray.common.metrics_file import SAMPLING, parse
 from kava_ray.runtime.console import console
 
 # "{desc}" carries the step's figures after the bar (tqdm's "{postfix}" would start with ", ")
@@ -23,8 +23,13 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
     # on the terminal even while kava_ray.runtime.console.quiet sends stderr to the run's logs; none when not a tty
     bar = tqdm(total=total, desc="", unit="step", disable=None, dynamic_ncols=True, file=console(),
                bar_format=BAR_FORMAT)
-    seen = 0
+    seen, figures, sampling = 0, "", False
+    flag = path.parent / SAMPLING
     while not stop.is_set():
+        now = flag.exists()  # on-policy: rank 0 is sampling a batch
+        if now != sampling:
+            sampling = now
+            bar.set_description_str(figures + ("  sampling..." if sampling else ""), refresh=True)
         if path.exists():
             text = path.read_text()
             lines = text.splitlines()[:None if text.endswith("\n") else -1]  # the last line may be mid-write
@@ -34,8 +39,9 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
                 if r is not None and r["kind"] == "train":
                     bar.update(r["step"] - bar.n)
                     # cos: centred KV cosine (the figure a constant projector cannot game); wait: teacher wait
-                    bar.set_description_str(f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
-                                            f"  wait {r['teacher_wait_s']:.2f}s", refresh=False)
+                    figures = (f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
+                               f"  wait {r['teacher_wait_s']:.2f}s")
+                    bar.set_description_str(figures + ("  sampling..." if sampling else ""), refresh=False)
                     bar.refresh()
         stop.wait(0.5)
     bar.close()
