@@ -129,6 +129,8 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
                       quick: bool, say: Callable[[str], None], arms: Optional[list] = None) -> dict:
     """Every on-policy arm from the warm start over `seeds` (module docstring); finished runs kept under
     root/onpolicy_runs and read back by a re-run."""
+    from kava_ray.bench.heal import _fingerprint  # (heal imports this module when it runs the on-policy arms)
+
     p = dict(OP_QUICK if quick else OP_DEFAULTS)
     names = arms or list(OP_ARMS)
     say(f"on-policy decision rule, fixed before the run: {op_decision_rule()}")
@@ -154,8 +156,7 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
         for seed in range(seeds):
             cfg = derive(cfg0, {**OP_ARMS[arm], "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
                                 "student.model": warm, "student.keep_layers": None, "optim.lr_student": lr})
-            key = json.dumps(cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
-            path = done / arm / f"seed{seed}-{_sha(key)}.json"
+            path = done / arm / f"seed{seed}-{_fingerprint(cfg.model_dump(mode='json', exclude_defaults=True))}.json"
             if path.is_file():
                 runs[arm].append(json.loads(path.read_text()))
                 continue
@@ -176,12 +177,6 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
             "seeds": seeds, "lr": lr, "start": start, "score": score, "runs": runs, "summary": summary,
             "records": str(records), "train_records": len(load_splits(cfg0, tok)[0]),
             "control": summary.get(OP_BASE, {}).get("vs_start")}
-
-
-def _sha(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _entropy(f: dict) -> float:
