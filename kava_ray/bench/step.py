@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from kava_ray.bench.chunked_loss import chunk_bench, format_chunk_bench
 from kava_ray.bench.memory import compare_with_plan
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
@@ -207,6 +208,7 @@ def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int 
     if memory:
         out["memory"] = memory_table(student=student, teacher=teacher, batch=batch, tokens=tokens,
                                      steps=memory_steps)
+        out["chunked_loss"] = chunk_bench(steps=memory_steps)  # Qwen2.5's vocabulary at 4 x 1024 tokens
     return out
 
 
@@ -393,4 +395,6 @@ def format_step_bench(r: dict) -> str:
                     f"forwards; beside kava-ray plan's items (with its CPU allocator slack):",
                 format_table(["recipe", "student measured", "plan", "error", "teacher measured", "plan", "error"],
                              rows)]
+    if r.get("chunked_loss"):
+        out += ["", format_chunk_bench(r["chunked_loss"])]
     return "\n".join(out)

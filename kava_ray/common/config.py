@@ -243,6 +243,10 @@ class LossConfig(_Section):
     # reverse_kl on batches of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
     logit_divergence: Literal["forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled"] = "forward_kl"
     jsd_beta: float = Field(0.5, ge=0, le=1)  # GKD's beta: 0 forward KL, 1 reverse KL
+    # CE and the logit terms read the student's logits this many positions at a time, from its final hidden states,
+    # gradients taken chunk by chunk (`core.vocab_chunks`): [B, T, V] never exists at once; equal to the whole-logits
+    # path. 0 = whole logits (also what families whose logits are scaled after the head get)
+    vocab_chunk: int = Field(512, ge=0)
 
     @field_validator("logit_cross_vocab", mode="before")
     @classmethod
@@ -310,6 +314,10 @@ class RayConfig(_Section):
     namespace: str = "kava"
     storage_path: str = "./kava_runs"
     num_workers: int = Field(1, ge=1)
+    # how the Train workers hold the student: ddp (a whole copy each, gradients all-reduced) or fsdp (FSDP2:
+    # parameters, gradients and optimizer state sharded over the workers, one decoder layer gathered at a time;
+    # `core.fsdp`, docs/training.md#fsdp). One worker: the same either way
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     use_gpu: Union[Literal["auto"], bool] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, ge=0)
@@ -367,6 +375,9 @@ class JobConfig(_Section):
             if self.loss.logit_weight == 0 and self.loss.kv_weight == 0 and o.source == "student":
                 raise ValueError("onpolicy.fraction: the student's own samples train only through the teachers' "
                                  "terms, and loss.logit_weight and loss.kv_weight are both 0")
+        if self.ray.strategy == "fsdp" and self.align.projector.kind == "fit":
+            raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which are "
+                             "fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, first_line, write_json
+from kava_ray.core import fsdp
 
 STATE = "state.json"
 
@@ -28,13 +29,18 @@ PENDING = "onpolicy_pending.pt"  # on-policy: the sampled batches in flight at t
 
 
 def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, stream_state: dict,
-                    cfg: JobConfig, extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
+                    cfg: JobConfig, extra: Optional[dict] = None, pending: Optional[list] = None,
+                    rank: int = 0) -> Path:
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
     replaced only once the new one is complete. pending: the feed items taken but not yet trained on (on-policy:
-    sampled with the weights of their time), which a resumed run trains on first."""
+    sampled with the weights of their time), which a resumed run trains on first.
+
+    A Distiller sharded with FSDP2 (`core.fsdp`) is saved by every rank, each into its own `path`: with the
+    optimizer, each its shard of both (`fsdp.save_sharded`; rank 0 adds everything else); without (final/), the
+    whole model gathered, and rank 0 writes the usual layout (the student a Hugging Face directory)."""
     path = Path(path)
     try:
-        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending)
+        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending, rank)
     except OSError as e:  # unwritable storage, disk full, file size limit: the previous checkpoint stays
         raise KavaError(f"cannot write checkpoint {path}: {e.strerror or first_line(e)}"
                         f"{f' ({e.filename})' if e.filename else ''}") from None
@@ -42,30 +48,56 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
         raise KavaError(f"cannot write checkpoint {path}: {first_line(e)}") from None
 
 
-def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending) -> Path:
+def _parts(distiller) -> dict:
+    """{"student": its state dict or None (save_pretrained's own), "projectors", "fusion", "hidden_proj"}: a sharded
+    Distiller's gathered from every rank (rank 0 gets them, the others {}), else each module's own."""
+    if not fsdp.is_sharded(distiller):
+        hidden = getattr(distiller, "hidden_proj", None)
+        return {"student": None, "projectors": distiller.projectors.state_dict(),
+                "fusion": distiller.fusion.state_dict(), "hidden_proj": hidden.state_dict() if hidden else {}}
+    full = fsdp.full_model_state(distiller)
+    return {k: {n[len(k) + 1:]: v for n, v in full.items() if n.startswith(k + ".")}
+            for k in ("student", "projectors", "fusion", "hidden_proj")}
+
+
+def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending,
+          rank: int) -> Path:
+    sharded = fsdp.is_sharded(distiller) and optimizer is not None
+    parts = None if sharded else _parts(distiller)  # (gathered by every rank)
     with atomic_dir(path) as tmp:
-        distiller.student.save_pretrained(tmp / "student", safe_serialization=True)
+        if sharded:
+            fsdp.save_sharded(tmp, distiller, optimizer)  # every rank its shard of the model and optimizer
+        if rank != 0:
+            return path
+        if sharded:  # the student's config and tokenizer; its weights are in the shards
+            distiller.student.config.save_pretrained(tmp / "student")
+        else:
+            distiller.student.save_pretrained(tmp / "student", safe_serialization=True, state_dict=parts["student"])
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "student")
-        save_file(_contiguous(distiller.projectors.state_dict()), tmp / "projectors.safetensors")
-        save_file(_contiguous(distiller.fusion.state_dict()) or {"_empty": torch.zeros(0)},
-                  tmp / "fusion.safetensors")
-        hidden = getattr(distiller, "hidden_proj", None)
-        if hidden is not None and len(hidden.state_dict()):  # the hidden-state loss's maps (loss.hidden_weight)
-            save_file(_contiguous(hidden.state_dict()), tmp / "hidden_proj.safetensors")
+        if not sharded:
+            save_file(_contiguous(parts["projectors"]), tmp / "projectors.safetensors")
+            save_file(_contiguous(parts["fusion"]) or {"_empty": torch.zeros(0)}, tmp / "fusion.safetensors")
+            if len(parts["hidden_proj"]):  # the hidden-state loss's maps (loss.hidden_weight)
+                save_file(_contiguous(parts["hidden_proj"]), tmp / "hidden_proj.safetensors")
         if optimizer is not None:
-            torch.save({"optimizer": optimizer.state_dict(),
+            torch.save({"optimizer": None if sharded else optimizer.state_dict(),
                         "scheduler": scheduler.state_dict() if scheduler is not None else None},
                        tmp / "optimizer.pt")
         if pending is not None:
             torch.save(pending, tmp / PENDING)
         state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
-                 **(extra or {}),
+                 **({"sharded": True} if sharded else {}), **(extra or {}),
                  "files": {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
-                           if f.is_file()}}
+                           if f.is_file() and not f.relative_to(tmp).as_posix().startswith(fsdp.SHARDED + "/")}}
         write_json(tmp / STATE, state)
     return path
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """Whether `path` holds FSDP2 shards (`ray.strategy: fsdp` mid-run) rather than a whole student."""
+    return (Path(path) / fsdp.SHARDED).is_dir()
 
 
 def _load_tensors(f: Path) -> dict:
@@ -145,7 +177,9 @@ def check_files(ckpt) -> None:
     """A readable state.json and the files loading a checkpoint reads (the student, projectors, fusion)."""
     ckpt = Path(ckpt)
     read_state(ckpt)
-    for rel in ("student/config.json", "projectors.safetensors", "fusion.safetensors"):
+    needed = ("student/config.json", f"{fsdp.SHARDED}/.metadata") if is_sharded_checkpoint(ckpt) else \
+        ("student/config.json", "projectors.safetensors", "fusion.safetensors")
+    for rel in needed:
         if not (ckpt / rel).is_file():
             raise KavaError(f"checkpoint {ckpt}: {rel} is missing (an incomplete checkpoint)")
 
@@ -215,6 +249,13 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
     The student itself is loaded by the caller with from_pretrained(path / "student").
     """
     path = Path(path)
+    if is_sharded_checkpoint(path):  # FSDP2 shards: the model and optimizer together (every rank)
+        fsdp.load_sharded(path, distiller, optimizer)
+        blob = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True) \
+            if (path / "optimizer.pt").is_file() else {}
+        if scheduler is not None and blob.get("scheduler") is not None:
+            scheduler.load_state_dict(blob["scheduler"])
+        return
     distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
     distiller.fusion.load_state_dict(fusion)

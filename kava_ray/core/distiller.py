@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, OptimConfig
@@ -21,7 +22,7 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
-from kava_ray.core.logit_kd import logit_term
+from kava_ray.core.logit_kd import logit_targets, targets_term
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
@@ -58,6 +59,7 @@ from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import TeacherPlan, logit_specs, token_logprob_teachers
 from kava_ray.core.precision import sr_adamw
 from kava_ray.core.projectors import StudentMap, TeacherProjector, fit_allowed
+from kava_ray.core.vocab_chunks import VocabReader
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -116,16 +118,19 @@ class Distiller(nn.Module):
         KV terms count token positions, CE and logit KD next-token positions (`losses.position_masks`).
         """
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
-        with record_function("kava/student_forward"):  # incl. the KV capture (scopes for `bench step`)
+        reader = VocabReader(self.student, self.loss_cfg.vocab_chunk)  # the logits whole, or in chunks
+        with record_function("kava/student_forward"), reader.capture():  # incl. the KV capture (scopes: `bench step`)
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
-                                          output_hidden_states=self.fusion.kind == "router")
+                                          output_hidden_states=self.fusion.kind == "router", **reader.forward_kwargs())
         self.student_kv = None if self.training else skv  # evaluation reads the projector-free cosine from it
         with record_function("kava/projectors"):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask)
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
             c = self.loss_cfg
-            ce, lse = self._ce_term(out.logits, batch.labels)
+            # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
+            # it is sequence-level KD) and the logit terms, which read the vocabulary
+            head_loss, ce, m_logit = self._vocab_terms(reader, out, teacher_kv, batch, next_mask)
             metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
                        for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
             if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
@@ -134,9 +139,7 @@ class Distiller(nn.Module):
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
             self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
-            # CE on the student's own samples would teach it what it already says: off there (on a teacher's
-            # samples it is sequence-level KD)
-            loss = (0.0 if batch.source == "student" else c.ce_weight) * ce + self.kv_term
+            loss = head_loss + self.kv_term
             if c.relation_weight > 0:
                 rel = self._relation_term(skv, native, masks)
                 loss = loss + c.relation_weight * rel
@@ -145,10 +148,7 @@ class Distiller(nn.Module):
                 hid = self._hidden_term(skv, teacher_kv, batch, next_mask)
                 loss = loss + c.hidden_weight * hid
                 metrics[HIDDEN] = hid.detach()
-            if c.logit_weight > 0:
-                kl, m_logit = self._logit_term(out.logits, teacher_kv, batch, next_mask, lse)
-                loss = loss + c.logit_weight * kl
-                metrics.update(m_logit)
+            metrics.update(m_logit)
             metrics.update(self._metrics(loss, ce, kvl, kv_m, batch, kv_mask, next_mask))
             if self.onpolicy:
                 metrics.update(self._sampled_metrics(teacher_kv, batch, next_mask))
@@ -204,13 +204,6 @@ class Distiller(nn.Module):
         return pr.map_student(skv.keys, skv.values)
 
     # ------------------------------------------------------------------------------------------ the terms
-
-    def _ce_term(self, logits: torch.Tensor, labels: torch.Tensor):
-        """(CE on the next-token positions, the logsumexp it shares with the logit KD's full-vocab normaliser at
-        temperature 1, else None): one logsumexp over the vocabulary per position for both."""
-        c = self.loss_cfg
-        lse = log_normalizer(logits) if c.logit_weight > 0 and c.logit_temperature == 1.0 else None
-        return masked_ce(logits, labels, lse=lse), lse
 
     def _kv_term(self, out, views: dict, projected: dict, masks: dict, kv_mask: torch.Tensor):
         """(KV loss, its summary {cos_sim, cos_raw, cos_per_layer, contrast_gap}, {cos/<t>, cos_raw/<t>}).
@@ -275,20 +268,48 @@ class Distiller(nn.Module):
         return {COS_SIM: (mk[COS_SIM] + mv[COS_SIM]) / 2, COS_RAW: (mk[COS_RAW] + mv[COS_RAW]) / 2,
                 "cos_per_layer": per_layer}
 
-    def _logit_term(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], batch: Batch, mask: torch.Tensor,
-                    lse: torch.Tensor | None = None):
-        """Every logit teacher's term (`logit_kd.logit_term`) weighted by the fusion weights (`_logit_weights`), on
-        the next-token positions `mask`; metrics logit_kl (the weighted loss), logit_kl/<t>, logit_uld/<t>,
-        logit_aligned/<t>, top1_agree/<t>."""
-        self._check_top_k_ids(logits, teacher_kv, mask)
-        metrics, total = {}, 0
-        for n, w, mask_n in self._routed(batch, mask):
-            spec = self.logit_specs[n].to(logits.device)  # its map's tensors (a no-op once there)
-            loss_n, m = logit_term(spec, logits, teacher_kv[n], batch, mask_n, self.loss_cfg, lse)
-            total = total + w.to(loss_n.device) * loss_n
-            metrics.update({of(TOP1_AGREE if k == TOP1_AGREE else "logit_" + k, n): v for k, v in m.items()})
-        metrics[LOGIT_KL] = total.detach()
-        return total, metrics
+    def _vocab_terms(self, reader: VocabReader, out, teacher_kv: dict[str, KVBatch], batch: Batch,
+                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(ce_weight * CE + logit_weight * the logit teachers' terms, CE, the logit metrics), from the student's logits
+        whole or in chunks of positions (`core.vocab_chunks`, `loss.vocab_chunk`): CE on the next-token positions
+        whose label carries loss; every logit teacher's term (`logit_kd.targets_term`) weighted by the fusion
+        weights (`_logit_weights`, or per record: `_routed`) on the next-token positions `mask`. One logsumexp per
+        position serves CE and (at temperature 1) the logit terms. Metrics: logit_kl (the weighted loss),
+        logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
+        c, dev, vocab = self.loss_cfg, reader.device(out), reader.vocab(out)
+        labels = F.pad(batch.labels[:, 1:], (0, 1), value=-100).to(dev)  # [B, T]: the label position t predicts
+        coefs = {(CE,): 0.0 if batch.source == "student" else c.ce_weight}
+        totals = {(CE,): (labels != -100).sum()}
+        targets, weights, metrics = {}, {}, {}
+        if c.logit_weight > 0:
+            self._check_top_k_ids(vocab, dev, teacher_kv, mask)
+            for n, w, mask_n in self._routed(batch, mask):
+                spec = self.logit_specs[n].to(dev)  # its map's tensors (a no-op once there)
+                tg, fixed = logit_targets(spec, teacher_kv[n], batch, mask_n, c, vocab, dev)
+                metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
+                targets[n], weights[n] = (spec, tg), w.to(dev)
+                coefs[("loss", n)] = c.logit_weight * weights[n]
+                totals[("loss", n)] = tg.loss_mask(spec, c).sum()
+        shared_lse = c.logit_weight > 0 and c.logit_temperature == 1.0
+
+        def terms(logits: torch.Tensor, sl: slice) -> dict:  # logits [B, t, V] of the positions sl
+            lse = log_normalizer(logits) if shared_lse else None
+            lab = labels[:, sl]
+            got = {(CE,): (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
+            for n, (spec, tg) in targets.items():
+                part = tg.at(sl)
+                loss_n, m = targets_term(spec, logits, part, c, lse)
+                n_loss, n_m = part.loss_mask(spec, c).sum(), part.m.sum()
+                got[("loss", n)] = (loss_n, n_loss)
+                got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})
+            return got
+
+        loss, means = reader.terms(out, terms, coefs, totals)
+        if targets:
+            metrics.update({of(TOP1_AGREE if key[2] == TOP1_AGREE else "logit_" + key[2], key[1]): v
+                            for key, v in means.items() if key[0] == "metric"})
+            metrics[LOGIT_KL] = sum(weights[n] * means[("loss", n)] for n in targets).detach()
+        return loss, means[(CE,)], metrics
 
     def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
         """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position
@@ -314,18 +335,18 @@ class Distiller(nn.Module):
         total = torch.stack(counts).sum().clamp(min=1e-12)
         return [(n, c / total, mk) for (n, mk), c in zip(out, counts)]
 
-    def _check_top_k_ids(self, logits: torch.Tensor, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
+    def _check_top_k_ids(self, vocab: int, device, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
         """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a
         gather past the vocab would be a device-side assert on CUDA). A teacher that sent no top-k is named by
         `logit_term`; one whose head is wider than the student's may (`logit_term` counts those as tail mass)."""
-        c, vocab = self.loss_cfg, logits.shape[-1]
+        c = self.loss_cfg
         same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
                 and not self.logit_specs[n].wider_than(vocab)]
         if not same:
             return
-        keep = mask.to(logits.device)[..., None] != 0
+        keep = mask.to(device)[..., None] != 0
         ids = [teacher_kv[n].topk_ids for n in same]
-        top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(logits.device), 0).max() for i in ids])
+        top = torch.stack([torch.where(keep, i[..., :c.logit_top_k].to(device), 0).max() for i in ids])
         if int(top.max()) >= vocab:
             worst = same[int(top.argmax())]
             raise KavaError(f"teacher '{worst}' sent top-k token id {int(top.max())}, the student's vocab has "

@@ -11,7 +11,7 @@ forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -72,75 +72,123 @@ def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Ten
     return ids.gather(1, rows), logp.gather(1, rows), tail.gather(1, idx)
 
 
-def same_vocab_term(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, tail: torch.Tensor, m: torch.Tensor,
-                    valid: Optional[torch.Tensor], t: KVBatch, batch: Batch, c, lse: Optional[torch.Tensor],
-                    metrics: dict) -> torch.Tensor:
-    """A teacher of the student's tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
-    (`losses.topk_kl_loss`); reverse_kl / jsd the generalized JSD on the top-k with its tail
-    (`divergences.topk_divergence`); reverse_kl_sampled on a batch the student sampled, the sampled form
-    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`; its reverse KL of the samples goes to
-    metrics["sampled_rkl"]), on other batches reverse_kl."""
-    div = c.logit_divergence
-    if div == "forward_kl":
-        return topk_kl_loss(logits, ids.clamp(min=0), logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
-                            teacher_tail=tail if c.logit_tail == "bucket" else None, lse=lse, valid=valid)
-    if div == "reverse_kl_sampled" and batch.source == "student" and batch.sample_logp is not None:
-        if t.token_logp is None:
-            raise KavaError("loss.logit_divergence reverse_kl_sampled: a teacher sent no token log-probs for the "
-                            "student's samples")
-        nxt = batch.input_ids[:, 1:].to(logits.device)
-        full = lse if lse is not None else log_normalizer(logits)
-        student = logits[:, :-1].gather(-1, nxt[..., None])[..., 0].float() - full[:, :-1]
-        student = torch.nn.functional.pad(student, (0, 1))  # [B, T]: log pi_S of each next token
-        loss, rkl = sampled_reverse_kl_loss(student, batch.sample_logp, t.token_logp, m)
-        metrics["sampled_rkl"] = rkl
-        return loss
-    return topk_divergence(logits, ids.clamp(min=0), logp, m, beta=divergence_beta(div, c.jsd_beta),
-                           temperature=c.logit_temperature, teacher_tail=tail, lse=lse, valid=valid)
+@dataclass
+class LogitTargets:
+    """One teacher's logit targets at the student's next-token positions, each tensor [B, T, ...] on the student's
+    device, so that a chunk of positions is a slice (`at`): ids / logp [B, T, k] (student ids for one tokenizer, the
+    teacher's for another), tail [B, T], m [B, T] bool (the positions that count), valid [B, T, k] (one tokenizer, a
+    wider teacher head: the ids inside the student's), top1 [B, T] (the teacher's top-1 as a student id, -1 none),
+    and on a batch the student sampled: nxt (each next token's id), sample_logp and token_logp [B, T]."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    tail: torch.Tensor
+    m: torch.Tensor
+    top1: torch.Tensor
+    valid: Optional[torch.Tensor] = None
+    nxt: Optional[torch.Tensor] = None
+    sample_logp: Optional[torch.Tensor] = None
+    token_logp: Optional[torch.Tensor] = None
+
+    def at(self, sl: slice) -> "LogitTargets":
+        """The same targets on the positions `sl` of the time axis."""
+        return LogitTargets(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[:, sl]
+                               for f in fields(self)})
+
+    def loss_mask(self, lt: "LogitTeacher", c) -> torch.Tensor:
+        """The positions the loss averages over: `m`, less those with no id inside the student's head when the
+        forward KL renormalises over the k (`losses.topk_kl_loss`, tail none)."""
+        if lt.cross is None and self.valid is not None and c.logit_divergence == "forward_kl" and c.logit_tail == "none":
+            return self.m & self.valid.any(-1)
+        return self.m
 
 
-def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
-               lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s]; `batch` a
-    `kava_ray.data.Batch` (for another tokenizer, `batch.teachers[lt.name].logit_pair` [B, T_s]).
-
-    metrics (detached 0-d tensors): `kl` (same tokenizer: the KD loss; hybrid: its matched part), `uld` (hybrid:
-    the unmatched part; uld: the loss), `top1_agree` (student argmax == the teacher's top-1, through the map for
-    another tokenizer: a top-1 without a student token of its string disagrees), and for another tokenizer
-    `aligned` (the share of `mask`'s positions with a paired teacher position)."""
+def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg, vocab: int, device
+                  ) -> tuple[LogitTargets, dict]:
+    """(the targets of teacher `lt` on the student's next-token positions `mask` [B, T_s], the metrics that need no
+    student logits: {"aligned"} for another tokenizer, the share of `mask`'s positions with a paired teacher
+    position). vocab: the student's head rows."""
     c, k = loss_cfg, loss_cfg.logit_top_k
     view = None if lt.cross is None else batch.teachers.get(lt.name)
     pair = None if view is None else view.logit_pair
     if lt.cross is not None and pair is None:
         raise KavaError(f"teacher '{lt.name}' uses another tokenizer than the student, but the batch carries no "
                         f"position pairs for it (splits must be built with its tokenizer: plans.teacher_tokenizers)")
-    ids, logp, tail = at_student_positions(lt.name, t, k, pair, logits.device)
-    m = mask.to(logits.device) != 0
-    metrics = {}
+    ids, logp, tail = at_student_positions(lt.name, t, k, pair, device)
+    m = mask.to(device) != 0
+    fixed, valid, sampled = {}, None, {}
     if lt.cross is None:
-        valid = None
-        if lt.wider_than(logits.shape[-1]):
+        if lt.wider_than(vocab):
             # padding rows of one tokenizer: an id past the student's head is mass the student cannot place (the
             # tail bucket's; tail none: it leaves the renormalised k), and a top-1 there never agrees
-            valid = ids < logits.shape[-1]
+            valid = ids < vocab
             ids = torch.where(valid, ids, -1)
-        loss = same_vocab_term(logits, ids, logp, tail, m, valid, t, batch, loss_cfg, lse, metrics)
-        metrics["kl"] = loss.detach()
         top1 = ids[..., 0].long()
+        if c.logit_divergence == "reverse_kl_sampled" and batch.source == "student" and batch.sample_logp is not None:
+            if t.token_logp is None:
+                raise KavaError("loss.logit_divergence reverse_kl_sampled: a teacher sent no token log-probs for the "
+                                "student's samples")
+            nxt = torch.nn.functional.pad(batch.input_ids[:, 1:].to(device), (0, 1))  # [B, T]: each next token
+            sampled = dict(nxt=nxt, sample_logp=batch.sample_logp.to(device), token_logp=t.token_logp.to(device))
     else:
-        paired = pair.to(logits.device) >= 0
-        metrics["aligned"] = (m & paired).sum() / m.sum().clamp(min=1)
+        paired = pair.to(device) >= 0
+        fixed["aligned"] = (m & paired).sum() / m.sum().clamp(min=1)
         m = m & paired
-        if lt.cross == "hybrid":
-            loss, parts = hybrid_logit_loss(logits, ids, logp, lt.t2s, lt.student_unmatched, m, teacher_tail=tail,
-                                            lse=lse, temperature=c.logit_temperature,
-                                            matched_weight=lt.matched_weight)
-            metrics.update(parts)
-        else:
-            loss = uld_loss(logits, logp, m, teacher_tail=tail, lse=lse if c.logit_temperature == 1.0 else None)
-            metrics["uld"] = loss.detach()
         top1 = ids[..., 0].long()  # in the teacher's vocabulary: through the map (-1, never the argmax, for none)
-        t2s = lt.t2s if lt.t2s is not None else top1.new_full((1,), -1)
+        t2s = lt.t2s.to(device) if lt.t2s is not None else top1.new_full((1,), -1)
         top1 = torch.where(top1 < len(t2s), t2s[top1.clamp(max=len(t2s) - 1)], -1)
-    metrics["top1_agree"] = top1_agreement(logits, top1[..., None], m)
+    return LogitTargets(ids, logp, tail, m, top1, valid, **sampled), fixed
+
+
+def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_cfg,
+                 lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of teacher `lt` against the student's logits [B, T, V] on the targets' positions, each a
+    mean over `tg.m` (the loss and `kl` of one tokenizer: over `tg.loss_mask`): `kl` (one tokenizer: the loss;
+    hybrid: its matched part), `uld` (hybrid: the unmatched part; uld: the loss), `top1_agree`, `sampled_rkl`
+    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL)."""
+    c, metrics = loss_cfg, {}
+    if lt.cross is None:
+        loss = same_vocab_term(logits, tg, c, lse, metrics)
+        metrics["kl"] = loss.detach()
+    elif lt.cross == "hybrid":
+        loss, parts = hybrid_logit_loss(logits, tg.ids, tg.logp, lt.t2s, lt.student_unmatched, tg.m,
+                                        teacher_tail=tg.tail, lse=lse, temperature=c.logit_temperature,
+                                        matched_weight=lt.matched_weight)
+        metrics.update(parts)
+    else:
+        loss = uld_loss(logits, tg.logp, tg.m, teacher_tail=tg.tail, lse=lse if c.logit_temperature == 1.0 else None)
+        metrics["uld"] = loss.detach()
+    metrics["top1_agree"] = top1_agreement(logits, tg.top1[..., None], tg.m)
     return loss, metrics
+
+
+def same_vocab_term(logits: torch.Tensor, tg: LogitTargets, c, lse: Optional[torch.Tensor], metrics: dict
+                    ) -> torch.Tensor:
+    """A teacher of the student's tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
+    (`losses.topk_kl_loss`); reverse_kl / jsd the generalized JSD on the top-k with its tail
+    (`divergences.topk_divergence`); reverse_kl_sampled on a batch the student sampled, the sampled form
+    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`; its reverse KL of the samples goes to
+    metrics["sampled_rkl"]), on other batches reverse_kl."""
+    div, ids, m = c.logit_divergence, tg.ids.clamp(min=0), tg.m
+    if div == "forward_kl":
+        return topk_kl_loss(logits, ids, tg.logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
+                            teacher_tail=tg.tail if c.logit_tail == "bucket" else None, lse=lse, valid=tg.valid)
+    if tg.nxt is not None:
+        full = lse if lse is not None else log_normalizer(logits)
+        student = logits.gather(-1, tg.nxt[..., None])[..., 0].float() - full  # [B, T]: log pi_S of each next token
+        loss, rkl = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, m)
+        metrics["sampled_rkl"] = rkl
+        return loss
+    return topk_divergence(logits, ids, tg.logp, m, beta=divergence_beta(div, c.jsd_beta),
+                           temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)
+
+
+def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
+               lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s] of whole logits
+    [B, T_s, V]; `batch` a `kava_ray.data.Batch` (for another tokenizer, `batch.teachers[lt.name].logit_pair`
+    [B, T_s]): `logit_targets` then `targets_term` (metrics: both's; top1_agree through the map for another
+    tokenizer, where a top-1 without a student token of its string disagrees)."""
+    tg, fixed = logit_targets(lt, t, batch, mask, loss_cfg, logits.shape[-1], logits.device)
+    loss, metrics = targets_term(lt, logits, tg, loss_cfg, lse)
+    return loss, {**fixed, **metrics}

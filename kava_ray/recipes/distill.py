@@ -31,7 +31,14 @@ from kava_ray.common.config import JobConfig, TrainConfig, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.metrics_file import METRICS, SAMPLING, MetricsLog
 from kava_ray.common.trackers import open_trackers
-from kava_ray.core.checkpoint import check_compatible, load_into, load_pending, save_checkpoint
+from kava_ray.core import fsdp
+from kava_ray.core.checkpoint import (
+    check_compatible,
+    is_sharded_checkpoint,
+    load_into,
+    load_pending,
+    save_checkpoint,
+)
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.metric_names import (
@@ -99,6 +106,9 @@ class DistillRecipe:
         # forward (auto: fp32 master weights + bf16 autocast on a CUDA GPU with bf16, plain fp32 on a CPU)
         self.precision = student_precision(cfg.student, self.device)
         self.autocast = self.precision.autocast
+        # ray.strategy fsdp with several workers: the Distiller sharded with FSDP2 (`core.fsdp`); every rank then
+        # takes part in evaluation and checkpoints (their collectives), rank 0 alone writes what is shared
+        self.sharded = cfg.ray.strategy == "fsdp" and world > 1
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the tokenizers and the
@@ -127,11 +137,14 @@ class DistillRecipe:
         Returns the checkpoint's state (None from scratch)."""
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
-        student = load_student(str(Path(checkpoint_dir) / "student") if state else cfg.student.model,
-                               dtype=self.precision.weight_dtype, keep=None if state else cfg.student.keep_layers,
+        whole = state is not None and not is_sharded_checkpoint(checkpoint_dir)  # else FSDP2 shards, loaded below
+        student = load_student(str(Path(checkpoint_dir) / "student") if whole else cfg.student.model,
+                               dtype=self.precision.weight_dtype, keep=None if whole else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps).to(self.device)
+        if self.sharded:  # before the optimizer: it holds the shards
+            fsdp.shard(self.distiller, self.precision)
         self.opt = build_optimizer(self.distiller, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.train.steps)
         if state:
@@ -139,7 +152,8 @@ class DistillRecipe:
             if run_changes:
                 self._adopt_optim_settings()
         self.start_step = state["step"] if state else 0
-        self.model = wrap(self.distiller) if wrap is not None and self.world > 1 else self.distiller
+        self.model = wrap(self.distiller) if wrap is not None and self.world > 1 and not self.sharded \
+            else self.distiller
         return state
 
     def _adopt_optim_settings(self) -> None:
@@ -255,9 +269,10 @@ class DistillRecipe:
         share = None
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
-            with (self.model.no_sync() if no_sync else contextlib.nullcontext()), self.autocast():
+            with self._no_sync(no_sync), self.autocast():
                 loss, m = self.model(batch.to(self.device), kv)
-            kv_grads = self._kv_grads() if grad_share and micro == 0 else None
+            # grad/kv_share: not under FSDP2 (the sharded parameters are not in the graph autograd.grad reads)
+            kv_grads = self._kv_grads() if grad_share and micro == 0 and not self.sharded else None
             with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
                 (loss / accum).backward()
             if kv_grads is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
@@ -272,7 +287,7 @@ class DistillRecipe:
         with record_function("kava/optimizer"):
             # clipped per group: the projectors' gradients (a KV loss's, large at first) never shrink the student's
             limit = self.cfg.optim.grad_clip or float("inf")
-            norms = {g.get("name", str(i)): torch.nn.utils.clip_grad_norm_(g["params"], limit)
+            norms = {g.get("name", str(i)): fsdp.local_norm(torch.nn.utils.clip_grad_norm_(g["params"], limit))
                      for i, g in enumerate(self.opt.param_groups)}
             self.last_lrs = [g["lr"] for g in self.opt.param_groups]  # this step's rates (before the schedule moves)
             self.opt.step()
@@ -285,6 +300,24 @@ class DistillRecipe:
         if "projector" in norms:
             out["grad_norm_projector"] = norms["projector"].detach().double()
         return out
+
+    def _no_sync(self, skip: bool):
+        """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's set_requires_gradient_sync)."""
+        if not skip:
+            return contextlib.nullcontext()
+        if not self.sharded:
+            return self.model.no_sync()
+        model = self.model
+
+        @contextlib.contextmanager
+        def off():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return off()
 
     def _student_params(self) -> list:
         """The optimizer's student group (`distiller.param_groups`): what grad_norm measures."""
@@ -320,7 +353,7 @@ class DistillRecipe:
              extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
         return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
                                self.sched if with_optimizer else None, step, stream_state, self.cfg, extra=extra,
-                               pending=pending)
+                               pending=pending, rank=self.rank)
 
     def save_run(self, path, step: int, feed, skipped: list[int], with_optimizer: bool = True,
                  extra: Optional[dict] = None, pending: Optional[list] = None) -> Path:
@@ -501,23 +534,26 @@ def report_step(recipe: DistillRecipe, feed, record: dict, step: int, skips: Opt
     pending = recipe.gather_pending(feed)  # every rank joins (on-policy)
     with tempfile.TemporaryDirectory() as tmp:
         ck = None
-        if recipe.rank == 0:
+        if recipe.rank == 0 or recipe.sharded:  # FSDP2: every rank its shard (Ray Train merges the directories)
             recipe.save_run(Path(tmp) / "ckpt", step, feed, skips, extra={"metrics": record}, pending=pending)
             ck = ray.train.Checkpoint.from_directory(str(Path(tmp) / "ckpt"))
         ray.train.report(record, checkpoint=ck)
 
 
-def finish(recipe: DistillRecipe, source, feed, log: MetricsLog, run_dir: Path, skips: list[int]) -> None:
-    """Rank 0, after the last step: the test split, read once after every selection decision, and the final
-    student in `run_dir/final` (outside Ray's checkpoint dirs), logged to the trackers as an artifact."""
+def finish(recipe: DistillRecipe, source, feed, log: Optional[MetricsLog], run_dir: Path, skips: list[int]) -> None:
+    """Rank 0 (FSDP2: every rank, rank 0 writing), after the last step: the test split, read once after every
+    selection decision, and the final student in `run_dir/final` (outside Ray's checkpoint dirs; a whole Hugging
+    Face student either way), logged to the trackers as an artifact."""
     steps = recipe.cfg.train.steps
     if recipe.start_step < steps:
         test = recipe.test(source)
-        log.write({"step": steps, "kind": "test", **test})
-        recipe.save_run(run_dir / "final", steps, feed, skips, with_optimizer=False,
-                    extra={"test": test})
-        log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
-    log.trackers.close()
+        final = run_dir / "final" if recipe.rank == 0 else Path(tempfile.mkdtemp()) / "final"  # (others: nothing)
+        recipe.save_run(final, steps, feed, skips, with_optimizer=False, extra={"test": test})
+        if log is not None:
+            log.write({"step": steps, "kind": "test", **test})
+            log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)
+    if log is not None:
+        log.trackers.close()
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -545,9 +581,11 @@ def train_loop_per_worker(config: dict) -> None:
                      open_trackers(cfg.train.loggers, run_dir, cfg.to_dict(), recipe.start_step)) if rank == 0 else None
 
     last_eval: dict = {}  # carried in every report, so a Tune scheduler always sees its held-out metric
-    if recipe.start_step == 0 and rank == 0:  # held-out numbers before any training
+    evaluates = rank == 0 or recipe.sharded  # FSDP2: every rank runs the sharded forwards, rank 0 logs
+    if recipe.start_step == 0 and evaluates:  # held-out numbers before any training
         last_eval = recipe.evaluate(source)
-        log.write({"step": 0, "kind": "eval", **last_eval})
+        if rank == 0:
+            log.write({"step": 0, "kind": "eval", **last_eval})
     if state and recipe.start_step >= cfg.train.steps:  # restored after the last step: re-announce the final result
         ray.train.report(state.get("metrics", {"step": recipe.start_step}))
 
@@ -560,15 +598,16 @@ def train_loop_per_worker(config: dict) -> None:
         if not kind.log:
             continue
         record = step_record(values, step, dt, recipe.last_lrs, world)
+        if kind.eval and evaluates:
+            last_eval = recipe.evaluate(source)
         if rank == 0:
             log.write(record)
             if kind.eval:
-                last_eval = recipe.evaluate(source)
                 log.write({"step": step, "kind": "eval", **last_eval})
             record.update(last_eval)
         if kind.save:
             skips = skipped_by_rank(recipe.skipped_before + feed.skipped, rank, world, values["grad_norm"].device)
         report_step(recipe, feed, {k: v for k, v in record.items() if isinstance(v, (int, float))}, step,
                skips if kind.save else None)
-    if rank == 0:
+    if evaluates:
         finish(recipe, source, feed, log, run_dir, skips)

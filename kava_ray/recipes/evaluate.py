@@ -16,15 +16,16 @@ import math
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
-from kava_ray.common.config import derive
+from kava_ray.common.config import LossConfig, derive
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import checkpoint_config, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
-from kava_ray.core.logit_kd import logit_term
+from kava_ray.core.logit_kd import logit_targets, targets_term
 from kava_ray.core.losses import masked_ce, next_token_mask
 from kava_ray.core.metric_names import (
     ALIGNED,
@@ -52,6 +53,7 @@ from kava_ray.core.plans import (
     wants_hidden,
 )
 from kava_ray.core.probe import KVAlignment
+from kava_ray.core.vocab_chunks import VocabReader
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
 from kava_ray.runtime.preflight import preflight
 
@@ -74,21 +76,37 @@ def _inference(model):
         model.train(was_training)
 
 
-def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None) -> float:
-    """Token-weighted mean CE over the answer labels of every example (not a mean of batch means)."""
+def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None,
+               vocab_chunk: int = LossConfig().vocab_chunk) -> float:
+    """Token-weighted mean CE over the answer labels of every example (not a mean of batch means); the logits
+    `vocab_chunk` positions at a time (`core.vocab_chunks`; 0: whole)."""
     device = torch.device(device) if device is not None else _device(model)
     total, count = 0.0, 0
     with _inference(model):
         for s in range(0, len(split), batch_size):
             batch = collate(split.items[s:s + batch_size], split.pad_id)
-            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+            reader = VocabReader(model, vocab_chunk)
+            with reader.capture():
+                out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                            **reader.forward_kwargs())
             n = int((batch.labels[:, 1:] != -100).sum())  # the tokens masked_ce averages over
             if n:
-                total += float(masked_ce(logits, batch.labels)) * n
+                total += float(student_ce(reader, out, batch.labels)) * n
                 count += n
     if count == 0:
         raise KavaError("held-out split has no answer tokens to compute CE on")
     return total / count
+
+
+def student_ce(reader: VocabReader, out, labels: torch.Tensor) -> torch.Tensor:
+    """The forward's next-token CE over the label positions (`losses.masked_ce`), read whole or in chunks."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(reader.device(out))
+
+    def terms(logits: torch.Tensor, sl: slice) -> dict:
+        lab = shifted[:, sl]
+        return {"ce": (masked_ce(logits, lab, shift=False), (lab != -100).sum())}
+
+    return reader.terms(out, terms, {}, {})[1]["ce"]
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -261,15 +279,15 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     with _inference(student):
         for (_, _, _, batch), kv in feed:
             ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space)
+            reader = VocabReader(student, cfg.loss.vocab_chunk)
+            with reader.capture():
+                out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space,
+                                              **reader.forward_kwargs())
             nxt = next_token_mask(batch.labels).to(device)
             n = int(nxt.sum())
             n_lab += n
-            sums[CE] = sums.get(CE, 0.0) + float(masked_ce(out.logits, batch.labels)) * n
-            for t in logit_names:
-                _, m = logit_term(specs[t], out.logits, kv[t], batch, nxt, kd)
-                sums[f"kl/{t}"] = sums.get(f"kl/{t}", 0.0) + float(m["kl"]) * n
-                sums[of(TOP1_AGREE, t)] = sums.get(of(TOP1_AGREE, t), 0.0) + float(m[TOP1_AGREE]) * n
+            for k, v in _logit_figures(reader, out, batch, nxt, kv, specs, kd).items():
+                sums[k] = sums.get(k, 0.0) + float(v) * n
             for t, kva in (alignment or {}).items():
                 kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), mask)
     out = {k: v / max(n_lab, 1) for k, v in sums.items()}
@@ -278,6 +296,25 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
         out.update(free_cos(t, kva))
         out["kv_cos_free_method"] = kva.result()["method"]
     return out
+
+
+def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict, specs: dict, kd) -> dict:
+    """One batch's CE, kl/<t> and top1_agree/<t> (means over its next-token positions), read whole or in chunks."""
+    dev, vocab = reader.device(out), reader.vocab(out)
+    labels = F.pad(batch.labels[:, 1:], (0, 1), value=-100).to(dev)
+    targets = {t: logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0] for t, spec in specs.items()}
+
+    def terms(logits: torch.Tensor, sl: slice) -> dict:
+        lab = labels[:, sl]
+        got = {CE: (masked_ce(logits, lab, shift=False), (lab != -100).sum())}
+        for t, tg in targets.items():
+            part = tg.at(sl)
+            _, m = targets_term(specs[t], logits, part, kd)
+            got[f"kl/{t}"] = (m["kl"], part.loss_mask(specs[t], kd).sum())
+            got[of(TOP1_AGREE, t)] = (m[TOP1_AGREE], part.m.sum())
+        return got
+
+    return reader.terms(out, terms, {}, {})[1]
 
 
 def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
@@ -328,7 +365,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     with job_teachers(cfg, address, restart=restart_teachers) as job:
         teacher_toks = teacher_tokenizers(job.plans)
         test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
-        out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test)}
+        out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test, vocab_chunk=cfg.loss.vocab_chunk)}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
                               vocab_maps(cfg, job.plans, tokenizer, teacher_toks))

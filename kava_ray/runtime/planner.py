@@ -225,12 +225,21 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     adam8 = cfg.optim.optimizer == "adamw8bit"
     label = {"fp32": "fp32", "bf16-mixed": "fp32 master", "bf16-sr": "bf16"}[policy]
     sr = ", stochastic rounding" if policy == "bf16-sr" else ""
+    n_shard = cfg.ray.num_workers if cfg.ray.strategy == "fsdp" else 1  # FSDP2: every rank holds 1/n of each
+    of_n = f", 1/{n_shard} shard" if n_shard > 1 else ""
     items = {
-        f"student weights ({label})": P * per["weights"],
-        "student grads": P * per["grads"],
-        f"student optimizer ({cfg.optim.optimizer}{sr})": P * per["optimizer"],
+        f"student weights ({label}{of_n})": P * per["weights"] / n_shard,
+        f"student grads{of_n}": P * per["grads"] / n_shard,
+        f"student optimizer ({cfg.optim.optimizer}{sr}{of_n})": P * per["optimizer"] / n_shard,
     }
-    if per["autocast_copy"]:  # decoder Linears + the LM head (the embedding matrix when tied)
+    if n_shard > 1:
+        # FSDP2 gathers the root unit (embeddings, LM head, norms) for the whole step and one decoder layer at a
+        # time (two with the next one's prefetch), in the compute dtype, with the unsharded gradients of each
+        layer = s.params["linear"] / g.num_layers
+        root = s.params["embed"] + s.params["lm_head"]
+        w = 2 if policy == "bf16-mixed" and on_gpu else per["weights"]
+        items["fsdp gathered: root unit + 2 decoder layers, with their grads"] = (root + 2 * layer) * (w + per["grads"])
+    elif per["autocast_copy"]:  # decoder Linears + the LM head (the embedding matrix when tied)
         read_by_matmuls = s.params["linear"] + (s.params["lm_head"] or s.params["embed"])
         items["student bf16 autocast copies"] = read_by_matmuls * per["autocast_copy"]
     h, q, i, kv, L = g.hidden_size, s.q_dim, s.intermediate, g.kv_dim, g.num_layers
@@ -241,7 +250,13 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
         layers = L * per_layer
     gc = " (checkpointed)" if cfg.student.gradient_checkpointing else ""
     items[f"student activations{gc}"] = tokens * (layers + ACT_FIXED_H * h) * a
-    items["student logits (B*T*vocab)"] = tokens * g.vocab_size * LOGIT_BYTES
+    chunk = cfg.loss.vocab_chunk
+    if chunk and chunk < tokens:  # `core.vocab_chunks`: one chunk's logits at a time; the head's gradient, taken
+        head = s.params["lm_head"] or s.params["embed"]  # in the forward, kept until the backward
+        items[f"student logits (chunks of {chunk} positions x vocab)"] = \
+            chunk * g.vocab_size * LOGIT_BYTES + head * per["grads"] + tokens * h * a
+    else:
+        items["student logits (B*T*vocab)"] = tokens * g.vocab_size * LOGIT_BYTES
 
     # projectors + fusion: fp32 params + grads, Adam states (bnb: 8-bit except small tensors), the bf16
     # copies autocast keeps of Linear weights, and the activations the projectors save for backward
@@ -275,7 +290,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
             # ids with their gradient (a [B, T, V] scatter): at most the whole student vocabulary, fp32
             items[f"cross-vocab logits {name} (vocab map, unmatched student logits)"] = \
                 (int(geom.vocab_size) + g.vocab_size) * 8 + tokens * g.vocab_size * 8
-    if cfg.ray.num_workers > 1:  # DDP gradient buckets are a second copy of the gradients
+    if cfg.ray.num_workers > 1 and n_shard == 1:  # DDP gradient buckets are a second copy of the gradients
         items["ddp gradient buckets"] = P * per["grads"] + Pp * 4
     return {k: int(v) for k, v in items.items()}
 

@@ -1,0 +1,91 @@
+"""Students larger than one GPU: the Distiller sharded with FSDP2 (`ray.strategy: fsdp`) and its sharded checkpoints.
+
+`shard(distiller, precision)`: `torch.distributed.fsdp.fully_shard` on each decoder layer of the student, then on
+the whole Distiller as the root group -- the embeddings, final norm, LM head, the projectors, the fusion and the
+hidden-state maps are sharded together there (the projectors are small beside the student; one group keeps one
+all-gather for them and lets the root stay unsharded between forward and backward, as FSDP2 keeps its root, which
+the chunked vocabulary loss reads the LM head from). bf16-mixed runs with FSDP2's MixedPrecisionPolicy (bf16
+parameters in the forward, fp32 gradient reduction), as Ray Train's FSDP2 guide and torchtune's recipes do.
+
+Checkpoints (`save_sharded`, `load_sharded`): `torch.distributed.checkpoint` of {"model", "optim"} from
+`get_state_dict` (each rank writes its own shard; Ray Train merges every rank's reported directory into one
+checkpoint); the final student is gathered (`full_model_state`) and saved as a plain Hugging Face directory.
+Details: docs/internals/core.md#fsdp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from kava_ray.common.errors import KavaError
+
+SHARDED = "sharded"  # the checkpoint's DCP directory
+
+
+def decoder_layers(model) -> list:
+    """The student's decoder layers, the units FSDP2 shards one by one."""
+    layers = getattr(model.get_decoder() if hasattr(model, "get_decoder") else model, "layers", None)
+    if layers is None or not len(layers):
+        raise KavaError(f"ray.strategy fsdp: cannot find the decoder layers of {type(model).__name__} "
+                        f"(model.get_decoder().layers)")
+    return list(layers)
+
+
+def shard(distiller: torch.nn.Module, precision) -> torch.nn.Module:
+    """The Distiller sharded in place over the default process group: each decoder layer its own FSDP2 unit, the
+    rest in the root unit. precision: `core.precision.Precision` (bf16-mixed: bf16 parameters, fp32 reduction)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision.policy == "bf16-mixed" and precision.device_type == "cuda" else MixedPrecisionPolicy()
+    for layer in decoder_layers(distiller.student):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(distiller, mp_policy=mp)
+    return distiller
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def full_model_state(distiller: torch.nn.Module) -> dict:
+    """The whole Distiller's state dict gathered to rank 0 on the CPU (every rank must call it; the others get {})."""
+    return get_model_state_dict(distiller, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(path, distiller: torch.nn.Module, optimizer) -> None:
+    """This rank's shard of the model and optimizer state into `path`/sharded (every rank, collectively)."""
+    model_sd, optim_sd = get_state_dict(distiller, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(path) / SHARDED))
+
+
+def load_sharded(path, distiller: torch.nn.Module, optimizer=None) -> None:
+    """The model (and optimizer) state of `path`/sharded into the sharded Distiller (every rank, collectively)."""
+    d = Path(path) / SHARDED
+    if not (d / ".metadata").is_file():
+        raise KavaError(f"checkpoint {path}: {d}/.metadata is missing (an incomplete sharded checkpoint)")
+    model_sd, optim_sd = get_state_dict(distiller, optimizer) if optimizer is not None else \
+        (get_model_state_dict(distiller), None)
+    state = {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
+    dcp.load(state, checkpoint_id=str(d))
+    if optimizer is not None:
+        set_state_dict(distiller, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(distiller, state["model"])
+
+
+def local_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor (clip_grad_norm_ of sharded parameters returns a DTensor)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,204 @@
+"""The terms that read the student's logits (CE, logit KD, the divergences), over chunks of positions, so that the
+logits [B, T, V] never exist at once (`loss.vocab_chunk` positions at a time).
+
+Each chunk's logits are made from the final hidden states by the LM head, its terms computed, and -- in training --
+their gradients with respect to the chunk's hidden states and the head taken right there, in the forward, before
+the chunk's logits are freed (Liger-Kernel's `LigerFusedLinearCrossEntropyFunction`, liger_kernel/ops/
+fused_linear_cross_entropy.py: the gradient computed chunk by chunk in the forward and scaled by the incoming one in
+the backward). Liger writes each loss's gradient by hand; here autograd takes it per chunk, so every term of
+`core.logit_kd` works unchanged and nothing is recomputed (torchtune's `CEWithChunkedOutputLoss` chunks the same way
+but keeps every chunk's logits for the backward). Each term is a masked mean over positions: a chunk's mean counts
+with the weight (its positions) / (all positions), so the result equals the whole-logits path exactly.
+Details and measurements: docs/internals/step.md#vocab-chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# config attributes of families whose logits are more than the head of the last hidden state (Gemma 2/3's soft cap,
+# Cohere's logit_scale, Granite's logits_scaling): they keep the whole-logits path
+_SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+# a chunk's terms: {name: (mean over the chunk's positions, how many positions)}
+Terms = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def head_of(model) -> tuple[Optional[nn.Linear], str]:
+    """(the LM head, "") when the model's logits are `head(last hidden state)` and its forward can skip them
+    (`logits_to_keep`), else (None, why not)."""
+    import inspect
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return None, "its LM head is not one Linear"
+    cfg = getattr(model, "config", None)
+    scaled = [a for a in _SCALED if getattr(cfg, a, None) not in (None, 1, 1.0)]
+    if scaled:
+        return None, f"its logits are scaled after the head ({scaled[0]})"
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None, "its forward has no logits_to_keep"
+    if not hasattr(model, "get_decoder"):
+        return None, "it has no get_decoder()"
+    return head, ""
+
+
+class LastHidden:
+    """Captures the decoder's final hidden state (after its last norm: what the LM head reads) during a forward:
+    `.value` [B, T, hidden]. A forward hook on `model.get_decoder()`."""
+
+    def __init__(self, model):
+        self.decoder = model.get_decoder()
+        self.value = None
+
+    def _hook(self, _mod, _args, out):
+        self.value = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def __enter__(self) -> "LastHidden":
+        self.handle = self.decoder.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def chunk_slices(batch: int, time: int, chunk: int) -> list[slice]:
+    """Slices of the time axis holding about `chunk` positions of a batch of `batch` rows each (one for chunk 0)."""
+    if chunk <= 0:
+        return [slice(None)]
+    step = max(1, -(-chunk // max(batch, 1)))
+    return [slice(t, min(t + step, time)) for t in range(0, time, step)]
+
+
+def whole_terms(fn: Callable[[torch.Tensor, slice], Terms], logits: torch.Tensor, coefs: dict[str, float]
+                ) -> tuple[torch.Tensor, dict]:
+    """The terms on whole logits [B, T, V]: (sum of coef * mean, {name: mean, detached})."""
+    terms = fn(logits, slice(None))
+    loss = sum((coefs[k] * terms[k][0] for k in coefs), logits.new_zeros((), dtype=torch.float32))
+    return loss, {k: v.detach() for k, (v, _) in terms.items()}
+
+
+def chunked_terms(fn: Callable[[torch.Tensor, slice], Terms], hidden: torch.Tensor, head: nn.Linear,
+                  coefs: dict[str, float], totals: dict[str, torch.Tensor], chunk: int) -> tuple[torch.Tensor, dict]:
+    """The same as `whole_terms(fn, head(hidden), coefs)`, `chunk` positions at a time: hidden [B, T, h].
+
+    fn(logits [B, t, V], the time slice) -> {name: (mean over its positions, their count)}; coefs {name: weight in
+    the loss}; totals {name: positions over the whole batch} for every name of coefs. Returns (the loss, with a
+    gradient to `hidden` and the head's parameters when they have one; {name: the whole batch's mean, detached})."""
+    slices = chunk_slices(hidden.shape[0], hidden.shape[1], chunk)
+    sums: dict = {}
+    weight, bias = head.weight, head.bias
+    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if not grads:
+        loss = _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, None)
+    else:
+        loss = _FusedHead.apply(hidden, weight, bias, (fn, slices, coefs, totals, sums))
+    return loss, {k: (s / n.clamp(min=1)).detach() for k, (s, n) in sums.items()}
+
+
+def _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads: Optional[list]) -> torch.Tensor:
+    """The chunk loop: each chunk's logits, terms, (with `grads` [d hidden, d weight, d bias | None]) the gradients
+    of its share of the loss, added into `grads`; `sums` gathers {name: (sum of mean * count, count)}."""
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for sl in slices:
+        with torch.enable_grad() if grads is not None else torch.no_grad():
+            h = hidden[:, sl].detach().requires_grad_(grads is not None and hidden.requires_grad)
+            w = weight.detach().requires_grad_(grads is not None and weight.requires_grad)
+            b = None if bias is None else bias.detach().requires_grad_(grads is not None and bias.requires_grad)
+            terms = fn(F.linear(h, w, b), sl)  # [B, t, V] logits live only in here
+            share = sum((coefs[k] * terms[k][0] * (terms[k][1] / totals[k].clamp(min=1)) for k in coefs
+                         if not _zero(coefs[k])), loss.new_zeros(()))
+            if grads is not None and share.requires_grad:
+                wrt = [x for x in (h, w, b) if x is not None and x.requires_grad]
+                got = iter(torch.autograd.grad(share, wrt))
+                if h.requires_grad:
+                    grads[0][:, sl] = next(got)
+                for i, x in ((1, w), (2, b)):
+                    if x is not None and x.requires_grad:
+                        g = next(got)  # summed in the parameter's dtype: no second fp32 copy of a bf16 head
+                        grads[i] = g if grads[i] is None else grads[i].add_(g)
+        loss = loss + share.detach()
+        for k, (mean, n) in terms.items():
+            s0, n0 = sums.get(k, (0.0, 0))
+            sums[k] = (s0 + mean.detach().float() * n, n0 + n)
+    return loss
+
+
+def _zero(coef) -> bool:
+    """A coefficient known to be 0 without a device sync (a python number): its term is left out of the loss."""
+    return isinstance(coef, (int, float)) and coef == 0
+
+
+class _FusedHead(torch.autograd.Function):
+    """loss = the chunked terms of head(hidden); the gradients are taken in the forward (`_run_chunks`) and scaled
+    by the incoming gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rest):
+        fn, slices, coefs, totals, sums = rest
+        grads = [torch.zeros_like(hidden), None, None]
+        loss = _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads)
+        ctx.save_for_backward(*(g if g is not None else torch.zeros(0) for g in grads))
+        ctx.present = [g is not None for g in grads]
+        ctx.dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        dtypes = ctx.dtypes
+        out = [(x * g).to(dt) if present else None for x, present, dt in zip(ctx.saved_tensors, ctx.present, dtypes)]
+        return out[0], out[1], out[2], None
+
+
+class VocabReader:
+    """How a forward's logit terms are read: in chunks from the captured final hidden state (`loss.vocab_chunk` > 0
+    and `head_of` the model is a plain head), else from the forward's whole logits.
+
+        reader = VocabReader(model, chunk)
+        with reader.capture():
+            out = model(..., **reader.forward_kwargs())   # chunked: logits of the last position only
+        loss, means = reader.terms(out, fn, coefs, totals)
+    """
+
+    def __init__(self, model, chunk: int):
+        self.head, self.why = head_of(model) if chunk > 0 else (None, "loss.vocab_chunk is 0")
+        self.model, self.chunk, self.hidden = model, int(chunk), None
+
+    @property
+    def chunked(self) -> bool:
+        return self.head is not None
+
+    def forward_kwargs(self) -> dict:
+        return {"logits_to_keep": 1} if self.chunked else {}
+
+    def capture(self):
+        """A context in which the model's forward leaves its final hidden state in `self.hidden` (chunked only)."""
+        import contextlib
+
+        if not self.chunked:
+            return contextlib.nullcontext(self)
+        reader = self
+
+        class _Capture(LastHidden):
+            def __exit__(self, *exc):
+                super().__exit__(*exc)
+                reader.hidden = self.value
+
+        return _Capture(self.model)
+
+    def vocab(self, out) -> int:
+        return self.head.out_features if self.chunked else out.logits.shape[-1]
+
+    def device(self, out) -> torch.device:
+        return self.hidden.device if self.chunked else out.logits.device
+
+    def terms(self, out, fn: Callable[[torch.Tensor, slice], Terms], coefs: dict, totals: dict
+              ) -> tuple[torch.Tensor, dict]:
+        """(sum of coef * mean over the batch, {name: mean, detached}) of fn's terms (`chunked_terms`)."""
+        if not self.chunked:
+            return whole_terms(fn, out.logits, coefs)
+        return chunked_terms(fn, self.hidden, self.head, coefs, totals, self.chunk)

@@ -1,0 +1,173 @@
+"""The chunked vocabulary loss (`kava_ray.core.vocab_chunks`, `loss.vocab_chunk`): CE and every logit term read
+from the final hidden states a few positions at a time, the gradients taken chunk by chunk, equal to the
+whole-logits path -- loss, metrics and every gradient within 1e-5 relative in fp32 -- with two teachers, one of
+another tokenizer (the hybrid and ULD rules), the divergences of on-policy distillation, the sampled reverse KL, and
+a teacher head wider than the student's; the held-out CE of evaluation too; and a family whose logits are scaled
+after the head keeps the whole path.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from jobs import write_job
+from kava_ray.common.config import load_config
+from kava_ray.core.distiller import Distiller
+from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers, vocab_maps
+from kava_ray.core.vocab_chunks import VocabReader, chunk_slices, head_of
+from kava_ray.data import BatchStream
+from kava_ray.testing.sources import InProcessSource
+
+
+@pytest.fixture(scope="module")
+def chunk_job(tmp_path_factory, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_dir):
+    tmp = tmp_path_factory.mktemp("chunks")
+    return write_job(tmp, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
+                               {"name": "qtok", "model": str(qtok_teacher_dir), "dtype": "float32"}],
+                     data={"num_train": 16, "num_val": 4, "num_test": 4},
+                     train={"steps": 2, "batch_size": 3, "max_length": 256})
+
+
+@pytest.fixture(scope="module")
+def one_batch(chunk_job):
+    """(cfg, plans, maps, batch, teacher KV with top-16 logits and token log-probs) of the job's first batch."""
+    from actors.feed import KVFeed, feed_items
+    from kava_ray.core.plans import teacher_logits_top_k
+
+    cfg = load_config(chunk_job, BASE)
+    models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
+    plans = in_process_plans(cfg, models)
+    s_tok, toks = student_tokenizer(cfg)[0], teacher_tokenizers(plans)
+    train, _ = load_splits(cfg, s_tok, toks)
+    feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 3, 0), 1),
+                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg, plans),
+                  token_logprobs=("qwen",))
+    (_, _, _, batch), kv = next(feed)
+    return chunk_job, plans, vocab_maps(cfg, plans, s_tok, toks), batch, kv
+
+
+BASE = ["loss.logit_weight=0.5", "loss.logit_top_k=16"]  # both teachers' logits: qtok's by the hybrid loss
+
+
+def _run(job, plans, maps, batch, kv, overrides):
+    """(loss, metrics, {parameter: grad}) of one Distiller forward and backward from the same student weights."""
+    cfg = load_config(job, [*BASE, *overrides])
+    torch.manual_seed(0)
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps).train()
+    for m in distiller.modules():  # dropout off: both paths see one function
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    loss, metrics = distiller(batch, kv)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in distiller.named_parameters() if p.grad is not None}
+    return loss.detach(), {k: v for k, v in metrics.items() if torch.is_tensor(v)}, grads
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    scale = b.abs().max().clamp(min=1e-8)
+    return bool(((a - b).abs().max() / scale) <= rel)
+
+
+CASES = {
+    "ce only": ["loss.logit_weight=0"],
+    "forward kl, hybrid": ["loss.logit_divergence=forward_kl"],
+    "forward kl, tail none, uld": ["loss.logit_tail=none", "loss.logit_cross_vocab=uld"],
+    "jsd, temperature 2": ["loss.logit_divergence=jsd", "loss.jsd_beta=0.3", "loss.logit_temperature=2.0"],
+    "reverse kl": ["loss.logit_divergence=reverse_kl"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_loss_and_gradients_equal_the_whole_logits(one_batch, case):
+    job, plans, maps, batch, kv = one_batch
+    B, T = batch.input_ids.shape
+    assert len(chunk_slices(B, T, 7)) > 5  # many chunks, one of them shorter
+    whole = _run(job, plans, maps, batch, kv, [*CASES[case], "loss.vocab_chunk=0"])
+    chunked = _run(job, plans, maps, batch, kv, [*CASES[case], "loss.vocab_chunk=7"])
+    assert _close(chunked[0], whole[0]), (chunked[0], whole[0])
+    assert set(chunked[1]) == set(whole[1])
+    for k in whole[1]:
+        assert _close(chunked[1][k].float(), whole[1][k].float()), (k, chunked[1][k], whole[1][k])
+    assert set(chunked[2]) == set(whole[2]) and any("lm_head" in n or "embed" in n for n in whole[2])
+    for n in whole[2]:
+        assert _close(chunked[2][n], whole[2][n]), n
+    if case != "ce only":
+        assert float(whole[1]["logit_kl"]) > 0 and "top1_agree/qtok" in whole[1]
+
+
+def test_chunked_sampled_reverse_kl_and_a_wider_teacher_head_equal_the_whole_logits(one_batch):
+    """A batch the student sampled (`reverse_kl_sampled`: log pi_S of each sampled token, the importance-sampled
+    gradient), and the same-tokenizer teacher's top-k ids partly past the student's head (`valid`)."""
+    job, plans, maps, batch, kv = one_batch
+    g = torch.Generator().manual_seed(3)
+    sampled = dataclasses.replace(batch, source="student",
+                                  sample_logp=-torch.rand(batch.input_ids.shape, generator=g) * 4)
+    kv = dict(kv)
+    wide = dataclasses.replace(kv["qwen"], topk_ids=kv["qwen"].topk_ids.clone())
+    wide.topk_ids[..., 3] = 10_000  # past the tiny student's vocabulary
+    kv["qwen"] = wide
+    plans = {n: dataclasses.replace(p, geometry=dataclasses.replace(p.geometry, vocab_size=10_001)) if n == "qwen" else p
+             for n, p in plans.items()}
+    for extra in (["loss.logit_divergence=reverse_kl_sampled", "onpolicy.fraction=0.5"], ["loss.logit_tail=none"]):
+        b = sampled if "onpolicy.fraction=0.5" in extra else batch
+        whole = _run(job, plans, maps, b, kv, [*extra, "loss.vocab_chunk=0"])
+        chunked = _run(job, plans, maps, b, kv, [*extra, "loss.vocab_chunk=5"])
+        assert _close(chunked[0], whole[0]), (extra, chunked[0], whole[0])
+        for n in whole[2]:
+            assert _close(chunked[2][n], whole[2][n]), (extra, n)
+        if "onpolicy.fraction=0.5" in extra:
+            assert float(whole[1]["logit_sampled_rkl/qwen"]) != 0
+
+
+def test_the_chunked_path_never_holds_the_batch_logits(one_batch):
+    """The student's forward is asked for the last position's logits only, and no tensor of the LM head's
+    output width with the positions of 8 chunks is saved for the backward (the whole-logits path saves several)."""
+    job, plans, maps, batch, kv = one_batch
+    cfg = load_config(job, ["loss.vocab_chunk=8"])
+    student = load_student(cfg.student.model, dtype="float32")
+    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps)
+    V, B = student.config.vocab_size, batch.input_ids.shape[0]
+    saved = []
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == V and t.numel() >= V * 64:  # 64 positions: 8 chunks' worth
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = distiller(batch, kv)
+    loss.backward()
+    assert saved == [], saved  # the whole-logits path saves [B, T, V] (checked below)
+    plain = Distiller(load_student(cfg.student.model, dtype="float32"), plans, kv_geometry(student),
+                      load_config(job, ["loss.vocab_chunk=0"]), maps)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        plain(batch, kv)
+    assert any(math.prod(s[:-1]) >= B * batch.input_ids.shape[1] - B for s in saved), saved  # [B, T(-1), V]
+
+
+def test_heldout_ce_is_the_same_chunked(one_batch, tiny_student_dir):
+    from kava_ray.recipes.evaluate import heldout_ce
+
+    job, *_ = one_batch
+    cfg = load_config(job)
+    s_tok, toks = student_tokenizer(cfg)[0], {}
+    _, val = load_splits(cfg, s_tok, toks)
+    student = load_student(cfg.student.model, dtype="float32")
+    whole = heldout_ce(student, val, batch_size=2, vocab_chunk=0)
+    chunked = heldout_ce(student, val, batch_size=2, vocab_chunk=5)
+    assert abs(chunked - whole) <= 1e-5 * abs(whole) and whole > 1.0
+
+
+def test_a_family_that_scales_its_logits_after_the_head_keeps_whole_logits(tiny_student_dir):
+    student = load_student(tiny_student_dir, dtype="float32")
+    head, why = head_of(student)
+    assert head is student.lm_head and why == ""
+    student.config.final_logit_softcapping = 30.0  # Gemma 2's soft cap: tanh after the head
+    assert head_of(student) == (None, "its logits are scaled after the head (final_logit_softcapping)")
+    assert not VocabReader(student, 1024).chunked and VocabReader(student, 1024).forward_kwargs() == {}
+    assert not VocabReader(load_student(tiny_student_dir, dtype="float32"), 0).chunked
