@@ -215,7 +215,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: first.get(os.path.basename(str(it.fspath)), len(first)))
 
 
-LONGEST_FILES = ("test_multinode.py", "test_tune.py", "test_service_ray.py", "test_actors.py", "test_faults.py",
-                 "test_train.py",
+LONGEST_FILES = ("test_multinode.py", "test_tune.py", "test_service_ray.py", "test_fsdp.py", "test_actors.py",
+                 "test_faults.py", "test_train.py",
                  "test_cross_tokenizer.py", "test_cluster.py", "test_console.py", "test_align_cka.py", "test_plan.py",
                  "test_formats.py", "test_bench_heal.py", "test_onpolicy.py", "test_logit_loss.py", "test_bench_recipes.py")

@@ -12,7 +12,7 @@ import torch
 from kava_ray.bench.gpu import SECTIONS, format_gpu
 
 pytestmark = pytest.mark.unit
-CUDA_ONLY = ("correctness", "memory", "fits_8gb")
+CUDA_ONLY = ("correctness", "memory", "fits_8gb", "fsdp")
 
 
 RUN = """
@@ -64,3 +64,14 @@ def test_speed_and_wire_are_measured(bench):
 
 def test_the_run_imports_neither_ray_nor_datasets(bench):
     assert bench[2] == []
+
+
+def test_the_chunked_loss_section_equals_whole_logits(bench):
+    """CE and logit KD from chunks of the vocabulary: the same first loss as whole logits (fp32 on a CPU, toy
+    sizes); on CUDA the section adds the peak memory of each."""
+    _, r, _ = bench
+    rows = r["chunked_loss"]["rows"]
+    assert [x["recipe"] for x in rows] == ["ce", "ce+logits"]
+    for x in rows:
+        assert x["loss_rel_diff"] < 1e-5 and x["time_ratio"] > 0, x
+        assert (x["memory_ratio"] is None) == (not torch.cuda.is_available())

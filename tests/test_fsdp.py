@@ -18,7 +18,7 @@ from kava_ray.common.config import load_config
 def fsdp_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
     return write_job(tmp_path_factory.mktemp("fsdpjob"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                      data={"num_train": 32, "num_val": 4, "num_test": 4},
-                     train={"steps": 8, "save_steps": 4, "eval_steps": 8, "batch_size": 2, "num_to_keep": 2},
+                     train={"steps": 8, "save_steps": 4, "eval_steps": 100, "batch_size": 2, "num_to_keep": 2},
                      loss={"logit_weight": 0.5, "logit_top_k": 8},
                      ray={"num_workers": 2, "use_gpu": False})
 
@@ -71,3 +71,11 @@ def test_the_final_student_is_a_whole_hugging_face_model(runs):
     ddp = AutoModelForCausalLM.from_pretrained(runs["ddp"] / "final" / "student")
     for (n, a), (_, b) in zip(student.state_dict().items(), ddp.state_dict().items()):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-5), n
+
+
+def test_eval_of_a_sharded_checkpoint_is_one_line(runs, capsys):
+    from kava_ray.cli import main
+
+    assert main(["eval", str(runs["step4"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FSDP2 shards" in err[0] and "final/" in err[0], err

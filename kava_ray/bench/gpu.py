@@ -10,6 +10,7 @@ same code at real sizes. The sections (`SECTIONS`) and what each measures: docs/
 from __future__ import annotations
 
 import importlib.util
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from kava_ray.runtime.planner import plan
 from kava_ray.testing.tiny import build_tiny_model
 
 GIB = 1024 ** 3
-SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire")
+SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire", "chunked_loss", "fsdp")
 TOP_K = 64
 # toy geometries (a CPU run checks that every section works, not what it measures; the CUDA correctness check
 # uses them too); the real ones come from `known_models.QWEN25`
@@ -388,6 +389,99 @@ def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     return out
 
 
+def chunked_loss_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+    """The chunked vocabulary loss (`loss.vocab_chunk`) against whole logits on the smallest student (Qwen2.5's
+    152k-id vocabulary on CUDA), for CE and logit KD: the first step's loss of each (the same weights), the step
+    time, and on CUDA the step's peak memory."""
+    name, teacher = sz["students"][0], sz["teachers"][0]
+    b, t = (4, 1024) if device.type == "cuda" else sz["points"][0]
+    rows = []
+    for recipe_name, extra in (("ce", ["loss.kv_weight=0"]), ("ce+logits", ["loss.kv_weight=0", "loss.logit_weight=1"])):
+        got = {}
+        for path, chunk in (("whole", 0), ("chunked", 512)):
+            cfg = job(models, name, teacher, b, t, overrides=[*extra, f"loss.vocab_chunk={chunk}"])
+            t_model = teacher_model(cfg, device)
+            plans = _plans(cfg, t_model)
+            data = random_batch(b, t, min(models.vocab(name), models.vocab(teacher)))
+            kv = teacher_kv(cfg, plans, t_model, data, device)
+            del t_model
+            recipe = recipe_of(cfg, plans, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            loss = float(recipe.step(1, [(data, kv)])["loss"])
+            sync_device(device)
+            peak = torch.cuda.max_memory_allocated(device) - start if device.type == "cuda" else None
+            counter = iter(range(2, 10 ** 9))
+            got[path] = {"loss": loss, "peak_gib": None if peak is None else peak / GIB,
+                         "step_s": timed(lambda: recipe.step(next(counter), [(data, kv)]), reps, device)}
+            recipe = kv = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        w, c = got["whole"], got["chunked"]
+        rows.append({"recipe": recipe_name, "model": name, "batch": b, "tokens": t, "whole": w, "chunked": c,
+                     "loss_rel_diff": abs(c["loss"] - w["loss"]) / max(abs(w["loss"]), 1e-12),
+                     "time_ratio": c["step_s"] / w["step_s"],
+                     "memory_ratio": None if w["peak_gib"] is None else c["peak_gib"] / w["peak_gib"]})
+    return {"rows": rows}
+
+
+def _fsdp_rank(rank: int, world: int, cfg_yaml: str, steps: int, out: str) -> None:
+    """One rank of `fsdp_section` (a spawned process): the production recipe sharded with FSDP2 over NCCL."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581")
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    cfg = load_config(cfg_yaml)
+    t_model = teacher_model(cfg, device)
+    plans = _plans(cfg, t_model)
+    data = random_batch(cfg.train.batch_size, cfg.train.max_length, student_geometry(cfg).vocab_size)
+    kv = teacher_kv(cfg, plans, t_model, data, device)
+    del t_model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    recipe = DistillRecipe(cfg, plans, rank, world, device)
+    recipe.build_model()
+    losses = [float(recipe.step(i + 1, [(data, kv)])["loss"]) for i in range(steps)]
+    peak = torch.cuda.max_memory_allocated(device) / GIB
+    write_json(Path(out) / f"rank{rank}.json", {"losses": losses, "peak_gib": peak})
+    dist.destroy_process_group()
+
+
+def fsdp_section(models: Models, device, sz: dict, steps: int = 3) -> dict:
+    """`ray.strategy: fsdp` without Ray: the smallest student's production step sharded over 2 GPUs (NCCL) beside
+    the same step on one GPU unsharded: each rank's peak memory and the losses of both."""
+    import torch.multiprocessing as mp
+
+    n = torch.cuda.device_count() if device.type == "cuda" else 0
+    if n < 2:
+        return not_run(f"needs 2 CUDA devices or more (this machine has {n})")
+    name, teacher = sz["students"][0], sz["teachers"][0]
+    one = job(models, name, teacher, 2, 512)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.yaml"
+        path.write_text(load_config(one, ["ray.strategy=fsdp", "ray.num_workers=2"]).to_yaml())
+        mp.spawn(_fsdp_rank, args=(2, str(path), steps, tmp), nprocs=2)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+    t_model = teacher_model(one, device)
+    plans = _plans(one, t_model)
+    data = random_batch(2, 512, cfg_vocab(one))
+    kv = teacher_kv(one, plans, t_model, data, device)
+    del t_model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    recipe = recipe_of(one, plans, device)
+    whole = [float(recipe.step(i + 1, [(data, kv)])["loss"]) for i in range(steps)]
+    return {"model": name, "ranks": ranks, "unsharded": {"losses": whole,
+                                                         "peak_gib": torch.cuda.max_memory_allocated(device) / GIB},
+            "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ranks[0]["losses"], whole))}
+
+
 def _section(fn: Callable, *args) -> dict:
     """One section's result; a section that fails is reported (its error's first line) and the others still run:
     on a machine nobody has tried, a partial table is worth more than a traceback."""
@@ -422,6 +516,8 @@ def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: 
                 not_run(reason + " (torch.cuda.set_per_process_memory_fraction)")
         result["speed"] = _section(speed_section, models, device, sz)
         result["wire"] = _section(wire_section, models, device, sz)
+        result["chunked_loss"] = _section(chunked_loss_section, models, device, sz)
+        result["fsdp"] = _section(fsdp_section, models, device, sz)
     result["wall_s"] = time.time() - t0
     if out:
         path = Path(out).expanduser()
@@ -471,5 +567,17 @@ def format_gpu(r: dict) -> str:
             lines.append(f"wire ({s['model']}, {s['batch']} x {s['tokens']}, {s['kv_mib']:.3g} MiB of K+V): "
                          + ", ".join(f"{w} encode {s[w]['encode_gb_s']:.2f} GB/s, decode {s[w]['decode_gb_s']:.2f} GB/s"
                                      for w in ("bf16", "fp8")))
+        elif name == "chunked_loss":
+            rows = [[x["recipe"], x["model"], f"{x['batch']} x {x['tokens']}", f"{x['loss_rel_diff']:.1e}",
+                     f"{x['time_ratio']:.2f}", "-" if x["memory_ratio"] is None else
+                     f"{x['chunked']['peak_gib']:.2f} / {x['whole']['peak_gib']:.2f} = {x['memory_ratio']:.2f}"]
+                    for x in s["rows"]]
+            lines.append(format_table(["chunked loss (512)", "model", "batch", "loss rel diff", "time ratio",
+                                       "peak GiB chunked / whole"], rows))
+        elif name == "fsdp":
+            lines.append(f"fsdp ({s['model']}, 2 GPUs): peak per rank " +
+                         ", ".join(f"{x['peak_gib']:.2f}" for x in s["ranks"]) +
+                         f" GiB vs {s['unsharded']['peak_gib']:.2f} unsharded; losses rel diff "
+                         f"{s['max_loss_rel_diff']:.1e}")
     lines.append(f"wall: {r['wall_s']:.0f} s")
     return "\n".join(lines)

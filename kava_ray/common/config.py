@@ -375,7 +375,7 @@ class JobConfig(_Section):
             if self.loss.logit_weight == 0 and self.loss.kv_weight == 0 and o.source == "student":
                 raise ValueError("onpolicy.fraction: the student's own samples train only through the teachers' "
                                  "terms, and loss.logit_weight and loss.kv_weight are both 0")
-        if self.ray.strategy == "fsdp" and self.align.projector.kind == "fit":
+        if self.ray.strategy == "fsdp" and self.ray.num_workers > 1 and self.align.projector.kind == "fit":
             raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which are "
                              "fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
