@@ -170,4 +170,8 @@ def test_a_family_that_scales_its_logits_after_the_head_keeps_whole_logits(tiny_
     student.config.final_logit_softcapping = 30.0  # Gemma 2's soft cap: tanh after the head
     assert head_of(student) == (None, "its logits are scaled after the head (final_logit_softcapping)")
     assert not VocabReader(student, 1024).chunked and VocabReader(student, 1024).forward_kwargs() == {}
-    assert not VocabReader(load_student(tiny_student_dir, dtype="float32"), 0).chunked
+    plain = load_student(tiny_student_dir, dtype="float32")
+    assert not VocabReader(plain, 0).chunked
+    one = VocabReader(plain, 512, positions=512)  # one chunk would hold the whole batch: whole logits, no overhead
+    assert not one.chunked and one.why == "the batch's 512 positions fit one chunk"
+    assert VocabReader(plain, 512, positions=513).chunked

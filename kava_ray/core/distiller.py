@@ -120,7 +120,7 @@ class Distiller(nn.Module):
         KV terms count token positions, CE and logit KD next-token positions (`losses.position_masks`).
         """
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
-        reader = VocabReader(self.student, self.loss_cfg.vocab_chunk)  # the logits whole, or in chunks
+        reader = VocabReader(self.student, self.loss_cfg.vocab_chunk, batch.input_ids.numel())  # whole, or chunks
         with record_function("kava/student_forward"), reader.capture():  # incl. the KV capture (scopes: `bench step`)
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,

@@ -14,6 +14,8 @@ Details and measurements: docs/internals/step.md#vocab-chunks.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -31,8 +33,6 @@ Terms = dict[str, tuple[torch.Tensor, torch.Tensor]]
 def head_of(model) -> tuple[Optional[nn.Linear], str]:
     """(the LM head, "") when the model's logits are `head(last hidden state)` and its forward can skip them
     (`logits_to_keep`), else (None, why not)."""
-    import inspect
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return None, "its LM head is not one Linear"
@@ -40,11 +40,17 @@ def head_of(model) -> tuple[Optional[nn.Linear], str]:
     scaled = [a for a in _SCALED if getattr(cfg, a, None) not in (None, 1, 1.0)]
     if scaled:
         return None, f"its logits are scaled after the head ({scaled[0]})"
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+    if not _keeps_logits(type(model)):
         return None, "its forward has no logits_to_keep"
     if not hasattr(model, "get_decoder"):
         return None, "it has no get_decoder()"
     return head, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_logits(cls) -> bool:
+    """Whether a model class's forward takes `logits_to_keep` (asked once per class)."""
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 class LastHidden:
@@ -164,8 +170,13 @@ class VocabReader:
         loss, means = reader.terms(out, fn, coefs, totals)
     """
 
-    def __init__(self, model, chunk: int):
-        self.head, self.why = head_of(model) if chunk > 0 else (None, "loss.vocab_chunk is 0")
+    def __init__(self, model, chunk: int, positions: Optional[int] = None):
+        if chunk <= 0:
+            self.head, self.why = None, "loss.vocab_chunk is 0"
+        elif positions is not None and positions <= chunk:  # one chunk holds the batch: whole logits are the same
+            self.head, self.why = None, f"the batch's {positions} positions fit one chunk"
+        else:
+            self.head, self.why = head_of(model)
         self.model, self.chunk, self.hidden = model, int(chunk), None
 
     @property

@@ -85,7 +85,7 @@ def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None,
     with _inference(model):
         for s in range(0, len(split), batch_size):
             batch = collate(split.items[s:s + batch_size], split.pad_id)
-            reader = VocabReader(model, vocab_chunk)
+            reader = VocabReader(model, vocab_chunk, batch.input_ids.numel())
             with reader.capture():
                 out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                             **reader.forward_kwargs())
@@ -279,7 +279,7 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     with _inference(student):
         for (_, _, _, batch), kv in feed:
             ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            reader = VocabReader(student, cfg.loss.vocab_chunk)
+            reader = VocabReader(student, cfg.loss.vocab_chunk, ids.numel())
             with reader.capture():
                 out, skv = student_forward_kv(student, ids, mask, key_space=cfg.align.key_space,
                                               **reader.forward_kwargs())
