@@ -5,6 +5,7 @@ a run resumed from its sharded step-4 checkpoint (`torch.distributed.checkpoint`
 checkpoint) continues on the same curve, and `final/student` is a whole Hugging Face model.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,8 @@ def test_a_sharded_checkpoint_resumes_exactly(runs):
     shards = sorted(p.name for p in (step4 / "sharded").iterdir())
     assert ".metadata" in shards and sum(p.endswith(".distcp") for p in shards) == 2  # both ranks' shards, merged
     assert not (step4 / "student" / "model.safetensors").exists()  # its weights are the shards
+    recorded = json.loads((step4 / "state.json").read_text())["files"]  # every rank's shard, checked before a resume
+    assert {f"sharded/{p}" for p in shards} <= set(recorded)
     whole, resumed = train_steps(runs["fsdp"]), train_steps(runs["resumed"])
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in range(5, 9):
@@ -115,3 +118,15 @@ def test_eval_of_a_sharded_checkpoint_is_one_line(runs, capsys):
     assert main(["eval", str(runs["step4"])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "FSDP2 shards" in err[0] and "final/" in err[0], err
+
+
+def test_a_sharded_checkpoint_continues_only_sharded_and_fsdp_refuses_student_sampling(runs, fsdp_job):
+    """Shards into DDP (or a whole checkpoint into FSDP2) is one line naming the strategy; FSDP2 with the student
+    sampling on-policy is refused at config (each rank's generate would gather layers a different number of times)."""
+    from kava_ray.common.errors import KavaError
+    from kava_ray.core.checkpoint import check_compatible
+
+    with pytest.raises(KavaError, match="holds FSDP2 shards: continue it with ray.strategy=fsdp"):
+        check_compatible(runs["step4"], load_config(fsdp_job))
+    with pytest.raises(KavaError, match="ray.strategy.: fsdp cannot sample from the sharded student"):
+        load_config(fsdp_job, ["ray.strategy=fsdp", "onpolicy.fraction=1"])

@@ -375,9 +375,14 @@ class JobConfig(_Section):
             if self.loss.logit_weight == 0 and self.loss.kv_weight == 0 and o.source == "student":
                 raise ValueError("onpolicy.fraction: the student's own samples train only through the teachers' "
                                  "terms, and loss.logit_weight and loss.kv_weight are both 0")
-        if self.ray.strategy == "fsdp" and self.ray.num_workers > 1 and self.align.projector.kind == "fit":
-            raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which are "
-                             "fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
+        if self.ray.strategy == "fsdp" and self.ray.num_workers > 1:
+            if self.align.projector.kind == "fit":
+                raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "
+                                 "are fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
+            if o.fraction > 0 and o.source == "student":
+                raise ValueError("ray.strategy: fsdp cannot sample from the sharded student (each rank's generate "
+                                 "would gather layers a different number of times); use ray.strategy: ddp for "
+                                 "on-policy distillation, or onpolicy.source: teacher")
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")

@@ -65,8 +65,10 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
     sharded = fsdp.is_sharded(distiller) and optimizer is not None
     parts = None if sharded else _parts(distiller)  # (gathered by every rank)
     with atomic_dir(path) as tmp:
-        if sharded:
-            fsdp.save_sharded(tmp, distiller, optimizer)  # every rank its shard of the model and optimizer
+        shard_files = {}
+        if sharded:  # every rank its shard of the model and optimizer; rank 0 records every rank's files
+            fsdp.save_sharded(tmp, distiller, optimizer)
+            shard_files = fsdp.gather_files(tmp, fsdp.SHARDED)
         if rank != 0:
             return path
         if sharded:  # the student's config and tokenizer; its weights are in the shards
@@ -89,8 +91,9 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
         state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
                  **({"sharded": True} if sharded else {}), **(extra or {}),
-                 "files": {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
-                           if f.is_file() and not f.relative_to(tmp).as_posix().startswith(fsdp.SHARDED + "/")}}
+                 "files": {**{f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                              if f.is_file() and not f.relative_to(tmp).as_posix().startswith(fsdp.SHARDED + "/")},
+                           **shard_files}}
         write_json(tmp / STATE, state)
     return path
 
@@ -220,6 +223,10 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     checkpoint's optimizer state and schedule would otherwise quietly win over the new values.
     """
     state = read_state(path)
+    sharded, shards = is_sharded_checkpoint(path), cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1
+    if sharded != shards:  # (a whole state into FSDP2 shards, or shards into DDP: not supported)
+        raise KavaError(f"checkpoint {path} holds {'FSDP2 shards' if sharded else 'a whole student'}: continue it with "
+                        f"ray.strategy={'fsdp' if sharded else 'ddp'}" + (" and several workers" if sharded else ""))
     # a config saved before load_config made its paths absolute: its relative paths match ours
     saved = resolve_paths(_saved_config(path, state), like=cfg)
     if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):

@@ -130,9 +130,6 @@ class Distiller(nn.Module):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask)
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
             c = self.loss_cfg
-            # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
-            # it is sequence-level KD) and the logit terms, which read the vocabulary
-            head_loss, ce, m_logit = self._vocab_terms(reader, out, teacher_kv, batch, next_mask)
             metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
                        for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
             if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
@@ -141,6 +138,10 @@ class Distiller(nn.Module):
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
             self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
+            # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
+            # it is sequence-level KD) and the logit terms, which read the vocabulary; after the KV term, whose
+            # fusion forward sets the router weights the logit teachers are weighted with
+            head_loss, ce, m_logit = self._vocab_terms(reader, out, teacher_kv, batch, next_mask)
             loss = head_loss + self.kv_term
             if c.relation_weight > 0:
                 rel = self._relation_term(skv, native, masks)
@@ -292,15 +293,15 @@ class Distiller(nn.Module):
                 targets[n], weights[n] = (spec, tg), w.to(dev)
                 coefs[("loss", n)] = c.logit_weight * weights[n]
                 totals[("loss", n)] = tg.loss_mask(spec, c).sum()
-        shared_lse = c.logit_weight > 0 and c.logit_temperature == 1.0
+        shared = c.logit_temperature == 1.0  # the logit terms share CE's normaliser at temperature 1
 
         def terms(logits: torch.Tensor, sl: slice) -> dict:  # logits [B, t, V] of the positions sl
-            lse = log_normalizer(logits) if shared_lse else None
+            lse = log_normalizer(logits)  # [B, t]: CE = lse - the label's logit (no host sync per chunk)
             lab = labels[:, sl]
             got = {(CE,): (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
             for n, (spec, tg) in targets.items():
                 part = tg.at(sl)
-                loss_n, m = targets_term(spec, logits, part, c, lse)
+                loss_n, m = targets_term(spec, logits, part, c, lse if shared else None)
                 n_loss, n_m = part.loss_mask(spec, c).sum(), part.m.sum()
                 got[("loss", n)] = (loss_n, n_loss)
                 got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})

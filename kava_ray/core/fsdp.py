@@ -69,6 +69,18 @@ def save_sharded(path, distiller: torch.nn.Module, optimizer) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(path) / SHARDED))
 
 
+def gather_files(root, sub: str) -> dict:
+    """{relative path: size} of every rank's files under `root`/`sub` (every rank calls it; the checkpoint's state.json
+    records them all, so a shard lost on the way into Ray's merged checkpoint is found before a resume reads it)."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    mine = {f.relative_to(root).as_posix(): f.stat().st_size for f in sorted((root / sub).rglob("*")) if f.is_file()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for files in every for k, v in files.items()}
+
+
 def load_sharded(path, distiller: torch.nn.Module, optimizer=None) -> None:
     """The model (and optimizer) state of `path`/sharded into the sharded Distiller (every rank, collectively)."""
     d = Path(path) / SHARDED

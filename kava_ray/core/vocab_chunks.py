@@ -22,9 +22,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kava_ray.common.errors import KavaError
+
 # config attributes of families whose logits are more than the head of the last hidden state (Gemma 2/3's soft cap,
-# Cohere's logit_scale, Granite's logits_scaling): they keep the whole-logits path
-_SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier): they keep the whole-logits path;
+# any other family is checked on its first forward (`VocabReader.terms`: the forward's last-position logits against
+# the head of the captured hidden state)
+_SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 # a chunk's terms: {name: (mean over the chunk's positions, how many positions)}
 Terms = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -37,7 +41,8 @@ def head_of(model) -> tuple[Optional[nn.Linear], str]:
     if not isinstance(head, nn.Linear):
         return None, "its LM head is not one Linear"
     cfg = getattr(model, "config", None)
-    scaled = [a for a in _SCALED if getattr(cfg, a, None) not in (None, 1, 1.0)]
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg  # (multimodal configs nest it)
+    scaled = [a for c in (cfg, text) for a in _SCALED if getattr(c, a, None) not in (None, 1, 1.0)]
     if scaled:
         return None, f"its logits are scaled after the head ({scaled[0]})"
     if not _keeps_logits(type(model)):
@@ -148,6 +153,9 @@ class _FusedHead(torch.autograd.Function):
         fn, slices, coefs, totals, sums = rest
         grads = [torch.zeros_like(hidden), None, None]
         loss = _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads)
+        for i, x in ((1, weight), (2, bias)):  # every term's coefficient 0: zeros, as 0 * loss gives whole logits
+            if grads[i] is None and x is not None and x.requires_grad:  # (DDP and FSDP2 expect every gradient)
+                grads[i] = torch.zeros_like(x)
         ctx.save_for_backward(*(g if g is not None else torch.zeros(0) for g in grads))
         ctx.present = [g is not None for g in grads]
         ctx.dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
@@ -212,4 +220,23 @@ class VocabReader:
         """(sum of coef * mean over the batch, {name: mean, detached}) of fn's terms (`chunked_terms`)."""
         if not self.chunked:
             return whole_terms(fn, out.logits, coefs)
+        self._check_head(out)
         return chunked_terms(fn, self.hidden, self.head, coefs, totals, self.chunk)
+
+    def _check_head(self, out) -> None:
+        """Once per model class: the forward's last-position logits are the head of the captured hidden state (a
+        family that transforms its logits after the head, unknown to `head_of`, would train on a wrong loss)."""
+        cls = type(self.model)
+        if cls in _HEAD_CHECKED:
+            return
+        with torch.no_grad():
+            mine = F.linear(self.hidden[:, -1:], self.head.weight, self.head.bias)
+            same = out.logits.shape == mine.shape and torch.allclose(out.logits.float(), mine.float(), rtol=1e-3,
+                                                                       atol=1e-3)
+        if not same:
+            raise KavaError(f"{cls.__name__}'s logits are not its LM head of the last hidden state (a transform after "
+                            f"the head): set loss.vocab_chunk=0 for this student")
+        _HEAD_CHECKED.add(cls)
+
+
+_HEAD_CHECKED: set = set()  # model classes whose logits `VocabReader._check_head` found to be the head's

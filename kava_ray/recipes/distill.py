@@ -525,7 +525,8 @@ def _quiet_train_logs() -> None:
 
 def report_step(recipe: DistillRecipe, feed, record: dict, step: int, skips: Optional[list[int]] = None) -> None:
     """`ray.train.report` of a step's numbers; at a save step (`skips`: every rank's cumulative skips) with rank
-    0's checkpoint, its numbers inside (a restored run re-announces them)."""
+    0's checkpoint (FSDP2: every rank's shard, Ray Train merging them), its numbers inside (a restored run
+    re-announces them)."""
     import ray.train  # Ray: see the module docstring
 
     if skips is None:
@@ -547,8 +548,9 @@ def finish(recipe: DistillRecipe, source, feed, log: Optional[MetricsLog], run_d
     steps = recipe.cfg.train.steps
     if recipe.start_step < steps:
         test = recipe.test(source)
-        final = run_dir / "final" if recipe.rank == 0 else Path(tempfile.mkdtemp()) / "final"  # (others: nothing)
-        recipe.save_run(final, steps, feed, skips, with_optimizer=False, extra={"test": test})
+        with tempfile.TemporaryDirectory() as elsewhere:  # (the other ranks gather with rank 0 and write nothing)
+            final = run_dir / "final" if recipe.rank == 0 else Path(elsewhere) / "final"
+            recipe.save_run(final, steps, feed, skips, with_optimizer=False, extra={"test": test})
         if log is not None:
             log.write({"step": steps, "kind": "test", **test})
             log.trackers.log_artifact(run_dir / "final")  # the final student (MLflow, W&B; TensorBoard has none)

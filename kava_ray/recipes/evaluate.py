@@ -26,7 +26,7 @@ from kava_ray.core.checkpoint import checkpoint_config, is_sharded_checkpoint, l
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.logit_kd import logit_targets, targets_term
-from kava_ray.core.losses import masked_ce, next_token_mask
+from kava_ray.core.losses import log_normalizer, masked_ce, next_token_mask
 from kava_ray.core.metric_names import (
     ALIGNED,
     CE,
@@ -104,7 +104,7 @@ def student_ce(reader: VocabReader, out, labels: torch.Tensor) -> torch.Tensor:
 
     def terms(logits: torch.Tensor, sl: slice) -> dict:
         lab = shifted[:, sl]
-        return {"ce": (masked_ce(logits, lab, shift=False), (lab != -100).sum())}
+        return {"ce": (masked_ce(logits, lab, shift=False, lse=log_normalizer(logits)), (lab != -100).sum())}
 
     return reader.terms(out, terms, {}, {})[1]["ce"]
 
@@ -305,11 +305,11 @@ def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict,
     targets = {t: logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0] for t, spec in specs.items()}
 
     def terms(logits: torch.Tensor, sl: slice) -> dict:
-        lab = labels[:, sl]
-        got = {CE: (masked_ce(logits, lab, shift=False), (lab != -100).sum())}
+        lab, lse = labels[:, sl], log_normalizer(logits)
+        got = {CE: (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
         for t, tg in targets.items():
             part = tg.at(sl)
-            _, m = targets_term(specs[t], logits, part, kd)
+            _, m = targets_term(specs[t], logits, part, kd, lse)  # (kd is at temperature 1)
             got[f"kl/{t}"] = (m["kl"], part.loss_mask(specs[t], kd).sum())
             got[of(TOP1_AGREE, t)] = (m[TOP1_AGREE], part.m.sum())
         return got
