@@ -293,15 +293,15 @@ class Distiller(nn.Module):
                 targets[n], weights[n] = (spec, tg), w.to(dev)
                 coefs[("loss", n)] = c.logit_weight * weights[n]
                 totals[("loss", n)] = tg.loss_mask(spec, c).sum()
-        shared = c.logit_temperature == 1.0  # the logit terms share CE's normaliser at temperature 1
+        shared = c.logit_weight > 0 and c.logit_temperature == 1.0  # one normaliser for CE and the logit terms
 
         def terms(logits: torch.Tensor, sl: slice) -> dict:  # logits [B, t, V] of the positions sl
-            lse = log_normalizer(logits)  # [B, t]: CE = lse - the label's logit (no host sync per chunk)
+            lse = log_normalizer(logits) if shared else None  # [B, t]; else CE is F.cross_entropy's fused kernel
             lab = labels[:, sl]
             got = {(CE,): (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
             for n, (spec, tg) in targets.items():
                 part = tg.at(sl)
-                loss_n, m = targets_term(spec, logits, part, c, lse if shared else None)
+                loss_n, m = targets_term(spec, logits, part, c, lse)
                 n_loss, n_m = part.loss_mask(spec, c).sum(), part.m.sum()
                 got[("loss", n)] = (loss_n, n_loss)
                 got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})

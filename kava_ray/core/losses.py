@@ -492,9 +492,9 @@ def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
         nll = torch.where(valid, lse - z, 0.0)
         return nll.sum() / valid.sum().clamp_min(1)
     flat_labels = labels.reshape(-1)
-    if not (flat_labels != -100).any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels, ignore_index=-100,
+                            reduction="sum")  # / the counted labels: no host sync, 0 (with grad) when none counts
+    return total / (flat_labels != -100).sum().clamp(min=1)
 
 
 def relation_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, heads: int) -> torch.Tensor:
