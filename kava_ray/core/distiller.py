@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, OptimConfig
@@ -22,14 +21,12 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
-from kava_ray.core.logit_kd import logit_targets, targets_term
+from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
     hidden_cosine_loss,
     kv_loss,
-    log_normalizer,
-    masked_ce,
     position_masks,
     relation_loss,
 )
@@ -280,9 +277,9 @@ class Distiller(nn.Module):
         position serves CE and (at temperature 1) the logit terms. Metrics: logit_kl (the weighted loss),
         logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
         c, dev, vocab = self.loss_cfg, reader.device(out), reader.vocab(out)
-        labels = F.pad(batch.labels[:, 1:], (0, 1), value=-100).to(dev)  # [B, T]: the label position t predicts
-        coefs = {(CE,): 0.0 if batch.source == "student" else c.ce_weight}
-        totals = {(CE,): (labels != -100).sum()}
+        labels = next_labels(batch.labels, dev)  # [B, T]: the label position t predicts
+        coefs = {CE_KEY: 0.0 if batch.source == "student" else c.ce_weight}
+        totals = {CE_KEY: (labels != -100).sum()}
         targets, weights, metrics = {}, {}, {}
         if c.logit_weight > 0:
             self._check_top_k_ids(vocab, dev, teacher_kv, mask)
@@ -293,26 +290,13 @@ class Distiller(nn.Module):
                 targets[n], weights[n] = (spec, tg), w.to(dev)
                 coefs[("loss", n)] = c.logit_weight * weights[n]
                 totals[("loss", n)] = tg.loss_mask(spec, c).sum()
-        shared = c.logit_weight > 0 and c.logit_temperature == 1.0  # one normaliser for CE and the logit terms
-
-        def terms(logits: torch.Tensor, sl: slice) -> dict:  # logits [B, t, V] of the positions sl
-            lse = log_normalizer(logits) if shared else None  # [B, t]; else CE is F.cross_entropy's fused kernel
-            lab = labels[:, sl]
-            got = {(CE,): (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
-            for n, (spec, tg) in targets.items():
-                part = tg.at(sl)
-                loss_n, m = targets_term(spec, logits, part, c, lse)
-                n_loss, n_m = part.loss_mask(spec, c).sum(), part.m.sum()
-                got[("loss", n)] = (loss_n, n_loss)
-                got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})
-            return got
-
+        terms = chunk_terms(labels, targets, c, shared_lse=c.logit_weight > 0 and c.logit_temperature == 1.0)
         loss, means = reader.terms(out, terms, coefs, totals)
         if targets:
             metrics.update({of(TOP1_AGREE if key[2] == TOP1_AGREE else "logit_" + key[2], key[1]): v
                             for key, v in means.items() if key[0] == "metric"})
             metrics[LOGIT_KL] = sum(weights[n] * means[("loss", n)] for n in targets).detach()
-        return loss, means[(CE,)], metrics
+        return loss, means[CE_KEY], metrics
 
     def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
         """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position

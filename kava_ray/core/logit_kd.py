@@ -15,11 +15,20 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.divergences import divergence_beta, sampled_reverse_kl_loss, topk_divergence
 from kava_ray.core.kv import KVBatch
-from kava_ray.core.losses import hybrid_logit_loss, log_normalizer, top1_agreement, topk_kl_loss, topk_tail, uld_loss
+from kava_ray.core.losses import (
+    hybrid_logit_loss,
+    log_normalizer,
+    masked_ce,
+    top1_agreement,
+    topk_kl_loss,
+    topk_tail,
+    uld_loss,
+)
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -192,3 +201,34 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch,
     tg, fixed = logit_targets(lt, t, batch, mask, loss_cfg, logits.shape[-1], logits.device)
     loss, metrics = targets_term(lt, logits, tg, loss_cfg, lse)
     return loss, {**fixed, **metrics}
+
+
+CE_KEY = ("ce",)  # `chunk_terms`' key of CE
+
+
+def next_labels(labels: torch.Tensor, device) -> torch.Tensor:
+    """[B, T]: the label position t predicts (the labels shifted by one, -100 where none counts)."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100).to(device)
+
+
+def chunk_terms(labels: torch.Tensor, teachers: dict, loss_cfg, shared_lse: bool):
+    """The function `core.vocab_chunks` calls on the student's logits [B, t, V] of the positions `sl` (whole or a
+    chunk), for CE on `labels` (`next_labels`) and every logit teacher {name: (LogitTeacher, LogitTargets)}:
+    {CE_KEY: (CE, labels counted), ("loss", t): (t's term, `loss_mask` positions), ("metric", t, k): (metric k of
+    `targets_term`, its positions)}, each a mean over the chunk's positions. shared_lse: the terms take CE's
+    normaliser (temperature 1), else CE is F.cross_entropy's fused kernel. Training (`Distiller._vocab_terms`) and
+    evaluation (`recipes.evaluate`) read the logits through it."""
+
+    def terms(logits: torch.Tensor, sl: slice) -> dict:
+        lse = log_normalizer(logits) if shared_lse else None  # [B, t]
+        lab = labels[:, sl]
+        got = {CE_KEY: (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
+        for n, (spec, tg) in teachers.items():
+            part = tg.at(sl)
+            loss_n, m = targets_term(spec, logits, part, loss_cfg, lse)
+            n_loss, n_m = part.loss_mask(spec, loss_cfg).sum(), part.m.sum()
+            got[("loss", n)] = (loss_n, n_loss)
+            got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})
+        return got
+
+    return terms

@@ -14,6 +14,7 @@ Details and measurements: docs/internals/step.md#vocab-chunks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Callable, Optional
@@ -194,20 +195,15 @@ class VocabReader:
     def forward_kwargs(self) -> dict:
         return {"logits_to_keep": 1} if self.chunked else {}
 
+    @contextlib.contextmanager
     def capture(self):
         """A context in which the model's forward leaves its final hidden state in `self.hidden` (chunked only)."""
-        import contextlib
-
         if not self.chunked:
-            return contextlib.nullcontext(self)
-        reader = self
-
-        class _Capture(LastHidden):
-            def __exit__(self, *exc):
-                super().__exit__(*exc)
-                reader.hidden = self.value
-
-        return _Capture(self.model)
+            yield self
+            return
+        with LastHidden(self.model) as last:
+            yield self
+        self.hidden = last.value
 
     def vocab(self, out) -> int:
         return self.head.out_features if self.chunked else out.logits.shape[-1]

@@ -16,7 +16,6 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from kava_ray.common.config import LossConfig, derive
@@ -25,8 +24,8 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import checkpoint_config, is_sharded_checkpoint, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
-from kava_ray.core.logit_kd import logit_targets, targets_term
-from kava_ray.core.losses import log_normalizer, masked_ce, next_token_mask
+from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
+from kava_ray.core.losses import next_token_mask
 from kava_ray.core.metric_names import (
     ALIGNED,
     CE,
@@ -100,13 +99,8 @@ def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None,
 
 def student_ce(reader: VocabReader, out, labels: torch.Tensor) -> torch.Tensor:
     """The forward's next-token CE over the label positions (`losses.masked_ce`), read whole or in chunks."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100).to(reader.device(out))
-
-    def terms(logits: torch.Tensor, sl: slice) -> dict:
-        lab = shifted[:, sl]
-        return {"ce": (masked_ce(logits, lab, shift=False), (lab != -100).sum())}
-
-    return reader.terms(out, terms, {}, {})[1]["ce"]
+    terms = chunk_terms(next_labels(labels, reader.device(out)), {}, None, shared_lse=False)
+    return reader.terms(out, terms, {}, {})[1][CE_KEY]
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -301,20 +295,11 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
 def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict, specs: dict, kd) -> dict:
     """One batch's CE, kl/<t> and top1_agree/<t> (means over its next-token positions), read whole or in chunks."""
     dev, vocab = reader.device(out), reader.vocab(out)
-    labels = F.pad(batch.labels[:, 1:], (0, 1), value=-100).to(dev)
-    targets = {t: logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0] for t, spec in specs.items()}
-
-    def terms(logits: torch.Tensor, sl: slice) -> dict:
-        lab, lse = labels[:, sl], log_normalizer(logits)
-        got = {CE: (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
-        for t, tg in targets.items():
-            part = tg.at(sl)
-            _, m = targets_term(specs[t], logits, part, kd, lse)  # (kd is at temperature 1)
-            got[f"kl/{t}"] = (m["kl"], part.loss_mask(specs[t], kd).sum())
-            got[of(TOP1_AGREE, t)] = (m[TOP1_AGREE], part.m.sum())
-        return got
-
-    return reader.terms(out, terms, {}, {})[1]
+    teachers = {t: (spec.to(dev), logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0])
+                for t, spec in specs.items()}
+    means = reader.terms(out, chunk_terms(next_labels(batch.labels, dev), teachers, kd, shared_lse=True), {}, {})[1]
+    return {CE: means[CE_KEY], **{f"kl/{t}": means[("metric", t, "kl")] for t in specs},  # (kd: temperature 1)
+            **{of(TOP1_AGREE, t): means[("metric", t, TOP1_AGREE)] for t in specs}}
 
 
 def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
