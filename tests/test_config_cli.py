@@ -161,7 +161,7 @@ def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
 
     leaves = _leaves(build_parser())
     assert [words for words, p in leaves if not callable(p.get_default("func"))] == []
-    assert len(leaves) == 27  # 11 commands; config 2, teachers 4, bench 13 subcommands
+    assert len(leaves) == 28  # 12 commands; config 2, teachers 4, bench 13 subcommands
     code = "import sys, kava_ray.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'pydantic'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -171,4 +171,6 @@ def test_python_dash_m_runs_the_command():
     """`python -m kava_ray.cli` (how test_actors and the multi-node test run it) is the console script."""
     out = subprocess.run([sys.executable, "-m", "kava_ray.cli", "config", "presets"], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 0 and out.stdout.split() == preset_names(), out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert out.returncode == 0 and [r[0] for r in rows] == preset_names(), out.stderr
+    assert all(Path(path).is_file() and Path(path).name == f"{name}.yaml" for name, path in rows)  # where they live

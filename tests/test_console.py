@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,6 +58,8 @@ def test_a_failed_run_is_one_line_with_the_logs_dir(tmp_path):
     from kava_ray.runtime.console import quiet
 
     class Failing:
+        run_config = SimpleNamespace(name="run")
+
         def fit(self):
             raise TrainingFailedError("Traceback (most recent call last):\n  ...\n"
                                                 "kava_ray.common.errors.KavaError: teacher 'qwen' returned NaN keys")

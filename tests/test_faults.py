@@ -1,14 +1,15 @@
 """Fault suite: what a run does when a part of it fails, each case with a bounded time.
 
-    driver SIGINT, then --resume     exit 130 in one line, its embedded Ray gone; the resumed run, whose
-      with the teacher killed        teacher is SIGKILLed mid-way, finishes on the uninterrupted curve (1e-5)
+    driver SIGTERM, then --resume    exit 143 in one line (Ctrl-C's path), its embedded Ray gone; the resumed
+      with the teacher killed        run, whose teacher is SIGKILLed mid-way, finishes on the uninterrupted curve
+    a loss that is not finite        one line naming the step and the terms; the last good checkpoint stays
     disk full / partial copy         one line; the previous checkpoint is never replaced and still loads
     NaN/Inf teacher KV               train.on_bad_kv: skip (counted, resume stays exact) | stop (one line)
     corrupt / truncated checkpoint   one line naming the file, for --resume and `kava-ray eval`
 
 Fast cases run the real DistillRecipe + KVFeed in process (`InProcessSource`, `jobs.run_recipe`); the Ray
 case is compared with one reference curve computed the same way in process (`ref_curve`): `kava-ray train` runs
-as a subprocess with its own embedded Ray until the SIGINT, and the resume runs on the session's Ray and its
+as a subprocess with its own embedded Ray until the SIGTERM, and the resume runs on the session's Ray and its
 teacher pool, where the teacher is killed.
 """
 
@@ -41,7 +42,7 @@ KVCLI = str(Path(sys.executable).with_name("kava-ray"))
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
     """One fp32 teacher -> the 2-layer student; 24 steps, a checkpoint every 3, evaluation only at 0 and 24
-    (21 steps after the first checkpoint: room for the SIGINT case's interrupt to land on a loaded box)."""
+    (21 steps after the first checkpoint: room for the SIGTERM case's interrupt to land on a loaded box)."""
     return write_job(tmp_path_factory.mktemp("faults"), tiny_qwen2_dir, None, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"}],
                      data={"num_train": 64, "num_val": 4, "num_test": 4},
@@ -303,7 +304,7 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     assert rc == 2 and len(err) == 1 and "student/model.safetensors is truncated" in err[0], err
 
 
-# ------------------------------------------------------------------------ on Ray: teacher killed, SIGINT
+# ------------------------------------------------------------------------ on Ray: teacher killed, SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -356,15 +357,16 @@ def test_an_interrupt_swallowed_inside_the_fit_is_raised_when_it_returns():
 
 
 @pytest.mark.ray  # `kava-ray train` starts its own embedded Ray
-def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teacher_kill(tiny_pool, ref_curve, job):
-    """SIGINT the driver once a checkpoint exists: exit 130 with one `error: interrupted` line within 60 s and
-    nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
+def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_teacher_kill(tiny_pool, ref_curve, job):
+    """SIGTERM the driver (`kill`, Slurm, Kubernetes) once a checkpoint exists: it takes Ctrl-C's path
+    (`kava_ray.common.signals`; Ray's own SIGTERM handler, which ray.init installs, would exit 1 with a C++ dump and
+    no line): exit 143 with one `error: terminated (SIGTERM)` line within 60 s and nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
     curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run again), although
     its teacher actor's process is SIGKILLed two steps past the interrupt: it restarts (max_restarts) and the
     feed's requests are retried."""
     env = dict(os.environ, RAY_ADDRESS="", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS")
-    name = "sigint"
+    name = "sigterm"
     cmd = [KVCLI, "train", "--config", str(job), "--name", name]
     run_dir = Path(load_config(job).ray.storage_path) / name
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -379,12 +381,12 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teac
             time.sleep(0.05)
         assert steps and max(steps) >= SAVE, f"no checkpoint within 300 s (steps so far: {sorted(steps)})"
         # freeze the run (driver, workers, its Ray) before the interrupt, so a loaded box that starves this test
-        # cannot let the last steps finish first; the SIGINT is pending in the driver when the group continues
+        # cannot let the last steps finish first; the SIGTERM is pending in the driver when the group continues
         os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.poll() is None, f"finished before the interrupt: {proc.stderr.read()}"
         assert max(train_steps(run_dir)) < STEPS
         sent = time.time()
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGTERM)
         os.killpg(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=60)
         elapsed = time.time() - sent
@@ -392,7 +394,7 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teac
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert proc.returncode in (130, 2) and lines == ["error: interrupted"], err[-3000:]
+    assert proc.returncode == 143 and lines == ["error: terminated (SIGTERM)"], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     deadline = time.time() + 30
     while _session_pids(proc.pid) and time.time() < deadline:
@@ -427,4 +429,27 @@ def test_sigint_exits_in_one_line_then_resume_continues_the_curve_through_a_teac
     assert_same_curve(got, ref_curve, range(1, STEPS + 1))
     restarts = [a.num_restarts for a in _actors(actor_id=killed["actor_id"])]
     assert restarts and int(restarts[0]) >= 1, restarts
-    print(f"SIGINT at step {interrupted_at}: exited in {elapsed:.1f} s; teacher killed at step {killed['step']}")
+    print(f"SIGTERM at step {interrupted_at}: exited in {elapsed:.1f} s; teacher killed at step {killed['step']}")
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_in_one_line_and_keeps_the_last_good_checkpoint(tiny_pool, job,
+                                                                                                capsys):
+    """A student learning rate of 1e30 makes step 2's loss NaN: the run (the real command, on the session's Ray,
+    under a run name with a non-ASCII letter) stops at the log step that sees it with one line naming the step and
+    the terms, exit 2 -- not a NaN student saved with exit 0 -- and the checkpoint of step 1 stays the latest (no
+    checkpoint of the NaN weights, no final/). The worker ends the run itself: Ray Train's retry from the checkpoint
+    (train.max_failures) would only go bad again."""
+    from kava_ray.cli import main
+    from kava_ray.core.checkpoint import find_checkpoint
+
+    name = "modèle-nan"
+    code = main(["train", "--config", str(job), "--name", name, "optim.lr_student=1e30", "train.steps=6",
+                 "train.save_steps=1", "train.log_steps=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    run_dir = Path(load_config(job).ray.storage_path) / name
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: step 2: the loss is not finite (the CE and KV terms); training stopped and the "
+                             "checkpoint of step 1 stays the latest"), err[0]
+    latest = find_checkpoint(run_dir, for_resume=True)
+    assert json.loads((latest / "state.json").read_text())["step"] == 1 and not (run_dir / "final").exists()
+    assert max(train_steps(run_dir)) == 1  # step 2's record never logged: the stop comes first

@@ -353,3 +353,151 @@ def test_address_auto_reads_ray_s_address_file_and_says_so_when_there_is_none(tm
     assert _resolve_auto() == "127.0.0.1:6380"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert _resolve_auto() == "10.0.0.5:6379"
+
+
+# ------------------------------------------------- what cannot train is refused before anything starts (issue 42)
+# Each: exit 2, one `error:` line, Ray never started, and nothing written under ray.storage_path (no run dir).
+
+
+def refused(run_cli, job, *args, needles=(), command="train", storage=None):
+    """`kava-ray COMMAND --config JOB ARGS` refused in one line naming `needles`, leaving no run dir behind."""
+    from kava_ray.common.config import load_config
+
+    storage = Path(storage or load_config(str(job)).ray.storage_path)
+    before = sorted(p.name for p in storage.iterdir()) if storage.is_dir() else []
+    r = run_cli(command, "--config", job, *args)
+    assert_one_line(r, *needles)
+    after = sorted(p.name for p in storage.iterdir()) if storage.is_dir() else []
+    assert after == before, f"written on refusal: {sorted(set(after) - set(before))}"
+    return r.stderr.strip()
+
+
+def qa_rows(n, prompt=lambda i: f"question {i}?", completion=lambda i: f" answer {i}."):
+    return "\n".join(json.dumps({"prompt": prompt(i), "completion": completion(i)}) for i in range(n)) + "\n"
+
+
+def test_held_out_rows_that_are_training_rows_are_refused(run_cli, tiny_job, tmp_path):
+    """Separate files that share records: the held-out figures would be training figures."""
+    (tmp_path / "train.jsonl").write_text(qa_rows(40))
+    (tmp_path / "test.jsonl").write_text(qa_rows(8))  # the first 8 training records again
+    refused(run_cli, tiny_job, f"data.source={tmp_path}/{{split}}.jsonl", "data.format=prompt_completion",
+            needles=("8 of 8 test records are also training records", "data.allow_overlap: true"))
+
+
+def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_when_asked(tiny_job, tmp_path, capsys):
+    """One file for every split (no {split}): validation and test are cut from its end, disjoint from training;
+    data.allow_overlap: true reads the file for every split, with a warning line."""
+    from kava_ray.common.config import load_config
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.core.plans import carved, check_overlap, load_splits, load_test_split, prepare_data
+
+    (tmp_path / "chat.jsonl").write_text(qa_rows(120))
+    cfg = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.num_train=null"])
+    tok = load_tokenizer(cfg.student.model)
+    train, val = load_splits(cfg, tok)
+    test = load_test_split(cfg, tok)
+    assert carved(cfg) and (len(train), len(val), len(test)) == (120 - 16, 8, 8)
+    texts = lambda s: {tuple(s.items[i]["input_ids"]) for i in range(len(s))}  # noqa: E731
+    assert not texts(train) & texts(test) and not texts(train) & texts(val) and not texts(val) & texts(test)
+    assert prepare_data(cfg)["carved"] and check_overlap(cfg) is None
+    allowed = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.allow_overlap=true"])
+    assert not carved(allowed)
+    assert check_overlap(allowed) == ("warning: data.allow_overlap: 8 of 8 test records are also training records "
+                                      "(every split reads the same file): they are not held out")
+
+
+@pytest.mark.parametrize("kind", ["prompt-longer-than-max-length", "empty-completions"])
+def test_a_split_without_a_loss_token_is_refused_naming_why(run_cli, tiny_job, tmp_path, kind):
+    rows = (qa_rows(40, prompt=lambda i: f"{i} " + "many words " * 200) if kind.startswith("prompt") else
+            "\n".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                               {"role": "assistant", "content": ""}]}) for i in range(40)))
+    (tmp_path / "qa.jsonl").write_text(rows)
+    why = ("with a prompt of train.max_length=288 tokens or more" if kind.startswith("prompt")
+           else "with an empty completion / assistant turn")
+    refused(run_cli, tiny_job, f"data.source={tmp_path}/qa.jsonl", needles=("no token carries loss", "24 records",
+                                                                            f"24 {why}"))
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("loss.kv_weight=inf", ("config key 'loss.kv_weight'", "finite number")),
+    ("optim.lr_student=nan", ("config key 'optim.lr_student'", "finite number")),
+    ("student.keep_layers=[]", ("student.keep_layers", "at least one layer")),
+    ("student.keep_layers=[1, 0]", ("student.keep_layers", "strictly increasing", "did you mean [0, 1]")),
+    ("student.keep_layers=[0, 9]", ("student.keep_layers", "[0, 1]")),  # the tiny student has 2 layers
+    ("teachers.0.layers=[0, 40]", ("teachers[qwen].layers", "layer 40 is out of range")),
+    ("train.batch_size=100", ("train.batch_size=100", "has 64 rows", "fewer than one batch")),
+], ids=["kv-weight-inf", "lr-nan", "keep-none", "keep-reordered", "keep-past-depth", "teacher-layer-past-depth",
+        "batch-above-examples"])
+def test_what_cannot_train_is_one_line(run_cli, tiny_job, override, needles):
+    refused(run_cli, tiny_job, override, needles=needles)
+
+
+def test_weights_cut_short_or_not_safetensors_are_named_before_ray(run_cli, tiny_job, tmp_path,
+                                                                     tiny_student_dir):
+    student = tmp_path / "student"
+    shutil.copytree(tiny_student_dir, student)
+    weights = student / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a download cut short
+    refused(run_cli, tiny_job, f"student.model={student}", needles=(str(weights), "cut short"))
+    weights.write_bytes(b"\x00" * 64)  # not safetensors at all
+    refused(run_cli, tiny_job, f"student.model={student}", needles=(str(weights), "not a readable safetensors"))
+
+
+def test_a_step_that_cannot_fit_this_machine_is_refused(run_cli, tiny_job, monkeypatch):
+    """The planner's memory of one step against the RAM this machine has free (on a GPU: its memory)."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))
+    refused(run_cli, tiny_job, needles=("GiB of RAM", "this machine has 0.0 GiB available", "kava-ray plan"))
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", ".."])
+def test_a_run_name_is_one_directory(run_cli, tiny_job, name):
+    refused(run_cli, tiny_job, "--name", name, needles=(f"--name {name!r}", "one directory under ray.storage_path"))
+
+
+@pytest.mark.parametrize("space,needles", [
+    ({"params": {"teachers.0.model": {"choice": ["a", "b"]}}}, ("'teachers.0.model': not searchable",)),
+    ({"metric": "eval/cee", "params": {"loss.beta": {"choice": [0.0, 0.1]}}}, ("did you mean 'eval/ce'",)),
+    ({"params": {"train.batch_size": {"uniform": [2, 8]}}}, ("'train.batch_size': an integer key",)),
+], ids=["teacher-key", "metric-typo", "fraction-over-int"])
+def test_a_search_space_a_sweep_cannot_apply_is_refused(run_cli, tiny_job, tmp_path, space, needles):
+    import yaml
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    refused(run_cli, tiny_job, "--space", path, command="tune", needles=needles)
+
+
+def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_job, monkeypatch, capsys):
+    """An HTTP server (the dashboard's port) and a port that accepts and never answers: one line within ~3 s each
+    (ray.init would wait minutes there), $RAY_ADDRESS named when it is where the address came from."""
+    import http.server
+    import socket
+    import threading
+
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached with an address that is not Ray"))
+    http_server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+
+    def run(*args):
+        t0 = time.perf_counter()
+        code = main([str(a) for a in args])
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err, wall_s=time.perf_counter() - t0)
+
+    try:
+        http_addr = f"127.0.0.1:{http_server.server_address[1]}"
+        silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", http_addr),
+                        f"cannot connect to Ray at '{http_addr}'", "an HTTP server", "not a Ray cluster")
+        monkeypatch.setenv("RAY_ADDRESS", silent_addr)
+        assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", "auto"),
+                        f"({silent_addr}, from $RAY_ADDRESS)", "answers nothing within 3 s")
+    finally:
+        http_server.shutdown()
+        silent.close()

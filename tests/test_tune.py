@@ -61,7 +61,7 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     monkeypatch.chdir(root)  # `ray.storage_path: runs` -> root/runs
     space = write_space(root, "asha", {
         "metric": "eval/cos_sim", "mode": "max", "num_samples": 1,  # a grid runs each point num_samples times
-        "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2},
+        "scheduler": {"kind": "asha", "grace_period": 1, "reduction_factor": 2},  # at the 1st evaluation past 0
         "params": {"optim.lr_projector": {"grid": [1.0e-2, 5.0e-3, 1.0e-8]}}})
     exp = root / "runs" / "asha"
     done = []
@@ -69,7 +69,7 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     def ctrl_c():  # Ctrl+C once the first trial has finished: Tune saves the experiment state and stops
         deadline = time.time() + 600  # generous: a loaded CI box; ~25 s alone
         while time.time() < deadline and not done:
-            if list(exp.glob("trial_fn_*/run/final/state.json")):  # a trial's last write; then ask Tune (its state)
+            if list(exp.glob("trial_*/run/final/state.json")):  # a trial's last write; then ask Tune (its state)
                 done.extend(t for t, status in trial_statuses(exp).items() if status == "TERMINATED")
             time.sleep(0.2)
         if done:
@@ -85,7 +85,7 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
                                       f"continues it", err[-5:]
     statuses = trial_statuses(exp)
     assert list(statuses.values()).count("TERMINATED") == 1 and len(statuses) >= 2, statuses  # the next one stopped
-    first_trial = next(exp.glob(f"trial_fn_{done[0]}_*"))
+    first_trial = exp / f"trial_{done[0]}"
     files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
     before = [f.read_text() for f in files]
 
@@ -96,7 +96,13 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     assert [f.read_text() for f in files] == before
     assert json.loads((first_trial / "run" / "final" / "state.json").read_text())["step"] == 8
     by_lr = {r["optim.lr_projector"]: r for r in rows}
-    assert by_lr[1e-8]["stopped_early"] and by_lr[1e-8]["steps"] < 8, rows
+    # stopped at a rung, and not before its first evaluation after training began (step 2, eval_steps 2): never on
+    # the step-0 evaluation, where every trial scores the same
+    assert by_lr[1e-8]["stopped_early"] and 2 <= by_lr[1e-8]["steps"] < 8, rows
+    bad_trial = exp / by_lr[1e-8]["trial"]
+    reports = [json.loads(line) for line in (bad_trial / "result.json").read_text().splitlines()]
+    assert reports[-1]["evals"] >= 1 and all(r["evals"] == (r["step"] >= 2) + (r["step"] >= 4) + (r["step"] >= 6)
+                                             for r in reports), reports
     assert by_lr[1e-2]["steps"] == by_lr[5e-3]["steps"] == 8 and not by_lr[5e-3]["stopped_early"], rows
     assert out["best"]["optim.lr_projector"] in (1e-2, 5e-3)
     with open(exp / "results.csv") as f:

@@ -12,7 +12,6 @@ from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.runtime.tune_space import (
     apply_params,
-    last_judged_step,
     load_space,
     make_scheduler,
     make_search_alg,
@@ -62,7 +61,7 @@ def test_shipped_spaces_load_and_give_tune_domains(base):
     default = load_space("default", base)
     assert (default.num_samples, default.max_concurrent) == (8, None)
     sched = default.scheduler
-    assert (sched.kind, sched.grace_period, sched.reduction_factor) == ("asha", 2, 2)
+    assert (sched.kind, sched.grace_period, sched.reduction_factor) == ("asha", 1, 2)
     assert default.search.kind == "random" and make_search_alg(default) is None
     space = to_param_space(default)
     assert space["align.projector.mlp_ratio"].categories == [0.5, 1.0, 2.0]
@@ -79,7 +78,7 @@ def test_shipped_spaces_load_and_give_tune_domains(base):
     assert (gpu8.num_samples, gpu8.max_concurrent) == (6, 1)
     large = load_space("large_teachers", base)
     assert (large.num_samples, large.max_concurrent) == (4, 2)
-    assert (large.scheduler.grace_period, large.scheduler.reduction_factor) == (4, 3)
+    assert (large.scheduler.grace_period, large.scheduler.reduction_factor) == (2, 3)
     assert to_param_space(large)["fusion.kind"].categories == ["fixed", "gate"]
 
 
@@ -91,7 +90,7 @@ def test_grid_randint_and_yaml_exponents(tmp_path, base):
                     "  optim.lr_projector: {choice: [1e-3, 3e-3]}\n"
                     "  optim.warmup_steps: {randint: [0, 4]}\n"
                     "  align.mode: {grid: [flat, structured]}\n"
-                    "  teachers.1.num_gpus: {choice: [0.0, 0.5]}\n")
+                    "  loss.kv_weight: {choice: [0.0, 0.5]}\n")
     spec = load_space(path, base)
     space = to_param_space(spec)
     assert (space["optim.lr_student"].lower, space["optim.lr_student"].upper) == (1e-5, 1e-4)
@@ -113,29 +112,36 @@ def test_apply_params_sets_values(base):
 
 
 def test_schedulers(base):
+    from kava_ray.recipes.distill import evals_before_end, evals_through
+
     spec = load_space("default", base)
-    asha = make_scheduler(spec, max_t=base.train.steps)
-    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "step"
-    # ASHA's own decisions (grace 2, rf 2), which see the metric at eval steps and the last step only: the worse
-    # trial stops at a rung before the end, and a trial at its last step is never stopped (a STOP there can kill it
-    # before it saves final/). 8 steps, eval every 2; and the demo's 24 steps, eval every 12 (rungs 2, 4, 8 at most)
-    asha22 = spec.model_copy(update={"scheduler": spec.scheduler.model_validate(
-        {"kind": "asha", "grace_period": 2, "reduction_factor": 2})})
+    asha = make_scheduler(spec, max_t=evals_before_end(base.train))
+    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "evals"
+    # ASHA's own decisions (grace 1 evaluation, rf 2) on reports as a run makes them (`evals`: evaluations after
+    # step 0): a report before the first evaluation past step 0 is never judged, the worse trial stops at its first
+    # evaluation, and a trial at its last step is never stopped (a STOP there can kill it before it saves final/).
+    # 8 steps, eval every 2; and the demo's 24 steps, eval every 12
     for steps, eval_steps in ((8, 2), (24, 12)):
-        s = make_scheduler(asha22, max_t=last_judged_step(steps, eval_steps))
+        t = base.train.model_copy(update={"steps": steps, "eval_steps": eval_steps, "save_steps": steps,
+                                          "log_steps": 1})
+        s = make_scheduler(spec, max_t=evals_before_end(t))
         s.set_search_properties("eval/ce", "min")
         good, bad, late = (SimpleNamespace(trial_id=n) for n in ("good", "bad", "late"))
-        for t in (good, bad, late):
-            s.on_trial_add(None, t)
-        act = lambda t, step, ce: s.on_trial_result(None, t, {"step": step, "eval/ce": ce})  # noqa: E731
+        for trial in (good, bad, late):
+            s.on_trial_add(None, trial)
+        act = lambda trial, step, ce: s.on_trial_result(  # noqa: E731
+            None, trial, {"step": step, "evals": evals_through(step, t), "eval/ce": ce})
         evals = list(range(eval_steps, steps, eval_steps))
         assert [act(good, e, 1.0) for e in evals + [steps]] == ["CONTINUE"] * (len(evals) + 1), (steps, eval_steps)
+        # the step-0 evaluation, carried in every report until the first one after training: never judged
+        assert all(act(bad, step, 9.0) == "CONTINUE" for step in range(1, eval_steps)), (steps, eval_steps)
         assert act(bad, evals[0], 5.0) == "STOP"
         assert all(act(late, e, 0.9) == "CONTINUE" for e in evals) and act(late, steps, 9.0) == "CONTINUE"
-    assert last_judged_step(24, 12) == 12 and last_judged_step(8, 2) == 6 and last_judged_step(8, 8) == 0
+    t8 = base.train.model_copy(update={"steps": 8, "eval_steps": 2, "save_steps": 8})
+    assert evals_before_end(t8) == 3 and [evals_through(s, t8) for s in range(9)] == [0, 0, 1, 1, 2, 2, 3, 3, 4]
     large = load_space("large_teachers", base)
-    with pytest.raises(KavaError, match="grace_period 4 exceeds the last evaluation before the end \\(step 3"):
-        make_scheduler(large, max_t=3)
+    with pytest.raises(KavaError, match="grace_period 2 counts evaluations after training began, and a trial makes 1"):
+        make_scheduler(large, max_t=1)
     fifo = spec.model_copy(update={"scheduler": spec.scheduler.model_validate({"kind": "fifo"})})
     assert type(make_scheduler(fifo, max_t=10)) is FIFOScheduler
 
@@ -144,7 +150,13 @@ BAD_PARAMS = [
     # (description, params, text the one line must contain)
     ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}}, "'optim.lr_studnet': not a JobConfig key (did you mean 'optim.lr_student'?)"),
     ("a section, not a leaf", {"align.projector": {"choice": [{}]}}, "'align.projector': not a JobConfig key"),
-    ("teacher index past the base", {"teachers.2.num_gpus": {"choice": [1]}}, "'teachers.2.num_gpus'"),
+    # keys every trial shares with the sweep (a trial could not apply them): refused with the reason
+    ("a teacher's key", {"teachers.0.model": {"choice": ["a", "b"]}},
+     "'teachers.0.model': not searchable: the trials share one teacher pool"),
+    ("a data key", {"data.num_train": {"choice": [8, 16]}}, "'data.num_train': not searchable"),
+    ("the student's model", {"student.keep_layers": {"choice": [[0], [1]]}}, "'student.keep_layers': not searchable"),
+    ("uniform over an integer key", {"train.batch_size": {"uniform": [2, 8]}},
+     "'train.batch_size': an integer key, and uniform draws fractions"),
     ("unknown distribution", {"loss.beta": {"normal": [0, 1]}}, "'loss.beta': unknown distribution 'normal'"),
     ("two distributions", {"loss.beta": {"choice": [0.0], "uniform": [0, 1]}}, "'loss.beta': needs exactly one"),
     ("empty uniform", {"loss.beta": {"uniform": [1, 1]}}, "'loss.beta': empty range [1, 1]"),
@@ -174,7 +186,7 @@ def test_bad_params_fail_with_one_line(tmp_path, base, desc, params, needle):
 
 def test_keys_are_checked_without_a_base_too(tmp_path):
     one_line_error(write_space(tmp_path, {"optim.lr_studnet": {"choice": [1e-4]}}), None, "optim.lr_studnet")
-    assert load_space(write_space(tmp_path, {"teachers.7.num_gpus": {"choice": [1]}})).params  # any index
+    one_line_error(write_space(tmp_path, {"teachers.7.num_gpus": {"choice": [1]}}), None, "not searchable")
 
 
 BAD_TOP = [
@@ -182,6 +194,8 @@ BAD_TOP = [
     ("bad mode", {"mode": "maximize"}, "mode"),
     ("mode against the metric", {"metric": "eval/ce", "mode": "max"}, "eval/ce is optimised with mode min"),
     ("not a held-out metric", {"metric": "loss"}, "metric 'loss'"),
+    ("a metric the job does not report", {"metric": "eval/cee"},
+     "metric 'eval/cee': not a metric the job reports (did you mean 'eval/ce'?)"),
     ("num_samples < 1", {"num_samples": 0}, "num_samples"),
     ("unknown scheduler", {"scheduler": {"kind": "pbt"}}, "scheduler.kind"),
     ("asha knobs on fifo", {"scheduler": {"kind": "fifo", "grace_period": 2}}, "only to kind asha"),

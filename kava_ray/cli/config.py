@@ -11,7 +11,7 @@ def register(sub) -> None:
     p = cfg_sub.add_parser("show", help="print the resolved config as YAML")
     add_config_args(p)
     p.set_defaults(func=show_config)
-    p = cfg_sub.add_parser("presets", help="list the shipped presets")
+    p = cfg_sub.add_parser("presets", help="list the shipped presets and their files")
     p.set_defaults(func=list_presets)
 
 
@@ -21,7 +21,13 @@ def show_config(args) -> int:
 
 
 def list_presets(args) -> int:
-    from kava_ray.common.config import preset_names
+    """Each preset's name and file: copy one to start a job of your own (`--config my_job.yaml`)."""
+    from importlib import resources
 
-    print("\n".join(preset_names()))
+    from kava_ray.common.config import PRESET_PACKAGE, preset_names
+
+    names = preset_names()
+    width = max(map(len, names))
+    for name in names:
+        print(f"{name:<{width}}  {resources.files(PRESET_PACKAGE).joinpath(f'{name}.yaml')}")
     return 0

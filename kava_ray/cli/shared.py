@@ -1,7 +1,7 @@
 """What the `kava-ray` commands share: the common flags, printing a result, the quiet console, exit codes.
 
 Exit codes: 0 ok; 2 bad input (every KavaError: one `error:` line on stderr); 3 `kava-ray plan` says the
-config does not fit; 130 interrupted.
+config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled as Ctrl-C).
 
 Each command imports its implementation (and pydantic, torch, Ray) inside its handler, not at the top of
 its module: `kava-ray --help` and `kava-ray config show` then load none of what the other commands need.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.signals import EXIT_TERMINATED, sigterm_as_interrupt, terminated
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -24,15 +25,18 @@ EXIT_INTERRUPTED = 130
 
 
 def call(args: argparse.Namespace) -> int:
-    """Run the parsed command's handler; a KavaError or Ctrl-C becomes one `error:` line and its exit code."""
+    """Run the parsed command's handler; a KavaError, Ctrl-C or SIGTERM becomes one `error:` line and its exit
+    code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
+    sigterm_as_interrupt()
     try:
         return args.func(args)
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:  # a command that saved its state says where (kava_ray.recipes.tune)
-        print(f"error: interrupted{'; ' + str(e) if str(e) else ''}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        word = "terminated (SIGTERM)" if terminated() else "interrupted"
+        print(f"error: {word}{'; ' + str(e) if str(e) else ''}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated() else EXIT_INTERRUPTED
 
 
 def print_json_last(obj: dict) -> None:

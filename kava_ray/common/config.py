@@ -29,9 +29,10 @@ SHAPE_SECTIONS = ("teachers", "student", "align", "fusion")
 
 
 class _Section(BaseModel):
-    """Strict base: unknown keys and type coercions that lose information are errors."""
+    """Strict base: unknown keys, type coercions that lose information and non-finite numbers (`inf`, `nan`: a
+    loss weight of inf trains a NaN student) are errors."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def replica_label(teacher: str, replica: int) -> str:
@@ -82,8 +83,24 @@ class StudentConfig(_Section):
     # autocast) | bf16-sr (bf16 weights, torchao AdamW with stochastic rounding); see kava_ray/core/precision.py
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # stored weights: auto = the policy's
-    keep_layers: Optional[list[int]] = None  # build the student by keeping these layers of `model`
+    keep_layers: Optional[list[int]] = None  # build the student by keeping these layers of `model`, in order
     gradient_checkpointing: bool = False
+
+    @field_validator("keep_layers")
+    @classmethod
+    def _keep_layers_in_order(cls, v):
+        """Non-empty, >= 0, strictly increasing: `[]` would silently keep every layer and `[20, 0, 10]` scramble
+        their order (the range against the model's depth is the preflight's: it reads the model's config)."""
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must name at least one layer (leave it out to keep every layer)")
+        if min(v) < 0:
+            raise ValueError("layer indices are >= 0")
+        if any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"must be strictly increasing, as the student keeps the layers in the model's order "
+                             f"(did you mean {sorted(set(v))}?)")
+        return v
 
     @field_validator("dtype")
     @classmethod
@@ -117,6 +134,9 @@ class DataConfig(_Section):
     train_split: str = "train"
     val_split: Optional[str] = None  # a split of its own for validation; None = carved from the training data
     test_split: str = "test"  # evaluated once at the end of a run (final/) and by `kava-ray eval`, never for selection
+    # held-out splits that share records with the training split are refused; true: allowed, with a warning line.
+    # One file for every split (no `{split}` in its path): validation and test are carved from it unless this is set
+    allow_overlap: bool = False
     num_train: Optional[int] = Field(512, ge=1)  # synthetic generator size, or a cap on real data (null: every record)
     num_val: Optional[int] = Field(32, ge=1)  # validation records (eval during training, checkpoint_score, Tune)
     num_test: Optional[int] = Field(64, ge=1)

@@ -132,13 +132,30 @@ def format_table(header: list, rows: list[list]) -> str:
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
 
+def first_sentence(text: str, limit: int = 400) -> str:
+    """The first paragraph of a message on one line: a library that wraps its sentences over several lines (Ray's
+    connection errors) is not cut mid-sentence; a traceback or a blank line ends it, `limit` characters at most."""
+    out: list[str] = []
+    for line in str(text).strip().splitlines():
+        line = line.strip()
+        if not line:
+            if out:
+                break
+            continue
+        if out and (line.startswith(("Traceback", "File ", "During handling")) or line.endswith(":")
+                    and len(out) > 1):
+            break
+        out.append(line)
+    msg = " ".join(out)
+    return msg if len(msg) <= limit else msg[: limit - 3].rstrip() + "..."
+
+
 def first_line(e: BaseException, with_type: bool = False) -> str:
     """The first non-empty line of an exception's message (its type name when it has none).
 
     with_type: prefix the type, `ValueError: ...`, for errors from libraries whose type says what failed.
     """
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[0] if lines else ""
+    msg = first_sentence(str(e))
     if with_type:
         return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
     return msg or type(e).__name__

@@ -84,5 +84,35 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.trackers is not None:
+        if self.trackers is not None and record["kind"] != ERROR:
             self.trackers.log(record)
+
+
+ERROR = "error"  # {"step", "kind": "error", "message"}: the run stopped itself (its driver raises the message)
+WALL = "wall.json"  # {"sessions": [[start, end], ...]}: the driver's wall clock of each `kava-ray train` of a run
+
+
+def add_session(run_dir, start: float, end: float) -> None:
+    """Record one driver session of a run (its start and end, Unix seconds) in RUN_DIR/wall.json."""
+    path = Path(run_dir) / WALL
+    try:
+        sessions = json.loads(path.read_text())["sessions"] if path.exists() else []
+    except (ValueError, KeyError, TypeError):
+        sessions = []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"sessions": sessions + [[start, end]]}))
+    tmp.replace(path)
+
+
+def wall_seconds(run_dir) -> Optional[float]:
+    """The run's wall time: its driver sessions' durations summed (None when wall.json is missing or unreadable)."""
+    try:
+        return sum(e - s for s, e in json.loads((Path(run_dir) / WALL).read_text())["sessions"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def stopped_by(path) -> Optional[str]:
+    """The message of a run that stopped itself (its last record is an error), else None."""
+    rs = list(records(path)) if Path(path).exists() else []
+    return rs[-1]["message"] if rs and rs[-1]["kind"] == ERROR else None

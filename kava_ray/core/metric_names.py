@@ -16,6 +16,7 @@ GRAD_KV_SHARE = "grad/kv_share"  # |grad of kv_weight * KV on the student| / |th
 GRAD_KV_RATIO = "grad/kv_ratio"  # |grad of kv_weight * KV on the student| / |every other term's| (log steps)
 SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV (the recipe's count)
 SAMPLED_TOKENS = "onpolicy/sampled_tokens"  # completion tokens the student sampled in the step (on-policy)
+EVALS = "evals"  # in Tune reports only: evaluations made after step 0 (the ASHA scheduler's clock)
 SAMPLE_S = "time/sample_s"  # seconds the step spent sampling (on-policy; mean over ranks)
 # the teacher-scored per-token reverse KL of the student's samples, log q - log pi_T (tinker's teacher_kl), per
 # teacher of its tokenizer: summed over sampled tokens as RKL_SUM/<t>, divided by SAMPLED_TOKENS into RKL/<t>

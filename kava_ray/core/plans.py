@@ -8,6 +8,8 @@ train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -20,7 +22,7 @@ from kava_ray.core.gguf import default_cache_dir
 from kava_ray.core.logit_kd import LogitTeacher
 from kava_ray.core.models import KVGeometry, copied_from, kv_geometry, load_model_config, load_tokenizer
 from kava_ray.data import BatchStream, TokenizedSplit, teacher_view, tokenize_split, tokenizer_fingerprint
-from kava_ray.data.sources import load_records, source_fingerprint
+from kava_ray.data.sources import load_records, source_fingerprint, source_path
 
 
 @dataclass
@@ -255,16 +257,51 @@ def tokenize_records(cfg: JobConfig, tokenizer, records, source_id: str, with_te
                           cache_dir=data_cache_dir(cfg) if on_disk else None, where=f"data source '{d.source}' {what}")
 
 
+def one_source(cfg: JobConfig) -> bool:
+    """True when the test split would read the training split's rows: one local file or directory with no
+    `{split}` in its path (every split names it), or a hub dataset whose `test_split` is its `train_split`."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return False  # synthetic_split keeps train apart from the others by construction
+    path = source_path(d.source, d.train_split)
+    return path == source_path(d.source, d.test_split) if path is not None else d.train_split == d.test_split
+
+
+def carved(cfg: JobConfig) -> bool:
+    """Validation and test are cut from the training records: one source (`one_source`) without
+    `data.allow_overlap`. Rows: the first `num_train` + `num_val` + `num_test` records (all of them when
+    `num_train` is null); test = the last `num_test`, validation = the `num_val` before them, train = the rest."""
+    return one_source(cfg) and not cfg.data.allow_overlap
+
+
+def _carved_records(cfg: JobConfig):
+    """(train, val, test) records of a carved source (`carved`); a source too small for the three is one line."""
+    d = cfg.data
+    want = None if d.num_train is None else d.num_train + d.num_val + d.num_test
+    records = split_records(cfg, d.train_split, want)
+    n = len(records) - d.num_val - d.num_test
+    if n < 1:
+        raise KavaError(f"data.source {d.source} has {len(records)} records: too few to carve data.num_val="
+                        f"{d.num_val} validation and data.num_test={d.num_test} test records from one file and keep "
+                        f"any for training (lower them, or give each split its own file with {{split}} in the path)")
+    return (records.select(range(n)), records.select(range(n, n + d.num_val)),
+            records.select(range(n + d.num_val, len(records))))
+
+
 def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
                 ) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, val): validation is `data.val_split` when set, else the last `data.num_val` training records.
+    """(train, val): validation is `data.val_split` when set, else the last `data.num_val` training records
+    (`carved`: the records before the test rows).
 
     Validation drives evaluation, `train.checkpoint_score` and Tune (the test split is read only after training).
     `teacher_toks` (`teacher_tokenizers`): each split also carries those teachers' views (`TokenizedSplit.views`).
     """
     d = cfg.data
     base = source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)
-    if d.val_split is not None:
+    if carved(cfg):
+        train, val, _ = _carved_records(cfg)
+        val_id = f"{base}|carved-val|n={d.num_val}|test={d.num_test}"
+    elif d.val_split is not None:
         train = split_records(cfg, d.train_split, d.num_train)
         val = split_records(cfg, d.val_split, d.num_val)
         val_id = source_fingerprint(d.source, d.val_split, d.num_val, d.seed, d.hub_config, d.columns)
@@ -292,22 +329,66 @@ def with_views(split: TokenizedSplit, cfg: JobConfig, teacher_toks: Optional[dic
     return split
 
 
-def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
-    """The test split (`data.test_split`, `data.num_test` records): for the end of a run and `kava-ray eval`."""
+def test_records(cfg: JobConfig):
+    """The test split's records (`data.test_split`, `data.num_test`; `carved`: the last rows of the one source)."""
     d = cfg.data
-    records = split_records(cfg, d.test_split, d.num_test)
+    return _carved_records(cfg)[2] if carved(cfg) else split_records(cfg, d.test_split, d.num_test)
+
+
+def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
+    """The test split (`test_records`): for the end of a run and `kava-ray eval`."""
+    d = cfg.data
     source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
-    split = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), f"split {d.test_split!r}")
+    if carved(cfg):
+        source_id = f"{source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)}" \
+                    f"|carved-test|val={d.num_val}|n={d.num_test}"
+    split = tokenize_records(cfg, tokenizer, test_records(cfg), source_id, bool(teacher_toks),
+                             f"split {d.test_split!r}" if not carved(cfg) else "(test)")
     return with_views(split, cfg, teacher_toks)
+
+
+def check_overlap(cfg: JobConfig) -> Optional[str]:
+    """Refuse held-out splits that share records with the training split: the same rows read twice make the
+    test CE a training figure. With `data.allow_overlap` the warning line instead; None when they share none.
+    Records are compared whole (every field as loaded, `data.columns` applied): a carved source's repeated rows
+    count too."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return None
+    if carved(cfg):
+        train, val, test = _carved_records(cfg)
+        held = {"validation": val, "test": test}
+    else:
+        train = split_records(cfg, d.train_split, d.num_train)
+        held = {"test": test_records(cfg)}
+        if d.val_split is not None:
+            held["validation"] = split_records(cfg, d.val_split, d.num_val)
+    seen = {_row_hash(r) for r in train}
+    shared = {k: (sum(_row_hash(r) in seen for r in rows), len(rows)) for k, rows in held.items()}
+    what = " and ".join(f"{v} of {n} {k} records" for k, (v, n) in shared.items() if v)
+    if not what:
+        return None
+    same = " (every split reads the same file)" if one_source(cfg) and not carved(cfg) else ""
+    if d.allow_overlap:
+        return f"warning: data.allow_overlap: {what} are also training records{same}: they are not held out"
+    raise KavaError(f"data.source {d.source}: {what} are also training records{same}, so the held-out figures "
+                    f"would be measured on training rows; remove them from the held-out split, or set "
+                    f"data.allow_overlap: true to measure them anyway")
+
+
+def _row_hash(row) -> str:
+    return hashlib.sha1(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def prepare_data(cfg: JobConfig) -> dict:
     """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
     the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts."""
+    overlap = check_overlap(cfg)  # the same rows in a held-out split: refused (one line) unless allowed
     tok = load_tokenizer(cfg.student.model)
     train, val = load_splits(cfg, tok)
     test = load_test_split(cfg, tok)
-    return {"train": len(train), "validation": len(val), "test": len(test)}
+    return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg),
+            "warning": overlap}
 
 
 def data_seed(cfg: JobConfig) -> int:

@@ -349,6 +349,7 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
         return out
 
     tok = _map(ds, encode, f"tok-{fp}", cache_dir, remove_columns=ds.column_names, with_indices=True)
+    check_loss_tokens(tok, max_length, where)
     n_trunc = int(column(tok, "truncated").sum()) if not packing else 0
     if n_trunc:
         warnings.warn(f"{n_trunc} of {len(tok)} records ({source_id}) exceed max_length={max_length} "
@@ -359,6 +360,28 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
         if len(tok) == 0:
             raise KavaError(f"{where}: fewer than train.max_length={max_length} tokens: nothing to pack")
     return TokenizedSplit(tok, fp, _pad_id(tokenizer), first, None if packing else ds, n_trunc, packing)
+
+
+def check_loss_tokens(tok, max_length: int, where: str) -> None:
+    """A split with no token that carries loss trains and evaluates nothing (CE 0.00): one line naming why --
+    prompts longer than train.max_length (`overlength: truncate` cut every completion) or empty completions --
+    and how many records each; a split where only some records carry none gets the same counts as a warning."""
+    import pyarrow.compute as pc
+
+    masks = tok.data.column("loss_mask")
+    per_row = np.bincount(np.asarray(pc.list_parent_indices(masks)), weights=np.asarray(pc.list_flatten(masks)),
+                          minlength=len(tok))
+    empty = per_row == 0
+    if not empty.any():
+        return
+    cut = empty & column(tok, "truncated").astype(bool)
+    causes = [f"{int(cut.sum())} with a prompt of train.max_length={max_length} tokens or more (truncation cut "
+              f"the whole completion: raise train.max_length or shorten the prompts)" if cut.any() else "",
+              f"{int((empty & ~cut).sum())} with an empty completion / assistant turn" if (empty & ~cut).any() else ""]
+    why = "; ".join(c for c in causes if c)
+    if empty.all():
+        raise KavaError(f"{where}: no token carries loss in any of its {len(tok)} records: {why}")
+    warnings.warn(f"{where}: {int(empty.sum())} of {len(tok)} records carry no loss token: {why}", stacklevel=3)
 
 
 def _packer(block: int, with_text: bool):

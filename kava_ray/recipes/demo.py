@@ -65,7 +65,8 @@ def format_summary(s: dict) -> str:
              ["test CE after", f"{s['test_ce']:.3f}"],
              ["mean step / teacher wait", f"{s['mean_step_s']:.2f} s / {s['mean_teacher_wait_s']:.2f} s"],
              ["steps, wall time", f"{s['steps']}, {s['wall_s']:.0f} s"]]
-    title = f"demo (kv_weight={s['kv_weight']:g}, center={str(s['center']).lower()}; KV cos is centred)"
+    title = (f"demo (kv_weight={s['kv_weight']:g}, center={str(s['center']).lower()}; KV cos is centred, per "
+             f"teacher: the status line's is to the fused teachers)")
     return format_table([title, "value"], rows) + f"\nrun dir: {s['run_dir']}"
 
 

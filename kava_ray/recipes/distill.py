@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from kava_ray.common.config import JobConfig, TrainConfig, validate_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.metrics_file import METRICS, SAMPLING, MetricsLog
+from kava_ray.common.metrics_file import ERROR, METRICS, SAMPLING, MetricsLog
 from kava_ray.common.trackers import open_trackers
 from kava_ray.core import fsdp
 from kava_ray.core.checkpoint import (
@@ -43,6 +43,7 @@ from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.metric_names import (
     COS_SIM,
+    EVALS,
     GRAD_KV_RATIO,
     GRAD_KV_SHARE,
     KV_TOKENS,
@@ -57,6 +58,7 @@ from kava_ray.core.metric_names import (
     summed,
 )
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
+from kava_ray.core.nonfinite import FirstBad
 from kava_ray.core.plans import (
     data_seed,
     eval_stream,
@@ -496,6 +498,16 @@ def step_kind(step: int, t: TrainConfig) -> StepKind:
     return StepKind(log=save or evaluate or step % t.log_steps == 0, eval=evaluate, save=save)
 
 
+def evals_through(step: int, t: TrainConfig) -> int:
+    """How many evaluations a run has made after step 0, up to and including `step` (a Tune scheduler's clock)."""
+    return sum(step_kind(s, t).eval for s in range(1, step + 1))
+
+
+def evals_before_end(t: TrainConfig) -> int:
+    """The evaluations a run makes before its last step: the last rung a Tune scheduler may judge."""
+    return evals_through(t.steps - 1, t)
+
+
 def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list, world: int) -> dict:
     """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the all-reduce),
     token counts turned into tokens_per_s, the phase, the learning rates of this step."""
@@ -592,13 +604,22 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report(state.get("metrics", {"step": recipe.start_step}))
 
     skips = [recipe.skipped_before] * world  # every rank's cumulative skips at the last save (final/ reuses them)
+    bad, saved = FirstBad(), recipe.start_step  # a non-finite loss: found at the next log step, before any save
     for step in range(recipe.start_step + 1, cfg.train.steps + 1):
         kind = step_kind(step, cfg.train)
         t0 = time.perf_counter()
         values = train_step(recipe, feed, step, grad_share=kind.log and cfg.loss.kv_weight > 0)
         dt = time.perf_counter() - t0
+        bad.update(values, step)
         if not kind.log:
             continue
+        try:
+            bad.check(saved)  # every rank stops at the same step (the norms are all-reduced)
+        except KavaError as e:  # not a fault to retry from the checkpoint (it would go bad again): the driver's line
+            if rank == 0:
+                log.write({"step": step, "kind": ERROR, "message": str(e)})
+            return
+        saved = step if kind.save else saved
         record = step_record(values, step, dt, recipe.last_lrs, world)
         if kind.eval and evaluates:
             last_eval = recipe.evaluate(source)
@@ -609,7 +630,8 @@ def train_loop_per_worker(config: dict) -> None:
             record.update(last_eval)
         if kind.save:
             skips = skipped_by_rank(recipe.skipped_before + feed.skipped, rank, world, values["grad_norm"].device)
-        report_step(recipe, feed, {k: v for k, v in record.items() if isinstance(v, (int, float))}, step,
-               skips if kind.save else None)
+        report = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        report[EVALS] = evals_through(step, cfg.train)  # a scheduler judges no trial before one evaluation after 0
+        report_step(recipe, feed, report, step, skips if kind.save else None)
     if evaluates:
         finish(recipe, source, feed, log, run_dir, skips)

@@ -170,7 +170,7 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
 
 @torch.no_grad()
 def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype,
-                     prefix: str = "eval", autocast=contextlib.nullcontext) -> dict:
+                     prefix: str = "eval", autocast=contextlib.nullcontext, teacher_ce: bool = False) -> dict:
     """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
     as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
 
@@ -178,6 +178,9 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     KV metrics by the tokens the KV loss counts (`loss.loss_tokens`). Sums stay float64 tensors until the
     end: one conversion, not one per batch. `autocast`: a context factory -- the training step's
     (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
+    teacher_ce: also `<prefix>/teacher_ce/<t>`, each teacher's own CE on the same next-token positions (the teachers
+    sharing the student's tokenizer: from the log-prob they serve each next token), the figure the student's
+    CE is read against.
     """
     from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
@@ -186,7 +189,8 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     stream = eval_stream(split, cfg)
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
-                  logits_top_k=teacher_logits_top_k(cfg, plans), hidden=wants_hidden(cfg))
+                  logits_top_k=teacher_logits_top_k(cfg, plans), hidden=wants_hidden(cfg),
+                  token_logprobs=[n for n, p in plans.items() if not p.aligned] if teacher_ce else ())
     sums: dict = {}
     weights: dict = {KV_TOKENS: 0, LABEL_TOKENS: 0}
     free = direct_alignment(cfg, plans)
@@ -202,12 +206,19 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
         label_keys = [CE] + [k for k in m if k == LOGIT_KL or k.startswith(LOGIT_PER_TEACHER)]
         for k in label_keys:
             sums[k] = sums.get(k, 0) + m[k].double() * m[LABEL_TOKENS]
+        if teacher_ce:  # each teacher's -log p of the next token, on the positions CE counts
+            counted = next_labels(batch.labels, device) != -100
+            for t, t_kv in kv.items():
+                if t_kv.token_logp is not None:
+                    k = of("teacher_ce", t)
+                    sums[k] = sums.get(k, 0) - (t_kv.token_logp.to(device).double() * counted).sum()
         kv_keys = [COS_SIM, COS_RAW, CONTRAST_GAP] + [of(c, t) for c in (COS, COS_RAW) for t in plans]
         kv_keys += [k for k in m if k.startswith(of(ALIGNED, ""))]  # teachers of another tokenizer: share covered
         for k in kv_keys:  # KV: per token the KV loss counts
             sums[k] = sums.get(k, 0) + m[k].double() * m[KV_TOKENS]
     distiller.train(was_training)
     by_label = {k for k in sums if k == CE or k == LOGIT_KL or k.startswith(LOGIT_PER_TEACHER)}
+    by_label |= {k for k in sums if k.startswith("teacher_ce/")}  # already summed per position: divided alike
     out = {of(prefix, k): float(v / max(float(weights[LABEL_TOKENS if k in by_label else KV_TOKENS]), 1))
            for k, v in sums.items()}
     if split.format == "text":  # language modelling: per-token CE and its perplexity
@@ -337,13 +348,33 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
 # ----------------------------------------------------------------------------- a checkpoint, end to end
 
 
+# what `kava-ray eval RUN KEY=VALUE ...` may change: what it is evaluated on and how, not what was trained
+EVAL_OVERRIDABLE = ("data.", "train.batch_size", "train.max_length", "loss.vocab_chunk", "ray.")
+
+
+def eval_config(cfg, overrides: Optional[Sequence[str]]):
+    """The checkpoint's job with `overrides` (another test file, split or size); a key the checkpoint fixes (its
+    models, projectors, losses) is one line."""
+    from kava_ray.common.config import load_config, parse_override
+
+    for line in overrides or []:
+        key = ".".join(parse_override(line)[0])
+        if not key.startswith(EVAL_OVERRIDABLE):
+            raise KavaError(f"eval override {line!r}: {key} is the checkpoint's own (eval may change "
+                            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in EVAL_OVERRIDABLE)})")
+    return load_config(cfg, list(overrides or []))
+
+
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
-                        restart_teachers: bool = False) -> dict:
-    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache),
-    and greedy GSM8K accuracy on the first `limit` test questions, for one checkpoint."""
-    from kava_ray.runtime.job import job_teachers  # Ray: see the module docstring
+                        restart_teachers: bool = False, overrides: Optional[Sequence[str]] = None) -> dict:
+    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache), each
+    teacher's own test CE beside the student's, and greedy GSM8K accuracy on the first `limit` test questions, for
+    one checkpoint. overrides: KEY=VALUE on the checkpoint's job (`eval_config`), e.g. another test file."""
+    from kava_ray.runtime.console import status  # Ray: see the module docstring
+    from kava_ray.runtime.job import job_teachers
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
+    cfg = eval_config(cfg, overrides)
     if is_sharded_checkpoint(ckpt):
         raise KavaError(f"checkpoint {ckpt} holds the student in FSDP2 shards (ray.strategy: fsdp): evaluate the "
                         f"run's final/ (a whole student), or resume the run from it")
@@ -353,16 +384,16 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     with job_teachers(cfg, address, restart=restart_teachers) as job:
         teacher_toks = teacher_tokenizers(job.plans)
         test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
-        out = {"checkpoint": str(ckpt), "step": state["step"], "test_ce": heldout_ce(student, test, vocab_chunk=cfg.loss.vocab_chunk)}
+        status(f"eval: step {state['step']} of {ckpt.parent.name} on {len(test)} test rows ({cfg.data.source})")
+        out = {"checkpoint": str(ckpt), "step": state["step"]}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
                               vocab_maps(cfg, job.plans, tokenizer, teacher_toks))
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
-                                    prefix="test"))
+                                    prefix="test", teacher_ce=cfg.data.kv_source == "live"))
     if test.format == "gsm8k" and limit > 0:  # exact match needs a final answer to compare
+        status(f"eval: greedy answers to {min(limit, len(test))} test questions")
         acc = gsm8k_accuracy(student, tokenizer, test.examples[:limit], cfg.data.prompt_format, max_new_tokens)
         out.update(gsm8k_accuracy=acc["accuracy"], gsm8k_n=acc["n"], gsm8k_samples=acc["samples"])
-    elif test.format == "text":
-        out["test_ppl"] = math.exp(min(out["test_ce"], 50.0))
     return out

@@ -18,7 +18,7 @@ from typing import Optional
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, format_table
-from kava_ray.common.metrics_file import METRICS, read_metrics
+from kava_ray.common.metrics_file import METRICS, read_metrics, wall_seconds
 from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS, COS_RAW, COS_SIM, KV_LOSS, LOSS, of, phase
 
 REPORT_DIR = "report"
@@ -70,8 +70,9 @@ def _teachers(records: list[dict], prefix: str) -> list[str]:
 # --------------------------------------------------------------------------------------- headlines
 
 
-def headline(train: list[dict], evals: list[dict]) -> dict:
-    """The numbers a report leads with: first/last values, final phase, teacher wait share, last eval."""
+def headline(train: list[dict], evals: list[dict], wall_s: Optional[float] = None) -> dict:
+    """The numbers a report leads with: first/last values, final phase, teacher wait share, last eval. wall_s: the
+    run's wall time as its driver measured it (`metrics_file.wall_seconds`); else the steps' own time, marked so."""
     h: dict = {"first_step": None, "last_step": None, "num_train_records": len(train),
                "num_eval_records": len(evals)}
     steps = [r["step"] for r in train] or [r["step"] for r in evals]
@@ -81,8 +82,11 @@ def headline(train: list[dict], evals: list[dict]) -> dict:
     h["cos"] = {t: _first_last(train, of(COS, t)) for t in _teachers(train, of(COS, ""))}
     h["eval_ce"] = _first_last(evals, "eval/ce")
     times = _series(train, "time_s")[1]
-    # wall time ~ mean step time x steps done (records are logged every few steps; steps count from 1)
-    h["wall_time_s"] = sum(times) / len(times) * max(steps[-1], 1) if times else None
+    # without the driver's clock: ~ mean step time x steps done (records are logged every few steps), which leaves
+    # out start-up, evaluation and saving
+    h["wall_time_s"] = wall_s if wall_s is not None else (sum(times) / len(times) * max(steps[-1], 1) if times
+                                                          else None)
+    h["wall_time_measured"] = wall_s is not None
     both = [r for r in train if _num(r.get("time_s")) and _num(r.get("teacher_wait_s"))]
     total = sum(float(r["time_s"]) for r in both)
     h["teacher_wait_share"] = sum(float(r["teacher_wait_s"]) for r in both) / total if total > 0 else None
@@ -114,14 +118,15 @@ def _facts(h: dict) -> list[tuple[str, str]]:
     wall = h["wall_time_s"]
     share = h["teacher_wait_share"]
     return [("steps", f"{h['first_step']} -> {h['last_step']}"),
-            ("wall time", f"~{wall:.0f} s" if wall is not None else "-"),
+            ("wall time", "-" if wall is None else f"{wall:.0f} s" if h["wall_time_measured"] else
+             f"~{wall:.0f} s in training steps (start-up, evaluation and saving not counted)"),
             ("final phase", h["phase"] or "-"),
             ("teacher wait share of step time", f"{share:.1%}" if share is not None else "-")]
 
 
 def summarize_run(run_dir) -> str:
     """The headline numbers of a run as plain text tables (for `kava-ray report RUN_DIR`)."""
-    h = headline(*_load(run_dir))
+    h = headline(*_load(run_dir), wall_seconds(_metrics_path(run_dir).parent))
     text = format_table(["metric", "first", "last"], _rows(h))
     text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in _facts(h))
     if h["collapse_warning"]:
@@ -196,7 +201,7 @@ def write_report(run_dir) -> dict:
     run_dir = _metrics_path(run_dir).parent
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    h = headline(train, evals)
+    h = headline(train, evals, wall_seconds(run_dir))
     tr = lambda k: (k, *_series(train, k))  # noqa: E731
     ev = lambda k, like: (k, *_series(evals, k), like)  # noqa: E731
     teachers = list(h["cos"])

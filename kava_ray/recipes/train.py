@@ -9,6 +9,8 @@ the teachers' geometry and plan their layers (all through `kava_ray.runtime.job`
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import signal
 import threading
 import time
@@ -23,7 +25,7 @@ from ray.train.torch import TorchTrainer
 from kava_ray.common import resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
-from kava_ray.common.metrics_file import METRICS, last
+from kava_ray.common.metrics_file import METRICS, add_session, last, stopped_by
 from kava_ray.core.checkpoint import find_checkpoint
 from kava_ray.core.plans import cross_vocab_lines, plans_payload, prepare_data
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
@@ -55,18 +57,43 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
     )
 
 
-def fit(trainer):
-    """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on)."""
+def fit(trainer, run_dir: Optional[Path] = None):
+    """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on); a run
+    that stopped itself (a non-finite loss: its metrics' last record, `metrics_file.stopped_by`) too."""
     # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
     # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
     # waits ~15 s, prints a traceback and exits 1
     drop_train_sigint_handler(trainer)
     keep_live_runs_placement_group(trainer)  # Ray's cleaner reads a missing state-API record as a dead controller
-    with _interruptible():
+    with _interruptible(), _metrics_for(trainer.run_config.name):
         try:
-            return trainer.fit()
+            result = trainer.fit()
         except ray.train.TrainingFailedError as e:
             raise KavaError(with_logs(f"training failed: {root_cause(e)}")) from None
+    stopped = stopped_by(run_dir / METRICS) if run_dir is not None else None
+    if stopped:
+        raise KavaError(stopped)
+    return result
+
+
+@contextlib.contextmanager
+def _metrics_for(run_name: str):
+    """Ray Train's own Prometheus metrics (its controller's and workers') are tagged with the run's name, which
+    Ray encodes as ASCII: a run named with other letters (`modèle-v1`) failed in the controller's first metric. Such
+    a run trains without them (RAY_TRAIN_METRICS_ENABLED=0, read as the trainer builds its callbacks); kava-ray's
+    own metrics (metrics.jsonl, the trackers) are unaffected."""
+    if run_name.isascii():
+        yield
+        return
+    before = os.environ.get("RAY_TRAIN_METRICS_ENABLED")
+    os.environ["RAY_TRAIN_METRICS_ENABLED"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TRAIN_METRICS_ENABLED")
+        else:
+            os.environ["RAY_TRAIN_METRICS_ENABLED"] = before
 
 
 @contextlib.contextmanager
@@ -98,33 +125,66 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
                  restart_teachers: bool = False, verbose: bool = False) -> dict:
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
 
-    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from; resume_override: let
+    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's directory unless
+    `name` names another; resume_override: let
     optim.*/train.*/data.* differ from the checkpoint's (the new values win); restart_teachers: replace a
     running pool that was started for another config instead of refusing it. The run dir is named before
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
     """
     # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
-    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address)
+    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address, name=name)
     if resume:
         resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir the preflight checked
-    name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
-    run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
+    run_dir = resumed_run_dir(resume) if resume and name is None else None  # --resume RUN continues in RUN
+    if run_dir is None:
+        name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
+    fresh, started = not run_dir.exists(), time.time()
     with quiet(run_dir / "logs", verbose):
         try:
-            return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
-        except KavaError as e:
-            if "(logs: " in str(e):
-                raise
-            raise KavaError(with_logs(str(e))) from None
+            _data(cfg)
+        except KavaError as e:  # refused before Ray started: a new run leaves nothing behind (below)
+            refused = e
+        else:
+            try:
+                return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
+            except KavaError as e:
+                if "(logs: " in str(e):
+                    raise
+                raise KavaError(with_logs(str(e))) from None
+            finally:  # the run's wall time (`kava-ray report`), every session of it
+                add_session(run_dir, started, time.time())
+    if fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    raise refused
+
+
+def resumed_run_dir(ckpt: str) -> Optional[Path]:
+    """The run a checkpoint belongs to (the directory holding it and the run's metrics.jsonl), else None."""
+    run = Path(ckpt).resolve().parent
+    return run if (run / METRICS).is_file() else None
+
+
+def _data(cfg: JobConfig) -> None:
+    """The job's splits tokenized (and packed) once, cached, and checked (rows shared between splits, no loss
+    tokens, fewer rows than one batch of every worker): a bad record deep in the data stops us here."""
+    t0 = time.time()
+    prepared = prepare_data(cfg)
+    need = cfg.train.batch_size * cfg.ray.num_workers
+    if prepared["train"] < need:
+        raise KavaError(f"train.batch_size={cfg.train.batch_size} x ray.num_workers={cfg.ray.num_workers}: the "
+                        f"training split has {prepared['train']} rows ({cfg.data.source}), fewer than one batch of "
+                        f"every worker")
+    carved = " (validation and test carved from it)" if prepared["carved"] else ""
+    status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
+           f"({cfg.data.source}{carved}) in {time.time() - t0:.0f} s")
+    if prepared["warning"]:
+        status(prepared["warning"])
 
 
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
-    t0 = time.time()
-    prepared = prepare_data(cfg)  # tokenized (and packed) once, cached: a bad record deep in the data stops us here
-    status(f"data: {prepared['train']} training, {prepared['validation']} validation, {prepared['test']} test rows "
-           f"({cfg.data.source}) in {time.time() - t0:.0f} s")
     with job_teachers(cfg, address, restart=restart_teachers, command="train") as job:
         names = ", ".join(job.plans)
         if job.handles is None:
@@ -139,7 +199,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
         t0 = time.time()
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
-            result = fit(trainer)
+            result = fit(trainer, run_dir)
     test = _test_line(run_dir / METRICS)
     if test:
         status(test)
@@ -150,13 +210,15 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
 
 
 def _test_line(metrics_path: Path) -> Optional[str]:
-    """`test: CE 4.77, centred cos 0.25, gap 0.21` from the run's test record (None when there is none)."""
+    """`test: CE 4.77, KV cos to the fused teachers 0.25 (centred), gap 0.21` from the run's test record (None when
+    there is none): the cosine is the student's projected KV against the fused target every teacher makes, not a
+    single teacher's (those are `test/cos/<teacher>`, the demo's table)."""
     test = last(metrics_path, "test")
     if not test or "test/ce" not in test:
         return None
     out = f"test: CE {test['test/ce']:.2f}"
     if "test/cos_sim" in test:
-        out += f", centred cos {test['test/cos_sim']:.2f}"
+        out += f", KV cos to the fused teachers {test['test/cos_sim']:.2f} (centred)"
     if "test/contrast_gap" in test:
         out += f", gap {test['test/contrast_gap']:.2f}"
     return out

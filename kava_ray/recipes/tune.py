@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -28,15 +29,17 @@ from kava_ray.common.config import JobConfig, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, first_line, format_table
 from kava_ray.common.trackers import mlflow_uri
+from kava_ray.core.metric_names import EVALS
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import student_geometry, teacher_plans
+from kava_ray.recipes.distill import evals_before_end
 from kava_ray.recipes.train import build_trainer, fit
 from kava_ray.runtime.connect import resolve_use_gpu
+from kava_ray.runtime.console import status
 from kava_ray.runtime.job import job_session, job_teachers
 from kava_ray.runtime.preflight import preflight
 from kava_ray.runtime.tune_space import (
     apply_params,
-    last_judged_step,
     load_space,
     make_scheduler,
     make_search_alg,
@@ -60,7 +63,8 @@ def trial_fn(config: dict, setup: dict) -> None:
     geoms = setup["geometries"]
     plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]),
                           tokenizer_dirs={n: g["tokenizer"] for n, g in geoms.items() if g.get("tokenizer")})
-    fit(build_trainer(cfg, plans, trial_dir(cfg) / "run", setup["use_gpu"], callbacks=[TuneReportCallback()]))
+    run_dir = trial_dir(cfg) / "run"
+    fit(build_trainer(cfg, plans, run_dir, setup["use_gpu"], callbacks=[TuneReportCallback()]), run_dir)
 
 
 def derive_max_concurrent(cfg: JobConfig, use_gpu: bool) -> int:
@@ -120,7 +124,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     trial: a trial function to use instead of `trial_fn`; it then brings its own teachers (the shared
     pool is not started). `kava-ray bench tune-share` passes one that starts teachers per trial.
     """
-    preflight(cfg, "tune", resume=resume, space=space, address=address)  # the space first, then data, models...
+    preflight(cfg, "tune", resume=resume, space=space, address=address, name=name)  # the space first, then data...
     spec = load_space(space, base=cfg)  # every space error before anything starts
     exp_dir = experiment_dir(cfg, name, resume)
     if resume and not tune.Tuner.can_restore(str(exp_dir)):
@@ -152,11 +156,12 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,
-                                        scheduler=make_scheduler(spec.scheduler, last_judged_step(cfg.train.steps,
-                                                                                                cfg.train.eval_steps)),
-                                        search_alg=make_search_alg(spec.search), max_concurrent_trials=limit),
+                                        scheduler=make_scheduler(spec.scheduler, evals_before_end(cfg.train)),
+                                        search_alg=make_search_alg(spec.search), max_concurrent_trials=limit,
+                                        trial_name_creator=short_name, trial_dirname_creator=short_name),
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
-                                      callbacks=tracker_callbacks(cfg, exp_dir)))
+                                      callbacks=[*tracker_callbacks(cfg, exp_dir), SweepStatus(spec.metric, spec.mode,
+                                                                                              cfg.train.steps)]))
     before = pool_stats(handles) if handles else {}  # a pool found running has served other runs
     with ctrl_c_saves_the_sweep() as interrupted:
         grid = tuner.fit()
@@ -164,6 +169,52 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
         raise KeyboardInterrupt(f"the sweep's state is saved in {exp_dir}: --resume {exp_dir} continues it")
     teacher_stats = pool_stats(handles, since=before) if handles else {}
     return dict(summarize(grid, cfg, spec, exp_dir), teacher_stats=teacher_stats)
+
+
+def short_name(trial) -> str:
+    """`trial_<id>`: a trial's name and directory (Tune's default, `trial_fn_<id>_<n>_<every param=value>_<date>`,
+    runs past 100 characters; the values are in results.csv and the plot's legend)."""
+    return f"trial_{trial.trial_id}"
+
+
+class SweepStatus(tune.Callback):
+    """Status lines while a sweep runs (`kava-ray tune` is otherwise silent for minutes): each time a trial ends,
+    and at most every 30 s as results arrive -- trials done / running / stopped early, and the best so far."""
+
+    def __init__(self, metric: str, mode: str, steps: int, every_s: float = 30.0):
+        self.metric, self.mode, self.steps, self.every_s = metric, mode, steps, every_s
+        self.best: dict = {}  # trial name -> its best metric so far
+        self.last_step: dict = {}
+        self.said = 0.0
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        v = result.get(self.metric)
+        if isinstance(v, (int, float)) and v == v and result.get(EVALS, 0) > 0:  # judged after training began
+            old = self.best.get(str(trial))
+            self.best[str(trial)] = v if old is None else (max if self.mode == "max" else min)(old, v)
+        self.last_step[str(trial)] = result.get("step", 0)
+        if time.monotonic() - self.said >= self.every_s:
+            self._say(trials)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._say(trials)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._say(trials)
+
+    def _say(self, trials) -> None:
+        self.said = time.monotonic()
+        ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
+        early = sum(1 for t in ended if t.status == "TERMINATED" and self.last_step.get(str(t), 0) < self.steps)
+        failed = sum(1 for t in ended if t.status == "ERROR")
+        running = sum(1 for t in trials if t.status == "RUNNING")
+        line = (f"tune: {len(ended)}/{len(trials)} trials done ({early} stopped early, {failed} failed), "
+                f"{running} running")
+        if self.best:
+            pick = max if self.mode == "max" else min
+            name = pick(self.best, key=self.best.get)
+            line += f"; best {self.metric} {self.best[name]:.4g} ({name})"
+        status(line)
 
 
 @contextlib.contextmanager
@@ -227,11 +278,18 @@ def summarize(grid, cfg: JobConfig, spec, exp_dir: Path) -> dict:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    _plot(curves, spec.metric, exp_dir / "trials.png")
+    varied = [k for k in sorted(spec.params)]
+    labels = {row["trial"]: ", ".join(f"{k.rsplit('.', 1)[-1]}={_short(row[k])}" for k in varied) for row in rows}
+    _plot(curves, labels, spec.metric, exp_dir / "trials.png")
     return {"exp_dir": str(exp_dir), "rows": rows, "best": best, "best_config": str(exp_dir / "best.yaml")}
 
 
-def _plot(curves: dict, metric: str, path: Path) -> None:
+def _short(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _plot(curves: dict, labels: dict, metric: str, path: Path) -> None:
+    """Each trial's metric over steps, labelled with the values it searched (`lr_student=3e-05, dropout=0.1`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # matplotlib: heavy, loaded for plots only
     from matplotlib.figure import Figure
 
@@ -240,7 +298,7 @@ def _plot(curves: dict, metric: str, path: Path) -> None:
     ax = fig.add_subplot()
     for trial, hist in curves.items():
         if hist:
-            ax.plot([s for s, _ in hist], [v for _, v in hist], marker="o", label=trial[-12:])
+            ax.plot([s for s, _ in hist], [v for _, v in hist], marker="o", label=labels.get(trial, trial))
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.legend(fontsize=6)

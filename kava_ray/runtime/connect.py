@@ -19,7 +19,8 @@ import ray
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
-from kava_ray.runtime.console import collect_before_shutdown, status
+from kava_ray.common.signals import sigterm_as_interrupt
+from kava_ray.runtime.console import collect_before_shutdown, ray_started, status
 from kava_ray.runtime.ray_private import set_single_machine_constant
 
 # Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
@@ -76,6 +77,29 @@ def answers(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         return False
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS
+
+
+def speaks(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """What the port at `address` answers an HTTP/2 client preface with: "grpc" (a SETTINGS frame: a gRPC server,
+    as Ray's GCS is), "http" (an HTTP/1 server: e.g. the dashboard's 8265), "silent" (nothing within `timeout_s`,
+    a port that accepts and never answers: ray.init would wait minutes there) or "other"."""
+    hp = _host_port(address)
+    try:
+        with socket.create_connection(hp, timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(HTTP2_PREFACE)
+            reply = s.recv(64)
+    except socket.timeout:
+        return "silent"
+    except (OSError, UnicodeError, ValueError, TypeError):
+        return "other"
+    if len(reply) >= 9 and reply[3] == 4:  # a frame header: length (3), type 4 = SETTINGS
+        return "grpc"
+    return "http" if reply.startswith(b"HTTP/") or b"<html" in reply.lower() or b"<!doctype" in reply.lower() \
+        else "other"
+
+
 def is_loopback(address: str) -> bool:
     hp = _host_port(address)
     if hp is None:
@@ -123,6 +147,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
     `worker_env`: extra environment variables for every worker and actor of an embedded Ray.
     """
     if ray.is_initialized():
+        ray_started()
         return "existing"
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:
@@ -148,16 +173,22 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
                  _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": {**EMBEDDED_ENV, **(worker_env or {})}})
+        sigterm_as_interrupt()  # again: ray.init replaced it with its own (exit 1 / a C++ dump, no line)
+        ray_started()
         return "embedded"
     target = _resolve_auto() if address == "auto" else address
     if _host_port(target) is None:
         raise KavaError(f"cannot connect to Ray at {address!r}: not host:port (or ray://host:port, auto)")
     if not answers(target):
-        via = ""
-        if target != address:
-            via = f" ({target}, from {'$RAY_ADDRESS' if os.environ.get('RAY_ADDRESS') else ray_address_file()})"
-        raise KavaError(f"cannot connect to Ray at {address!r}{via}: nothing answers within {PROBE_TIMEOUT_S:.0f} s "
-                        f"(is the cluster up? `ray status --address {target}`)")
+        raise KavaError(f"cannot connect to Ray at {address!r}{_via(address, target)}: nothing answers within "
+                        f"{PROBE_TIMEOUT_S:.0f} s (is the cluster up? `ray status --address {target}`)")
+    kind = speaks(target)
+    if kind != "grpc":
+        what = {"http": "an HTTP server (the dashboard's port, 8265? Ray's address is the GCS port, 6379 by default)",
+                "silent": f"a port that accepts connections but answers nothing within {PROBE_TIMEOUT_S:.0f} s",
+                "other": "something that does not speak gRPC"}[kind]
+        raise KavaError(f"cannot connect to Ray at {address!r}{_via(address, target)}: {what}, not a Ray cluster "
+                        f"(`ray status --address {target}`)")
     if is_loopback(target):
         single_machine_mode()  # else Ray rewrites 127.0.0.1 to this machine's routable IP and never connects
     try:
@@ -174,7 +205,18 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
                 " (a cluster started with RAY_AUTH_MODE=token needs it here too: export RAY_AUTH_MODE=token)")
         raise KavaError(f"cannot connect to Ray at {address!r}: {first_line(e)}{hint}") from None
+    sigterm_as_interrupt()
+    ray_started()
     return address
+
+
+def _via(address: str, target: str) -> str:
+    """` (from $RAY_ADDRESS)` / ` (HOST:PORT, from FILE)`: where an address the user did not type came from."""
+    if os.environ.get("RAY_ADDRESS") == address:
+        return " (from $RAY_ADDRESS)" if target == address else f" ({target}, from $RAY_ADDRESS)"
+    if target != address:
+        return f" ({target}, from {'$RAY_ADDRESS' if os.environ.get('RAY_ADDRESS') else ray_address_file()})"
+    return ""
 
 
 def disconnect(collect_logs: bool = True) -> None:

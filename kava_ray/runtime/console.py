@@ -17,9 +17,15 @@ from typing import Optional, TextIO
 
 import ray
 
+from kava_ray.common.errors import KavaError
 from kava_ray.runtime.ray_private import session_logs_dir
 
-_state: dict = {"console": None, "log_dir": None}
+_state: dict = {"console": None, "log_dir": None, "ray_started": False}
+
+
+def ray_started() -> None:
+    """`connect` says Ray is up: a later refusal keeps the logs (its line points at them)."""
+    _state["ray_started"] = True
 
 
 def console() -> TextIO:
@@ -51,8 +57,10 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
         yield
         return
     log_dir = Path(log_dir)
+    made = [p for p in (log_dir, *log_dir.parents) if not p.exists()]  # what this call creates (removed on refusal)
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    _state["ray_started"] = False
     _state["log_dir"] = log_dir
     _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
     from kava_ray.runtime import connect  # here: connect imports this module (an import cycle)
@@ -65,6 +73,13 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
         else:
             with _redirect(log_dir / "driver.log"):
                 yield
+    except KavaError:
+        # refused before Ray started (preflight, the data): the command's one line says it all and nothing it
+        # created stays (with Ray up, the logs are what `(logs: DIR)` points at)
+        if made and not _state["ray_started"]:
+            shutil.rmtree(made[-1], ignore_errors=True)
+            _state["ray_logs"] = None
+        raise
     finally:
         connect.LOG_TO_DRIVER = prev_log_to_driver
         pending = _state["ray_logs"]  # None once collect_before_shutdown has copied them

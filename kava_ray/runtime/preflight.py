@@ -8,6 +8,7 @@ docs/internals/runtime.md#preflight.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -19,24 +20,28 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
-from kava_ray.core.models import PYPI_SCHEME, _resolve, load_tokenizer, resolve_packaged_file
+from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
 from kava_ray.data.sources import check_source
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 
 
 def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = None, *,
-              resume_override: bool = False, address: Optional[str] = None, out=None) -> None:
+              resume_override: bool = False, address: Optional[str] = None, out=None,
+              name: Optional[str] = None) -> None:
     """Check everything `command` will read or write before anything starts; one KavaError line for the first
     problem, None when all is well.
 
     resume: train -- a run or checkpoint dir (`--resume`); eval -- the checkpoint being evaluated; tune -- a
     sweep dir or name. space: tune's search space. resume_override: train's `--resume-override`. address: the
     command's `--address` (teacher paths are checked only for an embedded Ray). out: the output dir of
-    `teachers precompute` / `align cka` (default for the latter: under `ray.storage_path`).
+    `teachers precompute` / `align cka` (default for the latter: under `ray.storage_path`). name: `--name`, a
+    run's or sweep's directory under `ray.storage_path`.
     """
     if command not in COMMANDS:
         raise ValueError(f"preflight: unknown command {command!r}; expected one of {COMMANDS}")
+    if name is not None:
+        check_name(name)
     if command == "tune":
         check_space(cfg, space)  # first: the cheapest, and what `kava-ray tune` most often gets wrong
     if resume is not None:
@@ -54,6 +59,8 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
         check_model_files(cfg)  # the demo's pypi:// models: the pip command, on a cluster too
     check_student(cfg, command, resume)
     check_teachers(cfg, command, address)
+    if command in ("train", "tune", "demo"):
+        check_memory(cfg, address)
     for key, path in output_dirs(cfg, command, out):
         check_writable(path, key)
 
@@ -66,6 +73,16 @@ def about(key: str):
     except KavaError as e:
         msg = str(e)
         raise KavaError(msg if msg.startswith(key) else f"{key}: {msg}") from None
+
+
+def check_name(name: str) -> None:
+    """`--name` is one directory under `ray.storage_path`: no path separators, not `.` or `..`, no control
+    characters (a name like `../../x` would write outside the storage path). Any Unicode letter is fine."""
+    bad = [c for c in name if c in "/\\" or c == os.sep or not c.isprintable()]
+    if not name.strip() or name in (".", "..") or bad:
+        why = (f"{bad[0]!r} is not allowed in it" if bad else "it must name one directory")
+        raise KavaError(f"--name {name!r}: {why} (a run's name is one directory under ray.storage_path: letters, "
+                        f"digits, '-', '_', '.')")
 
 
 # ------------------------------------------------------------------------------------------- tune
@@ -184,6 +201,11 @@ def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
         if gguf is None and not os.path.isdir(source) and not _hub_offline():
             return  # a hub id, online: fetching it is the loader's business (and may take minutes offline)
         load_tokenizer(cfg.student.model)
+        if os.path.isdir(source) and gguf is None:
+            check_weights(source)
+    if os.path.isdir(source) and gguf is None:
+        with about("student.keep_layers"):
+            load_model_config(cfg.student.model, keep=cfg.student.keep_layers)  # indices within the model's depth
 
 
 def _hub_offline() -> bool:
@@ -206,7 +228,84 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
         return
     for t in cfg.teachers:
         with about(f"teachers[{t.name}].model"):
-            _resolve(t.model)
+            source, gguf = _resolve(t.model)
+            if not os.path.isdir(source) or gguf is not None:
+                continue  # a hub id (the loader's) or a .gguf (converted, and so read whole, by the loader)
+            check_weights(source)
+            load_tokenizer(t.model)
+            depth = load_model_config(t.model).num_hidden_layers
+        bad = [i for i in t.layers or [] if i >= depth]
+        if bad:
+            raise KavaError(f"teachers[{t.name}].layers: layer {bad[0]} is out of range (the model has {depth} "
+                            f"layers: 0..{depth - 1})")
+
+
+def check_weights(model_dir) -> None:
+    """A model dir holds its weights and each safetensors file is whole: its header parses and the file is as long
+    as the header says (a download cut short, or a file that is not safetensors, is one line here rather than a
+    loader's traceback in a teacher or worker after Ray started). Reads the headers only."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors"))
+    if not files and not any(d.glob("pytorch_model*.bin")) and not any(d.glob("*.pt")):
+        raise KavaError(f"{d}: no weights (no *.safetensors or pytorch_model*.bin)")
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wanted = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError):
+            raise KavaError(f"{index}: not a safetensors index (no weight_map)") from None
+        missing = sorted(w for w in wanted if not (d / w).is_file())
+        if missing:
+            raise KavaError(f"{d}: {missing[0]} is missing ({len(missing)} of the {len(wanted)} weight files the "
+                            f"index names)")
+    for f in files:
+        _check_safetensors(f)
+
+
+def _check_safetensors(path: Path) -> None:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 2 <= n <= min(size - 8, 100 * 2**20):
+                raise ValueError("bad header length")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, OSError):
+        raise KavaError(f"{path}: not a readable safetensors file (its header does not parse)") from None
+    if 8 + n + end > size:
+        raise KavaError(f"{path}: cut short ({size} bytes, its header describes {8 + n + end}): download it again")
+
+
+def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
+    """An embedded run's memory, as `kava-ray plan` estimates it, against this machine: its GPU's memory when it
+    has one (`planner.check_fits`, the check a cluster run makes once Ray is up), else the RAM available now
+    (teachers, the student's step and every worker share it). Skipped where a model is a hub id not in the local
+    cache (reading its config would go to the network) or the planner cannot read a model (its loader says why)."""
+    import psutil
+    import torch
+
+    from kava_ray.runtime.planner import GiB, check_fits, plan
+
+    if not _embedded(cfg, address):
+        return
+    specs = [cfg.student.model, *(t.model for t in cfg.teachers)] if cfg.data.kv_source == "live" else \
+        [cfg.student.model]
+    if not _hub_offline() and any(_resolve(m)[1] is None and not os.path.isdir(_resolve(m)[0]) for m in specs):
+        return
+    if torch.cuda.is_available():
+        check_fits(cfg, torch.cuda.get_device_properties(0).total_memory)
+        return
+    try:
+        need = plan(cfg)["devices"]["cpu"]["total"]
+    except (KavaError, OSError, ValueError, KeyError):
+        return
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise KavaError(f"{cfg.name}: one step needs about {need / GiB:.1f} GiB of RAM (teachers, student, "
+                        f"optimizer and activations; `kava-ray plan --config ...` itemizes it), this machine has "
+                        f"{have / GiB:.1f} GiB available: lower train.batch_size or train.max_length, quantize the "
+                        f"teachers (teachers.N.quantization: 4bit), or run on a GPU or a cluster (--address)")
 
 
 # ------------------------------------------------------------------------------------------ output

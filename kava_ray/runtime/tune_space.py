@@ -26,11 +26,20 @@ from kava_ray.common.config import (
     section_of,
 )
 from kava_ray.common.errors import KavaError
+from kava_ray.core.metric_names import EVALS
 
 SPACE_PACKAGE = "tune_spaces"
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 # metrics whose direction is unambiguous; a space that optimises them the wrong way is a mistake
 _DIRECTION = {"eval/ce": "min", "eval/cos_sim": "max", "eval/cos_raw": "max", "eval/contrast_gap": "max"}
+
+
+# keys every trial shares with the sweep's base config, so a trial could not apply them: refused with the reason
+FIXED = (("teachers", "the trials share one teacher pool, started from the base config"),
+         ("data", "the trials share the teachers' batches, keyed by the base config's data"),
+         ("student.model", "the teachers' plans are made for the base config's student"),
+         ("student.keep_layers", "the teachers' plans are made for the base config's student"),
+         ("ray", "the sweep places its trials by the base config's resources"))
 
 
 class _Strict(BaseModel):
@@ -40,8 +49,9 @@ class _Strict(BaseModel):
 class SchedulerSpec(_Strict):
     """`asha` stops weak trials early, `fifo` runs all to the end.
 
-    ASHA counts in the reported training `step` but only sees the metric at eval steps, so a
-    grace_period below train.eval_steps means "judge at the first eval".
+    ASHA counts evaluations after training has begun (`EVALS`, reported with every result): `grace_period`
+    evaluations before its first decision, so no trial is judged on the step-0 evaluation (every trial scores the
+    same there, before any training) nor on a number carried over from it.
     """
 
     kind: Literal["asha", "fifo"] = "asha"
@@ -53,7 +63,7 @@ class SchedulerSpec(_Strict):
         if self.kind == "fifo" and (self.grace_period is not None or self.reduction_factor is not None):
             raise ValueError("scheduler: grace_period/reduction_factor apply only to kind asha")
         if self.kind == "asha":
-            self.grace_period = 2 if self.grace_period is None else self.grace_period
+            self.grace_period = 1 if self.grace_period is None else self.grace_period
             self.reduction_factor = 2 if self.reduction_factor is None else self.reduction_factor
         return self
 
@@ -85,6 +95,9 @@ class SpaceSpec(_Strict):
             key = str(key)
             if not _is_leaf(key.split(".")):
                 raise ValueError(f"param {key!r}: not a JobConfig key{did_you_mean(JobConfig, tuple(key.split('.')))}")
+            why = next((w for prefix, w in FIXED if key == prefix or key.startswith(prefix + ".")), None)
+            if why:
+                raise ValueError(f"param {key!r}: not searchable: {why} (run one sweep per value instead)")
             out[key] = _check_dist(key, dist)
         return out
 
@@ -180,16 +193,54 @@ def _extremes(dist: dict) -> list:
     return list(args)
 
 
+def _leaf_type(parts: list[str]) -> Any:
+    """The annotation of the JobConfig leaf `parts` names (`_is_leaf` said it is one), Optional unwrapped."""
+    model, i = JobConfig, 0
+    while True:
+        field = model.model_fields[parts[i]]
+        section = section_of(field.annotation)
+        i += 1
+        if section is None:
+            return _unwrap(field.annotation)
+        if typing.get_origin(_unwrap(field.annotation)) is list:
+            i += 1  # the list index
+        model = section
+
+
 def _check_against(key: str, dist: dict, base: JobConfig) -> None:
     data = base.to_dict()
     if not _is_leaf(key.split("."), data):
         n = len(data.get("teachers", []))
         raise KavaError(f"param {key!r}: not a JobConfig key (the base config has {n} teachers)")
+    (kind, _), = dist.items()
+    if kind in ("uniform", "loguniform") and _leaf_type(key.split(".")) is int:
+        raise KavaError(f"param {key!r}: an integer key, and {kind} draws fractions (a trial would be refused); "
+                        f"use randint: [low, high) or choice: [...]")
     for value in _extremes(dist):
         try:
             apply_params(base, {key: value})
         except KavaError as e:
             raise KavaError(f"param {key!r}: value {value!r} is invalid for this job ({e})") from None
+
+
+# what a run reports under eval/ (recipes.evaluate.evaluate_heldout): overall, and per teacher as eval/<name>/<t>
+_EVAL_METRICS = ("ce", "ppl", "cos_sim", "cos_raw", "contrast_gap", "logit_kl")
+_EVAL_PER_TEACHER = ("cos", "cos_raw", "aligned", "logit_kl", "logit_uld", "logit_aligned", "top1_agree",
+                     "kv_cos_free")
+
+
+def _check_metric(metric: str, base: JobConfig) -> None:
+    """The metric is one the job reports (a misspelt one would end the sweep in Ray's traceback after the first
+    trial started); the closest name is suggested."""
+    import difflib
+
+    known = [f"eval/{m}" for m in _EVAL_METRICS] + [f"eval/{m}/{t.name}" for m in _EVAL_PER_TEACHER
+                                                     for t in base.teachers]
+    if metric in known or re.fullmatch(r"eval/kv_cos_free/[^/]+/layer\d+", metric):
+        return
+    close = difflib.get_close_matches(metric, known, n=1, cutoff=0.6)
+    raise KavaError(f"metric {metric!r}: not a metric the job reports" +
+                    (f" (did you mean {close[0]!r}?)" if close else f" (e.g. {', '.join(known[:5])})"))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -218,6 +269,7 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
     try:
         spec = SpaceSpec.model_validate(raw)
         if base is not None:
+            _check_metric(spec.metric, base)
             for key, dist in spec.params.items():
                 _check_against(key, dist, base)
     except ValidationError as err:
@@ -247,27 +299,22 @@ def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
     return derive(base, params)
 
 
-def last_judged_step(steps: int, eval_steps: int) -> int:
-    """The last step before the end at which a trial reports the metric (an eval step): ASHA's max_t."""
-    return (steps - 1) // eval_steps * eval_steps
-
-
 def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
-    """ASHAScheduler(time_attr="step", ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
+    """ASHAScheduler(time_attr=EVALS, ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
 
-    max_t: `last_judged_step(train.steps, train.eval_steps)`. ASHA judges a rung at the first report of the metric
-    at or past it, and a STOP at a trial's last step ends it while it still saves final/ and evaluates the test
-    split, which can lose both: so every rung lies at or below the last eval before the end (ASHA puts one at each
-    grace_period * rf**k <= max_t), and stop_last_trials=False leaves a trial past max_t to finish on its own.
+    max_t: the evaluations a trial makes before its last step (`recipes.distill.evals_before_end`). A STOP at a
+    trial's last step ends it while it saves final/ and evaluates the test split, which can lose both: so every
+    rung (grace_period * rf**k <= max_t) lies before the end, and stop_last_trials=False leaves a trial past max_t
+    to finish on its own.
     """
     s = spec.scheduler if isinstance(spec, SpaceSpec) else spec
     if s.kind == "fifo":
         return FIFOScheduler()
     if max_t < s.grace_period:
-        raise KavaError(f"scheduler: grace_period {s.grace_period} exceeds the last evaluation before the end "
-                        f"(step {max_t}, from train.steps and train.eval_steps): no rung could be judged; lower it or "
-                        f"use scheduler kind fifo")
-    return ASHAScheduler(time_attr="step", grace_period=s.grace_period, reduction_factor=s.reduction_factor,
+        raise KavaError(f"scheduler: grace_period {s.grace_period} counts evaluations after training began, and a "
+                        f"trial makes {max_t} before its last step (train.steps / train.eval_steps): no rung could "
+                        f"be judged; lower it, evaluate more often, or use scheduler kind fifo")
+    return ASHAScheduler(time_attr=EVALS, grace_period=s.grace_period, reduction_factor=s.reduction_factor,
                          max_t=max_t, stop_last_trials=False)
 
 
