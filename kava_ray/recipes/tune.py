@@ -38,6 +38,7 @@ from kava_ray.runtime.connect import resolve_use_gpu
 from kava_ray.runtime.console import status
 from kava_ray.runtime.job import job_session, job_teachers
 from kava_ray.runtime.preflight import preflight
+from kava_ray.runtime.ray_private import wait_for_tune_reports
 from kava_ray.runtime.tune_space import (
     apply_params,
     load_space,
@@ -64,7 +65,10 @@ def trial_fn(config: dict, setup: dict) -> None:
     plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]),
                           tokenizer_dirs={n: g["tokenizer"] for n, g in geoms.items() if g.get("tokenizer")})
     run_dir = trial_dir(cfg) / "run"
-    fit(build_trainer(cfg, plans, run_dir, setup["use_gpu"], callbacks=[TuneReportCallback()]), run_dir)
+    try:
+        fit(build_trainer(cfg, plans, run_dir, setup["use_gpu"], callbacks=[TuneReportCallback()]), run_dir)
+    finally:
+        wait_for_tune_reports()  # every report handed to Tune before this function returns (a Ray 2.60 race)
 
 
 def derive_max_concurrent(cfg: JobConfig, use_gpu: bool) -> int:

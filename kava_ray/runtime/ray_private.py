@@ -41,6 +41,26 @@ def keep_live_runs_placement_group(trainer) -> None:
         trainer._create_default_callbacks = lambda: swap_cleaner(make())
 
 
+def wait_for_tune_reports(timeout_s: float = 60.0, settle_s: float = 0.5) -> None:
+    """In a Tune trial whose TorchTrainer reported through `TuneReportCallback`: return once the trial's actor has
+    taken every report from the callback's inter-actor queue (`_TrainSession._inter_actor_queue`). A report that
+    lands there after the trial function returned deadlocks Ray 2.60's function trainable: its main thread takes
+    it and blocks putting it into a result queue that already holds the function's end (the trial stays RUNNING
+    and the sweep never ends; seen on a loaded box). `settle_s`: the taken report's hand-over to Tune."""
+    import time
+
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    queue = getattr(session, "_inter_actor_queue", None) if session is not None else None
+    if queue is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(settle_s)
+
+
 def set_torch_distributed_env_vars() -> None:
     """On a Train worker: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, ACCELERATE_TORCH_DEVICE, as
     Ray Train's TorchConfig sets them before it creates the process group."""
@@ -57,6 +77,10 @@ def missing() -> list[str]:
     out = []
     if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
         out.append("ray._private.ray_constants.ENABLE_RAY_CLUSTER")
+    from ray.train._internal import session
+
+    if not hasattr(session._TrainSession, "_get_or_create_inter_actor_queue"):
+        out.append("ray.train._internal.session._TrainSession._inter_actor_queue")
     if not hasattr(worker, "_global_node"):
         out.append("ray._private.worker._global_node")
     if not hasattr(ray.train.torch.TorchTrainer, "_register_sigint_handler"):
