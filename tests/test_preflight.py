@@ -479,6 +479,7 @@ def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_jo
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init reached with an address that is not Ray"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the test session's own Ray may be up in this process
     http_server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=http_server.serve_forever, daemon=True).start()
     silent = socket.socket()
