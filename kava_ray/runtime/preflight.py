@@ -205,7 +205,7 @@ def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
         load_tokenizer(cfg.student.model)
         if os.path.isdir(source) and gguf is None:
             check_weights(source)
-    if os.path.isdir(source) and gguf is None:
+    if os.path.isdir(source) or gguf is not None:  # (a .gguf: its config from the cached conversion the run uses)
         with about("student.keep_layers"):
             load_model_config(cfg.student.model, keep=cfg.student.keep_layers)  # indices within the model's depth
 
@@ -231,11 +231,12 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
     for t in cfg.teachers:
         with about(f"teachers[{t.name}].model"):
             source, gguf = _resolve(t.model)
-            if not os.path.isdir(source) or gguf is not None:
-                continue  # a hub id (the loader's) or a .gguf (converted, and so read whole, by the loader)
-            check_weights(source)
-            load_tokenizer(t.model)
-            depth = load_model_config(t.model).num_hidden_layers
+            if not os.path.isdir(source) and gguf is None:
+                continue  # a hub id: the loader's
+            if gguf is None:
+                check_weights(source)
+                load_tokenizer(t.model)
+            depth = load_model_config(t.model).num_hidden_layers  # (a .gguf: the cached conversion the run uses)
         bad = [i for i in t.layers or [] if i >= depth]
         if bad:
             raise KavaError(f"teachers[{t.name}].layers: layer {bad[0]} is out of range (the model has {depth} "
