@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -140,24 +139,17 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     if run_dir is None:
         name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
         run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
-    fresh, started = not run_dir.exists(), time.time()
+    started = time.time()
     with quiet(run_dir / "logs", verbose):
+        _data(cfg)  # refused before Ray starts: one line, and `quiet` removes the run dir it made
         try:
-            _data(cfg)
-        except KavaError as e:  # refused before Ray started: a new run leaves nothing behind (below)
-            refused = e
-        else:
-            try:
-                return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
-            except KavaError as e:
-                if "(logs: " in str(e):
-                    raise
-                raise KavaError(with_logs(str(e))) from None
-            finally:  # the run's wall time (`kava-ray report`), every session of it
-                add_session(run_dir, started, time.time())
-    if fresh:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    raise refused
+            return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
+        except KavaError as e:
+            if "(logs: " in str(e):
+                raise
+            raise KavaError(with_logs(str(e))) from None
+        finally:  # the run's wall time (`kava-ray report`), every session of it
+            add_session(run_dir, started, time.time())
 
 
 def resumed_run_dir(ckpt: str) -> Optional[Path]:

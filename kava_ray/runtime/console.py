@@ -91,6 +91,12 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
         _state["log_dir"] = _state["ray_logs"] = None
 
 
+def silenced():
+    """fds 1 and 2 (and Python's streams) to /dev/null for the block: library chatter a command meets before its
+    `quiet` starts (the preflight's planner; torch and torchao write past Python's streams)."""
+    return _redirect(Path(os.devnull))
+
+
 @contextlib.contextmanager
 def _redirect(path: Path):
     for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -99,11 +105,11 @@ def _redirect(path: Path):
     log = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     term = os.fdopen(os.dup(saved[2]), "w", buffering=1, encoding="utf-8", errors="replace")
-    prev_streams = sys.stdout, sys.stderr
+    prev_streams, prev_console = (sys.stdout, sys.stderr), _state["console"]  # (nested: inside a `quiet`)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    _state["console"] = term
+    _state["console"] = prev_console or term
     try:
         yield
     finally:
@@ -114,7 +120,7 @@ def _redirect(path: Path):
         for fd, dup in saved.items():
             os.dup2(dup, fd)
             os.close(dup)
-        _state["console"] = None
+        _state["console"] = prev_console
         term.close()
         log.close()
 

@@ -8,10 +8,8 @@ docs/internals/runtime.md#preflight.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -280,29 +278,6 @@ def _check_safetensors(path: Path) -> None:
         raise KavaError(f"{path}: cut short ({size} bytes, its header describes {8 + n + end}): download it again")
 
 
-@contextlib.contextmanager
-def _silenced():
-    """fds 1 and 2 (and Python's streams) to /dev/null for the block: library chatter the command has not yet
-    sent to its logs (`console.quiet` starts after the preflight)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    saved = [os.dup(1), os.dup(2)]
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
-
-
 def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
     """An embedded run's memory, as `kava-ray plan` estimates it, against this machine: its GPU's memory when it
     has one (`planner.check_fits`, the check a cluster run makes once Ray is up), else the RAM available now
@@ -311,6 +286,7 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
     import psutil
     import torch
 
+    from kava_ray.runtime.console import silenced  # Ray: see check_space (check_memory runs for Ray commands)
     from kava_ray.runtime.planner import GiB, check_fits, plan
 
     if not _embedded(cfg, address):
@@ -320,11 +296,11 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
     if not _hub_offline() and any(_resolve(m)[1] is None and not os.path.isdir(_resolve(m)[0]) for m in specs):
         return
     if torch.cuda.is_available():
-        with _silenced():
+        with silenced():
             check_fits(cfg, torch.cuda.get_device_properties(0).total_memory)
         return
     try:
-        with _silenced():  # (the planner's meta models: transformers, torchao and torch write to fds 1 and 2)
+        with silenced():  # (the planner's meta models: transformers, torchao and torch write to fds 1 and 2)
             need = plan(cfg)["devices"]["cpu"]["total"]
     except (KavaError, OSError, ValueError, KeyError):
         return
