@@ -605,6 +605,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     skips = [recipe.skipped_before] * world  # every rank's cumulative skips at the last save (final/ reuses them)
     bad, saved = FirstBad(), recipe.start_step  # a non-finite loss: found at the next log step, before any save
+    evals = evals_through(recipe.start_step, cfg.train)  # a Tune scheduler's clock, counted on from a resumed step
     for step in range(recipe.start_step + 1, cfg.train.steps + 1):
         kind = step_kind(step, cfg.train)
         t0 = time.perf_counter()
@@ -620,6 +621,7 @@ def train_loop_per_worker(config: dict) -> None:
                 log.write({"step": step, "kind": ERROR, "message": str(e)})
             return
         saved = step if kind.save else saved
+        evals += kind.eval
         record = step_record(values, step, dt, recipe.last_lrs, world)
         if kind.eval and evaluates:
             last_eval = recipe.evaluate(source)
@@ -631,7 +633,7 @@ def train_loop_per_worker(config: dict) -> None:
         if kind.save:
             skips = skipped_by_rank(recipe.skipped_before + feed.skipped, rank, world, values["grad_norm"].device)
         report = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-        report[EVALS] = evals_through(step, cfg.train)  # a scheduler judges no trial before one evaluation after 0
+        report[EVALS] = evals  # a scheduler judges no trial before one evaluation after step 0
         report_step(recipe, feed, report, step, skips if kind.save else None)
     if evaluates:
         finish(recipe, source, feed, log, run_dir, skips)
