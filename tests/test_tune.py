@@ -75,6 +75,8 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
         if done:
             os.kill(os.getpid(), signal.SIGINT)  # to the main thread, inside Tune's fit (its SIGINT handler)
 
+    said = []  # the sweep's status lines (the console writes them to the terminal, past capsys)
+    monkeypatch.setattr("kava_ray.recipes.tune.status", lambda line, *a, **k: said.append(line.split(";")[0]))
     thread = threading.Thread(target=ctrl_c, daemon=True)
     thread.start()
     code = main(["tune", "--config", str(job), "--space", str(space), "--name", "asha", "--max-concurrent", "1"])
@@ -83,6 +85,8 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err[-1] == f"error: interrupted; the sweep's state is saved in {exp}: --resume {exp} " \
                                       f"continues it", err[-5:]
+    # a status line when the first trial ended, counting the sweep's three trials (Tune lists them as it creates them)
+    assert "tune: 1/3 trials done (0 stopped early, 0 failed), 0 running" in said, said
     statuses = trial_statuses(exp)
     assert list(statuses.values()).count("TERMINATED") == 1 and len(statuses) >= 2, statuses  # the next one stopped
     first_trial = exp / f"trial_{done[0]}"

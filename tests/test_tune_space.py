@@ -100,6 +100,26 @@ def test_grid_randint_and_yaml_exponents(tmp_path, base):
     assert space["align.mode"] == {"grid_search": ["flat", "structured"]}
 
 
+def test_a_sweeps_size_is_the_one_tune_runs(tmp_path, base):
+    """`planned_trials` (the N of the status line's "D/N trials done") is what Tune's BasicVariantGenerator counts:
+    num_samples times every grid point (Tune creates the trials one at a time, so its list is no measure)."""
+    from ray.tune.experiment import Experiment
+    from ray.tune.search import BasicVariantGenerator
+
+    from kava_ray.runtime.tune_space import planned_trials
+
+    path = tmp_path / "s.yaml"
+    path.write_text("num_samples: 2\nparams:\n  align.mode: {grid: [flat, structured]}\n"
+                    "  optim.lr_projector: {grid: [1.0e-3, 3.0e-3, 1.0e-2]}\n  loss.kv_weight: {choice: [0.0, 0.5]}\n")
+    spec = load_space(path, base)
+    for n in (None, 5):
+        gen = BasicVariantGenerator()
+        gen.add_configurations([Experiment("x", lambda c: None, config={"params": to_param_space(spec)},
+                                           num_samples=n or spec.num_samples)])
+        assert planned_trials(spec, n) == gen.total_samples == (n or 2) * 2 * 3
+    assert planned_trials(load_space("default", base), 3) == 3  # no grid: num_samples
+
+
 def test_apply_params_sets_values(base):
     cfg = apply_params(base, {"optim.lr_student": 2e-5, "align.projector.dropout": 0.05,
                               "fusion.kind": "gate", "teachers.1.num_gpus": 0.5})

@@ -44,6 +44,7 @@ from kava_ray.runtime.tune_space import (
     load_space,
     make_scheduler,
     make_search_alg,
+    planned_trials,
     to_param_space,
 )
 
@@ -164,8 +165,9 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
                                         search_alg=make_search_alg(spec.search), max_concurrent_trials=limit,
                                         trial_name_creator=short_name, trial_dirname_creator=short_name),
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
-                                      callbacks=[*tracker_callbacks(cfg, exp_dir), SweepStatus(spec.metric, spec.mode,
-                                                                                              cfg.train.steps)]))
+                                      callbacks=[*tracker_callbacks(cfg, exp_dir),
+                                                 SweepStatus(spec.metric, spec.mode, cfg.train.steps,
+                                                             planned_trials(spec, num_samples))]))
     before = pool_stats(handles) if handles else {}  # a pool found running has served other runs
     with ctrl_c_saves_the_sweep() as interrupted:
         grid = tuner.fit()
@@ -185,8 +187,8 @@ class SweepStatus(tune.Callback):
     """Status lines while a sweep runs (`kava-ray tune` is otherwise silent for minutes): each time a trial ends,
     and at most every 30 s as results arrive -- trials done / running / stopped early, and the best so far."""
 
-    def __init__(self, metric: str, mode: str, steps: int, every_s: float = 30.0):
-        self.metric, self.mode, self.steps, self.every_s = metric, mode, steps, every_s
+    def __init__(self, metric: str, mode: str, steps: int, total: int = 0, every_s: float = 30.0):
+        self.metric, self.mode, self.steps, self.total, self.every_s = metric, mode, steps, total, every_s
         self.best: dict = {}  # trial name -> its best metric so far
         self.last_step: dict = {}
         self.said = 0.0
@@ -201,19 +203,24 @@ class SweepStatus(tune.Callback):
             self._say(trials)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self._say(trials)
+        self._say(trials, ending=trial)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._say(trials)
+        self._say(trials, ending=trial, failed=True)
 
-    def _say(self, trials) -> None:
+    def _say(self, trials, ending=None, failed: bool = False) -> None:
+        """`ending`: the trial whose end calls this (Tune calls back before it marks the trial TERMINATED / ERROR:
+        counted here as what it is about to be, or the last trial's line would read "2/3 done, 1 running")."""
         self.said = time.monotonic()
-        ended = [t for t in trials if t.status in ("TERMINATED", "ERROR")]
-        early = sum(1 for t in ended if t.status == "TERMINATED" and self.last_step.get(str(t), 0) < self.steps)
-        failed = sum(1 for t in ended if t.status == "ERROR")
-        running = sum(1 for t in trials if t.status == "RUNNING")
-        line = (f"tune: {len(ended)}/{len(trials)} trials done ({early} stopped early, {failed} failed), "
-                f"{running} running")
+        status_of = {str(t): t.status for t in trials}
+        if ending is not None:
+            status_of[str(ending)] = "ERROR" if failed else "TERMINATED"
+        ended = [t for t, st in status_of.items() if st in ("TERMINATED", "ERROR")]
+        early = sum(1 for t in ended if status_of[t] == "TERMINATED" and self.last_step.get(t, 0) < self.steps)
+        n_failed = sum(1 for t in ended if status_of[t] == "ERROR")
+        running = sum(1 for st in status_of.values() if st == "RUNNING")
+        line = (f"tune: {len(ended)}/{max(self.total, len(status_of))} trials done ({early} stopped early, "
+                f"{n_failed} failed), {running} running")
         if self.best:
             pick = max if self.mode == "max" else min
             name = pick(self.best, key=self.best.get)

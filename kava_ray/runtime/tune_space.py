@@ -115,6 +115,16 @@ class SpaceSpec(_Strict):
         return self
 
 
+def planned_trials(spec: SpaceSpec, num_samples: Optional[int] = None) -> int:
+    """How many trials a sweep runs: `num_samples` times every point of its grids (Tune's rule; Tune itself creates
+    them one at a time as slots free up, so the trials it lists so far are not the sweep's size)."""
+    n = num_samples or spec.num_samples
+    for dist in spec.params.values():
+        if "grid" in dist:
+            n *= len(dist["grid"])
+    return n
+
+
 # ----------------------------------------------------------------------------- params
 
 
