@@ -114,28 +114,29 @@ def test_plan_places_the_job_on_the_live_nodes(cluster, job):
         out.stderr[-3000:])
 
 
-@pytest.mark.parametrize("key", ["data.source", "ray.storage_path"])
-def test_a_path_only_the_drivers_node_has_is_one_line_naming_the_key_and_the_node(cluster, job, tmp_path, key):
+def test_paths_only_the_drivers_node_has_are_one_line_naming_each_key_and_the_node(cluster, job, tmp_path):
     """The driver runs in a mount namespace of its own (`unshare -m`) with a tmpfs over a directory: what it
     puts there no node of the cluster sees, as a file on the local disk of a real cluster's driver. The data it
-    reads there, or a storage path there, is refused before any teacher starts, naming the student node."""
+    reads there and a storage path there are refused before any teacher starts, in one line naming each key and the
+    student node (both fixed in one go, not one run each)."""
     local = tmp_path / "local"
     local.mkdir()
     qa = tmp_path / "qa.jsonl"
     qa.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(40)))
-    override = f"data.source={local}/qa.jsonl" if key == "data.source" else f"ray.storage_path={local}/runs"
     after = tmp_path / "after.txt"  # what the driver's private directory holds once the command is done
     script = (f"mount -t tmpfs tmpfs {local} && cp {qa} {local}/ && {sys.executable} -m kava_ray.cli train "
-              f"--config {job} --address {cluster} {override}; rc=$?; ls -A {local} {local}/runs > {after} 2>&1; "
-              f"exit $rc")
+              f"--config {job} --address {cluster} data.source={local}/qa.jsonl ray.storage_path={local}/runs; "
+              f"rc=$?; ls -A {local} {local}/runs > {after} 2>&1; exit $rc")
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     student = _nodes(cluster)["student"][:8]
-    expect = (f"error: data.source {local}/qa.jsonl is not on node {student} (127.0.0.1: 3 CPU), where the Ray Train "
-              f"workers read it: " if key == "data.source" else
-              f"error: ray.storage_path {local}/runs is not shared with node {student} (127.0.0.1: 3 CPU), where the "
-              f"Ray Train workers write checkpoints: ")
-    assert out.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), out.stderr[-3000:]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    cut = errors[0].find("; ray.storage_path ")  # the data's problem, then the storage's
+    data, storage = errors[0][:cut], errors[0][cut + 2:]
+    assert data.startswith(f"error: data.source {local}/qa.jsonl is not on node {student} (127.0.0.1: 3 CPU), where "
+                           f"the Ray Train workers read it: "), errors[0]
+    assert storage.startswith(f"ray.storage_path {local}/runs is not shared with node {student} (127.0.0.1: 3 CPU), "
+                              f"where the Ray Train workers write checkpoints: "), errors[0]
     alive = [a["class_name"] for a in _state(cluster, "actors") if a["state"] != "DEAD"]
     assert "TeacherActor" not in alive, alive
     assert ".kava-shared-check" not in after.read_text(), after.read_text()  # the storage check cleans up

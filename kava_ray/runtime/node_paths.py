@@ -130,7 +130,7 @@ def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[s
 
 
 def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> None:
-    """KavaError (one line) when a local path of `wanted` (`reads`, `tokenizer_reads`) is missing or different
+    """KavaError (one line, naming every problem) when a local path of `wanted` (`reads`, `tokenizer_reads`) is missing or different
     on another node that can read it, or `ray.storage_path` is not shared with a node its workers can run on.
     `only`: look on these node ids alone. Nothing runs when there is nothing to look at or the cluster has only
     the driver's node."""
@@ -158,13 +158,15 @@ def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> Non
         except ray.exceptions.RayError as e:  # e.g. a node that died since it was listed
             raise KavaError(f"the job's local paths could not be looked at on the cluster's nodes: "
                             f"{first_line(e)}") from None
-        for i, r in enumerate(wanted):  # in the order of `reads`: the teachers' models, then the workers' inputs
+        problems = []  # one per path (its first node), all in the line: a driver's local data and its storage path
+        for i, r in enumerate(wanted):  # are fixed in one go, not one run each; in the order of `reads`
             mine = look(looked_at[i])
-            for n in nodes:
-                if i in readers[n.node_id]:
-                    line = problem(r, n, seen[n.node_id][looked_at[i]], mine)
-                    if line:
-                        raise KavaError(line)
+            lines = (problem(r, n, seen[n.node_id][looked_at[i]], mine) for n in nodes if i in readers[n.node_id])
+            first = next((line for line in lines if line), None)
+            if first:
+                problems.append(first)
+        if problems:
+            raise KavaError("; ".join(problems))
     finally:
         for m in markers:
             m.unlink(missing_ok=True)
