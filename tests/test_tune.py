@@ -86,6 +86,7 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     assert code == 130 and err[-1] == f"error: interrupted; the sweep's state is saved in {exp}: --resume {exp} " \
                                       f"continues it", err[-5:]
     # a status line when the first trial ended, counting the sweep's three trials (Tune lists them as it creates them)
+    assert said[0] == f"tune: 3 trials, up to 1 at a time -> {exp}", said  # before the first result
     assert "tune: 1/3 trials done (0 stopped early, 0 failed), 0 running" in said, said
     statuses = trial_statuses(exp)
     assert list(statuses.values()).count("TERMINATED") == 1 and len(statuses) >= 2, statuses  # the next one stopped

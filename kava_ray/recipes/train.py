@@ -175,17 +175,22 @@ def _data(cfg: JobConfig) -> None:
         status(prepared["warning"])
 
 
+def teachers_status(job) -> None:
+    """The `teachers:` line of a command that runs on them (`train`, `tune`): how many, from where, how long."""
+    cfg, names = job.cfg, ", ".join(job.plans)
+    if job.handles is None:
+        status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
+    else:
+        status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
+               f"in {job.setup_s:.0f} s")
+    for line in cross_vocab_lines(cfg, job.plans):
+        status(line)
+
+
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
     with job_teachers(cfg, address, restart=restart_teachers, command="train") as job:
-        names = ", ".join(job.plans)
-        if job.handles is None:
-            status(f"teachers: {len(job.plans)} from the KV cache {cfg.data.kv_cache_dir} ({names})")
-        else:
-            status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
-                   f"in {job.setup_s:.0f} s")
-        for line in cross_vocab_lines(cfg, job.plans):
-            status(line)
+        teachers_status(job)
         trainer = build_trainer(cfg, job.plans, run_dir, job.use_gpu, resume, resume_override=resume_override)
         workers = cfg.ray.num_workers
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")

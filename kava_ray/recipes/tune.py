@@ -33,7 +33,7 @@ from kava_ray.core.metric_names import EVALS
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import student_geometry, teacher_plans
 from kava_ray.recipes.distill import evals_before_end
-from kava_ray.recipes.train import build_trainer, fit
+from kava_ray.recipes.train import build_trainer, fit, teachers_status
 from kava_ray.runtime.connect import resolve_use_gpu
 from kava_ray.runtime.console import status
 from kava_ray.runtime.job import job_session, job_teachers
@@ -139,6 +139,7 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
         with job_session(cfg, address, concurrent_runs=runs):
             return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial, None, {})
     with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, command="tune") as job:
+        teachers_status(job)
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
                          tokenizer=p.tokenizer) for n, p in job.plans.items()}
@@ -154,6 +155,9 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     # the trial function only drives; its Train workers and teachers ask for their own resources
     trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": resources.TRIAL_CPUS})
     param_space = {"params": to_param_space(spec)}
+    planned = planned_trials(spec, num_samples)
+    status(f"tune: {'continuing ' if resume else ''}{planned} trial{'s' if planned != 1 else ''}, up to {limit} at a "
+           f"time -> {exp_dir}")
     if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
                                    resume_unfinished=True, resume_errored=True)
@@ -166,8 +170,7 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
                                         trial_name_creator=short_name, trial_dirname_creator=short_name),
             run_config=tune.RunConfig(name=exp_dir.name, storage_path=str(exp_dir.parent), verbose=1,
                                       callbacks=[*tracker_callbacks(cfg, exp_dir),
-                                                 SweepStatus(spec.metric, spec.mode, cfg.train.steps,
-                                                             planned_trials(spec, num_samples))]))
+                                                 SweepStatus(spec.metric, spec.mode, cfg.train.steps, planned)]))
     before = pool_stats(handles) if handles else {}  # a pool found running has served other runs
     with ctrl_c_saves_the_sweep() as interrupted:
         grid = tuner.fit()

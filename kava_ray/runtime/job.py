@@ -123,10 +123,10 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
 def check_run_fits(cfg: JobConfig, command: str, connected: str, t0: float, use_gpu: bool) -> None:
     """Ray is up, no teacher has started: the teachers and a run's Train workers (`train`: with the run's
     controller, and its planned memory on the smallest GPU) must fit, node by node."""
+    status(f"connecting: {describe_ray(connected)} in {time.time() - t0:.0f} s")
     if command == "tune":  # the teachers and one trial's Train workers
         check_resources(cfg, workers=resources.worker(cfg, use_gpu))
         return
-    status(f"connecting: {describe_ray(connected)} in {time.time() - t0:.0f} s")
     check_resources(cfg, extra=resources.run(cfg, use_gpu), workers=resources.worker(cfg, use_gpu))
     if use_gpu:
         check_gpu_memory(cfg)
