@@ -94,8 +94,13 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
     files = [first_trial / "run" / "metrics.jsonl", first_trial / "result.json"]  # ours, and Tune's results log
     before = [f.read_text() for f in files]
 
+    said.clear()
     out = run_tune(load_config(job), str(space), resume=str(exp))
     rows = out["rows"]
+    # the resumed sweep's lines: its own header, and the first trial (finished before the interrupt, 8 steps) is
+    # done, not "stopped early" (the status callback's state is saved with the sweep's and restored)
+    assert said[0] == f"tune: continuing the sweep in {exp}" and said[-1] == \
+        "tune: 3/3 trials done (1 stopped early, 0 failed), 0 running", said
     assert len(rows) == 3 and not any(r["error"] for r in rows), rows
     # the finished trial was not run again: neither its metrics nor Tune's result log grew
     assert [f.read_text() for f in files] == before

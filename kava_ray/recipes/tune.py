@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import math
 import os
 import signal
@@ -47,6 +48,8 @@ from kava_ray.runtime.tune_space import (
     planned_trials,
     to_param_space,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def trial_dir(cfg: JobConfig) -> Path:
@@ -156,8 +159,11 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": resources.TRIAL_CPUS})
     param_space = {"params": to_param_space(spec)}
     planned = planned_trials(spec, num_samples)
-    status(f"tune: {'continuing ' if resume else ''}{planned} trial{'s' if planned != 1 else ''}, up to {limit} at a "
-           f"time -> {exp_dir}")
+    if resume:  # Tune restores the sweep's own TuneConfig (its size and concurrency), not this command's
+        status(f"tune: continuing the sweep in {exp_dir}")
+    else:
+        size = f"{planned} trial{'s' if planned != 1 else ''}" if planned > 0 else "trials without a limit"
+        status(f"tune: {size}, up to {limit} at a time -> {exp_dir}")
     if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
                                    resume_unfinished=True, resume_errored=True)
@@ -188,13 +194,22 @@ def short_name(trial) -> str:
 
 class SweepStatus(tune.Callback):
     """Status lines while a sweep runs (`kava-ray tune` is otherwise silent for minutes): each time a trial ends,
-    and at most every 30 s as results arrive -- trials done / running / stopped early, and the best so far."""
+    and at most every 30 s as results arrive -- trials done / running / stopped early, and the best so far. Its
+    state (best values, last steps) is saved with the sweep's and restored by `--resume` (Tune's callback state)."""
+
+    total = 0  # the sweep's size (`planned_trials`); a class default for a callback pickled before it existed
 
     def __init__(self, metric: str, mode: str, steps: int, total: int = 0, every_s: float = 30.0):
         self.metric, self.mode, self.steps, self.total, self.every_s = metric, mode, steps, total, every_s
         self.best: dict = {}  # trial name -> its best metric so far
         self.last_step: dict = {}
         self.said = 0.0
+
+    def get_state(self) -> dict:
+        return {"best": dict(self.best), "last_step": dict(self.last_step)}
+
+    def set_state(self, state: dict) -> None:
+        self.best, self.last_step = dict(state.get("best", {})), dict(state.get("last_step", {}))
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         v = result.get(self.metric)
@@ -212,8 +227,15 @@ class SweepStatus(tune.Callback):
         self._say(trials, ending=trial, failed=True)
 
     def _say(self, trials, ending=None, failed: bool = False) -> None:
-        """`ending`: the trial whose end calls this (Tune calls back before it marks the trial TERMINATED / ERROR:
-        counted here as what it is about to be, or the last trial's line would read "2/3 done, 1 running")."""
+        """`ending`: the trial whose end calls this, counted as ended (Tune calls `on_trial_complete` before it marks
+        the trial TERMINATED: the last trial's line read "2/3 done, 1 running"). Never raises: an exception in a
+        callback would turn the finished trial into an error (`TuneController._schedule_trial_stop`)."""
+        try:
+            self._line(trials, ending, failed)
+        except Exception:  # noqa: BLE001 - a status line must not fail a trial (e.g. a closed terminal)
+            logger.debug("tune status line failed", exc_info=True)
+
+    def _line(self, trials, ending, failed: bool) -> None:
         self.said = time.monotonic()
         status_of = {str(t): t.status for t in trials}
         if ending is not None:
