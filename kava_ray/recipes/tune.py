@@ -158,16 +158,14 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     # the trial function only drives; its Train workers and teachers ask for their own resources
     trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": resources.TRIAL_CPUS})
     param_space = {"params": to_param_space(spec)}
-    planned = planned_trials(spec, num_samples)
     if resume:  # Tune restores the sweep's own TuneConfig (its size and concurrency), not this command's
         status(f"tune: continuing the sweep in {exp_dir}")
-    else:
-        size = f"{planned} trial{'s' if planned != 1 else ''}" if planned > 0 else "trials without a limit"
-        status(f"tune: {size}, up to {limit} at a time -> {exp_dir}")
-    if resume:
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, param_space=param_space,
                                    resume_unfinished=True, resume_errored=True)
     else:
+        planned = planned_trials(spec, num_samples)
+        size = f"{planned} trial{'s' if planned != 1 else ''}" if planned > 0 else "trials without a limit"
+        status(f"tune: {size}, up to {limit} at a time -> {exp_dir}")
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=num_samples or spec.num_samples,

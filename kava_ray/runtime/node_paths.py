@@ -130,8 +130,9 @@ def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[s
 
 
 def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> None:
-    """KavaError (one line, naming every problem) when a local path of `wanted` (`reads`, `tokenizer_reads`) is missing or different
-    on another node that can read it, or `ray.storage_path` is not shared with a node its workers can run on.
+    """KavaError (one line naming every such path) when a local path of `wanted` (`reads`, `tokenizer_reads`) is
+    missing or different on another node that can read it, or `ray.storage_path` is not shared with a node its
+    workers can run on.
     `only`: look on these node ids alone. Nothing runs when there is nothing to look at or the cluster has only
     the driver's node."""
     here = ray.get_runtime_context().get_node_id()
