@@ -338,12 +338,14 @@ def test_records(cfg: JobConfig):
 def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None) -> TokenizedSplit:
     """The test split (`test_records`): for the end of a run and `kava-ray eval`."""
     d = cfg.data
-    source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
     if carved(cfg):
         source_id = f"{source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)}" \
                     f"|carved-test|val={d.num_val}|n={d.num_test}"
-    split = tokenize_records(cfg, tokenizer, test_records(cfg), source_id, bool(teacher_toks),
-                             f"split {d.test_split!r}" if not carved(cfg) else "(test)")
+        where = "(test)"
+    else:
+        source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
+        where = f"split {d.test_split!r}"
+    split = tokenize_records(cfg, tokenizer, test_records(cfg), source_id, bool(teacher_toks), where)
     return with_views(split, cfg, teacher_toks)
 
 
