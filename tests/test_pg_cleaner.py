@@ -8,7 +8,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 
 import kava_ray.runtime.pg_cleaner as pgc
-from kava_ray.runtime.ray_private import keep_live_runs_placement_group
+from kava_ray.runtime.ray_private import trim_train_callbacks
 
 
 @ray.remote(num_cpus=0)
@@ -56,13 +56,24 @@ def test_a_live_controllers_group_is_kept_when_the_state_api_misses_it_and_a_dea
             ray.util.remove_placement_group(pg)
 
 
-def test_every_run_starts_the_confirming_cleaner_instead_of_rays(ray_session):
+def test_every_run_starts_the_confirming_cleaner_instead_of_rays_and_no_dataset_manager(ray_session):
+    """Ray's cleaner swapped for the confirming one; Ray's datasets callback (a DatasetManager actor per worker
+    group) dropped when the trainer has no Ray Dataset, kept when it has one."""
+    import ray.data
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     trainer = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
-    assert any(type(cb) is PlacementGroupCleanerCallback for cb in trainer._create_default_callbacks())
-    keep_live_runs_placement_group(trainer)
+    kinds = [type(cb) for cb in trainer._create_default_callbacks()]
+    assert PlacementGroupCleanerCallback in kinds and DatasetsCallback in kinds
+    trim_train_callbacks(trainer)
     kinds = [type(cb) for cb in trainer._create_default_callbacks()]
     assert pgc.ConfirmingCleanerCallback in kinds and PlacementGroupCleanerCallback not in kinds
+    assert DatasetsCallback not in kinds
+    with_data = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                             datasets={"train": ray.data.range(4)})
+    trim_train_callbacks(with_data)
+    kinds = [type(cb) for cb in with_data._create_default_callbacks()]
+    assert pgc.ConfirmingCleanerCallback in kinds and DatasetsCallback in kinds

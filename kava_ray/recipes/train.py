@@ -33,7 +33,7 @@ from kava_ray.runtime.job import job_teachers
 from kava_ray.runtime.preflight import preflight
 from kava_ray.runtime.process_group import LoopbackTorchConfig
 from kava_ray.runtime.progress import follow_metrics
-from kava_ray.runtime.ray_private import drop_train_sigint_handler, keep_live_runs_placement_group
+from kava_ray.runtime.ray_private import drop_train_sigint_handler, trim_train_callbacks
 
 
 def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, resume: Optional[str] = None,
@@ -63,7 +63,7 @@ def fit(trainer, run_dir: Optional[Path] = None):
     # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
     # waits ~15 s, prints a traceback and exits 1
     drop_train_sigint_handler(trainer)
-    keep_live_runs_placement_group(trainer)  # Ray's cleaner reads a missing state-API record as a dead controller
+    trim_train_callbacks(trainer)  # Ray's placement-group cleaner swapped; no DatasetManager actor (no Ray Dataset)
     with _interruptible(), _metrics_for(trainer.run_config.name):
         try:
             result = trainer.fit()

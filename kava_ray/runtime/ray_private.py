@@ -31,14 +31,24 @@ def drop_train_sigint_handler(trainer) -> None:
     trainer._register_sigint_handler = lambda controller: None
 
 
-def keep_live_runs_placement_group(trainer) -> None:
-    """Ray Train's placement-group cleaner replaced by one that removes a run's group only once its controller
-    reads DEAD (`kava_ray.runtime.pg_cleaner`): the trainer's `_create_default_callbacks` list, swapped."""
+def trim_train_callbacks(trainer) -> None:
+    """Ray Train's default controller callbacks (the trainer's `_create_default_callbacks` list), changed twice:
+    its placement-group cleaner replaced by one that removes a run's group only once its controller reads DEAD
+    (`kava_ray.runtime.pg_cleaner`; Ray's reads a missing state-API record as a dead controller), and its datasets
+    callback dropped when the trainer has no Ray Dataset (kava-ray passes none: each worker reads its own split).
+    That callback starts a `DatasetManager` actor for every worker group, datasets or not (a process start,
+    ~1 CPU-s, per run and per restart) and imports `ray.data` into every worker."""
     from kava_ray.runtime.pg_cleaner import swap_cleaner
 
     make = getattr(trainer, "_create_default_callbacks", None)
-    if make is not None:  # (a stand-in trainer of a test has none)
+    if make is None:  # (a stand-in trainer of a test has none)
+        return
+    if getattr(trainer, "datasets", None):
         trainer._create_default_callbacks = lambda: swap_cleaner(make())
+        return
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    trainer._create_default_callbacks = lambda: [cb for cb in swap_cleaner(make()) if type(cb) is not DatasetsCallback]
 
 
 def wait_for_tune_reports(timeout_s: float = 60.0, settle_s: float = 0.5) -> None:
@@ -87,6 +97,10 @@ def missing() -> list[str]:
         out.append("TorchTrainer._register_sigint_handler")
     if not hasattr(ray.train.torch.TorchTrainer, "_create_default_callbacks"):
         out.append("TorchTrainer._create_default_callbacks")
+    try:
+        from ray.train.v2._internal.callbacks import DatasetsCallback  # noqa: F401
+    except ImportError:
+        out.append("ray.train.v2._internal.callbacks.DatasetsCallback")
     try:
         from kava_ray.runtime.pg_cleaner import ConfirmingCleaner, ConfirmingCleanerCallback
     except ImportError as e:  # a Ray without the cleaner's classes
