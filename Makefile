@@ -12,7 +12,8 @@ STAMP  := $(VENV)/.kava-installed
 # ran past 10 min). pip installs with --no-compile, and the targets below run with that variable unset: what the
 # tests and the demo import (~6,000 of the venv's 20,000 files) is compiled once, on first use, instead of
 # everything at install (21 s of a fresh `make test` here, both cores).
-PY     := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python
+NOPYC  := env -u PYTHONDONTWRITEBYTECODE
+PY     := $(NOPYC) $(BIN)/python
 
 .PHONY: install lint test test-fast demo clean
 
@@ -46,7 +47,7 @@ test-fast: lint
 	$(PY) -m pytest -q -m unit tests
 
 demo: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/kava-ray demo
+	$(NOPYC) $(BIN)/kava-ray demo
 
 clean:
 	rm -rf $(VENV) kava_runs .pytest_cache

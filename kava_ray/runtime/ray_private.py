@@ -38,17 +38,15 @@ def trim_train_callbacks(trainer) -> None:
     callback dropped when the trainer has no Ray Dataset (kava-ray passes none: each worker reads its own split).
     That callback starts a `DatasetManager` actor for every worker group, datasets or not (a process start,
     ~1 CPU-s, per run and per restart) and imports `ray.data` into every worker."""
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
     from kava_ray.runtime.pg_cleaner import swap_cleaner
 
     make = getattr(trainer, "_create_default_callbacks", None)
     if make is None:  # (a stand-in trainer of a test has none)
         return
-    if getattr(trainer, "datasets", None):
-        trainer._create_default_callbacks = lambda: swap_cleaner(make())
-        return
-    from ray.train.v2._internal.callbacks import DatasetsCallback
-
-    trainer._create_default_callbacks = lambda: [cb for cb in swap_cleaner(make()) if type(cb) is not DatasetsCallback]
+    unused = () if getattr(trainer, "datasets", None) else (DatasetsCallback,)
+    trainer._create_default_callbacks = lambda: [cb for cb in swap_cleaner(make()) if type(cb) not in unused]
 
 
 def wait_for_tune_reports(timeout_s: float = 60.0, settle_s: float = 0.5) -> None:
