@@ -5,7 +5,8 @@ tests/test_multinode.py (a driver whose files no node sees)."""
 from kava_ray.common.config import resolve_paths, validate_config
 from kava_ray.common.placement import Node
 from kava_ray.core.plans import TeacherPlan
-from kava_ray.runtime.node_paths import WORKERS, look, problem, reads, tokenizer_reads
+from kava_ray.runtime.node_paths import WORKERS, problem, reads, tokenizer_reads
+from kava_ray.runtime.path_look import look
 
 
 def _cfg(tmp_path, **data):

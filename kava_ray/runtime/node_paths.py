@@ -20,14 +20,13 @@ from actors.pool import cluster_nodes
 from kava_ray.common import placement, resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import content_key, first_line
+from kava_ray.common.files import first_line
+from kava_ray.runtime.path_look import look, look_all
 from kava_ray.runtime.preflight import data_splits
 
 PROBE_TIMEOUT_S = 120.0
 MARKER = ".kava-shared-check"
 WORKERS = "the Ray Train workers"
-# what stands for a directory: the file its reader opens first
-DIR_KEY_FILES = ("config.json", "manifest.json")
 
 
 @dataclass
@@ -90,28 +89,6 @@ def tokenizer_reads(cfg: JobConfig, plans: dict, use_gpu: bool = False) -> list[
             for n, p in plans.items() if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
 
 
-def look(path: str) -> Optional[str]:
-    """What a node sees at `path`: None when nothing is there, else a key of its content (a file's
-    `content_key`; a directory's `config.json` / `manifest.json`, or 'dir')."""
-    p = Path(path)
-    try:
-        if p.is_dir():
-            for name in DIR_KEY_FILES:
-                if (p / name).is_file():
-                    return f"{name}:{content_key(p / name).hexdigest()}"
-            return "dir"
-        if p.is_file():
-            return content_key(p).hexdigest()
-    except OSError as e:  # there, but this process may not read it
-        return f"unreadable ({e.strerror or type(e).__name__})"
-    return None
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _look_all(paths: list[str]) -> dict:
-    return {p: look(p) for p in paths}
-
-
 def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[str]) -> Optional[str]:
     """One line when what `node` sees at `r.path` is not what the driver sees (`here`; for a path the driver
     does not read: when the node sees nothing there, or cannot read it), else None."""
@@ -149,7 +126,7 @@ def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> Non
                 markers[-1].write_text(markers[-1].name)
                 looked_at[i] = str(markers[-1])
         readers = {n.node_id: [i for i, r in enumerate(wanted) if placement.admits(r.demand, n)] for n in nodes}
-        asked = {nid: _look_all.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+        asked = {nid: look_all.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
                  .remote(sorted({looked_at[i] for i in idx})) for nid, idx in readers.items() if idx}
         try:
             seen = dict(zip(asked, ray.get(list(asked.values()), timeout=PROBE_TIMEOUT_S)))
