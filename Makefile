@@ -42,7 +42,7 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
-# Lint + the unit tier only (no Ray), in two processes as above: 1:52 on a 2-core box (3:00 in one).
+# Lint + the unit tier only (no Ray), in two processes a file at a time: 1:52 on a 2-core box (3:00 in one).
 test-fast: lint
 	$(PY) -m pytest -q -m unit -n 2 --dist loadfile tests
 
