@@ -3,7 +3,7 @@ one on each other node before a job starts).
 
 A module of its own that imports only the standard library, Ray and `common.files`: a task's worker imports the
 module of the function it runs, and `node_paths` (the job's reads, the pool, the preflight) brings torch and
-transformers with it, ~3 CPU-seconds of a fresh worker on every node for a few `stat` calls (measured:
+transformers with it, ~3 CPU-seconds of a fresh worker on every node for a few stats and reads (measured:
 docs/internals/runtime.md#node-paths).
 """
 
