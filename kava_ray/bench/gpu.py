@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -495,34 +496,43 @@ def _section(fn: Callable, *args) -> dict:
 
 
 def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: int = 3) -> dict:
-    """Every section (see the module docstring); real geometries on CUDA unless `toy`."""
+    """Every section (see the module docstring); real geometries on CUDA unless `toy`. With `out`, the JSON is
+    rewritten after each section (a run cut short by a time limit keeps what it measured) and each section's end
+    is one line on stderr."""
     if steps < 1:
         raise KavaError(f"bench gpu: steps must be >= 1, got {steps}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sz = sizes(cuda and not toy)
     no_cuda = "needs a CUDA device (torch.cuda.is_available() is False)"
+    real = cuda and not toy
+    reason = no_cuda if not cuda else "--toy: real geometries only"
+    path = Path(out).expanduser() if out else None
     t0 = time.time()
     result = {"device": device_section(device), "sizes": {k: v for k, v in sz.items()}}
+
+    def record(name: str, section: dict) -> None:
+        result[name] = section
+        if path is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            write_json(path / "bench_gpu.json", {**result, "wall_s": time.time() - t0})
+            print(f"bench gpu: {name} at {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="kava-bench-gpu-") as tmp:
         models = Models(Path(tmp))
-        result["correctness"] = _section(correctness_section, models, device, sz["small"]) if cuda else not_run(no_cuda)
-        result["precision"] = _section(precision_section, models, device, sz["small"], steps)
-        if cuda and not toy:
-            result["memory"] = _section(memory_section, models, device)
-            result["fits_8gb"] = _section(fits_8gb_section, models, device, steps)
-        else:
-            reason = no_cuda if not cuda else "--toy: real geometries only"
-            result["memory"], result["fits_8gb"] = not_run(reason + " (torch.cuda.max_memory_allocated)"), \
-                not_run(reason + " (torch.cuda.set_per_process_memory_fraction)")
-        result["speed"] = _section(speed_section, models, device, sz)
-        result["wire"] = _section(wire_section, models, device, sz)
-        result["chunked_loss"] = _section(chunked_loss_section, models, device, sz)
-        result["fsdp"] = _section(fsdp_section, models, device, sz)
+        record("correctness", _section(correctness_section, models, device, sz["small"]) if cuda
+               else not_run(no_cuda))
+        record("precision", _section(precision_section, models, device, sz["small"], steps))
+        record("memory", _section(memory_section, models, device) if real
+               else not_run(reason + " (torch.cuda.max_memory_allocated)"))
+        record("fits_8gb", _section(fits_8gb_section, models, device, steps) if real
+               else not_run(reason + " (torch.cuda.set_per_process_memory_fraction)"))
+        record("speed", _section(speed_section, models, device, sz))
+        record("wire", _section(wire_section, models, device, sz))
+        record("chunked_loss", _section(chunked_loss_section, models, device, sz))
+        record("fsdp", _section(fsdp_section, models, device, sz))
     result["wall_s"] = time.time() - t0
-    if out:
-        path = Path(out).expanduser()
-        path.mkdir(parents=True, exist_ok=True)
+    if path is not None:
         write_json(path / "bench_gpu.json", result)
         atomic_write(path / "bench_gpu.md", format_gpu(result) + "\n")
     return result
