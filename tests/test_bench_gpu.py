@@ -75,3 +75,17 @@ def test_the_chunked_loss_section_equals_whole_logits(bench):
     for x in rows:
         assert x["loss_rel_diff"] < 1e-5 and x["time_ratio"] > 0, x
         assert (x["memory_ratio"] is None) == (not torch.cuda.is_available())
+
+
+def test_sections_runs_only_those_named_and_refuses_an_unknown_one(tmp_path):
+    """`--sections` (a rerun of what failed on a lent GPU, inside its time limit): the others say why they did not
+    run; a misspelt section is refused before anything runs."""
+    from kava_ray.bench.gpu import run_gpu_bench
+    from kava_ray.common.errors import KavaError
+
+    r = run_gpu_bench(out=str(tmp_path), toy=True, steps=1, sections=["wire"])
+    assert "bf16" in r["wire"] and all(r[s] == {"not_run": "not selected (--sections)"}
+                                       for s in SECTIONS[1:] if s != "wire")
+    assert json.loads((tmp_path / "bench_gpu.json").read_text())["wire"] == r["wire"]
+    with pytest.raises(KavaError, match="unknown section.*wires"):
+        run_gpu_bench(toy=True, sections=["wires"])

@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -71,14 +72,14 @@ def not_run(reason: str) -> dict:
 class Models:
     """Random-weight models of the bench's geometries, each saved once to a temporary dir (the production
     step loads its student from a directory, as `kava-ray train` does)."""
-    def __init__(self, root: Path):
-        self.root, self.dirs = root, {}
+    def __init__(self, root: Path, device=None):
+        self.root, self.dirs, self.device = root, {}, device
 
     def dir(self, name: str) -> Path:
         if name not in self.dirs:
             kwargs = dict(TOY[name]) if name in TOY else \
                 {**qwen_geometry(name), "dtype": torch.bfloat16, "max_position_embeddings": 32768}
-            self.dirs[name] = build_tiny_model(self.root / name, **kwargs, seed=len(self.dirs))
+            self.dirs[name] = build_tiny_model(self.root / name, **kwargs, seed=len(self.dirs), device=self.device)
         return self.dirs[name]
 
     def vocab(self, name: str) -> int:
@@ -284,7 +285,8 @@ def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
     """The single_gpu_8gb job (batch 2 x 512, its precision and optimizer) with the process capped at 8 GiB."""
     nf4 = _nf4()
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, 8 * GIB / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the cap needs an index
+    torch.cuda.set_per_process_memory_fraction(min(1.0, 8 * GIB / total), index)
     try:
         cfg = job(models, "qwen2.5-0.5b", "qwen2.5-1.5b", 2, 512, "single_gpu_8gb",
                   {k: v for k, v in nf4.items() if k != "note"})
@@ -304,7 +306,7 @@ def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
         return {"teacher": nf4, "steps": len(losses), "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
                 "cap_gib": 8.0, "fits": ok, "error": err, "losses": losses}
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.empty_cache()
 
 
@@ -491,16 +493,22 @@ def _section(fn: Callable, *args) -> dict:
         return fn(*args)
     except torch.OutOfMemoryError as e:
         return {"error": f"out of memory: {str(e).splitlines()[0]}"}
-    except Exception as e:  # noqa: BLE001 -- reported in the table and the JSON
-        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    except Exception as e:  # noqa: BLE001 -- reported in the table and the JSON, with where it was raised
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]} "
+                         f"(at {Path(where.filename).name}:{where.lineno})"}
 
 
-def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: int = 3) -> dict:
-    """Every section (see the module docstring); real geometries on CUDA unless `toy`. With `out`, the JSON is
-    rewritten after each section (a run cut short by a time limit keeps what it measured) and each section's end
-    is one line on stderr."""
+def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: int = 3,
+                  sections: Optional[list[str]] = None) -> dict:
+    """Every section (see the module docstring), or those named in `sections`; real geometries on CUDA unless
+    `toy`. With `out`, the JSON is rewritten after each section (a run cut short by a time limit keeps what it
+    measured) and each section's end is one line on stderr."""
     if steps < 1:
         raise KavaError(f"bench gpu: steps must be >= 1, got {steps}")
+    unknown = sorted(set(sections or ()) - set(SECTIONS[1:]))
+    if unknown:
+        raise KavaError(f"bench gpu: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS[1:])}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sz = sizes(cuda and not toy)
@@ -511,26 +519,26 @@ def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: 
     t0 = time.time()
     result = {"device": device_section(device), "sizes": {k: v for k, v in sz.items()}}
 
-    def record(name: str, section: dict) -> None:
-        result[name] = section
+    def record(name: str, run: Callable[[], dict]) -> None:
+        result[name] = run() if sections is None or name in sections else not_run("not selected (--sections)")
         if path is not None:
             path.mkdir(parents=True, exist_ok=True)
             write_json(path / "bench_gpu.json", {**result, "wall_s": time.time() - t0})
             print(f"bench gpu: {name} at {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="kava-bench-gpu-") as tmp:
-        models = Models(Path(tmp))
-        record("correctness", _section(correctness_section, models, device, sz["small"]) if cuda
+        models = Models(Path(tmp), device if cuda else None)  # random weights drawn on the GPU: seconds for a 7B
+        record("correctness", lambda: _section(correctness_section, models, device, sz["small"]) if cuda
                else not_run(no_cuda))
-        record("precision", _section(precision_section, models, device, sz["small"], steps))
-        record("memory", _section(memory_section, models, device) if real
+        record("precision", lambda: _section(precision_section, models, device, sz["small"], steps))
+        record("memory", lambda: _section(memory_section, models, device) if real
                else not_run(reason + " (torch.cuda.max_memory_allocated)"))
-        record("fits_8gb", _section(fits_8gb_section, models, device, steps) if real
+        record("fits_8gb", lambda: _section(fits_8gb_section, models, device, steps) if real
                else not_run(reason + " (torch.cuda.set_per_process_memory_fraction)"))
-        record("speed", _section(speed_section, models, device, sz))
-        record("wire", _section(wire_section, models, device, sz))
-        record("chunked_loss", _section(chunked_loss_section, models, device, sz))
-        record("fsdp", _section(fsdp_section, models, device, sz))
+        record("speed", lambda: _section(speed_section, models, device, sz))
+        record("wire", lambda: _section(wire_section, models, device, sz))
+        record("chunked_loss", lambda: _section(chunked_loss_section, models, device, sz))
+        record("fsdp", lambda: _section(fsdp_section, models, device, sz))
     result["wall_s"] = time.time() - t0
     if path is not None:
         write_json(path / "bench_gpu.json", result)

@@ -86,7 +86,7 @@ class KVAlignment:
                 cxx = xx / n - torch.outer(mx, mx)
                 cxy = xy / n - torch.outer(mx, my)
                 lam = self.ridge * float(torch.diagonal(cxx).mean().clamp_min(1e-12))
-                w = torch.linalg.solve(cxx + lam * torch.eye(cxx.shape[0], dtype=cxx.dtype), cxy)
+                w = torch.linalg.solve(cxx + lam * torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device), cxy)
                 self.maps[name].append((w, my - mx @ w))
 
     def _predict(self, name: str, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

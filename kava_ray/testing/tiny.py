@@ -53,11 +53,13 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 512,
     dtype=None,
+    device=None,
 ) -> Path:
     """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`; returns out_dir.
 
     tokenizer: the HF tokenizer to build around (vocab_size defaults to its length; its pad/eos/bos ids; saved
     beside), default the shared byte tokenizer. dtype: of the saved weights (default float32; bench gpu: bf16).
+    device: where the random weights are drawn (bench gpu: CUDA, where a 7B model's init takes seconds, not minutes).
     """
     tok = build_tokenizer() if tokenizer is None else tokenizer
     vocab_size = vocab_size or len(tok)
@@ -88,7 +90,8 @@ def build_tiny_model(
     else:
         raise ValueError(f"unknown family {family!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     out = Path(out_dir)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -12,6 +12,8 @@ def register(sub) -> None:
     p.add_argument("--out", help="also write bench_gpu.json and bench_gpu.md here")
     p.add_argument("--toy", action="store_true", help="toy geometries even on CUDA")
     p.add_argument("--steps", type=int, default=3, help="steps per precision policy and for the 8 GB run")
+    p.add_argument("--sections", nargs="+", metavar="NAME",
+                   help="run only these sections (correctness precision memory fits_8gb speed wire chunked_loss fsdp)")
     add_json(p)
     p.set_defaults(func=gpu)
 
@@ -19,5 +21,5 @@ def register(sub) -> None:
 def gpu(args) -> int:
     from kava_ray.bench.gpu import format_gpu, run_gpu_bench
 
-    result = run_gpu_bench(out=args.out, toy=args.toy, steps=args.steps)
+    result = run_gpu_bench(out=args.out, toy=args.toy, steps=args.steps, sections=args.sections)
     return show(args, format_gpu(result), result)
