@@ -304,7 +304,7 @@ def fits_8gb_section(models: Models, device, steps: int = 3) -> dict:
         except torch.OutOfMemoryError as e:
             ok, err = False, str(e).splitlines()[0]
         return {"teacher": nf4, "steps": len(losses), "peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
-                "cap_gib": 8.0, "fits": ok, "error": err, "losses": losses}
+                "cap_gib": 8.0, "fits": ok, "oom": err, "losses": losses}
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
         torch.cuda.empty_cache()
@@ -575,7 +575,7 @@ def format_gpu(r: dict) -> str:
             lines.append(format_table(["memory (GiB)", "item", "measured", "planned", "plan error"], rows))
         elif name == "fits_8gb":
             lines.append(f"fits_8gb: single_gpu_8gb under an 8 GiB cap: {s['steps']} steps, peak "
-                         f"{s['peak_gib']:.2f} GiB -> {'fits' if s['fits'] else 'OUT OF MEMORY: ' + str(s['error'])}")
+                         f"{s['peak_gib']:.2f} GiB -> {'fits' if s['fits'] else 'OUT OF MEMORY: ' + str(s['oom'])}")
         elif name == "speed":
             rows = [[x["what"], x["model"], f"{x['batch']} x {x['tokens']}", f"{x['tokens_per_s']:,.0f}",
                      "-" if x["capture_share"] is None else f"{100 * x['capture_share']:.0f} %",
