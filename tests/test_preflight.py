@@ -451,9 +451,26 @@ def test_a_step_that_cannot_fit_this_machine_is_refused(run_cli, tiny_job, monke
     refused(run_cli, tiny_job, needles=("GiB of RAM", "this machine has 0.0 GiB available", "kava-ray plan"))
 
 
-@pytest.mark.parametrize("name", ["../../x", "a/b", ".."])
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "my run", "a;b"])
 def test_a_run_name_is_one_directory(run_cli, tiny_job, name):
-    refused(run_cli, tiny_job, "--name", name, needles=(f"--name {name!r}", "one directory under ray.storage_path"))
+    refused(run_cli, tiny_job, "--name", name, needles=(f"--name {name!r}", "one directory under ray.storage_path",
+                                                        "letters, digits, '-', '_', '.'"))
+
+
+def test_a_run_name_of_any_letters_and_digits_passes():
+    """The rule the refusal states, and no more: Unicode letters and digits, `-`, `_`, `.`."""
+    from kava_ray.runtime.preflight import check_name
+
+    for name in ("modèle-v1", "run_2.b", "实验٣"):
+        check_name(name)
+
+
+def test_options_between_overrides(run_cli, tiny_job, tmp_path):
+    """`kava-ray train --config J KEY=VALUE --name N KEY=VALUE --verbose`: an override after an option is read
+    (argparse's intermixed parsing) and refused on its own terms, not as an unrecognized argument."""
+    missing = tmp_path / "missing.jsonl"
+    refused(run_cli, tiny_job, "train.steps=2", "--name", "x", f"data.source={missing}", "--verbose",
+            needles=(str(missing), "not found"))
 
 
 @pytest.mark.parametrize("space,needles", [
