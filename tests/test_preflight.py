@@ -376,6 +376,18 @@ def qa_rows(n, prompt=lambda i: f"question {i}?", completion=lambda i: f" answer
     return "\n".join(json.dumps({"prompt": prompt(i), "completion": completion(i)}) for i in range(n)) + "\n"
 
 
+def test_a_jsonl_cut_mid_line_names_the_broken_line(run_cli, tiny_job, tmp_path):
+    """A line cut short deep in the file (past the records preflight reads first) or at its end: the cause, a
+    broken line, and its number (not the Arrow reader's "cannot read it as a table")."""
+    rows = qa_rows(40).splitlines()
+    f = tmp_path / "cut.jsonl"
+    f.write_text("\n".join([*rows[:30], rows[30][:12], *rows[31:]]) + "\n")
+    refused(run_cli, tiny_job, f"data.source={f}", needles=(str(f), "line 31 is broken, not valid JSON",
+                                                            "column 13"))
+    f.write_text("\n".join(rows) + "\n" + rows[0][:15])  # a download or a copy stopped mid-line
+    refused(run_cli, tiny_job, f"data.source={f}", needles=(str(f), "line 41 is broken, not valid JSON"))
+
+
 def test_held_out_rows_that_are_training_rows_are_refused(run_cli, tiny_job, tmp_path):
     """Separate files that share records: the held-out figures would be training figures."""
     (tmp_path / "train.jsonl").write_text(qa_rows(40))
