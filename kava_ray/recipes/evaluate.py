@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from kava_ray.common.config import LossConfig, derive
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
-from kava_ray.core.checkpoint import checkpoint_config, is_sharded_checkpoint, load_into
+from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
@@ -375,9 +375,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
     cfg = eval_config(cfg, overrides)
-    if is_sharded_checkpoint(ckpt):
-        raise KavaError(f"checkpoint {ckpt} holds the student in FSDP2 shards (ray.strategy: fsdp): evaluate the "
-                        f"run's final/ (a whole student), or resume the run from it")
+    check_whole_student(ckpt, "evaluate")
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
