@@ -400,6 +400,7 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     """One file for every split (no {split}): validation and test are cut from its end, disjoint from training;
     data.allow_overlap: true reads the file for every split, with a warning line."""
     from kava_ray.common.config import load_config
+    from kava_ray.common.errors import KavaError
     from kava_ray.core.models import load_tokenizer
     from kava_ray.core.plans import carved, check_overlap, load_splits, load_test_split, prepare_data
 
@@ -416,6 +417,14 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     assert not carved(allowed)
     assert check_overlap(allowed) == ("warning: data.allow_overlap: 8 of 8 test records are also training records "
                                       "(every split reads the same file): they are not held out")
+    # null numbers (every record of a split's own file): 5 % of the one file each, at least one
+    nulls = ["data.num_val=null", "data.num_test=null", "data.val_split=validation"]
+    shares = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.num_train=null", *nulls])
+    assert {k: prepare_data(shares)[k] for k in ("train", "validation", "test")} == {"train": 108, "validation": 6,
+                                                                                     "test": 6}
+    (tmp_path / "two.jsonl").write_text(qa_rows(2))
+    with pytest.raises(KavaError, match=r"has 2 records: too few to carve 1 validation \(data.num_val\) and 1 test"):
+        prepare_data(load_config(str(tiny_job), [f"data.source={tmp_path}/two.jsonl", "data.num_val=1", *nulls[1:]]))
 
 
 @pytest.mark.parametrize("kind", ["prompt-longer-than-max-length", "empty-completions"])
