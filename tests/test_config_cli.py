@@ -167,7 +167,7 @@ def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_options_between_overrides_in_every_command_that_takes_them():
+def test_options_between_overrides_in_every_command_that_takes_them(capsys):
     """Every command with KEY=VALUE overrides takes its options anywhere among them (argparse's intermixed
     parsing): `train --config job.yaml train.steps=2 --name x onpolicy.fraction=1` keeps both overrides."""
     from kava_ray.cli import build_parser
@@ -185,6 +185,11 @@ def test_options_between_overrides_in_every_command_that_takes_them():
     args = build_parser().parse_args(["train", "--config", "job.yaml", "train.steps=2", "--name", "x",
                                       "onpolicy.fraction=1", "--verbose"])
     assert (args.overrides, args.name, args.verbose) == (["train.steps=2", "onpolicy.fraction=1"], "x", True)
+    assert build_parser().parse_args(["eval", "RUN"]).overrides == []  # none is fine, and not named as missing:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("the following arguments are required: "
+                                                                     "RUN_OR_CHECKPOINT")
 
 
 def test_python_dash_m_runs_the_command():

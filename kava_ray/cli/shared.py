@@ -29,6 +29,11 @@ class CommandParser(argparse.ArgumentParser):
     (`train --config job.yaml train.steps=2 --name x onpolicy.fraction=1`), by argparse's intermixed parsing. A
     parser of subcommands (`teachers`, `bench`) parses as usual and hands the rest to its subcommand's parser."""
 
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("nargs") == "*" and args and not args[0].startswith("-"):
+            kwargs.setdefault("default", [])  # none given is fine: not listed as missing beside a missing positional
+        return super().add_argument(*args, **kwargs)
+
     def parse_known_args(self, args=None, namespace=None):
         if self._subparsers is not None or getattr(self, "_intermixing", False):
             return super().parse_known_args(args, namespace)
