@@ -167,6 +167,31 @@ def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_options_between_overrides_in_every_command_that_takes_them(capsys):
+    """Every command with KEY=VALUE overrides takes its options anywhere among them (argparse's intermixed
+    parsing): `train --config job.yaml train.steps=2 --name x onpolicy.fraction=1` keeps both overrides."""
+    from kava_ray.cli import build_parser
+
+    leaves = [(words, p) for words, p in _leaves(build_parser()) if "overrides" in {a.dest for a in p._actions}]
+    assert len(leaves) == 16
+    for words, p in leaves:
+        needed = [x for a in p._actions if a.required and a.option_strings for x in (a.option_strings[0], "X")]
+        places = ["RUN" for a in p._actions if not a.option_strings and a.dest != "overrides"]
+        option = next(a for a in p._actions if a.option_strings and a.nargs is None and a.type is None
+                      and a.choices is None and a.const is None)
+        argv = [*words, *needed, *places, "a.b=1", option.option_strings[0], "V", "c.d=2"]
+        args = build_parser().parse_args(argv)
+        assert args.overrides == ["a.b=1", "c.d=2"] and getattr(args, option.dest) == "V", (words, vars(args))
+    args = build_parser().parse_args(["train", "--config", "job.yaml", "train.steps=2", "--name", "x",
+                                      "onpolicy.fraction=1", "--verbose"])
+    assert (args.overrides, args.name, args.verbose) == (["train.steps=2", "onpolicy.fraction=1"], "x", True)
+    assert build_parser().parse_args(["eval", "RUN"]).overrides == []  # none is fine, and not named as missing:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("the following arguments are required: "
+                                                                     "RUN_OR_CHECKPOINT")
+
+
 def test_python_dash_m_runs_the_command():
     """`python -m kava_ray.cli` (how test_actors and the multi-node test run it) is the console script."""
     out = subprocess.run([sys.executable, "-m", "kava_ray.cli", "config", "presets"], capture_output=True, text=True,

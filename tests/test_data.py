@@ -360,6 +360,22 @@ def test_batch_stream_ranks(small_split):
         BatchStream(small_split, batch_size=16, seed=0, world_size=3)
 
 
+def test_batch_stream_without_drop_last_reads_every_row(small_split):
+    """Held-out evaluation (`drop_last=False`): 40 rows in batches of 6 are 6 full batches and a short one of 4,
+    every row once; the full batches are the ones a drop-last stream reads, in the same order."""
+    whole = BatchStream(small_split, batch_size=6, seed=0, bucket=False, drop_last=False)
+    assert whole.steps_per_epoch == 7
+    batches = [whole.next_indexed() for _ in range(7)]
+    assert [len(b[4]) for b in batches] == [6] * 6 + [4]
+    assert sorted(i for b in batches for i in b[4]) == list(range(40))
+    cut = BatchStream(small_split, batch_size=6, seed=0, bucket=False)
+    assert cut.steps_per_epoch == 6 and [cut.next_indexed()[4] for _ in range(6)] == [b[4] for b in batches[:6]]
+    _same_batch(batches[6][3], _collated(small_split, batches[6][4]))
+    assert whole.next_indexed()[2] == 1  # then the next epoch
+    single = BatchStream(small_split, batch_size=64, seed=0, bucket=False, drop_last=False)
+    assert single.steps_per_epoch == 1 and len(single.next_indexed()[4]) == 40  # a split smaller than one batch
+
+
 def _mapped_rss_kib(paths) -> int:
     """Resident KiB of this process's mappings of `paths` (/proc/self/smaps)."""
     total, inside = 0, False

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +89,63 @@ def test_gsm8k_accuracy_runs_on_tiny_model(tiny_model, tiny_tokenizer):
     r = gsm8k_accuracy(tiny_model, tiny_tokenizer, EXAMPLES[:3], max_new_tokens=8, batch_size=2)
     assert r["n"] == 3 and 0 <= r["accuracy"] <= 1 and r["correct"] == round(r["accuracy"] * 3)
     assert len(r["samples"]) == 3 and r["samples"][0]["gold"] == "5"
+
+
+# ------------------------------------------------------------------------------------------ generate
+
+
+def _generate(capsys, *args):
+    """`kava-ray generate ARGS` in this process: (exit code, stdout, stderr's lines)."""
+    from kava_ray.cli import main
+
+    capsys.readouterr()
+    code = main(["generate", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip().splitlines()
+
+
+@pytest.mark.parametrize("prompt", ["", " \n "], ids=["empty", "blank"])
+def test_generate_with_an_empty_prompt_is_one_line(capsys, tiny_student_dir, prompt):
+    code, out, err = _generate(capsys, tiny_student_dir, "--prompt", prompt)
+    assert code == 2 and out == "" and err == [f"error: --prompt {prompt!r}: empty; give the text the student should "
+                                               f"continue, e.g. --prompt \"Why is the sky blue?\""], err
+
+
+def test_generate_from_a_sharded_checkpoint_is_one_line(capsys, tmp_path, tiny_student_dir):
+    """A run mid-way under FSDP2, no final/ yet: its checkpoint holds the student's config and tokenizer, the
+    weights only in DCP shards (the layout `core.checkpoint.save_checkpoint` writes for a sharded Distiller). The
+    run dir, the checkpoint and its student/ each: one line saying it is sharded and naming final/, nothing
+    written."""
+    from kava_ray.core.fsdp import SHARDED
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint_2026-01-01_00-00-00.000000"
+    (ckpt / SHARDED).mkdir(parents=True)
+    for name, data in ((".metadata", b"\x80\x04."), ("__0_0.distcp", b"\x00" * 64)):
+        (ckpt / SHARDED / name).write_bytes(data)
+    (ckpt / "student").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_student_dir / name, ckpt / "student" / name)
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "sharded": True}))
+    before = sorted(tmp_path.rglob("*"))
+    for path in (run, ckpt, ckpt / "student"):
+        code, out, err = _generate(capsys, path, "--prompt", "hi")
+        assert code == 2 and out == "" and len(err) == 1, err
+        assert err[0].startswith(f"error: checkpoint {ckpt} is sharded: its student is in FSDP2 shards") and \
+            "use the run's final/" in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_generate_prints_the_completion_and_nothing_else(tiny_student_dir):
+    """The installed command in a fresh interpreter, as a user runs it (no TRANSFORMERS_VERBOSITY): stdout is the
+    completion, stderr is empty -- no torchao kernel lines, torch deprecations or weights progress bar."""
+    exe = shutil.which("kava-ray", path=str(Path(sys.executable).parent))
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    r = subprocess.run([exe, "generate", str(tiny_student_dir), "--prompt", "2+2?", "--max-new-tokens", "3",
+                        "--json"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    gen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.stdout.startswith(gen["completion"]) and 1 <= gen["new_tokens"] <= 3
 
 
 # -------------------------------------------------------------------------------------------- report

@@ -376,6 +376,18 @@ def qa_rows(n, prompt=lambda i: f"question {i}?", completion=lambda i: f" answer
     return "\n".join(json.dumps({"prompt": prompt(i), "completion": completion(i)}) for i in range(n)) + "\n"
 
 
+def test_a_jsonl_cut_mid_line_names_the_broken_line(run_cli, tiny_job, tmp_path):
+    """A line cut short deep in the file (past the records preflight reads first) or at its end: the cause, a
+    broken line, and its number (not the Arrow reader's "cannot read it as a table")."""
+    rows = qa_rows(40).splitlines()
+    f = tmp_path / "cut.jsonl"
+    f.write_text("\n".join([*rows[:30], rows[30][:12], *rows[31:]]) + "\n")
+    refused(run_cli, tiny_job, f"data.source={f}", needles=(str(f), "line 31 is broken, not valid JSON",
+                                                            "column 13"))
+    f.write_text("\n".join(rows) + "\n" + rows[0][:15])  # a download or a copy stopped mid-line
+    refused(run_cli, tiny_job, f"data.source={f}", needles=(str(f), "line 41 is broken, not valid JSON"))
+
+
 def test_held_out_rows_that_are_training_rows_are_refused(run_cli, tiny_job, tmp_path):
     """Separate files that share records: the held-out figures would be training figures."""
     (tmp_path / "train.jsonl").write_text(qa_rows(40))
@@ -388,6 +400,7 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     """One file for every split (no {split}): validation and test are cut from its end, disjoint from training;
     data.allow_overlap: true reads the file for every split, with a warning line."""
     from kava_ray.common.config import load_config
+    from kava_ray.common.errors import KavaError
     from kava_ray.core.models import load_tokenizer
     from kava_ray.core.plans import carved, check_overlap, load_splits, load_test_split, prepare_data
 
@@ -404,6 +417,14 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     assert not carved(allowed)
     assert check_overlap(allowed) == ("warning: data.allow_overlap: 8 of 8 test records are also training records "
                                       "(every split reads the same file): they are not held out")
+    # null numbers (every record of a split's own file): 5 % of the one file each, at least one
+    nulls = ["data.num_val=null", "data.num_test=null", "data.val_split=validation"]
+    shares = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.num_train=null", *nulls])
+    assert {k: prepare_data(shares)[k] for k in ("train", "validation", "test")} == {"train": 108, "validation": 6,
+                                                                                     "test": 6}
+    (tmp_path / "two.jsonl").write_text(qa_rows(2))
+    with pytest.raises(KavaError, match=r"has 2 records: too few to carve 1 validation \(data.num_val\) and 1 test"):
+        prepare_data(load_config(str(tiny_job), [f"data.source={tmp_path}/two.jsonl", "data.num_val=1", *nulls[1:]]))
 
 
 @pytest.mark.parametrize("kind", ["prompt-longer-than-max-length", "empty-completions"])
@@ -451,9 +472,26 @@ def test_a_step_that_cannot_fit_this_machine_is_refused(run_cli, tiny_job, monke
     refused(run_cli, tiny_job, needles=("GiB of RAM", "this machine has 0.0 GiB available", "kava-ray plan"))
 
 
-@pytest.mark.parametrize("name", ["../../x", "a/b", ".."])
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "my run", "a;b"])
 def test_a_run_name_is_one_directory(run_cli, tiny_job, name):
-    refused(run_cli, tiny_job, "--name", name, needles=(f"--name {name!r}", "one directory under ray.storage_path"))
+    refused(run_cli, tiny_job, "--name", name, needles=(f"--name {name!r}", "one directory under ray.storage_path",
+                                                        "letters, digits, '-', '_', '.'"))
+
+
+def test_a_run_name_of_any_letters_and_digits_passes():
+    """The rule the refusal states, and no more: Unicode letters and digits, `-`, `_`, `.`."""
+    from kava_ray.runtime.preflight import check_name
+
+    for name in ("modèle-v1", "run_2.b", "实验٣"):
+        check_name(name)
+
+
+def test_options_between_overrides(run_cli, tiny_job, tmp_path):
+    """`kava-ray train --config J KEY=VALUE --name N KEY=VALUE --verbose`: an override after an option is read
+    (argparse's intermixed parsing) and refused on its own terms, not as an unrecognized argument."""
+    missing = tmp_path / "missing.jsonl"
+    refused(run_cli, tiny_job, "train.steps=2", "--name", "x", f"data.source={missing}", "--verbose",
+            needles=(str(missing), "not found"))
 
 
 @pytest.mark.parametrize("space,needles", [

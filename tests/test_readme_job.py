@@ -1,5 +1,7 @@
-"""The README's "your teachers, your data" job is a valid, complete job: copied as printed, it loads."""
+"""The README's "your teachers, your data" job is a valid, complete job: copied as printed, it loads; on one file
+for every split (its documented alternative) it runs, and `kava-ray eval` tests it on another file."""
 
+import json
 import re
 from pathlib import Path
 
@@ -42,3 +44,75 @@ def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
     cfg = load_config(str(job))
     assert cfg.onpolicy.fraction == 1.0 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 256
     assert cfg.loss.logit_divergence == "reverse_kl_sampled" and cfg.loss.logit_weight == 1.0
+
+
+# ------------------------------------------------- the job run as printed, on one file for every split
+
+
+def chat_records(n: int, times: int = 2) -> str:
+    """n chat records, one a line: "What is i times `times`?" and its answer."""
+    return "".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} times {times}?"},
+                                            {"role": "assistant", "content": f"It is {i * times}."}]}) + "\n"
+                   for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def readme_run(ray_session, tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
+    """The README's job as printed with `source: chat.jsonl` (one file for every split, its `num_val: null` and
+    `num_test: null` kept): the hub ids are the tiny local models (no downloads), the teachers on CPUs, 2 steps.
+    The job's teachers are held for the module (its eval below finds them running)."""
+    from actors.pool import start_missing, stop_pool
+    from kava_ray.recipes.train import run_training
+
+    tmp = tmp_path_factory.mktemp("readme")
+    (tmp / "chat.jsonl").write_text(chat_records(40))
+    block = _readme_job()
+    for printed, local in {"Qwen/Qwen2.5-7B-Instruct": tiny_qwen2_dir, "meta-llama/Llama-3.1-8B-Instruct": tiny_llama_dir,
+                           "Qwen/Qwen2.5-0.5B-Instruct": tiny_student_dir,
+                           "./my_data/{split}.jsonl": tmp / "chat.jsonl"}.items():
+        assert printed in block, printed
+        block = block.replace(printed, str(local))
+    (tmp / "my_job.yaml").write_text(block)
+    cfg = load_config(str(tmp / "my_job.yaml"), ["teachers.0.num_gpus=0", "teachers.1.num_gpus=0", "train.steps=2",
+                                                 f"ray.storage_path={tmp / 'runs'}"])
+    handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
+    out = run_training(cfg, name="my_job", progress=False)
+    yield cfg, out, tmp
+    stop_pool(cfg, only=started)
+    del handles
+
+
+def test_the_readme_job_runs_on_one_file_for_every_split(readme_run):
+    """One file, `num_val` / `num_test` null: validation and test are each 5 % of its records (at least one),
+    carved apart from the training records; the run trains, validates and tests."""
+    from kava_ray.core.plans import prepare_data
+
+    cfg, out, _ = readme_run
+    assert cfg.data.num_val is None and cfg.data.num_test is None and "{split}" not in cfg.data.source
+    assert prepare_data(cfg) == {"train": 36, "validation": 2, "test": 2, "carved": True, "warning": None}
+    records = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
+    test = [r for r in records if r["kind"] == "test"]
+    assert len(test) == 1 and 0 < test[0]["test/ce"] < 20 and (Path(out["run_dir"]) / "final" / "student").is_dir()
+
+
+def test_eval_on_another_file_tests_on_all_of_it(readme_run):
+    """`kava-ray eval RUN data.source=other.jsonl`: the whole file is the test split (nothing is carved from it), its
+    last batch short (10 records, batch 4): the student's test CE is the one over every record; `data.num_test=3`
+    caps it (one short batch)."""
+    from kava_ray.core.models import load_model, load_tokenizer
+    from kava_ray.core.plans import load_test_split
+    from kava_ray.recipes.evaluate import eval_config, evaluate_checkpoint, heldout_ce
+
+    cfg, out, tmp = readme_run
+    other = tmp / "other.jsonl"
+    other.write_text(chat_records(10, times=3))
+    ev = evaluate_checkpoint(out["run_dir"], limit=0, overrides=[f"data.source={other}"])
+    assert ev["test_rows"] == 10
+    student = Path(out["run_dir"]) / "final" / "student"
+    split = load_test_split(eval_config(cfg, [f"data.source={other}"]), load_tokenizer(student))
+    assert len(split) == 10
+    assert ev["test/ce"] == pytest.approx(heldout_ce(load_model(student, dtype="float32"), split), rel=1e-5)
+    assert evaluate_checkpoint(out["run_dir"], limit=0, overrides=[f"data.source={other}", "data.num_test=3"]
+                               )["test_rows"] == 3

@@ -11,7 +11,7 @@ from typing import Optional
 
 from kava_ray.cli import align, bench, config, data, demo, generate, plan, report, teachers, train, tune
 from kava_ray.cli import eval as eval_
-from kava_ray.cli.shared import call
+from kava_ray.cli.shared import CommandParser, call
 from kava_ray.cli.shared import print_json_last as _print_json_last  # tests read --json output with it
 
 COMMANDS = (config, data, teachers, align, train, tune, plan, demo, eval_, generate, report, bench)  # the order of --help
@@ -20,7 +20,7 @@ __all__ = ["COMMANDS", "build_parser", "main", "_print_json_last"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kava-ray", description="Multi-teacher KV-cache distillation on Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for command in COMMANDS:
         command.register(sub)
     return parser

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_json, show
+import contextlib
+
+from kava_ray.cli.shared import add_json, add_verbose, show
 
 
 def register(sub) -> None:
@@ -16,11 +18,18 @@ def register(sub) -> None:
     p.add_argument("--no-chat", dest="chat", action="store_false", default=None,
                    help="the prompt as it is, without the tokenizer's chat template")
     add_json(p)
+    add_verbose(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from kava_ray.recipes.generate import generate
+    """The completion on stdout, nothing else on the terminal: the libraries' chatter while they load (torchao's
+    kernels, torch's deprecations, the weights' progress bar) is silenced unless --verbose."""
+    from kava_ray.runtime.console import silenced
 
-    out = generate(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, args.chat)
+    with contextlib.nullcontext() if args.verbose else silenced():
+        from kava_ray.recipes.generate import generate
+
+        out = generate(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                       args.chat)
     return show(args, out["completion"], out)

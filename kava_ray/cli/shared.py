@@ -24,6 +24,26 @@ EXIT_DOES_NOT_FIT = 3
 EXIT_INTERRUPTED = 130
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: its options anywhere among its positionals and KEY=VALUE overrides
+    (`train --config job.yaml train.steps=2 --name x onpolicy.fraction=1`), by argparse's intermixed parsing. A
+    parser of subcommands (`teachers`, `bench`) parses as usual and hands the rest to its subcommand's parser."""
+
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("nargs") == "*" and args and not args[0].startswith("-"):
+            kwargs.setdefault("default", [])  # none given is fine: not listed as missing beside a missing positional
+        return super().add_argument(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._subparsers is not None or getattr(self, "_intermixing", False):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True  # parse_known_intermixed_args calls parse_known_args itself (twice)
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def call(args: argparse.Namespace) -> int:
     """Run the parsed command's handler; a KavaError, Ctrl-C or SIGTERM becomes one `error:` line and its exit
     code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""

@@ -103,6 +103,15 @@ def is_sharded_checkpoint(path) -> bool:
     return (Path(path) / fsdp.SHARDED).is_dir()
 
 
+def check_whole_student(ckpt, command: str) -> None:
+    """One line for `command` (eval, generate) on a sharded checkpoint: its student is in FSDP2 shards, not a model
+    directory; final/ (or the run dir, once it has one) holds the whole student."""
+    if is_sharded_checkpoint(ckpt):
+        raise KavaError(f"checkpoint {ckpt} is sharded: its student is in FSDP2 shards (ray.strategy: fsdp), not a "
+                        f"whole model to {command}; use the run's final/ (or the run dir once it has one), or resume "
+                        f"the run from it")
+
+
 def _load_tensors(f: Path) -> dict:
     if not f.is_file():
         raise KavaError(f"checkpoint {f.parent}: {f} is missing (an incomplete checkpoint)")

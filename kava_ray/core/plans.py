@@ -267,25 +267,39 @@ def one_source(cfg: JobConfig) -> bool:
     return path == source_path(d.source, d.test_split) if path is not None else d.train_split == d.test_split
 
 
+CARVED_SHARE = 0.05  # a carved split whose data.num_val / num_test is null: this share of the source's records
+
+
 def carved(cfg: JobConfig) -> bool:
     """Validation and test are cut from the training records: one source (`one_source`) without
     `data.allow_overlap`. Rows: the first `num_train` + `num_val` + `num_test` records (all of them when
-    `num_train` is null); test = the last `num_test`, validation = the `num_val` before them, train = the rest."""
+    `num_train` is null); test = the last `num_test`, validation = the `num_val` before them, train = the rest.
+    A null `num_val` / `num_test` (every record of a split's own file) is `CARVED_SHARE` of the source's records
+    here (at least one): "every record" of one file would leave nothing to train on."""
     return one_source(cfg) and not cfg.data.allow_overlap
+
+
+def carved_counts(cfg: JobConfig, total: int) -> tuple[int, int]:
+    """(validation, test) records carved from a source of `total` records: `data.num_val` / `data.num_test`, or
+    where null `CARVED_SHARE` of `total` (at least one)."""
+    share = max(1, int(total * CARVED_SHARE))
+    return tuple(share if n is None else n for n in (cfg.data.num_val, cfg.data.num_test))
 
 
 def _carved_records(cfg: JobConfig):
     """(train, val, test) records of a carved source (`carved`); a source too small for the three is one line."""
     d = cfg.data
-    want = None if d.num_train is None else d.num_train + d.num_val + d.num_test
-    records = split_records(cfg, d.train_split, want)
-    n = len(records) - d.num_val - d.num_test
+    records = split_records(cfg, d.train_split, None)
+    n_val, n_test = carved_counts(cfg, len(records))
+    if d.num_train is not None and d.num_train + n_val + n_test < len(records):
+        records = records.select(range(d.num_train + n_val + n_test))
+    n = len(records) - n_val - n_test
     if n < 1:
-        raise KavaError(f"data.source {d.source} has {len(records)} records: too few to carve data.num_val="
-                        f"{d.num_val} validation and data.num_test={d.num_test} test records from one file and keep "
-                        f"any for training (lower them, or give each split its own file with {{split}} in the path)")
-    return (records.select(range(n)), records.select(range(n, n + d.num_val)),
-            records.select(range(n + d.num_val, len(records))))
+        raise KavaError(f"data.source {d.source} has {len(records)} records: too few to carve {n_val} validation "
+                        f"(data.num_val) and {n_test} test records (data.num_test) from one file and keep any for "
+                        f"training (lower them, or give each split its own file with {{split}} in the path)")
+    return (records.select(range(n)), records.select(range(n, n + n_val)),
+            records.select(range(n + n_val, len(records))))
 
 
 def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
@@ -299,8 +313,8 @@ def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
     d = cfg.data
     base = source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)
     if carved(cfg):
-        train, val, _ = _carved_records(cfg)
-        val_id = f"{base}|carved-val|n={d.num_val}|test={d.num_test}"
+        train, val, test = _carved_records(cfg)
+        val_id = f"{base}|carved-val|n={len(val)}|test={len(test)}"
     elif d.val_split is not None:
         train = split_records(cfg, d.train_split, d.num_train)
         val = split_records(cfg, d.val_split, d.num_val)
@@ -339,13 +353,15 @@ def load_test_split(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = No
     """The test split (`test_records`): for the end of a run and `kava-ray eval`."""
     d = cfg.data
     if carved(cfg):
+        _, val, records = _carved_records(cfg)
         source_id = f"{source_fingerprint(d.source, d.train_split, d.num_train, d.seed, d.hub_config, d.columns)}" \
-                    f"|carved-test|val={d.num_val}|n={d.num_test}"
+                    f"|carved-test|val={len(val)}|n={len(records)}"
         where = "(test)"
     else:
+        records = test_records(cfg)
         source_id = source_fingerprint(d.source, d.test_split, d.num_test, d.seed, d.hub_config, d.columns)
         where = f"split {d.test_split!r}"
-    split = tokenize_records(cfg, tokenizer, test_records(cfg), source_id, bool(teacher_toks), where)
+    split = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), where)
     return with_views(split, cfg, teacher_toks)
 
 
@@ -398,6 +414,7 @@ def data_seed(cfg: JobConfig) -> int:
     return cfg.train.seed if cfg.train.data_seed is None else cfg.train.data_seed
 
 
-def eval_stream(split: TokenizedSplit, cfg: JobConfig):
-    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree)."""
-    return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)
+def eval_stream(split: TokenizedSplit, cfg: JobConfig, drop_last: bool = True):
+    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree);
+    drop_last=False: every row, the last batch short (`evaluate_heldout`: a figure over the whole split)."""
+    return BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False, drop_last=drop_last)

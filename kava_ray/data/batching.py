@@ -171,15 +171,16 @@ class BatchStream:
     """A worker's batches forever across epochs, resumable exactly from `state()`.
 
     Epoch e's batches are `shard_batches(plan_batches(lengths, batch_size, seed, e), rank, world_size)`;
-    keys use the global batch index, so they do not depend on the rank.
+    keys use the global batch index, so they do not depend on the rank. drop_last=False (held-out evaluation:
+    every row counts) keeps a short last batch.
     """
 
     def __init__(self, split: TokenizedSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 start_step: int = 0, state: Optional[dict] = None, bucket: bool = True):
+                 start_step: int = 0, state: Optional[dict] = None, bucket: bool = True, drop_last: bool = True):
         self.split, self.batch_size, self.seed, self.bucket = split, batch_size, seed, bucket
-        self.rank, self.world_size = rank, world_size
-        self.plan_fingerprint = _sha(split.fingerprint, batch_size, seed, bucket)
-        n_global = len(split) // batch_size
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.plan_fingerprint = _sha(split.fingerprint, batch_size, seed, bucket, *(() if drop_last else ("all",)))
+        n_global = len(split) // batch_size if drop_last else -(-len(split) // batch_size)
         self.steps_per_epoch = n_global // world_size
         if self.steps_per_epoch == 0:
             raise KavaError(f"{len(split)} examples are too few for batch_size={batch_size} x {world_size} workers")
@@ -197,9 +198,10 @@ class BatchStream:
     def _epoch_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(global batch indices [n], example indices [n, B]) of this rank's batches in `epoch`."""
         if self._cached[0] != epoch:
-            plan = plan_batches(self.split.lengths, self.batch_size, self.seed, epoch, bucket=self.bucket)
+            plan = plan_batches(self.split.lengths, self.batch_size, self.seed, epoch, bucket=self.bucket,
+                                drop_last=self.drop_last)
             ids = shard_batches(np.arange(len(plan)), self.rank, self.world_size)
-            self._cached = (epoch, (ids, plan[ids]))
+            self._cached = (epoch, (ids, plan[ids] if isinstance(plan, np.ndarray) else [plan[i] for i in ids]))
         return self._cached[1]
 
     def next(self) -> tuple[str, int, int, Batch]:

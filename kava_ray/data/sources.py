@@ -109,8 +109,12 @@ def _load_local(path: str):
         with _quiet_hub_retries():
             return datasets.load_dataset(READABLE[ext], data_files=files, split="train")
     except Exception as e:  # noqa: BLE001 - a file the Arrow readers cannot read (mixed types, bad JSON...)
-        raise KavaError(f"data file {path}: cannot read it as a table ({first_line(e)}); every row must have the "
-                        f"same fields and types") from None
+        error = first_line(e)
+    for f in files:  # the cause where a reader can name it: a broken line (a file cut mid-line) and its number
+        for _ in _read_local(f):
+            pass
+    raise KavaError(f"data file {path}: cannot read it as a table ({error}); every row must have the same fields "
+                    f"and types")
 
 
 def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 0,
@@ -201,7 +205,8 @@ def _read_local(path: str, limit: Optional[int] = None) -> Iterator[tuple[str, o
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise KavaError(f"data file {path}: line {lineno} is not valid JSON ({e.msg})") from None
+                    raise KavaError(f"data file {path}: line {lineno} is broken, not valid JSON "
+                                    f"({e.msg.removesuffix(' at')} at column {e.pos + 1})") from None
                 yield f"line {lineno} (row {count})", row
                 count += 1
     except UnicodeDecodeError as e:

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from kava_ray.common.config import LossConfig, derive
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
-from kava_ray.core.checkpoint import checkpoint_config, is_sharded_checkpoint, load_into
+from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
@@ -46,6 +46,7 @@ from kava_ray.core.plans import (
     eval_stream,
     load_test_split,
     logit_specs,
+    one_source,
     teacher_logits_top_k,
     teacher_tokenizers,
     vocab_maps,
@@ -186,7 +187,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
 
     was_training = distiller.training
     distiller.eval()
-    stream = eval_stream(split, cfg)
+    stream = eval_stream(split, cfg, drop_last=False)  # every row: a split not a multiple of the batch too
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
                   logits_top_k=teacher_logits_top_k(cfg, plans), hidden=wants_hidden(cfg),
@@ -354,15 +355,25 @@ EVAL_OVERRIDABLE = ("data.", "train.batch_size", "train.max_length", "loss.vocab
 
 def eval_config(cfg, overrides: Optional[Sequence[str]]):
     """The checkpoint's job with `overrides` (another test file, split or size); a key the checkpoint fixes (its
-    models, projectors, losses) is one line."""
+    models, projectors, losses) is one line.
+
+    Another `data.source` is the data to test on: its test split whole (the job's `num_test` capped its own test
+    split, not this one; give `data.num_test` to cap it), and a file or directory without `{split}` is all test
+    split: nothing trains here, so nothing is carved from it (`data.allow_overlap`: one file is every split)."""
     from kava_ray.common.config import load_config, parse_override
 
+    keys = []
     for line in overrides or []:
         key = ".".join(parse_override(line)[0])
         if not key.startswith(EVAL_OVERRIDABLE):
             raise KavaError(f"eval override {line!r}: {key} is the checkpoint's own (eval may change "
                             f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in EVAL_OVERRIDABLE)})")
-    return load_config(cfg, list(overrides or []))
+        keys.append(key)
+    cfg = load_config(cfg, list(overrides or []))
+    if "data.source" not in keys or cfg.data.source == "synthetic":
+        return cfg
+    return derive(cfg, {**({} if "data.num_test" in keys else {"data.num_test": None}),
+                        **({"data.allow_overlap": True} if one_source(cfg) else {})})
 
 
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
@@ -375,9 +386,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
 
     ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
     cfg = eval_config(cfg, overrides)
-    if is_sharded_checkpoint(ckpt):
-        raise KavaError(f"checkpoint {ckpt} holds the student in FSDP2 shards (ray.strategy: fsdp): evaluate the "
-                        f"run's final/ (a whole student), or resume the run from it")
+    check_whole_student(ckpt, "evaluate")
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
     student = load_model(ckpt / "student", dtype="float32")
     tokenizer = load_tokenizer(ckpt / "student")
@@ -385,7 +394,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
         teacher_toks = teacher_tokenizers(job.plans)
         test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
         status(f"eval: step {state['step']} of {ckpt.parent.name} on {len(test)} test rows ({cfg.data.source})")
-        out = {"checkpoint": str(ckpt), "step": state["step"]}
+        out = {"checkpoint": str(ckpt), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
                               vocab_maps(cfg, job.plans, tokenizer, teacher_toks))

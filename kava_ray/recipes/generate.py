@@ -16,23 +16,30 @@ from typing import Optional
 import torch
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.checkpoint import find_checkpoint
+from kava_ray.core.checkpoint import check_whole_student, find_checkpoint
 from kava_ray.core.models import load_model, load_tokenizer
 from kava_ray.data.records import use_chat
 
 
 def student_dir(path) -> Path:
-    """The student a run dir (its final/, else its latest checkpoint), a checkpoint or a model dir names."""
+    """The student a run dir (its final/, else its latest checkpoint), a checkpoint or a model dir names; a sharded
+    checkpoint's (FSDP2 mid-run: a config, no weights) is one line naming final/."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
+        check_whole_student(p.parent, "generate from")  # CKPT/student of a sharded checkpoint
         return p  # a Hugging Face model dir (e.g. RUN/final/student itself)
-    return find_checkpoint(p) / "student"
+    ckpt = find_checkpoint(p)
+    check_whole_student(ckpt, "generate from")
+    return ckpt / "student"
 
 
 def generate(path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, chat: Optional[bool] = None) -> dict:
     """The student's completion of `prompt`: greedy at temperature 0, else sampled (seeded). chat: wrap the prompt
     in the tokenizer's chat template (None: when it has one)."""
+    if not prompt.strip():
+        raise KavaError(f"--prompt {prompt!r}: empty; give the text the student should continue, e.g. "
+                        f"--prompt \"Why is the sky blue?\"")
     if max_new_tokens < 1:
         raise KavaError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:

@@ -76,9 +76,10 @@ def about(key: str):
 
 
 def check_name(name: str) -> None:
-    """`--name` is one directory under `ray.storage_path`: no path separators, not `.` or `..`, no control
-    characters (a name like `../../x` would write outside the storage path). Any Unicode letter is fine."""
-    bad = [c for c in name if c in "/\\" or c == os.sep or not c.isprintable()]
+    """`--name` is one directory under `ray.storage_path` of letters, digits, `-`, `_` and `.`, not `.` or `..`
+    (a name like `../../x` would write outside the storage path; a space or a shell character is one more thing
+    to quote in every command that names the run). Any Unicode letter or digit is fine (`modèle-v1`)."""
+    bad = [c for c in name if not (c.isalnum() or c in "-_.")]
     if not name.strip() or name in (".", "..") or bad:
         why = (f"{bad[0]!r} is not allowed in it" if bad else "it must name one directory")
         raise KavaError(f"--name {name!r}: {why} (a run's name is one directory under ray.storage_path: letters, "
