@@ -252,9 +252,9 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     items[f"student activations{gc}"] = tokens * (layers + ACT_FIXED_H * h) * a
     chunk = cfg.loss.vocab_chunk
     if chunk and chunk < tokens:  # `core.vocab_chunks`: one chunk's logits at a time; the head's gradient, taken
-        head = s.params["lm_head"] or s.params["embed"]  # in the forward, kept until the backward
+        head = s.params["lm_head"] or s.params["embed"]  # in the forward (summed in fp32), kept until the backward
         items[f"student logits (chunks of {chunk} positions x vocab)"] = \
-            chunk * g.vocab_size * LOGIT_BYTES + head * per["grads"] + tokens * h * a
+            chunk * g.vocab_size * LOGIT_BYTES + head * 4 + tokens * h * a
     else:
         items["student logits (B*T*vocab)"] = tokens * g.vocab_size * LOGIT_BYTES
 
