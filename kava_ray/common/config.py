@@ -168,7 +168,8 @@ class DataConfig(_Section):
 
 
 class ProjectorConfig(_Section):
-    # auto: identity (the teacher's own KV is the target, nothing learned) where the geometry allows, else fit where
+    # auto: identity (the teacher's own KV is the target, nothing learned) for a student copied from that teacher
+    # (`plans.copied_from_teacher`: not the geometry alone, a student trained apart has its own basis), else fit where
     # it can serve (one teacher or fusion sum, the student's tokenizer), else linear (`projectors.resolve_kind`);
     # fit: a map on the student's side (student KV -> its teacher layer's), the ridge fit of the student to the
     # teacher before step 1, then frozen (or trained at the student's rate: train_map)
