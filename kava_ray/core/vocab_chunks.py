@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from typing import Callable, Optional
 
 import torch
@@ -225,10 +226,25 @@ class VocabReader:
     def terms(self, out, fn: Callable[[torch.Tensor, slice], Terms], coefs: dict, totals: dict
               ) -> tuple[torch.Tensor, dict]:
         """(sum of coef * mean over the batch, {name: mean, detached}) of fn's terms (`chunked_terms`)."""
-        if not self.chunked:
+        if not self.chunked or self._kept_all(out):
             return whole_terms(fn, out.logits, coefs)
         self._check_head(out)
         return chunked_terms(fn, self.hidden, self.head, coefs, totals, self.chunk)
+
+    def _kept_all(self, out) -> bool:
+        """Whether the forward returned every position's logits though asked for the last one's (a model whose
+        forward takes `logits_to_keep` and ignores it): they are its own logits and exist already, so the terms read
+        them whole -- the same loss, but `loss.vocab_chunk` saves no memory for this model (logged once per class)."""
+        time = self.hidden.shape[1]
+        if time == 1 or out.logits.shape[1] != time:
+            return False
+        cls = type(self.model)
+        if cls not in _KEPT_ALL:
+            _KEPT_ALL.add(cls)
+            logging.getLogger(__name__).warning(
+                "%s's forward ignores logits_to_keep (it returned the logits of all %d positions): the loss reads them "
+                "whole, and loss.vocab_chunk saves no memory for this model", cls.__name__, time)
+        return True
 
     def _check_head(self, out) -> None:
         """Once per model class: the forward's last-position logits are the head of the captured hidden state (a
@@ -247,3 +263,4 @@ class VocabReader:
 
 
 _HEAD_CHECKED: set = set()  # model classes whose logits `VocabReader._check_head` found to be the head's
+_KEPT_ALL: set = set()  # model classes whose forward returned every position's logits (`VocabReader._kept_all`)
