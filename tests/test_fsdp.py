@@ -24,7 +24,9 @@ def fsdp_job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
                      data={"num_train": 32, "num_val": 4, "num_test": 4},
                      train={"steps": 8, "save_steps": 4, "eval_steps": 100, "batch_size": 2, "num_to_keep": 2},
                      loss={"logit_weight": 0.5, "logit_top_k": 8},
-                     align={"projector": {"dropout": 0.0}},  # (DDP's reference below runs both ranks as rank 0)
+                     # (DDP's reference below runs both ranks as rank 0); identity: the tiny student has the
+                     # teacher's KV geometry, and auto, fit for it, would be linear under FSDP2 and fit under DDP
+                     align={"projector": {"dropout": 0.0, "kind": "identity"}},
                      ray={"num_workers": 2, "use_gpu": False})
 
 
