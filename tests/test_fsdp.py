@@ -2,7 +2,8 @@
 gloo, the session's live fp32 teacher (KV and top-k logits). The loss curve equals DDP's on the same data (within 1e-4
 relative over 8 steps; DDP's 2-rank step computed in this process), its sharded step-4 checkpoint
 (`torch.distributed.checkpoint`, every rank's shard in one Ray checkpoint) continues on the same curve, and
-`final/student` is a whole Hugging Face model.
+`final/student` is a whole Hugging Face model. Without Ray (2 spawned gloo ranks): gradient accumulation reduces once
+per step under FSDP2 and DDP, and the shards live on the worker's device.
 """
 
 import json
@@ -23,7 +24,9 @@ def fsdp_job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
                      data={"num_train": 32, "num_val": 4, "num_test": 4},
                      train={"steps": 8, "save_steps": 4, "eval_steps": 100, "batch_size": 2, "num_to_keep": 2},
                      loss={"logit_weight": 0.5, "logit_top_k": 8},
-                     align={"projector": {"dropout": 0.0}},  # (DDP's reference below runs both ranks as rank 0)
+                     # (DDP's reference below runs both ranks as rank 0); identity: the tiny student has the
+                     # teacher's KV geometry, and auto, fit for it, would be linear under FSDP2 and fit under DDP
+                     align={"projector": {"dropout": 0.0, "kind": "identity"}},
                      ray={"num_workers": 2, "use_gpu": False})
 
 
@@ -146,3 +149,136 @@ def test_a_sharded_checkpoint_continues_only_sharded_and_fsdp_refuses_student_sa
         check_compatible(runs["step4"], load_config(fsdp_job))
     with pytest.raises(KavaError, match="ray.strategy.: fsdp cannot sample from the sharded student"):
         load_config(fsdp_job, ["ray.strategy=fsdp", "onpolicy.fraction=1"])
+
+
+ACCUM = 3
+
+
+def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> None:
+    """One gloo rank (a spawned process, no Ray) of `test_accumulation_reduces_once_per_step`: the production step with
+    optim.accumulation 3, sharded with FSDP2 on a host that looks like a GPU host (the machine's accelerator reported
+    as cuda: the mesh must follow the worker's device, not the host), then unsharded under DDP; it counts FSDP2's
+    reduce-scatters and DDP's bucket all-reduces per step and writes them, the mesh and the trained weights."""
+    import os
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kava_ray.bench.gpu import teacher_kv, teacher_model
+    from kava_ray.core import fsdp
+    from kava_ray.core.plans import in_process_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    for strategy in ("fsdp", "ddp"):
+        cfg = load_config(job, [f"ray.strategy={strategy}"])
+        t_model = teacher_model(cfg, "cpu")
+        plans = in_process_plans(cfg, {"t": t_model})
+        micro = [(b, teacher_kv(cfg, plans, t_model, b, "cpu")) for b in _micro_batches(cfg)[rank::world]]
+        recipe = DistillRecipe(cfg, plans, rank, world)
+        calls = {"n": 0, "before": []}
+        if strategy == "fsdp":
+            with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
+                recipe.build_model()
+            layer = fsdp.decoder_layers(recipe.distiller.student)[0]
+            result["mesh"] = [layer.self_attn.q_proj.weight.device_mesh.device_type,
+                              str(layer.self_attn.q_proj.weight.device)]
+            result["units"] = sum(fsdp.is_sharded(m) for m in recipe.distiller.modules())
+            real = dist.reduce_scatter_single
+
+            def counted(*a, **kw):
+                calls["n"] += 1
+                return real(*a, **kw)
+
+            with mock.patch.object(dist, "reduce_scatter_single", counted):
+                recipe.step(1, _seen(micro, calls))
+            state = fsdp.full_model_state(recipe.distiller)
+        else:
+            def hook(pg, bucket):
+                calls["n"] += 1
+                return allreduce_hook(pg, bucket)
+
+            def wrap(m):
+                ddp = DistributedDataParallel(m)
+                ddp.register_comm_hook(dist.group.WORLD, hook)
+                return ddp
+
+            recipe.build_model(wrap=wrap)
+            recipe.step(1, _seen(micro, calls))
+            state = recipe.distiller.state_dict()
+        result[strategy] = calls["before"] + [calls["n"]]
+        if rank == 0:
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, Path(out) / f"{strategy}.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _seen(micro: list, calls: dict):
+    """The micro-batches, noting before each how many reductions ran so far (micro-batch i's backward is done when
+    the step asks for i + 1)."""
+    for m in micro:
+        calls["before"].append(calls["n"])
+        yield m
+
+
+def _micro_batches(cfg) -> list:
+    """2 ranks x ACCUM micro-batches, each its own random tokens (rank r's are [r::2])."""
+    from kava_ray.data import Batch
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(2 * ACCUM):
+        ids = torch.randint(0, 256, (cfg.train.batch_size, 16), generator=g)
+        mask = torch.ones_like(ids)
+        out.append(Batch(ids, mask, labels=ids.clone(), answer_mask=mask))
+    return out
+
+
+def test_accumulation_reduces_once_per_step_and_the_shards_stay_on_the_workers_device(tmp_path, tiny_qwen2_dir,
+                                                                                      tiny_student_dir):
+    """optim.accumulation 3 on 2 gloo ranks (spawned, no Ray): FSDP2 reduce-scatters once per unit per step (the
+    micro-batches before the last skip it through their backward, where FSDP2 reads the flag), not once per
+    micro-batch; DDP all-reduces each bucket once per step; both end the step with the weights of one unsharded step
+    over all 6 micro-batches. The FSDP2 mesh is the worker's device (cpu) on a host whose accelerator reads cuda."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from kava_ray.bench.gpu import teacher_kv, teacher_model
+    from kava_ray.common.config import derive
+    from kava_ray.core.plans import in_process_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    job = write_job(tmp_path, tiny_qwen2_dir, None, tiny_student_dir,
+                    teachers=[{"name": "t", "model": str(tiny_qwen2_dir), "dtype": "float32"}],
+                    optim={"accumulation": ACCUM, "warmup_steps": 0}, train={"batch_size": 2},
+                    loss={"logit_weight": 0.5, "logit_top_k": 8},
+                    align={"projector": {"dropout": 0.0, "kind": "linear"}}, ray={"num_workers": 2, "use_gpu": False})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_accumulating_rank, args=(2, port, str(job), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["mesh"] == ["cpu", "cpu"], r
+        # reductions so far before micro-batch 1, 2, 3 and after the step: 2 decoder layers + the root, once
+        assert r["units"] == 3 and r["fsdp"] == [0, 0, 0, 3], r
+        assert r["ddp"][:ACCUM] == [0] * ACCUM and r["ddp"][-1] >= 1, r  # DDP's buckets: only in the last backward
+
+    cfg = derive(load_config(job), {"optim.accumulation": 2 * ACCUM, "ray.num_workers": 1})
+    t_model = teacher_model(cfg, "cpu")
+    plans = in_process_plans(cfg, {"t": t_model})
+    one = DistillRecipe(cfg, plans)
+    one.build_model()
+    micro = _micro_batches(cfg)
+    one.step(1, [(b, teacher_kv(cfg, plans, t_model, b, "cpu")) for b in micro[0::2] + micro[1::2]])
+    want = one.distiller.state_dict()
+    for strategy in ("fsdp", "ddp"):
+        got = torch.load(tmp_path / f"{strategy}.pt")
+        assert set(got) == set(want), strategy
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy} {k}: {m}")

@@ -1,7 +1,8 @@
 """The KV loss pulls the student toward its teacher (issue 39's positive control), on tiny real models in process.
 
-A layer-dropped student (teacher layers 0 and 3) has its teacher's KV geometry, so `align.projector.kind: auto`
-makes the teacher's own KV the target (identity). KV-only training then raises the *projector-free* centred
+A layer-dropped student (teacher layers 0 and 3) is copied from its teacher (so it has its KV geometry and basis),
+so `align.projector.kind: auto` makes the teacher's own KV the target (identity); a student of the same geometry
+trained apart gets a student-side map (fit). KV-only training then raises the *projector-free* centred
 cosine between the student's KV and its source layers' on held-out batches, against CE-only training (the trivial
 baseline) and against a randomly initialised learned projector (the old default, which aligns the student with a
 random image of the teacher).
@@ -55,17 +56,49 @@ def _arm(pull_job, *overrides):
     return start, end, curve
 
 
-def test_auto_is_identity_for_the_teachers_own_geometry_fit_for_another_and_linear_where_neither_can_serve():
+def test_auto_is_identity_for_a_copied_student_fit_for_another_and_linear_where_neither_can_serve():
     from kava_ray.core.projectors import fit_allowed
 
-    assert resolve_kind("auto", "structured", 2, 16, 2, 16) == "identity"
-    assert resolve_kind("auto", "structured", 2, 16, 2, 8) == "fit"
-    assert resolve_kind("auto", "structured", 2, 16, 2, 8, fit_ok=False) == "linear"
-    assert resolve_kind("auto", "flat", 2, 16, 2, 16) == "linear"
-    assert resolve_kind("elastic", "structured", 2, 16, 2, 16) == "elastic"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 16, copied=True) == "identity"
+    # the same geometry without the provenance: a student trained apart holds its KV in a basis of its own
+    assert resolve_kind("auto", "structured", 2, 16, 2, 16, copied=False) == "fit"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 16, fit_ok=False, copied=False) == "linear"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 8, copied=False) == "fit"
+    assert resolve_kind("auto", "structured", 2, 16, 2, 8, fit_ok=False, copied=True) == "linear"
+    assert resolve_kind("auto", "flat", 2, 16, 2, 16, copied=True) == "linear"
+    assert resolve_kind("elastic", "structured", 2, 16, 2, 16, copied=True) == "elastic"
     # fit needs the teacher's own loss (one teacher, or fusion sum) and its tokenizer
     assert fit_allowed("fixed", 1) and fit_allowed("sum", 3) and not fit_allowed("fixed", 2)
     assert not fit_allowed("sum", 1, aligned=True)
+
+
+def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp_path, tiny_student_dir):
+    """On the Distiller and the planner: the layer-dropped student (keep_layers of the teacher's model), the teacher's
+    model whole and a saved copy of the layer-dropped one (its config's `copied_from`) get identity; a student of the
+    same KV geometry built apart from the teacher (2 kv heads x 16, like tiny Qwen2's) gets fit; the demo preset's
+    layer-dropped student keeps identity for both of its teachers."""
+    from kava_ray.core.distiller import Distiller
+    from kava_ray.core.models import kv_geometry, load_student
+    from kava_ray.core.plans import copied_from_teacher
+    from kava_ray.runtime.planner import plan
+
+    saved = tmp_path / "saved"
+    load_student(load_config(pull_job).student.model, keep=[0, 3]).save_pretrained(saved)
+    cases = {"copied": ([], True), "whole": (["student.keep_layers=null"], True),
+             "saved copy": ([f"student.model={saved}", "student.keep_layers=null"], True),
+             "apart": ([f"student.model={tiny_student_dir}", "student.keep_layers=null"], False)}
+    models = {"qwen": load_model(load_config(pull_job).teachers[0].model, dtype="float32")}
+    for name, (overrides, copied) in cases.items():
+        cfg = load_config(pull_job, overrides)
+        student = load_student(cfg.student.model, dtype="float32", keep=cfg.student.keep_layers)
+        assert kv_geometry(student).num_kv_heads == 2 and kv_geometry(student).head_dim == 16  # one geometry
+        pr = Distiller(student, in_process_plans(cfg, models), kv_geometry(student), cfg).projectors["qwen"]
+        assert copied_from_teacher(cfg, "qwen") is copied, name
+        assert (pr.kind, pr.student_side) == (("identity", False) if copied else ("fit", True)), name
+        planned = plan(cfg)["devices"]["cpu"]["items"]  # identity: nothing trained, nothing saved for backward
+        assert (sum(v for k, v in planned.items() if k.startswith("projectors + fusion")) == 0) is copied, name
+    demo = load_config("demo_cpu")
+    assert demo.align.projector.kind == "auto" and all(copied_from_teacher(demo, t.name) for t in demo.teachers)
 
 
 def test_kv_only_training_from_the_teachers_own_kv_raises_the_projector_free_cosine(pull_job):

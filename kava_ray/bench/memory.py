@@ -23,12 +23,12 @@ import torch
 
 from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
-from kava_ray.core.distiller import Distiller, build_optimizer
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
-from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.models import load_model, load_student
 from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
 from kava_ray.core.precision import student_precision
 from kava_ray.data.batching import Batch
+from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
 
 
@@ -137,10 +137,13 @@ def _run(job: str, steps: int) -> dict:
     del teachers
     base = _settled()  # then the student worker's, alone
 
-    student = load_student(cfg.student.model, dtype=precision.weight_dtype,
-                           gradient_checkpointing=cfg.student.gradient_checkpointing)
-    distiller = Distiller(student, plans, kv_geometry(student), cfg).to(device)
-    opt = build_optimizer(distiller, cfg.optim)
+    recipe = DistillRecipe(cfg, plans, device=device)
+    recipe.build_model()  # the student, Distiller and optimizer a Train worker builds
+    # projector kind fit (auto for a student of the teacher's geometry trained apart): its student-side map is
+    # fitted before step 1, as a Train worker does (`DistillRecipe.fit_maps`); here on the first batch
+    recipe.fit_maps_on([(batches[0], {n: KVBatch.from_wire(w, device=device, dtype=torch.float32)
+                                      for n, w in pickle.loads(sent[0]).items()})])
+    distiller, opt = recipe.distiller, recipe.opt
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     inflight = collections.deque()  # like KVFeed: prefetch_depth batches stay in flight, received as wire payloads

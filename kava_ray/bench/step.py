@@ -68,7 +68,8 @@ MEMORY_RECIPES: dict[str, list[str]] = {
 
 
 def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) -> JobConfig:
-    """The bench's base job: production defaults (structured elastic projectors, Mercator + CE, AdamW)."""
+    """The bench's base job: production defaults (structured mode, projector kind auto: fit for this student, of the
+    teacher's KV geometry but trained apart from it; Mercator + CE, AdamW)."""
     return validate_config({
         "name": "bench-step",
         "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
@@ -256,6 +257,9 @@ def _kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict
         recipe.setup()
     else:  # the bench's own batch: no tokenizer of the other vocabulary to load
         recipe.build_model(maps)
+    # projector kind auto (the bench's student is of the teacher's KV geometry but not copied from it): fit, whose
+    # student-side map a Train worker fits before step 1 (`DistillRecipe.fit_maps`); here on the bench's batch
+    recipe.fit_maps_on([(feed, kv)])
     counter = iter(range(1, 10**9))
     return lambda: recipe.step(next(counter), [(feed, kv)])
 

@@ -168,7 +168,8 @@ class DataConfig(_Section):
 
 
 class ProjectorConfig(_Section):
-    # auto: identity (the teacher's own KV is the target, nothing learned) where the geometry allows, else fit where
+    # auto: identity (the teacher's own KV is the target, nothing learned) for a student copied from that teacher
+    # (`plans.copied_from_teacher`: not the geometry alone, a student trained apart has its own basis), else fit where
     # it can serve (one teacher or fusion sum, the student's tokenizer), else linear (`projectors.resolve_kind`);
     # fit: a map on the student's side (student KV -> its teacher layer's), the ridge fit of the student to the
     # teacher before step 1, then frozen (or trained at the student's rate: train_map)
@@ -246,7 +247,10 @@ class LossConfig(_Section):
     # else none. The teachers then serve hidden states too (`losses.hidden_cosine_loss`)
     hidden_weight: float = Field(0.0, ge=0)
     logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
-    logit_temperature: float = Field(1.0, gt=0)  # applied to teacher and student alike
+    # applied to teacher and student alike (T^2-scaled). The teachers send top-k and tail at T = 1: at T != 1 the top-k
+    # forms temper the teacher's tail bucket as one token, (tail)^(1/T), not its full distribution's tail at T (T 2,
+    # k 8: 2.45 against the exact 0.47; docs/training.md, tests/test_logit_loss.py)
+    logit_temperature: float = Field(1.0, gt=0)
     # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside
     # them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k ids: ZERO)
     logit_tail: Literal["bucket", "none"] = "bucket"

@@ -79,7 +79,8 @@ class Distiller(nn.Module):
                                 dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map,
                                 # FSDP2 shards the maps fit would fit on rank 0 and broadcast: auto is linear there
                                 fit_ok=fit_allowed(cfg.fusion.kind, len(plans), plan.aligned)
-                                and not (cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1))
+                                and not (cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1),
+                                copied=plan.copied)
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,

@@ -1,7 +1,7 @@
 """Students larger than one GPU: the Distiller sharded with FSDP2 (`ray.strategy: fsdp`) and its sharded checkpoints.
 
-`shard(distiller, precision)`: `torch.distributed.fsdp.fully_shard` on each decoder layer of the student, then on
-the whole Distiller as the root group -- the embeddings, final norm, LM head, the projectors, the fusion and the
+`shard(distiller, precision, device)`: `torch.distributed.fsdp.fully_shard` on each decoder layer of the student, then
+on the whole Distiller as the root group -- the embeddings, final norm, LM head, the projectors, the fusion and the
 hidden-state maps are sharded together there (the projectors are small beside the student; one group keeps one
 all-gather for them and lets the root stay unsharded between forward and backward, as FSDP2 keeps its root, which
 the chunked vocabulary loss reads the LM head from). bf16-mixed runs with FSDP2's MixedPrecisionPolicy (bf16
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kava_ray.common.errors import KavaError
@@ -41,14 +42,25 @@ def decoder_layers(model) -> list:
     return list(layers)
 
 
-def shard(distiller: torch.nn.Module, precision) -> torch.nn.Module:
-    """The Distiller sharded in place over the default process group: each decoder layer its own FSDP2 unit, the
-    rest in the root unit. precision: `core.precision.Precision` (bf16-mixed: bf16 parameters, fp32 reduction)."""
+def mesh_of(device) -> DeviceMesh:
+    """The 1-D mesh of every rank of the default process group on `device`'s type, the device this worker trains on.
+    Explicit because `fully_shard` without one builds it on the machine's accelerator: a gloo run (`ray.use_gpu:
+    false`) on a GPU host would otherwise move its shards to the GPU."""
+    import torch.distributed as dist
+
+    return init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+
+
+def shard(distiller: torch.nn.Module, precision, device) -> torch.nn.Module:
+    """The Distiller sharded in place over the default process group (`mesh_of(device)`): each decoder layer its own
+    FSDP2 unit, the rest in the root unit. precision: `core.precision.Precision` (bf16-mixed: bf16 parameters, fp32
+    reduction); device: the worker's training device, where the Distiller already is."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision.policy == "bf16-mixed" and precision.device_type == "cuda" else MixedPrecisionPolicy()
+    mesh = mesh_of(device)
     for layer in decoder_layers(distiller.student):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(distiller, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(distiller, mesh=mesh, mp_policy=mp)
     return distiller
 
 

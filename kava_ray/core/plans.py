@@ -31,7 +31,8 @@ class TeacherPlan:
 
     `tokenizer`: None when it shares the student's tokenizer (positions one to one); else where the student side
     loads it from (its model, or the KV cache's copy) to align positions by characters (`core.align.tokens`),
-    checked against `tokenizer_fingerprint`, what the teacher reports."""
+    checked against `tokenizer_fingerprint`, what the teacher reports. `copied`: the student was copied from this
+    teacher (`copied_from_teacher`), so `align.projector.kind: auto` may compare their KV directly (identity)."""
 
     name: str
     geometry: KVGeometry
@@ -39,6 +40,7 @@ class TeacherPlan:
     layers: list[int]
     tokenizer: Optional[str] = None
     tokenizer_fingerprint: Optional[str] = None
+    copied: bool = False
 
     @property
     def aligned(self) -> bool:
@@ -166,7 +168,7 @@ def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeom
         tokenizer = None
         if fp is not None and fp != student_fp:
             tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
-        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp)
+        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp, copied_from_teacher(cfg, t.name))
     return plans
 
 
@@ -193,6 +195,14 @@ def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
             return None
         keep, source = prov["layers"], prov["model"]
     return list(keep) if cfg.teacher(teacher).model == source else None
+
+
+def copied_from_teacher(cfg: JobConfig, teacher: str) -> bool:
+    """Whether the student starts as this teacher's own weights: layers copied from its model (`copied_layers`:
+    `student.keep_layers`, or a saved copy's provenance) or that very model. Only then do the two share a KV basis,
+    so `align.projector.kind: auto` makes the teacher's own KV the target (identity, `projectors.resolve_kind`); a
+    student of the same geometry trained apart from the teacher (Qwen3's sizes, Qwen2.5-1.5B/3B) has its own."""
+    return copied_layers(cfg, teacher) is not None or cfg.student.model == cfg.teacher(teacher).model
 
 
 def _is_local_dir(spec: str) -> bool:
@@ -226,14 +236,14 @@ def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
 def plans_payload(plans: dict[str, TeacherPlan]) -> dict:
     """TeacherPlans as plain data (for a Train loop config or a Tune setup)."""
     return {n: {"geometry": p.geometry.to_dict(), "layer_map": p.layer_map, "layers": p.layers,
-                "tokenizer": p.tokenizer, "tokenizer_fingerprint": p.tokenizer_fingerprint}
+                "tokenizer": p.tokenizer, "tokenizer_fingerprint": p.tokenizer_fingerprint, "copied": p.copied}
             for n, p in plans.items()}
 
 
 def plans_from_payload(payload: dict) -> dict[str, TeacherPlan]:
     return {n: TeacherPlan(n, KVGeometry.from_dict(p["geometry"]),
                            [(s, [tuple(x) for x in pairs]) for s, pairs in p["layer_map"]], p["layers"],
-                           p.get("tokenizer"), p.get("tokenizer_fingerprint"))
+                           p.get("tokenizer"), p.get("tokenizer_fingerprint"), bool(p.get("copied", False)))
             for n, p in payload.items()}
 
 

@@ -20,16 +20,18 @@ HEAD_PROJS = ("shared", "per_head")
 
 
 def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_head_dim: int,
-                 fit_ok: bool = True) -> str:
-    """`auto` -> `identity` where the student's KV has its teacher's geometry per layer (structured mode: a
-    layer-dropped or same-family student), so the target is the teacher's own KV; else, in structured mode,
-    `fit` (the teacher's own KV as the target, a student-side map started as the ridge fit) where `fit_ok` (the
-    teacher shares the student's tokenizer, and its loss is its own: one teacher or fusion `sum`); else `linear`."""
+                 fit_ok: bool = True, *, copied: bool) -> str:
+    """`auto` -> `identity` where the student was copied from this teacher (`copied`: `plans.copied_from_teacher`,
+    the provenance `layer_map: auto` reads) and so has its KV geometry and basis per layer (structured mode), so the
+    target is the teacher's own KV; else, in structured mode, `fit` (the teacher's own KV as the target, a
+    student-side map started as the ridge fit) where `fit_ok` (the teacher shares the student's tokenizer, and its
+    loss is its own: one teacher or fusion `sum`); else `linear`. The geometry alone does not decide identity: a
+    student of the same kv heads x head_dim trained apart from the teacher holds its KV in a basis of its own."""
     if kind != "auto":
         return kind
     if mode != "structured":
         return "linear"
-    if (int(t_heads), int(t_head_dim)) == (int(s_heads), int(s_head_dim)):
+    if copied and (int(t_heads), int(t_head_dim)) == (int(s_heads), int(s_head_dim)):
         return "identity"
     return "fit" if fit_ok else "linear"
 
@@ -288,12 +290,13 @@ class TeacherProjector(nn.Module):
         head_proj: str = "shared",
         train_map: bool = False,
         fit_ok: bool = True,
+        copied: bool = False,
     ):
         super().__init__()
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
         if mode not in MODES:
             raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
-        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim, fit_ok)
+        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim, fit_ok, copied=copied)
         if kind == "identity":
             _check_identity(mode, t_heads, t_head_dim, s_heads, s_head_dim)
         if kind == "fit" and mode != "structured":

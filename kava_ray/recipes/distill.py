@@ -146,7 +146,7 @@ class DistillRecipe:
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps).to(self.device)
         if self.sharded:  # before the optimizer: it holds the shards
-            fsdp.shard(self.distiller, self.precision)
+            fsdp.shard(self.distiller, self.precision, self.device)
         self.opt = build_optimizer(self.distiller, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.train.steps)
         if state:
@@ -271,12 +271,13 @@ class DistillRecipe:
         share = None
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
-            with self._no_sync(no_sync), self.autocast():
-                loss, m = self.model(batch.to(self.device), kv)
-            # grad/kv_share: not under FSDP2 (the sharded parameters are not in the graph autograd.grad reads)
-            kv_grads = self._kv_grads() if grad_share and micro == 0 and not self.sharded else None
-            with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
-                (loss / accum).backward()
+            with self._no_sync(no_sync):  # forward and backward: FSDP2 reads its flag in the post-backward
+                with self.autocast():
+                    loss, m = self.model(batch.to(self.device), kv)
+                # grad/kv_share: not under FSDP2 (the sharded parameters are not in the graph autograd.grad reads)
+                kv_grads = self._kv_grads() if grad_share and micro == 0 and not self.sharded else None
+                with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
+                    (loss / accum).backward()
             if kv_grads is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
                 # DDP: averaged over ranks, so KV's is averaged too before "the rest" is taken as the difference)
                 if self.world > 1 and not no_sync and dist.is_available() and dist.is_initialized():
@@ -304,7 +305,9 @@ class DistillRecipe:
         return out
 
     def _no_sync(self, skip: bool):
-        """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's set_requires_gradient_sync)."""
+        """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's set_requires_gradient_sync): held over
+        its forward and backward, as FSDP2 reads the flag in its post-backward hook (where it reduce-scatters) and DDP
+        in its forward; the gradients accumulate unreduced until the last micro-batch's backward reduces them once."""
         if not skip:
             return contextlib.nullcontext()
         if not self.sharded:

@@ -22,7 +22,7 @@ from kava_ray.core.fusion import Fusion
 from kava_ray.core.known_models import known_config, model_geometry, param_breakdown
 from kava_ray.core.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
-from kava_ray.core.plans import cross_vocab, layer_plan, logits_top_k
+from kava_ray.core.plans import copied_from_teacher, cross_vocab, layer_plan, logits_top_k
 from kava_ray.core.precision import planned_policy, student_bytes_per_param
 from kava_ray.core.projectors import TeacherProjector, fit_allowed, matmul_weights, resolve_kind
 
@@ -143,7 +143,8 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
                                          dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map,
-                                         fit_ok=fit_allowed(cfg.fusion.kind, len(plans))))
+                                         fit_ok=fit_allowed(cfg.fusion.kind, len(plans)),
+                                         copied=copied_from_teacher(cfg, name)))
         mods.append(Fusion(cfg.fusion.kind, len(plans), n_layers=s_geom.num_layers, weights=cfg.fusion.weights,
                            per_layer=cfg.fusion.per_layer, feature_dim=s_geom.hidden_size, names=list(plans)))
     params = [q for m in mods for q in m.parameters() if q.requires_grad]
@@ -252,9 +253,9 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     items[f"student activations{gc}"] = tokens * (layers + ACT_FIXED_H * h) * a
     chunk = cfg.loss.vocab_chunk
     if chunk and chunk < tokens:  # `core.vocab_chunks`: one chunk's logits at a time; the head's gradient, taken
-        head = s.params["lm_head"] or s.params["embed"]  # in the forward, kept until the backward
+        head = s.params["lm_head"] or s.params["embed"]  # in the forward (summed in fp32), kept until the backward
         items[f"student logits (chunks of {chunk} positions x vocab)"] = \
-            chunk * g.vocab_size * LOGIT_BYTES + head * per["grads"] + tokens * h * a
+            chunk * g.vocab_size * LOGIT_BYTES + head * 4 + tokens * h * a
     else:
         items["student logits (B*T*vocab)"] = tokens * g.vocab_size * LOGIT_BYTES
 
@@ -263,7 +264,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     Pp = proj["total"]
     p_opt = (Pp - proj["small"]) * 2 + proj["small"] * 8 if adam8 else Pp * 8
     autocast_copy = proj["linear_weight"] * 2 if policy != "fp32" else 0
-    p_acts = tokens * sum(_projector_bytes(cfg, geom, layers_, g, a) for geom, _, layers_ in plans.values())
+    p_acts = tokens * sum(_projector_bytes(cfg, name, geom, layers_, g, a) for name, (geom, _, layers_) in plans.items())
     items[f"projectors + fusion ({Pp / 1e6:.1f}M params)"] = Pp * 8 + p_opt + autocast_copy + p_acts
 
     # the KV loss saves ~LOSS_S elements per token per student-layout element (K and V together); gate and
@@ -295,7 +296,8 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     return {k: int(v) for k, v in items.items()}
 
 
-def _projector_bytes(cfg: JobConfig, geom: KVGeometry, layers: list[int], s_geom: KVGeometry, a: int) -> float:
+def _projector_bytes(cfg: JobConfig, name: str, geom: KVGeometry, layers: list[int], s_geom: KVGeometry,
+                     a: int) -> float:
     """Bytes per token one teacher's K and V projectors save for backward (counted with saved-tensor hooks).
 
     A projector of width d saves its input (linear) or, for elastic, its fp32 input, the LayerNorm
@@ -307,7 +309,7 @@ def _projector_bytes(cfg: JobConfig, geom: KVGeometry, layers: list[int], s_geom
     """
     al, p = cfg.align, cfg.align.projector
     kind = resolve_kind(p.kind, al.mode, geom.num_kv_heads, geom.head_dim, s_geom.num_kv_heads, s_geom.head_dim,
-                        fit_allowed(cfg.fusion.kind, len(cfg.teachers)))
+                        fit_allowed(cfg.fusion.kind, len(cfg.teachers)), copied=copied_from_teacher(cfg, name))
     if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
         return 0.0
     if kind == "fit":  # the student-side map saves its input, the student's KV of each layer
