@@ -17,7 +17,7 @@ from typing import Optional
 from huggingface_hub import constants
 
 from kava_ray.common.config import JobConfig
-from kava_ray.common.errors import KavaError
+from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
 from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
@@ -123,10 +123,16 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
 
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
     """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
-    the keys that differ, in one line)."""
+    the keys that differ, in one line). One at or past `train.steps` has nothing left to train: NothingToDo (its
+    one line, exit 0) rather than Ray, the teachers and a test split evaluated again for nothing."""
     ckpt = find_checkpoint(resume, for_resume=True)
     check_files(ckpt)
-    check_compatible(ckpt, cfg, allow_run_changes=resume_override)
+    step = check_compatible(ckpt, cfg, allow_run_changes=resume_override)["step"]
+    if step >= cfg.train.steps:
+        at = f"step {step} of {cfg.train.steps}" if step == cfg.train.steps else \
+            f"step {step}, past train.steps={cfg.train.steps}"
+        raise NothingToDo(f"{resume} is complete ({at}): nothing to resume (to train on, raise train.steps and pass "
+                          f"--resume-override)")
 
 
 # -------------------------------------------------------------------------------------------- data
