@@ -471,7 +471,8 @@ def test_a_search_space_a_sweep_cannot_apply_is_refused(run_cli, tiny_job, tmp_p
 
 def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_job, monkeypatch, capsys):
     """An HTTP server (the dashboard's port) and a port that accepts and never answers: one line within ~3 s each
-    (ray.init would wait minutes there), $RAY_ADDRESS named when it is where the address came from."""
+    (ray.init would wait minutes there), $RAY_ADDRESS named when it is where the address came from; `train`'s line
+    names no logs dir its refusal removed."""
     import http.server
     import socket
     import threading
@@ -496,6 +497,16 @@ def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_jo
         silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
         assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", http_addr),
                         f"cannot connect to Ray at '{http_addr}'", "an HTTP server", "not a Ray cluster")
+        # train names its run dir before Ray starts and removes it on a refusal: the line names no logs dir (it
+        # pointed at RUN_DIR/logs, gone), and nothing is left under ray.storage_path
+        from kava_ray.common.config import load_config
+
+        storage = Path(load_config(str(tiny_job)).ray.storage_path)
+        before = sorted(storage.rglob("*")) if storage.is_dir() else []
+        r = run("train", "--config", tiny_job, "--name", "no-ray-here", "--address", http_addr)
+        assert_one_line(r, f"cannot connect to Ray at '{http_addr}'", "not a Ray cluster")
+        assert "(logs: " not in r.stderr and not (storage / "no-ray-here").exists(), r.stderr
+        assert (sorted(storage.rglob("*")) if storage.is_dir() else []) == before
         monkeypatch.setenv("RAY_ADDRESS", silent_addr)
         assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", "auto"),
                         f"({silent_addr}, from $RAY_ADDRESS)", "answers nothing within 3 s")
