@@ -4,7 +4,7 @@
 stops, a Tune sweep saves its state); `terminated()` then says it was a SIGTERM (the CLI exits 143, as a shell
 reports a process SIGTERM ended). `ray.init` installs a SIGTERM handler of its own (exit 1, or a C++ dump as the
 core worker dies mid-call), so `kava_ray.runtime.connect` installs this one again once Ray is up. A SIGTERM to the
-whole process group also ends an embedded Ray: the way out then skips what needs it (`connect.ray_answers`).
+whole process group also ends an embedded Ray: the way out asks it nothing (`runtime.job.job_teachers`).
 """
 
 from __future__ import annotations

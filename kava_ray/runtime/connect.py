@@ -219,17 +219,6 @@ def _via(address: str, target: str) -> str:
     return ""
 
 
-def ray_answers() -> bool:
-    """Whether this process's Ray still answers (a TCP probe of its GCS). A SIGTERM to the whole process group (what
-    Slurm and `timeout` send) ends an embedded Ray's processes with the driver's: any call that needs the GCS then
-    waits 60 s and ends the process without a word, so the way out skips those (`job.job_teachers`)."""
-    try:
-        gcs = ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - not connected
-        return False
-    return bool(gcs) and answers(gcs, timeout_s=1.0)
-
-
 def disconnect(collect_logs: bool = True) -> None:
     """Leave Ray (`ray.shutdown()`, the one call of it): the quiet console copies Ray's logs first, which needs
     Ray up. collect_logs=False: a client of a cluster, whose workers' logs stay with the cluster."""

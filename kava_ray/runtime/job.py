@@ -44,7 +44,7 @@ from kava_ray.core.plans import (
     wants_hidden,
 )
 from kava_ray.data.tokenize import portable
-from kava_ray.runtime.connect import connect, owned_ray, ray_answers, resolve_use_gpu
+from kava_ray.runtime.connect import connect, owned_ray, resolve_use_gpu
 from kava_ray.runtime.console import status
 from kava_ray.runtime.node_paths import Read, check_node_paths, reads, tokenizer_reads
 from kava_ray.runtime.planner import check_fits
@@ -116,7 +116,9 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                 check_node_paths(tokenizer_reads(cfg, plans, use_gpu))
             yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0, use_gpu)
         finally:
-            if started and ray_answers():  # (gone with the driver's process group: nothing left to stop)
+            # an embedded Ray's teachers go with its shutdown (`owned_ray`); stopping them here would ask its GCS,
+            # which a SIGTERM to the whole process group (Slurm, `timeout`) has ended: 60 s, then the process dies
+            if started and connected != "embedded":
                 stop_pool(cfg, only=started)
 
 
