@@ -1,7 +1,8 @@
 """What the `kava-ray` commands share: the common flags, printing a result, the quiet console, exit codes.
 
-Exit codes: 0 ok (also a NothingToDo: its one line on stderr); 2 bad input (every KavaError: one `error:` line on stderr); 3 `kava-ray plan` says the
-config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled as Ctrl-C).
+Exit codes: 0 ok (also a NothingToDo: its one line on stderr); 2 bad input (every KavaError: one `error:` line on
+stderr); 3 `kava-ray plan` says the config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled
+as Ctrl-C).
 
 Each command imports its implementation (and pydantic, torch, Ray) inside its handler, not at the top of
 its module: `kava-ray --help` and `kava-ray config show` then load none of what the other commands need.
