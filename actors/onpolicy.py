@@ -24,6 +24,7 @@ import ray
 from actors.feed import feed_items, request_arrays
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
+from kava_ray.core.plans import check_writer, onpolicy_writer
 from kava_ray.core.sampling import sample
 from kava_ray.data import Batch, BatchStream
 from kava_ray.data.onpolicy import prompts_of, sampled_batch
@@ -107,10 +108,8 @@ def teacher_writer(cfg: JobConfig, plans: dict, source) -> Callable:
     """For `onpolicy.source: teacher`: the function that has the teacher (`onpolicy.teacher`, else the first) write
     completions -- its actor's `generate` (a live source), or the source's own `generate` (in process). The teacher
     must share the student's tokenizer (its ids are the student's)."""
-    name = cfg.onpolicy.teacher or cfg.teachers[0].name
-    if plans[name].aligned:
-        raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; '{name}' has another "
-                        f"(set onpolicy.teacher to one that shares it)")
+    name = onpolicy_writer(cfg)
+    check_writer(cfg, not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)
     if hasattr(source, "generate"):
         return lambda *args: source.generate(name, *args)
     handles = getattr(source, "handles", None)

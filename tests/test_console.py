@@ -18,16 +18,19 @@ CHATTER = ("Loading weights", "WARNING", "Warning", "Failed to load", "Traceback
 
 
 def test_quiet_sends_fd_level_output_to_the_log_and_status_to_the_terminal(tmp_path, capfd):
-    from kava_ray.runtime.console import quiet, status, with_logs
+    from kava_ray.runtime.console import quiet, ray_started, status, with_logs
 
     with quiet(tmp_path / "logs", verbose=False, ray_logs=False):
         os.write(2, b"C-level chatter\n")
         os.write(1, b"a library's print\n")
         print("python stderr chatter", file=sys.stderr)
         status("training: 2 steps")
+        early = with_logs("refused: boom")  # before Ray: a refusal removes the logs dir, so the line names none
+        ray_started()  # (what `connect` says once Ray is up)
         line = with_logs("training failed: boom")
     out = capfd.readouterr()
     assert out.err == "training: 2 steps\n" and out.out == ""
+    assert early == "refused: boom"
     assert line == f"training failed: boom (logs: {tmp_path / 'logs'})"
     log = (tmp_path / "logs" / "driver.log").read_text()
     for text in ("C-level chatter", "a library's print", "python stderr chatter"):
@@ -55,7 +58,7 @@ def test_a_failed_run_is_one_line_with_the_logs_dir(tmp_path):
 
     from kava_ray.common.errors import KavaError
     from kava_ray.recipes.train import fit
-    from kava_ray.runtime.console import quiet
+    from kava_ray.runtime.console import quiet, ray_started
 
     class Failing:
         run_config = SimpleNamespace(name="run")
@@ -65,5 +68,6 @@ def test_a_failed_run_is_one_line_with_the_logs_dir(tmp_path):
                                                 "kava_ray.common.errors.KavaError: teacher 'qwen' returned NaN keys")
 
     with quiet(tmp_path / "logs", verbose=False, ray_logs=False), pytest.raises(KavaError) as e:
+        ray_started()  # (a run fails in Ray Train once `connect` has started Ray)
         fit(Failing())
     assert str(e.value) == f"training failed: teacher 'qwen' returned NaN keys (logs: {tmp_path / 'logs'})"

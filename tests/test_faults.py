@@ -1,7 +1,9 @@
 """Fault suite: what a run does when a part of it fails, each case with a bounded time.
 
-    driver SIGTERM, then --resume    exit 143 in one line (Ctrl-C's path), its embedded Ray gone; the resumed
-      with the teacher killed        run, whose teacher is SIGKILLed mid-way, finishes on the uninterrupted curve
+    driver SIGTERM, then --resume    exit 143 in one line (Ctrl-C's path) with the resume hint, its embedded Ray
+      with the teacher killed        gone; the resumed run, whose teacher is SIGKILLed mid-way, finishes on the
+                                     uninterrupted curve
+    group SIGTERM while sampling     the same line and exit within 45 s (no dead-GCS wait), no sampling.now left
     a loss that is not finite        one line naming the step and the terms; the last good checkpoint stays
     disk full / partial copy         one line; the previous checkpoint is never replaced and still loads
     NaN/Inf teacher KV               train.on_bad_kv: skip (counted, resume stays exact) | stop (one line)
@@ -300,6 +302,12 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     assert find_checkpoint(run, for_resume=True).name == "checkpoint_2000-01-01_00-00-00.000000"
     assert find_checkpoint(run).name == "checkpoint_2000-01-01_00-00-00.000000"
+    # an interrupted run's line (`train.resume_hint`) names the step --resume would continue from, else says none
+    from kava_ray.recipes.train import resume_hint
+
+    assert resume_hint(run) == f"--resume {run} continues it (from step 2)"
+    (tmp_path / "fresh" / "logs").mkdir(parents=True)
+    assert resume_hint(tmp_path / "fresh") == "no checkpoint was saved yet: nothing to resume"
     rc, err = _cli(capsys, "eval", str(partial))
     assert rc == 2 and len(err) == 1 and "student/model.safetensors is truncated" in err[0], err
 
@@ -360,7 +368,7 @@ def test_an_interrupt_swallowed_inside_the_fit_is_raised_when_it_returns():
 def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_teacher_kill(tiny_pool, ref_curve, job):
     """SIGTERM the driver (`kill`, Slurm, Kubernetes) once a checkpoint exists: it takes Ctrl-C's path
     (`kava_ray.common.signals`; Ray's own SIGTERM handler, which ray.init installs, would exit 1 with a C++ dump and
-    no line): exit 143 with one `error: terminated (SIGTERM)` line within 60 s and nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
+    no line): exit 143 with one `error: terminated (SIGTERM); --resume RUN_DIR continues it (from step N)` line within 60 s and nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
     curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run again), although
     its teacher actor's process is SIGKILLed two steps past the interrupt: it restarts (max_restarts) and the
     feed's requests are retried."""
@@ -394,7 +402,7 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 143 and lines == ["error: terminated (SIGTERM)"], err[-3000:]
+    assert proc.returncode == 143 and lines == [f"error: terminated (SIGTERM); {_resume_hint(run_dir)}"], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     deadline = time.time() + 30
     while _session_pids(proc.pid) and time.time() < deadline:
@@ -430,6 +438,55 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
     restarts = [a.num_restarts for a in _actors(actor_id=killed["actor_id"])]
     assert restarts and int(restarts[0]) >= 1, restarts
     print(f"SIGTERM at step {interrupted_at}: exited in {elapsed:.1f} s; teacher killed at step {killed['step']}")
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """`--resume RUN_DIR continues it (from step N)`, N the step of the run dir's latest complete checkpoint."""
+    from kava_ray.core.checkpoint import find_checkpoint
+
+    step = json.loads((find_checkpoint(run_dir, for_resume=True) / "state.json").read_text())["step"]
+    return f"--resume {run_dir} continues it (from step {step})"
+
+
+@pytest.mark.ray  # `kava-ray train` starts its own embedded Ray
+def test_a_sigterm_to_the_whole_group_while_sampling_ends_like_ctrl_c(job):
+    """What Slurm and `timeout` send: SIGTERM to every process of the command's group (its embedded Ray's too) while
+    rank 0 samples an on-policy batch. It printed no line, waited 60 s on "Failed to connect to GCS" (the way out
+    called the dead GCS) and left RUN_DIR/sampling.now; now: the one line with the resume hint, exit 143, within
+    45 s (~14 s here, most of it Ray's own shutdown), no sampling.now and nothing of the group left."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    name = "group-sigterm"
+    run_dir = Path(load_config(job).ray.storage_path) / name
+    flag = run_dir / "sampling.now"
+    proc = subprocess.Popen([KVCLI, "train", "--config", str(job), "--name", name, "onpolicy.fraction=1",
+                             "onpolicy.max_new_tokens=48", "train.save_steps=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        deadline, caught = time.time() + 300, False  # data, an embedded Ray, a teacher, Ray Train on a loaded box
+        while time.time() < deadline and proc.poll() is None and not caught:
+            if flag.exists() and list(run_dir.glob("checkpoint_*")):
+                os.killpg(proc.pid, signal.SIGSTOP)  # the whole group held while rank 0 is sampling
+                caught = flag.exists() or os.killpg(proc.pid, signal.SIGCONT)
+            time.sleep(0.01)
+        assert caught, f"no sampling step after a checkpoint within 300 s (rc {proc.poll()})"
+        sent = time.time()
+        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 143 and lines == [f"error: terminated (SIGTERM); {_resume_hint(run_dir)}"], err[-3000:]
+    assert elapsed < 45 and "Traceback" not in err, (elapsed, err[-3000:])
+    assert not flag.exists()
+    deadline = time.time() + 30
+    while _session_pids(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _session_pids(proc.pid), "the terminated run's processes outlived it"
+    print(f"group SIGTERM while sampling: exited in {elapsed:.1f} s")
 
 
 def test_a_loss_that_is_not_finite_stops_the_run_in_one_line_and_keeps_the_last_good_checkpoint(tiny_pool, job,

@@ -427,6 +427,48 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
         prepare_data(load_config(str(tiny_job), [f"data.source={tmp_path}/two.jsonl", "data.num_val=1", *nulls[1:]]))
 
 
+@pytest.fixture(scope="module")
+def smol_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir, smol_teacher_dir):
+    """Teachers `qwen` (the student's tokenizer) and `smol` (SmolLM2's: another tokenizer)."""
+    from jobs import write_job
+
+    return write_job(tmp_path_factory.mktemp("smoljob"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
+                     teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
+                               {"name": "smol", "model": str(smol_teacher_dir), "dtype": "float32"}])
+
+
+def test_a_record_naming_no_logit_teacher_is_refused_before_ray(run_cli, tiny_job, smol_job, tmp_path):
+    """Records that name their teacher (column `teacher`) were checked by the Distiller, 45 s in (Ray and the teachers
+    up): a name that is no logit teacher of the job -- unknown, or one of another tokenizer with
+    logit_cross_vocab=off -- is now one line from the data stage, past the first records preflight parses."""
+    rows = [{"prompt": f"question {i}?", "completion": f" answer {i}.", "teacher": ("qwen", "llama")[i % 2]}
+            for i in range(48)]
+    rows[20]["teacher"] = "gpt4"
+    (tmp_path / "routed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refused(run_cli, tiny_job, f"data.source={tmp_path}/routed.jsonl", "loss.logit_weight=1",
+            needles=(f"data.source {tmp_path}/routed.jsonl: row 20 of the training split names teacher 'gpt4' "
+                     f"(column 'teacher'), but the job's logit teachers are qwen, llama",))
+    for r in rows:
+        r["teacher"] = r["teacher"].replace("llama", "smol").replace("gpt4", "qwen")
+    (tmp_path / "routed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refused(run_cli, smol_job, f"data.source={tmp_path}/routed.jsonl", "loss.logit_weight=1",
+            "loss.logit_cross_vocab=off",
+            needles=("row 1 of the training split names teacher 'smol'", "logit teachers are qwen ('smol' uses "
+                     "another tokenizer than the student's and loss.logit_cross_vocab=off)"))
+
+
+def test_a_completion_writer_of_another_tokenizer_is_refused_before_ray(run_cli, smol_job):
+    """`onpolicy.source: teacher` with a writer of another tokenizer was refused once the teachers had reported their
+    tokenizers (45-49 s in); its tokenizer is read here, before Ray. One of the student's tokenizer passes."""
+    from kava_ray.common.config import load_config
+    from kava_ray.runtime.preflight import preflight
+
+    on = ["onpolicy.fraction=1", "onpolicy.source=teacher", "loss.logit_weight=1"]
+    refused(run_cli, smol_job, *on, "onpolicy.teacher=smol",
+            needles=("onpolicy.source: teacher needs a teacher of the student's tokenizer; 'smol' has another",))
+    preflight(load_config(str(smol_job), [*on, "onpolicy.teacher=qwen"]), "train")
+
+
 @pytest.mark.parametrize("kind", ["prompt-longer-than-max-length", "empty-completions"])
 def test_a_split_without_a_loss_token_is_refused_naming_why(run_cli, tiny_job, tmp_path, kind):
     rows = (qa_rows(40, prompt=lambda i: f"{i} " + "many words " * 200) if kind.startswith("prompt") else
@@ -509,7 +551,8 @@ def test_a_search_space_a_sweep_cannot_apply_is_refused(run_cli, tiny_job, tmp_p
 
 def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_job, monkeypatch, capsys):
     """An HTTP server (the dashboard's port) and a port that accepts and never answers: one line within ~3 s each
-    (ray.init would wait minutes there), $RAY_ADDRESS named when it is where the address came from."""
+    (ray.init would wait minutes there), $RAY_ADDRESS named when it is where the address came from; `train`'s line
+    names no logs dir its refusal removed."""
     import http.server
     import socket
     import threading
@@ -534,6 +577,16 @@ def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_jo
         silent_addr = f"127.0.0.1:{silent.getsockname()[1]}"
         assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", http_addr),
                         f"cannot connect to Ray at '{http_addr}'", "an HTTP server", "not a Ray cluster")
+        # train names its run dir before Ray starts and removes it on a refusal: the line names no logs dir (it
+        # pointed at RUN_DIR/logs, gone), and nothing is left under ray.storage_path
+        from kava_ray.common.config import load_config
+
+        storage = Path(load_config(str(tiny_job)).ray.storage_path)
+        before = sorted(storage.rglob("*")) if storage.is_dir() else []
+        r = run("train", "--config", tiny_job, "--name", "no-ray-here", "--address", http_addr)
+        assert_one_line(r, f"cannot connect to Ray at '{http_addr}'", "not a Ray cluster")
+        assert "(logs: " not in r.stderr and not (storage / "no-ray-here").exists(), r.stderr
+        assert (sorted(storage.rglob("*")) if storage.is_dir() else []) == before
         monkeypatch.setenv("RAY_ADDRESS", silent_addr)
         assert_one_line(run("teachers", "status", "--config", tiny_job, "--address", "auto"),
                         f"({silent_addr}, from $RAY_ADDRESS)", "answers nothing within 3 s")

@@ -105,10 +105,11 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
     assert requested[-1] == cfg.data.test_split and set(test) >= {"test/ce", "test/cos_sim"}
 
 
-def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_path, teachers_in_process, tmp_path,
-                                                                          capsys):
-    """Resuming silently kept the checkpoint's optimizer and schedule: now a changed optim.*/train.* key is named
-    (one line, exit 2, before Ray starts) unless --resume-override, which makes the new values win."""
+def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden(job_path, teachers_in_process,
+                                                                               tmp_path, capsys):
+    """Resuming silently kept the checkpoint's optimizer and schedule, and took edited loss weights without a word:
+    now a changed optim.*/train.*/loss.* key is named (one line, exit 2, before Ray starts) unless --resume-override,
+    which makes the new values win."""
     from kava_ray.cli import main
     from kava_ray.core.plans import student_geometry, teacher_plans
     from kava_ray.recipes.distill import DistillRecipe
@@ -134,6 +135,49 @@ def test_resume_with_changed_optim_or_schedule_is_refused_unless_overridden(job_
     assert main(["train", "--config", str(tmp_path / "changed.yaml"), "--resume", str(ckpt)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "optim.lr_student, train.steps" in err[0] and "--resume-override" in err[0], err
+
+    # loss weights are treated as the other sections: named, and with --resume-override the new ones train
+    reweighted = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant", "loss.kv_weight=0.25",
+                                        "loss.ce_weight=2"])
+    (tmp_path / "reweighted.yaml").write_text(reweighted.to_yaml())
+    assert main(["train", "--config", str(tmp_path / "reweighted.yaml"), "--resume", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: checkpoint {ckpt} was trained with other loss.ce_weight, loss.kv_weight; pass "
+                   f"--resume-override to continue with the new values"], err
+    resumed = DistillRecipe(reweighted, plans)
+    assert resumed.setup(str(ckpt), run_changes=True)["step"] == 2
+    assert (resumed.distiller.loss_cfg.kv_weight, resumed.distiller.loss_cfg.ce_weight) == (0.25, 2.0)
+
+
+def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_process, tmp_path, capsys,
+                                                         monkeypatch):
+    """`--resume` of a run whose checkpoint is at train.steps started Ray and the teachers and evaluated the test
+    split again, with no word: now one line, exit 0 (a requeue script that resumes a finished run succeeds), before
+    Ray starts, and nothing written. More train.steps with --resume-override passes that check (it trains on)."""
+    import ray
+
+    from kava_ray.cli import main
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.runtime.preflight import check_resume
+
+    cfg = load_config(job_path)
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 1)
+    run = tmp_path / "run"
+    recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
+    (run / "metrics.jsonl").write_text("")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a finished run"))
+    before = sorted(str(p) for p in tmp_path.rglob("*")), sorted(Path(cfg.ray.storage_path).parent.rglob("*"))
+    capsys.readouterr()
+    assert main(["train", "--config", str(job_path), "--resume", str(run)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.splitlines() == [
+        f"{run} is complete (step {cfg.train.steps} of {cfg.train.steps}): nothing to resume (to train on, raise "
+        f"train.steps and pass --resume-override)"], out
+    assert (sorted(str(p) for p in tmp_path.rglob("*")), sorted(Path(cfg.ray.storage_path).parent.rglob("*"))) \
+        == before
+    check_resume(load_config(job_path, [f"train.steps={cfg.train.steps + 4}"]), str(run), resume_override=True)
 
 
 def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_process):

@@ -1,7 +1,8 @@
 """What the `kava-ray` commands share: the common flags, printing a result, the quiet console, exit codes.
 
-Exit codes: 0 ok; 2 bad input (every KavaError: one `error:` line on stderr); 3 `kava-ray plan` says the
-config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled as Ctrl-C).
+Exit codes: 0 ok (also a NothingToDo: its one line on stderr); 2 bad input (every KavaError: one `error:` line on
+stderr); 3 `kava-ray plan` says the config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled
+as Ctrl-C).
 
 Each command imports its implementation (and pydantic, torch, Ray) inside its handler, not at the top of
 its module: `kava-ray --help` and `kava-ray config show` then load none of what the other commands need.
@@ -16,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from kava_ray.common.errors import KavaError
+from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.common.signals import EXIT_TERMINATED, sigterm_as_interrupt, terminated
 
 EXIT_BAD_INPUT = 2
@@ -53,6 +54,9 @@ def call(args: argparse.Namespace) -> int:
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NothingToDo as e:
+        print(e, file=sys.stderr)
+        return 0
     except KeyboardInterrupt as e:  # a command that saved its state says where (kava_ray.recipes.tune)
         word = "terminated (SIGTERM)" if terminated() else "interrupted"
         print(f"error: {word}{'; ' + str(e) if str(e) else ''}", file=sys.stderr)

@@ -214,7 +214,9 @@ def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
     return None
 
 
-RUN_SECTIONS = ("optim", "train", "data")  # what a resumed run would otherwise silently keep from the checkpoint
+# what a resumed run would otherwise take from the checkpoint (optim, train: its optimizer state and schedule) or
+# change without a word (data, loss: what it trains on and towards)
+RUN_SECTIONS = ("optim", "train", "data", "loss")
 
 
 def _saved_config(path, state: dict) -> JobConfig:
@@ -227,9 +229,10 @@ def _saved_config(path, state: dict) -> JobConfig:
 def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
     """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
 
-    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule and data settings
-    (optim.*, train.*, data.*) may change only with `allow_run_changes` (`--resume-override`): the
-    checkpoint's optimizer state and schedule would otherwise quietly win over the new values.
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data and loss settings
+    (optim.*, train.*, data.*, loss.*) may change only with `allow_run_changes` (`--resume-override`): the
+    checkpoint's optimizer state and schedule would otherwise quietly win over the new values, and a new loss
+    or data would change the curve without a word.
     """
     state = read_state(path)
     sharded, shards = is_sharded_checkpoint(path), cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1

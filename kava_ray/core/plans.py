@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from huggingface_hub import constants
 
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
@@ -20,8 +23,9 @@ from kava_ray.core.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.core.align.vocab import cached_vocab_map
 from kava_ray.core.gguf import default_cache_dir
 from kava_ray.core.logit_kd import LogitTeacher
-from kava_ray.core.models import KVGeometry, copied_from, kv_geometry, load_model_config, load_tokenizer
+from kava_ray.core.models import KVGeometry, _resolve, copied_from, kv_geometry, load_model_config, load_tokenizer
 from kava_ray.data import BatchStream, TokenizedSplit, teacher_view, tokenize_split, tokenizer_fingerprint
+from kava_ray.data.batching import ROUTE
 from kava_ray.data.sources import load_records, source_fingerprint, source_path
 
 
@@ -89,6 +93,62 @@ def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
         raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
                         f"student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
                         f"characters, KV only); set loss.logit_cross_vocab=hybrid (or uld), or loss.logit_weight=0")
+
+
+def shares_tokenizer_here(cfg: JobConfig, teacher: str, student_fp: Optional[str] = None) -> Optional[bool]:
+    """Whether `teacher` tokenizes as the student (the fingerprint its actor will report: `teacher_plans`), read in
+    the driver before any teacher starts. None where its tokenizer is not at hand here without the network (a hub id
+    while online, a path only another node has, a package not installed): the teachers' own report decides then."""
+    spec = cfg.teacher(teacher).model
+    try:
+        source, gguf = _resolve(spec)
+    except KavaError:
+        return None
+    if gguf is None and not os.path.isdir(source) and not constants.HF_HUB_OFFLINE:
+        return None  # a hub id, online: the loader's (it may wait on the network for minutes)
+    try:
+        fp = tokenizer_fingerprint(load_tokenizer(spec))
+    except (KavaError, OSError, ValueError):
+        return None
+    return fp == (student_fp or student_tokenizer(cfg)[1])
+
+
+def onpolicy_writer(cfg: JobConfig) -> str:
+    """The teacher that writes completions with `onpolicy.source: teacher`: `onpolicy.teacher`, else the first."""
+    return cfg.onpolicy.teacher or cfg.teachers[0].name
+
+
+def check_writer(cfg: JobConfig, shares_tokenizer: Optional[bool]) -> None:
+    """`onpolicy.source: teacher` needs a writer of the student's tokenizer (its ids are the student's): one line
+    when it is known to have another (the driver's `shares_tokenizer_here` before Ray, or its plan once it runs)."""
+    if shares_tokenizer is False:
+        raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; "
+                        f"'{onpolicy_writer(cfg)}' has another (set onpolicy.teacher to one that shares it)")
+
+
+def check_routes(cfg: JobConfig, splits: dict[str, TokenizedSplit]) -> None:
+    """Records that name their teacher (column `teacher`: `Batch.route`, read by the logit term) name one of the
+    job's logit teachers (`logit_teachers`; the Distiller refuses any other mid-run): one line naming the split,
+    row and name, before Ray starts. A teacher of another tokenizer counts as one unless loss.logit_cross_vocab=off,
+    when it does only where its tokenizer is not at hand here (`shares_tokenizer_here`: None)."""
+    if not logits_top_k(cfg):
+        return  # no logit term: nothing reads the column
+    names, across, student_fp = [t.name for t in cfg.teachers], cross_vocab(cfg) != "off", None
+    logit_names = None
+    for what, split in splits.items():
+        if split.records is None or ROUTE not in split.records.column_names:
+            continue
+        if logit_names is None:
+            if not across:
+                student_fp = student_tokenizer(cfg)[1]
+            logit_names = [n for n in names if across or shares_tokenizer_here(cfg, n, student_fp) is not False]
+        for i, r in enumerate(split.records.select_columns([ROUTE])[ROUTE]):
+            if r and r not in logit_names:
+                why = (f" ('{r}' uses another tokenizer than the student's and loss.logit_cross_vocab=off)"
+                       if r in names else "")
+                raise KavaError(f"data.source {cfg.data.source}: row {i} of the {what} split names teacher {r!r} "
+                                f"(column '{ROUTE}'), but the job's logit teachers are "
+                                f"{', '.join(logit_names) or 'none'}{why}")
 
 
 def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
@@ -415,6 +475,7 @@ def prepare_data(cfg: JobConfig) -> dict:
     tok = load_tokenizer(cfg.student.model)
     train, val = load_splits(cfg, tok)
     test = load_test_split(cfg, tok)
+    check_routes(cfg, {"training": train, "validation": val, "test": test})
     return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg),
             "warning": overlap}
 

@@ -24,8 +24,8 @@ from ray.train.torch import TorchTrainer
 from kava_ray.common import resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
-from kava_ray.common.metrics_file import METRICS, add_session, last, stopped_by
-from kava_ray.core.checkpoint import find_checkpoint
+from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, stopped_by
+from kava_ray.core.checkpoint import find_checkpoint, read_state
 from kava_ray.core.plans import cross_vocab_lines, plans_payload, prepare_data
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
 from kava_ray.runtime.console import quiet, status, with_logs
@@ -125,8 +125,8 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
 
     resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's directory unless
-    `name` names another; resume_override: let
-    optim.*/train.*/data.* differ from the checkpoint's (the new values win); restart_teachers: replace a
+    `name` names another (a finished one: `NothingToDo`, before Ray starts); resume_override: let
+    optim.*/train.*/data.*/loss.* differ from the checkpoint's (the new values win); restart_teachers: replace a
     running pool that was started for another config instead of refusing it. The run dir is named before
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
@@ -148,8 +148,26 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
             if "(logs: " in str(e):
                 raise
             raise KavaError(with_logs(str(e))) from None
-        finally:  # the run's wall time (`kava-ray report`), every session of it
-            add_session(run_dir, started, time.time())
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`common.signals`): the CLI's line says how the run goes on
+            raise KeyboardInterrupt(resume_hint(run_dir, resume)) from None
+        finally:
+            # rank 0's `sampling...` flag: a worker ended mid-sample (a SIGTERM to the whole group) leaves it
+            (run_dir / SAMPLING).unlink(missing_ok=True)
+            add_session(run_dir, started, time.time())  # the run's wall time (`kava-ray report`), every session of it
+
+
+def resume_hint(run_dir: Path, resume: Optional[str] = None) -> str:
+    """What an interrupted run's line ends with: `--resume RUN_DIR continues it (from step N)` where RUN_DIR holds a
+    complete checkpoint (else the one this run resumed from), or that none was saved yet."""
+    for where in (run_dir, resume):
+        if where is None:
+            continue
+        try:
+            step = read_state(find_checkpoint(where, for_resume=True), verify=False)["step"]
+        except KavaError:
+            continue
+        return f"--resume {where} continues it (from step {step})"
+    return "no checkpoint was saved yet: nothing to resume"
 
 
 def resumed_run_dir(ckpt: str) -> Optional[Path]:

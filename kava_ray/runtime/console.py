@@ -20,7 +20,7 @@ import ray
 from kava_ray.common.errors import KavaError
 from kava_ray.runtime.ray_private import session_logs_dir
 
-_state: dict = {"console": None, "log_dir": None, "ray_started": False}
+_state: dict = {"console": None, "log_dir": None, "ray_started": False, "made": []}
 
 
 def ray_started() -> None:
@@ -45,9 +45,16 @@ def status(line: str) -> None:
 
 
 def with_logs(message: str) -> str:
-    """An error line with the logs dir appended: `... (logs: RUN_DIR/logs)` (unchanged outside `quiet`)."""
+    """An error line with the logs dir appended: `... (logs: RUN_DIR/logs)`; unchanged outside `quiet`, and where
+    the refusal will remove that dir (`_kept_on_refusal`): a line never names a directory that is gone."""
     d = log_dir()
-    return f"{message} (logs: {d})" if d is not None else message
+    return f"{message} (logs: {d})" if d is not None and _kept_on_refusal() else message
+
+
+def _kept_on_refusal() -> bool:
+    """Whether the active `quiet`'s logs stay when a KavaError ends it: once Ray has started (its logs are what the
+    line points at), or when the dir was there before (a resumed run's)."""
+    return _state["ray_started"] or not _state["made"]
 
 
 @contextlib.contextmanager
@@ -61,6 +68,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     _state["ray_started"] = False
+    _state["made"] = made
     _state["log_dir"] = log_dir
     _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
     from kava_ray.runtime import connect  # here: connect imports this module (an import cycle)
@@ -76,7 +84,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     except KavaError:
         # refused before Ray started (preflight, the data): the command's one line says it all and nothing it
         # created stays (with Ray up, the logs are what `(logs: DIR)` points at)
-        if made and not _state["ray_started"]:
+        if not _kept_on_refusal():
             shutil.rmtree(made[-1], ignore_errors=True)
             _state["ray_logs"] = None
         raise
@@ -89,6 +97,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
             except Exception as e:  # never hide the run's own outcome behind a log copy
                 print(f"could not copy Ray's logs: {e}", file=sys.stderr)
         _state["log_dir"] = _state["ray_logs"] = None
+        _state["made"] = []
 
 
 def silenced():

@@ -95,7 +95,7 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
     """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
     and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
     the KV source. On exit it stops only the teacher replicas it started (a pool that was running, or the part of
-    it that was, stays up) and shuts down only a Ray it started.
+    it that was, stays up) and shuts down only a Ray it started (whose teachers go with it).
 
     command: "train" / "tune" when Ray Train workers will run: once Ray is up and before any teacher starts, the
     run's actors must fit the cluster (`check_run_fits`) and, on a cluster, the local paths they and the teachers
@@ -116,7 +116,9 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                 check_node_paths(tokenizer_reads(cfg, plans, use_gpu))
             yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0, use_gpu)
         finally:
-            if started:
+            # an embedded Ray's teachers go with its shutdown (`owned_ray`); stopping them here would ask its GCS,
+            # which a SIGTERM to the whole process group (Slurm, `timeout`) has ended: 60 s, then the process dies
+            if started and connected != "embedded":
                 stop_pool(cfg, only=started)
 
 

@@ -17,10 +17,11 @@ from typing import Optional
 from huggingface_hub import constants
 
 from kava_ray.common.config import JobConfig
-from kava_ray.common.errors import KavaError
+from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
 from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
+from kava_ray.core.plans import check_writer, onpolicy_writer, shares_tokenizer_here
 from kava_ray.data.sources import check_source
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
@@ -59,6 +60,7 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
         check_model_files(cfg)  # the demo's pypi:// models: the pip command, on a cluster too
     check_student(cfg, command, resume)
     check_teachers(cfg, command, address)
+    check_onpolicy_writer(cfg, command)
     if command in ("train", "tune", "demo"):
         check_memory(cfg, address)
     for key, path in output_dirs(cfg, command, out):
@@ -124,10 +126,16 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
 
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
     """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
-    the keys that differ, in one line)."""
+    the keys that differ, in one line). One at or past `train.steps` has nothing left to train: NothingToDo (its
+    one line, exit 0) rather than Ray, the teachers and a test split evaluated again for nothing."""
     ckpt = find_checkpoint(resume, for_resume=True)
     check_files(ckpt)
-    check_compatible(ckpt, cfg, allow_run_changes=resume_override)
+    step = check_compatible(ckpt, cfg, allow_run_changes=resume_override)["step"]
+    if step >= cfg.train.steps:
+        at = f"step {step} of {cfg.train.steps}" if step == cfg.train.steps else \
+            f"step {step}, past train.steps={cfg.train.steps}"
+        raise NothingToDo(f"{resume} is complete ({at}): nothing to resume (to train on, raise train.steps and pass "
+                          f"--resume-override)")
 
 
 # -------------------------------------------------------------------------------------------- data
@@ -240,6 +248,16 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
         if bad:
             raise KavaError(f"teachers[{t.name}].layers: layer {bad[0]} is out of range (the model has {depth} "
                             f"layers: 0..{depth - 1})")
+
+
+def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
+    """`onpolicy.source: teacher`: the teacher that writes the completions shares the student's tokenizer
+    (`plans.check_writer`), read from its tokenizer here where it is at hand (`plans.shares_tokenizer_here`), not
+    from its report once Ray and the teachers have started."""
+    o = cfg.onpolicy
+    if command not in ("train", "tune", "demo") or o.fraction == 0 or o.source != "teacher":
+        return
+    check_writer(cfg, shares_tokenizer_here(cfg, onpolicy_writer(cfg)))
 
 
 def check_weights(model_dir) -> None:
