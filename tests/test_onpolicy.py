@@ -84,6 +84,24 @@ def test_a_sampled_batch_is_the_prompt_and_the_students_completion_scored_by_bot
     assert float(ok[where].float().mean()) > 0.5 * data_share  # the completions too
 
 
+def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
+    """max_new_tokens just below train.max_length (320; the config refuses more): the student is asked for no token
+    past max_length - the shortest prompt of the batch, where `sampled_batch` would cut it anyway (a huge
+    max_new_tokens sampled for minutes)."""
+    import actors.onpolicy
+    from kava_ray.data.onpolicy import prompts_of
+
+    asked = []
+    real = actors.onpolicy.sample
+    monkeypatch.setattr(actors.onpolicy, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
+                        real(model, prompts, n, *a, **k))
+    models, plans = teachers
+    cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.max_new_tokens=319"])
+    recipe, batch, _ = _first_batch(cfg, plans, models)
+    assert asked == [320 - min(len(p) for p in prompts_of(batch))] and asked[0] < 319
+    assert 0 < recipe.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
+
+
 def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teachers, tmp_path):
     """jsd at lag 1 (sampled one step ahead) and the sampled reverse KL at lag 0: from a step-3 checkpoint, steps
     4..6 repeat the uninterrupted run (the batch sampled ahead is kept in the checkpoint; sampling is seeded by
