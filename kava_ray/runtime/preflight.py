@@ -59,6 +59,7 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
         check_model_files(cfg)  # the demo's pypi:// models: the pip command, on a cluster too
     check_student(cfg, command, resume)
     check_teachers(cfg, command, address)
+    check_context(cfg, command, resume, address)
     if command in ("train", "tune", "demo"):
         check_memory(cfg, address)
     for key, path in output_dirs(cfg, command, out):
@@ -239,6 +240,28 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
         if bad:
             raise KavaError(f"teachers[{t.name}].layers: layer {bad[0]} is out of range (the model has {depth} "
                             f"layers: 0..{depth - 1})")
+
+
+def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str] = None) -> None:
+    """train.max_length within the context of every model that reads the rows (`max_position_embeddings`): the
+    student, and the teachers that run on this machine, whose configs are read where `check_student` /
+    `check_teachers` read them (a hub id online, or a teacher on a cluster, is not looked at). Before the memory
+    check, whose figure for such a length would name RAM rather than the cause."""
+    models = [("student.model", Path(ckpt) / "student" if command == "eval" and ckpt is not None
+               else cfg.student.model)]
+    if _embedded(cfg, address) and (cfg.data.kv_source == "live" or command == "teachers precompute"):
+        models += [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers]
+    n = cfg.train.max_length
+    for key, spec in models:
+        source, gguf = _resolve(str(spec))
+        if gguf is None and not os.path.isdir(source) and not _hub_offline():
+            continue
+        with about(key):
+            config = load_model_config(spec)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if isinstance(limit, int) and n > limit:
+            raise KavaError(f"train.max_length={n} is past the context of {key} ({spec}: {limit} positions, its "
+                            f"max_position_embeddings): set train.max_length to {limit} or less")
 
 
 def check_weights(model_dir) -> None:
