@@ -318,15 +318,28 @@ def opool(tiny_pool, ojob):
     yield from pool_beside(ojob)
 
 
-def test_fraction_one_trains_on_its_own_samples_through_ray_train(opool, ojob):
+def test_fraction_one_trains_on_its_own_samples_through_ray_train(opool, ojob, capfd):
     """`onpolicy.fraction: 1` through Ray Train and the teacher actors (one of the student's tokenizer, one of
-    SmolLM2's): every step samples, both teachers score the samples, the step's time says what sampling took."""
+    SmolLM2's): every step samples, both teachers score the samples, the step's time says what sampling took. The
+    console says the run is on-policy and what its loss is; the final table has the on-policy figures."""
     from jobs import read_jsonl
+    from kava_ray.cli.train import format_final
     from kava_ray.recipes.train import run_training
 
     cfg = load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "train.steps=4", "train.save_steps=2",
                                   "train.eval_steps=4"])
+    capfd.readouterr()
     out = run_training(cfg, name="onpolicy", progress=False)
+    err = capfd.readouterr().err.splitlines()
+    at = next(i for i, line in enumerate(err) if line.startswith("training: 4 steps, 1 worker -> "))
+    assert err[at + 1:at + 3] == [
+        "loss: ce 1 (off on the student's samples) + kv 0.1 (mercator, fusion fixed) + logit 1 (reverse_kl_sampled, "
+        "top-8)",
+        "on-policy: fraction 1 of the batches completed by the student (up to 12 new tokens, temperature 1, top_p 1), "
+        "lag 1"], err
+    table = {line.split()[0] for line in format_final(out).splitlines()[2:-1]}
+    assert {"onpolicy/reverse_kl/qwen", "onpolicy/sampled_tokens", "logit_kl", "logit_kl/smol", "time/sample_s",
+            "logit_sampled_rkl/qwen", "top1_agree/qwen", "loss", "eval/ce"} <= table, table
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
