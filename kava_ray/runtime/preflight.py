@@ -254,14 +254,15 @@ def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str
     n = cfg.train.max_length
     for key, spec in models:
         source, gguf = _resolve(str(spec))
-        if gguf is None and not os.path.isdir(source) and not _hub_offline():
-            continue
+        if gguf is None and not os.path.isdir(source) and (key != "student.model" or not _hub_offline()):
+            continue  # a hub id: the student's is read offline only (from the cache), a teacher's not at all
         with about(key):
             config = load_model_config(spec)
-        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        field = next((f for f in ("max_position_embeddings", "n_positions") if getattr(config, f, None)), None)
+        limit = getattr(config, field) if field else None
         if isinstance(limit, int) and n > limit:
             raise KavaError(f"train.max_length={n} is past the context of {key} ({spec}: {limit} positions, its "
-                            f"max_position_embeddings): set train.max_length to {limit} or less")
+                            f"{field}): set train.max_length to {limit} or less")
 
 
 def check_weights(model_dir) -> None:
