@@ -76,12 +76,14 @@ class Sampler:
         prompts = prompts_of(batch)
         seed = sample_seed(self.cfg.train.seed, key, self.rank)
         eos = [self.tok.eos_token_id]
+        # nothing past train.max_length is kept (`sampled_batch` cuts there): no token is sampled past it either
+        new = max(1, min(o.max_new_tokens, self.cfg.train.max_length - min(len(p) for p in prompts)))
         if self.model is not None:
-            s = sample(self.model, prompts, o.max_new_tokens, o.temperature, o.top_p, eos_ids=eos,
+            s = sample(self.model, prompts, new, o.temperature, o.top_p, eos_ids=eos,
                        pad_id=self.split.pad_id, seed=seed, autocast=self.autocast)
             ids, logps, source = s.ids, s.logp, "student"
         else:
-            ids = self.teacher(prompts, o.max_new_tokens, o.temperature, o.top_p, seed)
+            ids = self.teacher(prompts, new, o.temperature, o.top_p, seed)
             logps, source = None, "teacher"
         out = sampled_batch(batch, rows, self.split, ids, logps, self.tok, self.teacher_toks,
                             self.cfg.train.max_length, self.cfg.data.prompt_format, source)

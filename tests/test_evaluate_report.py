@@ -208,3 +208,27 @@ def test_read_metrics_errors(tmp_path):
     bad.write_text('{"step": 1, "kind": "train"}\n{"kind": "train", "loss": 1.0}\n')
     with pytest.raises(KavaError, match="line 2"):
         write_report(tmp_path)
+
+
+def test_the_final_table_shows_every_term_and_a_figure_the_last_step_did_not_measure(tmp_path):
+    """`kava-ray train`'s table: the on-policy figures, the train logit terms and the sampling time are rows (they
+    were dropped); a figure the last step did not measure (it sampled nothing) is its last measurement, with its
+    step (`metrics_file.last_values`)."""
+    from kava_ray.cli.train import format_final
+    from kava_ray.common.metrics_file import MetricsLog, last_values
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", 0)
+    first = {"step": 1, "kind": "train", "loss": 2.0, "logit_kl": 0.5, "onpolicy/sampled_tokens": 24,
+             "onpolicy/reverse_kl/qwen": 0.25, "time/sample_s": 1.5, "lr_student": 1e-3}
+    last = {"step": 2, "kind": "train", "loss": 1.5, "logit_kl": 0.4, "onpolicy/sampled_tokens": 0,
+            "time/sample_s": 0.0, "lr_student": 1e-3}
+    for r in (first, last, {"step": 2, "kind": "eval", "eval/ce": 3.0}):
+        log.write(r)
+    assert last_values(tmp_path / "metrics.jsonl")["onpolicy/reverse_kl/qwen"] == (1, 0.25)
+    table = format_final({"metrics": {**last, "eval/ce": 3.0}, "last_measured": last_values(tmp_path / "metrics.jsonl"),
+                          "run_dir": str(tmp_path), "wall_s": 1.0})
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:-1]}
+    assert rows["onpolicy/reverse_kl/qwen"] == ["0.2500", "(step", "1)"], table
+    assert rows["logit_kl"] == ["0.4000"] and rows["time/sample_s"] == ["0.0000"] and rows["loss"] == ["1.5000"]
+    assert rows["onpolicy/sampled_tokens"] == ["0"] and rows["eval/ce"] == ["3.0000"]
+    assert "lr_student" not in rows

@@ -84,6 +84,24 @@ def test_a_sampled_batch_is_the_prompt_and_the_students_completion_scored_by_bot
     assert float(ok[where].float().mean()) > 0.5 * data_share  # the completions too
 
 
+def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
+    """max_new_tokens just below train.max_length (320; the config refuses more): the student is asked for no token
+    past max_length - the shortest prompt of the batch, where `sampled_batch` would cut it anyway (a huge
+    max_new_tokens sampled for minutes)."""
+    import actors.onpolicy
+    from kava_ray.data.onpolicy import prompts_of
+
+    asked = []
+    real = actors.onpolicy.sample
+    monkeypatch.setattr(actors.onpolicy, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
+                        real(model, prompts, n, *a, **k))
+    models, plans = teachers
+    cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.max_new_tokens=319"])
+    recipe, batch, _ = _first_batch(cfg, plans, models)
+    assert asked == [320 - min(len(p) for p in prompts_of(batch))] and asked[0] < 319
+    assert 0 < recipe.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
+
+
 def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teachers, tmp_path):
     """jsd at lag 1 (sampled one step ahead) and the sampled reverse KL at lag 0: from a step-3 checkpoint, steps
     4..6 repeat the uninterrupted run (the batch sampled ahead is kept in the checkpoint; sampling is seeded by
@@ -99,6 +117,70 @@ def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teache
         assert recipe.start_step == 3
         assert_same_curve(resumed, full, resumed, keys=("loss", "logit_kl", "onpolicy/sampled_tokens",
                                                         "onpolicy/reverse_kl_sum/qwen", "grad_norm"), tol=1e-6)
+
+
+def test_a_figure_a_step_did_not_measure_is_absent_not_zero(ojob, teachers):
+    """fraction 0.5, two micro-batches a step: a step that sampled nothing has no reverse KL in its record (it was
+    0.0, diluting every mean over a run); a step with one sampled micro-batch of two has the sampled reverse KL of
+    that one (the logit term's `logit_sampled_rkl`, the mean over the micro-batches that measured it, equal to the
+    record's own reverse KL of the same tokens: it was half of it)."""
+    from kava_ray.recipes.distill import DistillRecipe, step_record, train_step
+
+    models, plans = teachers
+    cfg = load_config(ojob, ON + ["onpolicy.fraction=0.5", "onpolicy.lag=0", "optim.accumulation=2",
+                                  "loss.logit_divergence=reverse_kl_sampled"])
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    feed = recipe.feed(InProcessSource(models), until=6)
+    kinds = set()
+    for step in range(1, 7):
+        values = train_step(recipe, feed, step)
+        record = step_record(values, step, 1.0, recipe.last_lrs, 1, recipe.measured)
+        sampled = recipe.measured.get("logit_sampled_rkl/qwen", 0)
+        kinds.add(sampled)
+        assert ("onpolicy/reverse_kl/qwen" in record) == (sampled > 0) == (record["onpolicy/sampled_tokens"] > 0)
+        assert ("logit_sampled_rkl/qwen" in record) == (sampled > 0), record
+        if sampled:
+            assert record["logit_sampled_rkl/qwen"] == pytest.approx(record["onpolicy/reverse_kl/qwen"], rel=1e-4)
+        assert math.isfinite(record["loss"]) and recipe.measured["loss"] == 2
+    assert kinds >= {0, 1}, kinds  # (the draw is by batch key: fixed for this job and seed)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks of `test_a_metric_some_ranks_measured_is_their_mean`: its step values -> reduce_metrics."""
+    import json
+
+    import torch.distributed as dist
+
+    from kava_ray.recipes.distill import reduce_metrics
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    values = {"loss": t(1.0 + rank), "cos_sim": t(0.2 if rank == 0 else 0.8), "tokens": t(10.0 * (rank + 1))}
+    measured = {"loss": 2, "cos_sim": 2 if rank == 0 else 1, "tokens": 2}
+    if rank == 1:  # only rank 1 sampled (one of its two micro-batches)
+        values["logit_sampled_rkl/qwen"], measured["logit_sampled_rkl/qwen"] = t(0.3), 1
+    got = reduce_metrics(values, 2, measured)
+    dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
+
+
+def test_a_metric_some_ranks_measured_is_their_mean(tmp_path):
+    """Two ranks (gloo, two processes): `reduce_metrics` averages a metric over the micro-batches of every rank that
+    measured it -- a rank (or micro-batch) that did not adds no 0 -- and sums counts; the ranks' names may differ."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got == pytest.approx({"loss": 1.5, "cos_sim": (2 * 0.2 + 0.8) / 3, "tokens": 30.0,
+                                     "logit_sampled_rkl/qwen": 0.3}), (rank, got)
 
 
 def test_a_teacher_writes_the_completions_for_sequence_level_kd(ojob, teachers):
@@ -154,6 +236,11 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
                 expected += float(loss_t) * int((mask & rows).sum())
                 count += int((mask & rows).sum())
         assert float(m["logit_kl"]) == pytest.approx(expected / count, rel=1e-5)
+    batch.route = ["qwen"] * len(batch.route)  # no row for smol: its figures are not measured (absent, not 0)
+    with torch.no_grad():
+        _, m = recipe.distiller(batch, kv)
+    assert "logit_kl/qwen" in m and "top1_agree/qwen" in m
+    assert not [k for k in m if k.endswith("/smol") and k.startswith(("logit_", "top1_agree"))], sorted(m)
     with pytest.raises(KavaError, match="names teacher 'nobody'"):
         batch.route = ["nobody"] * len(batch.route)
         recipe.distiller(batch, kv)
@@ -231,15 +318,28 @@ def opool(tiny_pool, ojob):
     yield from pool_beside(ojob)
 
 
-def test_fraction_one_trains_on_its_own_samples_through_ray_train(opool, ojob):
+def test_fraction_one_trains_on_its_own_samples_through_ray_train(opool, ojob, capfd):
     """`onpolicy.fraction: 1` through Ray Train and the teacher actors (one of the student's tokenizer, one of
-    SmolLM2's): every step samples, both teachers score the samples, the step's time says what sampling took."""
+    SmolLM2's): every step samples, both teachers score the samples, the step's time says what sampling took. The
+    console says the run is on-policy and what its loss is; the final table has the on-policy figures."""
     from jobs import read_jsonl
+    from kava_ray.cli.train import format_final
     from kava_ray.recipes.train import run_training
 
     cfg = load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "train.steps=4", "train.save_steps=2",
                                   "train.eval_steps=4"])
+    capfd.readouterr()
     out = run_training(cfg, name="onpolicy", progress=False)
+    err = capfd.readouterr().err.splitlines()
+    at = next(i for i, line in enumerate(err) if line.startswith("training: 4 steps, 1 worker -> "))
+    assert err[at + 1:at + 3] == [
+        "loss: ce 1 (off on the student's samples) + kv 0.1 (mercator, fusion fixed) + logit 1 (reverse_kl_sampled, "
+        "top-8)",
+        "on-policy: fraction 1 of the batches completed by the student (up to 12 new tokens, temperature 1, top_p 1), "
+        "lag 1"], err
+    table = {line.split()[0] for line in format_final(out).splitlines()[2:-1]}
+    assert {"onpolicy/reverse_kl/qwen", "onpolicy/sampled_tokens", "logit_kl", "logit_kl/smol", "time/sample_s",
+            "logit_sampled_rkl/qwen", "top1_agree/qwen", "loss", "eval/ce"} <= table, table
     records = read_jsonl(Path(out["run_dir"]) / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]

@@ -495,6 +495,19 @@ def test_what_cannot_train_is_one_line(run_cli, tiny_job, override, needles):
     refused(run_cli, tiny_job, override, needles=needles)
 
 
+@pytest.mark.parametrize("overrides,needles", [
+    (["onpolicy.fraction=0.5", "onpolicy.max_new_tokens=100000"],
+     ("config key 'onpolicy.max_new_tokens'", "100000 must be below train.max_length (288)")),
+    (["ray.strategy=fsdp"], ("config key 'ray.strategy'", "ray.num_workers is 1", "it would train unsharded")),
+    (["train.max_length=1000000"], ("train.max_length=1000000 is past the context of student.model",
+                                    "512 positions", "max_position_embeddings")),
+], ids=["max-new-tokens-past-max-length", "fsdp-one-worker", "max-length-past-context"])
+def test_a_length_or_strategy_the_job_cannot_have_is_one_line(run_cli, tiny_job, overrides, needles):
+    """Sampling past train.max_length (it hung), FSDP with nothing to shard over (it ran unsharded), rows longer
+    than the student's context (it was refused with a RAM figure)."""
+    refused(run_cli, tiny_job, *overrides, needles=needles)
+
+
 def test_weights_cut_short_or_not_safetensors_are_named_before_ray(run_cli, tiny_job, tmp_path,
                                                                      tiny_student_dir):
     student = tmp_path / "student"

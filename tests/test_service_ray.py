@@ -190,13 +190,15 @@ def test_train_without_address_runs_its_own_ray_on_loopback_beside_a_head(own_tr
     assert err[1] == (f"note: a Ray cluster is running on this machine ({head.gcs_address}); kava-ray uses its own "
                       f"embedded Ray unless you pass --address auto"), err
     del err[1]
-    assert [line.split(":")[0] for line in err] == ["data", "connecting", "teachers", "training", "test", "logs"], err
+    assert [line.split(":")[0] for line in err] == ["data", "connecting", "teachers", "training", "loss", "test",
+                                                    "logs"], err
     assert err[0].startswith("data: ") and " training, " in err[0] and "(synthetic)" in err[0]
     assert "embedded Ray (" in err[1] and "127.0.0.1" in err[1]
     assert err[2].startswith("teachers: 1 ready (qwen) in ")
     assert err[3] == f"training: 2 steps, 1 worker -> {run_dir}"
-    assert err[4].startswith("test: CE ") and "KV cos to the fused teachers" in err[4] and "(centred)" in err[4]
-    assert err[5] == f"logs: {run_dir / 'logs'}"
+    assert err[4].startswith("loss: ce 1 + kv ") and "(mercator, fusion fixed)" in err[4], err[4]  # what it trains on
+    assert err[5].startswith("test: CE ") and "KV cos to the fused teachers" in err[5] and "(centred)" in err[5]
+    assert err[6] == f"logs: {run_dir / 'logs'}"
     assert stdout.splitlines()[-1].startswith(f"run dir: {run_dir}")  # the command's own output: the table
     console = stdout + stderr
     for word in CHATTER:

@@ -256,3 +256,51 @@ def test_optuna_search_needs_the_package(tmp_path, base):
         from ray.tune.search.optuna import OptunaSearch
 
         assert isinstance(make_search_alg(spec), OptunaSearch)
+
+
+def _plans(cfg):
+    """The teachers' plans as a sweep's driver gets them (here from the tiny models loaded in process)."""
+    from kava_ray.core.models import load_model
+    from kava_ray.core.plans import in_process_plans, student_geometry
+
+    return in_process_plans(cfg, {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}), \
+        student_geometry(cfg)
+
+
+def test_a_dimension_the_job_makes_inert_is_dropped_with_one_line(tiny_job, tiny_qwen2_dir, capsys):
+    """The default space on a job whose projector `auto` resolves to a projector without an elastic's knobs:
+    mlp_ratio and dropout change nothing and are dropped, with one line naming them and why; with one teacher of the
+    student's geometry there is no projector parameter at all, and lr_projector goes too. The rest is searched."""
+    from kava_ray.runtime.tune_space import drop_inert, projector_kinds
+
+    two = load_config(str(tiny_job), ["align.projector.kind=auto"])  # qwen: the student's geometry; llama: not
+    plans, s_geom = _plans(two)
+    kinds = projector_kinds(two, plans, s_geom)
+    assert kinds["llama"] == "linear" and kinds["qwen"] != "elastic", kinds
+    spec, line = drop_inert(load_space("default", two), two, kinds)
+    assert sorted(set(load_space("default", two).params) - set(spec.params)) == [
+        "align.projector.dropout", "align.projector.mlp_ratio"]
+    assert line.startswith("tune: not searched, inert for this job: align.projector.mlp_ratio, "
+                           "align.projector.dropout: only an elastic projector has them, and this job's is ") and \
+        "\n" not in line, line
+    one = load_config(str(tiny_job), ["align.projector.kind=auto", "teachers=[{name: qwen, model: "
+                                      f"{tiny_qwen2_dir}, dtype: float32}}]"])
+    plans, s_geom = _plans(one)
+    spec, line = drop_inert(load_space("default", one), one, projector_kinds(one, plans, s_geom))
+    assert "optim.lr_projector" not in spec.params and "optim.lr_projector: no parameter trains at it" in line
+    assert {"loss.beta", "loss.kv_weight", "loss.logit_weight", "optim.lr_student"} <= set(spec.params)
+    # an elastic projector uses them; a searched projector kind may wake them: both kept
+    elastic = load_config(str(tiny_job), ["align.projector.kind=elastic"])
+    assert drop_inert(load_space("default", elastic), elastic, projector_kinds(elastic, *_plans(elastic)))[1] is None
+
+
+def test_knobs_of_a_term_the_job_has_off_are_dropped_and_nothing_left_is_refused(tiny_job, tmp_path):
+    from kava_ray.runtime.tune_space import drop_inert
+
+    cfg = load_config(str(tiny_job), ["align.projector.kind=elastic", "loss.logit_weight=0"])
+    kinds = {"qwen": "elastic", "llama": "elastic"}
+    spec, line = drop_inert(load_space(write_space(tmp_path, {"loss.logit_top_k": {"choice": [8, 16]},
+                                                              "loss.beta": {"choice": [0.0, 0.1]}}), cfg), cfg, kinds)
+    assert list(spec.params) == ["loss.beta"] and "loss.logit_top_k: loss.logit_weight is 0" in line
+    with pytest.raises(KavaError, match="every param changes nothing for this job"):
+        drop_inert(load_space(write_space(tmp_path, {"loss.logit_top_k": {"choice": [8, 16]}}), cfg), cfg, kinds)

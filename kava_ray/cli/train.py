@@ -5,7 +5,9 @@ from __future__ import annotations
 from kava_ray.cli import shared
 from kava_ray.common.files import format_table
 
-METRICS = ("loss", "ce", "kv_loss", "cos", "contrast_gap", "eval/", "teacher_wait_s")  # the prefixes shown
+# the prefixes shown: the loss and its terms, the alignment, on-policy's figures, the held-out ones, the waits
+METRICS = ("loss", "ce", "kv_loss", "cos", "contrast_gap", "logit_", "top1_agree", "relation_loss", "hidden_loss",
+           "onpolicy/", "eval/", "teacher_wait_s", "time/")
 
 
 def register(sub) -> None:
@@ -33,7 +35,12 @@ def train(args) -> int:
 
 
 def format_final(out: dict) -> str:
-    rows = [[k, f"{v:.4f}" if isinstance(v, float) else v] for k, v in sorted(out["metrics"].items())
-            if k.startswith(METRICS)]
+    """The last step's metrics; one the last step did not measure (the sampled reverse KL of a step that sampled
+    nothing) is its last measured value, with its step."""
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else v  # noqa: E731
+    values = {k: fmt(v) for k, v in out["metrics"].items()}
+    values.update({k: f"{fmt(v)} (step {s})" for k, (s, v) in out.get("last_measured", {}).items()
+                   if k not in values})
+    rows = [[k, v] for k, v in sorted(values.items()) if k.startswith(METRICS)]
     return "\n".join([format_table(["metric (last step)", "value"], rows),
                       f"run dir: {out['run_dir']}  ({out['wall_s']:.0f} s)"])

@@ -285,7 +285,7 @@ class OnPolicyConfig(_Section):
     fraction: float = Field(0.0, ge=0, le=1)  # GKD's lambda: the share of batches sampled; 0 = off
     source: Literal["student", "teacher"] = "student"  # teacher: sequence-level KD (TRL's seq_kd)
     teacher: Optional[str] = None  # source teacher: which teacher writes (default: the first)
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1)  # below train.max_length (the prompt and completion are cut there)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights of one step
@@ -340,7 +340,7 @@ class RayConfig(_Section):
     num_workers: int = Field(1, ge=1)
     # how the Train workers hold the student: ddp (a whole copy each, gradients all-reduced) or fsdp (FSDP2:
     # parameters, gradients and optimizer state sharded over the workers, one decoder layer gathered at a time;
-    # `core.fsdp`, docs/training.md#fsdp). One worker: the same either way
+    # `core.fsdp`, docs/training.md#fsdp); fsdp needs several workers
     strategy: Literal["ddp", "fsdp"] = "ddp"
     use_gpu: Union[Literal["auto"], bool] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -399,6 +399,12 @@ class JobConfig(_Section):
             if self.loss.logit_weight == 0 and self.loss.kv_weight == 0 and o.source == "student":
                 raise ValueError("onpolicy.fraction: the student's own samples train only through the teachers' "
                                  "terms, and loss.logit_weight and loss.kv_weight are both 0")
+        if o.fraction > 0 and o.max_new_tokens >= self.train.max_length:  # a prompt takes one token at least
+            raise ValueError(f"onpolicy.max_new_tokens: {o.max_new_tokens} must be below train.max_length "
+                             f"({self.train.max_length}): the prompt and its completion are cut at max_length")
+        if self.ray.strategy == "fsdp" and self.ray.num_workers == 1:
+            raise ValueError("ray.strategy: fsdp shards the student over the workers, and ray.num_workers is 1 (it "
+                             "would train unsharded): set ray.num_workers above 1 or ray.strategy: ddp")
         if self.ray.strategy == "fsdp" and self.ray.num_workers > 1:
             if self.align.projector.kind == "fit":
                 raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "

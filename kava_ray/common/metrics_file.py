@@ -46,6 +46,17 @@ def last(path, kind: str) -> Optional[dict]:
     return out
 
 
+def last_values(path, kind: str = "train") -> dict[str, tuple[int, float]]:
+    """{metric: (step, value)}: the last value of every number the records of `kind` hold, and the step it was
+    measured at (a figure some steps do not measure, e.g. the sampled reverse KL, keeps its last measurement)."""
+    out: dict[str, tuple[int, float]] = {}
+    for r in records(path):
+        if r["kind"] == kind:
+            out.update({k: (r["step"], v) for k, v in r.items()
+                        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
 def read_metrics(path) -> tuple[list[dict], list[dict]]:
     """(train_records, eval_records), each sorted by step, the last record of a (kind, step) winning (a resumed
     run repeats steps); a line that is not a record is one KavaError naming it."""

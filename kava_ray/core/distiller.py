@@ -55,7 +55,7 @@ from kava_ray.core.metric_names import (
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import TeacherPlan, logit_specs, token_logprob_teachers
 from kava_ray.core.precision import sr_adamw
-from kava_ray.core.projectors import StudentMap, TeacherProjector, fit_allowed
+from kava_ray.core.projectors import StudentMap, TeacherProjector, job_kind
 from kava_ray.core.vocab_chunks import VocabReader
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
@@ -75,12 +75,10 @@ class Distiller(nn.Module):
         self.projectors = nn.ModuleDict({
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
-                                mode=a.mode, aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map,
-                                # FSDP2 shards the maps fit would fit on rank 0 and broadcast: auto is linear there
-                                fit_ok=fit_allowed(cfg.fusion.kind, len(plans), plan.aligned)
-                                and not (cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1),
-                                copied=plan.copied)
+                                mode=a.mode, aggregation=a.aggregation,
+                                kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, aligned=plan.aligned),
+                                mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
+                                train_map=p.train_map)
             for n, plan in plans.items()})
         self.fusion = Fusion(cfg.fusion.kind, len(self.names), n_layers=s_geom.num_layers,
                              weights=cfg.fusion.weights, per_layer=cfg.fusion.per_layer,
@@ -282,12 +280,17 @@ class Distiller(nn.Module):
         coefs = {CE_KEY: 0.0 if batch.source == "student" else c.ce_weight}
         totals = {CE_KEY: (labels != -100).sum()}
         targets, weights, metrics = {}, {}, {}
+        # a teacher no record of the batch is routed to teaches nothing in it: its figures are not measured (absent,
+        # not 0: `DistillRecipe.step` averages each over the micro-batches that measured it)
+        absent = set() if batch.route is None else {n for n in self.logit_names
+                                                    if not any(not r or r == n for r in batch.route)}
         if c.logit_weight > 0:
             self._check_top_k_ids(vocab, dev, teacher_kv, mask)
             for n, w, mask_n in self._routed(batch, mask):
                 spec = self.logit_specs[n].to(dev)  # its map's tensors (a no-op once there)
                 tg, fixed = logit_targets(spec, teacher_kv[n], batch, mask_n, c, vocab, dev)
-                metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
+                if n not in absent:
+                    metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
                 targets[n], weights[n] = (spec, tg), w.to(dev)
                 coefs[("loss", n)] = c.logit_weight * weights[n]
                 totals[("loss", n)] = tg.loss_mask(spec, c).sum()
@@ -295,7 +298,7 @@ class Distiller(nn.Module):
         loss, means = reader.terms(out, terms, coefs, totals)
         if targets:
             metrics.update({of(TOP1_AGREE if key[2] == TOP1_AGREE else "logit_" + key[2], key[1]): v
-                            for key, v in means.items() if key[0] == "metric"})
+                            for key, v in means.items() if key[0] == "metric" and key[1] not in absent})
             metrics[LOGIT_KL] = sum(weights[n] * means[("loss", n)] for n in targets).detach()
         return loss, means[CE_KEY], metrics
 
@@ -378,9 +381,9 @@ class Distiller(nn.Module):
         return total
 
     def _sampled_metrics(self, teacher_kv: dict[str, KVBatch], batch: Batch, next_mask: torch.Tensor) -> dict:
-        """On-policy runs, every batch (the same names on every rank and micro-batch): the tokens the student
-        sampled (0 for a batch of the data), and per teacher of its tokenizer the sum over them of log q - log pi_T
-        (`RKL_SUM/<t>`; the step record divides by the tokens: the teacher-scored reverse KL of the samples)."""
+        """On-policy runs, every batch: the tokens the student sampled (0 for a batch of the data), and per teacher
+        of its tokenizer the sum over them of log q - log pi_T (`RKL_SUM/<t>`; the step record divides by the tokens:
+        the teacher-scored reverse KL of the samples, absent from a step that sampled none)."""
         sampled = batch.source == "student" and batch.sample_logp is not None
         m = next_mask.to(batch.input_ids.device) if sampled else torch.zeros_like(next_mask, dtype=torch.bool)
         out = {SAMPLED_TOKENS: m.sum()}

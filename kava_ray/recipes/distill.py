@@ -261,13 +261,16 @@ class DistillRecipe:
     def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
 
-        Returns the step's metrics as float64 tensors on the device: means over micro-batches, counts (SUMMED)
-        summed, plus grad_norm (and with `grad_share`, grad/kv_share of the first micro-batch). Nothing is
-        converted to Python here (no GPU sync).
+        Returns the step's metrics as float64 tensors on the device: each a mean over the micro-batches that
+        measured it (a metric a micro-batch could not measure is not in its dict: the sampled reverse KL on a batch of
+        the data), counts (SUMMED) summed, plus grad_norm (and with `grad_share`, grad/kv_share of the first
+        micro-batch); `self.measured`: how many micro-batches measured each (the weights of `reduce_metrics`).
+        Nothing is converted to Python here (no GPU sync).
         """
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
         accum = self.cfg.optim.accumulation
         sums: dict[str, torch.Tensor] = {}
+        measured: dict[str, int] = {}
         share = None
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
@@ -287,6 +290,7 @@ class DistillRecipe:
                 share = self._kv_shares(kv_grads, accum)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
+                measured[k] = measured.get(k, 0) + 1
         with record_function("kava/optimizer"):
             # clipped per group: the projectors' gradients (a KV loss's, large at first) never shrink the student's
             limit = self.cfg.optim.grad_clip or float("inf")
@@ -296,7 +300,8 @@ class DistillRecipe:
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-        out = {k: v if summed(k) else v / accum for k, v in sums.items()}
+        out = {k: v if summed(k) else v / measured[k] for k, v in sums.items()}
+        self.measured = measured
         if share is not None:
             out.update(share)
         out["grad_norm"] = norms["student"].detach().double()  # the student's gradient norm (before clipping)
@@ -397,16 +402,27 @@ class DistillRecipe:
 # ---------------------------------------------------------------------------------- streams, ranks, metrics
 
 
-def reduce_metrics(values: dict[str, torch.Tensor], world: int) -> dict[str, float]:
-    """Python numbers for logging: means over ranks (counts summed), one all-reduce for all of them."""
-    keys = sorted(values)
-    flat = torch.stack([values[k].reshape(()) for k in keys])
-    if world > 1:
-        dist.all_reduce(flat)
-        scale = torch.tensor([1.0 if summed(k) else 1.0 / world for k in keys], dtype=flat.dtype,
-                             device=flat.device)
-        flat = flat * scale
-    return dict(zip(keys, flat.tolist()))
+def reduce_metrics(values: dict[str, torch.Tensor], world: int, measured: Optional[dict[str, int]] = None
+                   ) -> dict[str, float]:
+    """Python numbers for logging: counts (SUMMED) summed over ranks, every other metric the mean over the
+    micro-batches of every rank that measured it (`measured`: this rank's, `DistillRecipe.step`; 1 for a metric not
+    in it). A metric no rank measured is absent; one only some ranks measured is theirs alone (not averaged with 0).
+    Every rank calls it: one gather of the names (ranks may have measured different ones), one all-reduce."""
+    if world == 1:
+        keys = sorted(values)
+        return dict(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))
+    measured = measured or {}
+    names: list = [None] * world
+    dist.all_gather_object(names, sorted(values))
+    keys = sorted(set().union(*names))
+    weight = {k: float(measured.get(k, 1)) if k in values else 0.0 for k in keys}
+    like = next(iter(values.values()))
+    zero = torch.zeros((), dtype=torch.float64, device=like.device)
+    flat = torch.stack([values[k].reshape(()).double() * (1.0 if summed(k) else weight[k]) if k in values else zero
+                        for k in keys] + [zero + weight[k] for k in keys])
+    dist.all_reduce(flat)
+    totals, weights = flat[:len(keys)].tolist(), flat[len(keys):].tolist()
+    return {k: t if summed(k) else t / w for k, t, w in zip(keys, totals, weights) if w > 0}
 
 
 def stream_state_after(stream, feed, skipped: Optional[list[int]] = None, keep_in_flight: bool = False) -> dict:
@@ -511,15 +527,19 @@ def evals_before_end(t: TrainConfig) -> int:
     return evals_through(t.steps - 1, t)
 
 
-def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list, world: int) -> dict:
-    """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the all-reduce),
-    token counts turned into tokens_per_s, the phase, the learning rates of this step."""
-    metrics = reduce_metrics(values, world)
+def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list, world: int,
+                measured: Optional[dict[str, int]] = None) -> dict:
+    """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the all-reduce;
+    `measured`: `reduce_metrics`'), token counts turned into tokens_per_s, the phase, the learning rates of this
+    step. A figure the step did not measure is absent, never 0 (the reverse KL of a step that sampled nothing)."""
+    metrics = reduce_metrics(values, world, measured)
     metrics.pop(LABEL_TOKENS)
     metrics.pop(KV_TOKENS)
     metrics[SKIPPED_BATCHES] = int(metrics[SKIPPED_BATCHES])
     for k in [k for k in metrics if k.startswith(RKL_SUM + "/")]:  # on-policy: per sampled token
-        metrics[RKL + k[len(RKL_SUM):]] = metrics.pop(k) / max(metrics[SAMPLED_TOKENS], 1.0)
+        total = metrics.pop(k)
+        if metrics[SAMPLED_TOKENS] > 0:
+            metrics[RKL + k[len(RKL_SUM):]] = total / metrics[SAMPLED_TOKENS]
     metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop(TOKENS) / dt,
                    phase=phase(metrics[COS_SIM]), lr_student=lrs[0], lr_projector=lrs[-1])
     return metrics
@@ -625,7 +645,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         saved = step if kind.save else saved
         evals += kind.eval
-        record = step_record(values, step, dt, recipe.last_lrs, world)
+        record = step_record(values, step, dt, recipe.last_lrs, world, recipe.measured)
         if kind.eval and evaluates:
             last_eval = recipe.evaluate(source)
         if rank == 0:

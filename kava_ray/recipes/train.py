@@ -24,7 +24,7 @@ from ray.train.torch import TorchTrainer
 from kava_ray.common import resources
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
-from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, stopped_by
+from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, last_values, stopped_by
 from kava_ray.core.checkpoint import find_checkpoint, read_state
 from kava_ray.core.plans import cross_vocab_lines, plans_payload, prepare_data
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
@@ -122,7 +122,8 @@ def _interruptible():
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
                  address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
                  restart_teachers: bool = False, verbose: bool = False) -> dict:
-    """Run one distillation job end to end; returns run_dir, the last metrics and the checkpoint path.
+    """Run one distillation job end to end; returns run_dir, the last metrics (the last report; last_measured: every
+    train metric's last value and its step) and the checkpoint path.
 
     resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's directory unless
     `name` names another (a finished one: `NothingToDo`, before Ray starts); resume_override: let
@@ -205,6 +206,26 @@ def teachers_status(job) -> None:
         status(line)
 
 
+def run_lines(cfg: JobConfig) -> list[str]:
+    """What the run trains on, under its `training:` line: the loss's terms (those with a weight), and with
+    `onpolicy.fraction` > 0 the sampling (`loss: ce 1 + kv 1 (mercator, fusion fixed) + logit 0.5 (forward_kl,
+    top-64)`, `on-policy: ...`)."""
+    c, o = cfg.loss, cfg.onpolicy
+    terms = [f"ce {c.ce_weight:g}" + (" (off on the student's samples)" if o.fraction > 0 and o.source == "student"
+                                      else "")] if c.ce_weight > 0 else []
+    if c.kv_weight > 0:
+        terms.append(f"kv {c.kv_weight:g} ({c.kind}, fusion {cfg.fusion.kind})")
+    if c.logit_weight > 0:
+        terms.append(f"logit {c.logit_weight:g} ({c.logit_divergence}, top-{c.logit_top_k})")
+    terms += [f"{name} {w:g}" for name, w in (("relation", c.relation_weight), ("hidden", c.hidden_weight)) if w > 0]
+    lines = [f"loss: {' + '.join(terms)}"]
+    if o.fraction > 0:
+        who = "the student" if o.source == "student" else f"teacher '{o.teacher or cfg.teachers[0].name}'"
+        lines.append(f"on-policy: fraction {o.fraction:g} of the batches completed by {who} (up to {o.max_new_tokens} "
+                     f"new tokens, temperature {o.temperature:g}, top_p {o.top_p:g}), lag {o.lag}")
+    return lines
+
+
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
     with job_teachers(cfg, address, restart=restart_teachers, command="train") as job:
@@ -212,6 +233,8 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         trainer = build_trainer(cfg, job.plans, run_dir, job.use_gpu, resume, resume_override=resume_override)
         workers = cfg.ray.num_workers
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
+        for line in run_lines(cfg):
+            status(line)
         t0 = time.time()
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
             result = fit(trainer, run_dir)
@@ -221,6 +244,7 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
     if not verbose:
         status(f"logs: {run_dir / 'logs'}")
     return {"run_dir": str(run_dir), "wall_s": time.time() - t0, "metrics": dict(result.metrics or {}),
+            "last_measured": last_values(run_dir / METRICS),  # {metric: (step, value)}: the last step may lack one
             "checkpoint": result.checkpoint.path if result.checkpoint else None}
 
 

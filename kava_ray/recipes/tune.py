@@ -42,10 +42,12 @@ from kava_ray.runtime.preflight import preflight
 from kava_ray.runtime.ray_private import wait_for_tune_reports
 from kava_ray.runtime.tune_space import (
     apply_params,
+    drop_inert,
     load_space,
     make_scheduler,
     make_search_alg,
     planned_trials,
+    projector_kinds,
     to_param_space,
 )
 
@@ -143,6 +145,10 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
             return _sweep(cfg, spec, exp_dir, resume, num_samples, max_concurrent, trial, None, {})
     with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, command="tune") as job:
         teachers_status(job)
+        # a dimension this job makes inert (an elastic projector's knobs where the projector is identity): one line
+        spec, dropped = drop_inert(spec, cfg, projector_kinds(cfg, job.plans, student_geometry(cfg)))
+        if dropped:
+            status(dropped)
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
         geoms = {n: dict(p.geometry.to_dict(), tokenizer_fingerprint=p.tokenizer_fingerprint,
                          tokenizer=p.tokenizer) for n, p in job.plans.items()}

@@ -24,7 +24,7 @@ from kava_ray.core.kv import kv_bytes_per_token, logits_bytes_per_token
 from kava_ray.core.models import KVGeometry, kv_geometry, load_model_config
 from kava_ray.core.plans import copied_from_teacher, cross_vocab, layer_plan, logits_top_k
 from kava_ray.core.precision import planned_policy, student_bytes_per_param
-from kava_ray.core.projectors import TeacherProjector, fit_allowed, matmul_weights, resolve_kind
+from kava_ray.core.projectors import TeacherProjector, job_kind, matmul_weights
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -141,10 +141,10 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
         for name, (geom, layer_map, layers) in plans.items():
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
-                                         aggregation=a.aggregation, kind=p.kind, mlp_ratio=p.mlp_ratio,
-                                         dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map,
-                                         fit_ok=fit_allowed(cfg.fusion.kind, len(plans)),
-                                         copied=copied_from_teacher(cfg, name)))
+                                         aggregation=a.aggregation,
+                                         kind=job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name)),
+                                         mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
+                                         train_map=p.train_map))
         mods.append(Fusion(cfg.fusion.kind, len(plans), n_layers=s_geom.num_layers, weights=cfg.fusion.weights,
                            per_layer=cfg.fusion.per_layer, feature_dim=s_geom.hidden_size, names=list(plans)))
     params = [q for m in mods for q in m.parameters() if q.requires_grad]
@@ -308,8 +308,7 @@ def _projector_bytes(cfg: JobConfig, name: str, geom: KVGeometry, layers: list[i
     sees its own D_t slice). Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
     """
     al, p = cfg.align, cfg.align.projector
-    kind = resolve_kind(p.kind, al.mode, geom.num_kv_heads, geom.head_dim, s_geom.num_kv_heads, s_geom.head_dim,
-                        fit_allowed(cfg.fusion.kind, len(cfg.teachers)), copied=copied_from_teacher(cfg, name))
+    kind = job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name))
     if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
         return 0.0
     if kind == "fit":  # the student-side map saves its input, the student's KV of each layer

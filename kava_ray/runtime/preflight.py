@@ -61,6 +61,7 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
     check_student(cfg, command, resume)
     check_teachers(cfg, command, address)
     check_onpolicy_writer(cfg, command)
+    check_context(cfg, command, resume, address)
     if command in ("train", "tune", "demo"):
         check_memory(cfg, address)
     for key, path in output_dirs(cfg, command, out):
@@ -258,6 +259,29 @@ def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
     if command not in ("train", "tune", "demo") or o.fraction == 0 or o.source != "teacher":
         return
     check_writer(cfg, shares_tokenizer_here(cfg, onpolicy_writer(cfg)))
+
+
+def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str] = None) -> None:
+    """train.max_length within the context of every model that reads the rows (`max_position_embeddings`): the
+    student, and the teachers that run on this machine, whose configs are read where `check_student` /
+    `check_teachers` read them (a hub id online, or a teacher on a cluster, is not looked at). Before the memory
+    check, whose figure for such a length would name RAM rather than the cause."""
+    models = [("student.model", Path(ckpt) / "student" if command == "eval" and ckpt is not None
+               else cfg.student.model)]
+    if _embedded(cfg, address) and (cfg.data.kv_source == "live" or command == "teachers precompute"):
+        models += [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers]
+    n = cfg.train.max_length
+    for key, spec in models:
+        source, gguf = _resolve(str(spec))
+        if gguf is None and not os.path.isdir(source) and (key != "student.model" or not _hub_offline()):
+            continue  # a hub id: the student's is read offline only (from the cache), a teacher's not at all
+        with about(key):
+            config = load_model_config(spec)
+        field = next((f for f in ("max_position_embeddings", "n_positions") if getattr(config, f, None)), None)
+        limit = getattr(config, field) if field else None
+        if isinstance(limit, int) and n > limit:
+            raise KavaError(f"train.max_length={n} is past the context of {key} ({spec}: {limit} positions, its "
+                            f"{field}): set train.max_length to {limit} or less")
 
 
 def check_weights(model_dir) -> None:

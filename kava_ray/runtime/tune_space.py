@@ -27,6 +27,7 @@ from kava_ray.common.config import (
 )
 from kava_ray.common.errors import KavaError
 from kava_ray.core.metric_names import EVALS
+from kava_ray.core.projectors import job_kind
 
 SPACE_PACKAGE = "tune_spaces"
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
@@ -288,6 +289,63 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
     except KavaError as err:
         raise KavaError(f"search space {origin}: {err}") from None
     return spec
+
+
+# ----------------------------------------------------------------------------- inert dimensions
+
+
+def projector_kinds(base: JobConfig, plans: dict, s_geom) -> dict[str, str]:
+    """{teacher: the projector kind its trials train}: `projectors.job_kind`, the Distiller's rule (`auto`:
+    identity, fit or linear)."""
+    return {n: job_kind(base, p.geometry, s_geom, copied=p.copied, aligned=p.aligned) for n, p in plans.items()}
+
+
+def inert_params(spec: SpaceSpec, base: JobConfig, kinds: dict[str, str]) -> dict[str, str]:
+    """{param: why it changes nothing}: the searched keys this job's config makes inert in every trial (none of the
+    keys that would wake it is searched). kinds: `projector_kinds`."""
+    searched = set(spec.params)
+    kind_keys = ("align.projector.kind", "align.mode", "fusion.kind")  # what a trial's projector kind follows
+    woken = lambda *keys: bool(searched & set(keys))  # noqa: E731
+    named = ", ".join(sorted(set(kinds.values())))
+    auto = " (align.projector.kind auto)" if base.align.projector.kind == "auto" else ""
+    out = {}
+    if "elastic" not in kinds.values() and not woken(*kind_keys):
+        for key in ("align.projector.mlp_ratio", "align.projector.dropout"):
+            out[key] = f"only an elastic projector has them, and this job's is {named}{auto}"
+    heads = (set(kinds.values()) <= {"identity", "fit"} and base.fusion.kind in ("fixed", "sum")
+             and base.loss.hidden_weight == 0)
+    if heads and not woken(*kind_keys, "loss.hidden_weight"):
+        out["optim.lr_projector"] = f"no parameter trains at it: projector {named}{auto}, fusion {base.fusion.kind}"
+    if base.loss.kv_weight == 0 and "loss.kv_weight" not in searched:
+        for key in searched:
+            if key in _KV_LOSS_KEYS or key.startswith("align.projector."):
+                out[key] = "loss.kv_weight is 0: there is no KV loss"
+    if base.loss.logit_weight == 0 and "loss.logit_weight" not in searched:
+        for key in searched & set(_LOGIT_KEYS):
+            out[key] = "loss.logit_weight is 0: there is no logit term"
+    return {k: why for k, why in out.items() if k in searched}
+
+
+_KV_LOSS_KEYS = ("loss.kind", "loss.alpha", "loss.beta", "loss.hybrid_weight", "loss.kv_parts", "loss.center",
+                 "loss.loss_tokens")
+_LOGIT_KEYS = ("loss.logit_top_k", "loss.logit_temperature", "loss.logit_tail", "loss.logit_divergence",
+               "loss.jsd_beta", "loss.logit_hybrid_matched_weight", "loss.logit_cross_vocab")
+
+
+def drop_inert(spec: SpaceSpec, base: JobConfig, kinds: dict[str, str]) -> tuple[SpaceSpec, Optional[str]]:
+    """(the space without the dimensions `inert_params` finds, the one line that says which and why; None when none
+    is). A space with nothing left to search is refused."""
+    inert = inert_params(spec, base, kinds)
+    if not inert:
+        return spec, None
+    left = {k: d for k, d in spec.params.items() if k not in inert}
+    whys: dict[str, list[str]] = {}
+    for k, why in inert.items():
+        whys.setdefault(why, []).append(k)
+    said = "; ".join(f"{', '.join(keys)}: {why}" for why, keys in whys.items())
+    if not left:
+        raise KavaError(f"search space: every param changes nothing for this job ({said})")
+    return spec.model_copy(update={"params": left}), f"tune: not searched, inert for this job: {said}"
 
 
 # ----------------------------------------------------------------------------- Ray Tune objects
