@@ -533,6 +533,12 @@ def test_a_run_name_is_one_directory(run_cli, tiny_job, name):
                                                         "letters, digits, '-', '_', '.'"))
 
 
+def test_a_job_name_is_held_to_the_same_rule(run_cli, tiny_job):
+    """The config's `name` names the run dirs (`<name>-<time>`) when `--name` is not given: the same rule."""
+    refused(run_cli, tiny_job, "name=my run", needles=("config key 'name'", "' ' is not allowed",
+                                                       "one directory under ray.storage_path"))
+
+
 def test_a_run_name_of_any_letters_and_digits_passes():
     """The rule the refusal states, and no more: Unicode letters and digits, `-`, `_`, `.`."""
     from kava_ray.runtime.preflight import check_name

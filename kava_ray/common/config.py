@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.files import name_problem
 from kava_ray.common.placement import normalize_selector
 from kava_ray.common.trackers import check_loggers
 
@@ -370,6 +371,14 @@ class JobConfig(_Section):
     train: TrainConfig = TrainConfig()
     ray: RayConfig = RayConfig()
     onpolicy: OnPolicyConfig = OnPolicyConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _one_directory(cls, v):  # run dirs are named `<name>-<time>` under ray.storage_path: --name's rule
+        why = name_problem(v)
+        if why:
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="after")
     def _cross_checks(self):

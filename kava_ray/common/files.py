@@ -118,6 +118,17 @@ def file_lock(path: Union[str, Path], timeout: float = -1) -> FileLock:
     return FileLock(str(path), timeout=timeout)
 
 
+def name_problem(name: str) -> Optional[str]:
+    """Why `name` is not one directory of letters, digits, `-`, `_` and `.` (None when it is): a run's or sweep's
+    directory under `ray.storage_path`. `../x` would write outside it, a space or a shell character is one more
+    thing to quote in every command that names the run; any Unicode letter or digit is fine (`modèle-v1`)."""
+    bad = [c for c in name if not (c.isalnum() or c in "-_.")]
+    if not name.strip() or name in (".", "..") or bad:
+        return (f"{bad[0]!r} is not allowed in it" if bad else "it must name one directory") + \
+            " (a run's name is one directory under ray.storage_path: letters, digits, '-', '_', '.')"
+    return None
+
+
 def format_table(header: list, rows: list[list]) -> str:
     """Plain left-aligned columns separated by two spaces, a dashed rule under the header.
 

@@ -18,6 +18,7 @@ from huggingface_hub import constants
 
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, NothingToDo
+from kava_ray.common.files import name_problem
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
 from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
@@ -79,14 +80,10 @@ def about(key: str):
 
 
 def check_name(name: str) -> None:
-    """`--name` is one directory under `ray.storage_path` of letters, digits, `-`, `_` and `.`, not `.` or `..`
-    (a name like `../../x` would write outside the storage path; a space or a shell character is one more thing
-    to quote in every command that names the run). Any Unicode letter or digit is fine (`modèle-v1`)."""
-    bad = [c for c in name if not (c.isalnum() or c in "-_.")]
-    if not name.strip() or name in (".", "..") or bad:
-        why = (f"{bad[0]!r} is not allowed in it" if bad else "it must name one directory")
-        raise KavaError(f"--name {name!r}: {why} (a run's name is one directory under ray.storage_path: letters, "
-                        f"digits, '-', '_', '.')")
+    """`--name` is one directory under `ray.storage_path` (`files.name_problem`, the rule the config's `name` has)."""
+    why = name_problem(name)
+    if why:
+        raise KavaError(f"--name {name!r}: {why}")
 
 
 # ------------------------------------------------------------------------------------------- tune
