@@ -42,7 +42,7 @@ def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
     job = tmp_path / "onpolicy.yaml"
     job.write_text("extends: demo_cpu\n" + block)
     cfg = load_config(str(job))
-    assert cfg.onpolicy.fraction == 1.0 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 256
+    assert cfg.onpolicy.fraction == 1.0 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 128
     assert cfg.loss.logit_divergence == "reverse_kl_sampled" and cfg.loss.logit_weight == 1.0
 
 
@@ -59,7 +59,8 @@ def chat_records(n: int, times: int = 2) -> str:
 @pytest.fixture(scope="module")
 def readme_run(ray_session, tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir):
     """The README's job as printed with `source: chat.jsonl` (one file for every split, its `num_val: null` and
-    `num_test: null` kept): the hub ids are the tiny local models (no downloads), the teachers on CPUs, 2 steps.
+    `num_test: null` kept): the hub ids are the tiny local models (no downloads; their context is 512 positions, so
+    train.max_length 256), the teachers on CPUs, 2 steps.
     The job's teachers are held for the module (its eval below finds them running)."""
     from actors.pool import start_missing, stop_pool
     from kava_ray.recipes.train import run_training
@@ -74,6 +75,7 @@ def readme_run(ray_session, tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, ti
         block = block.replace(printed, str(local))
     (tmp / "my_job.yaml").write_text(block)
     cfg = load_config(str(tmp / "my_job.yaml"), ["teachers.0.num_gpus=0", "teachers.1.num_gpus=0", "train.steps=2",
+                                                 "train.max_length=256",  # the tiny models' context is 512
                                                  f"ray.storage_path={tmp / 'runs'}"])
     handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     out = run_training(cfg, name="my_job", progress=False)
