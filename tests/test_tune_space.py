@@ -304,3 +304,13 @@ def test_knobs_of_a_term_the_job_has_off_are_dropped_and_nothing_left_is_refused
     assert list(spec.params) == ["loss.beta"] and "loss.logit_top_k: loss.logit_weight is 0" in line
     with pytest.raises(KavaError, match="every param changes nothing for this job"):
         drop_inert(load_space(write_space(tmp_path, {"loss.logit_top_k": {"choice": [8, 16]}}), cfg), cfg, kinds)
+    # kv_weight 0: the KV knobs go, but the token mask stays while the relation loss (which reads it) is on
+    tokens = {"loss.loss_tokens": {"choice": ["all", "answer"]}, "loss.alpha": {"choice": [1.0, 2.0]}}
+    for relation, kept in ((0.0, []), (0.5, ["loss.loss_tokens"])):
+        job = load_config(str(tiny_job), ["loss.kv_weight=0", f"loss.relation_weight={relation}"])
+        if kept:
+            spec, line = drop_inert(load_space(write_space(tmp_path, tokens), job), job, kinds)
+            assert list(spec.params) == kept and "loss.alpha: loss.kv_weight is 0" in line
+        else:
+            with pytest.raises(KavaError, match="every param changes nothing for this job"):
+                drop_inert(load_space(write_space(tmp_path, tokens), job), job, kinds)

@@ -300,14 +300,13 @@ class TeacherProjector(nn.Module):
         dropout: float = 0.1,
         head_proj: str = "shared",
         train_map: bool = False,
-        fit_ok: bool = True,
-        copied: bool = False,
     ):
         super().__init__()
         _check_dims(t_heads=t_heads, t_head_dim=t_head_dim, s_layers=s_layers, s_heads=s_heads, s_head_dim=s_head_dim)
         if mode not in MODES:
             raise KavaError(f"unknown projector mode {mode!r} (expected one of {', '.join(MODES)})")
-        kind = resolve_kind(kind, mode, t_heads, t_head_dim, s_heads, s_head_dim, fit_ok, copied=copied)
+        if kind == "auto":  # it depends on the job (the student's provenance, fusion, strategy): `job_kind`
+            raise KavaError("TeacherProjector: kind auto must be resolved first (projectors.job_kind)")
         if kind == "identity":
             _check_identity(mode, t_heads, t_head_dim, s_heads, s_head_dim)
         if kind == "fit" and mode != "structured":

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.checkpoint import check_whole_student, find_checkpoint
+from kava_ray.core.checkpoint import STATE, check_whole_student, find_checkpoint
 from kava_ray.core.models import load_model, load_tokenizer
 from kava_ray.data.records import use_chat
 
@@ -26,7 +26,8 @@ def student_dir(path) -> Path:
     checkpoint's (FSDP2 mid-run: a config, no weights) is one line naming final/."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
-        check_whole_student(p.parent, "generate from")  # CKPT/student of a sharded checkpoint
+        if (p.parent / STATE).is_file():  # CKPT/student of a checkpoint (a sharded one: one line)
+            check_whole_student(p.parent, "generate from")
         return p  # a Hugging Face model dir (e.g. RUN/final/student itself)
     ckpt = find_checkpoint(p)
     check_whole_student(ckpt, "generate from")

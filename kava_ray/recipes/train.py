@@ -26,7 +26,7 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
 from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, last_values, stopped_by
 from kava_ray.core.checkpoint import find_checkpoint, read_state
-from kava_ray.core.plans import cross_vocab_lines, plans_payload, prepare_data
+from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload, prepare_data
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
 from kava_ray.runtime.console import quiet, status, with_logs
 from kava_ray.runtime.job import job_teachers
@@ -220,7 +220,7 @@ def run_lines(cfg: JobConfig) -> list[str]:
     terms += [f"{name} {w:g}" for name, w in (("relation", c.relation_weight), ("hidden", c.hidden_weight)) if w > 0]
     lines = [f"loss: {' + '.join(terms)}"]
     if o.fraction > 0:
-        who = "the student" if o.source == "student" else f"teacher '{o.teacher or cfg.teachers[0].name}'"
+        who = "the student" if o.source == "student" else f"teacher '{onpolicy_writer(cfg)}'"
         lines.append(f"on-policy: fraction {o.fraction:g} of the batches completed by {who} (up to {o.max_new_tokens} "
                      f"new tokens, temperature {o.temperature:g}, top_p {o.top_p:g}), lag {o.lag}")
     return lines

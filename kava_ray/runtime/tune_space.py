@@ -318,6 +318,8 @@ def inert_params(spec: SpaceSpec, base: JobConfig, kinds: dict[str, str]) -> dic
         out["optim.lr_projector"] = f"no parameter trains at it: projector {named}{auto}, fusion {base.fusion.kind}"
     if base.loss.kv_weight == 0 and "loss.kv_weight" not in searched:
         for key in searched:
+            if key == "loss.loss_tokens" and (base.loss.relation_weight > 0 or "loss.relation_weight" in searched):
+                continue  # the relation loss reads the same token mask
             if key in _KV_LOSS_KEYS or key.startswith("align.projector."):
                 out[key] = "loss.kv_weight is 0: there is no KV loss"
     if base.loss.logit_weight == 0 and "loss.logit_weight" not in searched:
