@@ -36,6 +36,20 @@ def test_a_typo_in_the_readme_job_is_one_line(tmp_path):
         load_config(str(job))
 
 
+def test_the_readme_job_without_val_split_on_one_file_loads(tmp_path):
+    """The block's comment: omit `val_split` to carve validation from the training records -- with one file
+    (`source: chat.jsonl`) and the block's `num_val: null` too (5 % of its records, `plans.carved_counts`)."""
+    from kava_ray.core.plans import carved
+
+    block = _readme_job()
+    assert "  val_split: validation" in block and "./my_data/{split}.jsonl" in block
+    job = tmp_path / "my_job.yaml"
+    job.write_text("\n".join(line for line in block.replace("./my_data/{split}.jsonl", str(tmp_path / "chat.jsonl"))
+                             .splitlines() if not line.startswith("  val_split:")))
+    cfg = load_config(str(job))
+    assert cfg.data.val_split is None and cfg.data.num_val is None and carved(cfg)
+
+
 def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
     section = README.read_text().split("## On-policy distillation", 1)[1]
     block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
