@@ -427,6 +427,32 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
         prepare_data(load_config(str(tiny_job), [f"data.source={tmp_path}/two.jsonl", "data.num_val=1", *nulls[1:]]))
 
 
+def test_null_shares_are_of_the_records_the_job_trains_on(tiny_job, tmp_path):
+    """A null num_val / num_test is 5 % of `num_train` when it is set (at least one), not of the whole file (100 of
+    a million records: 5 validation rows, not 50,000); without val_split on a `{split}` source or a one-file source
+    with allow_overlap, a null num_val is that share of the training records too (no config error, no TypeError)."""
+    from kava_ray.common.config import load_config
+    from kava_ray.core.plans import carved_counts, prepare_data
+
+    (tmp_path / "chat.jsonl").write_text(qa_rows(400))
+    one = [f"data.source={tmp_path}/chat.jsonl", "data.num_val=null", "data.num_test=null"]
+    cfg = load_config(str(tiny_job), [*one, "data.num_train=40"])
+    assert carved_counts(cfg, 1_000_000) == (2, 2) and carved_counts(cfg, 10) == (1, 1)
+    assert carved_counts(load_config(str(tiny_job), one + ["data.num_train=null"]), 1_000_000) == (50_000, 50_000)
+    assert {k: prepare_data(cfg)[k] for k in ("train", "validation", "test")} == {"train": 40, "validation": 2,
+                                                                                  "test": 2}
+    (tmp_path / "train.jsonl").write_text(qa_rows(400))
+    (tmp_path / "test.jsonl").write_text(qa_rows(3, prompt=lambda i: f"held out {i}?"))
+    split = load_config(str(tiny_job), [f"data.source={tmp_path}/{{split}}.jsonl", "data.num_val=null",
+                                        "data.num_train=100"])
+    assert split.data.val_split is None
+    assert {k: prepare_data(split)[k] for k in ("train", "validation", "test")} == {"train": 100, "validation": 5,
+                                                                                    "test": 3}
+    overlap = load_config(str(tiny_job), [*one, "data.num_train=null", "data.allow_overlap=true"])
+    assert {k: prepare_data(overlap)[k] for k in ("train", "validation", "test")} == {"train": 380,
+                                                                                      "validation": 20, "test": 400}
+
+
 @pytest.fixture(scope="module")
 def smol_job(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir, smol_teacher_dir):
     """Teachers `qwen` (the student's tokenizer) and `smol` (SmolLM2's: another tokenizer)."""

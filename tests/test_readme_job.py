@@ -36,6 +36,20 @@ def test_a_typo_in_the_readme_job_is_one_line(tmp_path):
         load_config(str(job))
 
 
+def test_the_readme_job_without_val_split_on_one_file_loads(tmp_path):
+    """The block's comment: omit `val_split` to carve validation from the training records -- with one file
+    (`source: chat.jsonl`) and the block's `num_val: null` too (5 % of its records, `plans.carved_counts`)."""
+    from kava_ray.core.plans import carved
+
+    block = _readme_job()
+    assert "  val_split: validation" in block and "./my_data/{split}.jsonl" in block
+    job = tmp_path / "my_job.yaml"
+    job.write_text("\n".join(line for line in block.replace("./my_data/{split}.jsonl", str(tmp_path / "chat.jsonl"))
+                             .splitlines() if not line.startswith("  val_split:")))
+    cfg = load_config(str(job))
+    assert cfg.data.val_split is None and cfg.data.num_val is None and carved(cfg)
+
+
 def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
     section = README.read_text().split("## On-policy distillation", 1)[1]
     block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
@@ -118,3 +132,31 @@ def test_eval_on_another_file_tests_on_all_of_it(readme_run):
     assert ev["test/ce"] == pytest.approx(heldout_ce(load_model(student, dtype="float32"), split), rel=1e-5)
     assert evaluate_checkpoint(out["run_dir"], limit=0, overrides=[f"data.source={other}", "data.num_test=3"]
                                )["test_rows"] == 3
+
+
+def test_eval_of_the_runs_own_file_keeps_its_carve(readme_run, capsys):
+    """`kava-ray eval RUN data.source=<the file it trained on>` (however spelled: a symlink here) is the run's own
+    test split -- its 2 carved rows, not all 40 (36 of them trained on); a data.num_* that would re-carve that file
+    is one line, exit 2, before anything loads, nothing written."""
+    from kava_ray.cli import main
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.core.plans import load_test_split
+    from kava_ray.recipes.evaluate import eval_config, evaluate_checkpoint
+
+    cfg, out, tmp = readme_run
+    run = Path(out["run_dir"])
+    link = tmp / "same.jsonl"
+    link.symlink_to(tmp / "chat.jsonl")
+    own = eval_config(cfg, [f"data.source={link}"])
+    assert len(load_test_split(own, load_tokenizer(run / "final" / "student"))) == 2
+    assert evaluate_checkpoint(run, limit=0, overrides=[f"data.source={tmp / 'chat.jsonl'}"])["test_rows"] == 2
+    before = sorted(str(p) for p in run.rglob("*"))
+    for args in (["data.num_test=8"], [f"data.source={link}", "data.num_val=1"], ["data.allow_overlap=true"]):
+        capsys.readouterr()
+        code = main(["eval", str(run), *args])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (args, lines)
+        assert lines[0].startswith(f"error: eval {args[-1]}: this run carved its test split from its one file "
+                                   f"{tmp / 'chat.jsonl'} (data.num_train=null, data.num_val=null, "
+                                   f"data.num_test=null); another carve would test on rows it trained on"), lines[0]
+    assert sorted(str(p) for p in run.rglob("*")) == before

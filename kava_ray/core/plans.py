@@ -344,15 +344,17 @@ def carved(cfg: JobConfig) -> bool:
     """Validation and test are cut from the training records: one source (`one_source`) without
     `data.allow_overlap`. Rows: the first `num_train` + `num_val` + `num_test` records (all of them when
     `num_train` is null); test = the last `num_test`, validation = the `num_val` before them, train = the rest.
-    A null `num_val` / `num_test` (every record of a split's own file) is `CARVED_SHARE` of the source's records
-    here (at least one): "every record" of one file would leave nothing to train on."""
+    A null `num_val` / `num_test` (every record of a split's own file) is `CARVED_SHARE` here (`carved_counts`):
+    "every record" of one file would leave nothing to train on."""
     return one_source(cfg) and not cfg.data.allow_overlap
 
 
 def carved_counts(cfg: JobConfig, total: int) -> tuple[int, int]:
-    """(validation, test) records carved from a source of `total` records: `data.num_val` / `data.num_test`, or
-    where null `CARVED_SHARE` of `total` (at least one)."""
-    share = max(1, int(total * CARVED_SHARE))
+    """(validation, test) records carved from training records, `total` of them in the source: `data.num_val` /
+    `data.num_test`, or where null `CARVED_SHARE` (at least one) of the records the job trains on: `num_train`
+    when set (100 of a million-record file: 5 and 5, not 50,000 each), else `total`."""
+    base = total if cfg.data.num_train is None else min(cfg.data.num_train, total)
+    share = max(1, int(base * CARVED_SHARE))
     return tuple(share if n is None else n for n in (cfg.data.num_val, cfg.data.num_test))
 
 
@@ -389,14 +391,19 @@ def load_splits(cfg: JobConfig, tokenizer, teacher_toks: Optional[dict] = None
         train = split_records(cfg, d.train_split, d.num_train)
         val = split_records(cfg, d.val_split, d.num_val)
         val_id = source_fingerprint(d.source, d.val_split, d.num_val, d.seed, d.hub_config, d.columns)
-    else:
-        records = split_records(cfg, d.train_split, None if d.num_train is None else d.num_train + d.num_val)
-        if len(records) <= d.num_val:
+    else:  # validation: the last training records (a null num_val: `carved_counts`' share of them)
+        if d.num_train is None:
+            records = split_records(cfg, d.train_split, None)
+            n_val = carved_counts(cfg, len(records))[0]
+        else:
+            n_val = carved_counts(cfg, d.num_train)[0]
+            records = split_records(cfg, d.train_split, d.num_train + n_val)
+        if len(records) <= n_val:
             raise KavaError(f"data '{d.source}' split {d.train_split!r} has {len(records)} examples: too few to carve "
-                            f"data.num_val={d.num_val} for validation and keep any for training")
-        n = len(records) - d.num_val
+                            f"{n_val} for validation (data.num_val) and keep any for training")
+        n = len(records) - n_val
         train, val = records.select(range(n)), records.select(range(n, len(records)))
-        val_id = f"{base}|val|n={d.num_val}"
+        val_id = f"{base}|val|n={n_val}"
 
     def split(records, source_id, what):
         out = tokenize_records(cfg, tokenizer, records, source_id, bool(teacher_toks), what)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Optional, Sequence
 
 import torch
 from transformers import GenerationConfig
 
-from kava_ray.common.config import LossConfig, derive
+from kava_ray.common.config import LossConfig, derive, flatten
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, load_into
@@ -42,6 +43,7 @@ from kava_ray.core.metric_names import (
 )
 from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
 from kava_ray.core.plans import (
+    carved,
     copied_layers,
     eval_stream,
     load_test_split,
@@ -55,6 +57,7 @@ from kava_ray.core.plans import (
 from kava_ray.core.probe import KVAlignment
 from kava_ray.core.vocab_chunks import VocabReader
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
+from kava_ray.data.sources import source_path
 from kava_ray.runtime.preflight import preflight
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
@@ -353,13 +356,34 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
 EVAL_OVERRIDABLE = ("data.", "train.batch_size", "train.max_length", "loss.vocab_chunk", "ray.")
 
 
+# where a carved run (`plans.carved`) cut its test rows from its one file: eval of that file keeps them
+CARVE_KEYS = ("data.num_train", "data.num_val", "data.num_test", "data.train_split", "data.test_split",
+              "data.allow_overlap")
+
+
+def same_source(a, b) -> bool:
+    """Whether two jobs read the same data: the same local file or directory (resolved: `./x.jsonl`, its absolute
+    path and a symlink to it are one), or the same hub dataset and config."""
+    pa, pb = (source_path(c.data.source, "{split}") for c in (a, b))
+    if pa is None or pb is None:
+        return (a.data.source, a.data.hub_config) == (b.data.source, b.data.hub_config)
+    return os.path.realpath(pa) == os.path.realpath(pb)
+
+
+def _value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def eval_config(cfg, overrides: Optional[Sequence[str]]):
     """The checkpoint's job with `overrides` (another test file, split or size); a key the checkpoint fixes (its
     models, projectors, losses) is one line.
 
-    Another `data.source` is the data to test on: its test split whole (the job's `num_test` capped its own test
-    split, not this one; give `data.num_test` to cap it), and a file or directory without `{split}` is all test
-    split: nothing trains here, so nothing is carved from it (`data.allow_overlap`: one file is every split)."""
+    Another `data.source` (`same_source`: not the run's own) is the data to test on: its test split whole (the
+    job's `num_test` capped its own test split, not this one; give `data.num_test` to cap it), and a file or
+    directory without `{split}` is all test split: nothing trains here, so nothing is carved from it
+    (`data.allow_overlap`: one file is every split). The run's own source is its own test split; where the run
+    carved it from one file, a change of where the carve falls (`CARVE_KEYS`) is one line: its test rows would move
+    onto rows it trained on."""
     from kava_ray.common.config import load_config, parse_override
 
     keys = []
@@ -369,11 +393,20 @@ def eval_config(cfg, overrides: Optional[Sequence[str]]):
             raise KavaError(f"eval override {line!r}: {key} is the checkpoint's own (eval may change "
                             f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in EVAL_OVERRIDABLE)})")
         keys.append(key)
-    cfg = load_config(cfg, list(overrides or []))
-    if "data.source" not in keys or cfg.data.source == "synthetic":
-        return cfg
-    return derive(cfg, {**({} if "data.num_test" in keys else {"data.num_test": None}),
-                        **({"data.allow_overlap": True} if one_source(cfg) else {})})
+    run, cfg = cfg, load_config(cfg, list(overrides or []))
+    own = same_source(run, cfg)
+    if "data.source" in keys and not own and cfg.data.source != "synthetic":
+        return derive(cfg, {**({} if "data.num_test" in keys else {"data.num_test": None}),
+                            **({"data.allow_overlap": True} if one_source(cfg) else {})})
+    if own and carved(run):
+        was, now = flatten(run.to_dict()), flatten(cfg.to_dict())
+        moved = [f"{k}={_value(now[k])}" for k in CARVE_KEYS if now[k] != was[k]]
+        if moved:
+            raise KavaError(f"eval {', '.join(moved)}: this run carved its test split from its one file "
+                            f"{run.data.source} ({', '.join(f'{k}={_value(was[k])}' for k in CARVE_KEYS[:3])}); "
+                            f"another carve would test on rows it trained on (keep the run's, or test on another "
+                            f"file: data.source=...)")
+    return cfg
 
 
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
