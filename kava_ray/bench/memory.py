@@ -57,7 +57,8 @@ def planned_bytes(cfg: JobConfig, device: str) -> dict:
     if device == "cpu":  # the student worker's items: not the teachers', not the cpu device's slack
         out["student"] = with_slack({k: v for k, v in items.items() if k not in teacher and "slack" not in k})
     else:
-        gpu = derive(cfg, {"ray.use_gpu": True, "ray.gpus_per_worker": 1, "ray.num_workers": 1, **on_cpu})
+        gpu = derive(cfg, {"ray.use_gpu": True, "ray.gpus_per_worker": 1, "ray.num_workers": 1,
+                            "ray.strategy": "ddp", **on_cpu})  # one unsharded worker
         out["student"] = plan(gpu)["devices"]["student worker"]["total"] - RUNTIME_BYTES
     return out
 
