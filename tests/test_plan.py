@@ -392,7 +392,8 @@ def test_fsdp_shards_the_student_state_over_the_workers_and_the_7b_student_prese
 def test_fsdp_accumulation_keeps_the_unsharded_gradients_in_the_reduce_dtype():
     """FSDP2 with `optim.accumulation` > 1 skips the reduce-scatter of all but the last micro-batch
     (`DistillTrainer._no_sync`) and keeps every parameter's unsharded gradient in its reduce dtype until then: fp32
-    under bf16-mixed, bf16 under bf16-sr; in place of the 1/n shard. Not with accumulation 1, not under DDP."""
+    under bf16-mixed, bf16 under bf16-sr; in place of the 1/n shard. Not with accumulation 1, not under DDP. The advice
+    to halve the batch for twice the accumulation is weighed with it."""
     P = param_count("Qwen/Qwen2.5-7B")
 
     def grads(*overrides):
@@ -410,6 +411,10 @@ def test_fsdp_accumulation_keeps_the_unsharded_gradients_in_the_reduce_dtype():
     two = plan(load_config("qwen_7b_student", ["optim.accumulation=2", "train.batch_size=2"]),
                80 * GiB)["devices"]["student worker"]
     assert two["total"] > one["total"] + 10 * GiB
+    # ... so the advice weighs it: batch 8 x accumulation 2 would plan at 54.4 GiB, over this 48 GiB card
+    p = plan(load_config("qwen_7b_student", ["optim.accumulation=1", "train.batch_size=16", "optim.optimizer=adamw8bit",
+                                             "student.precision=bf16-sr"]), 48 * GiB)
+    assert p["fits"] is False and p["advice"].endswith(": set train.max_length=512"), p["advice"]
 
 
 def test_the_chunked_vocabulary_loss_plans_one_chunk_of_logits():
