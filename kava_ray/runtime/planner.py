@@ -240,6 +240,14 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
         root = s.params["embed"] + s.params["lm_head"]
         w = 2 if policy == "bf16-mixed" and on_gpu else per["weights"]
         items["fsdp gathered: root unit + 2 decoder layers, with their grads"] = (root + 2 * layer) * (w + per["grads"])
+        if cfg.optim.accumulation > 1:
+            # `_no_sync` skips the reduce-scatter of all but the last micro-batch: FSDP2 then keeps every parameter's
+            # unsharded gradient, in its reduce dtype (fp32 under bf16-mixed, `core.fsdp.shard`), until that one
+            # reduce-scatters them unit by unit into the 1/n shards (which exist only from then to zero_grad)
+            del items[f"student grads{of_n}"]
+            g_dtype = "fp32" if per["grads"] == 4 else "bf16"
+            items[f"student grads, unsharded until the last micro-batch ({g_dtype}, accumulation "
+                  f"{cfg.optim.accumulation})"] = P * per["grads"]
     elif per["autocast_copy"]:  # decoder Linears + the LM head (the embedding matrix when tied)
         read_by_matmuls = s.params["linear"] + (s.params["lm_head"] or s.params["embed"])
         items["student bf16 autocast copies"] = read_by_matmuls * per["autocast_copy"]
