@@ -174,14 +174,15 @@ def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = {}
-    for strategy in ("fsdp", "ddp"):
-        cfg = load_config(job, [f"ray.strategy={strategy}"])
+    for strategy in ("fsdp", "fsdp-micro", "ddp"):  # fsdp-micro: ray.fsdp_reduce micro_batch
+        cfg = load_config(job, ["ray.strategy=ddp"] if strategy == "ddp" else
+                          ["ray.strategy=fsdp", f"ray.fsdp_reduce={'micro_batch' if strategy == 'fsdp-micro' else 'step'}"])
         t_model = teacher_model(cfg, "cpu")
         plans = in_process_plans(cfg, {"t": t_model})
         micro = [(b, teacher_kv(cfg, plans, t_model, b, "cpu")) for b in _micro_batches(cfg)[rank::world]]
         recipe = DistillRecipe(cfg, plans, rank, world)
         calls = {"n": 0, "before": []}
-        if strategy == "fsdp":
+        if strategy != "ddp":
             with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
                 recipe.build_model()
             layer = fsdp.decoder_layers(recipe.distiller.student)[0]
@@ -267,6 +268,7 @@ def test_accumulation_reduces_once_per_step_and_the_shards_stay_on_the_workers_d
         assert r["mesh"] == ["cpu", "cpu"], r
         # reductions so far before micro-batch 1, 2, 3 and after the step: 2 decoder layers + the root, once
         assert r["units"] == 3 and r["fsdp"] == [0, 0, 0, 3], r
+        assert r["fsdp-micro"] == [0, 3, 6, 9], r  # ray.fsdp_reduce: micro_batch: after every micro-batch
         assert r["ddp"][:ACCUM] == [0] * ACCUM and r["ddp"][-1] >= 1, r  # DDP's buckets: only in the last backward
 
     cfg = derive(load_config(job), {"optim.accumulation": 2 * ACCUM, "ray.num_workers": 1})
@@ -277,7 +279,7 @@ def test_accumulation_reduces_once_per_step_and_the_shards_stay_on_the_workers_d
     micro = _micro_batches(cfg)
     one.step(1, [(b, teacher_kv(cfg, plans, t_model, b, "cpu")) for b in micro[0::2] + micro[1::2]])
     want = one.distiller.state_dict()
-    for strategy in ("fsdp", "ddp"):
+    for strategy in ("fsdp", "fsdp-micro", "ddp"):
         got = torch.load(tmp_path / f"{strategy}.pt")
         assert set(got) == set(want), strategy
         for k in want:

@@ -375,8 +375,8 @@ def test_a_teacher_of_another_vocabulary_counts_its_map_and_its_logits_only_when
 def test_fsdp_shards_the_student_state_over_the_workers_and_the_7b_student_preset_fits_80gib():
     """`ray.strategy: fsdp`: weights, gradients and AdamW states are 1/num_workers per rank, plus the units FSDP2
     gathers (the root with the embeddings and head, two decoder layers); no DDP buckets. The Qwen2.5-7B student of
-    `qwen_7b_student` (accumulation 4: its gradients unsharded until the step's last micro-batch) fits an 80 GB card
-    over 3 workers, and would not unsharded."""
+    `qwen_7b_student` (accumulation 4, a reduce-scatter per micro-batch: ray.fsdp_reduce micro_batch) fits an 80 GB
+    card over 3 workers, and would not unsharded."""
     cfg = load_config("qwen_7b_student")
     st = plan(cfg, 80 * GiB)["devices"]["student worker"]
     assert st["fits"] and st["total"] < 80 * GiB
@@ -385,7 +385,7 @@ def test_fsdp_shards_the_student_state_over_the_workers_and_the_7b_student_prese
     assert st["items"]["student weights (fp32 master, 1/3 shard)"] == pytest.approx(P * 4 / 3, rel=1e-6)
     assert "ddp gradient buckets" not in st["items"]
     assert any(k.startswith("fsdp gathered") for k in st["items"])
-    ddp = plan(derive(cfg, {"ray.strategy": "ddp"}), 80 * GiB)["devices"]["student worker"]
+    ddp = plan(derive(cfg, {"ray.strategy": "ddp", "ray.fsdp_reduce": "step"}), 80 * GiB)["devices"]["student worker"]
     assert not ddp["fits"] and ddp["total"] > 120 * GiB
 
 
@@ -396,24 +396,28 @@ def test_fsdp_accumulation_keeps_the_unsharded_gradients_in_the_reduce_dtype():
     to halve the batch for twice the accumulation is weighed with it."""
     P = param_count("Qwen/Qwen2.5-7B")
 
-    def grads(*overrides):
-        st = plan(load_config("qwen_7b_student", list(overrides)), 80 * GiB)["devices"]["student worker"]
-        return {k: v for k, v in st["items"].items() if "grads" in k and not k.startswith("fsdp gathered")}
+    def grads(*overrides):  # the preset reduces per micro-batch (ray.fsdp_reduce: micro_batch); once per step here
+        st = plan(load_config("qwen_7b_student", ["ray.fsdp_reduce=step", *overrides]), 80 * GiB)["devices"]
+        return {k: v for k, v in st["student worker"]["items"].items() if "grads" in k and not k.startswith("fsdp gathered")}
 
     assert grads("optim.accumulation=2") == {
         "student grads, unsharded until the last micro-batch (fp32, accumulation 2)": pytest.approx(P * 4, rel=1e-6)}
     assert grads("optim.accumulation=2", "student.precision=bf16-sr") == {
         "student grads, unsharded until the last micro-batch (bf16, accumulation 2)": pytest.approx(P * 2, rel=1e-6)}
     assert grads("optim.accumulation=1") == {"student grads, 1/3 shard": pytest.approx(P * 4 / 3, rel=1e-6)}
-    assert grads("optim.accumulation=2", "ray.strategy=ddp") == {"student grads": P * 4}
+    # ray.fsdp_reduce: micro_batch (the preset's) reduce-scatters every micro-batch: only the shard is held
+    assert grads("optim.accumulation=4", "ray.fsdp_reduce=micro_batch") == {
+        "student grads, 1/3 shard": pytest.approx(P * 4 / 3, rel=1e-6)}
+    with pytest.raises(KavaError, match=r"ray.fsdp_reduce.*micro_batch is for ray.strategy: fsdp"):
+        load_config("qwen_7b_student", ["ray.strategy=ddp", "ray.fsdp_reduce=micro_batch"])
     # halving the batch for twice the accumulation raises a rank's memory under FSDP (the 7B's fp32 gradients, whole)
     one = plan(load_config("qwen_7b_student", ["optim.accumulation=1"]), 80 * GiB)["devices"]["student worker"]
-    two = plan(load_config("qwen_7b_student", ["optim.accumulation=2", "train.batch_size=2"]),
+    two = plan(load_config("qwen_7b_student", ["optim.accumulation=2", "train.batch_size=2", "ray.fsdp_reduce=step"]),
                80 * GiB)["devices"]["student worker"]
     assert two["total"] > one["total"] + 10 * GiB
     # ... so the advice weighs it: batch 8 x accumulation 2 would plan at 54.4 GiB, over this 48 GiB card
     p = plan(load_config("qwen_7b_student", ["optim.accumulation=1", "train.batch_size=16", "optim.optimizer=adamw8bit",
-                                             "student.precision=bf16-sr"]), 48 * GiB)
+                                             "student.precision=bf16-sr", "ray.fsdp_reduce=step"]), 48 * GiB)
     assert p["fits"] is False and p["advice"].endswith(": set train.max_length=512"), p["advice"]
 
 

@@ -342,6 +342,10 @@ class RayConfig(_Section):
     # parameters, gradients and optimizer state sharded over the workers, one decoder layer gathered at a time;
     # `core.fsdp`, docs/training.md#fsdp); fsdp needs several workers
     strategy: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp with optim.accumulation > 1: `step` reduce-scatters once per step (the micro-batches before the last keep
+    # the whole unsharded gradients, in fp32 under bf16-mixed, until it); `micro_batch` after every micro-batch (only
+    # the 1/n gradient shard is held: torchtune's recipes; more communication, less memory)
+    fsdp_reduce: Literal["step", "micro_batch"] = "step"
     use_gpu: Union[Literal["auto"], bool] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, ge=0)
@@ -410,6 +414,9 @@ class JobConfig(_Section):
         if o.fraction > 0 and o.max_new_tokens >= self.train.max_length:  # a prompt takes one token at least
             raise ValueError(f"onpolicy.max_new_tokens: {o.max_new_tokens} must be below train.max_length "
                              f"({self.train.max_length}): the prompt and its completion are cut at max_length")
+        if self.ray.fsdp_reduce != "step" and self.ray.strategy != "fsdp":
+            raise ValueError(f"ray.fsdp_reduce: {self.ray.fsdp_reduce} is for ray.strategy: fsdp (this job's is "
+                             f"{self.ray.strategy}, which reduces once per step): set ray.fsdp_reduce=step with it")
         if self.ray.strategy == "fsdp" and self.ray.num_workers == 1:
             raise ValueError("ray.strategy: fsdp shards the student over the workers, and ray.num_workers is 1 (it "
                              "would train unsharded): set ray.num_workers above 1 or ray.strategy: ddp")

@@ -313,7 +313,7 @@ class DistillRecipe:
         """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's set_requires_gradient_sync): held over
         its forward and backward, as FSDP2 reads the flag in its post-backward hook (where it reduce-scatters) and DDP
         in its forward; the gradients accumulate unreduced until the last micro-batch's backward reduces them once."""
-        if not skip:
+        if not skip or (self.sharded and self.cfg.ray.fsdp_reduce == "micro_batch"):  # memory over communication
             return contextlib.nullcontext()
         if not self.sharded:
             return self.model.no_sync()

@@ -240,7 +240,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
         root = s.params["embed"] + s.params["lm_head"]
         w = 2 if policy == "bf16-mixed" and on_gpu else per["weights"]
         items["fsdp gathered: root unit + 2 decoder layers, with their grads"] = (root + 2 * layer) * (w + per["grads"])
-        if cfg.optim.accumulation > 1:
+        if cfg.optim.accumulation > 1 and cfg.ray.fsdp_reduce == "step":
             # `_no_sync` skips the reduce-scatter of all but the last micro-batch: FSDP2 then keeps every parameter's
             # unsharded gradient, in its reduce dtype (fp32 under bf16-mixed, `core.fsdp.shard`), until that one
             # reduce-scatters them unit by unit into the 1/n shards (which exist only from then to zero_grad)
