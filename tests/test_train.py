@@ -152,12 +152,17 @@ def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden
 def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_process, tmp_path, capsys,
                                                          monkeypatch):
     """`--resume` of a run whose checkpoint is at train.steps started Ray and the teachers and evaluated the test
-    split again, with no word: now one line, exit 0 (a requeue script that resumes a finished run succeeds), before
-    Ray starts, and nothing written. More train.steps with --resume-override passes that check (it trains on)."""
+    split again, with no word: now a complete run (its final/ written) is one line, exit 0 (a requeue script that
+    resumes a finished run succeeds), before Ray starts, and nothing written. A run cut off after its last checkpoint,
+    in its end (the test split, final/), is not complete: its resume runs that end (`distill.finish`), writing the test
+    record and final/. More train.steps with --resume-override passes the check (it trains on)."""
     import ray
 
     from kava_ray.cli import main
+    from kava_ray.common.metrics_file import MetricsLog
+    from kava_ray.common.trackers import open_trackers
     from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe, finish
     from kava_ray.runtime.preflight import check_resume
 
     cfg = load_config(job_path)
@@ -165,8 +170,22 @@ def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_p
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 1)
     run = tmp_path / "run"
-    recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
+    ckpt = recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
     (run / "metrics.jsonl").write_text("")
+
+    # cut off in its end: the checkpoint at train.steps, no final/ -- the resume goes on (Ray), and the worker's
+    # restored recipe runs the end it missed
+    check_resume(cfg, str(run))
+    resumed = DistillRecipe(cfg, plans)
+    resumed.setup(str(ckpt))
+    source = InProcessSource(teachers_in_process)
+    feed = resumed.feed(source)
+    log = MetricsLog(run / "metrics.jsonl", resumed.start_step, open_trackers([], run, cfg.to_dict(), cfg.train.steps))
+    finish(resumed, source, feed, log, run, [0])
+    test = read_jsonl(run / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in test] == [(cfg.train.steps, "test")] and "test/ce" in test[0]
+    assert (run / "final" / "student" / "config.json").is_file()
+
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a finished run"))
     before = sorted(str(p) for p in tmp_path.rglob("*")), sorted(Path(cfg.ray.storage_path).parent.rglob("*"))
     capsys.readouterr()

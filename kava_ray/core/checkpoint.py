@@ -178,6 +178,18 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
 
 
+def finished(ckpt, step: int) -> bool:
+    """Whether the run `ckpt` (a checkpoint dir) belongs to is complete at `step`: the run dir's final/ as a run's
+    end (`recipes.distill.finish`) writes it -- complete (every file state.json records), at `step`, with the test
+    split's figures. A run cut off after its last checkpoint, in the test evaluation or writing final/, is not."""
+    final = Path(ckpt).parent / "final"
+    try:
+        state = json.loads((final / STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("step") == step and "test" in state and incomplete(final, state) is None
+
+
 def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
     """(checkpoint dir, its state, its job config) of a run or checkpoint dir, every problem in one line."""
     ckpt = find_checkpoint(path)

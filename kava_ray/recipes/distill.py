@@ -581,7 +581,9 @@ def finish(recipe: DistillRecipe, source, feed, log: Optional[MetricsLog], run_d
     selection decision, and the final student in `run_dir/final` (outside Ray's checkpoint dirs; a whole Hugging
     Face student either way), logged to the trackers as an artifact."""
     steps = recipe.cfg.train.steps
-    if recipe.start_step < steps:
+    # at `steps`: restored from the last checkpoint of a run cut off in here (a complete run's --resume ends in
+    # preflight: `checkpoint.finished`); past it, final/ would name `steps` for weights trained longer
+    if recipe.start_step <= steps:
         test = recipe.test(source)
         with tempfile.TemporaryDirectory() as elsewhere:  # (the other ranks gather with rank 0 and write nothing)
             final = run_dir / "final" if recipe.rank == 0 else Path(elsewhere) / "final"
