@@ -149,6 +149,27 @@ def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden
     assert (resumed.distiller.loss_cfg.kv_weight, resumed.distiller.loss_cfg.ce_weight) == (0.25, 2.0)
 
 
+def test_resume_with_onpolicy_edits_is_refused_a_vocab_chunk_is_not(job_path, teachers_in_process, tmp_path):
+    """onpolicy.* edits change the curve (what is sampled, by whom, how): refused on resume like loss.* unless
+    --resume-override; loss.vocab_chunk changes memory only (chunked = whole logits), so it resumes as it is."""
+    from kava_ray.core.checkpoint import check_compatible
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    cfg = load_config(job_path)
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    recipe = DistillRecipe(cfg, teacher_plans(cfg, geoms, student_geometry(cfg)))
+    recipe.setup()
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    sampled = load_config(job_path, ["onpolicy.fraction=0.5", "onpolicy.temperature=0.7", "loss.vocab_chunk=64"])
+    with pytest.raises(KavaError) as e:
+        check_compatible(ckpt, sampled)
+    assert str(e.value) == (f"checkpoint {ckpt} was trained with other onpolicy.fraction, onpolicy.temperature; pass "
+                            f"--resume-override to continue with the new values")
+    assert check_compatible(ckpt, sampled, allow_run_changes=True)["step"] == 2
+    assert check_compatible(ckpt, load_config(job_path, ["loss.vocab_chunk=64"]))["step"] == 2
+
+
 def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_process, tmp_path, capsys,
                                                          monkeypatch):
     """`--resume` of a run whose checkpoint is at train.steps started Ray and the teachers and evaluated the test

@@ -227,8 +227,11 @@ def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
 
 
 # what a resumed run would otherwise take from the checkpoint (optim, train: its optimizer state and schedule) or
-# change without a word (data, loss: what it trains on and towards)
-RUN_SECTIONS = ("optim", "train", "data", "loss")
+# change without a word (data, loss, onpolicy: what it trains on and towards, and how its samples are drawn)
+RUN_SECTIONS = ("optim", "train", "data", "loss", "onpolicy")
+# keys of those sections that change memory only, not the curve: free to differ on resume (the chunked vocabulary
+# loss equals whole logits, `core.vocab_chunks`)
+MEMORY_ONLY = ("loss.vocab_chunk",)
 
 
 def _saved_config(path, state: dict) -> JobConfig:
@@ -241,10 +244,10 @@ def _saved_config(path, state: dict) -> JobConfig:
 def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
     """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
 
-    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data and loss settings
-    (optim.*, train.*, data.*, loss.*) may change only with `allow_run_changes` (`--resume-override`): the
-    checkpoint's optimizer state and schedule would otherwise quietly win over the new values, and a new loss
-    or data would change the curve without a word.
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data, loss and sampling settings
+    (optim.*, train.*, data.*, loss.*, onpolicy.*; not the memory-only `MEMORY_ONLY`) may change only with
+    `allow_run_changes` (`--resume-override`): the checkpoint's optimizer state and schedule would otherwise quietly
+    win over the new values, and a new loss, data or on-policy sampling would change the curve without a word.
     """
     state = read_state(path)
     sharded, shards = is_sharded_checkpoint(path), cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1
@@ -261,7 +264,7 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
                         f"cannot continue with loss.hidden_weight={cfg.loss.hidden_weight:g} (on / off changes what "
                         f"the checkpoint holds)")
     if not allow_run_changes:
-        changed = diff_keys(saved, cfg, RUN_SECTIONS)
+        changed = [k for k in diff_keys(saved, cfg, RUN_SECTIONS) if k not in MEMORY_ONLY]
         if changed:
             raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
                             f"to continue with the new values")

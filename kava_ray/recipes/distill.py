@@ -81,7 +81,8 @@ from kava_ray.recipes.evaluate import evaluate_heldout
 class LoopConfig:
     """What the driver hands each Ray Train worker (as a dict: `to_dict` / `from_dict`, Ray Train's
     train_loop_config). job: `JobConfig.to_dict()`; plans: `plans.plans_payload`; resume: a checkpoint dir;
-    resume_override: `--resume-override` (the config's optim.*/train.*/data.*/loss.* replace the checkpoint's)."""
+    resume_override: `--resume-override` (the config's optim.*/train.*/data.*/loss.*/onpolicy.* replace the
+    checkpoint's)."""
 
     job: dict
     plans: dict
@@ -135,7 +136,8 @@ class DistillRecipe:
 
         maps: the vocabulary maps of logit teachers of another tokenizer (`plans.vocab_maps`). wrap: e.g.
         `ray.train.torch.prepare_model` (DDP) when world > 1. run_changes (`--resume-override`): the checkpoint's
-        optim.*/train.*/data.*/loss.* may differ, and the config's learning rates, weight decay and schedule win.
+        optim.*/train.*/data.*/loss.*/onpolicy.* may differ, and the config's learning rates, weight decay and
+        schedule win.
         Returns the checkpoint's state (None from scratch)."""
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
