@@ -170,6 +170,43 @@ def test_resume_with_onpolicy_edits_is_refused_a_vocab_chunk_is_not(job_path, te
     assert check_compatible(ckpt, load_config(job_path, ["loss.vocab_chunk=64"]))["step"] == 2
 
 
+def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_path, teachers_in_process, tmp_path):
+    """A checkpoint trained when align.projector.kind auto gave identity by KV geometry alone holds no projector
+    parameters; this version's auto builds fit or linear for a student not copied from its teacher, and loading it
+    was load_state_dict's RuntimeError. Now one line naming the teacher and the way out, which works: the config
+    naming identity continues the checkpoint saved with auto (shapes compare as trained)."""
+    from safetensors.torch import load_file, save_file
+
+    from kava_ray.core.checkpoint import check_compatible
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    cfg = load_config(job_path, ["align.projector.kind=auto"])
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    identity = {f"{t.name}.{kv}_layer_weights.{i}": torch.ones(1) for t in cfg.teachers for kv in "kv"
+                for i in range(recipe.distiller.projectors[t.name].s_layers)}  # identity saves its layer weights only
+    assert set(identity) != set(load_file(ckpt / "projectors.safetensors"))
+    save_file(identity, ckpt / "projectors.safetensors")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"]["projectors.safetensors"] = (ckpt / "projectors.safetensors").stat().st_size
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+    kind = recipe.distiller.projectors[cfg.teachers[0].name].kind
+    with pytest.raises(KavaError) as e:
+        DistillRecipe(cfg, plans).setup(str(ckpt))
+    assert str(e.value) == (
+        f"checkpoint {ckpt}: its projector for teacher '{cfg.teachers[0].name}' is identity (no parameters), but this "
+        f"job builds kind {kind} for it (align.projector.kind auto gives identity only to a student copied from its "
+        f"teacher): set align.projector.kind: identity to resume it")
+    assert check_compatible(ckpt, load_config(job_path, ["align.projector.kind=identity"]))["step"] == 2
+    with pytest.raises(KavaError, match=r"align.projector.kind differ"):
+        check_compatible(ckpt, load_config(job_path, ["align.projector.kind=elastic"]))
+
+
 def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_process, tmp_path, capsys,
                                                          monkeypatch):
     """`--resume` of a run whose checkpoint is at train.steps started Ray and the teachers and evaluated the test

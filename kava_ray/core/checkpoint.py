@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
@@ -255,7 +255,7 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
         raise KavaError(f"checkpoint {path} holds {'FSDP2 shards' if sharded else 'a whole student'}: continue it with "
                         f"ray.strategy={'fsdp' if sharded else 'ddp'}" + (" and several workers" if sharded else ""))
     # a config saved before load_config made its paths absolute: its relative paths match ours
-    saved = resolve_paths(_saved_config(path, state), like=cfg)
+    saved = _as_trained(path, resolve_paths(_saved_config(path, state), like=cfg), cfg)
     if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
@@ -277,6 +277,49 @@ def load_pending(path) -> list:
     return torch.load(f, weights_only=False) if f.is_file() else []
 
 
+def _identity_only(keys) -> bool:
+    """Whether a teacher's saved projector tensors (`keys`) are an identity projector's: its layer weights only."""
+    return bool(keys) and all("_layer_weights." in k.split(".", 1)[1] for k in keys)
+
+
+def _as_trained(path, saved: JobConfig, cfg: JobConfig) -> JobConfig:
+    """The saved config with `align.projector.kind: auto` read as identity where every teacher's saved projector is
+    identity and `cfg` names identity: how a checkpoint trained when auto gave identity by KV geometry alone (this
+    version: only to a student copied from its teacher) continues with the kind it holds."""
+    f = Path(path) / "projectors.safetensors"
+    if saved.align.projector.kind != "auto" or cfg.align.projector.kind != "identity" or not f.is_file():
+        return saved
+    try:
+        with safe_open(f, "pt") as h:
+            keys = list(h.keys())
+    except Exception:  # noqa: BLE001 - a corrupt file is load_into's line
+        return saved
+    if not all(_identity_only([k for k in keys if k.startswith(t.name + ".")]) for t in saved.teachers):
+        return saved
+    d = saved.to_dict()
+    d["align"]["projector"]["kind"] = "identity"
+    return validate_config(d)
+
+
+def _load_projectors(path: Path, distiller) -> None:
+    """The checkpoint's projectors into the Distiller's, teacher by teacher; a teacher whose saved tensors are not
+    those its projector here holds is one line naming it (not load_state_dict's list of keys). The case met: a
+    checkpoint trained when `align.projector.kind: auto` gave identity to a student of the teacher's KV geometry,
+    which this version gives `fit` unless the student was copied from that teacher (`projectors.resolve_kind`)."""
+    saved = _load_tensors(path / "projectors.safetensors")
+    for name, proj in distiller.projectors.items():
+        theirs = {k for k in saved if k.startswith(name + ".")}
+        if theirs == {name + "." + k for k in proj.state_dict()}:
+            continue
+        if _identity_only(theirs) and proj.kind != "identity":
+            raise KavaError(f"checkpoint {path}: its projector for teacher '{name}' is identity (no parameters), but "
+                            f"this job builds kind {proj.kind} for it (align.projector.kind auto gives identity only to "
+                            f"a student copied from its teacher): set align.projector.kind: identity to resume it")
+        raise KavaError(f"checkpoint {path}: its projector for teacher '{name}' holds other tensors than the kind "
+                        f"{proj.kind} this job builds for it")
+    distiller.projectors.load_state_dict(saved)
+
+
 def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
     """Load projectors, fusion (and optimizer/scheduler) from `path` into already-built objects.
 
@@ -290,7 +333,7 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
         if scheduler is not None and blob.get("scheduler") is not None:
             scheduler.load_state_dict(blob["scheduler"])
         return
-    distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
+    _load_projectors(path, distiller)
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
     distiller.fusion.load_state_dict(fusion)
     hidden = getattr(distiller, "hidden_proj", None)
