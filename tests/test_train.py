@@ -177,7 +177,7 @@ def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_pa
     naming identity continues the checkpoint saved with auto (shapes compare as trained)."""
     from safetensors.torch import load_file, save_file
 
-    from kava_ray.core.checkpoint import check_compatible
+    from kava_ray.core.checkpoint import check_compatible, load_into
     from kava_ray.core.plans import student_geometry, teacher_plans
     from kava_ray.recipes.distill import DistillRecipe
 
@@ -195,13 +195,15 @@ def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_pa
     state["files"]["projectors.safetensors"] = (ckpt / "projectors.safetensors").stat().st_size
     (ckpt / "state.json").write_text(json.dumps(state))
 
-    kind = recipe.distiller.projectors[cfg.teachers[0].name].kind
-    with pytest.raises(KavaError) as e:
-        DistillRecipe(cfg, plans).setup(str(ckpt))
-    assert str(e.value) == (
-        f"checkpoint {ckpt}: its projector for teacher '{cfg.teachers[0].name}' is identity (no parameters), but this "
-        f"job builds kind {kind} for it (align.projector.kind auto gives identity only to a student copied from its "
-        f"teacher): set align.projector.kind: identity to resume it")
+    line = (f"checkpoint {ckpt}: its projector for teacher '{cfg.teachers[0].name}' is identity (no parameters), but "
+            f"this job builds kind {{}} for it (align.projector.kind auto gives identity only to a student copied from "
+            f"its teacher): set align.projector.kind: identity to resume it")
+    with pytest.raises(KavaError) as e:  # --resume: preflight's check, before Ray starts
+        check_compatible(ckpt, cfg)
+    assert str(e.value) == line.format("fit or linear")
+    with pytest.raises(KavaError) as e:  # where the projectors load (eval; and a worker's resume)
+        load_into(ckpt, recipe.distiller)
+    assert str(e.value) == line.format(recipe.distiller.projectors[cfg.teachers[0].name].kind)
     assert check_compatible(ckpt, load_config(job_path, ["align.projector.kind=identity"]))["step"] == 2
     with pytest.raises(KavaError, match=r"align.projector.kind differ"):
         check_compatible(ckpt, load_config(job_path, ["align.projector.kind=elastic"]))

@@ -21,6 +21,7 @@ from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_pa
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, first_line, write_json
 from kava_ray.core import fsdp
+from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
 
@@ -259,6 +260,7 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
+    _check_identity_projectors(path, saved, cfg)
     if (saved.loss.hidden_weight > 0) != (cfg.loss.hidden_weight > 0):  # the hidden-state maps and their optimizer
         raise KavaError(f"checkpoint {path} was trained with loss.hidden_weight={saved.loss.hidden_weight:g}: it "  # state
                         f"cannot continue with loss.hidden_weight={cfg.loss.hidden_weight:g} (on / off changes what "
@@ -282,18 +284,41 @@ def _identity_only(keys) -> bool:
     return bool(keys) and all("_layer_weights." in k.split(".", 1)[1] for k in keys)
 
 
+def _projector_keys(path) -> list[str]:
+    """The names of the tensors in a checkpoint's projectors.safetensors ([] without one: sharded, or corrupt, which
+    is load_into's line)."""
+    try:
+        with safe_open(Path(path) / "projectors.safetensors", "pt") as h:
+            return list(h.keys())
+    except Exception:  # noqa: BLE001 - missing or unreadable: nothing to compare here
+        return []
+
+
+def _identity_refusal(path, teacher: str, kind: str) -> str:
+    return (f"checkpoint {path}: its projector for teacher '{teacher}' is identity (no parameters), but this job "
+            f"builds kind {kind} for it (align.projector.kind auto gives identity only to a student copied from its "
+            f"teacher): set align.projector.kind: identity to resume it")
+
+
+def _check_identity_projectors(path, saved: JobConfig, cfg: JobConfig) -> None:
+    """Before Ray starts: a checkpoint whose projector `auto` gave identity by KV geometry alone, for a teacher this
+    version's `auto` gives another kind (`projectors.resolve_kind`: the student was not copied from it) -- the line
+    loading it would give (`_load_projectors`)."""
+    if (saved.align.projector.kind, cfg.align.projector.kind, cfg.align.mode) != ("auto", "auto", "structured"):
+        return
+    keys = _projector_keys(path)
+    for t in cfg.teachers:
+        if _identity_only([k for k in keys if k.startswith(t.name + ".")]) and not copied_from_teacher(cfg, t.name):
+            raise KavaError(_identity_refusal(path, t.name, "fit or linear"))
+
+
 def _as_trained(path, saved: JobConfig, cfg: JobConfig) -> JobConfig:
     """The saved config with `align.projector.kind: auto` read as identity where every teacher's saved projector is
     identity and `cfg` names identity: how a checkpoint trained when auto gave identity by KV geometry alone (this
     version: only to a student copied from its teacher) continues with the kind it holds."""
-    f = Path(path) / "projectors.safetensors"
-    if saved.align.projector.kind != "auto" or cfg.align.projector.kind != "identity" or not f.is_file():
+    if saved.align.projector.kind != "auto" or cfg.align.projector.kind != "identity":
         return saved
-    try:
-        with safe_open(f, "pt") as h:
-            keys = list(h.keys())
-    except Exception:  # noqa: BLE001 - a corrupt file is load_into's line
-        return saved
+    keys = _projector_keys(path)
     if not all(_identity_only([k for k in keys if k.startswith(t.name + ".")]) for t in saved.teachers):
         return saved
     d = saved.to_dict()
@@ -312,9 +337,7 @@ def _load_projectors(path: Path, distiller) -> None:
         if theirs == {name + "." + k for k in proj.state_dict()}:
             continue
         if _identity_only(theirs) and proj.kind != "identity":
-            raise KavaError(f"checkpoint {path}: its projector for teacher '{name}' is identity (no parameters), but "
-                            f"this job builds kind {proj.kind} for it (align.projector.kind auto gives identity only to "
-                            f"a student copied from its teacher): set align.projector.kind: identity to resume it")
+            raise KavaError(_identity_refusal(path, name, proj.kind))
         raise KavaError(f"checkpoint {path}: its projector for teacher '{name}' holds other tensors than the kind "
                         f"{proj.kind} this job builds for it")
     distiller.projectors.load_state_dict(saved)
