@@ -149,15 +149,80 @@ def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden
     assert (resumed.distiller.loss_cfg.kv_weight, resumed.distiller.loss_cfg.ce_weight) == (0.25, 2.0)
 
 
+def test_resume_with_onpolicy_edits_is_refused_a_vocab_chunk_is_not(job_path, teachers_in_process, tmp_path):
+    """onpolicy.* edits change the curve (what is sampled, by whom, how): refused on resume like loss.* unless
+    --resume-override; loss.vocab_chunk changes memory only (chunked = whole logits), so it resumes as it is."""
+    from kava_ray.core.checkpoint import check_compatible
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    cfg = load_config(job_path)
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    recipe = DistillRecipe(cfg, teacher_plans(cfg, geoms, student_geometry(cfg)))
+    recipe.setup()
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    sampled = load_config(job_path, ["onpolicy.fraction=0.5", "onpolicy.temperature=0.7", "loss.vocab_chunk=64"])
+    with pytest.raises(KavaError) as e:
+        check_compatible(ckpt, sampled)
+    assert str(e.value) == (f"checkpoint {ckpt} was trained with other onpolicy.fraction, onpolicy.temperature; pass "
+                            f"--resume-override to continue with the new values")
+    assert check_compatible(ckpt, sampled, allow_run_changes=True)["step"] == 2
+    assert check_compatible(ckpt, load_config(job_path, ["loss.vocab_chunk=64"]))["step"] == 2
+
+
+def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_path, teachers_in_process, tmp_path):
+    """A checkpoint trained when align.projector.kind auto gave identity by KV geometry alone holds no projector
+    parameters; this version's auto builds fit or linear for a student not copied from its teacher, and loading it
+    was load_state_dict's RuntimeError. Now one line naming the teacher and the way out, which works: the config
+    naming identity continues the checkpoint saved with auto (shapes compare as trained)."""
+    from safetensors.torch import load_file, save_file
+
+    from kava_ray.core.checkpoint import check_compatible, load_into
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe
+
+    cfg = load_config(job_path, ["align.projector.kind=auto"])
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
+    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    recipe = DistillRecipe(cfg, plans)
+    recipe.setup()
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    identity = {f"{t.name}.{kv}_layer_weights.{i}": torch.ones(1) for t in cfg.teachers for kv in "kv"
+                for i in range(recipe.distiller.projectors[t.name].s_layers)}  # identity saves its layer weights only
+    assert set(identity) != set(load_file(ckpt / "projectors.safetensors"))
+    save_file(identity, ckpt / "projectors.safetensors")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["files"]["projectors.safetensors"] = (ckpt / "projectors.safetensors").stat().st_size
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+    line = (f"checkpoint {ckpt}: its projector for teacher '{cfg.teachers[0].name}' is identity (no parameters), but "
+            f"this job builds kind {{}} for it (align.projector.kind auto gives identity only to a student copied from "
+            f"its teacher): set align.projector.kind: identity to resume it")
+    with pytest.raises(KavaError) as e:  # --resume: preflight's check, before Ray starts
+        check_compatible(ckpt, cfg)
+    assert str(e.value) == line.format("fit or linear")
+    with pytest.raises(KavaError) as e:  # where the projectors load (eval; and a worker's resume)
+        load_into(ckpt, recipe.distiller)
+    assert str(e.value) == line.format(recipe.distiller.projectors[cfg.teachers[0].name].kind)
+    assert check_compatible(ckpt, load_config(job_path, ["align.projector.kind=identity"]))["step"] == 2
+    with pytest.raises(KavaError, match=r"align.projector.kind differ"):
+        check_compatible(ckpt, load_config(job_path, ["align.projector.kind=elastic"]))
+
+
 def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_process, tmp_path, capsys,
                                                          monkeypatch):
     """`--resume` of a run whose checkpoint is at train.steps started Ray and the teachers and evaluated the test
-    split again, with no word: now one line, exit 0 (a requeue script that resumes a finished run succeeds), before
-    Ray starts, and nothing written. More train.steps with --resume-override passes that check (it trains on)."""
+    split again, with no word: now a complete run (its final/ written) is one line, exit 0 (a requeue script that
+    resumes a finished run succeeds), before Ray starts, and nothing written. A run cut off after its last checkpoint,
+    in its end (the test split, final/), is not complete: its resume runs that end (`distill.finish`), writing the test
+    record and final/. More train.steps with --resume-override passes the check (it trains on)."""
     import ray
 
     from kava_ray.cli import main
+    from kava_ray.common.metrics_file import MetricsLog
+    from kava_ray.common.trackers import open_trackers
     from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.recipes.distill import DistillRecipe, finish
     from kava_ray.runtime.preflight import check_resume
 
     cfg = load_config(job_path)
@@ -165,8 +230,22 @@ def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_p
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 1)
     run = tmp_path / "run"
-    recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
+    ckpt = recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
     (run / "metrics.jsonl").write_text("")
+
+    # cut off in its end: the checkpoint at train.steps, no final/ -- the resume goes on (Ray), and the worker's
+    # restored recipe runs the end it missed
+    check_resume(cfg, str(run))
+    resumed = DistillRecipe(cfg, plans)
+    resumed.setup(str(ckpt))
+    source = InProcessSource(teachers_in_process)
+    feed = resumed.feed(source)
+    log = MetricsLog(run / "metrics.jsonl", resumed.start_step, open_trackers([], run, cfg.to_dict(), cfg.train.steps))
+    finish(resumed, source, feed, log, run, [0])
+    test = read_jsonl(run / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in test] == [(cfg.train.steps, "test")] and "test/ce" in test[0]
+    assert (run / "final" / "student" / "config.json").is_file()
+
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started for a finished run"))
     before = sorted(str(p) for p in tmp_path.rglob("*")), sorted(Path(cfg.ray.storage_path).parent.rglob("*"))
     capsys.readouterr()

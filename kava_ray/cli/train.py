@@ -17,8 +17,8 @@ def register(sub) -> None:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue a run: its directory (latest checkpoint) or one checkpoint dir")
     p.add_argument("--resume-override", action="store_true",
-                   help="with --resume: continue with this config's optim.*/train.*/data.*/loss.* values where they "
-                        "differ")
+                   help="with --resume: continue with this config's optim.*/train.*/data.*/loss.*/onpolicy.* values "
+                        "where they differ")
     shared.add_name(p, "run")
     shared.add_restart_teachers(p)
     shared.add_output(p, train)

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, first_line, write_json
 from kava_ray.core import fsdp
+from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
 
@@ -178,6 +179,18 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
 
 
+def finished(ckpt, step: int) -> bool:
+    """Whether the run `ckpt` (a checkpoint dir) belongs to is complete at `step`: the run dir's final/ as a run's
+    end (`recipes.distill.finish`) writes it -- complete (every file state.json records), at `step`, with the test
+    split's figures. A run cut off after its last checkpoint, in the test evaluation or writing final/, is not."""
+    final = Path(ckpt).parent / "final"
+    try:
+        state = json.loads((final / STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("step") == step and "test" in state and incomplete(final, state) is None
+
+
 def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
     """(checkpoint dir, its state, its job config) of a run or checkpoint dir, every problem in one line."""
     ckpt = find_checkpoint(path)
@@ -215,8 +228,11 @@ def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
 
 
 # what a resumed run would otherwise take from the checkpoint (optim, train: its optimizer state and schedule) or
-# change without a word (data, loss: what it trains on and towards)
-RUN_SECTIONS = ("optim", "train", "data", "loss")
+# change without a word (data, loss, onpolicy: what it trains on and towards, and how its samples are drawn)
+RUN_SECTIONS = ("optim", "train", "data", "loss", "onpolicy")
+# keys of those sections that change memory only, not the curve: free to differ on resume (the chunked vocabulary
+# loss equals whole logits, `core.vocab_chunks`)
+MEMORY_ONLY = ("loss.vocab_chunk",)
 
 
 def _saved_config(path, state: dict) -> JobConfig:
@@ -229,10 +245,10 @@ def _saved_config(path, state: dict) -> JobConfig:
 def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
     """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
 
-    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data and loss settings
-    (optim.*, train.*, data.*, loss.*) may change only with `allow_run_changes` (`--resume-override`): the
-    checkpoint's optimizer state and schedule would otherwise quietly win over the new values, and a new loss
-    or data would change the curve without a word.
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data, loss and sampling settings
+    (optim.*, train.*, data.*, loss.*, onpolicy.*; not the memory-only `MEMORY_ONLY`) may change only with
+    `allow_run_changes` (`--resume-override`): the checkpoint's optimizer state and schedule would otherwise quietly
+    win over the new values, and a new loss, data or on-policy sampling would change the curve without a word.
     """
     state = read_state(path)
     sharded, shards = is_sharded_checkpoint(path), cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1
@@ -240,16 +256,17 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
         raise KavaError(f"checkpoint {path} holds {'FSDP2 shards' if sharded else 'a whole student'}: continue it with "
                         f"ray.strategy={'fsdp' if sharded else 'ddp'}" + (" and several workers" if sharded else ""))
     # a config saved before load_config made its paths absolute: its relative paths match ours
-    saved = resolve_paths(_saved_config(path, state), like=cfg)
+    saved = _as_trained(path, resolve_paths(_saved_config(path, state), like=cfg), cfg)
     if state["config_hash"] != config_hash(cfg) and (keys := diff_keys(saved, cfg)):
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
+    _check_identity_projectors(path, saved, cfg)
     if (saved.loss.hidden_weight > 0) != (cfg.loss.hidden_weight > 0):  # the hidden-state maps and their optimizer
         raise KavaError(f"checkpoint {path} was trained with loss.hidden_weight={saved.loss.hidden_weight:g}: it "  # state
                         f"cannot continue with loss.hidden_weight={cfg.loss.hidden_weight:g} (on / off changes what "
                         f"the checkpoint holds)")
     if not allow_run_changes:
-        changed = diff_keys(saved, cfg, RUN_SECTIONS)
+        changed = [k for k in diff_keys(saved, cfg, RUN_SECTIONS) if k not in MEMORY_ONLY]
         if changed:
             raise KavaError(f"checkpoint {path} was trained with other {', '.join(changed)}; pass --resume-override "
                             f"to continue with the new values")
@@ -260,6 +277,70 @@ def load_pending(path) -> list:
     """The feed items a checkpoint kept in flight (`save_checkpoint`'s `pending`), [] when it kept none."""
     f = Path(path) / PENDING
     return torch.load(f, weights_only=False) if f.is_file() else []
+
+
+def _identity_only(keys) -> bool:
+    """Whether a teacher's saved projector tensors (`keys`) are an identity projector's: its layer weights only."""
+    return bool(keys) and all("_layer_weights." in k.split(".", 1)[1] for k in keys)
+
+
+def _projector_keys(path) -> list[str]:
+    """The names of the tensors in a checkpoint's projectors.safetensors ([] without one: sharded, or corrupt, which
+    is load_into's line)."""
+    try:
+        with safe_open(Path(path) / "projectors.safetensors", "pt") as h:
+            return list(h.keys())
+    except Exception:  # noqa: BLE001 - missing or unreadable: nothing to compare here
+        return []
+
+
+def _identity_refusal(path, teacher: str, kind: str) -> str:
+    return (f"checkpoint {path}: its projector for teacher '{teacher}' is identity (no parameters), but this job "
+            f"builds kind {kind} for it (align.projector.kind auto gives identity only to a student copied from its "
+            f"teacher): set align.projector.kind: identity to resume it")
+
+
+def _check_identity_projectors(path, saved: JobConfig, cfg: JobConfig) -> None:
+    """Before Ray starts: a checkpoint whose projector `auto` gave identity by KV geometry alone, for a teacher this
+    version's `auto` gives another kind (`projectors.resolve_kind`: the student was not copied from it) -- the line
+    loading it would give (`_load_projectors`)."""
+    if (saved.align.projector.kind, cfg.align.projector.kind, cfg.align.mode) != ("auto", "auto", "structured"):
+        return
+    keys = _projector_keys(path)
+    for t in cfg.teachers:
+        if _identity_only([k for k in keys if k.startswith(t.name + ".")]) and not copied_from_teacher(cfg, t.name):
+            raise KavaError(_identity_refusal(path, t.name, "fit or linear"))
+
+
+def _as_trained(path, saved: JobConfig, cfg: JobConfig) -> JobConfig:
+    """The saved config with `align.projector.kind: auto` read as identity where every teacher's saved projector is
+    identity and `cfg` names identity: how a checkpoint trained when auto gave identity by KV geometry alone (this
+    version: only to a student copied from its teacher) continues with the kind it holds."""
+    if saved.align.projector.kind != "auto" or cfg.align.projector.kind != "identity":
+        return saved
+    keys = _projector_keys(path)
+    if not all(_identity_only([k for k in keys if k.startswith(t.name + ".")]) for t in saved.teachers):
+        return saved
+    d = saved.to_dict()
+    d["align"]["projector"]["kind"] = "identity"
+    return validate_config(d)
+
+
+def _load_projectors(path: Path, distiller) -> None:
+    """The checkpoint's projectors into the Distiller's, teacher by teacher; a teacher whose saved tensors are not
+    those its projector here holds is one line naming it (not load_state_dict's list of keys). The case met: a
+    checkpoint trained when `align.projector.kind: auto` gave identity to a student of the teacher's KV geometry,
+    which this version gives `fit` unless the student was copied from that teacher (`projectors.resolve_kind`)."""
+    saved = _load_tensors(path / "projectors.safetensors")
+    for name, proj in distiller.projectors.items():
+        theirs = {k for k in saved if k.startswith(name + ".")}
+        if theirs == {name + "." + k for k in proj.state_dict()}:
+            continue
+        if _identity_only(theirs) and proj.kind != "identity":
+            raise KavaError(_identity_refusal(path, name, proj.kind))
+        raise KavaError(f"checkpoint {path}: its projector for teacher '{name}' holds other tensors than the kind "
+                        f"{proj.kind} this job builds for it")
+    distiller.projectors.load_state_dict(saved)
 
 
 def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
@@ -275,7 +356,7 @@ def load_into(path, distiller, optimizer=None, scheduler=None) -> None:
         if scheduler is not None and blob.get("scheduler") is not None:
             scheduler.load_state_dict(blob["scheduler"])
         return
-    distiller.projectors.load_state_dict(_load_tensors(path / "projectors.safetensors"))
+    _load_projectors(path, distiller)
     fusion = {k: v for k, v in _load_tensors(path / "fusion.safetensors").items() if k != "_empty"}
     distiller.fusion.load_state_dict(fusion)
     hidden = getattr(distiller, "hidden_proj", None)

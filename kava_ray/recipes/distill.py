@@ -81,7 +81,8 @@ from kava_ray.recipes.evaluate import evaluate_heldout
 class LoopConfig:
     """What the driver hands each Ray Train worker (as a dict: `to_dict` / `from_dict`, Ray Train's
     train_loop_config). job: `JobConfig.to_dict()`; plans: `plans.plans_payload`; resume: a checkpoint dir;
-    resume_override: `--resume-override` (the config's optim.*/train.*/data.*/loss.* replace the checkpoint's)."""
+    resume_override: `--resume-override` (the config's optim.*/train.*/data.*/loss.*/onpolicy.* replace the
+    checkpoint's)."""
 
     job: dict
     plans: dict
@@ -135,7 +136,8 @@ class DistillRecipe:
 
         maps: the vocabulary maps of logit teachers of another tokenizer (`plans.vocab_maps`). wrap: e.g.
         `ray.train.torch.prepare_model` (DDP) when world > 1. run_changes (`--resume-override`): the checkpoint's
-        optim.*/train.*/data.*/loss.* may differ, and the config's learning rates, weight decay and schedule win.
+        optim.*/train.*/data.*/loss.*/onpolicy.* may differ, and the config's learning rates, weight decay and
+        schedule win.
         Returns the checkpoint's state (None from scratch)."""
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
@@ -581,7 +583,9 @@ def finish(recipe: DistillRecipe, source, feed, log: Optional[MetricsLog], run_d
     selection decision, and the final student in `run_dir/final` (outside Ray's checkpoint dirs; a whole Hugging
     Face student either way), logged to the trackers as an artifact."""
     steps = recipe.cfg.train.steps
-    if recipe.start_step < steps:
+    # at `steps`: restored from the last checkpoint of a run cut off in here (a complete run's --resume ends in
+    # preflight: `checkpoint.finished`); past it, final/ would name `steps` for weights trained longer
+    if recipe.start_step <= steps:
         test = recipe.test(source)
         with tempfile.TemporaryDirectory() as elsewhere:  # (the other ranks gather with rank 0 and write nothing)
             final = run_dir / "final" if recipe.rank == 0 else Path(elsewhere) / "final"

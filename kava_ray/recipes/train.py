@@ -127,8 +127,8 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
 
     resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's directory unless
     `name` names another (a finished one: `NothingToDo`, before Ray starts); resume_override: let
-    optim.*/train.*/data.*/loss.* differ from the checkpoint's (the new values win); restart_teachers: replace a
-    running pool that was started for another config instead of refusing it. The run dir is named before
+    optim.*/train.*/data.*/loss.*/onpolicy.* differ from the checkpoint's (the new values win); restart_teachers:
+    replace a running pool that was started for another config instead of refusing it. The run dir is named before
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
     """

@@ -20,7 +20,7 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.common.files import name_problem
 from kava_ray.core.align.layers import load_layer_map
-from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, read_state
+from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, finished, read_state
 from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
 from kava_ray.core.plans import check_writer, onpolicy_writer, shares_tokenizer_here
 from kava_ray.data.sources import check_source
@@ -124,12 +124,14 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
 
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
     """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
-    the keys that differ, in one line). One at or past `train.steps` has nothing left to train: NothingToDo (its
-    one line, exit 0) rather than Ray, the teachers and a test split evaluated again for nothing."""
+    the keys that differ, in one line). A run complete at `train.steps` (its final/ written, `checkpoint.finished`),
+    or a checkpoint past it, has nothing left to do: NothingToDo (its one line, exit 0) rather than Ray, the teachers
+    and a test split evaluated again for nothing. One at `train.steps` without final/ (cut off in the run's end)
+    resumes to evaluate the test split and write final/."""
     ckpt = find_checkpoint(resume, for_resume=True)
     check_files(ckpt)
     step = check_compatible(ckpt, cfg, allow_run_changes=resume_override)["step"]
-    if step >= cfg.train.steps:
+    if step > cfg.train.steps or (step == cfg.train.steps and finished(ckpt, step)):
         at = f"step {step} of {cfg.train.steps}" if step == cfg.train.steps else \
             f"step {step}, past train.steps={cfg.train.steps}"
         raise NothingToDo(f"{resume} is complete ({at}): nothing to resume (to train on, raise train.steps and pass "
