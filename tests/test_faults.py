@@ -332,6 +332,18 @@ def _actors(**filters):
                        detail=True, filters=[(k, "=", v) for k, v in filters.items()])
 
 
+def _ended_like_ctrl_c(proc, err: str, run_dir: Path) -> None:
+    """A SIGTERM'd `kava-ray train`: exit 143, one line with the resume hint, no traceback, and within 30 s nothing
+    of its process group left (its embedded Ray included)."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 143 and lines == [f"error: terminated (SIGTERM); {_resume_hint(run_dir)}"], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    deadline = time.time() + 30
+    while _session_pids(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _session_pids(proc.pid), "the terminated run's processes outlived it"
+
+
 def _session_pids(sid: int) -> list[int]:
     """Live processes of session `sid` (what a `kava-ray` started with start_new_session left behind)."""
     pids = []
@@ -401,13 +413,7 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 143 and lines == [f"error: terminated (SIGTERM); {_resume_hint(run_dir)}"], err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    deadline = time.time() + 30
-    while _session_pids(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not _session_pids(proc.pid), "the interrupted run's Ray processes outlived it"
+    _ended_like_ctrl_c(proc, err, run_dir)
     interrupted_at = max(train_steps(run_dir))
     assert interrupted_at < STEPS and list(run_dir.glob("checkpoint_*")), interrupted_at
 
@@ -478,14 +484,9 @@ def test_a_sigterm_to_the_whole_group_while_sampling_ends_like_ctrl_c(job):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 143 and lines == [f"error: terminated (SIGTERM); {_resume_hint(run_dir)}"], err[-3000:]
-    assert elapsed < 45 and "Traceback" not in err, (elapsed, err[-3000:])
+    _ended_like_ctrl_c(proc, err, run_dir)
+    assert elapsed < 45, (elapsed, err[-3000:])
     assert not flag.exists()
-    deadline = time.time() + 30
-    while _session_pids(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not _session_pids(proc.pid), "the terminated run's processes outlived it"
     print(f"group SIGTERM while sampling: exited in {elapsed:.1f} s")
 
 
