@@ -168,6 +168,7 @@ def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> 
 
     from kava_ray.bench.gpu import teacher_kv, teacher_model
     from kava_ray.core import fsdp
+    from kava_ray.core.models import decoder_layers
     from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
 
@@ -185,7 +186,7 @@ def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> 
         if strategy != "ddp":
             with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
                 recipe.build_model()
-            layer = fsdp.decoder_layers(recipe.distiller.student)[0]
+            layer = decoder_layers(recipe.distiller.student)[0]
             result["mesh"] = [layer.self_attn.q_proj.weight.device_mesh.device_type,
                               str(layer.self_attn.q_proj.weight.device)]
             result["units"] = sum(fsdp.is_sharded(m) for m in recipe.distiller.modules())

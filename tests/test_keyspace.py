@@ -33,7 +33,8 @@ from kava_ray.core.kv import (
     student_forward_kv,
     teacher_forward_kv,
 )
-from kava_ray.core.models import kv_geometry, load_model, load_student
+from kava_ray.core.kv.capture import cache_layers
+from kava_ray.core.models import decoder_layers, keep_layers, kv_geometry, load_model, load_student
 
 V, B, T = 96, 3, 9
 TOKENS = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -253,6 +254,24 @@ def test_at_least_ten_families_and_every_kind_is_covered():
     assert kv_geometry(_cfg("FalconConfig", hidden_size=32, num_attention_heads=4, multi_query=True)).num_kv_heads == 1
     assert kv_geometry(_cfg("FalconConfig", hidden_size=32, num_attention_heads=4, multi_query=False)).num_kv_heads == 4
     assert kv_geometry(_cfg("GPTBigCodeConfig", n_embd=32, n_head=4, multi_query=False)).num_kv_heads == 4
+
+
+def test_decoder_layers_of_every_family_hold_its_attention_and_a_layer_drop_keeps_them():
+    """`models.decoder_layers`, the one rule of the layer drop, FSDP2's per-layer units and the hidden-state hooks:
+    for each family its blocks in order, each the parent of that layer's attention module; `keep_layers` on any
+    layout leaves a model whose cache has the kept depth."""
+    for family in sorted(FAMILIES):
+        model = AutoModelForCausalLM.from_config(FAMILIES[family][0](), dtype=torch.float32).eval()
+        names = {id(m): n for n, m in model.named_modules()}
+        blocks = [model.get_submodule(names[id(a)].rpartition(".")[0]) for a in attention_layers(model)]
+        assert len(blocks) == 2 and list(decoder_layers(model)) == blocks, family
+        keep_layers(model, [1])
+        assert list(decoder_layers(model)) == blocks[1:] and attention_layers(model)[0].layer_idx == 0, family
+        with torch.no_grad():
+            out = model(torch.randint(3, V, (B, T)), use_cache=True)
+        assert kv_geometry(model.config).num_layers == 1 and len(cache_layers(out.past_key_values)) == 1, family
+    with pytest.raises(KavaError, match="cannot find its decoder layers"):
+        decoder_layers(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])

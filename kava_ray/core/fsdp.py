@@ -29,17 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kava_ray.common.errors import KavaError
+from kava_ray.core.models import decoder_layers
 
 SHARDED = "sharded"  # the checkpoint's DCP directory
-
-
-def decoder_layers(model) -> list:
-    """The student's decoder layers, the units FSDP2 shards one by one."""
-    layers = getattr(model.get_decoder() if hasattr(model, "get_decoder") else model, "layers", None)
-    if layers is None or not len(layers):
-        raise KavaError(f"ray.strategy fsdp: cannot find the decoder layers of {type(model).__name__} "
-                        f"(model.get_decoder().layers)")
-    return list(layers)
 
 
 def mesh_of(device) -> DeviceMesh:

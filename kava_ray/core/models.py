@@ -329,11 +329,19 @@ def uses_rotary(model) -> bool:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder block list of a causal LM (model.model.layers for Llama/Qwen2)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise KavaError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers)")
-    return layers
+    """The decoder block list of a causal LM, in order: the one ModuleList child of its decoder
+    (`model.get_decoder()`, the model itself when it has no such method), e.g. `model.model.layers` for
+    Llama/Qwen2, `transformer.h` for GPT-2/Falcon/BLOOM, `model.decoder.layers` for OPT.
+
+    The one rule for the three uses: `keep_layers` (it edits this list in place), FSDP2's per-layer units and the
+    hidden-state hooks (`HiddenCapture`); it holds for a student already sharded by `fully_shard`, which keeps the
+    module tree."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
+    if len(lists) != 1 or not len(lists[0]):
+        raise KavaError(f"{type(model).__name__}: cannot find its decoder layers (one non-empty ModuleList in "
+                        f"model.get_decoder(), e.g. model.model.layers)")
+    return lists[0]
 
 
 def keep_layers(model, keep: list[int]):
@@ -346,10 +354,12 @@ def keep_layers(model, keep: list[int]):
     keep = [int(i) for i in keep]
     if not keep or len(set(keep)) != len(keep) or min(keep) < 0 or max(keep) >= n:
         raise KavaError(f"student.keep_layers {keep}: need distinct layer indices in [0, {n - 1}]")
-    model.model.layers = torch.nn.ModuleList(layers[i] for i in keep)
-    for new_idx, layer in enumerate(model.model.layers):
-        for mod in (layer, getattr(layer, "self_attn", None)):
-            if mod is not None and hasattr(mod, "layer_idx"):
+    kept = [layers[i] for i in keep]
+    del layers[:]
+    layers.extend(kept)
+    for new_idx, layer in enumerate(layers):
+        for mod in layer.modules():
+            if hasattr(mod, "layer_idx"):
                 mod.layer_idx = new_idx
     cfg = model.config
     if getattr(cfg, "layer_types", None):

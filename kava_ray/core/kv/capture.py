@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.models import kv_geometry
+from kava_ray.core.models import decoder_layers, kv_geometry
 
 # ------------------------------------------------------------------------ capture at the projections
 #
@@ -290,13 +290,6 @@ def _check_against_cache(model, keys, values, ids: list[int], cache, mask) -> No
             )
 
 
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers in order: the module that holds each attention module (`attention_layers`), e.g.
-    `model.layers.3` for `model.layers.3.self_attn`."""
-    names = {id(m): n for n, m in model.named_modules()}
-    return [model.get_submodule(names[id(a)].rpartition(".")[0]) for a in attention_layers(model)]
 
 
 class HiddenCapture:
