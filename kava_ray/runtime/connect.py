@@ -43,7 +43,9 @@ def single_machine_mode() -> None:
     set_single_machine_constant()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it), for a Ray port whose fixed default another Ray here
+    may hold."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -162,8 +164,8 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # Fixed defaults (44227, 44217) that a second Ray on this machine would already hold; read by the
         # dashboard and autoscaler processes ray.init starts. (The dashboard agent's HTTP port, 52365, has
         # no ray.init setting: when taken, that agent only serves no HTTP, which an embedded Ray never uses.)
-        os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())
-        os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
+        os.environ["DASHBOARD_METRIC_PORT"] = str(free_port())
+        os.environ["AUTOSCALER_METRIC_PORT"] = str(free_port())
         # The dashboard process also serves Ray's state API, which Train's controller and
         # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
         # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a killed

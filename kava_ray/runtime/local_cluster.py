@@ -11,22 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 from typing import Iterator
 
 from ray.cluster_utils import Cluster
 
-from kava_ray.runtime.connect import single_machine_mode
+from kava_ray.runtime.connect import free_port, single_machine_mode
 
 TEACHER_NODE = {"kava-role": "teacher"}
 STUDENT_NODE = {"kava-role": "student"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 KINDS = {"teacher": (TEACHER_NODE, 2), "student": (STUDENT_NODE, 3)}  # labels, CPUs
@@ -64,12 +57,12 @@ def local_cluster() -> Iterator:
     # ~15 s): the GCS refuses a dead raylet's connection at once, a live but busy one has each check's timeout
     for key, value in (("RAY_health_check_period_ms", "1000"), ("RAY_health_check_failure_threshold", "5")):
         os.environ.setdefault(key, value)
-    os.environ["DASHBOARD_METRIC_PORT"] = str(_free_port())  # fixed defaults another Ray here may hold
-    os.environ["AUTOSCALER_METRIC_PORT"] = str(_free_port())
+    os.environ["DASHBOARD_METRIC_PORT"] = str(free_port())  # fixed defaults another Ray here may hold
+    os.environ["AUTOSCALER_METRIC_PORT"] = str(free_port())
     local = {"node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={**local, "num_cpus": 0, "dashboard_host": "127.0.0.1",
-                                      "dashboard_port": _free_port(), "labels": {"kava-role": "head"}})
+                                      "dashboard_port": free_port(), "labels": {"kava-role": "head"}})
     try:
         add_node(cluster, "teacher")
         add_node(cluster, "student")
