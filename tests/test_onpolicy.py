@@ -264,9 +264,7 @@ def test_a_flag_file_says_when_the_worker_is_sampling(ojob, teachers, tmp_path):
     assert seen == [True] and not recipe.sampling_flag.exists()
 
 
-def test_text_records_and_a_typo_in_the_section_are_one_line(ojob):
-    with pytest.raises(KavaError, match="text records have no prompt"):
-        load_config(ojob, ["onpolicy.fraction=1", "data.format=text"])
+def test_a_typo_in_the_section_is_one_line(ojob):  # text records: tests/test_preflight.py (where they are known)
     with pytest.raises(KavaError, match="onpolicy.fractoin"):
         load_config(ojob, ["onpolicy.fractoin=1"])
     with pytest.raises(KavaError, match="reverse_kl_sampled needs the student's samples"):

@@ -376,6 +376,28 @@ def qa_rows(n, prompt=lambda i: f"question {i}?", completion=lambda i: f" answer
     return "\n".join(json.dumps({"prompt": prompt(i), "completion": completion(i)}) for i in range(n)) + "\n"
 
 
+def test_on_policy_text_records_are_one_line_wherever_their_format_is_known(run_cli, tiny_job, tmp_path):
+    """On-policy distillation samples a completion for each record's prompt, and text records have none: the same
+    line (`preflight.check_prompts`, its one home) from data.format alone (a hub id, never read), from a local file
+    read at preflight, and from data prep (`recipes.train._data`: where a hub dataset of format auto is known)."""
+    from kava_ray.common.config import load_config
+    from kava_ray.common.errors import KavaError
+    from kava_ray.recipes.train import _data
+
+    f = tmp_path / "prose.jsonl"
+    f.write_text("".join(json.dumps({"text": f"plain prose, line {i}: " + "words " * 30}) + "\n" for i in range(60)))
+    line = ("onpolicy.fraction=1.0: data.source {} holds text records, which have no prompt to sample a completion "
+            "for (on-policy distillation needs prompt_completion, messages or gsm8k records)")
+    storage = tmp_path / "runs"
+    for source, extra in ((f, []), ("org/prose", ["data.format=text"])):
+        r = refused(run_cli, tiny_job, "onpolicy.fraction=1", f"data.source={source}", *extra,
+                    f"ray.storage_path={storage}", storage=storage)
+        assert r == "error: " + line.format(source)
+    with pytest.raises(KavaError) as e:
+        _data(load_config(str(tiny_job), ["onpolicy.fraction=1", f"data.source={f}"]))
+    assert str(e.value) == line.format(f)
+
+
 def test_a_jsonl_cut_mid_line_names_the_broken_line(run_cli, tiny_job, tmp_path):
     """A line cut short deep in the file (past the records preflight reads first) or at its end: the cause, a
     broken line, and its number (not the Arrow reader's "cannot read it as a table")."""

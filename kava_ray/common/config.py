@@ -400,9 +400,6 @@ class JobConfig(_Section):
             raise ValueError("data.kv_cache_dir: required when data.kv_source is 'cache'")
         o = self.onpolicy
         if o.fraction > 0:
-            if self.data.format == "text":
-                raise ValueError("onpolicy.fraction: text records have no prompt to sample a completion for "
-                                 "(on-policy distillation needs prompt_completion, messages or gsm8k records)")
             if self.data.kv_source == "cache":
                 raise ValueError("onpolicy.fraction: sampled batches are scored live; a precomputed KV cache "
                                  "(data.kv_source: cache) cannot hold them")

@@ -477,14 +477,15 @@ def _row_hash(row) -> str:
 
 def prepare_data(cfg: JobConfig) -> dict:
     """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
-    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts."""
+    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts (and the
+    records' format)."""
     overlap = check_overlap(cfg)  # the same rows in a held-out split: refused (one line) unless allowed
     tok = load_tokenizer(cfg.student.model)
     train, val = load_splits(cfg, tok)
     test = load_test_split(cfg, tok)
     check_routes(cfg, {"training": train, "validation": val, "test": test})
     return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg),
-            "warning": overlap}
+            "warning": overlap, "format": train.format}
 
 
 def data_seed(cfg: JobConfig) -> int:

@@ -28,8 +28,8 @@ def prompt_starts(batch: Batch) -> list[int]:
         n = int(batch.attention_mask[b].sum())
         ends = [t for t in range(n) if loss[t]]
         if not ends:
-            raise KavaError("a record without completion tokens has no prompt to sample from (on-policy "
-                            "distillation needs prompt_completion, messages or gsm8k records)")
+            raise KavaError(f"on-policy: row {b} of the batch has no completion tokens (an empty completion, or "
+                            "one cut at train.max_length): no prompt to sample a completion for")
         start = ends[-1]
         while start > 0 and loss[start - 1]:
             start -= 1
@@ -99,7 +99,7 @@ def _teacher_inputs(split: TokenizedSplit, rows, starts, texts, tokenizer, teach
     sampled completion, rendered and tokenized by that teacher, aligned to the student's tokens by characters."""
     if split.records is None or "text" not in split.dataset.column_names:
         raise KavaError("teachers of another tokenizer score a sampled completion by its text: the split needs its "
-                        "records and texts (packed text has no prompts)")
+                        "records and texts")
     s_items = split.items.many(rows)
     student_items, records = [], []
     for i, s_item, start, (prompt, comp) in zip(rows, s_items, starts, texts):

@@ -211,7 +211,8 @@ def generation_prompt(row: Mapping, fmt: str, tokenizer, prompt_format: str = "a
 
 def with_completion(row: Mapping, fmt: str, text: str) -> dict:
     """The record with its completion (the last assistant turn, a GSM8K answer) replaced by `text`: what a teacher
-    of another tokenizer renders of a sampled completion (on-policy distillation). Text records have none."""
+    of another tokenizer renders of a sampled completion (on-policy distillation). Text records have none (on-policy
+    refuses them before anything starts: `runtime.preflight.check_prompts`)."""
     out = dict(row)
     turn = {"role": "assistant", "content": text}
     if fmt == "prompt_completion":
@@ -223,8 +224,7 @@ def with_completion(row: Mapping, fmt: str, text: str) -> dict:
     elif fmt == "gsm8k":
         out["answer"] = text
     else:
-        raise KavaError(f"{fmt} records have no prompt to complete: on-policy distillation needs prompt_completion, "
-                        f"messages or gsm8k records")
+        raise ValueError(f"with_completion: a {fmt} record has no completion")
     return out
 
 

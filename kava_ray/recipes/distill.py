@@ -251,10 +251,6 @@ class DistillRecipe:
         from actors.onpolicy import Sampler, teacher_writer  # Ray: see the module docstring
 
         cfg, teacher, model = self.cfg, None, self.distiller.student
-        if self.train_split.format == "text" or self.train_split.packed:
-            raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: the data holds text records, which have no "
-                            f"prompt to sample a completion for (on-policy distillation needs prompt_completion, "
-                            f"messages or gsm8k records)")
         if cfg.onpolicy.source == "teacher":
             teacher, model = teacher_writer(cfg, self.plans, source), None
         return Sampler(cfg, self.train_split, self.tokenizer, self.teacher_toks, model=model, teacher=teacher,

@@ -30,7 +30,7 @@ from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payloa
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
 from kava_ray.runtime.console import quiet, status, with_logs
 from kava_ray.runtime.job import job_teachers
-from kava_ray.runtime.preflight import preflight
+from kava_ray.runtime.preflight import check_prompts, preflight
 from kava_ray.runtime.process_group import LoopbackTorchConfig
 from kava_ray.runtime.progress import follow_metrics
 from kava_ray.runtime.ray_private import drop_train_sigint_handler, trim_train_callbacks
@@ -182,6 +182,7 @@ def _data(cfg: JobConfig) -> None:
     tokens, fewer rows than one batch of every worker): a bad record deep in the data stops us here."""
     t0 = time.time()
     prepared = prepare_data(cfg)
+    check_prompts(cfg, prepared["format"])  # a hub dataset's format is known only now (a local one's at preflight)
     need = cfg.train.batch_size * cfg.ray.num_workers
     if prepared["train"] < need:
         raise KavaError(f"train.batch_size={cfg.train.batch_size} x ray.num_workers={cfg.ray.num_workers}: the "

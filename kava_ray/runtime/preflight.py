@@ -157,6 +157,13 @@ def check_data(cfg: JobConfig, split: str) -> None:
     one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
     with about("data.source"):
         fmt = check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
+    check_prompts(cfg, fmt if cfg.data.format == "auto" else cfg.data.format)
+
+
+def check_prompts(cfg: JobConfig, fmt: Optional[str]) -> None:
+    """On-policy distillation (`onpolicy.fraction` > 0) samples a completion for each record's prompt: text records
+    have none. `fmt`: the records' format, the one place this is decided -- `data.format`, else as read from the data
+    (`check_data`: a local file, synthetic; `recipes.train` once a hub dataset of format auto is tokenized)."""
     if fmt == "text" and cfg.onpolicy.fraction > 0:
         raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: data.source {cfg.data.source} holds text "
                         f"records, which have no prompt to sample a completion for (on-policy distillation needs "
