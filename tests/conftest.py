@@ -115,13 +115,13 @@ def ray_session():
     """
     import ray
 
-    import kava_ray.runtime.connect
+    import kava_ray.runtime.console
     from kava_ray.runtime.connect import connect
 
     # workers' and Ray Train's actor logs stay in Ray's files, as in a quiet `kava-ray train`: forwarded to
     # this process, a late line of one test's run (Ray Train's PlacementGroupCleaner) lands in another test's
     # captured stderr
-    kava_ray.runtime.connect.LOG_TO_DRIVER = False
+    kava_ray.runtime.console.LOG_TO_DRIVER = False
     connect(None, "kava-test", num_cpus=8, worker_env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     yield ray
     ray.shutdown()

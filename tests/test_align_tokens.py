@@ -1,4 +1,4 @@
-"""Cross-tokenizer token alignment (kava_ray.core.align.tokens) on real tokenizers, and its data plumbing.
+"""Cross-tokenizer token alignment (data.alignment, core.align.tokens) on real tokenizers, and its data plumbing.
 
 Correctness is checked against a brute-force reference written here from the rule alone (per-character
 segment labels, O(T_s * T_t) overlap), independent of the module's searchsorted code.
@@ -14,18 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kava_ray.core.align.tokens import (
-    MODES,
-    align_positions,
-    align_texts,
-    aligned_mask,
-    alignment_stats,
-    apply_alignment,
-    canonical_spans,
-    pair_positions,
-    segment_bounds,
-    segment_table,
-)
+from kava_ray.core.align.tokens import MODES, aligned_mask, alignment_stats, apply_alignment
 from kava_ray.data import (
     BatchStream,
     Example,
@@ -35,6 +24,14 @@ from kava_ray.data import (
     synthetic_gsm8k,
     teacher_view,
     tokenize_split,
+)
+from kava_ray.data.alignment import (
+    align_positions,
+    align_texts,
+    canonical_spans,
+    pair_positions,
+    segment_bounds,
+    segment_table,
 )
 
 PAIRS = [("smollm2", "qwen2"), ("smollm2", "llama3"), ("llama3", "smollm2"), ("qwen2", "llama3")]

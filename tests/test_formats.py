@@ -157,8 +157,8 @@ def test_exact_resume_mid_epoch(smollm2_tokenizer, kind):
 
 
 def test_teacher_of_another_tokenizer_aligns_within_each_message(smollm2_tokenizer, llama3_tokenizer):
-    from kava_ray.core.align.tokens import canonical_spans, segment_table
     from kava_ray.data import teacher_view
+    from kava_ray.data.alignment import canonical_spans, segment_table
     from kava_ray.data.records import render
     from kava_ray.data.tokenize import encode_rendered
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kava_ray.bench.harness import bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.bench.memory import measure_peak
 from kava_ray.common.config import LossConfig, load_config
 from kava_ray.common.files import format_table
@@ -30,8 +31,6 @@ def chunk_bench(batch: int = 4, tokens: int = 1024, steps: int = 2, rounds: int 
                 chunk: int = LossConfig().vocab_chunk) -> dict:
     """{"config", "recipes": {recipe: {"whole"/"chunked": {"peak", "step_s"}, "memory_ratio", "time_ratio",
     "met"}}}."""
-    from kava_ray.bench.step import _kv_stepper, bench_job, random_batch, sync_device, timed_mean  # (a cycle)
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     paths = {"whole": 0, "chunked": int(chunk)}
     out = {}
@@ -44,7 +43,7 @@ def chunk_bench(batch: int = 4, tokens: int = 1024, steps: int = 2, rounds: int 
         for name, overrides in RECIPES.items():
             cfgs = {p: load_config(base, [*overrides, f"loss.vocab_chunk={c}"]) for p, c in paths.items()}
             peaks = {p: measure_peak(cfg, steps=steps) for p, cfg in cfgs.items()}
-            steppers = {p: _kv_stepper(cfg, t_model, "t", data, payloads, QWEN_VOCAB, device) for p, cfg in cfgs.items()}
+            steppers = {p: kv_stepper(cfg, t_model, "t", data, payloads, QWEN_VOCAB, device) for p, cfg in cfgs.items()}
             times = {p: [] for p in paths}
             for fn in steppers.values():  # warm-up
                 fn()

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import transformers
 
-from kava_ray.bench.step import random_batch, sync_device, timed_mean
+from kava_ray.bench.harness import random_batch, sync_device, timed_mean
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json

@@ -12,7 +12,6 @@ The method step by step: docs/internals/runtime.md#bench-heal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -21,7 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from kava_ray.bench.inprocess import train_in_process
+from kava_ray.bench.heal_onpolicy import OP_ARMS, OP_BASE, run_onpolicy_arms
+from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.recipes import Scorer, plot_curves
 from kava_ray.bench.stats import fmt_interval, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive, load_config, parse_override
@@ -142,8 +142,6 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate). onpolicy: after the warm start,
     the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate."""
     if onpolicy:
-        from kava_ray.bench.heal_onpolicy import OP_ARMS, OP_BASE
-
         bad = [a for a in (arms or []) if a not in OP_ARMS]
         if bad or (arms and OP_BASE not in arms):
             raise KavaError(f"bench heal --onpolicy: arms must be among {', '.join(OP_ARMS)} and include {OP_BASE} "
@@ -171,8 +169,6 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
     warm = _warm_start(scorer, tok, warm_dir, p, say)
     if onpolicy:
-        from kava_ray.bench.heal_onpolicy import run_onpolicy_arms
-
         lr = lr_scale * job.optim.lr_student
         op = run_onpolicy_arms(job, corpus, root, str(warm_dir), tok, p["steps"], p["seeds"], lr, quick, say,
                                onpolicy_arms)
@@ -288,7 +284,7 @@ def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
     warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
                                    "train.steps": p["warm_max"], "train.seed": 0, "train.data_seed": 0})
     key = {k: p[k] for k in ("warm_every", "warm_max", "warm_flat", "eval_blocks")}
-    job_key = _fingerprint(warm_cfg.model_dump(mode="json", exclude_defaults=True))
+    job_key = run_key(warm_cfg.model_dump(mode="json", exclude_defaults=True))
     meta_path = warm_dir / "warm_start.json"
     if meta_path.is_file() and (warm_dir / "config.json").is_file():
         meta = json.loads(meta_path.read_text())
@@ -329,10 +325,6 @@ def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, steps: int = 3
         + " ".join(f"{r:.4f}" for r in ratios) + f"), so KV's gradient equals CE's at weight {1 / ratio:.1f}")
     return {"ratio_at_1": ratio, "ratios": ratios, "kv_unit": 1 / ratio,
             "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio}}
-
-
-def _fingerprint(obj) -> str:
-    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _calibration(path: Path, measure: Callable[[], dict]) -> dict:
@@ -431,7 +423,7 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
         cfg = derive(cfg, ctx.recipes[arm])
     cfg = derive(cfg, {"optim.lr_student": lr})  # the grid's rate, over a recipe's own
     other = arm in ARMS and ARMS[arm].other_batch
-    key = _fingerprint({"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
+    key = run_key({"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
                         "eval_every": ctx.p["eval_every"], "eval_blocks": ctx.p["eval_blocks"], "val": val is not None})
     path = ctx.done / _safe(arm) / f"seed{seed}-{key}.json"
     if path.is_file():

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kava_ray.bench.inprocess import train_in_process
+from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import fmt_interval, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import atomic_write, format_table, write_json
@@ -129,8 +129,6 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
                       quick: bool, say: Callable[[str], None], arms: Optional[list] = None) -> dict:
     """Every on-policy arm from the warm start over `seeds` (module docstring); finished runs kept under
     root/onpolicy_runs and read back by a re-run."""
-    from kava_ray.bench.heal import _fingerprint  # (heal imports this module when it runs the on-policy arms)
-
     p = dict(OP_QUICK if quick else OP_DEFAULTS)
     names = arms or list(OP_ARMS)
     say(f"on-policy decision rule, fixed before the run: {op_decision_rule()}")
@@ -156,7 +154,7 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
         for seed in range(seeds):
             cfg = derive(cfg0, {**OP_ARMS[arm], "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
                                 "student.model": warm, "student.keep_layers": None, "optim.lr_student": lr})
-            path = done / arm / f"seed{seed}-{_fingerprint(cfg.model_dump(mode='json', exclude_defaults=True))}.json"
+            path = done / arm / f"seed{seed}-{run_key(cfg.model_dump(mode='json', exclude_defaults=True))}.json"
             if path.is_file():
                 runs[arm].append(json.loads(path.read_text()))
                 continue

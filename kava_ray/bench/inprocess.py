@@ -9,12 +9,20 @@ TorchTrainer start, ~15 s here, per run): the benches that compare many short ru
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
 from typing import Callable, Optional
 
 from kava_ray.core.metric_names import GRAD_KV_RATIO, GRAD_KV_SHARE
 from kava_ray.recipes.distill import DistillRecipe
+
+
+def run_key(obj) -> str:
+    """16 hex digits naming a finished run by what defines it (a JSON-able dict: its config dump, ...): the name it
+    is kept under, so that a re-run with the same output dir finds it (`bench heal`, `bench heal --onpolicy`)."""
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,

@@ -10,31 +10,26 @@ measures memory beside `kava-ray plan`. The variants and the method: docs/intern
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kava_ray.bench.chunked_loss import chunk_bench, format_chunk_bench
+from kava_ray.bench.harness import CROSS_COVERAGE, bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.bench.memory import compare_with_plan
-from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.config import JobConfig, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
-from kava_ray.core.align.vocab import VocabMap
 from kava_ray.core.distiller import build_scheduler
-from kava_ray.core.kv import KVBatch, student_forward_kv, teacher_forward_kv
+from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.models import load_model, load_student
-from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
 from kava_ray.core.precision import student_precision
-from kava_ray.data import Batch, TeacherInputs
-from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.data import Batch
 from kava_ray.testing.tiny import build_tiny_model
 
 # a small student: ~25% of its forward FLOPs in the LM head, as in Qwen2.5-0.5B (vocab 8192 at hidden 384)
@@ -52,7 +47,7 @@ VARIANTS: dict[str, Optional[list[str]]] = {
     "ce+kv+logits cross-vocab": ["loss.logit_weight=1"],
 }
 CROSS = "ce+kv+logits cross-vocab"  # its teacher has another vocabulary (CROSS_VOCAB x the student's)
-CROSS_VOCAB, CROSS_COVERAGE = 3, 0.8
+CROSS_VOCAB = 3
 PHASES = ("student_forward", "projectors", "fusion_loss", "backward", "optimizer")
 TARGET = ("ce+kv structured", 1.25)  # the KV step may cost at most this much more than the plain one
 CROSS_TARGET = (CROSS, "ce+kv+logits", 1.1)  # a teacher of another vocabulary vs one of the student's
@@ -65,47 +60,6 @@ MEMORY_RECIPES: dict[str, list[str]] = {
     "ce+kv flat linear": ["align.mode=flat", "align.projector.kind=linear"],
     "ce+kv+logits": ["loss.logit_weight=1"],
 }
-
-
-def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) -> JobConfig:
-    """The bench's base job: production defaults (structured mode, projector kind auto: fit for this student, of the
-    teacher's KV geometry but trained apart from it; Mercator + CE, AdamW)."""
-    return validate_config({
-        "name": "bench-step",
-        "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
-        "student": {"model": str(s_dir)},
-        "data": {"num_train": 8, "num_test": 4, "num_val": 4},
-        "optim": {"warmup_steps": 0, "schedule": "constant"},
-        # the recipe loads the synthetic split (its setup needs one) at a length its prompts fit, so rows carry loss
-        # tokens; the step itself is timed on random batches of `tokens` (`random_batch`)
-        "train": {"batch_size": batch, "max_length": max(tokens, 256)},
-        "ray": {"storage_path": str(storage), "num_workers": 1},
-    })
-
-
-def _cross_vocab(plans: dict, data: Batch, s_vocab: int):
-    """The bench's teacher of another vocabulary: its plan marked aligned, the batch with a one-to-one alignment
-    and pairing (`batch.teachers["t"]`), and a vocabulary map reaching CROSS_COVERAGE of the student's ids from
-    random teacher ids (the cost of the loss depends on the sizes, not on which ids)."""
-    plan = plans["t"]
-    plans = {"t": dataclasses.replace(plan, tokenizer="(bench: another tokenizer)", tokenizer_fingerprint=None)}
-    B, T = data.input_ids.shape
-    pos = torch.arange(T).expand(B, T)
-    one_to_one = TeacherInputs(data.input_ids, data.attention_mask, align_lo=pos, align_hi=pos + 1, logit_pair=pos)
-    batch = dataclasses.replace(data, teachers={"t": one_to_one})
-    rng = np.random.default_rng(0)
-    v_t = int(plan.geometry.vocab_size)
-    t2s = np.full(v_t, -1, dtype=np.int64)
-    hit = rng.choice(v_t, int(CROSS_COVERAGE * s_vocab), replace=False)
-    t2s[hit] = rng.permutation(s_vocab)[:len(hit)]
-    return plans, batch, {"t": VocabMap(t2s, s_vocab)}
-
-
-def random_batch(batch: int, tokens: int, vocab: int) -> Batch:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, tokens), generator=g)
-    mask = torch.ones_like(ids)
-    return Batch(ids, mask, labels=ids.clone(), answer_mask=mask)
 
 
 class _Plain:
@@ -132,22 +86,6 @@ class _Plain:
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-
-
-def sync_device(device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU), so a clock reads finished work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_mean(fn, n: int, device) -> float:
-    """Mean seconds of `fn()` over `n` back-to-back calls, the device synchronised before and after."""
-    sync_device(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync_device(device)
-    return (time.perf_counter() - t0) / n
 
 
 @contextlib.contextmanager
@@ -240,40 +178,8 @@ def _build(tmp: Path, student: dict, teacher: dict, batch: int, tokens: int, dev
             continue
         which = "x" if name == CROSS else "t"
         cfg = load_config(base, overrides + ([f"teachers.0.model={x_dir}"] if which == "x" else []))
-        steppers[name] = _kv_stepper(cfg, t_models[which], which, data, payloads, student["vocab_size"], device)
+        steppers[name] = kv_stepper(cfg, t_models[which], which, data, payloads, student["vocab_size"], device)
     return base, steppers, plain
-
-
-def _kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict, s_vocab: int, device):
-    """A KV variant's step function: a DistillRecipe of `cfg` stepping on the bench's batch with the teacher's
-    KV computed beforehand; which: "x" for the teacher of another vocabulary (aligned one to one)."""
-    plans = in_process_plans(cfg, {"t": t_model})
-    kv = {"t": _teacher_kv(cfg, plans, t_model, which, data, payloads, device)}
-    feed, maps = data, None
-    if which == "x":  # the other vocabulary, aligned one to one (every position aligned and paired)
-        plans, feed, maps = _cross_vocab(plans, data, s_vocab)
-    recipe = DistillRecipe(cfg, plans, device=device)
-    if maps is None:
-        recipe.setup()
-    else:  # the bench's own batch: no tokenizer of the other vocabulary to load
-        recipe.build_model(maps)
-    # projector kind auto (the bench's student is of the teacher's KV geometry but not copied from it): fit, whose
-    # student-side map a Train worker fits before step 1 (`DistillRecipe.fit_maps`); here on the bench's batch
-    recipe.fit_maps_on([(feed, kv)])
-    counter = iter(range(1, 10**9))
-    return lambda: recipe.step(next(counter), [(feed, kv)])
-
-
-def _teacher_kv(cfg: JobConfig, plans: dict, t_model, which: str, data: Batch, payloads: dict, device) -> KVBatch:
-    """The teacher's KV (and top-k logits) for the batch on `device`: the teacher runs once per distinct
-    (teacher, layers, k) request, its wire payload kept in `payloads` for the variants that share it."""
-    layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
-    key = (which, tuple(layers), k)
-    if key not in payloads:
-        wire = teacher_forward_kv(t_model, data.input_ids, data.attention_mask,
-                                  layers=layers, key_space=cfg.align.key_space, logits_top_k=k)
-        payloads[key] = wire.to_wire(cfg.align.wire_dtype)
-    return KVBatch.from_wire(payloads[key], device=device)
 
 
 def _measure(steppers: dict, plain: _Plain, key_space, rounds: int, steps: int, profile_steps: int,

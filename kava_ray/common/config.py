@@ -255,7 +255,7 @@ class LossConfig(_Section):
     # them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k ids: ZERO)
     logit_tail: Literal["bucket", "none"] = "bucket"
     # teachers of another tokenizer (their ids name other strings), at the positions where both have read the same
-    # text (`align.tokens.pair_positions`): hybrid (TRL GOLD: ids whose string the student also has by forward KL,
+    # text (`data.alignment.pair_positions`): hybrid (TRL GOLD: ids whose string the student also has by forward KL,
     # the rest by the sorted ULD distance), uld (the sorted distance only: no vocabulary map), or off (KV only)
     logit_cross_vocab: Literal["hybrid", "uld", "off"] = "hybrid"
     # hybrid: the weight of the matched part (the unmatched part gets 1 - it); None = GOLD's default, the share of

@@ -2,7 +2,7 @@
 
 Same tokenizer: the top-k forward KL (`losses.topk_kl_loss`) on every next-token position. Another tokenizer
 (`loss.logit_cross_vocab`): the teacher's top-k are taken at the teacher positions paired with the student's
-(`batch.teachers[t].logit_pair`, `align.tokens.pair_positions`: both have read exactly the same text and predict
+(`batch.teachers[t].logit_pair`, `data.alignment.pair_positions`: both have read exactly the same text and predict
 what follows it), then compared by the hybrid loss (TRL GOLD: ids with a student token of the same string by
 forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or by ULD alone
 (`losses.uld_loss`). Student positions without a pair do not count. Pure PyTorch; the Distiller (training) and

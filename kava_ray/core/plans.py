@@ -34,7 +34,7 @@ class TeacherPlan:
     """One teacher as the student sees it: its geometry, the layer map and the layers it ships.
 
     `tokenizer`: None when it shares the student's tokenizer (positions one to one); else where the student side
-    loads it from (its model, or the KV cache's copy) to align positions by characters (`core.align.tokens`),
+    loads it from (its model, or the KV cache's copy) to align positions by characters (`data.alignment`),
     checked against `tokenizer_fingerprint`, what the teacher reports. `copied`: the student was copied from this
     teacher (`copied_from_teacher`), so `align.projector.kind: auto` may compare their KV directly (identity)."""
 

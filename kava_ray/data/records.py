@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.align.tokens import ANSWER_MARKER
+from kava_ray.data.alignment import ANSWER_MARKER
 
 FORMATS = ("text", "prompt_completion", "messages", "gsm8k")
 FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "gsm8k": ("question", "answer"),

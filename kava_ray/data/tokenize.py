@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.align.tokens import align_positions, align_texts, pair_positions
+from kava_ray.data.alignment import align_positions, align_texts, pair_positions
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.records import (
     PLAIN_PROMPT,
@@ -443,7 +443,7 @@ class TeacherView:
     items[i]: `input_ids` (the teacher's tokens of row i), `align_lo` / `align_hi` (one per student token:
     student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned; for KV), `logit_pair` (one
     per student token: the teacher position whose next-token distribution predicts the same text,
-    `align.tokens.pair_positions`, -1 for none; for logits). stats: over the split.
+    `alignment.pair_positions`, -1 for none; for logits). stats: over the split.
     """
 
     items: object
@@ -504,7 +504,7 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
     """Encode every row of `split` with a teacher's `tokenizer` and align it to the student's tokens.
 
     The teacher renders the same record (with `auto` it applies its own chat template if it has one; a packed
-    block: the same document pieces). Alignment per row: `kava_ray.core.align.tokens.align_texts` (character
+    block: the same document pieces). Alignment per row: `kava_ray.data.alignment.align_texts` (character
     offsets within the record's content segments, causal). Truncation: for a truncated student row, teacher
     tokens that end past the student's last covered character (unusable by the causal alignment) are dropped,
     then the teacher row is capped at max_length tokens; student positions the cap cuts off become unaligned.

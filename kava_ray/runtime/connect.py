@@ -20,6 +20,7 @@ import ray
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
 from kava_ray.common.signals import sigterm_as_interrupt
+from kava_ray.runtime import console
 from kava_ray.runtime.console import collect_before_shutdown, ray_started, status
 from kava_ray.runtime.ray_private import set_single_machine_constant
 
@@ -32,7 +33,6 @@ TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 EMBEDDED_ENV = {**TRAIN_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "TRANSFORMERS_VERBOSITY": "error"}
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node IP
 PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
-LOG_TO_DRIVER = True  # ray.init(log_to_driver=...): kava_ray.runtime.console.quiet turns it off (workers' lines stay in Ray's logs)
 
 
 def single_machine_mode() -> None:
@@ -171,7 +171,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a killed
         # one) is on this machine; without it ray.init joins that cluster and refuses num_cpus
         ray.init(address="local", num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
-                 log_to_driver=LOG_TO_DRIVER,
+                 log_to_driver=console.LOG_TO_DRIVER,
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
                  _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": {**EMBEDDED_ENV, **(worker_env or {})}})
@@ -201,7 +201,7 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
         # to a cluster found that way even where RAY_AUTH_MODE is unset, as a bare `ray start --head` (which
         # turns token auth on when that file exists) needs; an explicit address needs RAY_AUTH_MODE=token
         ray.init(address="auto" if address == "auto" else target, namespace=namespace, logging_level="WARNING",
-                 log_to_driver=LOG_TO_DRIVER, runtime_env={"env_vars": env} if env else None)
+                 log_to_driver=console.LOG_TO_DRIVER, runtime_env={"env_vars": env} if env else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         # something answers but refuses us: most often a token cluster and a client that sends no token
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else

@@ -21,6 +21,7 @@ from kava_ray.common.errors import KavaError
 from kava_ray.runtime.ray_private import session_logs_dir
 
 _state: dict = {"console": None, "log_dir": None, "ray_started": False, "made": []}
+LOG_TO_DRIVER = True  # ray.init(log_to_driver=...) in `connect`: `quiet` turns it off (workers' lines stay in Ray's logs)
 
 
 def ray_started() -> None:
@@ -60,6 +61,7 @@ def _kept_on_refusal() -> bool:
 @contextlib.contextmanager
 def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`: leave it live."""
+    global LOG_TO_DRIVER
     if _state["log_dir"] is not None:  # nested: the outer one owns the console
         yield
         return
@@ -71,10 +73,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
     _state["made"] = made
     _state["log_dir"] = log_dir
     _state["ray_logs"] = (log_dir / "ray", t0) if ray_logs else None
-    from kava_ray.runtime import connect  # here: connect imports this module (an import cycle)
-
-    prev_log_to_driver = getattr(connect, "LOG_TO_DRIVER", True)
-    connect.LOG_TO_DRIVER = bool(verbose)
+    prev_log_to_driver, LOG_TO_DRIVER = LOG_TO_DRIVER, bool(verbose)
     try:
         if verbose:
             yield
@@ -89,7 +88,7 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
             _state["ray_logs"] = None
         raise
     finally:
-        connect.LOG_TO_DRIVER = prev_log_to_driver
+        LOG_TO_DRIVER = prev_log_to_driver
         pending = _state["ray_logs"]  # None once collect_before_shutdown has copied them
         if pending:
             try:
