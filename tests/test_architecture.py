@@ -14,7 +14,8 @@ What counts as a reference (strict where it is ours, silent where it is not):
     `Dataset.map` are someone else's and skipped. A name that is also a config key (`fusion.kind`, `train.loggers`,
     `align.projector.kind`: resolved through `JobConfig`'s fields) passes as that.
     a path counts when its first part is a top-level entry of the repository or of `kava_ray/` (`RUN_DIR/logs/`,
-    `final/` are a run's files, not the repository's).
+    `final/` are a run's files, not the repository's; `data/{split}.jsonl` is a template of a user's path); a bare
+    `name.py` (the layer diagram's `distill.py`) must be a file of the code.
 """
 
 from __future__ import annotations
