@@ -105,7 +105,8 @@ def test_the_readme_job_runs_on_one_file_for_every_split(readme_run):
 
     cfg, out, _ = readme_run
     assert cfg.data.num_val is None and cfg.data.num_test is None and "{split}" not in cfg.data.source
-    assert prepare_data(cfg) == {"train": 36, "validation": 2, "test": 2, "carved": True, "warning": None}
+    assert prepare_data(cfg) == {"train": 36, "validation": 2, "test": 2, "carved": True, "warning": None,
+                                 "format": "messages"}
     records = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
