@@ -660,3 +660,13 @@ def test_an_address_that_is_not_ray_fails_fast_naming_where_it_came_from(tiny_jo
     finally:
         http_server.shutdown()
         silent.close()
+
+
+def test_a_carved_synthetic_source_reads_only_the_records_it_carves():
+    """A synthetic source makes as many records as asked (it has no "every record"): carving validation and test
+    from its training split asks for num_train + num_val + num_test of them, as before the null shares."""
+    from kava_ray.common.config import load_config
+    from kava_ray.core.plans import _carved_records
+
+    cfg = load_config("demo_cpu", ["data.test_split=train"])
+    assert [len(x) for x in _carved_records(cfg)] == [cfg.data.num_train, cfg.data.num_val, cfg.data.num_test]

@@ -361,10 +361,10 @@ def carved_counts(cfg: JobConfig, total: int) -> tuple[int, int]:
 def _carved_records(cfg: JobConfig):
     """(train, val, test) records of a carved source (`carved`); a source too small for the three is one line."""
     d = cfg.data
-    records = split_records(cfg, d.train_split, None)
+    # only the records the carve uses (a synthetic source needs a number; a short file gives what it has)
+    want = None if d.num_train is None else d.num_train + sum(carved_counts(cfg, d.num_train))
+    records = split_records(cfg, d.train_split, want)
     n_val, n_test = carved_counts(cfg, len(records))
-    if d.num_train is not None and d.num_train + n_val + n_test < len(records):
-        records = records.select(range(d.num_train + n_val + n_test))
     n = len(records) - n_val - n_test
     if n < 1:
         raise KavaError(f"data.source {d.source} has {len(records)} records: too few to carve {n_val} validation "
