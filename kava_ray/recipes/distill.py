@@ -112,6 +112,9 @@ class DistillRecipe:
         # ray.strategy fsdp with several workers: the Distiller sharded with FSDP2 (`core.fsdp`); every rank then
         # takes part in evaluation and checkpoints (their collectives), rank 0 alone writes what is shared
         self.sharded = cfg.ray.strategy == "fsdp" and world > 1
+        # the last step's: its learning rates (before the schedule moves) and how many micro-batches measured each metric
+        self.last_lrs: list = []
+        self.measured: dict[str, int] = {}
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the tokenizers and the
