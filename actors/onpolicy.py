@@ -1,32 +1,33 @@
-"""On-policy distillation's side of the feed: batches whose completions are sampled before the teachers score them.
+"""On-policy distillation's step source: a share of the batches completed by the student (or a teacher) before the
+teachers score them.
 
-`onpolicy_items` wraps the stream's items (`actors.feed.feed_items`): a share `onpolicy.fraction` of the batches
-(GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw the same) go through a `Sampler`,
-which samples each row's completion -- the student with its current weights on this worker, or a teacher actor
-(`source: teacher`, sequence-level KD) -- and returns the sampled batch (`data.onpolicy.sampled_batch`) under a key
-made of its content (replicas and Tune trials that sampled the same sequences share one teacher forward). The
-KVFeed then asks every teacher for it like any other batch. When the sampling happens relative to training is the
-feed's depth (it takes batches only when a step asks for one): `onpolicy.lag` 1 samples batch n + 1 as step n asks
-for batch n (the teachers score n meanwhile, and n + 1 while the student trains on n), 0 samples batch n then
-(docs/training.md#on-policy).
+`OnPolicyStepSource` is the `actors.step_source.StepSource` whose items go through a `Sampler` for a share
+`onpolicy.fraction` of the batches (GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw
+the same): it samples each row's completion with a `actors.engines.CompletionEngine` and returns the sampled batch
+(`data.onpolicy.sampled_batch`) under a key made of its content (replicas and Tune trials that sampled the same
+sequences share one teacher forward); the KVFeed then asks every teacher for it like any other batch. When the
+sampling happens relative to training is the feed's depth, batches taken only as a step asks for one:
+`onpolicy.lag` 1 samples batch n + 1 as step n asks for batch n (the teachers score n meanwhile, and n + 1 while the
+student trains on n), 0 samples batch n then. A checkpoint keeps the batches in flight (sampled with the weights of
+their time), and a resumed run trains on them first: the same curve (docs/training.md#on-policy).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
-import ray
 
+from actors.engines import CompletionEngine
 from actors.feed import feed_items, request_arrays
+from actors.step_source import StepSource, gathered, stream_state_after
 from kava_ray.common.config import JobConfig
-from kava_ray.common.errors import KavaError
-from kava_ray.core.plans import check_writer, onpolicy_writer
-from kava_ray.core.sampling import sample
-from kava_ray.data import Batch, BatchStream
+from kava_ray.core.metric_names import SAMPLE_S
+from kava_ray.data import Batch, BatchStream, TokenizedSplit
 from kava_ray.data.onpolicy import prompts_of, sampled_batch
 
 
@@ -49,17 +50,14 @@ def content_key(batch: Batch) -> str:
 
 
 class Sampler:
-    """Samples the completions of one batch of records: `sampler(batch, rows, key)` -> the sampled `Batch`.
+    """Completes one batch of records: `sampler(batch, rows, key)` -> the sampled `Batch` (each row's prompt and the
+    engine's completion, cut at train.max_length). Counts `seconds` and `tokens` sampled; `flag`: a file that exists
+    while it samples (the driver's progress bar reads it)."""
 
-    model: the student (sampled on this worker; `source: student`), or None with `teacher` a function
-    (prompts, max_new_tokens, temperature, top_p, seed) -> completions (`teacher_writer`: a teacher of the student's
-    tokenizer). Counts `seconds` and `tokens` sampled."""
-
-    def __init__(self, cfg: JobConfig, split, tokenizer, teacher_tokenizers: dict, model=None, teacher=None,
-                 rank: int = 0, autocast=None, flag: Optional[Path] = None):
+    def __init__(self, cfg: JobConfig, split: TokenizedSplit, tokenizer, teacher_tokenizers: dict,
+                 engine: CompletionEngine, rank: int = 0, flag: Optional[Path] = None):
         self.cfg, self.split, self.tok, self.teacher_toks = cfg, split, tokenizer, teacher_tokenizers
-        self.model, self.teacher, self.rank, self.autocast = model, teacher, rank, autocast
-        self.flag = flag  # a file that exists while this sampler samples (the driver's progress bar reads it)
+        self.engine, self.rank, self.flag = engine, rank, flag
         self.seconds, self.tokens = 0.0, 0
 
     def __call__(self, batch: Batch, rows, key: str) -> Batch:
@@ -74,21 +72,13 @@ class Sampler:
     def _sample(self, batch: Batch, rows, key: str) -> Batch:
         o, t0 = self.cfg.onpolicy, time.perf_counter()
         prompts = prompts_of(batch)
-        seed = sample_seed(self.cfg.train.seed, key, self.rank)
-        eos = [self.tok.eos_token_id]
         # nothing past train.max_length is kept (`sampled_batch` cuts there): no token is sampled past it either
         new = max(1, min(o.max_new_tokens, self.cfg.train.max_length - min(len(p) for p in prompts)))
-        if self.model is not None:
-            s = sample(self.model, prompts, new, o.temperature, o.top_p, eos_ids=eos,
-                       pad_id=self.split.pad_id, seed=seed, autocast=self.autocast)
-            ids, logps, source = s.ids, s.logp, "student"
-        else:
-            ids = self.teacher(prompts, new, o.temperature, o.top_p, seed)
-            logps, source = None, "teacher"
-        out = sampled_batch(batch, rows, self.split, ids, logps, self.tok, self.teacher_toks,
-                            self.cfg.train.max_length, self.cfg.data.prompt_format, source)
+        s = self.engine.complete(prompts, new, o.temperature, o.top_p, sample_seed(self.cfg.train.seed, key, self.rank))
+        out = sampled_batch(batch, rows, self.split, s.ids, s.logp, self.tok, self.teacher_toks,
+                            self.cfg.train.max_length, self.cfg.data.prompt_format, self.engine.writer)
         self.seconds += time.perf_counter() - t0
-        self.tokens += sum(len(r) for r in ids)
+        self.tokens += sum(len(r) for r in s.ids)
         return out
 
 
@@ -106,16 +96,38 @@ def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed
         yield skey, s_ids, s_mask, (skey, step, epoch, sb)
 
 
-def teacher_writer(cfg: JobConfig, plans: dict, source) -> Callable:
-    """For `onpolicy.source: teacher`: the function that has the teacher (`onpolicy.teacher`, else the first) write
-    completions -- its actor's `generate` (a live source), or the source's own `generate` (in process). The teacher
-    must share the student's tokenizer (its ids are the student's)."""
-    name = onpolicy_writer(cfg)
-    check_writer(cfg, not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)
-    if hasattr(source, "generate"):
-        return lambda *args: source.generate(name, *args)
-    handles = getattr(source, "handles", None)
-    if handles is None:
-        raise KavaError("onpolicy.source: teacher needs live teachers (a KV cache cannot write completions)")
-    h = handles[name].route("") if hasattr(handles[name], "route") else handles[name]
-    return lambda *args: ray.get(h.generate.remote(*args))
+class OnPolicyStepSource(StepSource):
+    """The `StepSource` of an on-policy run: `sampler` completes a share of its batches; the feed holds
+    1 + onpolicy.lag batches and takes one only when a step asks (lag 0: sampled with the current weights); the
+    checkpoint keeps every rank's batches in flight."""
+
+    read_ahead = False
+
+    def __init__(self, cfg: JobConfig, plans: dict, split: TokenizedSplit, kv_source, sampler: Sampler, **kw):
+        super().__init__(cfg, plans, split, kv_source, **kw)
+        self.depth = 1 + cfg.onpolicy.lag
+        self.sampler = sampler
+        self.restored: list = []  # a resumed run's batches in flight: trained on first
+        self.sampled_s = 0.0  # the sampler's seconds before the last step
+
+    def items(self) -> Iterator[tuple]:
+        o = self.cfg.onpolicy
+        return itertools.chain(self.restored, onpolicy_items(self.stream, self.sampler, o.fraction, self.cfg.train.seed))
+
+    def next_step(self, step: int):
+        self.sampled_s = self.sampler.seconds
+        yield from super().next_step(step)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {**super().step_metrics(), SAMPLE_S: self.sampler.seconds - self.sampled_s}
+
+    def state_dict(self) -> dict:
+        """The stream after the batches in flight, and every rank's of them ([rank] -> feed items, sampled with the
+        weights of their time, which a resumed run trains on first). Every rank calls it (collectives)."""
+        mine = self.feed.pending_items() if self.feed is not None else list(self.restored)
+        return {"stream": stream_state_after(self.stream, 0, self._skips()), "in_flight": gathered(mine, self.world)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        kept = state.get("in_flight") or []
+        self.restored = list(kept[self.rank]) if self.rank < len(kept) else []

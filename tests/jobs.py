@@ -39,23 +39,23 @@ def write_job(tmp: Path, qwen_dir, llama_dir, student_dir, **sections) -> Path:
 
 
 def run_recipe(cfg, plans: dict, source, steps: int, ckpt_dir=None, resume=None, save_at=None, grad_share=False):
-    """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its KVFeed,
+    """What a Ray Train worker does (one rank), in this process: the production DistillRecipe and its step source,
     from the checkpoint `resume` (or step 0) to `steps`; after step `save_at`, a checkpoint into `ckpt_dir`.
-    Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, feed)."""
-    from kava_ray.recipes.distill import DistillRecipe, micro_batches
+    Returns ({step: metrics as floats, with the cumulative `skipped`}, recipe, step source)."""
+    from kava_ray.recipes.distill import DistillRecipe
+    from kava_ray.recipes.fit_maps import fit_maps
 
     recipe = DistillRecipe(cfg, plans)
-    recipe.setup(resume)
-    recipe.fit_maps(source)
-    feed = recipe.feed(source, until=steps)
+    state = recipe.setup(resume)
+    fit_maps(recipe, source)
+    data = recipe.data(source, until=steps, state=state["data"] if state else None)
     out = {}
     for step in range(recipe.start_step + 1, steps + 1):
-        values = recipe.step(step, micro_batches(feed, cfg.optim.accumulation, step, []), grad_share)
-        out[step] = {k: float(v) for k, v in values.items()} | {"skipped": recipe.skipped_before + feed.skipped}
+        values = recipe.step(step, data.next_step(step), grad_share)
+        out[step] = {k: float(v) for k, v in values.items()} | {"skipped": data.skipped}
         if step == save_at:
-            recipe.save_run(ckpt_dir, step, feed, [recipe.skipped_before + feed.skipped],
-                            pending=recipe.gather_pending(feed))
-    return out, recipe, feed
+            recipe.save(ckpt_dir, step, data.state_dict())
+    return out, recipe, data
 
 
 def pool_beside(job_path):

@@ -35,6 +35,7 @@ from actors.feed import BadKV, KVFeed, feed_items
 from jobs import assert_same_curve, run_recipe, train_steps, train_steps_so_far, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
+from kava_ray.core.checkpoint import load_data_state
 from kava_ray.testing.sources import InProcessSource
 
 STEPS, SAVE = 24, 3
@@ -117,16 +118,16 @@ def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, 
     poison = {keys[1], keys[4]}  # b1 before the step-3 checkpoint; b4 is in flight when it is written
     clean, _, _ = run_recipe(cfg, plans, InProcessSource(teachers), 3)
     with caplog.at_level("WARNING", logger="actors.feed"):
-        full, _, feed = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, tmp_path / "ck", save_at=3)
+        full, _, data = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, tmp_path / "ck", save_at=3)
     warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
     assert len(warned) == 2 and keys[1] in warned[0] and "qwen" in warned[0], warned
-    assert feed.skipped == 2 and [full[s]["skipped"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 2]
+    assert data.skipped == 2 and [full[s]["skipped"] for s in range(1, 7)] == [0, 1, 1, 2, 2, 2]
     assert full[1]["loss"] == pytest.approx(clean[1]["loss"], abs=1e-6)  # b0 both times
     assert full[2]["loss"] != pytest.approx(clean[2]["loss"], abs=1e-6)  # b2 instead of b1
-    state = json.loads((tmp_path / "ck" / "state.json").read_text())
+    state = load_data_state(tmp_path / "ck")
     assert state["stream"]["skipped"] == [1] and state["stream"]["position"] == 3  # trained-on batches only
-    resumed, recipe, feed2 = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, resume=str(tmp_path / "ck"))
-    assert recipe.skipped_before == 1 and feed2.skipped == 1  # b4 skipped again, after the restored b1
+    resumed, recipe, data2 = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, resume=str(tmp_path / "ck"))
+    assert data2.skipped_before == 1 and data2.feed.skipped == 1  # b4 skipped again, after the restored b1
     for step in (4, 5, 6):
         for k in ("loss", "ce", "kv_loss", "cos_sim", "grad_norm"):
             assert resumed[step][k] == pytest.approx(full[step][k], abs=1e-6), (step, k)
@@ -136,11 +137,9 @@ def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, 
 def test_skip_accounting_per_rank_under_ddp_sharding(job):
     """Ranks skip different batches (each reads its own shard): the checkpoint saves the trained-on position
     (the same for all ranks) plus each rank's count, and each rank resumes past exactly its own skips."""
-    from types import SimpleNamespace
-
+    from actors.step_source import skip_resumed, stream_state_after
     from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
     from kava_ray.data import BatchStream
-    from kava_ray.recipes.distill import skip_resumed, stream_state_after
 
     cfg = load_config(job)
     tok, _ = student_tokenizer(cfg)
@@ -150,7 +149,7 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     for r, s in enumerate(streams):
         for _ in range(trained + skips[r] + in_flight):
             s.next()
-    states = [stream_state_after(s, SimpleNamespace(in_flight=in_flight), skips) for s in streams]
+    states = [stream_state_after(s, in_flight, skips) for s in streams]
     assert states[0]["position"] == states[1]["position"] == trained and states[0]["skipped"] == skips
     for r in (0, 1):
         restored = BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2, state=states[0])
@@ -266,7 +265,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
         try:
-            recipe.save({str(ck)!r}, 3, recipe.stream.state())
+            recipe.save({str(ck)!r}, 3, recipe.data(None).state_dict())
         except KavaError as e:
             print(f"error: {{e}}", file=sys.stderr)
             sys.exit(2)

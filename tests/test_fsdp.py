@@ -54,10 +54,9 @@ def ddp_steps(job, resume=None) -> dict:
     checkpoint to continue from (`checkpoint.load_into` -> `fsdp.load_sharded`: DCP reads every rank's shard into
     the whole model and optimizer) at its stream position."""
     from kava_ray.common.config import derive
-    from kava_ray.core.checkpoint import load_into, read_state
+    from kava_ray.core.checkpoint import load_data_state, load_into, read_state
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import data_seed, in_process_plans
-    from kava_ray.data import BatchStream
+    from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
     from kava_ray.testing.sources import InProcessSource
 
@@ -69,18 +68,16 @@ def ddp_steps(job, resume=None) -> dict:
     feeds = []
     for r in ranks:
         r.setup()
-        if state:  # the checkpoint's stream position on this rank's shard
-            r.stream = BatchStream(r.train_split, cfg.train.batch_size, data_seed(cfg), rank=r.rank, world_size=2,
-                                   state=state["stream"])
-            r.start_step = state["step"]
-        feeds.append(r.feed(source))
+        r.start_step = state["step"] if state else 0
+        # the checkpoint's stream position on this rank's shard
+        feeds.append(r.data(source, state=load_data_state(resume) if state else None))
     model = ranks[0]
     if state:
         load_into(resume, model.distiller, model.opt, model.sched)
     model.cfg, model.world = derive(cfg, {"optim.accumulation": 2}), 1  # two micro-batches, no DDP wrapper
     curve = {}
     for step in range(model.start_step + 1, cfg.train.steps + 1):
-        micro = [(batch, kv) for ((_, _, _, batch), kv) in (next(f) for f in feeds)]
+        micro = [next(f.next_step(step)) for f in feeds]
         curve[step] = {k: float(v) for k, v in model.step(step, micro).items()}
     return curve
 

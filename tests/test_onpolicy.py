@@ -46,18 +46,18 @@ def _first_batch(cfg, plans, models):
 
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
-    feed = recipe.feed(InProcessSource(models), until=1)
-    (_, _, _, batch), kv = next(feed)
-    return recipe, batch, kv
+    data = recipe.data(InProcessSource(models), until=1)
+    batch, kv = next(data.next_step(1))
+    return recipe, data, batch, kv
 
 
 def test_a_sampled_batch_is_the_prompt_and_the_students_completion_scored_by_both_teachers(ojob, teachers):
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.lag=0"])
-    recipe, batch, kv = _first_batch(cfg, plans, models)
+    recipe, _, batch, kv = _first_batch(cfg, plans, models)
     assert batch.source == "student"
     # the prompt is the record's own (everything before its answer), the completion what the student sampled
-    data = recipe.stream.split.items[0]
+    data = recipe.train_split.items[0]
     for b in range(batch.input_ids.shape[0]):
         n = int(batch.attention_mask[b].sum())
         loss = (batch.labels[b, :n] != IGNORE_INDEX).tolist()
@@ -79,7 +79,7 @@ def test_a_sampled_batch_is_the_prompt_and_the_students_completion_scored_by_bot
     view = batch.teachers["smol"]
     real = batch.attention_mask != 0
     ok = view.align_hi > view.align_lo
-    data_share = recipe.stream.split.views["smol"].stats["aligned_fraction"]
+    data_share = recipe.train_split.views["smol"].stats["aligned_fraction"]
     assert abs(float(ok[real].float().mean()) - data_share) < 0.1, (float(ok[real].float().mean()), data_share)
     assert float(ok[where].float().mean()) > 0.5 * data_share  # the completions too
 
@@ -88,18 +88,18 @@ def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
     """max_new_tokens just below train.max_length (320; the config refuses more): the student is asked for no token
     past max_length - the shortest prompt of the batch, where `sampled_batch` would cut it anyway (a huge
     max_new_tokens sampled for minutes)."""
-    import actors.onpolicy
+    import actors.engines
     from kava_ray.data.onpolicy import prompts_of
 
     asked = []
-    real = actors.onpolicy.sample
-    monkeypatch.setattr(actors.onpolicy, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
+    real = actors.engines.sample
+    monkeypatch.setattr(actors.engines, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
                         real(model, prompts, n, *a, **k))
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.max_new_tokens=319"])
-    recipe, batch, _ = _first_batch(cfg, plans, models)
+    _, data, batch, _ = _first_batch(cfg, plans, models)
     assert asked == [320 - min(len(p) for p in prompts_of(batch))] and asked[0] < 319
-    assert 0 < recipe.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
+    assert 0 < data.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
 
 
 def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teachers, tmp_path):
@@ -124,17 +124,19 @@ def test_a_figure_a_step_did_not_measure_is_absent_not_zero(ojob, teachers):
     0.0, diluting every mean over a run); a step with one sampled micro-batch of two has the sampled reverse KL of
     that one (the logit term's `logit_sampled_rkl`, the mean over the micro-batches that measured it, equal to the
     record's own reverse KL of the same tokens: it was half of it)."""
-    from kava_ray.recipes.distill import DistillRecipe, step_record, train_step
+    from kava_ray.recipes.distill import DistillRecipe
+    from kava_ray.recipes.step_records import step_record
 
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.fraction=0.5", "onpolicy.lag=0", "optim.accumulation=2",
                                   "loss.logit_divergence=reverse_kl_sampled"])
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
-    feed = recipe.feed(InProcessSource(models), until=6)
+    data = recipe.data(InProcessSource(models), until=6)
     kinds = set()
     for step in range(1, 7):
-        values = train_step(recipe, feed, step)
+        values = recipe.step(step, data.next_step(step))
+        values.update({k: torch.tensor(v, dtype=torch.float64) for k, v in data.step_metrics().items()})
         record = step_record(values, step, 1.0, recipe.last_lrs, 1, recipe.measured)
         sampled = recipe.measured.get("logit_sampled_rkl/qwen", 0)
         kinds.add(sampled)
@@ -152,7 +154,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from kava_ray.recipes.distill import reduce_metrics
+    from kava_ray.recipes.step_records import reduce_metrics
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
@@ -190,11 +192,11 @@ def test_a_teacher_writes_the_completions_for_sequence_level_kd(ojob, teachers):
 
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.source=teacher", "onpolicy.teacher=qwen", "onpolicy.lag=0"])
-    recipe, batch, kv = _first_batch(cfg, plans, models)
+    _, data, batch, kv = _first_batch(cfg, plans, models)
     assert batch.source == "teacher" and batch.sample_logp is None
     prompts = prompts_of(batch)
     written = [batch.input_ids[b, len(p):int(batch.attention_mask[b].sum())].tolist() for b, p in enumerate(prompts)]
-    key = recipe.stream.state()  # the batch's seed: (train.seed, its data key, rank)
+    key = data.stream.state()  # the batch's seed: (train.seed, its data key, rank)
     assert key["step"] == 1 and all(0 < len(w) <= 12 for w in written)
     out, _, _ = run_recipe(cfg, plans, InProcessSource(models), 2)
     assert all(math.isfinite(out[s]["loss"]) and out[s]["loss"] >= out[s]["ce"] > 0 for s in out)
@@ -220,9 +222,9 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
                                   "train.batch_size=4"])
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
-    feed = recipe.feed(InProcessSource(models), until=2)
-    for _ in range(2):
-        (_, _, _, batch), kv = next(feed)
+    data = recipe.data(InProcessSource(models), until=2)
+    for step in (1, 2):
+        batch, kv = next(data.next_step(step))
         assert batch.source == "student" and sorted(set(batch.route)) <= ["qwen", "smol"]
         with torch.no_grad():
             _, m = recipe.distiller(batch, kv)
@@ -256,12 +258,12 @@ def test_a_flag_file_says_when_the_worker_is_sampling(ojob, teachers, tmp_path):
     cfg = load_config(ojob, ON + ["onpolicy.lag=0"])
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
-    recipe.sampling_flag = tmp_path / SAMPLING
-    feed = recipe.feed(InProcessSource(models), until=2)
-    seen, inner = [], recipe.sampler._sample
-    recipe.sampler._sample = lambda *a: (seen.append(recipe.sampling_flag.exists()), inner(*a))[1]
-    next(feed)
-    assert seen == [True] and not recipe.sampling_flag.exists()
+    flag = tmp_path / SAMPLING
+    data = recipe.data(InProcessSource(models), until=2, flag=flag)
+    seen, inner = [], data.sampler._sample
+    data.sampler._sample = lambda *a: (seen.append(flag.exists()), inner(*a))[1]
+    next(data.next_step(1))
+    assert seen == [True] and not flag.exists()
 
 
 def test_a_typo_in_the_section_is_one_line(ojob):  # text records: tests/test_preflight.py (where they are known)

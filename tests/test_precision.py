@@ -178,7 +178,6 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
     steps and held-out evaluation run under its autocast, and a checkpoint resumes with its optimizer."""
     import yaml
 
-    from actors.feed import KVFeed, feed_items
     from jobs import job_dict
     from kava_ray.core.models import kv_geometry, load_model
     from kava_ray.core.plans import student_geometry, teacher_plans
@@ -208,15 +207,14 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
     entered = []  # one entry per autocast context the recipe opens
     real = recipe.autocast
     recipe.autocast = lambda: entered.append(1) or real()
-    feed = KVFeed(source, feed_items(recipe.stream, 2), {n: p.layers for n, p in plans.items()}, depth=1)
+    data = recipe.data(source, until=2, depth=1)
     for step in (1, 2):
-        (_, _, _, batch), kv = next(feed)
-        out = recipe.step(step, [(batch, kv)])
+        out = recipe.step(step, data.next_step(step))
         assert torch.isfinite(out["loss"]) and torch.isfinite(out["grad_norm"])
     n_train = len(entered)
     val = recipe.evaluate(source)
     assert len(entered) > n_train and all(torch.isfinite(torch.tensor(v)) for v in val.values())  # eval autocasts
-    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    ckpt = recipe.save(tmp_path / "ckpt", 2, data.state_dict())
 
     resumed = DistillRecipe(cfg, plans)
     assert resumed.setup(str(ckpt))["step"] == 2

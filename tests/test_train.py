@@ -118,7 +118,7 @@ def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 2)
-    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
 
     changed = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant", "optim.lr_student=7e-4",
                                      "train.steps=30"])
@@ -160,7 +160,7 @@ def test_resume_with_onpolicy_edits_is_refused_a_vocab_chunk_is_not(job_path, te
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     recipe = DistillRecipe(cfg, teacher_plans(cfg, geoms, student_geometry(cfg)))
     recipe.setup()
-    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
     sampled = load_config(job_path, ["onpolicy.fraction=0.5", "onpolicy.temperature=0.7", "loss.vocab_chunk=64"])
     with pytest.raises(KavaError) as e:
         check_compatible(ckpt, sampled)
@@ -186,7 +186,7 @@ def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_pa
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
-    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.stream.state())
+    ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
     identity = {f"{t.name}.{kv}_layer_weights.{i}": torch.ones(1) for t in cfg.teachers for kv in "kv"
                 for i in range(recipe.distiller.projectors[t.name].s_layers)}  # identity saves its layer weights only
     assert set(identity) != set(load_file(ckpt / "projectors.safetensors"))
@@ -230,18 +230,17 @@ def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_p
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 1)
     run = tmp_path / "run"
-    ckpt = recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.stream.state())
+    ckpt = recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.data(None).state_dict())
     (run / "metrics.jsonl").write_text("")
 
     # cut off in its end: the checkpoint at train.steps, no final/ -- the resume goes on (Ray), and the worker's
     # restored recipe runs the end it missed
     check_resume(cfg, str(run))
     resumed = DistillRecipe(cfg, plans)
-    resumed.setup(str(ckpt))
+    state = resumed.setup(str(ckpt))
     source = InProcessSource(teachers_in_process)
-    feed = resumed.feed(source)
     log = MetricsLog(run / "metrics.jsonl", resumed.start_step, open_trackers([], run, cfg.to_dict(), cfg.train.steps))
-    finish(resumed, source, feed, log, run, [0])
+    finish(resumed, source, log, run, state["data"])
     test = read_jsonl(run / "metrics.jsonl")
     assert [(r["step"], r["kind"]) for r in test] == [(cfg.train.steps, "test")] and "test/ce" in test[0]
     assert (run / "final" / "student" / "config.json").is_file()

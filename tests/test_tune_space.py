@@ -132,7 +132,7 @@ def test_apply_params_sets_values(base):
 
 
 def test_schedulers(base):
-    from kava_ray.recipes.distill import evals_before_end, evals_through
+    from kava_ray.recipes.step_records import evals_before_end, evals_through
 
     spec = load_space("default", base)
     asha = make_scheduler(spec, max_t=evals_before_end(base.train))

@@ -31,6 +31,7 @@ from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans, student_geometry, teacher_logits_top_k
 from kava_ray.data import Batch
 from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.recipes.fit_maps import fit_on
 from kava_ray.runtime.planner import plan
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -123,12 +124,12 @@ def teacher_kv(cfg: JobConfig, plans: dict, model, data: Batch, device):
     return {"t": KVBatch.from_wire(wire.to_wire(cfg.align.wire_dtype), device=device)}
 
 
-def recipe_of(cfg: JobConfig, plans: dict, device, fit_on: Optional[list] = None):
-    """The production recipe on the bench's models; `fit_on` [(batch, kv)]: what a student-side map (projector
+def recipe_of(cfg: JobConfig, plans: dict, device, fit_batches: Optional[list] = None):
+    """The production recipe on the bench's models; `fit_batches` [(batch, kv)]: what a student-side map (projector
     kind fit, `auto` for another geometry) is fitted on before step 1, as a Train worker fits it on its data."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.build_model()  # the bench feeds its own batches: no tokenizer, no `datasets`
-    recipe.fit_maps_on(fit_on or [])
+    fit_on(recipe.distiller, fit_batches or [], cfg.align.key_space, device)
     return recipe
 
 

@@ -19,6 +19,7 @@ from kava_ray.core.kv import KVBatch, teacher_forward_kv
 from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
 from kava_ray.data import Batch, TeacherInputs
 from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.recipes.fit_maps import fit_on
 
 CROSS_COVERAGE = 0.8  # the share of the student's ids the teacher of another vocabulary reaches (`_cross_vocab`)
 
@@ -94,8 +95,8 @@ def kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict,
     else:  # the bench's own batch: no tokenizer of the other vocabulary to load
         recipe.build_model(maps)
     # projector kind auto (the bench's student is of the teacher's KV geometry but not copied from it): fit, whose
-    # student-side map a Train worker fits before step 1 (`DistillRecipe.fit_maps`); here on the bench's batch
-    recipe.fit_maps_on([(feed, kv)])
+    # student-side map a Train worker fits before step 1 (`recipes.fit_maps.fit_maps`); here on the bench's batch
+    fit_on(recipe.distiller, [(feed, kv)], cfg.align.key_space, device)
     counter = iter(range(1, 10**9))
     return lambda: recipe.step(next(counter), [(feed, kv)])
 

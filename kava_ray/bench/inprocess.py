@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from kava_ray.core.metric_names import GRAD_KV_RATIO, GRAD_KV_SHARE
 from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.recipes.fit_maps import fit_maps
 
 
 def run_key(obj) -> str:
@@ -28,20 +29,19 @@ def run_key(obj) -> str:
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
                      evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
                      stop: Optional[Callable[[list], bool]] = None) -> dict:
-    """Run `steps` production steps (after `DistillRecipe.fit_maps`, as a Train worker does); returns {"recipe", "first" / "last" (the first / last step's metrics),
+    """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does); returns {"recipe", "first" / "last" (the first / last step's metrics),
     "step_s" (median), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
     "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`)}. stop(curve): called after
     each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
-    recipe.fit_maps(source)
-    accum = cfg.optim.accumulation
-    feed = recipe.feed(source, until=steps, depth=1)
+    fit_maps(recipe, source)
+    data = recipe.data(source, until=steps, depth=1)
     times, last, curve, first, shares, ratios = [], {}, [], {}, [], []
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
     for step in range(1, steps + 1):
-        micro = [(item[3], kv) for item, kv in (next(feed) for _ in range(accum))]  # teachers: outside the clock
+        micro = list(data.next_step(step))  # teachers: outside the clock
         t0 = time.perf_counter()
         last = recipe.step(step, micro, grad_share)
         times.append(time.perf_counter() - t0)

@@ -29,6 +29,7 @@ from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
 from kava_ray.core.precision import student_precision
 from kava_ray.data.batching import Batch
 from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.recipes.fit_maps import fit_on
 from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
 
 
@@ -141,9 +142,9 @@ def _run(job: str, steps: int) -> dict:
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.build_model()  # the student, Distiller and optimizer a Train worker builds
     # projector kind fit (auto for a student of the teacher's geometry trained apart): its student-side map is
-    # fitted before step 1, as a Train worker does (`DistillRecipe.fit_maps`); here on the first batch
-    recipe.fit_maps_on([(batches[0], {n: KVBatch.from_wire(w, device=device, dtype=torch.float32)
-                                      for n, w in pickle.loads(sent[0]).items()})])
+    # fitted before step 1, as a Train worker does (`recipes.fit_maps.fit_maps`); here on the first batch
+    fit_on(recipe.distiller, [(batches[0], {n: KVBatch.from_wire(w, device=device, dtype=torch.float32)
+                                      for n, w in pickle.loads(sent[0]).items()})], cfg.align.key_space, device)
     distiller, opt = recipe.distiller, recipe.opt
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -21,9 +21,10 @@ import torch
 from kava_ray.common.config import validate_config
 from kava_ray.common.files import format_table
 from kava_ray.core.kv import teacher_forward_kv
+from kava_ray.core.metric_names import SAMPLE_S, TEACHER_WAIT_S
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
-from kava_ray.recipes.distill import DistillRecipe, micro_batches
+from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.runtime.console import status
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -78,16 +79,16 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
     recipe = DistillRecipe(cfg, in_process_plans(cfg, models))
     recipe.setup()
     source = TimedSource(models, delay_s)
-    feed = recipe.feed(source)
+    data = recipe.data(source)
     rows = []
     try:
         for step in range(1, cfg.train.steps + 1):
-            s0, w = recipe.sampler.seconds, []
             t0 = time.perf_counter()
-            recipe.step(step, micro_batches(feed, 1, step, w))
+            recipe.step(step, data.next_step(step))
             dt = time.perf_counter() - t0
-            sample = recipe.sampler.seconds - s0
-            rows.append({"step_s": dt, "sample_s": sample, "wait_s": sum(w), "train_s": dt - sample - sum(w)})
+            m = data.step_metrics()
+            sample, wait = m[SAMPLE_S], m[TEACHER_WAIT_S]
+            rows.append({"step_s": dt, "sample_s": sample, "wait_s": wait, "train_s": dt - sample - wait})
     finally:
         source.close()
     kept = rows[warmup:]

@@ -26,22 +26,23 @@ from kava_ray.core.plans import copied_from_teacher
 STATE = "state.json"
 
 
-PENDING = "onpolicy_pending.pt"  # on-policy: the sampled batches in flight at the save (`load_pending`)
+DATA = "data_state.pt"  # the data side's state (`actors.step_source.StepSource.state_dict`), opaque here
+LEGACY_PENDING = "onpolicy_pending.pt"  # (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)
 
 
-def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, stream_state: dict,
-                    cfg: JobConfig, extra: Optional[dict] = None, pending: Optional[list] = None,
-                    rank: int = 0) -> Path:
+def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, data_state: dict,
+                    cfg: JobConfig, extra: Optional[dict] = None, rank: int = 0) -> Path:
     """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
-    replaced only once the new one is complete. pending: the feed items taken but not yet trained on (on-policy:
-    sampled with the weights of their time), which a resumed run trains on first.
+    replaced only once the new one is complete. data_state: where the data side continues (the step source's
+    `state_dict()`: the stream's position, the skips, on-policy's batches in flight), kept as it is
+    (`load_data_state`).
 
     A Distiller sharded with FSDP2 (`core.fsdp`) is saved by every rank, each into its own `path`: with the
     optimizer, each its shard of both (`fsdp.save_sharded`; rank 0 adds everything else); without (final/), the
     whole model gathered, and rank 0 writes the usual layout (the student a Hugging Face directory)."""
     path = Path(path)
     try:
-        return _save(path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending, rank)
+        return _save(path, distiller, tokenizer, optimizer, scheduler, step, data_state, cfg, extra, rank)
     except OSError as e:  # unwritable storage, disk full, file size limit: the previous checkpoint stays
         raise KavaError(f"cannot write checkpoint {path}: {e.strerror or first_line(e)}"
                         f"{f' ({e.filename})' if e.filename else ''}") from None
@@ -61,8 +62,7 @@ def _parts(distiller) -> dict:
             for k in ("student", "projectors", "fusion", "hidden_proj")}
 
 
-def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_state, cfg, extra, pending,
-          rank: int) -> Path:
+def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, data_state, cfg, extra, rank: int) -> Path:
     sharded = fsdp.is_sharded(distiller) and optimizer is not None
     parts = None if sharded else _parts(distiller)  # (gathered by every rank)
     with atomic_dir(path) as tmp:
@@ -87,9 +87,8 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, stream_s
             torch.save({"optimizer": None if sharded else optimizer.state_dict(),
                         "scheduler": scheduler.state_dict() if scheduler is not None else None},
                        tmp / "optimizer.pt")
-        if pending is not None:
-            torch.save(pending, tmp / PENDING)
-        state = {"step": step, "stream": stream_state, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
+        torch.save(data_state, tmp / DATA)
+        state = {"step": step, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
                  **({"sharded": True} if sharded else {}), **(extra or {}),
                  "files": {**{f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
@@ -273,10 +272,15 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     return state
 
 
-def load_pending(path) -> list:
-    """The feed items a checkpoint kept in flight (`save_checkpoint`'s `pending`), [] when it kept none."""
-    f = Path(path) / PENDING
-    return torch.load(f, weights_only=False) if f.is_file() else []
+def load_data_state(path) -> dict:
+    """The data side's state a checkpoint kept (`save_checkpoint`'s `data_state`); a checkpoint written before it had
+    one keeps the stream's position in its state.json (and on-policy's batches in flight in their own file)."""
+    path = Path(path)
+    if (path / DATA).is_file():
+        return torch.load(path / DATA, weights_only=False)
+    legacy = path / LEGACY_PENDING
+    return {"stream": read_state(path, verify=False)["stream"],
+            "in_flight": torch.load(legacy, weights_only=False) if legacy.is_file() else []}
 
 
 def _identity_only(keys) -> bool:

@@ -18,6 +18,7 @@ SKIPPED_BATCHES = "skipped_batches"  # batches dropped for non-finite teacher KV
 SAMPLED_TOKENS = "onpolicy/sampled_tokens"  # completion tokens the student sampled in the step (on-policy)
 EVALS = "evals"  # in Tune reports only: evaluations made after step 0 (the ASHA scheduler's clock)
 SAMPLE_S = "time/sample_s"  # seconds the step spent sampling (on-policy; mean over ranks)
+TEACHER_WAIT_S = "teacher_wait_s"  # seconds the step waited for its teachers' KV (mean over ranks)
 # the teacher-scored per-token reverse KL of the student's samples, log q - log pi_T (tinker's teacher_kl), per
 # teacher of its tokenizer: summed over sampled tokens as RKL_SUM/<t>, divided by SAMPLED_TOKENS into RKL/<t>
 RKL, RKL_SUM = "onpolicy/reverse_kl", "onpolicy/reverse_kl_sum"

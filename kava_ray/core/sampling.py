@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import GenerationConfig
@@ -15,10 +16,11 @@ from transformers import GenerationConfig
 
 @dataclass
 class Samples:
-    """Per row: the sampled token ids (ending with an EOS id where one was drawn) and each one's sampling log-prob."""
+    """Per row: the sampled token ids (ending with an EOS id where one was drawn) and each one's sampling log-prob
+    (None from an engine that gives none: a teacher's text)."""
 
     ids: list[list[int]]
-    logp: list[list[float]]
+    logp: Optional[list[list[float]]]
 
     @property
     def tokens(self) -> int:

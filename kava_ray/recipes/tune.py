@@ -33,7 +33,7 @@ from kava_ray.common.trackers import mlflow_uri
 from kava_ray.core.metric_names import EVALS
 from kava_ray.core.models import KVGeometry
 from kava_ray.core.plans import student_geometry, teacher_plans
-from kava_ray.recipes.distill import evals_before_end
+from kava_ray.recipes.step_records import evals_before_end
 from kava_ray.recipes.train import build_trainer, fit, teachers_status
 from kava_ray.runtime.connect import resolve_use_gpu
 from kava_ray.runtime.console import status
