@@ -19,12 +19,13 @@ from huggingface_hub import constants
 
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
+from kava_ray.common.files import default_cache_dir
+from kava_ray.common.fingerprints import tokenizer_fingerprint
 from kava_ray.core.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.core.align.vocab import cached_vocab_map
-from kava_ray.core.gguf import default_cache_dir
 from kava_ray.core.logit_kd import LogitTeacher
 from kava_ray.core.models import KVGeometry, _resolve, copied_from, kv_geometry, load_model_config, load_tokenizer
-from kava_ray.data import BatchStream, TokenizedSplit, teacher_view, tokenize_split, tokenizer_fingerprint
+from kava_ray.data import BatchStream, TokenizedSplit, teacher_view, tokenize_split
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.sources import load_records, source_fingerprint, source_path
 
