@@ -56,8 +56,9 @@ def ddp_steps(job, resume=None) -> dict:
     from kava_ray.common.config import derive
     from kava_ray.core.checkpoint import load_into, read_state
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import data_seed, in_process_plans
+    from kava_ray.core.plans import in_process_plans
     from kava_ray.data import BatchStream
+    from kava_ray.data.splits import data_seed
     from kava_ray.recipes.distill import DistillRecipe
     from kava_ray.testing.sources import InProcessSource
 

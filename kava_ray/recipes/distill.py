@@ -60,10 +60,6 @@ from kava_ray.core.metric_names import (
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
 from kava_ray.core.nonfinite import FirstBad
 from kava_ray.core.plans import (
-    data_seed,
-    eval_stream,
-    load_splits,
-    load_test_split,
     plans_from_payload,
     teacher_logits_top_k,
     teacher_tokenizers,
@@ -74,6 +70,7 @@ from kava_ray.core.plans import (
 from kava_ray.core.precision import student_precision
 from kava_ray.core.probe import KVAlignment
 from kava_ray.data import BatchStream
+from kava_ray.data.splits import data_seed, eval_stream, load_splits, load_test_split
 from kava_ray.recipes.evaluate import evaluate_heldout
 
 
