@@ -20,8 +20,9 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
 from kava_ray.core.metric_names import SKIPPED_BATCHES, TEACHER_WAIT_S
-from kava_ray.core.plans import data_seed, teacher_logits_top_k, token_logprob_teachers, wants_hidden
+from kava_ray.core.plans import teacher_logits_top_k, token_logprob_teachers, wants_hidden
 from kava_ray.data import Batch, BatchStream, TokenizedSplit
+from kava_ray.data.splits import data_seed
 
 
 class StepSource:

@@ -25,9 +25,9 @@ import torch
 from kava_ray.common.config import TeacherConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import content_key, first_line
+from kava_ray.common.fingerprints import tokenizer_fingerprint
 from kava_ray.core.kv import teacher_forward_kv, wire_logits_nbytes, wire_nbytes
 from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_tokenizer, resolve_packaged_file
-from kava_ray.data import tokenizer_fingerprint
 
 
 def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:

@@ -15,8 +15,9 @@ from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
 from kava_ray.data import BatchStream
+from kava_ray.data.splits import load_splits
 from kava_ray.runtime.job import teacher_geometries
 
 

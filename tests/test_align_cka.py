@@ -164,7 +164,8 @@ def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny
     cal = calibration_config(cfg, 8)
     assert cal.align.layer_map == "ratio" and cal.data.kv_source == "live" and cal.data.num_train == 8
     assert cal.data.num_val == cfg.data.num_val and cfg.align.layer_map == "cka"  # the job's config untouched
-    from kava_ray.core.plans import load_splits, student_tokenizer
+    from kava_ray.core.plans import student_tokenizer
+    from kava_ray.data.splits import load_splits
 
     tok = student_tokenizer(cfg)[0]
     train, val = load_splits(cfg, tok)

@@ -138,8 +138,9 @@ def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student
     from jobs import write_job
     from kava_ray.common.config import load_config
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import load_splits, student_tokenizer
+    from kava_ray.core.plans import student_tokenizer
     from kava_ray.data import BatchStream
+    from kava_ray.data.splits import load_splits
 
     path = write_job(tmp_path_factory.mktemp("align"), tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir,
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},

@@ -97,7 +97,8 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
     # heal_job.yaml (what `kava-ray tune --space heal_kv` trains) reads the bench's teacher cache: the warm
     # start's layers map to their source layers, the ones the cache holds
     from kava_ray.common.config import load_config
-    from kava_ray.core.plans import load_splits, student_geometry, student_tokenizer, teacher_plans
+    from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
+    from kava_ray.data.splits import load_splits
     from kava_ray.runtime.job import kv_source
 
     tuned = load_config(r["job"], ["loss.kv_parts=keys", "align.projector.kind=elastic"])

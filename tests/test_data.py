@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.fingerprints import tokenizer_fingerprint
 from kava_ray.data import (
     IGNORE_INDEX,
     BatchStream,
@@ -28,7 +29,6 @@ from kava_ray.data import (
     shard_batches,
     synthetic_gsm8k,
     tokenize_split,
-    tokenizer_fingerprint,
     with_layers,
 )
 from kava_ray.data.batching import RELEASE_EVERY

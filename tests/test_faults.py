@@ -92,8 +92,9 @@ def plans(job, teachers):
 
 
 def stream_keys(cfg, n: int) -> list[str]:
-    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
+    from kava_ray.core.plans import student_tokenizer
     from kava_ray.data import BatchStream
+    from kava_ray.data.splits import data_seed, load_splits
 
     tok, _ = student_tokenizer(cfg)
     train, _ = load_splits(cfg, tok)
@@ -138,8 +139,9 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     """Ranks skip different batches (each reads its own shard): the checkpoint saves the trained-on position
     (the same for all ranks) plus each rank's count, and each rank resumes past exactly its own skips."""
     from actors.step_source import skip_resumed, stream_state_after
-    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
+    from kava_ray.core.plans import student_tokenizer
     from kava_ray.data import BatchStream
+    from kava_ray.data.splits import data_seed, load_splits
 
     cfg = load_config(job)
     tok, _ = student_tokenizer(cfg)
@@ -179,8 +181,9 @@ def test_nan_kv_stop_is_one_line_naming_teacher_key_and_step(job, teachers, plan
 
 
 def _stream(cfg):
-    from kava_ray.core.plans import data_seed, load_splits, student_tokenizer
+    from kava_ray.core.plans import student_tokenizer
     from kava_ray.data import BatchStream
+    from kava_ray.data.splits import data_seed, load_splits
 
     tok, _ = student_tokenizer(cfg)
     return BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))

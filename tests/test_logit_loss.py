@@ -24,8 +24,9 @@ from kava_ray.core.losses import (
     topk_tail,
 )
 from kava_ray.core.models import kv_geometry, load_model, load_student
-from kava_ray.core.plans import TeacherPlan, load_splits, student_tokenizer
+from kava_ray.core.plans import TeacherPlan, student_tokenizer
 from kava_ray.data import Batch, BatchStream
+from kava_ray.data.splits import load_splits
 from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit

@@ -424,7 +424,8 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     from kava_ray.common.config import load_config
     from kava_ray.common.errors import KavaError
     from kava_ray.core.models import load_tokenizer
-    from kava_ray.core.plans import carved, check_overlap, load_splits, load_test_split, prepare_data
+    from kava_ray.data.splits import carved, check_overlap, load_splits, load_test_split
+    from kava_ray.runtime.preflight import prepare_data
 
     (tmp_path / "chat.jsonl").write_text(qa_rows(120))
     cfg = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.num_train=null"])
@@ -454,7 +455,8 @@ def test_null_shares_are_of_the_records_the_job_trains_on(tiny_job, tmp_path):
     a million records: 5 validation rows, not 50,000); without val_split on a `{split}` source or a one-file source
     with allow_overlap, a null num_val is that share of the training records too (no config error, no TypeError)."""
     from kava_ray.common.config import load_config
-    from kava_ray.core.plans import carved_counts, prepare_data
+    from kava_ray.data.splits import carved_counts
+    from kava_ray.runtime.preflight import prepare_data
 
     (tmp_path / "chat.jsonl").write_text(qa_rows(400))
     one = [f"data.source={tmp_path}/chat.jsonl", "data.num_val=null", "data.num_test=null"]
@@ -666,7 +668,7 @@ def test_a_carved_synthetic_source_reads_only_the_records_it_carves():
     """A synthetic source makes as many records as asked (it has no "every record"): carving validation and test
     from its training split asks for num_train + num_val + num_test of them, as before the null shares."""
     from kava_ray.common.config import load_config
-    from kava_ray.core.plans import _carved_records
+    from kava_ray.data.splits import _carved_records
 
     cfg = load_config("demo_cpu", ["data.test_split=train"])
     assert [len(x) for x in _carved_records(cfg)] == [cfg.data.num_train, cfg.data.num_val, cfg.data.num_test]

@@ -38,8 +38,8 @@ def test_a_typo_in_the_readme_job_is_one_line(tmp_path):
 
 def test_the_readme_job_without_val_split_on_one_file_loads(tmp_path):
     """The block's comment: omit `val_split` to carve validation from the training records -- with one file
-    (`source: chat.jsonl`) and the block's `num_val: null` too (5 % of its records, `plans.carved_counts`)."""
-    from kava_ray.core.plans import carved
+    (`source: chat.jsonl`) and the block's `num_val: null` too (5 % of its records, `splits.carved_counts`)."""
+    from kava_ray.data.splits import carved
 
     block = _readme_job()
     assert "  val_split: validation" in block and "./my_data/{split}.jsonl" in block
@@ -101,7 +101,7 @@ def readme_run(ray_session, tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, ti
 def test_the_readme_job_runs_on_one_file_for_every_split(readme_run):
     """One file, `num_val` / `num_test` null: validation and test are each 5 % of its records (at least one),
     carved apart from the training records; the run trains, validates and tests."""
-    from kava_ray.core.plans import prepare_data
+    from kava_ray.runtime.preflight import prepare_data
 
     cfg, out, _ = readme_run
     assert cfg.data.num_val is None and cfg.data.num_test is None and "{split}" not in cfg.data.source
@@ -119,7 +119,7 @@ def test_eval_on_another_file_tests_on_all_of_it(readme_run):
     last batch short (10 records, batch 4): the student's test CE is the one over every record; `data.num_test=3`
     caps it (one short batch)."""
     from kava_ray.core.models import load_model, load_tokenizer
-    from kava_ray.core.plans import load_test_split
+    from kava_ray.data.splits import load_test_split
     from kava_ray.recipes.evaluate import eval_config, evaluate_checkpoint, heldout_ce
 
     cfg, out, tmp = readme_run
@@ -141,7 +141,7 @@ def test_eval_of_the_runs_own_file_keeps_its_carve(readme_run, capsys):
     is one line, exit 2, before anything loads, nothing written."""
     from kava_ray.cli import main
     from kava_ray.core.models import load_tokenizer
-    from kava_ray.core.plans import load_test_split
+    from kava_ray.data.splits import load_test_split
     from kava_ray.recipes.evaluate import eval_config, evaluate_checkpoint
 
     cfg, out, tmp = readme_run

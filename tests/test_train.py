@@ -15,8 +15,9 @@ from kava_ray.core.align.layers import plan_teacher_layers
 from kava_ray.core.distiller import Distiller, build_optimizer
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.models import kv_geometry, load_model, load_student
-from kava_ray.core.plans import TeacherPlan, load_splits, student_tokenizer
+from kava_ray.core.plans import TeacherPlan, student_tokenizer
 from kava_ray.data import BatchStream
+from kava_ray.data.splits import load_splits
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -278,7 +279,8 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
 def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_path, teachers_in_process):
     """With loss_tokens=answer the held-out KV cosine averages over answer tokens, as the loss does."""
     from actors.feed import KVFeed, feed_items
-    from kava_ray.core.plans import eval_stream, student_geometry, teacher_plans
+    from kava_ray.core.plans import student_geometry, teacher_plans
+    from kava_ray.data.splits import eval_stream
     from kava_ray.recipes.evaluate import evaluate_heldout
 
     cfg = load_config(job_path, ["loss.loss_tokens=answer"])
@@ -437,7 +439,7 @@ def test_eval_and_report_of_the_run(e2e_run, ray_session, capsys):
     beside the student's; with an override it evaluates on another test split (a smaller one here). The report's
     wall time is the driver's clock of the run, not the steps' sum; `kava-ray generate` samples from final/."""
     from kava_ray.cli import main
-    from kava_ray.core.plans import load_test_split
+    from kava_ray.data.splits import load_test_split
     from kava_ray.recipes.evaluate import evaluate_checkpoint, heldout_ce
     from kava_ray.recipes.report import summarize_run, write_report
 

@@ -16,9 +16,10 @@ from jobs import write_job
 from kava_ray.common.config import load_config
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.models import kv_geometry, load_model, load_student
-from kava_ray.core.plans import in_process_plans, load_splits, student_tokenizer, teacher_tokenizers, vocab_maps
+from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers, vocab_maps
 from kava_ray.core.vocab_chunks import VocabReader, chunk_slices, head_of
 from kava_ray.data import BatchStream
+from kava_ray.data.splits import load_splits
 from kava_ray.testing.sources import InProcessSource
 
 

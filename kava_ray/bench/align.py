@@ -22,8 +22,9 @@ from kava_ray.common.files import format_table, write_json
 from kava_ray.core.align.tokens import alignment_stats, apply_alignment
 from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS_SIM, of
 from kava_ray.core.models import load_model, load_tokenizer
-from kava_ray.core.plans import data_seed, in_process_plans
+from kava_ray.core.plans import in_process_plans
 from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
+from kava_ray.data.splits import data_seed
 from kava_ray.recipes.cka import measure_cka
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model

@@ -29,10 +29,10 @@ from kava_ray.common.config import validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 from kava_ray.core.models import load_tokenizer
-from kava_ray.core.plans import load_splits
 from kava_ray.data import BatchStream, plan_batches, synthetic_gsm8k, tokenize_split
 from kava_ray.data.batching import RELEASE_EVERY
 from kava_ray.data.corpus import pydoc_topics, split_topics
+from kava_ray.data.splits import load_splits
 from kava_ray.runtime.console import status
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import ensure_tokenizer

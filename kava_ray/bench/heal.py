@@ -28,8 +28,8 @@ from kava_ray.common.config import JobConfig, derive, load_config, parse_overrid
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
-from kava_ray.core.plans import load_splits, load_test_split
 from kava_ray.data.corpus import write_pydoc_corpus
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.console import status
 from kava_ray.runtime.job import job_session, kv_source, precompute, setup_teachers

@@ -33,10 +33,11 @@ from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.losses import next_token_mask
 from kava_ray.core.models import load_model, load_student
-from kava_ray.core.plans import in_process_plans, load_splits, load_test_split
+from kava_ray.core.plans import in_process_plans
 from kava_ray.core.sampling import sample
 from kava_ray.data.batching import collate_split
 from kava_ray.data.onpolicy import prompts_of, sampled_batch
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.testing.sources import InProcessSource
 

@@ -19,7 +19,8 @@ from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table, write_json
 from kava_ray.core.models import load_model, load_tokenizer
-from kava_ray.core.plans import copied_layers, load_splits, load_test_split
+from kava_ray.core.plans import copied_layers
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import gsm8k_accuracy, heldout_ce, kv_alignment, score_student
 from kava_ray.runtime.console import status
 from kava_ray.runtime.job import kv_source, precompute, setup_teachers

@@ -140,7 +140,7 @@ class DataConfig(_Section):
     allow_overlap: bool = False
     num_train: Optional[int] = Field(512, ge=1)  # synthetic generator size, or a cap on real data (null: every record)
     # validation records (eval during training, checkpoint_score, Tune); null: every record of val_split, or where
-    # validation is carved from the training records (no val_split, or one file), `plans.carved_counts`' 5 %
+    # validation is carved from the training records (no val_split, or one file), `splits.carved_counts`' 5 %
     num_val: Optional[int] = Field(32, ge=1)
     num_test: Optional[int] = Field(64, ge=1)
     seed: int = 0

@@ -1,4 +1,5 @@
-"""Small helpers every layer shares: atomic writes, a cross-process lock, text tables, one-line errors.
+"""Small helpers every layer shares: atomic writes, a cross-process lock, the cache directory, text tables, one-line
+errors.
 
 Atomic means a reader (or a crash) never sees a half-written file or directory: everything is
 written next to its destination under a temporary name, flushed to disk, then renamed into place.
@@ -116,6 +117,12 @@ def file_lock(path: Union[str, Path], timeout: float = -1) -> FileLock:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(path), timeout=timeout)
+
+
+def default_cache_dir() -> Path:
+    """kava-ray's cache (converted GGUF models, vocabulary maps, tokenized splits): $KAVA_RAY_CACHE or
+    ~/.cache/kava-ray."""
+    return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
 def name_problem(name: str) -> Optional[str]:

@@ -10,14 +10,13 @@ appears complete or not at all.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_dir, content_key, file_lock, first_line, write_json
+from kava_ray.common.files import atomic_dir, content_key, default_cache_dir, file_lock, first_line, write_json
 
 GGUF_MARKER = ".kava-gguf-complete"
 
@@ -34,11 +33,6 @@ def wrap_load_errors(spec):
         raise
     except Exception as e:  # noqa: BLE001 - HF raises many types; the user needs one line
         raise KavaError(f"model '{spec}': cannot load ({first_line(e, with_type=True)})") from e
-
-
-def default_cache_dir() -> Path:
-    """Where converted GGUF models are cached: $KAVA_RAY_CACHE or ~/.cache/kava-ray."""
-    return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
 def gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:

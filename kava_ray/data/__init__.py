@@ -30,12 +30,11 @@ from kava_ray.data.tokenize import (
     encode_record,
     teacher_view,
     tokenize_split,
-    tokenizer_fingerprint,
 )
 
 __all__ = [
     "FORMATS", "IGNORE_INDEX", "PLAIN_PROMPT", "Batch", "BatchStream", "Example", "TeacherInputs", "TeacherView",
     "TokenizedSplit", "batch_key", "collate", "collate_split", "collate_view", "encode_example", "encode_prompt",
     "encode_record", "final_answer", "load_examples", "load_records", "normalize_number", "plan_batches",
-    "shard_batches", "synthetic_gsm8k", "teacher_view", "tokenize_split", "tokenizer_fingerprint", "with_layers",
+    "shard_batches", "synthetic_gsm8k", "teacher_view", "tokenize_split", "with_layers",
 ]

@@ -12,15 +12,16 @@ import numpy as np
 import torch
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.fingerprints import digest
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
-from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit, _sha
+from kava_ray.data.tokenize import IGNORE_INDEX, TeacherView, TokenizedSplit
 
 ROUTE = "teacher"  # a record column naming the teacher whose logits teach that record (NeMo-RL's MOPD)
 RELEASE_EVERY = 16  # batches between releases of the Arrow cache's mapped pages (mmap_advice)
 
 
 def _rng(*parts) -> np.random.Generator:
-    return np.random.default_rng(int(_sha(*parts), 16))
+    return np.random.default_rng(int(digest(*parts), 16))
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, bucket: bool = True,
@@ -179,7 +180,7 @@ class BatchStream:
                  start_step: int = 0, state: Optional[dict] = None, bucket: bool = True, drop_last: bool = True):
         self.split, self.batch_size, self.seed, self.bucket = split, batch_size, seed, bucket
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
-        self.plan_fingerprint = _sha(split.fingerprint, batch_size, seed, bucket, *(() if drop_last else ("all",)))
+        self.plan_fingerprint = digest(split.fingerprint, batch_size, seed, bucket, *(() if drop_last else ("all",)))
         n_global = len(split) // batch_size if drop_last else -(-len(split) // batch_size)
         self.steps_per_epoch = n_global // world_size
         if self.steps_per_epoch == 0:

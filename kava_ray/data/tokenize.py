@@ -13,8 +13,6 @@ Labels follow the HF convention: unshifted, -100 where no loss.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.fingerprints import digest, tokenizer_fingerprint
 from kava_ray.data.alignment import align_positions, align_texts, pair_positions
 from kava_ray.data.mmap_advice import cache_paths, release_mapped_pages
 from kava_ray.data.records import (
@@ -43,25 +42,7 @@ CODE_VERSION = 2  # bump when the encoding changes: it is part of every split's 
 MAP_BATCH = 256  # records per Dataset.map batch (and documents per packing group)
 
 __all__ = ["IGNORE_INDEX", "PLAIN_PROMPT", "TeacherView", "TokenizedSplit", "encode_example", "encode_prompt",
-           "encode_record", "teacher_view", "tokenize_split", "tokenizer_fingerprint"]
-
-
-def _sha(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else json.dumps(p, sort_keys=True, default=str).encode())
-        h.update(b"\x00")
-    return h.hexdigest()[:16]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable short hash of what decides token ids: vocab, bos/eos/pad, and the ids of a probe text (it catches
-    pre-tokenizer/normaliser differences); not the tokenizer class (transformers may load one tokenizer file as
-    different classes) nor an unused unk token."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token")}
-    probe = tokenizer("Tom buys 12 apples at $3.50 each; naïve 東京 costs\n  1,000 -> 3*4=12", add_special_tokens=True)
-    return _sha(vocab, specials, list(probe["input_ids"]))
+           "encode_record", "teacher_view", "tokenize_split"]
 
 
 def _pad_id(tokenizer) -> int:
@@ -318,7 +299,7 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
         raise KavaError(f"{where}: no records")
     first = record_format(rename(ds[0], None), fmt, f"{where}: row 0")
     packing = (first == "text") if packing is None else bool(packing and first == "text")
-    fp = _sha(source_id, CODE_VERSION, tokenizer_fingerprint(tokenizer), max_length, prompt_format, overlength, first,
+    fp = digest(source_id, CODE_VERSION, tokenizer_fingerprint(tokenizer), max_length, prompt_format, overlength, first,
               packing, with_text, len(ds))
     keep = ("input_ids", "loss_mask", "truncated", "length") + (("offsets", "text", "segments") if with_text else ())
 

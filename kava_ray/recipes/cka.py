@@ -24,8 +24,9 @@ from kava_ray.core.align.layers import CKAStats, layer_map_json, ratio_map, top_
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.models import load_student
-from kava_ray.core.plans import data_seed, load_splits, student_tokenizer, teacher_tokenizers
+from kava_ray.core.plans import student_tokenizer, teacher_tokenizers
 from kava_ray.data import Batch, BatchStream
+from kava_ray.data.splits import data_seed, load_splits
 from kava_ray.runtime.job import job_teachers
 from kava_ray.runtime.preflight import preflight
 

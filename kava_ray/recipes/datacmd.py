@@ -16,8 +16,8 @@ from typing import Optional
 from kava_ray.common.config import load_config
 from kava_ray.common.files import format_table
 from kava_ray.core.models import load_model, load_student, load_tokenizer
-from kava_ray.core.plans import load_splits, load_test_split
 from kava_ray.data.corpus import write_pydoc_corpus
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.preflight import check_model_files
 

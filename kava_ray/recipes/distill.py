@@ -45,13 +45,12 @@ from kava_ray.core.metric_names import EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summ
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
 from kava_ray.core.nonfinite import FirstBad
 from kava_ray.core.plans import (
-    load_splits,
-    load_test_split,
     plans_from_payload,
     teacher_tokenizers,
     vocab_maps,
 )
 from kava_ray.core.precision import student_precision
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import evaluate_heldout
 from kava_ray.recipes.fit_maps import fit_maps
 from kava_ray.recipes.step_records import evals_through, step_kind, step_record

@@ -43,12 +43,8 @@ from kava_ray.core.metric_names import (
 )
 from kava_ray.core.models import kv_geometry, load_model, load_tokenizer
 from kava_ray.core.plans import (
-    carved,
     copied_layers,
-    eval_stream,
-    load_test_split,
     logit_specs,
-    one_source,
     teacher_logits_top_k,
     teacher_tokenizers,
     vocab_maps,
@@ -58,6 +54,7 @@ from kava_ray.core.probe import KVAlignment
 from kava_ray.core.vocab_chunks import VocabReader
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
 from kava_ray.data.sources import source_path
+from kava_ray.data.splits import carved, eval_stream, load_test_split, one_source
 from kava_ray.runtime.preflight import preflight
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
@@ -356,7 +353,7 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
 EVAL_OVERRIDABLE = ("data.", "train.batch_size", "train.max_length", "loss.vocab_chunk", "ray.")
 
 
-# where a carved run (`plans.carved`) cut its test rows from its one file: eval of that file keeps them
+# where a carved run (`splits.carved`) cut its test rows from its one file: eval of that file keeps them
 CARVE_KEYS = ("data.num_train", "data.num_val", "data.num_test", "data.train_split", "data.test_split",
               "data.allow_overlap")
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import student_forward_kv
-from kava_ray.core.plans import eval_stream
 from kava_ray.core.probe import KVAlignment
+from kava_ray.data.splits import eval_stream
 
 
 def unfitted(distiller) -> dict:

@@ -26,11 +26,11 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
 from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, last_values, stopped_by
 from kava_ray.core.checkpoint import find_checkpoint, read_state
-from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload, prepare_data
+from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
 from kava_ray.runtime.console import quiet, status, with_logs
 from kava_ray.runtime.job import job_teachers
-from kava_ray.runtime.preflight import check_prompts, preflight
+from kava_ray.runtime.preflight import check_prompts, preflight, prepare_data
 from kava_ray.runtime.process_group import LoopbackTorchConfig
 from kava_ray.runtime.progress import follow_metrics
 from kava_ray.runtime.ray_private import drop_train_sigint_handler, trim_train_callbacks

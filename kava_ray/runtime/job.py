@@ -32,8 +32,6 @@ from kava_ray.core.kv import kv_bytes_per_token
 from kava_ray.core.plans import (
     TeacherPlan,
     check_vocab,
-    load_splits,
-    load_test_split,
     logits_top_k,
     student_geometry,
     student_tokenizer,
@@ -43,6 +41,7 @@ from kava_ray.core.plans import (
     vocab_maps,
     wants_hidden,
 )
+from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tokenize import portable
 from kava_ray.runtime.connect import connect, owned_ray, resolve_use_gpu
 from kava_ray.runtime.console import status

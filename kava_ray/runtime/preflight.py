@@ -2,7 +2,8 @@
 
 `preflight(cfg, command, ...)` is the first call of every command that starts Ray; each problem is one
 `KavaError` line naming the key or file, in well under 5 s. What it checks, in which order, and why:
-docs/internals/runtime.md#preflight.
+docs/internals/runtime.md#preflight. `prepare_data` (train's driver, before its workers start) then tokenizes the
+splits once, with the checks only the whole data decides: rows shared between splits, records naming a teacher.
 """
 
 from __future__ import annotations
@@ -22,8 +23,18 @@ from kava_ray.common.files import name_problem
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, finished, read_state
 from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
-from kava_ray.core.plans import check_writer, onpolicy_writer, shares_tokenizer_here
+from kava_ray.core.plans import (
+    check_writer,
+    cross_vocab,
+    logits_top_k,
+    onpolicy_writer,
+    shares_tokenizer_here,
+    student_tokenizer,
+)
+from kava_ray.data.batching import ROUTE
 from kava_ray.data.sources import check_source
+from kava_ray.data.splits import carved, check_overlap, load_splits, load_test_split
+from kava_ray.data.tokenize import TokenizedSplit
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 
@@ -168,6 +179,44 @@ def check_prompts(cfg: JobConfig, fmt: Optional[str]) -> None:
         raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: data.source {cfg.data.source} holds text "
                         f"records, which have no prompt to sample a completion for (on-policy distillation needs "
                         f"prompt_completion, messages or gsm8k records)")
+
+
+def prepare_data(cfg: JobConfig) -> dict:
+    """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
+    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts (and the
+    records' format)."""
+    overlap = check_overlap(cfg)  # the same rows in a held-out split: refused (one line) unless allowed
+    tok = load_tokenizer(cfg.student.model)
+    train, val = load_splits(cfg, tok)
+    test = load_test_split(cfg, tok)
+    check_routes(cfg, {"training": train, "validation": val, "test": test})
+    return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg),
+            "warning": overlap, "format": train.format}
+
+
+def check_routes(cfg: JobConfig, splits: dict[str, TokenizedSplit]) -> None:
+    """Records that name their teacher (column `teacher`: `Batch.route`, read by the logit term) name one of the
+    job's logit teachers (`plans.logit_teachers`; the Distiller refuses any other mid-run): one line naming the split,
+    row and name, before Ray starts. A teacher of another tokenizer counts as one unless loss.logit_cross_vocab=off,
+    when it does only where its tokenizer is not at hand here (`shares_tokenizer_here`: None)."""
+    if not logits_top_k(cfg):
+        return  # no logit term: nothing reads the column
+    names, across, student_fp = [t.name for t in cfg.teachers], cross_vocab(cfg) != "off", None
+    logit_names = None
+    for what, split in splits.items():
+        if split.records is None or ROUTE not in split.records.column_names:
+            continue
+        if logit_names is None:
+            if not across:
+                student_fp = student_tokenizer(cfg)[1]
+            logit_names = [n for n in names if across or shares_tokenizer_here(cfg, n, student_fp) is not False]
+        for i, r in enumerate(split.records.select_columns([ROUTE])[ROUTE]):
+            if r and r not in logit_names:
+                why = (f" ('{r}' uses another tokenizer than the student's and loss.logit_cross_vocab=off)"
+                       if r in names else "")
+                raise KavaError(f"data.source {cfg.data.source}: row {i} of the {what} split names teacher {r!r} "
+                                f"(column '{ROUTE}'), but the job's logit teachers are "
+                                f"{', '.join(logit_names) or 'none'}{why}")
 
 
 def check_kv_cache(cfg: JobConfig, command: str) -> None:

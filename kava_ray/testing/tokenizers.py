@@ -18,8 +18,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_dir, file_lock
-from kava_ray.core.gguf import default_cache_dir
+from kava_ray.common.files import atomic_dir, default_cache_dir, file_lock
 from kava_ray.core.models import load_tokenizer
 
 SDIST_VERSION = "0.3.36"
@@ -31,7 +30,7 @@ FETCH_HINT = "fetch it with: .venv/bin/python -m kava_ray.testing.tokenizers"
 
 
 def cache_root() -> Path:
-    """$KAVA_CACHE, else kava_ray.core.gguf.default_cache_dir() ($KAVA_RAY_CACHE or ~/.cache/kava-ray)."""
+    """$KAVA_CACHE, else kava_ray.common.files.default_cache_dir() ($KAVA_RAY_CACHE or ~/.cache/kava-ray)."""
     env = os.environ.get("KAVA_CACHE")
     return Path(env).expanduser() if env else default_cache_dir()
 

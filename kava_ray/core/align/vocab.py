@@ -79,7 +79,7 @@ class VocabMap:
 
     t2s: np.ndarray
     student_vocab: int
-    teacher_fp: str = ""  # the two tokenizers' fingerprints (`data.tokenizer_fingerprint`): what the file is named by
+    teacher_fp: str = ""  # the two tokenizers' fingerprints (`common.fingerprints`): what the file is named by
     student_fp: str = ""
 
     @property
