@@ -43,7 +43,8 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.T
 def sample(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
            eos_ids: list[int] | None = None, pad_id: int = 0, seed: int = 0, autocast=None) -> Samples:
     """Sample one completion per prompt (token id lists) with `model.generate` (do_sample, top_k off, the given
-    temperature and top_p; nothing else of the model's generation config), under `torch.manual_seed(seed)` in a
+    temperature and top_p; nothing of the model's own generation config, whose fields generate() would otherwise fill
+    in), under `torch.manual_seed(seed)` in a
     forked RNG (the caller's RNG state is untouched, and one seed gives one sample). The model is put in eval mode
     for the call (no dropout while sampling) and back. Returns `Samples`, each row cut after its first EOS."""
     device = model.get_input_embeddings().weight.device
@@ -52,14 +53,19 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     gc = GenerationConfig(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0,
                           max_new_tokens=int(max_new_tokens), pad_token_id=int(pad_id),
                           eos_token_id=eos or None, output_scores=True, return_dict_in_generate=True)
-    was_training = model.training
+    was_training, own = model.training, model.generation_config
     model.eval()
+    # generate() fills every field `gc` leaves unset from model.generation_config (a checkpoint's repetition_penalty,
+    # min_p, no_repeat_ngram_size, ...): q would not be the student's distribution. A blank one for the call leaves
+    # the global defaults, no processor but the ones set here (TRL pins its kwargs likewise, transformers#42762)
+    model.generation_config = GenerationConfig()
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), (autocast() if autocast else contextlib.nullcontext()):
             torch.manual_seed(int(seed))
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
     finally:
+        model.generation_config = own
         model.train(was_training)
     new = out.sequences[:, ids.shape[1]:]  # [B, N]
     logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)  # [B, N, V], processed
