@@ -428,6 +428,11 @@ class JobConfig(_Section):
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")
+        if self.loss.logit_divergence == "reverse_kl_sampled" and o.top_p < 1:
+            raise ValueError(f"onpolicy.top_p: {o.top_p} never samples the student's tokens outside the nucleus, "
+                             f"and the sampled reverse KL needs them (its importance weights cannot recover them): "
+                             f"set onpolicy.top_p=1 with loss.logit_divergence reverse_kl_sampled (a temperature "
+                             f"is fine)")
         return self
 
     def teacher(self, name: str) -> TeacherConfig:

@@ -9,9 +9,12 @@
   bucket): the full-vocabulary form when k = V (within the tail floor, 1e-6).
 - `sampled_reverse_kl_loss`: on-policy distillation's per-token policy-gradient form (Thinking Machines'
   tinker-cookbook, `distillation/train_on_policy.py::incorporate_kl_penalty` with the `importance_sampling`
-  loss): advantage A_t = log pi_T(x_t) - log q(x_t) at the sampled token (q: the sampling policy's log-prob, no
-  gradient through A), loss -exp(log pi_S(x_t) - log q(x_t)) * A_t, averaged over the sampled tokens (tinker sums
-  them; a mean keeps the scale of kava-ray's other terms).
+  loss): advantage A_t = log pi_T(x_t) - log pi_S(x_t) at the sampled token (no gradient through A), loss
+  -exp(log pi_S(x_t) - log q(x_t)) * A_t, averaged over the sampled tokens (tinker sums them; a mean keeps the
+  scale of kava-ray's other terms). tinker's A_t takes the sampler's log q; where q = pi_S (lag 0, temperature 1,
+  top_p 1) the two are one, and where q differs (a tempered q, or sampled one step earlier) the current pi_S keeps
+  the estimate unbiased: E_q[(pi_S / q) (log pi_T - log pi_S) grad log pi_S] = -grad KL(pi_S || pi_T). A top_p < 1
+  q never draws the tokens outside its nucleus, which no weight recovers: the config refuses it.
 
 Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`); masked
 positions change neither the loss nor its gradient. Pure PyTorch.
@@ -118,7 +121,8 @@ def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tenso
     per-token reverse KL of the samples, mean of log q - log pi_T: tinker's `teacher_kl`, detached)."""
     m = mask.to(student_logp.device) != 0
     q = sample_logp.to(student_logp.device, torch.float32)
-    adv = (teacher_logp.to(q.device, q.dtype) - q).detach()  # A_t: no gradient through the advantage
-    ratio = torch.exp(torch.where(m, _at_least_f32(student_logp) - q, 0.0))
+    s = _at_least_f32(student_logp)
+    adv = (teacher_logp.to(q.device, s.dtype) - s).detach()  # A_t of the current student: no gradient through it
+    ratio = torch.exp(torch.where(m, s - q, 0.0))
     loss = _masked_mean(-ratio * torch.where(m, adv, 0.0), m)
-    return loss, _masked_mean(-adv, m).detach()
+    return loss, _masked_mean(q - teacher_logp.to(q.device, q.dtype), m).detach()
