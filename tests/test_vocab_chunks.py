@@ -223,7 +223,7 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
     the bias's 0.033 against 0.0030)."""
     import torch.nn.functional as F
 
-    from kava_ray.core.vocab_chunks import chunked_terms, whole_terms
+    from kava_ray.core.vocab_chunks import Term, chunked_terms, whole_terms
 
     g = torch.Generator().manual_seed(0)
     B, T, h, V = 4, 256, 128, 2048
@@ -232,7 +232,8 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
 
     def ce(logits, sl):
         lab = labels[:, sl]
-        return {"ce": (F.cross_entropy(logits.float().flatten(0, 1), lab.flatten()), torch.tensor(lab.numel()))}
+        value = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())
+        return {"ce": Term("ce", value, torch.tensor(lab.numel()), coef=1.0, total=torch.tensor(B * T))}
 
     def grads(dtype, chunks: int):
         head = torch.nn.Linear(h, V, bias=True).to(dtype)
@@ -241,9 +242,9 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
             head.bias.zero_()
         x = hidden.to(dtype).detach().requires_grad_()
         if chunks:
-            loss, _ = chunked_terms(ce, x, head, {"ce": 1.0}, {"ce": torch.tensor(B * T)}, B * T // chunks)
+            loss, _ = chunked_terms(ce, x, head, B * T // chunks)
         else:
-            loss, _ = whole_terms(ce, head(x), {"ce": 1.0})
+            loss, _ = whole_terms(ce, head(x))
         loss.backward()
         assert head.weight.grad.dtype == head.bias.grad.dtype == x.grad.dtype == dtype
         return head.weight.grad.float(), head.bias.grad.float(), x.grad.float()

@@ -21,7 +21,7 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
-from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
+from kava_ray.core.logit_kd import TEACHER_LOSS, VocabTerms, logit_targets, next_labels
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
@@ -276,10 +276,9 @@ class Distiller(nn.Module):
         position serves CE and (at temperature 1) the logit terms. Metrics: logit_kl (the weighted loss),
         logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
         c, dev, vocab = self.loss_cfg, reader.device(out), reader.vocab(out)
-        labels = next_labels(batch.labels, dev)  # [B, T]: the label position t predicts
-        coefs = {CE_KEY: 0.0 if batch.source == "student" else c.ce_weight}
-        totals = {CE_KEY: (labels != -100).sum()}
-        targets, weights, metrics = {}, {}, {}
+        terms = VocabTerms(next_labels(batch.labels, dev), c, c.logit_weight > 0 and c.logit_temperature == 1.0,
+                           ce_coef=0.0 if batch.source == "student" else c.ce_weight)
+        weights, metrics = {}, {}
         # a teacher no record of the batch is routed to teaches nothing in it: its figures are not measured (absent,
         # not 0: `DistillRecipe.step` averages each over the micro-batches that measured it)
         absent = set() if batch.route is None else {n for n in self.logit_names
@@ -291,16 +290,14 @@ class Distiller(nn.Module):
                 tg, fixed = logit_targets(spec, teacher_kv[n], batch, mask_n, c, vocab, dev)
                 if n not in absent:
                     metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
-                targets[n], weights[n] = (spec, tg), w.to(dev)
-                coefs[("loss", n)] = c.logit_weight * weights[n]
-                totals[("loss", n)] = tg.loss_mask(spec, c).sum()
-        terms = chunk_terms(labels, targets, c, shared_lse=c.logit_weight > 0 and c.logit_temperature == 1.0)
-        loss, means = reader.terms(out, terms, coefs, totals)
-        if targets:
-            metrics.update({of(TOP1_AGREE if key[2] == TOP1_AGREE else "logit_" + key[2], key[1]): v
-                            for key, v in means.items() if key[0] == "metric" and key[1] not in absent})
-            metrics[LOGIT_KL] = sum(weights[n] * means[("loss", n)] for n in targets).detach()
-        return loss, means[CE_KEY], metrics
+                weights[n] = w.to(dev)
+                terms.add(n, spec, tg, coef=c.logit_weight * weights[n])
+        loss, read = reader.terms(out, terms)
+        if weights:
+            metrics.update({of(TOP1_AGREE if t.name == TOP1_AGREE else "logit_" + t.name, t.teacher): t.value
+                            for t in read.values() if t.coef is None and t.teacher not in (None, *absent)})
+            metrics[LOGIT_KL] = sum(weights[n] * read[of(TEACHER_LOSS, n)].value for n in weights).detach()
+        return loss, read[CE].value, metrics
 
     def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
         """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position
