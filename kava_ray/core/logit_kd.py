@@ -156,42 +156,36 @@ def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_
     """(loss, metrics) of teacher `lt` against the student's logits [B, T, V] on the targets' positions, each a
     mean over `tg.m` (the loss and `kl` of one tokenizer: over `tg.loss_mask`): `kl` (one tokenizer: the loss;
     hybrid: its matched part), `uld` (hybrid: the unmatched part; uld: the loss), `top1_agree`, `sampled_rkl`
-    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL)."""
-    c, metrics = loss_cfg, {}
-    if lt.cross is None:
-        loss = same_vocab_term(logits, tg, c, lse, metrics)
-        metrics["kl"] = loss.detach()
-    elif lt.cross == "hybrid":
+    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL).
+
+    The loss: another tokenizer, the hybrid loss (`losses.hybrid_logit_loss`) or ULD (`losses.uld_loss`); one
+    tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD (`losses.topk_kl_loss`); reverse_kl_sampled on a
+    batch the student sampled, the sampled form (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`);
+    reverse_kl / jsd (and reverse_kl_sampled on other batches) the generalized JSD on the top-k with its tail
+    (`divergences.topk_divergence`)."""
+    c, metrics, ids = loss_cfg, {}, tg.ids.clamp(min=0)
+    if lt.cross == "hybrid":
         loss, parts = hybrid_logit_loss(logits, tg.ids, tg.logp, lt.t2s, lt.student_unmatched, tg.m,
                                         teacher_tail=tg.tail, lse=lse, temperature=c.logit_temperature,
                                         matched_weight=lt.matched_weight)
         metrics.update(parts)
-    else:
+    elif lt.cross is not None:
         loss = uld_loss(logits, tg.logp, tg.m, teacher_tail=tg.tail, lse=lse if c.logit_temperature == 1.0 else None)
         metrics["uld"] = loss.detach()
-    metrics["top1_agree"] = top1_agreement(logits, tg.top1[..., None], tg.m)
-    return loss, metrics
-
-
-def same_vocab_term(logits: torch.Tensor, tg: LogitTargets, c, lse: Optional[torch.Tensor], metrics: dict
-                    ) -> torch.Tensor:
-    """A teacher of the student's tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
-    (`losses.topk_kl_loss`); reverse_kl / jsd the generalized JSD on the top-k with its tail
-    (`divergences.topk_divergence`); reverse_kl_sampled on a batch the student sampled, the sampled form
-    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`; its reverse KL of the samples goes to
-    metrics["sampled_rkl"]), on other batches reverse_kl."""
-    div, ids, m = c.logit_divergence, tg.ids.clamp(min=0), tg.m
-    if div == "forward_kl":
-        return topk_kl_loss(logits, ids, tg.logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
+    elif c.logit_divergence == "forward_kl":
+        loss = topk_kl_loss(logits, ids, tg.logp, tg.m, temperature=c.logit_temperature, tail=c.logit_tail,
                             teacher_tail=tg.tail if c.logit_tail == "bucket" else None, lse=lse, valid=tg.valid)
-    if tg.nxt is not None:
+    elif tg.nxt is not None:
         full = lse if lse is not None else log_normalizer(logits)
         student = logits.gather(-1, tg.nxt[..., None])[..., 0].float() - full  # [B, T]: log pi_S of each next token
-        loss, rkl = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, m)
-        metrics["sampled_rkl"] = rkl
-        return loss
-    return topk_divergence(logits, ids, tg.logp, m, beta=divergence_beta(div, c.jsd_beta),
-                           temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)
+        loss, metrics["sampled_rkl"] = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, tg.m)
+    else:
+        loss = topk_divergence(logits, ids, tg.logp, tg.m, beta=divergence_beta(c.logit_divergence, c.jsd_beta),
+                               temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)
+    if lt.cross is None:
+        metrics["kl"] = loss.detach()
+    metrics["top1_agree"] = top1_agreement(logits, tg.top1[..., None], tg.m)
+    return loss, metrics
 
 
 def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
