@@ -65,7 +65,8 @@ def _run(job, plans, maps, batch, kv, overrides, student_class=None):
     for m in distiller.modules():  # dropout off: both paths see one function
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    loss, metrics = distiller(batch, kv)
+    out = distiller(batch, kv)
+    loss, metrics = out.loss, out.metrics
     loss.backward()
     grads = {n: p.grad.clone() for n, p in distiller.named_parameters() if p.grad is not None}
     return loss.detach(), {k: v for k, v in metrics.items() if torch.is_tensor(v)}, grads
@@ -149,7 +150,7 @@ def test_the_chunked_path_never_holds_the_batch_logits(one_batch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = distiller(batch, kv)
+        loss = distiller(batch, kv).loss
     loss.backward()
     assert saved == [], saved  # the whole-logits path saves [B, T, V] (checked below)
     plain = Distiller(load_student(cfg.student.model, dtype="float32"), plans, kv_geometry(student),

@@ -9,7 +9,8 @@ whole module in DDP syncs the student, the projectors and the fusion together. P
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -62,6 +63,20 @@ if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it
     from kava_ray.data import Batch
 
 
+@dataclass
+class DistillOutput:
+    """What `Distiller.forward` returns (the shape of Hugging Face's `ModelOutput`, TRL's
+    `compute_loss(return_outputs=True)`): `loss` (0-d, with its graph) and `metrics` ({`metric_names`: detached 0-d
+    tensor}); when asked, `kv_term` (kv_weight * the KV loss, with its graph: `recipes.distill`'s grad/kv_share) and
+    `student_kv` (the student's own K, V: evaluation's projector-free cosine). Under DDP the wrapper's forward returns
+    it as is (it finds the tensors of a dataclass's fields)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    kv_term: Optional[torch.Tensor] = None
+    student_kv: Optional[KVBatch] = None
+
+
 class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
 
@@ -107,12 +122,15 @@ class Distiller(nn.Module):
         self.scored = token_logprob_teachers(cfg, plans)  # on-policy: their reverse KL of the student's samples
         self.onpolicy = cfg.onpolicy.fraction > 0
 
-    def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch]):
+    def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch], *, output_kv_term: bool = False,
+                output_student_kv: bool = False) -> DistillOutput:
         """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels / answer_mask
         [B, T], `teachers` for those of another tokenizer), teacher_kv {teacher: KVBatch}.
 
-        Returns (loss, metrics): loss = ce_weight * CE + kv_weight * KV (+ logit_weight * logit KD); metrics
-        (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device, converted once per log step.
+        Returns a `DistillOutput`: loss = ce_weight * CE + kv_weight * KV (+ logit_weight * logit KD); metrics
+        (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device, converted once per log step;
+        with output_kv_term its kv_term, with output_student_kv the student's KVBatch (as Hugging Face's
+        `output_hidden_states`: asked for, else None). Nothing is kept on the module.
         KV terms count token positions, CE and logit KD next-token positions (`losses.position_masks`).
         """
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
@@ -121,7 +139,6 @@ class Distiller(nn.Module):
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
                                           output_hidden_states=self.fusion.kind == "router", **reader.forward_kwargs())
-        self.student_kv = None if self.training else skv  # evaluation reads the projector-free cosine from it
         with record_function("kava/projectors"):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask)
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
@@ -133,12 +150,12 @@ class Distiller(nn.Module):
             views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
-            self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
+            kv_term = c.kv_weight * kvl
             # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
             # it is sequence-level KD) and the logit terms, which read the vocabulary; after the KV term, whose
             # fusion forward sets the router weights the logit teachers are weighted with
             head_loss, ce, m_logit = self._vocab_terms(reader, out, teacher_kv, batch, next_mask)
-            loss = head_loss + self.kv_term
+            loss = head_loss + kv_term
             if c.relation_weight > 0:
                 rel = self._relation_term(skv, native, masks)
                 loss = loss + c.relation_weight * rel
@@ -151,7 +168,8 @@ class Distiller(nn.Module):
             metrics.update(self._metrics(loss, ce, kvl, kv_m, batch, kv_mask, next_mask))
             if self.onpolicy:
                 metrics.update(self._sampled_metrics(teacher_kv, batch, next_mask))
-            return loss, metrics
+            return DistillOutput(loss, metrics, kv_term if output_kv_term else None,
+                                 skv if output_student_kv else None)
 
     # ---------------------------------------------------------------------------------- teachers -> student
 

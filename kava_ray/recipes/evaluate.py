@@ -199,9 +199,9 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     free = direct_alignment(cfg, plans)
     for (_, _, _, batch), kv in feed:
         with autocast():
-            _, m = distiller(batch.to(device), kv)
+            out = distiller(batch.to(device), kv, output_student_kv=bool(free))
+        m, skv = out.metrics, out.student_kv
         for t, kva in free.items():  # the student's own KV against its source layers, no projector
-            skv = distiller.student_kv
             kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), batch.attention_mask.to(device))
         for w in weights:
             weights[w] = weights[w] + m[w].double()
