@@ -81,7 +81,9 @@ class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
 
     def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig,
-                 vocab_maps: dict | None = None):
+                 vocab_maps: dict | None = None, *, sharded: bool = False):
+        """sharded: FSDP2 shards this module over the job's workers (`RayConfig.sharded`), which rules out the
+        projector kind fit (`projectors.job_kind`); the Distiller reads no other part of the job's `ray` section."""
         super().__init__()
         a, p = cfg.align, cfg.align.projector
         self.student = student
@@ -91,7 +93,8 @@ class Distiller(nn.Module):
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation,
-                                kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, aligned=plan.aligned),
+                                kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, sharded=sharded,
+                                              aligned=plan.aligned),
                                 mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
                                 train_map=p.train_map)
             for n, plan in plans.items()})

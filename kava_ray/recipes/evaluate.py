@@ -430,7 +430,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
         out = {"checkpoint": str(ckpt), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
-                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks))
+                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks), sharded=cfg.ray.sharded)
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
                                     prefix="test", teacher_ce=cfg.data.kv_source == "live"))
