@@ -178,7 +178,7 @@ def _distiller(distill_setup, overrides):
 @pytest.mark.parametrize("fusion", ["fixed", "sum"])
 def test_distiller_reports_centred_and_raw_cosines(distill_setup, fusion):
     distiller, batch, kv = _distiller(distill_setup, [f"fusion.kind={fusion}"])
-    _, m = distiller(batch, kv)
+    m = distiller(batch, kv).metrics
     names = {"cos_sim", "cos_raw", "contrast_gap", "cos_layer/first", "cos/qwen", "cos_raw/qwen", "cos/llama",
              "cos_raw/llama"}
     assert set(m) >= names
@@ -191,13 +191,34 @@ def test_distiller_reports_centred_and_raw_cosines(distill_setup, fusion):
     for n, proj in distiller.projectors.items():
         consts = [x.detach().mean(dim=(1, 3), keepdim=True).expand_as(x) for x in real[n]]
         proj.forward = lambda k, v, c=consts: tuple(c)
-    _, m = distiller(batch, kv)
+    m = distiller(batch, kv).metrics
     for k in ("cos_sim", "cos/qwen", "cos/llama"):
         assert abs(float(m[k])) < 0.05, (k, float(m[k]))
     assert phase(float(m["cos_sim"])) == "Adapting"
     # (tiny random students have no large per-head constant, so their raw cosine is low here too:
     # the raw-vs-centred gap is shown on key-like data above)
     assert abs(float(m["contrast_gap"])) < 0.05
+
+
+def test_the_distiller_returns_its_kv_term_and_student_kv_when_asked_and_keeps_nothing(distill_setup):
+    """`Distiller.forward` returns a `DistillOutput`: the KV term (the recipe's grad/kv_share) and the student's own
+    KV (evaluation's projector-free cosine) only when asked, nothing left on the module for a later reader."""
+    from kava_ray.core.kv import KVBatch
+
+    distiller, batch, kv = _distiller(distill_setup, ["align.projector.dropout=0.0"])
+    before = set(vars(distiller))
+    plain = distiller(batch, kv)
+    assert plain.kv_term is None and plain.student_kv is None
+    out = distiller(batch, kv, output_kv_term=True, output_student_kv=True)
+    assert set(vars(distiller)) == before
+    assert torch.equal(out.loss, plain.loss) and out.loss.requires_grad
+    kv_weight = distiller.loss_cfg.kv_weight
+    assert out.kv_term.requires_grad and torch.equal(out.kv_term.detach(), kv_weight * out.metrics["kv_loss"])
+    grads = torch.autograd.grad(out.kv_term, list(distiller.student.parameters()), allow_unused=True)
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in grads)  # it reaches the student
+    skv = out.student_kv
+    assert isinstance(skv, KVBatch) and skv.keys.shape[1] == batch.input_ids.shape[0]
+    assert skv.keys.shape[3] == batch.input_ids.shape[1] and skv.keys.shape == skv.values.shape
 
 
 @pytest.mark.parametrize("kind", ["mercator", "hybrid"])
@@ -220,9 +241,9 @@ def test_no_shared_prefix_masks_the_template(distill_setup):
     assert keep.sum() < batch.attention_mask.sum()  # the chat template's system prompt is shared
     assert not keep[:, 0].any()
     torch.manual_seed(0)
-    _, m = distiller(batch, kv)
+    m = distiller(batch, kv).metrics
     full, _, _ = _distiller(distill_setup, ["loss.loss_tokens=all"])
     torch.manual_seed(0)
-    _, m_all = full(batch, kv)
+    m_all = full(batch, kv).metrics
     assert float(m["kv_loss"]) != pytest.approx(float(m_all["kv_loss"]), rel=1e-4)
     assert float(m["ce"]) == pytest.approx(float(m_all["ce"]), rel=1e-5)  # CE is not a KV loss

@@ -13,7 +13,7 @@ import torch
 
 from jobs import run_recipe, write_job
 from kava_ray.bench.pull import projector_free
-from kava_ray.common.config import load_config
+from kava_ray.common.config import derive, load_config
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
 from kava_ray.core.projectors import resolve_kind
@@ -98,6 +98,13 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
         assert (pr.kind, pr.student_side) == (("identity", False) if copied else ("fit", True)), name
         planned = plan(cfg)["devices"]["cpu"]["items"]  # identity: nothing trained, nothing saved for backward
         assert (sum(v for k, v in planned.items() if k.startswith("projectors + fusion")) == 0) is copied, name
+    # FSDP2 would shard the maps fit fills on rank 0 and broadcasts: a sharded Distiller (its caller says so:
+    # `RayConfig.sharded`; the Distiller reads no `ray` section) trains the apart student's projector linear
+    fsdp = derive(cfg, {"ray.strategy": "fsdp", "ray.num_workers": 2})
+    assert fsdp.ray.sharded and not cfg.ray.sharded
+    fsdp_plans = in_process_plans(fsdp, models)
+    assert Distiller(student, fsdp_plans, kv_geometry(student), fsdp, sharded=True).projectors["qwen"].kind == "linear"
+    assert Distiller(student, fsdp_plans, kv_geometry(student), fsdp).projectors["qwen"].kind == "fit"
     demo = load_config("demo_cpu")
     assert demo.align.projector.kind == "auto" and all(copied_from_teacher(demo, t.name) for t in demo.teachers)
 

@@ -338,11 +338,13 @@ def test_distiller_logit_kd_trains(setup, fusion, kv_weight):
 def test_logit_weight_zero_is_exactly_as_before(setup):
     off, _, batch, kv = make(setup)
     plain = {n: dataclasses.replace(b, topk_ids=None, topk_logp=None, topk_tail=None) for n, b in kv.items()}
-    loss_a, m_a = off(batch, kv)
-    loss_b, m_b = off(batch, plain)  # no logits needed, none used
+    a = off(batch, kv)
+    loss_a, m_a = a.loss, a.metrics
+    loss_b = off(batch, plain).loss  # no logits needed, none used
     assert torch.equal(loss_a, loss_b) and not any(k.startswith(("logit_kl", "top1_agree")) for k in m_a)
     on, _, _, _ = make(setup, "loss.logit_weight=0.5")
-    loss_c, m_c = on(batch, kv)
+    c = on(batch, kv)
+    loss_c, m_c = c.loss, c.metrics
     # CE from the normaliser it shares with the KD: equal to F.cross_entropy's to float rounding
     assert float(m_c["ce"]) == pytest.approx(float(m_a["ce"]), rel=1e-6) and torch.equal(m_c["kv_loss"], m_a["kv_loss"])
     assert float(loss_c) == pytest.approx(float(loss_a) + 0.5 * float(m_c["logit_kl"]), rel=1e-5)
@@ -370,7 +372,8 @@ def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
         plans["qwen"].geometry, vocab_size=V + 64))}
     big[b, t, 1] = V + 1
     padded = Distiller(distiller.student, wide, s_geom, cfg)
-    loss, m = padded(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
+    out = padded(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
+    loss, m = out.loss, out.metrics
     assert torch.isfinite(loss) and torch.isfinite(m["logit_kl/qwen"])
 
 

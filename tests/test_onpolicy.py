@@ -227,7 +227,7 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
         batch, kv = next(data.next_step(step))
         assert batch.source == "student" and sorted(set(batch.route)) <= ["qwen", "smol"]
         with torch.no_grad():
-            _, m = recipe.distiller(batch, kv)
+            m = recipe.distiller(batch, kv).metrics
             logits = recipe.distiller.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             mask = next_token_mask(batch.labels)
             expected, count = 0.0, 0
@@ -240,7 +240,7 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
         assert float(m["logit_kl"]) == pytest.approx(expected / count, rel=1e-5)
     batch.route = ["qwen"] * len(batch.route)  # no row for smol: its figures are not measured (absent, not 0)
     with torch.no_grad():
-        _, m = recipe.distiller(batch, kv)
+        m = recipe.distiller(batch, kv).metrics
     assert "logit_kl/qwen" in m and "top1_agree/qwen" in m
     assert not [k for k in m if k.endswith("/smol") and k.startswith(("logit_", "top1_agree"))], sorted(m)
     with pytest.raises(KavaError, match="names teacher 'nobody'"):

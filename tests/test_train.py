@@ -69,7 +69,8 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
     opt = build_optimizer(distiller, cfg.optim)
     history = []
     for i in range(5):
-        loss, m = distiller(batch, kv)
+        out = distiller(batch, kv)
+        loss, m = out.loss, out.metrics
         loss.backward()
         if i == 0:
             silent = [n for n, p in distiller.named_parameters() if p.requires_grad and p.grad is None]
@@ -297,7 +298,7 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
     with torch.no_grad():
         for (_, _, _, batch), kv in KVFeed(source, feed_items(stream, stream.steps_per_epoch),
                                            {n: p.layers for n, p in plans.items()}):
-            _, m = distiller(batch, kv)
+            m = distiller(batch, kv).metrics
             answer = float(batch.answer_mask.sum())
             assert float(m["kv_tokens"]) == answer < float(m["tokens"])
             num, den = num + float(m["cos_sim"]) * answer, den + answer

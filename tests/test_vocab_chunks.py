@@ -66,7 +66,8 @@ def _run(job, plans, maps, batch, kv, overrides, student_class=None):
     for m in distiller.modules():  # dropout off: both paths see one function
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    loss, metrics = distiller(batch, kv)
+    out = distiller(batch, kv)
+    loss, metrics = out.loss, out.metrics
     loss.backward()
     grads = {n: p.grad.clone() for n, p in distiller.named_parameters() if p.grad is not None}
     return loss.detach(), {k: v for k, v in metrics.items() if torch.is_tensor(v)}, grads
@@ -150,7 +151,7 @@ def test_the_chunked_path_never_holds_the_batch_logits(one_batch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = distiller(batch, kv)
+        loss = distiller(batch, kv).loss
     loss.backward()
     assert saved == [], saved  # the whole-logits path saves [B, T, V] (checked below)
     plain = Distiller(load_student(cfg.student.model, dtype="float32"), plans, kv_geometry(student),
@@ -224,7 +225,7 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
     the bias's 0.033 against 0.0030)."""
     import torch.nn.functional as F
 
-    from kava_ray.core.vocab_chunks import chunked_terms, whole_terms
+    from kava_ray.core.vocab_chunks import Term, chunked_terms, whole_terms
 
     g = torch.Generator().manual_seed(0)
     B, T, h, V = 4, 256, 128, 2048
@@ -233,7 +234,8 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
 
     def ce(logits, sl):
         lab = labels[:, sl]
-        return {"ce": (F.cross_entropy(logits.float().flatten(0, 1), lab.flatten()), torch.tensor(lab.numel()))}
+        value = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten())
+        return {"ce": Term("ce", value, torch.tensor(lab.numel()), coef=1.0, total=torch.tensor(B * T))}
 
     def grads(dtype, chunks: int):
         head = torch.nn.Linear(h, V, bias=True).to(dtype)
@@ -242,9 +244,9 @@ def test_a_bf16_heads_gradient_summed_over_64_chunks_is_as_accurate_as_whole_bf1
             head.bias.zero_()
         x = hidden.to(dtype).detach().requires_grad_()
         if chunks:
-            loss, _ = chunked_terms(ce, x, head, {"ce": 1.0}, {"ce": torch.tensor(B * T)}, B * T // chunks)
+            loss, _ = chunked_terms(ce, x, head, B * T // chunks)
         else:
-            loss, _ = whole_terms(ce, head(x), {"ce": 1.0})
+            loss, _ = whole_terms(ce, head(x))
         loss.backward()
         assert head.weight.grad.dtype == head.bias.grad.dtype == x.grad.dtype == dtype
         return head.weight.grad.float(), head.bias.grad.float(), x.grad.float()

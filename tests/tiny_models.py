@@ -12,7 +12,8 @@ def train_on_one_batch(distiller, optim_cfg, batch, kv, steps: int) -> list[dict
     opt = build_optimizer(distiller, optim_cfg)
     history = []
     for _ in range(steps):
-        loss, m = distiller(batch, kv)
+        out = distiller(batch, kv)
+        loss, m = out.loss, out.metrics
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -159,7 +159,7 @@ def _run(job: str, steps: int) -> dict:
             kv = {n: KVBatch.from_wire(w, device=device, dtype=torch.float32) for n, w in payload.items()}
             del payload
             with precision.autocast():
-                loss, _ = distiller(b.to(device), kv)
+                loss = distiller(b.to(device), kv).loss
             del kv
             (loss / accum).backward()
             del loss

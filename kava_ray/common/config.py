@@ -361,6 +361,11 @@ class RayConfig(_Section):
     def _selector_syntax(cls, v):
         return _check_selector(v)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the job's workers shard the student with FSDP2 (strategy fsdp with several workers)."""
+        return self.strategy == "fsdp" and self.num_workers > 1
+
 
 class JobConfig(_Section):
     name: str = "kava"
@@ -417,7 +422,7 @@ class JobConfig(_Section):
         if self.ray.strategy == "fsdp" and self.ray.num_workers == 1:
             raise ValueError("ray.strategy: fsdp shards the student over the workers, and ray.num_workers is 1 (it "
                              "would train unsharded): set ray.num_workers above 1 or ray.strategy: ddp")
-        if self.ray.strategy == "fsdp" and self.ray.num_workers > 1:
+        if self.ray.sharded:
             if self.align.projector.kind == "fit":
                 raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "
                                  "are fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")

@@ -250,7 +250,7 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     win over the new values, and a new loss, data or on-policy sampling would change the curve without a word.
     """
     state = read_state(path)
-    sharded, shards = is_sharded_checkpoint(path), cfg.ray.strategy == "fsdp" and cfg.ray.num_workers > 1
+    sharded, shards = is_sharded_checkpoint(path), cfg.ray.sharded
     if sharded != shards:  # (a whole state into FSDP2 shards, or shards into DDP: not supported)
         raise KavaError(f"checkpoint {path} holds {'FSDP2 shards' if sharded else 'a whole student'}: continue it with "
                         f"ray.strategy={'fsdp' if sharded else 'ddp'}" + (" and several workers" if sharded else ""))

@@ -9,7 +9,8 @@ whole module in DDP syncs the student, the projectors and the fusion together. P
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,7 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
-from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
+from kava_ray.core.logit_kd import TEACHER_LOSS, VocabTerms, logit_targets, next_labels
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
@@ -62,11 +63,27 @@ if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it
     from kava_ray.data import Batch
 
 
+@dataclass
+class DistillOutput:
+    """What `Distiller.forward` returns (the shape of Hugging Face's `ModelOutput`, TRL's
+    `compute_loss(return_outputs=True)`): `loss` (0-d, with its graph) and `metrics` ({`metric_names`: detached 0-d
+    tensor}); when asked, `kv_term` (kv_weight * the KV loss, with its graph: `recipes.distill`'s grad/kv_share) and
+    `student_kv` (the student's own K, V: evaluation's projector-free cosine). Under DDP the wrapper's forward returns
+    it as is (it finds the tensors of a dataclass's fields)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    kv_term: Optional[torch.Tensor] = None
+    student_kv: Optional[KVBatch] = None
+
+
 class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector} and Fusion, trained together."""
 
     def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig,
-                 vocab_maps: dict | None = None):
+                 vocab_maps: dict | None = None, *, sharded: bool = False):
+        """sharded: FSDP2 shards this module over the job's workers (`RayConfig.sharded`), which rules out the
+        projector kind fit (`projectors.job_kind`); the Distiller reads no other part of the job's `ray` section."""
         super().__init__()
         a, p = cfg.align, cfg.align.projector
         self.student = student
@@ -76,7 +93,8 @@ class Distiller(nn.Module):
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation,
-                                kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, aligned=plan.aligned),
+                                kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, sharded=sharded,
+                                              aligned=plan.aligned),
                                 mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
                                 train_map=p.train_map)
             for n, plan in plans.items()})
@@ -107,12 +125,15 @@ class Distiller(nn.Module):
         self.scored = token_logprob_teachers(cfg, plans)  # on-policy: their reverse KL of the student's samples
         self.onpolicy = cfg.onpolicy.fraction > 0
 
-    def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch]):
+    def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch], *, output_kv_term: bool = False,
+                output_student_kv: bool = False) -> DistillOutput:
         """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels / answer_mask
         [B, T], `teachers` for those of another tokenizer), teacher_kv {teacher: KVBatch}.
 
-        Returns (loss, metrics): loss = ce_weight * CE + kv_weight * KV (+ logit_weight * logit KD); metrics
-        (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device, converted once per log step.
+        Returns a `DistillOutput`: loss = ce_weight * CE + kv_weight * KV (+ logit_weight * logit KD); metrics
+        (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device, converted once per log step;
+        with output_kv_term its kv_term, with output_student_kv the student's KVBatch (as Hugging Face's
+        `output_hidden_states`: asked for, else None). Nothing is kept on the module.
         KV terms count token positions, CE and logit KD next-token positions (`losses.position_masks`).
         """
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
@@ -121,7 +142,6 @@ class Distiller(nn.Module):
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
                                           output_hidden_states=self.fusion.kind == "router", **reader.forward_kwargs())
-        self.student_kv = None if self.training else skv  # evaluation reads the projector-free cosine from it
         with record_function("kava/projectors"):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask)
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
@@ -133,12 +153,12 @@ class Distiller(nn.Module):
             views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
             kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
             metrics.update(per_teacher)
-            self.kv_term = c.kv_weight * kvl  # kept (not detached) for `recipes.distill`'s grad/kv_share
+            kv_term = c.kv_weight * kvl
             # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
             # it is sequence-level KD) and the logit terms, which read the vocabulary; after the KV term, whose
             # fusion forward sets the router weights the logit teachers are weighted with
             head_loss, ce, m_logit = self._vocab_terms(reader, out, teacher_kv, batch, next_mask)
-            loss = head_loss + self.kv_term
+            loss = head_loss + kv_term
             if c.relation_weight > 0:
                 rel = self._relation_term(skv, native, masks)
                 loss = loss + c.relation_weight * rel
@@ -151,7 +171,8 @@ class Distiller(nn.Module):
             metrics.update(self._metrics(loss, ce, kvl, kv_m, batch, kv_mask, next_mask))
             if self.onpolicy:
                 metrics.update(self._sampled_metrics(teacher_kv, batch, next_mask))
-            return loss, metrics
+            return DistillOutput(loss, metrics, kv_term if output_kv_term else None,
+                                 skv if output_student_kv else None)
 
     # ---------------------------------------------------------------------------------- teachers -> student
 
@@ -276,10 +297,9 @@ class Distiller(nn.Module):
         position serves CE and (at temperature 1) the logit terms. Metrics: logit_kl (the weighted loss),
         logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
         c, dev, vocab = self.loss_cfg, reader.device(out), reader.vocab(out)
-        labels = next_labels(batch.labels, dev)  # [B, T]: the label position t predicts
-        coefs = {CE_KEY: 0.0 if batch.source == "student" else c.ce_weight}
-        totals = {CE_KEY: (labels != -100).sum()}
-        targets, weights, metrics = {}, {}, {}
+        terms = VocabTerms(next_labels(batch.labels, dev), c, c.logit_weight > 0 and c.logit_temperature == 1.0,
+                           ce_coef=0.0 if batch.source == "student" else c.ce_weight)
+        weights, metrics = {}, {}
         # a teacher no record of the batch is routed to teaches nothing in it: its figures are not measured (absent,
         # not 0: `DistillRecipe.step` averages each over the micro-batches that measured it)
         absent = set() if batch.route is None else {n for n in self.logit_names
@@ -291,16 +311,14 @@ class Distiller(nn.Module):
                 tg, fixed = logit_targets(spec, teacher_kv[n], batch, mask_n, c, vocab, dev)
                 if n not in absent:
                     metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
-                targets[n], weights[n] = (spec, tg), w.to(dev)
-                coefs[("loss", n)] = c.logit_weight * weights[n]
-                totals[("loss", n)] = tg.loss_mask(spec, c).sum()
-        terms = chunk_terms(labels, targets, c, shared_lse=c.logit_weight > 0 and c.logit_temperature == 1.0)
-        loss, means = reader.terms(out, terms, coefs, totals)
-        if targets:
-            metrics.update({of(TOP1_AGREE if key[2] == TOP1_AGREE else "logit_" + key[2], key[1]): v
-                            for key, v in means.items() if key[0] == "metric" and key[1] not in absent})
-            metrics[LOGIT_KL] = sum(weights[n] * means[("loss", n)] for n in targets).detach()
-        return loss, means[CE_KEY], metrics
+                weights[n] = w.to(dev)
+                terms.add(n, spec, tg, coef=c.logit_weight * weights[n])
+        loss, read = reader.terms(out, terms)
+        if weights:
+            metrics.update({of(TOP1_AGREE if t.name == TOP1_AGREE else "logit_" + t.name, t.teacher): t.value
+                            for t in read.values() if t.coef is None and t.teacher not in (None, *absent)})
+            metrics[LOGIT_KL] = sum(weights[n] * read[of(TEACHER_LOSS, n)].value for n in weights).detach()
+        return loss, read[CE].value, metrics
 
     def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
         """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position

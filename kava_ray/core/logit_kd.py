@@ -11,7 +11,7 @@ forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -29,6 +29,8 @@ from kava_ray.core.losses import (
     topk_tail,
     uld_loss,
 )
+from kava_ray.core.metric_names import CE
+from kava_ray.core.vocab_chunks import Term
 
 if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it at run time
     from kava_ray.data import Batch
@@ -154,42 +156,36 @@ def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_
     """(loss, metrics) of teacher `lt` against the student's logits [B, T, V] on the targets' positions, each a
     mean over `tg.m` (the loss and `kl` of one tokenizer: over `tg.loss_mask`): `kl` (one tokenizer: the loss;
     hybrid: its matched part), `uld` (hybrid: the unmatched part; uld: the loss), `top1_agree`, `sampled_rkl`
-    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL)."""
-    c, metrics = loss_cfg, {}
-    if lt.cross is None:
-        loss = same_vocab_term(logits, tg, c, lse, metrics)
-        metrics["kl"] = loss.detach()
-    elif lt.cross == "hybrid":
+    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL).
+
+    The loss: another tokenizer, the hybrid loss (`losses.hybrid_logit_loss`) or ULD (`losses.uld_loss`); one
+    tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD (`losses.topk_kl_loss`); reverse_kl_sampled on a
+    batch the student sampled, the sampled form (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`);
+    reverse_kl / jsd (and reverse_kl_sampled on other batches) the generalized JSD on the top-k with its tail
+    (`divergences.topk_divergence`)."""
+    c, metrics, ids = loss_cfg, {}, tg.ids.clamp(min=0)
+    if lt.cross == "hybrid":
         loss, parts = hybrid_logit_loss(logits, tg.ids, tg.logp, lt.t2s, lt.student_unmatched, tg.m,
                                         teacher_tail=tg.tail, lse=lse, temperature=c.logit_temperature,
                                         matched_weight=lt.matched_weight)
         metrics.update(parts)
-    else:
+    elif lt.cross is not None:
         loss = uld_loss(logits, tg.logp, tg.m, teacher_tail=tg.tail, lse=lse if c.logit_temperature == 1.0 else None)
         metrics["uld"] = loss.detach()
-    metrics["top1_agree"] = top1_agreement(logits, tg.top1[..., None], tg.m)
-    return loss, metrics
-
-
-def same_vocab_term(logits: torch.Tensor, tg: LogitTargets, c, lse: Optional[torch.Tensor], metrics: dict
-                    ) -> torch.Tensor:
-    """A teacher of the student's tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
-    (`losses.topk_kl_loss`); reverse_kl / jsd the generalized JSD on the top-k with its tail
-    (`divergences.topk_divergence`); reverse_kl_sampled on a batch the student sampled, the sampled form
-    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`; its reverse KL of the samples goes to
-    metrics["sampled_rkl"]), on other batches reverse_kl."""
-    div, ids, m = c.logit_divergence, tg.ids.clamp(min=0), tg.m
-    if div == "forward_kl":
-        return topk_kl_loss(logits, ids, tg.logp, m, temperature=c.logit_temperature, tail=c.logit_tail,
+    elif c.logit_divergence == "forward_kl":
+        loss = topk_kl_loss(logits, ids, tg.logp, tg.m, temperature=c.logit_temperature, tail=c.logit_tail,
                             teacher_tail=tg.tail if c.logit_tail == "bucket" else None, lse=lse, valid=tg.valid)
-    if tg.nxt is not None:
+    elif tg.nxt is not None:
         full = lse if lse is not None else log_normalizer(logits)
         student = logits.gather(-1, tg.nxt[..., None])[..., 0].float() - full  # [B, T]: log pi_S of each next token
-        loss, rkl = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, m)
-        metrics["sampled_rkl"] = rkl
-        return loss
-    return topk_divergence(logits, ids, tg.logp, m, beta=divergence_beta(div, c.jsd_beta),
-                           temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)
+        loss, metrics["sampled_rkl"] = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, tg.m)
+    else:
+        loss = topk_divergence(logits, ids, tg.logp, tg.m, beta=divergence_beta(c.logit_divergence, c.jsd_beta),
+                               temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)
+    if lt.cross is None:
+        metrics["kl"] = loss.detach()
+    metrics["top1_agree"] = top1_agreement(logits, tg.top1[..., None], tg.m)
+    return loss, metrics
 
 
 def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
@@ -203,7 +199,7 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch,
     return loss, {**fixed, **metrics}
 
 
-CE_KEY = ("ce",)  # `chunk_terms`' key of CE
+TEACHER_LOSS = "loss"  # a logit teacher's term among `VocabTerms`' (its metrics: `targets_term`'s names)
 
 
 def next_labels(labels: torch.Tensor, device) -> torch.Tensor:
@@ -211,24 +207,41 @@ def next_labels(labels: torch.Tensor, device) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=-100).to(device)
 
 
-def chunk_terms(labels: torch.Tensor, teachers: dict, loss_cfg, shared_lse: bool):
-    """The function `core.vocab_chunks` calls on the student's logits [B, t, V] of the positions `sl` (whole or a
-    chunk), for CE on `labels` (`next_labels`) and every logit teacher {name: (LogitTeacher, LogitTargets)}:
-    {CE_KEY: (CE, labels counted), ("loss", t): (t's term, `loss_mask` positions), ("metric", t, k): (metric k of
-    `targets_term`, its positions)}, each a mean over the chunk's positions. shared_lse: the terms take CE's
-    normaliser (temperature 1), else CE is F.cross_entropy's fused kernel. Training (`Distiller._vocab_terms`) and
-    evaluation (`recipes.evaluate`) read the logits through it."""
+@dataclass
+class VocabTerms:
+    """The terms read from the student's logits, called by `core.vocab_chunks` on the logits [B, t, V] of the
+    positions `sl` (all of them, or a chunk) -> {key: `Term`}, each a mean over the positions: CE on `labels`
+    (`next_labels`, [B, T]) counted over the labels that count; for every logit teacher (`add`), its term "loss"
+    (`targets_term`) counted over its `loss_mask` positions and its metrics (`targets_term`'s: kl over the same
+    positions, the rest over `m`). A coef (CE's `ce_coef`, a teacher's) puts a term in the loss; None: a figure only.
+    shared_lse: the teachers' terms take CE's normaliser (temperature 1), else CE is F.cross_entropy's fused kernel.
+    Training (`Distiller._vocab_terms`) and evaluation (`recipes.evaluate`) read the logits through it."""
 
-    def terms(logits: torch.Tensor, sl: slice) -> dict:
-        lse = log_normalizer(logits) if shared_lse else None  # [B, t]
-        lab = labels[:, sl]
-        got = {CE_KEY: (masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum())}
-        for n, (spec, tg) in teachers.items():
+    labels: torch.Tensor
+    loss_cfg: object = None
+    shared_lse: bool = False
+    ce_coef: object = None
+    teachers: dict = field(default_factory=dict)  # {name: (LogitTeacher, LogitTargets, coef, total)}
+    ce_total: Optional[torch.Tensor] = field(init=False, default=None)  # the labels that count (with a ce_coef)
+
+    def __post_init__(self):
+        if self.ce_coef is not None:
+            self.ce_total = (self.labels != -100).sum()
+
+    def add(self, name: str, spec: LogitTeacher, targets: LogitTargets, coef=None) -> None:
+        """Teacher `name`'s targets; coef: its term's weight in the loss (None: its figures only)."""
+        total = None if coef is None else targets.loss_mask(spec, self.loss_cfg).sum()
+        self.teachers[name] = (spec, targets, coef, total)
+
+    def __call__(self, logits: torch.Tensor, sl: slice) -> dict[str, Term]:
+        lse = log_normalizer(logits) if self.shared_lse else None  # [B, t]
+        lab = self.labels[:, sl]
+        terms = [Term(CE, masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum(), coef=self.ce_coef,
+                      total=self.ce_total)]
+        for n, (spec, tg, coef, total) in self.teachers.items():
             part = tg.at(sl)
-            loss_n, m = targets_term(spec, logits, part, loss_cfg, lse)
-            n_loss, n_m = part.loss_mask(spec, loss_cfg).sum(), part.m.sum()
-            got[("loss", n)] = (loss_n, n_loss)
-            got.update({("metric", n, k): (v, n_loss if k == "kl" else n_m) for k, v in m.items()})
-        return got
-
-    return terms
+            loss_n, m = targets_term(spec, logits, part, self.loss_cfg, lse)
+            n_loss, n_m = part.loss_mask(spec, self.loss_cfg).sum(), part.m.sum()
+            terms.append(Term(TEACHER_LOSS, loss_n, n_loss, n, coef, total))
+            terms += [Term(k, v, n_loss if k == "kl" else n_m, n) for k, v in m.items()]
+        return {t.key: t for t in terms}

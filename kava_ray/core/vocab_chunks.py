@@ -18,13 +18,15 @@ import contextlib
 import functools
 import inspect
 import logging
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kava_ray.common.errors import KavaError
+from kava_ray.core.metric_names import of
 
 # config attributes of families whose logits are more than the head of the last hidden state (Gemma 2/3's soft cap,
 # Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier): they keep the whole-logits path;
@@ -32,9 +34,29 @@ from kava_ray.common.errors import KavaError
 # the head of the captured hidden state)
 _SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
-# a chunk's terms: {name: (mean over the chunk's positions, how many positions)}
-Terms = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
+@dataclass
+class Term:
+    """One term read from the student's logits, named `name` (CE, or of a logit `teacher`): `value` its mean over the
+    positions that count and `count` how many (of a chunk's; in what the reader returns, the whole batch's mean and
+    count); `coef` its weight in the loss (None: a figure, not in the loss) and `total` the positions it counts over
+    the whole batch (set with a coef: a chunk's mean weighs count / total)."""
+
+    name: str
+    value: torch.Tensor
+    count: torch.Tensor
+    teacher: Optional[str] = None
+    coef: Any = None
+    total: Optional[torch.Tensor] = None
+
+    @property
+    def key(self) -> str:
+        """Its name among a chunk's terms: `name`, or a teacher's `<name>/<teacher>` (`metric_names.of`)."""
+        return self.name if self.teacher is None else of(self.name, self.teacher)
+
+
+# what the reader calls on the logits [B, t, V] of the positions `sl` (all, or a chunk): {Term.key: Term}
+TermsFn = Callable[[torch.Tensor, slice], dict[str, Term]]
 
 def head_of(model) -> tuple[Optional[nn.Linear], str]:
     """(the LM head, "") when the model's logits are `head(last hidden state)` and its forward can skip them
@@ -87,47 +109,36 @@ def chunk_slices(batch: int, time: int, chunk: int) -> list[slice]:
     return [slice(t, min(t + step, time)) for t in range(0, time, step)]
 
 
-def whole_terms(fn: Callable[[torch.Tensor, slice], Terms], logits: torch.Tensor, coefs: dict[str, float]
-                ) -> tuple[torch.Tensor, dict]:
-    """The terms on whole logits [B, T, V]: (sum of coef * mean, {name: mean, detached})."""
+def whole_terms(fn: TermsFn, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Term]]:
+    """The terms on whole logits [B, T, V]: (sum of coef * value over the terms with a coef, {key: Term, detached})."""
     terms = fn(logits, slice(None))
-    loss = sum((coefs[k] * terms[k][0] for k in coefs), logits.new_zeros((), dtype=torch.float32))
-    return loss, {k: v.detach() for k, (v, _) in terms.items()}
+    loss = sum((t.coef * t.value for t in terms.values() if t.coef is not None),
+               logits.new_zeros((), dtype=torch.float32))
+    return loss, {k: replace(t, value=t.value.detach()) for k, t in terms.items()}
 
 
-def chunked_terms(fn: Callable[[torch.Tensor, slice], Terms], hidden: torch.Tensor, head: nn.Linear,
-                  coefs: dict[str, float], totals: dict[str, torch.Tensor], chunk: int) -> tuple[torch.Tensor, dict]:
-    """The same as `whole_terms(fn, head(hidden), coefs)`, `chunk` positions at a time: hidden [B, T, h].
+def chunked_terms(fn: TermsFn, hidden: torch.Tensor, head: nn.Linear, chunk: int) -> tuple[torch.Tensor, dict]:
+    """The same as `whole_terms(fn, head(hidden))`, `chunk` positions at a time: hidden [B, T, h].
 
-    fn(logits [B, t, V], the time slice) -> {name: (mean over its positions, their count)}; coefs {name: weight in
-    the loss}; totals {name: positions over the whole batch} for every name of coefs. Returns (the loss, with a
-    gradient to `hidden` and the head's parameters when they have one; {name: the whole batch's mean, detached})."""
-    slices = chunk_slices(hidden.shape[0], hidden.shape[1], chunk)
-    sums: dict = {}
+    fn(logits [B, t, V], the time slice) -> {key: Term} (each a mean over the chunk's positions; a term of the loss
+    with its coef and its positions over the whole batch, `total`). Each chunk's logits, terms and (training) the
+    gradients of its share of the loss are taken here, in one loop; the loss carries them to `hidden` and the head's
+    parameters (`_FusedHead`). Returns (the loss; {key: Term of the whole batch's mean and count, detached})."""
     weight, bias = head.weight, head.bias
-    grads = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if not grads:
-        loss = _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, None)
-    else:
-        loss = _FusedHead.apply(hidden, weight, bias, (fn, slices, coefs, totals, sums))
-    return loss, {k: (s / n.clamp(min=1)).detach() for k, (s, n) in sums.items()}
-
-
-def _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads: Optional[list]) -> torch.Tensor:
-    """The chunk loop: each chunk's logits, terms, (with `grads` [d hidden, d weight, d bias | None]) the gradients
-    of its share of the loss, added into `grads` (each chunk writes its own positions of d hidden; d weight and
-    d bias are sums over every chunk, kept in fp32); `sums` gathers {name: (sum of mean * count, count)}."""
+    train = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    grads = [torch.zeros_like(hidden), None, None] if train else None  # d hidden, d weight, d bias
     loss = hidden.new_zeros((), dtype=torch.float32)
-    for sl in slices:
-        with torch.enable_grad() if grads is not None else torch.no_grad():
-            h = hidden[:, sl].detach().requires_grad_(grads is not None and hidden.requires_grad)
-            w = weight.detach().requires_grad_(grads is not None and weight.requires_grad)
-            b = None if bias is None else bias.detach().requires_grad_(grads is not None and bias.requires_grad)
+    sums: dict[str, Term] = {}
+    for sl in chunk_slices(hidden.shape[0], hidden.shape[1], chunk):
+        with torch.enable_grad() if train else torch.no_grad():
+            h = hidden[:, sl].detach().requires_grad_(train and hidden.requires_grad)
+            w = weight.detach().requires_grad_(train and weight.requires_grad)
+            b = None if bias is None else bias.detach().requires_grad_(train and bias.requires_grad)
             terms = fn(F.linear(h, w, b), sl)  # [B, t, V] logits live only in here
-            share = sum((coefs[k] * terms[k][0] * (terms[k][1] / totals[k].clamp(min=1)) for k in coefs
-                         if not _zero(coefs[k])), loss.new_zeros(()))
-            if grads is not None and share.requires_grad:
-                wrt = [x for x in (h, w, b) if x is not None and x.requires_grad]
+            share = sum((t.coef * t.value * (t.count / t.total.clamp(min=1)) for t in terms.values()
+                         if t.coef is not None and not _zero(t.coef)), loss.new_zeros(()))
+            if train and share.requires_grad:  # each chunk writes its own positions of d hidden; d weight and
+                wrt = [x for x in (h, w, b) if x is not None and x.requires_grad]  # d bias sum over the chunks
                 got = iter(torch.autograd.grad(share, wrt))
                 if h.requires_grad:
                     grads[0][:, sl] = next(got)
@@ -136,10 +147,12 @@ def _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads: Op
                         g = next(got).float()  # summed over the chunks in fp32, cast once (`_FusedHead`)
                         grads[i] = g if grads[i] is None else grads[i].add_(g)
         loss = loss + share.detach()
-        for k, (mean, n) in terms.items():
-            s0, n0 = sums.get(k, (0.0, 0))
-            sums[k] = (s0 + mean.detach().float() * n, n0 + n)
-    return loss
+        for k, t in terms.items():  # {key: Term whose value is the sum of mean * count so far}
+            s0, n0 = (sums[k].value, sums[k].count) if k in sums else (0.0, 0)
+            sums[k] = replace(t, value=s0 + t.value.detach().float() * t.count, count=n0 + t.count)
+    if train:
+        loss = _FusedHead.apply(hidden, weight, bias, loss, grads)
+    return loss, {k: replace(t, value=(t.value / t.count.clamp(min=1)).detach()) for k, t in sums.items()}
 
 
 def _zero(coef) -> bool:
@@ -148,8 +161,8 @@ def _zero(coef) -> bool:
 
 
 class _FusedHead(torch.autograd.Function):
-    """loss = the chunked terms of head(hidden); the gradients are taken in the forward (`_run_chunks`) and scaled
-    by the incoming gradient in the backward, then cast to each input's dtype.
+    """The chunked loss (`chunked_terms`) with the gradients its chunk loop took: scaled by the incoming gradient in
+    the backward, each cast to its input's dtype.
 
     The head's gradient is a sum over the chunks, accumulated in fp32 and cast once: summed in a bf16 head's own
     dtype, each of the (chunks - 1) additions rounds to 8 bits of mantissa (a bf16 head, 64 chunks: 3.7x the error
@@ -160,10 +173,7 @@ class _FusedHead(torch.autograd.Function):
     the head during the chunk loop (none extra for an fp32 head); what waits for the backward is in the head's dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rest):
-        fn, slices, coefs, totals, sums = rest
-        grads = [torch.zeros_like(hidden), None, None]
-        loss = _run_chunks(fn, hidden, weight, bias, slices, coefs, totals, sums, grads)
+    def forward(ctx, hidden, weight, bias, loss, grads):
         for i, x in ((1, weight), (2, bias)):  # every term's coefficient 0: zeros, as 0 * loss gives whole logits
             if grads[i] is None and x is not None and x.requires_grad:  # (DDP and FSDP2 expect every gradient)
                 grads[i] = torch.zeros_like(x)
@@ -172,13 +182,13 @@ class _FusedHead(torch.autograd.Function):
         ctx.save_for_backward(*(g if g is not None else torch.zeros(0) for g in grads))
         ctx.present = [g is not None for g in grads]
         ctx.dtypes = [hidden.dtype, weight.dtype, None if bias is None else bias.dtype]
-        return loss
+        return loss.clone()
 
     @staticmethod
     def backward(ctx, g):
         dtypes = ctx.dtypes
         out = [(x * g).to(dt) if present else None for x, present, dt in zip(ctx.saved_tensors, ctx.present, dtypes)]
-        return out[0], out[1], out[2], None
+        return out[0], out[1], out[2], None, None
 
 
 class VocabReader:
@@ -188,7 +198,7 @@ class VocabReader:
         reader = VocabReader(model, chunk)
         with reader.capture():
             out = model(..., **reader.forward_kwargs())   # chunked: logits of the last position only
-        loss, means = reader.terms(out, fn, coefs, totals)
+        loss, terms = reader.terms(out, fn)   # fn(logits, positions) -> {key: Term}
     """
 
     def __init__(self, model, chunk: int, positions: Optional[int] = None):
@@ -223,13 +233,12 @@ class VocabReader:
     def device(self, out) -> torch.device:
         return self.hidden.device if self.chunked else out.logits.device
 
-    def terms(self, out, fn: Callable[[torch.Tensor, slice], Terms], coefs: dict, totals: dict
-              ) -> tuple[torch.Tensor, dict]:
-        """(sum of coef * mean over the batch, {name: mean, detached}) of fn's terms (`chunked_terms`)."""
+    def terms(self, out, fn: TermsFn) -> tuple[torch.Tensor, dict[str, Term]]:
+        """(sum of coef * mean over the batch, {key: Term of the batch, detached}) of fn's terms (`chunked_terms`)."""
         if not self.chunked or self._kept_all(out):
-            return whole_terms(fn, out.logits, coefs)
+            return whole_terms(fn, out.logits)
         self._check_head(out)
-        return chunked_terms(fn, self.hidden, self.head, coefs, totals, self.chunk)
+        return chunked_terms(fn, self.hidden, self.head, self.chunk)
 
     def _kept_all(self, out) -> bool:
         """Whether the forward returned every position's logits though asked for the last one's (a model whose

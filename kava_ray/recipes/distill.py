@@ -135,7 +135,8 @@ class DistillRecipe:
                                dtype=self.precision.weight_dtype, keep=None if whole else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
-        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps).to(self.device)
+        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps,
+                                   sharded=self.sharded).to(self.device)
         if self.sharded:  # before the optimizer: it holds the shards
             fsdp.shard(self.distiller, self.precision, self.device)
         self.opt = build_optimizer(self.distiller, cfg.optim)
@@ -202,12 +203,13 @@ class DistillRecipe:
         for micro, (batch, kv) in enumerate(micro_batches):
             no_sync = self.world > 1 and micro < accum - 1
             with self._no_sync(no_sync):  # forward and backward: FSDP2 reads its flag in the post-backward
-                with self.autocast():
-                    loss, m = self.model(batch.to(self.device), kv)
                 # grad/kv_share: not under FSDP2 (the sharded parameters are not in the graph autograd.grad reads)
-                kv_grads = self._kv_grads() if grad_share and micro == 0 and not self.sharded else None
+                measure = grad_share and micro == 0 and not self.sharded
+                with self.autocast():
+                    out = self.model(batch.to(self.device), kv, output_kv_term=measure)
+                kv_grads = self._kv_grads(out.kv_term) if measure else None
                 with record_function("kava/backward"):  # profiler scopes (`kava-ray bench step`): free without one
-                    (loss / accum).backward()
+                    (out.loss / accum).backward()
             if kv_grads is not None:  # .grad now holds this micro-batch's gradient / accum (one micro-batch under
                 # DDP: averaged over ranks, so KV's is averaged too before "the rest" is taken as the difference)
                 if self.world > 1 and not no_sync and dist.is_available() and dist.is_initialized():
@@ -215,7 +217,7 @@ class DistillRecipe:
                         if g is not None:
                             dist.all_reduce(g, op=dist.ReduceOp.AVG)
                 share = self._kv_shares(kv_grads, accum)
-            for k, v in m.items():
+            for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
                 measured[k] = measured.get(k, 0) + 1
         with record_function("kava/optimizer"):
@@ -260,10 +262,10 @@ class DistillRecipe:
         """The optimizer's student group (`distiller.param_groups`): what grad_norm measures."""
         return next(g["params"] for g in self.opt.param_groups if g.get("name") == "student")
 
-    def _kv_grads(self) -> list:
-        """d(kv_weight * KV loss) / d(student) of the forward just run (`Distiller.kv_term`), per student parameter
-        (None where it does not reach one): a separate backward that leaves .grad alone."""
-        term, params = self.distiller.kv_term, self._student_params()
+    def _kv_grads(self, term: torch.Tensor) -> list:
+        """d(kv_weight * KV loss) / d(student) of the forward just run (its `DistillOutput.kv_term`), per student
+        parameter (None where it does not reach one): a separate backward that leaves .grad alone."""
+        params = self._student_params()
         if not term.requires_grad:
             return [None] * len(params)
         return list(torch.autograd.grad(term, params, retain_graph=True, allow_unused=True))

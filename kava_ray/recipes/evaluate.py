@@ -25,7 +25,7 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
-from kava_ray.core.logit_kd import CE_KEY, chunk_terms, logit_targets, next_labels
+from kava_ray.core.logit_kd import VocabTerms, logit_targets, next_labels
 from kava_ray.core.losses import next_token_mask
 from kava_ray.core.metric_names import (
     ALIGNED,
@@ -100,8 +100,7 @@ def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None,
 
 def student_ce(reader: VocabReader, out, labels: torch.Tensor) -> torch.Tensor:
     """The forward's next-token CE over the label positions (`losses.masked_ce`), read whole or in chunks."""
-    terms = chunk_terms(next_labels(labels, reader.device(out)), {}, None, shared_lse=False)
-    return reader.terms(out, terms, {}, {})[1][CE_KEY]
+    return reader.terms(out, VocabTerms(next_labels(labels, reader.device(out))))[1][CE].value
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
@@ -197,9 +196,9 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     free = direct_alignment(cfg, plans)
     for (_, _, _, batch), kv in feed:
         with autocast():
-            _, m = distiller(batch.to(device), kv)
+            out = distiller(batch.to(device), kv, output_student_kv=bool(free))
+        m, skv = out.metrics, out.student_kv
         for t, kva in free.items():  # the student's own KV against its source layers, no projector
-            skv = distiller.student_kv
             kva.score_batch((skv.keys, skv.values), (kv[t].keys, kv[t].values), batch.attention_mask.to(device))
         for w in weights:
             weights[w] = weights[w] + m[w].double()
@@ -307,11 +306,12 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
 def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict, specs: dict, kd) -> dict:
     """One batch's CE, kl/<t> and top1_agree/<t> (means over its next-token positions), read whole or in chunks."""
     dev, vocab = reader.device(out), reader.vocab(out)
-    teachers = {t: (spec.to(dev), logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0])
-                for t, spec in specs.items()}
-    means = reader.terms(out, chunk_terms(next_labels(batch.labels, dev), teachers, kd, shared_lse=True), {}, {})[1]
-    return {CE: means[CE_KEY], **{f"kl/{t}": means[("metric", t, "kl")] for t in specs},  # (kd: temperature 1)
-            **{of(TOP1_AGREE, t): means[("metric", t, TOP1_AGREE)] for t in specs}}
+    terms = VocabTerms(next_labels(batch.labels, dev), kd, shared_lse=True)  # (kd: temperature 1)
+    for t, spec in specs.items():
+        terms.add(t, spec.to(dev), logit_targets(spec.to(dev), kv[t], batch, nxt, kd, vocab, dev)[0])
+    read = reader.terms(out, terms)[1]
+    return {CE: read[CE].value, **{f"kl/{t}": read[of("kl", t)].value for t in specs},
+            **{of(TOP1_AGREE, t): read[of(TOP1_AGREE, t)].value for t in specs}}
 
 
 def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
@@ -427,7 +427,7 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
         out = {"checkpoint": str(ckpt), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
-                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks))
+                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks), sharded=cfg.ray.sharded)
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
                                     prefix="test", teacher_ce=cfg.data.kv_source == "live"))

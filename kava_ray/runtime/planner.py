@@ -142,7 +142,8 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation,
-                                         kind=job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name)),
+                                         kind=job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name),
+                                                      sharded=cfg.ray.sharded),
                                          mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
                                          train_map=p.train_map))
         mods.append(Fusion(cfg.fusion.kind, len(plans), n_layers=s_geom.num_layers, weights=cfg.fusion.weights,
@@ -316,7 +317,7 @@ def _projector_bytes(cfg: JobConfig, name: str, geom: KVGeometry, layers: list[i
     sees its own D_t slice). Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
     """
     al, p = cfg.align, cfg.align.projector
-    kind = job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name))
+    kind = job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name), sharded=cfg.ray.sharded)
     if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
         return 0.0
     if kind == "fit":  # the student-side map saves its input, the student's KV of each layer
