@@ -238,6 +238,21 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
                 expected += float(loss_t) * int((mask & rows).sum())
                 count += int((mask & rows).sum())
         assert float(m["logit_kl"]) == pytest.approx(expected / count, rel=1e-5)
+    # a batch that mixes named and unnamed rows: a named row's positions are its teacher's alone (weight 1), an
+    # unnamed row's split by the fusion weights -- each position exactly its teachers' weights (one coefficient per
+    # teacher times a mean over all its positions gave a named row 0.75 here, not 1)
+    batch.route = ["qwen", "", "smol", ""]
+    w = recipe.distiller.fusion.current_weights()
+    with torch.no_grad():
+        m = recipe.distiller(batch, kv).metrics
+        free = torch.tensor([not r for r in batch.route])[:, None] & mask
+        expected = 0.0
+        for t in ("qwen", "smol"):
+            spec = recipe.distiller.logit_specs[t]
+            rows = torch.tensor([r == t for r in batch.route])[:, None] & mask
+            expected += float(logit_term(spec, logits, kv[t], batch, rows, cfg.loss)[0]) * int(rows.sum())
+            expected += float(w[t]) * float(logit_term(spec, logits, kv[t], batch, free, cfg.loss)[0]) * int(free.sum())
+    assert float(m["logit_kl"]) == pytest.approx(expected / int(mask.sum()), rel=1e-5)
     batch.route = ["qwen"] * len(batch.route)  # no row for smol: its figures are not measured (absent, not 0)
     with torch.no_grad():
         m = recipe.distiller(batch, kv).metrics

@@ -22,7 +22,7 @@ from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.align.tokens import aligned_mask, apply_alignment
 from kava_ray.core.fusion import Fusion
 from kava_ray.core.kv import KVBatch, student_forward_kv
-from kava_ray.core.logit_kd import TEACHER_LOSS, VocabTerms, logit_targets, next_labels
+from kava_ray.core.logit_kd import TEACHER_LOSS, VocabTerms, logit_targets, loss_key, next_labels
 from kava_ray.core.losses import (
     contrast_gap,
     cos_metrics,
@@ -299,50 +299,63 @@ class Distiller(nn.Module):
         c, dev, vocab = self.loss_cfg, reader.device(out), reader.vocab(out)
         terms = VocabTerms(next_labels(batch.labels, dev), c, c.logit_weight > 0 and c.logit_temperature == 1.0,
                            ce_coef=0.0 if batch.source == "student" else c.ce_weight)
-        weights, metrics = {}, {}
+        shares, metrics = [], {}  # shares: (share of the logit loss, its term's key)
         # a teacher no record of the batch is routed to teaches nothing in it: its figures are not measured (absent,
         # not 0: `DistillRecipe.step` averages each over the micro-batches that measured it)
         absent = set() if batch.route is None else {n for n in self.logit_names
                                                     if not any(not r or r == n for r in batch.route)}
         if c.logit_weight > 0:
             self._check_top_k_ids(vocab, dev, teacher_kv, mask)
-            for n, w, mask_n in self._routed(batch, mask):
+            for n, parts in self._routed(batch, mask).items():
                 spec = self.logit_specs[n].to(dev)  # its map's tensors (a no-op once there)
-                tg, fixed = logit_targets(spec, teacher_kv[n], batch, mask_n, c, vocab, dev)
+                whole = parts[0][1] if len(parts) == 1 else torch.stack([m for _, m, _ in parts]).any(0)
+                tg, fixed = logit_targets(spec, teacher_kv[n], batch, whole, c, vocab, dev)
                 if n not in absent:
                     metrics.update({of("logit_" + k, n): v for k, v in fixed.items()})
-                weights[n] = w.to(dev)
-                terms.add(n, spec, tg, coef=c.logit_weight * weights[n])
+                if len(parts) == 1:
+                    terms.add(n, spec, tg, coef=c.logit_weight * parts[0][0].to(dev))
+                else:  # its figures over every position it teaches; its loss in parts of their own weight
+                    terms.add(n, spec, tg)
+                    for w, m, part in parts:
+                        terms.add(n, spec, logit_targets(spec, teacher_kv[n], batch, m, c, vocab, dev)[0],
+                                  coef=c.logit_weight * w.to(dev), part=part)
+                shares += [(w.to(dev), of(loss_key(part if len(parts) > 1 else ""), n)) for w, _, part in parts]
         loss, read = reader.terms(out, terms)
-        if weights:
+        if shares:
             metrics.update({of(TOP1_AGREE if t.name == TOP1_AGREE else "logit_" + t.name, t.teacher): t.value
-                            for t in read.values() if t.coef is None and t.teacher not in (None, *absent)})
-            metrics[LOGIT_KL] = sum(weights[n] * read[of(TEACHER_LOSS, n)].value for n in weights).detach()
+                            for t in read.values() if t.coef is None and t.teacher not in (None, *absent)
+                            and not t.name.startswith(TEACHER_LOSS)})
+            metrics[LOGIT_KL] = sum(w * read[key].value for w, key in shares).detach()
         return loss, read[CE].value, metrics
 
-    def _routed(self, batch: Batch, mask: torch.Tensor) -> list:
-        """[(teacher, its share of the logit loss, the positions it teaches)] over the logit teachers: every position
-        with the fusion weights (`_logit_weights`); with records that name their teacher (`batch.route`, NeMo-RL's
-        MOPD), a named row's positions are its teacher's alone, and each teacher's share is the share of the positions
-        it teaches (an unnamed row's split by the fusion weights): the loss is then the mean over positions of
-        each position's own teacher's term."""
+    def _routed(self, batch: Batch, mask: torch.Tensor) -> dict[str, list]:
+        """{teacher: [(share of the logit loss, the positions [B, T] it teaches at that weight, the part's name)]}
+        over the logit teachers, so that the logit loss is the mean over the positions `mask` of each position's
+        teachers' terms, each at its weight there: every position with the fusion weights (`_logit_weights`); with
+        records that name their teacher (`batch.route`, NeMo-RL's MOPD), a named row's positions are its teacher's
+        alone (weight 1) and an unnamed row's split by the fusion weights. A term is a mean over its positions, so
+        a teacher that teaches named rows (weight 1) and unnamed ones (its fusion weight) has a part for each
+        (`named`, `free`), each with the share of the positions it holds times that weight."""
         weights = self._logit_weights()
         if batch.route is None:
-            return [(n, w, mask) for n, w in zip(self.logit_names, weights)]
+            return {n: [(w, mask, "")] for n, w in zip(self.logit_names, weights)}
         unknown = sorted({r for r in batch.route if r and r not in self.logit_names})
         if unknown:
             raise KavaError(f"a record names teacher {unknown[0]!r} (column 'teacher'), but the job's logit teachers "
                             f"are {', '.join(self.logit_names)}")
         m = mask.to(torch.bool)
-        tokens = m.sum(-1).to(torch.float32)  # [B] positions per row
-        out, counts = [], []
+        total = m.sum().to(torch.float32).clamp(min=1)  # every named row names a logit teacher; free rows' weights sum to 1
+        free = torch.tensor([not r for r in batch.route], device=m.device)[:, None] & m
+        out = {}
         for n, w in zip(self.logit_names, weights):
-            mine = torch.tensor([r == n for r in batch.route], device=m.device)
-            free = torch.tensor([not r for r in batch.route], device=m.device)
-            out.append((n, m & (mine | free)[:, None]))
-            counts.append((tokens * mine.float()).sum() + w.to(m.device) * (tokens * free.float()).sum())
-        total = torch.stack(counts).sum().clamp(min=1e-12)
-        return [(n, c / total, mk) for (n, mk), c in zip(out, counts)]
+            mine = torch.tensor([r == n for r in batch.route], device=m.device)[:, None] & m
+            parts = [(mine.sum() / total, mine, "named")] if n in batch.route else []
+            if not all(batch.route):
+                parts.append((w.to(m.device) * free.sum() / total, free, "free"))
+            if len(parts) < 2:  # one part (none: a teacher no row is routed to, its share 0 and its figures absent)
+                parts = [(parts[0][0], parts[0][1], "")] if parts else [(total * 0, mine, "")]
+            out[n] = parts
+        return out
 
     def _check_top_k_ids(self, vocab: int, device, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
         """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a

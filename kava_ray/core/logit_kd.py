@@ -202,6 +202,11 @@ def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch,
 TEACHER_LOSS = "loss"  # a logit teacher's term among `VocabTerms`' (its metrics: `targets_term`'s names)
 
 
+def loss_key(part: str = "") -> str:
+    """The name of a logit teacher's loss term among `VocabTerms`': `TEACHER_LOSS`, or one part's `loss:<part>`."""
+    return f"{TEACHER_LOSS}:{part}" if part else TEACHER_LOSS
+
+
 def next_labels(labels: torch.Tensor, device) -> torch.Tensor:
     """[B, T]: the label position t predicts (the labels shifted by one, -100 where none counts)."""
     return F.pad(labels[:, 1:], (0, 1), value=-100).to(device)
@@ -228,20 +233,23 @@ class VocabTerms:
         if self.ce_coef is not None:
             self.ce_total = (self.labels != -100).sum()
 
-    def add(self, name: str, spec: LogitTeacher, targets: LogitTargets, coef=None) -> None:
-        """Teacher `name`'s targets; coef: its term's weight in the loss (None: its figures only)."""
+    def add(self, name: str, spec: LogitTeacher, targets: LogitTargets, coef=None, part: str = "") -> None:
+        """Teacher `name`'s targets; coef: its term's weight in the loss (None: its figures only). part: one of
+        several parts of its loss (positions of another weight: `Distiller._routed`), its loss term alone, named
+        `loss:<part>` (its figures come from an entry without a part)."""
         total = None if coef is None else targets.loss_mask(spec, self.loss_cfg).sum()
-        self.teachers[name] = (spec, targets, coef, total)
+        self.teachers[(name, part)] = (spec, targets, coef, total)
 
     def __call__(self, logits: torch.Tensor, sl: slice) -> dict[str, Term]:
         lse = log_normalizer(logits) if self.shared_lse else None  # [B, t]
         lab = self.labels[:, sl]
         terms = [Term(CE, masked_ce(logits, lab, shift=False, lse=lse), (lab != -100).sum(), coef=self.ce_coef,
                       total=self.ce_total)]
-        for n, (spec, tg, coef, total) in self.teachers.items():
-            part = tg.at(sl)
-            loss_n, m = targets_term(spec, logits, part, self.loss_cfg, lse)
-            n_loss, n_m = part.loss_mask(spec, self.loss_cfg).sum(), part.m.sum()
-            terms.append(Term(TEACHER_LOSS, loss_n, n_loss, n, coef, total))
-            terms += [Term(k, v, n_loss if k == "kl" else n_m, n) for k, v in m.items()]
+        for (n, part), (spec, tg, coef, total) in self.teachers.items():
+            at = tg.at(sl)
+            loss_n, m = targets_term(spec, logits, at, self.loss_cfg, lse)
+            n_loss, n_m = at.loss_mask(spec, self.loss_cfg).sum(), at.m.sum()
+            terms.append(Term(loss_key(part), loss_n, n_loss, n, coef, total))
+            if not part:
+                terms += [Term(k, v, n_loss if k == "kl" else n_m, n) for k, v in m.items()]
         return {t.key: t for t in terms}
