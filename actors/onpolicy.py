@@ -71,6 +71,8 @@ class Sampler:
 
     def _sample(self, batch: Batch, rows, key: str) -> Batch:
         o, t0 = self.cfg.onpolicy, time.perf_counter()
+        if o.samples_per_prompt > 1:  # each prompt k times: k completions of it, one `group`
+            batch, rows = batch.repeated(o.samples_per_prompt), [r for r in rows for _ in range(o.samples_per_prompt)]
         prompts = prompts_of(batch)
         # nothing past train.max_length is kept (`sampled_batch` cuts there): no token is sampled past it either
         new = max(1, min(o.max_new_tokens, self.cfg.train.max_length - min(len(p) for p in prompts)))

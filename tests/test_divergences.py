@@ -211,3 +211,33 @@ def test_the_sampled_reverse_kl_from_a_tempered_q_is_unbiased_by_exact_enumerati
     (want,) = torch.autograd.grad((log_s.exp() * (log_s - log_t)).sum(), zz)  # grad KL(pi_S || pi_T)
     torch.testing.assert_close(expected_grad(False), want, atol=1e-6, rtol=1e-6)  # (q is taken in fp32)
     assert (expected_grad(True) - want).norm() / want.norm() > 0.1  # (measured: 0.18)
+
+
+def test_the_group_mean_baseline_and_the_clipped_ratio_against_hand_computations():
+    """GRPO's group baseline (per token: each row's advantage less the mean over its group's sampled tokens) and
+    PPO / verl's clipped ratio (per token max(-A r, -A clip(r, 1 - eps, 1 + eps)): no gradient where the clip binds
+    against the advantage's direction)."""
+    from kava_ray.core.logit_kd import group_baseline
+
+    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 9.0], [-1.0, -3.0, 9.0]], dtype=torch.float64)
+    m = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    b = group_baseline(adv, m, torch.tensor([0, 0, 1]))
+    # group 0: rows 0 and 1, tokens 1, 2, 3 -> 2; group 1: row 2, tokens -1, -3 -> -2 (masked 9s never count)
+    torch.testing.assert_close(b, torch.tensor([[2.0] * 3, [2.0] * 3, [-2.0] * 3], dtype=torch.float64))
+
+    student = torch.tensor([[-1.0, -2.0, -3.0, -0.5]], dtype=torch.float64)
+    q = torch.tensor([[-1.5, -2.0, -2.0, -0.5]], dtype=torch.float64)  # ratios e^0.5, 1, e^-1, 1
+    teacher = torch.tensor([[-0.5, -3.0, -1.0, -0.5]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    base = torch.tensor([[0.0, 0.0, 0.0, 0.25]], dtype=torch.float64)
+    s = student.clone().requires_grad_(True)
+    loss, _ = sampled_reverse_kl_loss(s, q, teacher, mask, baseline=base, clip=0.2)
+    adv = teacher - student - base  # 0.5, -1, 2, -0.25
+    r = torch.exp(student - q)
+    per = torch.maximum(-r * adv, -r.clamp(0.8, 1.2) * adv)
+    assert loss.item() == pytest.approx(float(per.mean()))
+    loss.backward()
+    # token 0: r = 1.65 > 1.2 with A > 0 -> clipped, no gradient; token 2: r = 0.37 < 0.8 with A > 0 -> the unclipped
+    # branch is the larger loss, gradient -r A; tokens 1, 3: r = 1, gradient -A
+    want = torch.tensor([[0.0, 1.0, -float(r[0, 2]) * 2.0, 0.25]], dtype=torch.float64) / 4
+    torch.testing.assert_close(s.grad, want)

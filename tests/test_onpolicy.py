@@ -102,6 +102,36 @@ def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
     assert 0 < data.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
 
 
+def test_several_samples_per_prompt_form_groups_whose_mean_is_each_tokens_baseline(ojob, teachers):
+    """onpolicy.samples_per_prompt 2 with loss.rkl_baseline group_mean (GRPO / tinker's group of samples): each prompt
+    of the batch is sampled twice (two rows, one group id, their own completions), and the sampled reverse KL's
+    baseline is the group's mean advantage over its sampled tokens; a step trains on it."""
+    from kava_ray.core.logit_kd import logit_targets
+    from kava_ray.data.onpolicy import prompts_of
+
+    models, plans = teachers
+    cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.samples_per_prompt=2", "loss.rkl_clip=0.2",
+                                  "loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=group_mean"])
+    recipe, _, batch, kv = _first_batch(cfg, plans, models)
+    assert batch.input_ids.shape[0] == 2 * cfg.train.batch_size and batch.group.tolist() == [0, 0, 1, 1]
+    prompts = prompts_of(batch)
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
+    from kava_ray.core.losses import next_token_mask
+
+    mask = next_token_mask(batch.labels)
+    tg, _ = logit_targets(recipe.distiller.logit_specs["qwen"], kv["qwen"], batch, mask, cfg.loss, 10**6, "cpu")
+    adv = (tg.token_logp - tg.sample_logp)[tg.m]
+    rows = torch.arange(4)[:, None].expand_as(tg.m)[tg.m]
+    assert float(tg.baseline[0, 0]) == pytest.approx(float(adv[rows < 2].mean()), rel=1e-6)
+    assert float(tg.baseline[3, 0]) == pytest.approx(float(adv[rows >= 2].mean()), rel=1e-6)
+    out = recipe.step(1, [(batch, kv)])
+    assert math.isfinite(float(out["loss"])) and float(out["onpolicy/sampled_tokens"]) > 0
+    with pytest.raises(KavaError, match="group_mean needs several samples of each prompt"):
+        load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=group_mean"])
+    with pytest.raises(KavaError, match="loss.rkl_clip': a stabiliser of loss.logit_divergence reverse_kl_sampled"):
+        load_config(ojob, ON + ["loss.rkl_clip=0.2"])
+
+
 def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teachers, tmp_path):
     """jsd at lag 1 (sampled one step ahead) and the sampled reverse KL at lag 0: from a step-3 checkpoint, steps
     4..6 repeat the uninterrupted run (the batch sampled ahead is kept in the checkpoint; sampling is seeded by

@@ -267,6 +267,12 @@ class LossConfig(_Section):
     # reverse_kl on batches of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
     logit_divergence: Literal["forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled"] = "forward_kl"
     jsd_beta: float = Field(0.5, ge=0, le=1)  # GKD's beta: 0 forward KL, 1 reverse KL
+    # reverse_kl_sampled's stabilisers (`divergences.sampled_reverse_kl_loss`): group_mean subtracts from each token's
+    # advantage the mean over the sampled tokens of its prompt's onpolicy.samples_per_prompt samples (GRPO's group
+    # baseline, per token); rkl_clip eps clips the importance ratio pi_S / q to [1 - eps, 1 + eps] as PPO / verl's
+    # `compute_policy_loss` (clip_ratio 0.2 there): the lag-1 sample's ratio, off by default
+    rkl_baseline: Literal["none", "group_mean"] = "none"
+    rkl_clip: Optional[float] = Field(None, gt=0, lt=1)
     # CE and the logit terms read the student's logits this many positions at a time, from its final hidden states,
     # gradients taken chunk by chunk (`core.vocab_chunks`): [B, T, V] never exists at once; equal to the whole-logits
     # path. 0 = whole logits (also what families whose logits are scaled after the head get)
@@ -291,6 +297,9 @@ class OnPolicyConfig(_Section):
     # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights of one step
     # earlier); 0: sampled with the current weights, then scored
     lag: Literal[0, 1] = 1
+    # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline group_mean's groups
+    # (tinker's group_size is 4; TRL GRPO's num_generations)
+    samples_per_prompt: int = Field(1, ge=1)
 
 
 class OptimConfig(_Section):
@@ -433,6 +442,14 @@ class JobConfig(_Section):
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")
+        rkl = self.loss.logit_divergence == "reverse_kl_sampled"
+        if not rkl and (self.loss.rkl_baseline != "none" or self.loss.rkl_clip is not None):
+            which = "rkl_baseline" if self.loss.rkl_baseline != "none" else "rkl_clip"
+            raise ValueError(f"loss.{which}: a stabiliser of loss.logit_divergence reverse_kl_sampled, and this "
+                             f"job's is {self.loss.logit_divergence}")
+        if self.loss.rkl_baseline == "group_mean" and o.samples_per_prompt < 2:
+            raise ValueError("loss.rkl_baseline: group_mean needs several samples of each prompt: set "
+                             "onpolicy.samples_per_prompt above 1 (e.g. 4, tinker's group_size)")
         if self.loss.logit_divergence == "reverse_kl_sampled" and o.top_p < 1:
             raise ValueError(f"onpolicy.top_p: {o.top_p} never samples the student's tokens outside the nucleus, "
                              f"and the sampled reverse KL needs them (its importance weights cannot recover them): "

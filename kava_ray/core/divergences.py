@@ -114,15 +114,25 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
 
 
 def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tensor, teacher_logp: torch.Tensor,
-                            mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                            mask: torch.Tensor, baseline: torch.Tensor | None = None, clip: float | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-policy distillation's importance-sampled policy gradient (module docstring), all [B, T] at the next-token
     positions: student_logp (with grad) and sample_logp (the sampling policy's) of the sampled next token,
-    teacher_logp the teacher's of the same token; mask the sampled positions. Returns (loss, the teacher-scored
-    per-token reverse KL of the samples, mean of log q - log pi_T: tinker's `teacher_kl`, detached)."""
+    teacher_logp the teacher's of the same token; mask the sampled positions. baseline [B, T]: subtracted from each
+    advantage (`logit_kd.group_baseline`: GRPO's group mean). clip eps: PPO's clipped ratio (verl
+    `compute_policy_loss_vanilla`, without its dual clip): per token max(-A r, -A clip(r, 1 - eps, 1 + eps)).
+    Returns (loss, the teacher-scored per-token reverse KL of the samples, mean of log q - log pi_T: tinker's
+    `teacher_kl`, detached)."""
     m = mask.to(student_logp.device) != 0
     q = sample_logp.to(student_logp.device, torch.float32)
     s = _at_least_f32(student_logp)
     adv = (teacher_logp.to(q.device, s.dtype) - s).detach()  # A_t of the current student: no gradient through it
+    if baseline is not None:
+        adv = adv - baseline.to(adv.device, adv.dtype).detach()
+    adv = torch.where(m, adv, 0.0)
     ratio = torch.exp(torch.where(m, s - q, 0.0))
-    loss = _masked_mean(-ratio * torch.where(m, adv, 0.0), m)
+    per = -ratio * adv
+    if clip is not None:
+        per = torch.maximum(per, -ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
+    loss = _masked_mean(per, m)
     return loss, _masked_mean(q - teacher_logp.to(q.device, q.dtype), m).detach()

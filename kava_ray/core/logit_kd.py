@@ -100,6 +100,7 @@ class LogitTargets:
     nxt: Optional[torch.Tensor] = None
     sample_logp: Optional[torch.Tensor] = None
     token_logp: Optional[torch.Tensor] = None
+    baseline: Optional[torch.Tensor] = None  # [B, T]: loss.rkl_baseline group_mean's, each row its group's
 
     def at(self, sl: slice) -> "LogitTargets":
         """The same targets on the positions `sl` of the time axis."""
@@ -141,6 +142,9 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
                                 "student's samples")
             nxt = torch.nn.functional.pad(batch.input_ids[:, 1:].to(device), (0, 1))  # [B, T]: each next token
             sampled = dict(nxt=nxt, sample_logp=batch.sample_logp.to(device), token_logp=t.token_logp.to(device))
+            if c.rkl_baseline == "group_mean":
+                sampled["baseline"] = group_baseline(sampled["token_logp"] - sampled["sample_logp"], m,
+                                                     batch.group.to(device))
     else:
         paired = pair.to(device) >= 0
         fixed["aligned"] = (m & paired).sum() / m.sum().clamp(min=1)
@@ -149,6 +153,18 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
         t2s = lt.t2s.to(device) if lt.t2s is not None else top1.new_full((1,), -1)
         top1 = torch.where(top1 < len(t2s), t2s[top1.clamp(max=len(t2s) - 1)], -1)
     return LogitTargets(ids, logp, tail, m, top1, valid, **sampled), fixed
+
+
+def group_baseline(adv: torch.Tensor, m: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each row's group mean of the per-token advantage `adv` [B, T] (log pi_T - log q, known before the
+    student's logits) over the group's positions `m` [B, T] (`Batch.group` [B]: the rows sampled from one prompt):
+    GRPO's group-mean baseline (Shao et al. 2024; TRL `GRPOTrainer`'s advantages minus the mean of their group),
+    per token. Detached."""
+    n = int(group.max()) + 1
+    w = m.to(adv.dtype)
+    sums = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, (adv * w).sum(-1))
+    counts = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, w.sum(-1))
+    return (sums / counts.clamp(min=1))[group][:, None].expand_as(adv).detach()
 
 
 def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_cfg,
@@ -178,7 +194,8 @@ def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_
     elif tg.nxt is not None:
         full = lse if lse is not None else log_normalizer(logits)
         student = logits.gather(-1, tg.nxt[..., None])[..., 0].float() - full  # [B, T]: log pi_S of each next token
-        loss, metrics["sampled_rkl"] = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, tg.m)
+        loss, metrics["sampled_rkl"] = sampled_reverse_kl_loss(student, tg.sample_logp, tg.token_logp, tg.m,
+                                                               baseline=tg.baseline, clip=c.rkl_clip)
     else:
         loss = topk_divergence(logits, ids, tg.logp, tg.m, beta=divergence_beta(c.logit_divergence, c.jsd_beta),
                                temperature=c.logit_temperature, teacher_tail=tg.tail, lse=lse, valid=tg.valid)

@@ -102,11 +102,26 @@ class Batch:
     source: str = "data"
     sample_logp: Optional[torch.Tensor] = None
     route: Optional[list] = None
+    group: Optional[torch.Tensor] = None  # [B] long: rows sampled from one prompt share an id (samples_per_prompt)
 
     def to(self, device) -> "Batch":
         """A copy with every tensor (the teachers' too) on `device`."""
         out = _to(self, device)
         out.teachers = {n: t.to(device) for n, t in self.teachers.items()}
+        return out
+
+    def repeated(self, k: int) -> "Batch":
+        """Each row k times in a row (rows b * k .. b * k + k - 1 are row b), `group` naming the row each came
+        from: a batch of prompts to sample k completions of each."""
+        def rep(obj):
+            return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).repeat_interleave(k, 0)
+                                               for f in dataclasses.fields(obj)
+                                               if isinstance(getattr(obj, f.name), torch.Tensor)})
+
+        out = rep(self)
+        out.teachers = {n: rep(t) for n, t in self.teachers.items()}
+        out.route = None if self.route is None else [r for r in self.route for _ in range(k)]
+        out.group = torch.arange(self.input_ids.shape[0]).repeat_interleave(k)
         return out
 
 

@@ -81,7 +81,7 @@ def sampled_batch(batch: Batch, rows: Sequence[int], split: TokenizedSplit, comp
         logp_rows.append((start, lp))
         texts.append((prompt, comp))
     out = collate(items, split.pad_id)
-    out.source, out.route = source, batch.route
+    out.source, out.route, out.group = source, batch.route, batch.group
     sample_logp = torch.zeros(out.input_ids.shape, dtype=torch.float32)
     for b, (start, lp) in enumerate(logp_rows):
         if lp:  # the log-prob of token t + 1 sits at position t (where the logits that predict it are)
