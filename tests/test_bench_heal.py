@@ -193,3 +193,25 @@ def test_a_recipe_reads_its_items_as_override_lines():
                        ("x:train..steps=2", "expected KEY=VALUE")):
         with pytest.raises(KavaError, match=words):
             parse_recipe(bad)
+
+
+def test_the_on_policy_verdict_never_calls_a_broken_student_helps():
+    """The guards of `bench heal --onpolicy`'s rule (and the task bench's), on the figures of the run that labelled
+    two broken arms "helps" (docs/results.md): the sampled reverse KL's collapse (entropy 0.0001 against the warm
+    start's 5.27, test CE +40 nats) is "collapsed", JSD's lower reverse KL at +3.4 nats of test CE is "worse test CE";
+    the same gain within the test-CE margin is "helps"."""
+    from kava_ray.bench.heal_onpolicy import CE_MARGIN, ENTROPY_FLOOR, MIN_RKL
+    from kava_ray.bench.stats import guarded_verdict
+
+    def iv(mean, lo, hi):
+        return {"mean": mean, "lo": lo, "hi": hi, "n": 5, "excludes_zero": lo > 0 or hi < 0}
+
+    floor = ENTROPY_FLOOR * 5.2727
+    gain = iv(1.1409, 0.6864, 1.5955)  # reverse KL lowered by 1.14 nats/token (a gain: sign flipped)
+    assert guarded_verdict(gain, iv(40.24, 37.98, 42.50), 0.0001, CE_MARGIN, floor, MIN_RKL) == "collapsed"
+    assert guarded_verdict(iv(1.0769, 0.5797, 1.5742), iv(3.36, 2.91, 3.81), 4.76, CE_MARGIN, floor,
+                           MIN_RKL) == "worse test CE"
+    assert guarded_verdict(gain, iv(0.01, -0.05, 0.07), 4.9, CE_MARGIN, floor, MIN_RKL) == "helps"
+    assert guarded_verdict(iv(-0.3, -0.5, -0.1), iv(0.0, -0.1, 0.1), 4.9, CE_MARGIN, floor, MIN_RKL) == "hurts"
+    assert guarded_verdict(iv(0.02, 0.01, 0.03), iv(0.0, -0.1, 0.1), 4.9, CE_MARGIN, floor, MIN_RKL) == \
+        "no measurable gain"  # below the minimum gain

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from kava_ray.bench.inprocess import run_key, train_in_process
-from kava_ray.bench.stats import fmt_interval, mean_sd, paired
+from kava_ray.bench.stats import fmt_interval, guarded_verdict, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.kv import next_token_logprobs
@@ -49,6 +49,8 @@ OP_ARMS = {  # the config of each arm on top of the records job (logit weight 1,
     "seq_kd": {"onpolicy.fraction": 1.0, "onpolicy.source": "teacher", "loss.logit_divergence": "forward_kl"},
 }
 MIN_RKL = 0.05  # an arm helps: its paired reverse-KL difference excludes 0 and is at least this many nats/token lower
+CE_MARGIN = 0.10  # ... and its test CE is not worse than the base's by more than this (the interval's upper end)
+ENTROPY_FLOOR = 0.5  # ... and its samples' entropy stays above this share of the warm start's (else: "collapsed")
 OP_DEFAULTS = {"prompt": 32, "completion": 32, "records": (512, 32, 64), "eval_prompts": 64}
 OP_QUICK = {"prompt": 8, "completion": 6, "records": (64, 4, 8), "eval_prompts": 8}
 
@@ -56,7 +58,9 @@ OP_QUICK = {"prompt": 8, "completion": 6, "records": (64, 4, 8), "eval_prompts":
 def op_decision_rule() -> str:
     return (f"an on-policy arm helps when its paired difference against {OP_BASE} in the teacher-scored reverse KL "
             f"of the student's own held-out samples has a 95 % interval that excludes 0 and is at least {MIN_RKL} "
-            f"nats/token lower")
+            f"nats/token lower, AND its paired test-CE difference's 95 % upper end is at most +{CE_MARGIN} nats, AND "
+            f"its samples' entropy stays above {ENTROPY_FLOOR:.0%} of the warm start's (below it: collapsed, "
+            f"whatever else)")
 
 
 def records_corpus(corpus: Path, tok, out: Path, prompt: int, completion: int, caps: tuple) -> Path:
@@ -201,9 +205,11 @@ def op_summarize(runs: dict, start: dict) -> dict:
             s["vs_base"] = {k: paired([f[k] for f in figs], [f[k] for f in base]) for k in ("test_ce", "rkl",
                                                                                         "teacher_nll")}
             d = s["vs_base"]["rkl"]
-            helps = bool(d and d["excludes_zero"] and d["mean"] <= -MIN_RKL)
-            hurts = bool(d and d["excludes_zero"] and d["mean"] > 0)
-            s["decision"] = {"helps": helps, "verdict": "helps" if helps else "hurts" if hurts else "no measurable gain"}
+            gain = None if d is None else dict(d, mean=-d["mean"], lo=None if d["hi"] is None else -d["hi"],
+                                               hi=None if d["lo"] is None else -d["lo"])  # lower reverse KL: a gain
+            verdict = guarded_verdict(gain, s["vs_base"]["test_ce"], s["mean"]["entropy"]["mean"], CE_MARGIN,
+                                      ENTROPY_FLOOR * _entropy(start), MIN_RKL)
+            s["decision"] = {"helps": verdict == "helps", "verdict": verdict}
         out[arm] = s
     return out
 

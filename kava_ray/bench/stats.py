@@ -92,3 +92,22 @@ def fmt_interval(p: Optional[dict], digits: int = 3, scale: float = 1.0) -> str:
         return f"{m:+.{digits}f}"
     star = " *" if p["excludes_zero"] else ""
     return f"{m:+.{digits}f} [{p['lo'] * scale:+.{digits}f}, {p['hi'] * scale:+.{digits}f}]{star}"
+
+
+def guarded_verdict(gain: Optional[dict], ce: Optional[dict], entropy: Optional[float], ce_margin: float,
+                    entropy_floor: float, min_gain: float = 0.0) -> str:
+    """An arm's verdict against its base that cannot reward a broken student. gain: the paired difference in the
+    figure the arm is meant to improve, signed so that larger is better (`paired`); ce: the paired test-CE difference
+    (arm - base); entropy: the arm's samples' mean entropy (nats/token). "collapsed" when the entropy is below
+    `entropy_floor`, whatever else; "helps" when the gain's 95 % interval excludes 0 with a mean of at least
+    `min_gain`, AND the test CE is not worse by more than `ce_margin` (the interval's upper end: non-inferiority);
+    "worse test CE" when the gain holds but the guard does not; "hurts" when the gain's interval is below 0; else
+    "no measurable gain"."""
+    if entropy is not None and entropy < entropy_floor:
+        return "collapsed"
+    if gain and gain["excludes_zero"] and gain["mean"] >= max(min_gain, 0.0) and gain["mean"] > 0:
+        upper = None if not ce else (ce["hi"] if ce["hi"] is not None else ce["mean"])
+        return "helps" if upper is not None and upper <= ce_margin else "worse test CE"
+    if gain and gain["excludes_zero"] and gain["mean"] < 0:
+        return "hurts"
+    return "no measurable gain"
