@@ -5,7 +5,7 @@ torchtune's `StatefulDataLoader` shape: one object per rank owns the batch strea
 training split), the teachers' feed over it (`actors.feed.KVFeed`, `depth` batches ahead) and the batches skipped for
 non-finite teacher KV (train.on_bad_kv=skip); the recipe only asks for a step's batches and saves `state_dict()` as
 one opaque entry of its checkpoint. On-policy distillation is a subclass in its own module
-(`actors.onpolicy.OnPolicyStepSource`: the sampler, its lag and the batches in flight). docs/internals/step.md#feed.
+(`actors.onpolicy.OnPolicyStepSource`: the sampler, its lag and the batches in flight). docs/internals/step.md#step-source.
 """
 
 from __future__ import annotations
@@ -134,9 +134,18 @@ def skip_resumed(stream: BatchStream, state: Optional[dict]) -> int:
     return n
 
 
+def _single(world: int) -> bool:
+    """Whether there is no other rank to gather from: one rank (several without a process group is a fault)."""
+    if world == 1:
+        return True
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{world} ranks but no torch.distributed process group to gather their data state")
+    return False
+
+
 def skipped_by_rank(own: int, rank: int, world: int, device) -> list[int]:
     """Every rank's cumulative skipped-batch count (one all-reduce; every rank calls it at save steps)."""
-    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+    if _single(world):
         return [int(own)]
     counts = torch.zeros(world, dtype=torch.float64, device=device)
     counts[rank] = own
@@ -146,7 +155,7 @@ def skipped_by_rank(own: int, rank: int, world: int, device) -> list[int]:
 
 def gathered(obj, world: int) -> list:
     """[rank] -> `obj` of every rank (all_gather_object; every rank calls it), [obj] alone."""
-    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+    if _single(world):
         return [obj]
     out = [None] * world
     dist.all_gather_object(out, obj)

@@ -2,7 +2,7 @@
 
 Every backticked span of a page (and every token of its fenced diagrams) that names this repository's code is
 looked up: a path (`kava_ray/core/distiller.py`, `recipes/distill.py`, `core/kv/{batch,rope}.py`, `tune_spaces/*.yaml`)
-must exist; a dotted name (`core.distiller.Distiller.forward`, `runtime/console.status(line)`, `DistillRecipe.save_run`,
+must exist; a dotted name (`core.distiller.Distiller.forward`, `runtime/console.status(line)`, `DistillRecipe.build_model`,
 `plans.layer_plan`) must resolve to a module and then to what that module defines or imports, a class's methods and
 attributes included; a bare private name (`_vocab_terms`) must be defined somewhere in the code. Names are resolved
 by parsing the sources with `ast`, not by importing them: no torch, no Ray, a fraction of a second, and a module

@@ -17,14 +17,13 @@ from jobs import assert_same_curve, pool_beside, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.distiller import Distiller
-from kava_ray.core.logit_kd import logit_term
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tokenizers import real_tokenizer
-from tiny_models import train_on_one_batch
+from tiny_models import logit_term, train_on_one_batch
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,12 @@ def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, 
     assert full[2]["loss"] != pytest.approx(clean[2]["loss"], abs=1e-6)  # b2 instead of b1
     state = load_data_state(tmp_path / "ck")
     assert state["stream"]["skipped"] == [1] and state["stream"]["position"] == 3  # trained-on batches only
+    assert not (tmp_path / "ck" / "data_state.pt").exists()  # nothing pickled off-policy: plain JSON
+    # a checkpoint of an earlier version (the stream in state.json, no data_state.json) reads the same
+    legacy = json.loads((tmp_path / "ck" / "state.json").read_text())
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "state.json").write_text(json.dumps({**legacy, "stream": state["stream"]}))
+    assert load_data_state(tmp_path / "legacy") == {**state, "in_flight": []}
     resumed, recipe, data2 = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, resume=str(tmp_path / "ck"))
     assert data2.skipped_before == 1 and data2.feed.skipped == 1  # b4 skipped again, after the restored b1
     for step in (4, 5, 6):

@@ -385,7 +385,8 @@ def test_a_teacher_head_wider_than_the_student_s_puts_its_padding_ids_in_the_tai
     from types import SimpleNamespace
 
     from kava_ray.common.config import LossConfig
-    from kava_ray.core.logit_kd import LogitTeacher, logit_term
+    from kava_ray.core.logit_kd import LogitTeacher
+    from tiny_models import logit_term
 
     V, k = 10, 4
     g = torch.Generator().manual_seed(3)

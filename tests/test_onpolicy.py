@@ -143,6 +143,8 @@ def test_every_divergence_trains_on_the_samples_and_resume_is_exact(ojob, teache
         full, _, _ = run_recipe(cfg, plans, InProcessSource(models), 6, tmp_path / extra[1][-5:], save_at=3)
         assert all(full[s]["onpolicy/sampled_tokens"] > 0 and full[s]["ce"] > 0 for s in full)
         assert all(math.isfinite(full[s]["logit_kl"]) for s in full)
+        # lag 1: the batch sampled ahead is in flight at the save, pickled; lag 0: none, the state is plain JSON
+        assert (tmp_path / extra[1][-5:] / "data_state.pt").is_file() == extra[1].endswith("1")
         resumed, recipe, _ = run_recipe(cfg, plans, InProcessSource(models), 6, resume=str(tmp_path / extra[1][-5:]))
         assert recipe.start_step == 3
         assert_same_curve(resumed, full, resumed, keys=("loss", "logit_kl", "onpolicy/sampled_tokens",
@@ -238,9 +240,9 @@ def test_records_that_name_their_teacher_are_taught_by_it_alone(ojob, teachers, 
     is the mean over positions of each position's own teacher's term -- here on the student's own samples."""
     import json
 
-    from kava_ray.core.logit_kd import logit_term
     from kava_ray.core.losses import next_token_mask
     from kava_ray.recipes.distill import DistillRecipe
+    from tiny_models import logit_term
 
     models, plans = teachers
     for split, n in (("train", 16), ("validation", 4), ("test", 4)):

@@ -19,3 +19,14 @@ def train_on_one_batch(distiller, optim_cfg, batch, kv, steps: int) -> list[dict
         opt.zero_grad()
         history.append(m)
     return history
+
+
+def logit_term(lt, logits, t, batch, mask, loss_cfg, lse=None):
+    """(loss, metrics) of one logit teacher on whole logits [B, T_s, V] at the next-token positions `mask`:
+    `logit_kd.logit_targets` then `targets_term`, as `Distiller._vocab_terms` reads them on one chunk (a test's
+    reference: the product reads through `logit_kd.VocabTerms`)."""
+    from kava_ray.core.logit_kd import logit_targets, targets_term
+
+    tg, fixed = logit_targets(lt, t, batch, mask, loss_cfg, logits.shape[-1], logits.device)
+    loss, metrics = targets_term(lt, logits, tg, loss_cfg, lse)
+    return loss, {**fixed, **metrics}

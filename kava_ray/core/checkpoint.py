@@ -1,7 +1,8 @@
 """Checkpoints of a distillation run, written through `common.files.atomic_dir` (a temp dir renamed into place).
 
 A checkpoint holds the student (save_pretrained + tokenizer), projectors and fusion (safetensors), optimizer
-and LR scheduler state, and `state.json`, written last. One that cannot be used (state.json not JSON, a file
+and LR scheduler state, the data side's state (`data_state.json`, and `data_state.pt` for what JSON cannot hold), and
+`state.json`, written last. One that cannot be used (state.json not JSON, a file
 missing or of another size than state.json records, a tensor file that does not parse) is one KavaError line
 naming the file; a write that fails is one line too, and never replaces the checkpoint that was there.
 The files: docs/internals/core.md#checkpoint.
@@ -24,9 +25,9 @@ from kava_ray.core import fsdp
 from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
-
-
-DATA = "data_state.pt"  # the data side's state (`actors.step_source.StepSource.state_dict`), opaque here
+# the data side's state (`actors.step_source.StepSource.state_dict`), opaque here: its entries JSON can hold, and
+# (on-policy's batches in flight) the rest, pickled -- so a checkpoint without them is never unpickled
+DATA, DATA_OBJECTS = "data_state.json", "data_state.pt"
 LEGACY_PENDING = "onpolicy_pending.pt"  # (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)
 
 
@@ -87,7 +88,10 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, data_sta
             torch.save({"optimizer": None if sharded else optimizer.state_dict(),
                         "scheduler": scheduler.state_dict() if scheduler is not None else None},
                        tmp / "optimizer.pt")
-        torch.save(data_state, tmp / DATA)
+        plain, objects = _json_split(data_state)
+        write_json(tmp / DATA, plain)
+        if objects:
+            torch.save(objects, tmp / DATA_OBJECTS)
         state = {"step": step, "config_hash": config_hash(cfg), "config": cfg.to_dict(),
                  "rng": {"scheme": "reseeded every step from (train.seed, step, rank)", "seed": cfg.train.seed},
                  **({"sharded": True} if sharded else {}), **(extra or {}),
@@ -272,12 +276,29 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
     return state
 
 
+def _json_split(state: dict) -> tuple[dict, dict]:
+    """({entry: value} of the entries JSON can hold, {entry: value} of the rest)."""
+    plain, objects = {}, {}
+    for k, v in state.items():
+        try:
+            json.dumps(v)
+            plain[k] = v
+        except (TypeError, ValueError):
+            objects[k] = v
+    return plain, objects
+
+
 def load_data_state(path) -> dict:
-    """The data side's state a checkpoint kept (`save_checkpoint`'s `data_state`); a checkpoint written before it had
-    one keeps the stream's position in its state.json (and on-policy's batches in flight in their own file)."""
+    """The data side's state a checkpoint kept (`save_checkpoint`'s `data_state`): its JSON entries, and those only
+    pickle held (on-policy's batches in flight: unpickled only where the checkpoint has them, like a run's own
+    files). A checkpoint written before it had one keeps the stream's position in its state.json (and on-policy's
+    batches in flight in their own file)."""
     path = Path(path)
     if (path / DATA).is_file():
-        return torch.load(path / DATA, weights_only=False)
+        state = json.loads((path / DATA).read_text())
+        if (path / DATA_OBJECTS).is_file():
+            state.update(torch.load(path / DATA_OBJECTS, weights_only=False))
+        return state
     legacy = path / LEGACY_PENDING
     return {"stream": read_state(path, verify=False)["stream"],
             "in_flight": torch.load(legacy, weights_only=False) if legacy.is_file() else []}

@@ -214,13 +214,13 @@ class Distiller(nn.Module):
 
     def _student_view(self, n: str, skv: KVBatch) -> tuple:
         """The student's (keys, values) as teacher `n`'s KV loss sees them: its own, or (kind fit) mapped into the
-        teacher's space; a fit map that was never fitted (`DistillRecipe.fit_maps`) would train nothing: refused."""
+        teacher's space; a fit map that was never fitted (`recipes.fit_maps.fit_maps`) would train nothing: refused."""
         pr = self.projectors[n]
         if not pr.student_side:
             return skv.keys, skv.values
         if self.training and not bool(pr.k_map.fitted):
             raise KavaError(f"teacher '{n}': align.projector.kind fit, but its student-side map was never fitted "
-                            f"(call DistillRecipe.fit_maps before training)")
+                            f"(fit it before training: kava_ray.recipes.fit_maps.fit_maps)")
         return pr.map_student(skv.keys, skv.values)
 
     # ------------------------------------------------------------------------------------------ the terms
@@ -360,7 +360,7 @@ class Distiller(nn.Module):
     def _check_top_k_ids(self, vocab: int, device, teacher_kv: dict[str, KVBatch], mask: torch.Tensor) -> None:
         """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a
         gather past the vocab would be a device-side assert on CUDA). A teacher that sent no top-k is named by
-        `logit_term`; one whose head is wider than the student's may (`logit_term` counts those as tail mass)."""
+        `targets_term`; one whose head is wider than the student's may (`targets_term` counts those as tail mass)."""
         c = self.loss_cfg
         same = [n for n in self.logit_names if self.logit_specs[n].cross is None and teacher_kv[n].topk_ids is not None
                 and not self.logit_specs[n].wider_than(vocab)]

@@ -205,17 +205,6 @@ def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_
     return loss, metrics
 
 
-def logit_term(lt: LogitTeacher, logits: torch.Tensor, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg,
-               lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of teacher `lt` on the student's next-token positions `mask` [B, T_s] of whole logits
-    [B, T_s, V]; `batch` a `kava_ray.data.Batch` (for another tokenizer, `batch.teachers[lt.name].logit_pair`
-    [B, T_s]): `logit_targets` then `targets_term` (metrics: both's; top1_agree through the map for another
-    tokenizer, where a top-1 without a student token of its string disagrees)."""
-    tg, fixed = logit_targets(lt, t, batch, mask, loss_cfg, logits.shape[-1], logits.device)
-    loss, metrics = targets_term(lt, logits, tg, loss_cfg, lse)
-    return loss, {**fixed, **metrics}
-
-
 TEACHER_LOSS = "loss"  # a logit teacher's term among `VocabTerms`' (its metrics: `targets_term`'s names)
 
 

@@ -135,8 +135,9 @@ class DistillRecipe:
                                dtype=self.precision.weight_dtype, keep=None if whole else cfg.student.keep_layers,
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
+        # sharded: the job's (the projector kind's one rule, `projectors.job_kind`), also in one process
         self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps,
-                                   sharded=self.sharded).to(self.device)
+                                   sharded=cfg.ray.sharded).to(self.device)
         if self.sharded:  # before the optimizer: it holds the shards
             fsdp.shard(self.distiller, self.precision, self.device)
         self.opt = build_optimizer(self.distiller, cfg.optim)

@@ -373,7 +373,7 @@ def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
 def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
     """ASHAScheduler(time_attr=EVALS, ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
 
-    max_t: the evaluations a trial makes before its last step (`recipes.distill.evals_before_end`). A STOP at a
+    max_t: the evaluations a trial makes before its last step (`recipes.step_records.evals_before_end`). A STOP at a
     trial's last step ends it while it saves final/ and evaluates the test split, which can lose both: so every
     rung (grace_period * rf**k <= max_t) lies before the end, and stop_last_trials=False leaves a trial past max_t
     to finish on its own.
