@@ -10,7 +10,7 @@ import pytest
 
 from kava_ray.bench.stats import paired
 from kava_ray.bench.task import ARMS, BASE, CE_MARGIN, QUICK_ARMS, decide, summarize
-from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows
+from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows, write_records
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
 from kava_ray.common.errors import KavaError
@@ -59,6 +59,21 @@ def test_records_file_needs_enough_rows_and_two_teachers(tmp_path):
     f.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"#### {i}"}) + "\n" for i in range(4)))
     with pytest.raises(KavaError, match="has 4 records; needs at least 5"):
         file_rows(str(f), "number", COUNTS)
+
+
+def test_a_records_file_splits_by_seed_and_routes_its_two_halves(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}",
+                                     "teacher": "even" if i % 2 == 0 else "odd"}) + "\n" for i in range(20)))
+    rows = file_rows(str(f), "number", COUNTS)
+    assert [len(rows[s]) for s in ("train", "validation", "test")] == [8, 2, 2]
+    assert rows == file_rows(str(f), "number", COUNTS)  # the same split every time
+    rec = write_records(rows, tmp_path / "records", "number")
+    assert rec.specialists == ("even", "odd")
+    assert all("teacher" not in r for r in rec.rows("train"))  # the plain records: every arm but mopd
+    assert [r["teacher"] for r in rec.rows("train", rec.routed)] == [r["teacher"] for r in rows["train"]]
+    even = rec.rows("train", rec.halves["even"])
+    assert even and all(int(r["question"].split()[2]) % 2 == 0 for r in even)
 
 
 def test_decision_guards_a_collapsed_arm_never_helps():
