@@ -89,7 +89,8 @@ def test_decision_guards_a_collapsed_arm_never_helps():
 
     def run(em_, ent):
         return {"figures": {"em": em_, "test_ce": 1.0, "rkl": 0.1, "entropy": ent}, "s_per_step": 1.0,
-                "wall_s": 1.0, "teacher_rows_per_sample": 1.0, "generated_per_sample": 10.0}
+                "wall_s": 1.0, "teacher_rows_per_sample": 1.0, "teacher_written_per_sample": 0.0,
+                "generated_per_sample": 10.0}
     s = summarize({BASE: [run(b, 0.5) for b in base], "collapsed-arm": [run(a, 0.01) for a in arm]}, floor=0.2)
     assert s["collapsed-arm"]["decision"] == {"helps": False, "verdict": "collapsed"}
     assert s["collapsed-arm"]["vs_base"]["em"]["excludes_zero"]  # it did gain exact match: still not "helps"

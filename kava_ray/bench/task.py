@@ -281,7 +281,7 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
         t1 = time.time()
         run = train_in_process(cfg, in_process_plans(cfg, models), source, p["steps"])
         student, train_s, step_s = run["recipe"].distiller.student, time.time() - t1, run["wall_step_s"]
-        work = {"teacher_rows_per_sample": source.rows / samples,
+        work = {"teacher_rows_per_sample": source.rows / samples, "teacher_written_per_sample": source.written / samples,
                 "generated_per_sample": (run["sums"].get(SAMPLED_TOKENS, 0.0)) / samples}
     out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
            "train_s": train_s, "wall_s": None, **work}
@@ -298,8 +298,8 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
 
 
 def summarize(runs: dict, floor: float) -> dict:
-    """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards and sampled tokens per training
-    sample, s/step, wall); per non-base arm: paired differences against the base and the decision (`decide`)."""
+    """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards, teacher-written completions and
+    student-sampled tokens per training sample, s/step: the median step with its sampling and teachers, wall); per non-base arm: paired differences against the base and the decision (`decide`)."""
     out = {}
     keys = ("em", "test_ce", "rkl", "entropy")
     base = [r["figures"] for r in runs.get(BASE, [])]
@@ -308,7 +308,8 @@ def summarize(runs: dict, floor: float) -> dict:
         s = {"mean": {k: mean_sd([f[k] for f in figs]) for k in keys},
              "s_per_step": mean_sd([r["s_per_step"] for r in rs]), "wall_s": sum(r["wall_s"] for r in rs),
              "teacher_rows_per_sample": mean_sd([r["teacher_rows_per_sample"] for r in rs]),
-             "generated_per_sample": mean_sd([r["generated_per_sample"] for r in rs])}
+             "generated_per_sample": mean_sd([r["generated_per_sample"] for r in rs]),
+             "teacher_written_per_sample": mean_sd([r.get("teacher_written_per_sample", 0.0) for r in rs])}
         if arm != BASE and base:
             s["vs_base"] = {k: paired([f[k] for f in figs], [f[k] for f in base]) for k in keys}
             s["decision"] = decide(s["vs_base"]["em"], s["vs_base"]["test_ce"], s["mean"]["entropy"]["mean"], floor)
@@ -351,7 +352,8 @@ def format_task(r: dict) -> str:
         m = s["mean"]
         rows.append([arm, _pct(m["em"]), *(f"{m[k]['mean']:.4f} ± {m[k]['sd']:.4f}" for k in ("test_ce",)),
                      *(f"{m[k]['mean']:.3f}" for k in ("rkl", "entropy")),
-                     f"{s['teacher_rows_per_sample']['mean']:.2f}", f"{s['generated_per_sample']['mean']:.1f}",
+                     f"{s['teacher_rows_per_sample']['mean']:.2f} + {s['teacher_written_per_sample']['mean']:.2f}",
+                     f"{s['generated_per_sample']['mean']:.1f}",
                      f"{s['s_per_step']['mean']:.2f}", f"{s['wall_s'] / 60:.1f}"])
     d_rows = [[arm, fmt_interval(s["vs_base"]["em"], 1, 100.0), fmt_interval(s["vs_base"]["test_ce"], 4),
                fmt_interval(s["vs_base"]["rkl"], 3), fmt_interval(s["vs_base"]["entropy"], 3),
@@ -385,7 +387,7 @@ def format_task(r: dict) -> str:
         format_table(["arm", "lr", "grid"], lr_rows),
         "",
         format_table(["arm", "exact match %", "test CE", "reverse KL of own samples", "samples' entropy",
-                      "teacher fwd / sample", "sampled tokens / sample", "s/step", "wall min"], rows),
+                      "teacher fwd + writes / sample", "student-sampled tokens / sample", "s/step", "wall min"], rows),
         "",
         f"paired differences against {BASE} (arm - {BASE}, mean [95 % t-interval], * = excludes 0):",
         format_table(["arm", "Δ exact match (points)", "Δ test CE", "Δ reverse KL", "Δ entropy", "decision"], d_rows),
