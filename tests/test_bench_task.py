@@ -10,6 +10,7 @@ import pytest
 
 from kava_ray.bench.stats import paired
 from kava_ray.bench.task import ARMS, BASE, CE_MARGIN, QUICK_ARMS, decide, summarize
+from kava_ray.bench.task_finetune import plateaued
 from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows, write_records
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
@@ -76,6 +77,13 @@ def test_a_records_file_splits_by_seed_and_routes_its_two_halves(tmp_path):
     assert even and all(int(r["question"].split()[2]) % 2 == 0 for r in even)
 
 
+def test_a_fine_tune_flat_at_zero_has_not_plateaued_before_its_least_steps():
+    flat0 = [(0, {"em": 0.0}), (12, {"em": 0.0})]
+    assert not plateaued(flat0, patience=1, delta=0.02, min_step=36)  # it has not learnt the format yet
+    assert plateaued(flat0 + [(24, {"em": 0.1}), (36, {"em": 0.11})], patience=1, delta=0.02, min_step=36)
+    assert not plateaued(flat0 + [(24, {"em": 0.1}), (36, {"em": 0.2})], patience=1, delta=0.02, min_step=36)
+
+
 def test_decision_guards_a_collapsed_arm_never_helps():
     base, arm = [0.10, 0.12, 0.08, 0.11, 0.09], [0.30, 0.33, 0.29, 0.31, 0.35]
     em = paired(arm, base)
@@ -114,7 +122,8 @@ def test_bench_task_quick_gate_then_arms_and_trl(tmp_path, capsys):
     out = tmp_path / "task"
     code, _, err = _cli(capsys, "bench", "task", "--quick", "--out", out)  # tiny random models: 0 % exact match
     last = err.strip().splitlines()[-1]  # (after the progress lines)
-    assert code == 2 and last.startswith("error: bench task: gate fails: the warm start's exact match 0.0 % (needs >= 5 %)")
+    assert code == 2
+    assert last.startswith("error: bench task: gate fails: the warm start's exact match 0.0 % (needs >= 5 %)")
     assert err.count("error:") == 1 and "Traceback" not in err
     gate = json.loads((out / "gate.json").read_text())["gate"]
     assert gate["passes"] is False and gate["n"] == 4

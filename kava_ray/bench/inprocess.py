@@ -60,4 +60,5 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
             if stop is not None and stop(curve):
                 break
     return {"recipe": recipe, "first": first, "last": last, "step_s": statistics.median(times) if times else None,
-            "wall_step_s": statistics.median(walls) if walls else None, "curve": curve, "shares": shares, "ratios": ratios, "sums": sums}
+            "wall_step_s": statistics.median(walls) if walls else None, "curve": curve, "shares": shares,
+            "ratios": ratios, "sums": sums}

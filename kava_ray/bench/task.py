@@ -65,17 +65,18 @@ ENTROPY_FLOOR = 0.5  # ... nor sample at an entropy below this share of the warm
 
 # counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
 # student's layers (of the job's student model); ft_*: a teacher fine-tune (at most ft_max steps, evaluated every
-# ft_every on the validation prompts, plateau: the best of the last ft_patience evaluations within ft_delta of the
-# best before); lr_grid: multiples of lr tried on seed 0 (grid_extend: at most this many extensions past an edge)
+# ft_every on the validation prompts, plateau past ft_min steps: the best of the last ft_patience evaluations within
+# ft_delta of the best before); lr_grid: multiples of lr tried on seed 0 (grid_extend: at most this many extensions
+# past an edge)
 DEFAULTS = {"counts": {"train": 512, "validation": 32, "test": 64}, "n_test": 64, "max_length": 256, "max_new": 128,
             "batch_size": 4, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
-            "lr_teacher": 1e-4, "ft_max": 48, "ft_every": 12, "ft_patience": 1, "ft_delta": 0.02,
+            "lr_teacher": 1e-4, "ft_max": 96, "ft_every": 12, "ft_min": 36, "ft_patience": 1, "ft_delta": 0.02,
             "lr_warm": 3e-4, "warm_steps": 24, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
             "temperature": 1.0, "quick": False}
 QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
          "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "ft_every": 1,
-         "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "lr": 1e-3, "lr_grid": (0.5, 2.0),
-         "grid_extend": 0, "temperature": 1.0, "quick": True}
+         "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "lr": 1e-3,
+         "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "quick": True}
 
 
 def decision_rule() -> str:
@@ -146,7 +147,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     p, names = _params(quick, steps, seeds, arms, records, checker)
     base = load_config(config, overrides)
     rows, names, dropped = _rows(records, checker, p, names, arms is not None)
-    root = Path(out or Path(base.ray.storage_path) / f"bench-task-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    root = Path(out or Path(base.ray.storage_path) / f"bench-task-{datetime.now():%Y%m%d-%H%M%S}")
+    root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
                                                                   default_cache_dir() / "bench-task")
@@ -207,7 +209,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     for spec in rec.specialists if any(ARMS[a]["teachers"] == "two" for a in names) else ():
         models[spec] = load_model(ft[spec]["path"], dtype="float32")
     ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
-           "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
+           "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
+           "val_split": val_split, "say": say,
            "checker": checker, "done": root / "runs_done"}
     runs, lrs = {}, {}
     for arm in names:
@@ -215,7 +218,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     floor = ENTROPY_FLOOR * start["entropy"]
     summary = summarize(runs, floor)
     result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
-              "records": records or "synthetic", "checker": checker, "dropped": dropped, "counts": rec.counts, "arms": names,
+              "records": records or "synthetic", "checker": checker, "dropped": dropped, "counts": rec.counts,
+              "arms": names,
               "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
               "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
               "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": _vs(runs, "onpolicy-jsd",
@@ -281,7 +285,8 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
         t1 = time.time()
         run = train_in_process(cfg, in_process_plans(cfg, models), source, p["steps"])
         student, train_s, step_s = run["recipe"].distiller.student, time.time() - t1, run["wall_step_s"]
-        work = {"teacher_rows_per_sample": source.rows / samples, "teacher_written_per_sample": source.written / samples,
+        work = {"teacher_rows_per_sample": source.rows / samples,
+                "teacher_written_per_sample": source.written / samples,
                 "generated_per_sample": (run["sums"].get(SAMPLED_TOKENS, 0.0)) / samples}
     out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
            "train_s": train_s, "wall_s": None, **work}
@@ -299,7 +304,8 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
 
 def summarize(runs: dict, floor: float) -> dict:
     """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards, teacher-written completions and
-    student-sampled tokens per training sample, s/step: the median step with its sampling and teachers, wall); per non-base arm: paired differences against the base and the decision (`decide`)."""
+    student-sampled tokens per training sample, s/step: the median step with its sampling and teachers, wall);
+    per non-base arm: paired differences against the base and the decision (`decide`)."""
     out = {}
     keys = ("em", "test_ce", "rkl", "entropy")
     base = [r["figures"] for r in runs.get(BASE, [])]

@@ -35,15 +35,17 @@ def records_job(base: JobConfig, records: Path, teachers: list, student: str, ke
         "data.num_train": None, "data.num_val": None, "data.num_test": None, "data.packing": None,
         "data.kv_source": "live", "data.kv_cache_dir": None, "train.max_length": p["max_length"],
         "train.batch_size": p["batch_size"], "onpolicy.max_new_tokens": p["max_new"], "onpolicy.temperature": 1.0,
-        "onpolicy.top_p": 1.0, "align.projector.kind": "linear", "loss.kv_weight": 0.0, "loss.logit_weight": 1.0, "loss.relation_weight": 0.0,
+        "onpolicy.top_p": 1.0, "align.projector.kind": "linear", "loss.kv_weight": 0.0, "loss.logit_weight": 1.0,
+        "loss.relation_weight": 0.0,
         "loss.hidden_weight": 0.0, "loss.ce_weight": 1.0, "optim.schedule": "constant", "optim.warmup_steps": 2,
         "ray.storage_path": str(root / "runs")})
 
 
-def plateaued(curve: list, patience: int, delta: float) -> bool:
-    """The held-out exact match has plateaued: the best of the last `patience` evaluations is not `delta` above
-    the best before them (curve: [(step, {"em": ...})])."""
-    if len(curve) <= patience:
+def plateaued(curve: list, patience: int, delta: float, min_step: int = 0) -> bool:
+    """The held-out exact match has plateaued: past `min_step` (a model that has not learnt the format yet sits
+    flat at 0 %), the best of the last `patience` evaluations is not `delta` above the best before them
+    (curve: [(step, {"em": ...})])."""
+    if len(curve) <= patience or curve[-1][0] < min_step:
         return False
     ems = [c[1]["em"] for c in curve]
     return max(ems[-patience:]) <= max(ems[:-patience]) + delta
@@ -53,11 +55,11 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
              val_rows: list, checker: str, p: dict, steps: int, lr: float, cache: Path, root: Path, tok,
              say: Callable[[str], None], plateau: bool) -> dict:
     """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`: `steps` steps, or with `plateau` until
-    the validation exact match plateaus (evaluated every p["ft_every"] steps, at most `steps`). Returns {"path",
-    "curve" [(step, {em, ...})], "steps", "wall_s", "kept"}; read back from the cache when it exists."""
+    the validation exact match plateaus (evaluated every p["ft_every"] steps, past p["ft_min"], at most `steps`).
+    Returns {"path", "curve" [(step, {em, ...})], "steps", "wall_s", "kept"}; read back from the cache."""
+    sizes = ("max_length", "batch_size", "max_new", "ft_every", "ft_patience", "ft_delta", "ft_min")
     key = run_key({"name": name, "student": str(student), "keep": keep, "records": content, "steps": steps,
-                   "lr": lr, "plateau": plateau, **{k: p[k] for k in ("max_length", "batch_size", "max_new",
-                                                                      "ft_every", "ft_patience", "ft_delta")}})
+                   "lr": lr, "plateau": plateau, **{k: p[k] for k in sizes}})
     out = cache / f"{name}-{key}"
     meta_path = out / "finetune.json"
     if meta_path.is_file() and (out / "config.json").is_file():
@@ -70,17 +72,24 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
     models = {"base": load_model(str(student), dtype="float32")}
     t0 = time.time()
 
+    every = p["ft_every"] if plateau else steps
+    evals = [0]
+
     def evaluate(recipe) -> dict:
         r = exact_match(recipe.distiller.student, tok, val_rows, checker, p["max_new"])
-        say(f"{name}: validation exact match {100 * r['em']:.1f} % ({r['correct']}/{r['n']})")
+        say(f"{name}: step {min(evals[0] * every, steps)}, validation exact match {100 * r['em']:.1f} % "
+            f"({r['correct']}/{r['n']}, {time.time() - t0:.0f} s)")
+        evals[0] += 1
         return {"em": r["em"]}
 
-    run = train_in_process(cfg, in_process_plans(cfg, models), InProcessSource(models), steps,
-                           p["ft_every"] if plateau else steps, evaluate,
-                           stop=(lambda c: plateaued(c, p["ft_patience"], p["ft_delta"])) if plateau else None)
+    def stop(curve) -> bool:
+        return plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
+
+    run = train_in_process(cfg, in_process_plans(cfg, models), InProcessSource(models), steps, every, evaluate,
+                           stop=stop if plateau else None)
     run["recipe"].distiller.student.save_pretrained(out)
     tok.save_pretrained(out)
     meta = {"path": str(out), "curve": run["curve"], "steps": run["curve"][-1][0], "wall_s": time.time() - t0,
-            "plateaued": plateaued(run["curve"], p["ft_patience"], p["ft_delta"]) if plateau else None}
+            "plateaued": stop(run["curve"]) if plateau else None}
     write_json(meta_path, meta)
     return {**meta, "kept": False}
