@@ -9,9 +9,10 @@ import json
 import pytest
 
 from kava_ray.bench.stats import paired
-from kava_ray.bench.task import ARMS, BASE, CE_MARGIN, QUICK_ARMS, decide, summarize
+from kava_ray.bench.task import ARMS, QUICK_ARMS
 from kava_ray.bench.task_finetune import plateaued
 from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, summarize
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
 from kava_ray.common.errors import KavaError

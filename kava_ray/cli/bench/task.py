@@ -33,7 +33,8 @@ def register(sub) -> None:
 
 
 def task(args) -> int:
-    from kava_ray.bench.task import MIN_GAP, MIN_START, format_task, run_task_bench
+    from kava_ray.bench.task import MIN_GAP, MIN_START, run_task_bench
+    from kava_ray.bench.task_report import format_task
 
     out = run_task_bench(args.config, args.overrides, records=args.records, checker=args.checker, arms=args.arms,
                          steps=args.steps, seeds=args.seeds, quick=args.quick, out=args.out, cache=args.cache,
