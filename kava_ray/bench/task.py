@@ -68,7 +68,7 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 # past an edge)
 DEFAULTS = {"counts": {"train": 512, "validation": 32, "test": 64}, "n_test": 64, "max_length": 256, "max_new": 128,
             "batch_size": 4, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
-            "lr_teacher": 1e-4, "ft_max": 96, "ft_every": 12, "ft_min": 36, "ft_patience": 1, "ft_delta": 0.02,
+            "lr_teacher": 1e-4, "ft_max": 96, "ft_every": 12, "ft_min": 36, "ft_patience": 2, "ft_delta": 0.02,
             "lr_warm": 3e-4, "warm_steps": 24, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
             "temperature": 1.0, "quick": False}
 QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
