@@ -30,22 +30,28 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
                      evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
                      stop: Optional[Callable[[list], bool]] = None) -> dict:
     """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does); returns {"recipe", "first" / "last" (the first / last step's metrics),
-    "step_s" (median), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
-    "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`)}. stop(curve): called after
+    "step_s" (median), "wall_step_s" (median of each step with its data: the teachers' forwards and any
+    sampling), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
+    "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`), "sums" (each metric summed
+    over the steps: `bench task`'s sampled tokens per training sample)}. stop(curve): called after
     each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     fit_maps(recipe, source)
     data = recipe.data(source, until=steps, depth=1)
-    times, last, curve, first, shares, ratios = [], {}, [], {}, [], []
+    times, walls, last, curve, first, shares, ratios, sums = [], [], {}, [], {}, [], [], {}
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
     for step in range(1, steps + 1):
+        t_wall = time.perf_counter()
         micro = list(data.next_step(step))  # teachers: outside the clock
         t0 = time.perf_counter()
         last = recipe.step(step, micro, grad_share)
         times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t_wall)
         first = first or {k: float(v) for k, v in last.items()}
+        for k, v in last.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
         if grad_share:
             shares.append(float(last.get(GRAD_KV_SHARE, 0.0)))
             ratios.append(float(last.get(GRAD_KV_RATIO, 0.0)))
@@ -54,4 +60,5 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
             if stop is not None and stop(curve):
                 break
     return {"recipe": recipe, "first": first, "last": last, "step_s": statistics.median(times) if times else None,
-            "curve": curve, "shares": shares, "ratios": ratios}
+            "wall_step_s": statistics.median(walls) if walls else None, "curve": curve, "shares": shares,
+            "ratios": ratios, "sums": sums}

@@ -14,10 +14,12 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class Example:
-    """One problem: `answer` holds worked steps ending in `#### <number>` (GSM8K format)."""
+    """One problem: `answer` holds worked steps ending in `#### <number>` (GSM8K format); `template`: the name of
+    the problem template that wrote it (`bench task` gives each of two specialist teachers half of them)."""
 
     question: str
     answer: str
+    template: str = ""
 
 
 _NAMES = [("Tom", "he"), ("Mia", "she"), ("Ravi", "he"), ("Lena", "she"), ("Omar", "he"), ("Sofia", "she"),
@@ -189,6 +191,7 @@ def _garden(r: random.Random, name: str, he: str) -> tuple[str, list[str], int]:
 
 _TEMPLATES: list[Callable[[random.Random, str, str], tuple[str, list[str], int]]] = [
     _shopping, _sharing, _travel, _wages, _savings, _baking, _reading, _garden]
+TEMPLATES = tuple(t.__name__.lstrip("_") for t in _TEMPLATES)  # the names `Example.template` takes
 
 
 def _generate(n: int, rng: random.Random, keep: Callable[[str], bool] = lambda q: True) -> list[Example]:
@@ -196,11 +199,12 @@ def _generate(n: int, rng: random.Random, keep: Callable[[str], bool] = lambda q
     seen: set[str] = set()
     while len(out) < n:
         name, he = rng.choice(_NAMES)
-        question, steps, result = rng.choice(_TEMPLATES)(rng, name, he)
+        template = rng.choice(_TEMPLATES)
+        question, steps, result = template(rng, name, he)
         if question in seen or not keep(question):
             continue
         seen.add(question)
-        out.append(Example(question, "\n".join(steps) + f"\n#### {result}"))
+        out.append(Example(question, "\n".join(steps) + f"\n#### {result}", template.__name__.lstrip("_")))
     return out
 
 

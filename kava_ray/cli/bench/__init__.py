@@ -13,13 +13,14 @@ from kava_ray.cli.bench import (
     pull,
     recipes,
     step,
+    task,
     tune_share,
     vocab,
 )
 from kava_ray.cli.bench import all as all_benches
 
 BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, pull, data, recipes, all_benches, align, vocab,
-           onpolicy)  # help order
+           onpolicy, task)  # help order
 
 
 def register(sub) -> None:

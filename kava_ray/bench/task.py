@@ -1,0 +1,280 @@
+"""`kava-ray bench task`: a better student on a task? Arms scored by greedy exact match on held-out prompts.
+
+Records with a verifiable final answer (`bench.task_records`: the synthetic GSM8K by default, or any
+prompt/completion JSONL with its checker); a competent teacher (the job's first teacher's model fine-tuned on the
+training split until held-out exact match plateaus, kept by content: `bench.task_finetune`) and, for the
+multi-teacher arms, two specialists fine-tuned on one half of the records each (the `teacher` column); a student
+that can already write the answer format (an SFT warm start of the job's layer-dropped student) and a gate fixed
+before the run (its exact match at least `min_start`, and `min_gap` below the teacher's; else one line and stop).
+
+Then every arm from that warm start, the same number of student steps, paired over seeds (a seed draws the record
+order and the samples), each at its own learning rate: chosen on seed 0 by validation exact match (then CE) from a
+grid that is extended while the best sits on its edge. Scored on the test split: greedy exact match on its first
+N prompts, test CE of its records, and the teacher-scored reverse KL and entropy of the student's own samples
+(`bench.heal_onpolicy.sample_scores`). The decision rule (`bench.task_report.decision_rule`) is stated before
+anything trains; the summary and the table are `bench.task_report`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kava_ray.bench.heal import _safe
+from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
+from kava_ray.bench.inprocess import run_key, train_in_process
+from kava_ray.bench.task_finetune import finetune, records_job
+from kava_ray.bench.task_records import CHECKERS, exact_match, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
+from kava_ray.bench.task_trl import TRL_BETA, run_trl_gkd
+from kava_ray.common.config import derive, load_config
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import default_cache_dir, write_json
+from kava_ray.core.metric_names import SAMPLED_TOKENS
+from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.core.plans import in_process_plans
+from kava_ray.data.batching import ROUTE
+from kava_ray.data.splits import load_splits, load_test_split
+from kava_ray.recipes.evaluate import heldout_ce
+from kava_ray.runtime.console import status
+
+JSD = {"onpolicy.fraction": 0.5, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
+# each arm: its overrides of the records job (CE weight 1, logit weight 1, no KV), its teachers ("one": the
+# generalist; "two": the specialists) and whether its records name their teacher (MOPD's per-record routing)
+ARMS: dict[str, dict] = {
+    "sft": {"set": {"loss.logit_weight": 0.0}, "teachers": "one"},
+    "sft+logits": {"set": {}, "teachers": "one"},
+    "seq_kd": {"set": {"onpolicy.fraction": 0.5, "onpolicy.source": "teacher"}, "teachers": "one"},
+    "onpolicy-jsd": {"set": JSD, "teachers": "one"},
+    "onpolicy-rkl": {"set": {"onpolicy.fraction": 0.5, "loss.logit_divergence": "reverse_kl_sampled"},
+                     "teachers": "one"},
+    "onpolicy+kv": {"set": {**JSD, "loss.kv_weight": 1.0, "align.projector.kind": "auto"}, "teachers": "one"},
+    "mopd": {"set": JSD, "teachers": "two", "routed": True},
+    "fused": {"set": JSD, "teachers": "two"},
+    "trl-gkd": {"trl": True, "teachers": "one"},
+}
+# what fits the default run on the 2-core box (README "A task bench"): the issue's six; the others with --arms
+DEFAULT_ARMS = ("sft", "sft+logits", "onpolicy-jsd", "onpolicy-rkl", "mopd", "trl-gkd")
+QUICK_ARMS = ("sft", "onpolicy-jsd", "mopd", "trl-gkd")
+MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %, >= 20 points below the teacher's
+
+# counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
+# student's layers (of the job's student model); ft_*: a teacher fine-tune (at most ft_max steps, evaluated every
+# ft_every on the validation prompts, plateau past ft_min steps: the best of the last ft_patience evaluations within
+# ft_delta of the best before); lr_grid: multiples of lr tried on seed 0 (grid_extend: at most this many extensions
+# past an edge)
+DEFAULTS = {"counts": {"train": 512, "validation": 32, "test": 64}, "n_test": 64, "max_length": 256, "max_new": 128,
+            "batch_size": 4, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
+            "lr_teacher": 1e-4, "ft_max": 96, "ft_every": 12, "ft_min": 36, "ft_patience": 2, "ft_delta": 0.02,
+            "lr_warm": 3e-4, "warm_steps": 24, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
+            "temperature": 1.0, "quick": False}
+QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
+         "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "ft_every": 1,
+         "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "lr": 1e-3,
+         "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "quick": True}
+
+
+def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
+            records: Optional[str], checker: str) -> tuple[dict, list]:
+    p = dict(QUICK if quick else DEFAULTS)
+    p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
+    names = list(arms or (QUICK_ARMS if quick else DEFAULT_ARMS))
+    bad = [a for a in names if a not in ARMS]
+    if bad or BASE not in names or p["steps"] < 1 or p["seeds"] < 2:
+        raise KavaError(f"bench task: arms must be among {', '.join(ARMS)} and include {BASE} (got {names}); "
+                        f"steps >= 1, seeds >= 2 (paired intervals)")
+    if checker not in CHECKERS:
+        raise KavaError(f"bench task: --checker {checker!r}: one of {', '.join(CHECKERS)}")
+    return p, names
+
+
+def _rows(records: Optional[str], checker: str, p: dict, names: list, arms_given: bool) -> tuple[dict, list, list]:
+    """The records' rows (module docstring), read and checked before anything is written, and the arms they allow
+    (the two-teacher arms need a teacher column): (rows, arms, arms dropped)."""
+    rows = synthetic_rows(p["counts"]) if records is None else file_rows(records, checker, p["counts"])
+    two = [a for a in names if ARMS[a]["teachers"] == "two"]
+    if two and not any(ROUTE in r for r in rows["train"]):
+        if arms_given:
+            raise KavaError(f"bench task: {', '.join(two)} need(s) records with a \"{ROUTE}\" column naming one of two "
+                            f"teachers; {records} has none")
+        return rows, [a for a in names if a not in two], two
+    return rows, names, []
+
+
+def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
+    """(teacher model, student model, tokenizer): the job's first teacher's and its student's models, or with
+    `quick` two tiny random llamas (kava_ray.testing.tiny) of the shared byte tokenizer."""
+    if quick:
+        from kava_ray.testing.tiny import build_tiny_model
+
+        t = build_tiny_model(root / "tiny_teacher", family="llama", num_layers=3, hidden_size=64, seed=1)
+        s = build_tiny_model(root / "tiny_student", family="llama", num_layers=3, hidden_size=64, seed=2)
+        return str(t), str(s), load_tokenizer(str(t))
+    return base.teachers[0].model, base.student.model, load_tokenizer(base.teachers[0].model)
+
+
+def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, records: Optional[str] = None,
+                   checker: str = "number", arms: Optional[Sequence[str]] = None, steps: Optional[int] = None,
+                   seeds: Optional[int] = None, quick: bool = False, out: Optional[str] = None,
+                   cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
+                   progress: bool = True) -> dict:
+    """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json)."""
+    p, names = _params(quick, steps, seeds, arms, records, checker)
+    base = load_config(config, overrides)
+    rows, names, dropped = _rows(records, checker, p, names, arms is not None)
+    root = Path(out or Path(base.ray.storage_path) / f"bench-task-{datetime.now():%Y%m%d-%H%M%S}")
+    root = root.expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    cache_dir = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
+                                                                  default_cache_dir() / "bench-task")
+    t_start = time.time()
+
+    def say(msg: str) -> None:
+        if progress:
+            status(f"[bench task] {msg}")
+
+    say(f"decision rule, fixed before the run: {decision_rule()}")
+    say(f"gate, fixed before the run: the warm start's exact match >= {100 * min_start:g} % and >= "
+        f"{100 * min_gap:g} points below the teacher's")
+    rec = write_records(rows, root / "records", checker)
+    say(f"records: {rec.counts['train']} train, {rec.counts['validation']} validation, {rec.counts['test']} test "
+        f"({'synthetic GSM8K' if records is None else records}; checker {checker})"
+        + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
+    t_model, s_model, tok = _models(base, quick, root)
+    val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
+    ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
+
+    def tune(name, records_dir, rows, model, keep, steps_, lr, plateau):
+        ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
+                            checker, p, steps_, lr, cache_dir, root, tok, say, plateau)
+        return ft[name]
+
+    tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
+    if any(ARMS[a]["teachers"] == "two" for a in names):
+        for spec in rec.specialists:
+            tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["ft_max"],
+                 p["lr_teacher"], True)
+    tune("warm", rec.plain, val, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
+    teacher = load_model(ft["teacher"]["path"], dtype="float32")
+    job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
+    test_split = load_test_split(job0, tok)
+    val_split = load_splits(job0, tok)[1]
+
+    def evaluate(student) -> dict:
+        em = exact_match(student, tok, test, checker, p["max_new"])
+        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"])
+        return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
+                "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
+                "samples": em["samples"]}
+
+    t_em = exact_match(teacher, tok, test, checker, p["max_new"])
+    start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
+    gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
+            "n": len(test)}
+    gate["passes"] = start["em"] >= min_start and t_em["em"] - start["em"] >= min_gap
+    say(f"gate: teacher {100 * t_em['em']:.1f} %, warm start {100 * start['em']:.1f} % exact match on {len(test)} "
+        f"test prompts: {'passes' if gate['passes'] else 'FAILS'}")
+    write_json(root / "gate.json", {"gate": gate, "finetunes": ft, "start": start})
+    if not gate["passes"]:
+        raise KavaError(f"bench task: gate fails: the warm start's exact match {100 * start['em']:.1f} % (needs >= "
+                        f"{100 * min_start:g} %) against the teacher's {100 * t_em['em']:.1f} % (needs >= "
+                        f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
+                        f"({root / 'gate.json'})")
+    models = {"teacher": teacher}
+    for spec in rec.specialists if any(ARMS[a]["teachers"] == "two" for a in names) else ():
+        models[spec] = load_model(ft[spec]["path"], dtype="float32")
+    ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
+           "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
+           "val_split": val_split, "say": say,
+           "checker": checker, "done": root / "runs_done"}
+    runs, lrs = {}, {}
+    for arm in names:
+        runs[arm], lrs[arm] = _arm(ctx, arm)
+    floor = ENTROPY_FLOOR * start["entropy"]
+    summary = summarize(runs, floor)
+    result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
+              "records": records or "synthetic", "checker": checker, "dropped": dropped, "counts": rec.counts,
+              "arms": names,
+              "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
+              "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
+              "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-jsd",
+                                                                                         "trl-gkd"),
+              "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd")},
+              "wall_s": time.time() - t_start}
+    write_json(root / "bench_task.json", result)
+    return result
+
+
+def _arm(ctx: dict, arm: str) -> tuple[list, dict]:
+    """An arm's learning rate (seed 0, by validation exact match then validation CE, over a grid extended past
+    an edge at most p["grid_extend"] times) and its runs on every seed at that rate."""
+    p = ctx["p"]
+    mults = sorted(p["lr_grid"])
+    grid: dict = {}
+    for _ in range(p["grid_extend"] + 1):
+        for m in mults:
+            if m not in grid:
+                grid[m] = _run(ctx, arm, 0, p["lr"] * m, with_val=True)
+        best = max(grid, key=lambda m: (grid[m]["val"]["em"], -grid[m]["val"]["ce"]))
+        ms = sorted(grid)
+        step = ms[1] / ms[0] if len(ms) > 1 else 4.0
+        if best == ms[0] and len(ms) > 1:
+            mults = [ms[0] / step]
+        elif best == ms[-1] and len(ms) > 1:
+            mults = [ms[-1] * step]
+        else:
+            break
+    ms = sorted(grid)
+    lr = p["lr"] * best
+    info = {"lr": lr, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in ms},
+            "on_edge": best in (ms[0], ms[-1]) and len(ms) > 1}
+    return [grid[best]] + [_run(ctx, arm, s, lr) for s in range(1, p["seeds"])], info
+
+
+def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> dict:
+    """One run of `arm` from the warm start (kept under OUT/runs_done and read back by a re-run)."""
+    p, a, rec = ctx["p"], ARMS[arm], ctx["rec"]
+    two = a["teachers"] == "two"
+    teachers = list(rec.specialists) if two else ["teacher"]
+    key = run_key({"arm": arm, "seed": seed, "lr": lr, "val": with_val, "warm": ctx["warm"], "p": {
+        k: v for k, v in p.items() if k not in ("ft_max", "ft_every", "seeds")}, "records": rec.fingerprint})
+    path = ctx["done"] / _safe(arm) / f"seed{seed}-{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    models = {n: ctx["models"][n] for n in teachers}
+    samples = p["steps"] * p["batch_size"]
+    t0 = time.time()
+    if a.get("trl"):
+        r = run_trl_gkd(load_student(ctx["warm"], dtype="float32"), models["teacher"], ctx["tok"],
+                        rec.rows("train"), seed, p["steps"], p["batch_size"], lr, p)
+        student, train_s, step_s = r["student"], r["train_s"], r["step_s"]
+        work = {"teacher_rows_per_sample": r["teacher_rows_per_sample"], "generated_per_sample":
+                r["generated_per_sample"], "loss": r["loss"]}
+    else:
+        records_dir = rec.routed if a.get("routed") else rec.plain
+        cfg = records_job(ctx["base"], records_dir, [(n, ctx["paths"][n]) for n in teachers], ctx["warm"], None, p,
+                          ctx["root"])
+        cfg = derive(cfg, {**a["set"], "train.seed": seed, "train.data_seed": seed, "train.steps": p["steps"],
+                           "optim.lr_student": lr})
+        source = CountingSource(models)
+        t1 = time.time()
+        run = train_in_process(cfg, in_process_plans(cfg, models), source, p["steps"])
+        student, train_s, step_s = run["recipe"].distiller.student, time.time() - t1, run["wall_step_s"]
+        work = {"teacher_rows_per_sample": source.rows / samples,
+                "teacher_written_per_sample": source.written / samples,
+                "generated_per_sample": (run["sums"].get(SAMPLED_TOKENS, 0.0)) / samples}
+    out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
+           "train_s": train_s, "wall_s": None, **work}
+    if with_val:
+        out["val"] = {"em": exact_match(student, ctx["tok"], ctx["val"], ctx["checker"], p["max_new"])["em"],
+                      "ce": heldout_ce(student, ctx["val_split"])}
+    out["wall_s"] = time.time() - t0
+    write_json(path, out)
+    f = out["figures"]
+    ctx["say"](f"{arm} seed {seed} lr {lr:.2g}: exact match {100 * f['em']:.1f} %, test CE {f['test_ce']:.4f}, "
+               f"reverse KL {f['rkl']:.3f}, entropy {f['entropy']:.3f}, {out['s_per_step']:.1f} s/step "
+               f"({out['wall_s']:.0f} s)")
+    return out

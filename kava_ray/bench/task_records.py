@@ -1,0 +1,133 @@
+"""`bench task`'s records: prompt/completion pairs with a verifiable final answer, three splits, and their checker.
+
+The synthetic GSM8K problems by default (each routed by a `teacher` column to the specialist of its half of the
+problem templates), or any prompt/completion JSONL (`--records FILE.jsonl`; an optional `teacher` column with two
+values routes its records the same way), split by a seeded shuffle into train / validation / test. Written as the
+product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy exact match
+read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
+
+Checkers: `number` (the final number after the last `####`, else the last number: `data.final_answer`) or `exact`
+(the whole completion, stripped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_write
+from kava_ray.data import final_answer
+from kava_ray.data.batching import ROUTE
+from kava_ray.data.synthetic import TEMPLATES, synthetic_split
+from kava_ray.recipes.evaluate import generate_answers
+
+CHECKERS = ("number", "exact")
+SPLITS = ("train", "validation", "test")
+SPECIALISTS = ("spec-a", "spec-b")  # the synthetic records' two halves of the templates, in TEMPLATES' order
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class TaskRecords:
+    """The bench's records on disk: `routed` ({split}.jsonl with the teacher column, the MOPD arm's), `plain` (the
+    same without it: every other arm's), `halves` ({specialist: dir} of its own records, its fine-tune's);
+    `specialists`: the teacher column's two values (empty: the records name none); `fingerprint`: of the content."""
+    routed: Path
+    plain: Path
+    halves: dict
+    specialists: tuple
+    checker: str
+    counts: dict
+    fingerprint: str
+
+    def rows(self, split: str, root: Optional[Path] = None) -> list[dict]:
+        return [json.loads(x) for x in ((root or self.plain) / f"{split}.jsonl").read_text().splitlines() if x]
+
+
+def synthetic_rows(counts: dict, seed: int = 0) -> dict:
+    """{split: rows} of the synthetic generator (train never overlaps the others), each routed to the specialist
+    of its template's half (the first half of TEMPLATES: spec-a)."""
+    half = {t: SPECIALISTS[i >= len(TEMPLATES) // 2] for i, t in enumerate(TEMPLATES)}
+    return {s: [{"question": e.question, "answer": e.answer, ROUTE: half[e.template]}
+                for e in synthetic_split(counts[s], seed, s)] for s in SPLITS}
+
+
+def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:
+    """{split: rows} of a prompt/completion JSONL: test and validation records drawn first by a seeded shuffle,
+    the rest (at most counts["train"]) train. One line naming what is wrong for a bad file."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise KavaError(f"bench task: --records {path}: no such file")
+    rows = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KavaError(f"bench task: {path} line {i} is not JSON ({e.msg})") from None
+        if not isinstance(r, dict) or not all(isinstance(r.get(k), str) and r[k].strip() for k in ("prompt",
+                                                                                                   "completion")):
+            raise KavaError(f"bench task: {path} line {i} needs a non-empty string \"prompt\" and \"completion\"")
+        if checker == "number" and final_answer(r["completion"]) is None:
+            raise KavaError(f"bench task: {path} line {i}: the completion has no final number for --checker number "
+                            f"(end it with '#### <number>', or use --checker exact)")
+        row = {"question": r["prompt"], "answer": r["completion"]}
+        if r.get(ROUTE) is not None:
+            row[ROUTE] = str(r[ROUTE])
+        rows.append(row)
+    names = sorted({r[ROUTE] for r in rows if ROUTE in r})
+    if names and (len(names) != 2 or any(ROUTE not in r for r in rows) or not all(_NAME.match(n) for n in names)):
+        raise KavaError(f"bench task: {path}: a \"{ROUTE}\" column must name one of two teachers (letters, digits, "
+                        f"-_.) on every record; got {names[:5]}")
+    need = counts["validation"] + counts["test"] + 1
+    if len(rows) < need:
+        raise KavaError(f"bench task: {path} has {len(rows)} records; needs at least {need} (test "
+                        f"{counts['test']} + validation {counts['validation']} + training)")
+    random.Random(seed).shuffle(rows)
+    n_t, n_v = counts["test"], counts["validation"]
+    return {"test": rows[:n_t], "validation": rows[n_t:n_t + n_v], "train": rows[n_t + n_v:][:counts["train"]]}
+
+
+def write_records(rows: dict, root: Path, checker: str) -> TaskRecords:
+    """The splits under root (routed/, plain/, and one dir per specialist with its half), written atomically."""
+    names = tuple(sorted({r[ROUTE] for s in SPLITS for r in rows[s] if ROUTE in r}))
+    routed, plain = root / "routed", root / "plain"
+
+    def put(d: Path, split: str, rs: list) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        atomic_write(d / f"{split}.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in rs), keep_same=True)
+
+    for s in SPLITS:
+        put(routed, s, rows[s])
+        put(plain, s, [{k: v for k, v in r.items() if k != ROUTE} for r in rows[s]])
+        for n in names:
+            put(root / n, s, [{k: v for k, v in r.items() if k != ROUTE} for r in rows[s] if r.get(ROUTE) == n])
+    blob = json.dumps({"checker": checker, "rows": rows}, sort_keys=True).encode()
+    return TaskRecords(routed, plain, {n: root / n for n in names}, names, checker,
+                       {s: len(rows[s]) for s in SPLITS}, hashlib.sha1(blob).hexdigest()[:16])
+
+
+def correct(checker: str, pred: str, gold: str) -> bool:
+    """Whether a completion answers as the gold one does (module docstring)."""
+    if checker == "exact":
+        return pred.strip() == gold.strip()
+    p = final_answer(pred)
+    return p is not None and p == final_answer(gold)
+
+
+def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:
+    """Greedy exact match of `model` on `rows` ({question, answer}): {"em" (share), "n", "correct", "samples"
+    (the first three: question, gold, predicted, ok)}."""
+    preds = generate_answers(model, tok, [r["question"] for r in rows], max_new_tokens=max_new_tokens,
+                             batch_size=batch_size)
+    ok = [correct(checker, p, r["answer"]) for p, r in zip(preds, rows)]
+    return {"em": sum(ok) / max(len(ok), 1), "n": len(ok), "correct": sum(ok),
+            "samples": [{"question": r["question"], "gold": r["answer"], "predicted": p, "ok": o}
+                        for r, p, o in list(zip(rows, preds, ok))[:3]]}

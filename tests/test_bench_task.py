@@ -1,0 +1,152 @@
+"""`kava-ray bench task`: the records and their refusals, the decision rule's guards (a collapsed arm never helps),
+the TRL arm's pinned generation config, and `--quick` end to end on tiny models (the gate, the table's rows, TRL's
+GKDTrainer ran and trained) through the real CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kava_ray.bench.stats import paired
+from kava_ray.bench.task import ARMS, QUICK_ARMS
+from kava_ray.bench.task_finetune import plateaued
+from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, summarize
+from kava_ray.bench.task_trl import pin_generation_config
+from kava_ray.cli import main
+from kava_ray.common.errors import KavaError
+
+COUNTS = {"train": 8, "validation": 2, "test": 2}
+
+
+def _cli(capsys, *args):
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_synthetic_records_are_routed_by_template_half_and_checked_by_final_number():
+    rows = synthetic_rows({"train": 64, "validation": 4, "test": 4})
+    assert {r["teacher"] for r in rows["train"]} == set(SPECIALISTS)
+    assert not {r["question"] for r in rows["train"]} & {r["question"] for r in rows["test"]}
+    gold = rows["test"][0]["answer"]
+    assert correct("number", "blah\n#### " + gold.rsplit("####", 1)[1].strip(), gold)
+    assert not correct("number", "no number here", gold)
+    assert correct("exact", " 42 \n", "42") and not correct("exact", "42.", "42")
+
+
+@pytest.mark.parametrize("line, checker, says", [
+    ("not json", "number", "line 1 is not JSON"),
+    ('{"prompt": "q"}', "number", "line 1 needs a non-empty string \"prompt\" and \"completion\""),
+    ('{"prompt": "q", "completion": "no number"}', "number", "line 1: the completion has no final number"),
+])
+def test_a_bad_records_file_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, line, checker, says):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    out = tmp_path / "out"
+    code, stdout, err = _cli(capsys, "bench", "task", "--quick", "--records", bad, "--checker", checker, "--out", out)
+    assert code == 2 and err.strip().startswith("error: bench task:") and says in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_records_file_needs_enough_rows_and_two_teachers(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"#### {i}", "teacher": f"t{i % 3}"}) + "\n"
+                         for i in range(20)))
+    with pytest.raises(KavaError, match="must name one of two teachers"):
+        file_rows(str(f), "number", COUNTS)
+    f.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"#### {i}"}) + "\n" for i in range(4)))
+    with pytest.raises(KavaError, match="has 4 records; needs at least 5"):
+        file_rows(str(f), "number", COUNTS)
+
+
+def test_a_records_file_splits_by_seed_and_routes_its_two_halves(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i} + 1 = {i + 1}\n#### {i + 1}",
+                                     "teacher": "even" if i % 2 == 0 else "odd"}) + "\n" for i in range(20)))
+    rows = file_rows(str(f), "number", COUNTS)
+    assert [len(rows[s]) for s in ("train", "validation", "test")] == [8, 2, 2]
+    assert rows == file_rows(str(f), "number", COUNTS)  # the same split every time
+    rec = write_records(rows, tmp_path / "records", "number")
+    assert rec.specialists == ("even", "odd")
+    assert all("teacher" not in r for r in rec.rows("train"))  # the plain records: every arm but mopd
+    assert [r["teacher"] for r in rec.rows("train", rec.routed)] == [r["teacher"] for r in rows["train"]]
+    even = rec.rows("train", rec.halves["even"])
+    assert even and all(int(r["question"].split()[2]) % 2 == 0 for r in even)
+
+
+def test_a_fine_tune_flat_at_zero_has_not_plateaued_before_its_least_steps():
+    flat0 = [(0, {"em": 0.0}), (12, {"em": 0.0})]
+    assert not plateaued(flat0, patience=1, delta=0.02, min_step=36)  # it has not learnt the format yet
+    assert plateaued(flat0 + [(24, {"em": 0.1}), (36, {"em": 0.11})], patience=1, delta=0.02, min_step=36)
+    assert not plateaued(flat0 + [(24, {"em": 0.1}), (36, {"em": 0.2})], patience=1, delta=0.02, min_step=36)
+
+
+def test_decision_guards_a_collapsed_arm_never_helps():
+    base, arm = [0.10, 0.12, 0.08, 0.11, 0.09], [0.30, 0.33, 0.29, 0.31, 0.35]
+    em = paired(arm, base)
+    assert em["excludes_zero"] and em["mean"] > 0.2
+    ce_same = paired([1.0] * 5, [1.0] * 5)
+    assert decide(em, ce_same, entropy=0.5, floor=0.2) == {"helps": True, "verdict": "helps"}
+    assert decide(em, ce_same, entropy=0.05, floor=0.2)["verdict"] == "collapsed"  # the gain does not matter
+    ce_worse = paired([1.0 + 2 * CE_MARGIN] * 5, [1.0] * 5)
+    assert not decide(em, ce_worse, entropy=0.5, floor=0.2)["helps"]
+    assert decide(paired(base, arm), ce_same, 0.5, 0.2)["verdict"] == "hurts"
+
+    def run(em_, ent):
+        return {"figures": {"em": em_, "test_ce": 1.0, "rkl": 0.1, "entropy": ent}, "s_per_step": 1.0,
+                "wall_s": 1.0, "teacher_rows_per_sample": 1.0, "teacher_written_per_sample": 0.0,
+                "generated_per_sample": 10.0}
+    s = summarize({BASE: [run(b, 0.5) for b in base], "collapsed-arm": [run(a, 0.01) for a in arm]}, floor=0.2)
+    assert s["collapsed-arm"]["decision"] == {"helps": False, "verdict": "collapsed"}
+    assert s["collapsed-arm"]["vs_base"]["em"]["excludes_zero"]  # it did gain exact match: still not "helps"
+
+
+def test_trl_arm_pins_the_students_generation_config(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.generation_config.repetition_penalty, model.generation_config.min_p = 1.5, 0.2
+    eos = model.generation_config.eos_token_id
+    pin_generation_config(model)
+    # what GKDTrainer passes (its own fields), resolved as transformers 5 fills the unset ones from the model's
+    resolved, _ = model._prepare_generation_config(GenerationConfig(max_new_tokens=4, temperature=1.0, do_sample=True,
+                                                                    top_k=0, top_p=1.0))
+    assert resolved.repetition_penalty in (None, 1.0) and not resolved.min_p
+    assert resolved.eos_token_id == eos
+
+
+def test_bench_task_quick_gate_then_arms_and_trl(tmp_path, capsys):
+    out = tmp_path / "task"
+    code, _, err = _cli(capsys, "bench", "task", "--quick", "--out", out)  # tiny random models: 0 % exact match
+    last = err.strip().splitlines()[-1]  # (after the progress lines)
+    assert code == 2
+    assert last.startswith("error: bench task: gate fails: the warm start's exact match 0.0 % (needs >= 5 %)")
+    assert err.count("error:") == 1 and "Traceback" not in err
+    gate = json.loads((out / "gate.json").read_text())["gate"]
+    assert gate["passes"] is False and gate["n"] == 4
+    assert not (out / "bench_task.json").exists()  # no arm ran
+
+    code, stdout, _ = _cli(capsys, "bench", "task", "--quick", "--out", out, "--min-start", "0", "--min-gap", "0",
+                           "--json")
+    assert code == 0
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["arms"] == list(QUICK_ARMS) and r["gate"]["passes"]
+    assert all(r["finetunes"][n]["kept"] for n in ("teacher", "warm", *SPECIALISTS))  # the gate run's, reused
+    for arm in QUICK_ARMS:
+        assert len(r["runs"][arm]) == 2 and arm in stdout
+        assert len(r["lr"][arm]["grid"]) == 2
+        if arm != BASE:
+            assert r["summary"][arm]["decision"]["verdict"] in ("helps", "hurts", "no measurable gain", "collapsed",
+                                                              "gains exact match, loses CE")
+    trl = r["runs"]["trl-gkd"]
+    assert all(t["teacher_rows_per_sample"] == 1.0 and t["loss"] is not None for t in trl)
+    assert sum(t["generated_per_sample"] for t in trl) > 0  # GKD's coin (λ 0.5) sampled on some step
+    assert all(t["figures"]["test_ce"] != r["start"]["test_ce"] for t in trl)  # it trained: the student moved
+    assert r["summary"]["onpolicy-jsd"]["teacher_rows_per_sample"]["mean"] == 1.0
+    assert r["summary"]["mopd"]["teacher_rows_per_sample"]["mean"] == 2.0  # both specialists score every row
+    assert r["vs_trl"]["step_ratio"] > 0
+    assert "kava-ray onpolicy-jsd against TRL trl-gkd" in stdout and ARMS["mopd"].get("routed")
