@@ -215,3 +215,22 @@ def test_the_on_policy_verdict_never_calls_a_broken_student_helps():
     assert guarded_verdict(iv(-0.3, -0.5, -0.1), iv(0.0, -0.1, 0.1), 4.9, CE_MARGIN, floor, MIN_RKL) == "hurts"
     assert guarded_verdict(iv(0.02, 0.01, 0.03), iv(0.0, -0.1, 0.1), 4.9, CE_MARGIN, floor, MIN_RKL) == \
         "no measurable gain"  # below the minimum gain
+
+
+def test_a_learning_rate_grid_is_extended_until_its_best_is_inside():
+    """`stats.bracketed` (both heal benches and the task bench): a best on the grid's edge adds a rate past it, at
+    the grid's own ratio, until the best is inside or the extensions run out (then it says so)."""
+    from kava_ray.bench.stats import bracketed
+
+    calls = []
+
+    def run(m):  # validation loss, best at 16x: three extensions past the top of (1, 2, 4)
+        calls.append(m)
+        return {"val_ce": (m - 16) ** 2}
+
+    best, grid, on_edge = bracketed(run, (1.0, 2.0, 4.0), lambda r: -r["val_ce"], extend=3)
+    assert (best, sorted(grid), on_edge) == (16.0, [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], False) and len(calls) == 6
+    best, grid, on_edge = bracketed(run, (1.0, 2.0, 4.0), lambda r: -r["val_ce"], extend=1)
+    assert (best, on_edge) == (8.0, True)  # out of extensions: still on the edge, and said
+    best, grid, on_edge = bracketed(lambda m: {"val_ce": (m - 0.25) ** 2}, (1.0, 2.0), lambda r: -r["val_ce"], 2)
+    assert (best, sorted(grid), on_edge) == (0.25, [0.25, 0.5, 1.0, 2.0], True)  # downwards too

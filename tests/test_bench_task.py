@@ -141,7 +141,7 @@ def test_bench_task_quick_gate_then_arms_and_trl(tmp_path, capsys):
         assert len(r["lr"][arm]["grid"]) == 2
         if arm != BASE:
             assert r["summary"][arm]["decision"]["verdict"] in ("helps", "hurts", "no measurable gain", "collapsed",
-                                                              "gains exact match, loses CE")
+                                                              "worse test CE")
     trl = r["runs"]["trl-gkd"]
     assert all(t["teacher_rows_per_sample"] == 1.0 and t["loss"] is not None for t in trl)
     assert sum(t["generated_per_sample"] for t in trl) > 0  # GKD's coin (λ 0.5) sampled on some step

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 from kava_ray.bench.heal_onpolicy import OP_ARMS, OP_BASE, run_onpolicy_arms
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.recipes import Scorer, plot_curves
-from kava_ray.bench.stats import fmt_interval, mean_sd, paired
+from kava_ray.bench.stats import bracketed, fmt_interval, mean_sd, paired
 from kava_ray.common.config import JobConfig, derive, load_config, parse_override
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
@@ -76,14 +76,15 @@ def decision_rule(base: str = BASE) -> str:
 
 
 TOP_K = 64
-# lr_grid: multiples of the job's optim.lr_student tried on seed 0 per arm; the warm start trains CE until a
+# lr_grid: multiples of the job's optim.lr_student tried on seed 0 per arm (grid_extend: at most this many more
+# past an edge the best sits on, `stats.bracketed`); the warm start trains CE until a
 # `warm_every`-step stretch lowers the held-out CE by less than `warm_flat` nats (at most `warm_max` steps)
-DEFAULTS = {"steps": 30, "seeds": 5, "lr_grid": (1.0, 2.0, 4.0), "warm_every": 20, "warm_max": 200,
+DEFAULTS = {"steps": 30, "seeds": 5, "lr_grid": (1.0, 2.0, 4.0), "grid_extend": 2, "warm_every": 20, "warm_max": 200,
             "warm_flat": 0.1, "eval_every": 10, "block": 128, "batch_size": 8, "eval_blocks": 24, "topics": None}
 # --quick (the test): a few topics per split (train, validation, test), so the teacher runs over hundreds of
 # blocks, not the whole corpus
-QUICK = {"steps": 3, "seeds": 2, "lr_grid": (1.0, 2.0), "warm_every": 2, "warm_max": 4, "warm_flat": 0.0,
-         "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4, "topics": (4, 1, 4)}
+QUICK = {"steps": 3, "seeds": 2, "lr_grid": (1.0, 2.0), "grid_extend": 0, "warm_every": 2, "warm_max": 4,
+         "warm_flat": 0.0, "eval_every": 3, "block": 32, "batch_size": 4, "eval_blocks": 4, "topics": (4, 1, 4)}
 
 
 def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int,
@@ -396,14 +397,14 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
     for arm in sorted(names, key=lambda x: x != BASE):  # the base first: the KV control trains at its rate
         a = ARMS.get(arm, Arm())
         base_lr = ctx.recipes.get(arm, {}).get("optim.lr_student", ctx.job.optim.lr_student)  # a recipe's own rate
-        if a.grid:
-            grid = {}
-            for m in ctx.p["lr_grid"]:
-                r = _run(ctx, arm, 0, base_lr * m, sources[a.variant], val_head, val)
-                grid[base_lr * m] = r
-            lr = min(grid, key=lambda x: grid[x]["val_ce"])
-            lrs[arm] = {"lr": lr, "grid": {str(x): g["val_ce"] for x, g in grid.items()}}
-            first = grid[lr]
+        if a.grid:  # extended past an edge while the best sits on it (`stats.bracketed`)
+            best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, base_lr * m, sources[a.variant], val_head,
+                                                           val), ctx.p["lr_grid"], lambda r: -r["val_ce"],
+                                            ctx.p["grid_extend"])
+            lr = base_lr * best
+            lrs[arm] = {"lr": lr, "grid": {str(base_lr * m): grid[m]["val_ce"] for m in sorted(grid)},
+                        "on_edge": on_edge}
+            first = grid[best]
         else:  # the KV control: at the base arm's rate
             lr = lrs.get(BASE, {}).get("lr", base_lr)
             lrs[arm] = {"lr": lr, "grid": {}}
@@ -618,8 +619,9 @@ def format_heal(r: dict) -> str:
     hidden_line = ([f"hidden-state weight (ce+logits+hidden): {calib['hidden_unit']:.2f}, the logit loss "
                     f"({calib['logit_kl_at_start']:.4f}) over the hidden-state loss ({calib['hidden_loss_at_1']:.4f}) "
                     f"at the warm start (Minitron's dynamic α, fixed there)"] if "hidden_unit" in calib else [])
-    lr_rows = [[arm, f"{v['lr']:.2g}", " ".join(f"{float(x):.2g}:{c:.4f}" for x, c in v["grid"].items()) or
-                f"(the {BASE} arm's rate)"] for arm, v in r["lr"].items()]
+    lr_rows = [[arm, f"{v['lr']:.2g}", (" ".join(f"{float(x):.2g}:{c:.4f}" for x, c in v["grid"].items()) or
+                                        f"(the {BASE} arm's rate)")
+                + (" (best on an edge after the extensions)" if v.get("on_edge") else "")] for arm, v in r["lr"].items()]
     kv_line = "KV control (kv-only raises the projector-free KV cosine): " + (
         "not in this run" if kc is None else
         f"{'passes' if kc['passes'] else 'FAILS'}: {kc['start']:.3f} at the warm start -> {kc['end']['mean']:.3f} "

@@ -111,3 +111,24 @@ def guarded_verdict(gain: Optional[dict], ce: Optional[dict], entropy: Optional[
     if gain and gain["excludes_zero"] and gain["mean"] < 0:
         return "hurts"
     return "no measurable gain"
+
+
+def bracketed(run, multiples: Sequence[float], better, extend: int) -> tuple[float, dict, bool]:
+    """A learning rate whose best sits inside its grid: `run(m)` at every multiple `m`, the best by `better(result)`
+    (a sort key, larger is better); while the best is the grid's lowest or highest multiple, one more multiple past
+    that edge (the grid's own ratio), at most `extend` times. Returns (the best multiple, {multiple: result}, whether
+    it still sits on an edge)."""
+    grid: dict = {}
+    todo = sorted(multiples)
+    for _ in range(extend + 1):
+        for m in todo:
+            if m not in grid:
+                grid[m] = run(m)
+        best = max(grid, key=lambda m: better(grid[m]))
+        ms = sorted(grid)
+        if len(ms) < 2 or best not in (ms[0], ms[-1]):
+            break
+        ratio = ms[1] / ms[0] if best == ms[0] else ms[-1] / ms[-2]
+        todo = [ms[0] / ratio] if best == ms[0] else [ms[-1] * ratio]
+    ms = sorted(grid)
+    return best, grid, len(ms) > 1 and best in (ms[0], ms[-1])

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
+from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import finetune, records_job
 from kava_ray.bench.task_records import CHECKERS, exact_match, file_rows, synthetic_rows, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
@@ -212,25 +213,10 @@ def _arm(ctx: dict, arm: str) -> tuple[list, dict]:
     """An arm's learning rate (seed 0, by validation exact match then validation CE, over a grid extended past
     an edge at most p["grid_extend"] times) and its runs on every seed at that rate."""
     p = ctx["p"]
-    mults = sorted(p["lr_grid"])
-    grid: dict = {}
-    for _ in range(p["grid_extend"] + 1):
-        for m in mults:
-            if m not in grid:
-                grid[m] = _run(ctx, arm, 0, p["lr"] * m, with_val=True)
-        best = max(grid, key=lambda m: (grid[m]["val"]["em"], -grid[m]["val"]["ce"]))
-        ms = sorted(grid)
-        step = ms[1] / ms[0] if len(ms) > 1 else 4.0
-        if best == ms[0] and len(ms) > 1:
-            mults = [ms[0] / step]
-        elif best == ms[-1] and len(ms) > 1:
-            mults = [ms[-1] * step]
-        else:
-            break
-    ms = sorted(grid)
+    best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, p["lr"] * m, with_val=True), p["lr_grid"],
+                                    lambda r: (r["val"]["em"], -r["val"]["ce"]), p["grid_extend"])
     lr = p["lr"] * best
-    info = {"lr": lr, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in ms},
-            "on_edge": best in (ms[0], ms[-1]) and len(ms) > 1}
+    info = {"lr": lr, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in sorted(grid)}, "on_edge": on_edge}
     return [grid[best]] + [_run(ctx, arm, s, lr) for s in range(1, p["seeds"])], info
 
 

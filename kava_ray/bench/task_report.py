@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kava_ray.bench.stats import fmt_interval, mean_sd, paired
+from kava_ray.bench.stats import fmt_interval, guarded_verdict, mean_sd, paired
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA
 from kava_ray.common.files import format_table
 
@@ -20,22 +20,16 @@ ENTROPY_FLOOR = 0.5  # ... nor sample at an entropy below this share of the warm
 
 def decision_rule() -> str:
     return (f"an arm helps when its paired exact-match gain over {BASE} has a 95 % interval excluding 0, AND its "
-            f"test CE is not worse than {BASE}'s by more than {CE_MARGIN} nats, AND its samples' entropy stays above "
+            f"test CE is not worse than {BASE}'s by more than {CE_MARGIN} nats (the paired interval's upper end), AND its samples' entropy stays above "
             f"{ENTROPY_FLOOR:g} x the warm start's; an arm below that entropy floor is 'collapsed', never 'helps'")
 
 
 def decide(em: Optional[dict], ce: Optional[dict], entropy: Optional[float], floor: float) -> dict:
     """An arm's verdict from its paired differences against the base (`stats.paired` of exact match and test CE)
-    and its samples' mean entropy: collapsed | helps | hurts | no measurable gain (`decision_rule`)."""
-    if entropy is not None and entropy < floor:
-        return {"helps": False, "verdict": "collapsed"}
-    gain = bool(em and em["excludes_zero"] and em["mean"] > 0)
-    ce_ok = bool(ce) and ce["mean"] <= CE_MARGIN
-    if gain and ce_ok:
-        return {"helps": True, "verdict": "helps"}
-    if em and em["excludes_zero"] and em["mean"] < 0:
-        return {"helps": False, "verdict": "hurts"}
-    return {"helps": False, "verdict": "gains exact match, loses CE" if gain else "no measurable gain"}
+    and its samples' mean entropy (`decision_rule`): `stats.guarded_verdict`, the rule `bench heal --onpolicy`
+    keeps too (collapsed | helps | worse test CE | hurts | no measurable gain)."""
+    verdict = guarded_verdict(em, ce, entropy, CE_MARGIN, floor)
+    return {"helps": verdict == "helps", "verdict": verdict}
 
 
 def summarize(runs: dict, floor: float) -> dict:
