@@ -56,7 +56,8 @@ def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
     job = tmp_path / "onpolicy.yaml"
     job.write_text("extends: demo_cpu\n" + block)
     cfg = load_config(str(job))
-    assert cfg.onpolicy.fraction == 1.0 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 128
+    assert cfg.onpolicy.fraction == 0.5 and cfg.onpolicy.lag == 1 and cfg.onpolicy.max_new_tokens == 128
+    assert cfg.loss.ce_weight == 1.0  # on the other half: the records' own completions (CE is off on the samples)
     assert cfg.loss.logit_divergence == "reverse_kl_sampled" and cfg.loss.logit_weight == 1.0
 
 
