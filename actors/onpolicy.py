@@ -24,7 +24,7 @@ import numpy as np
 
 from actors.engines import CompletionEngine
 from actors.feed import feed_items, request_arrays
-from actors.step_source import StepSource, gathered, stream_state_after
+from actors.step_source import StepSource, gathered
 from kava_ray.common.config import JobConfig
 from kava_ray.core.metric_names import SAMPLE_S
 from kava_ray.data import Batch, BatchStream, TokenizedSplit
@@ -127,7 +127,10 @@ class OnPolicyStepSource(StepSource):
         """The stream after the batches in flight, and every rank's of them ([rank] -> feed items, sampled with the
         weights of their time, which a resumed run trains on first). Every rank calls it (collectives)."""
         mine = self.feed.pending_items() if self.feed is not None else list(self.restored)
-        return {"stream": stream_state_after(self.stream, 0, self._skips()), "in_flight": gathered(mine, self.world)}
+        return {**super().state_dict(), "in_flight": gathered(mine, self.world)}  # (the all-reduce, then the gather)
+
+    def _read_again(self) -> int:
+        return 0  # the batches in flight are kept in the checkpoint, not read again
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

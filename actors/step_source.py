@@ -89,7 +89,7 @@ class StepSource:
     def state_dict(self) -> dict:
         """Where a resumed run continues: the stream just after the last batch trained on (the feed reads ahead:
         those batches are read again), with every rank's cumulative skips. Every rank calls it (one all-reduce)."""
-        return {"stream": stream_state_after(self.stream, self._in_flight(), self._skips())}
+        return {"stream": stream_state_after(self.stream, self._read_again(), self._skips())}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a `state_dict()` (before the first `next_step`)."""
@@ -98,7 +98,8 @@ class StepSource:
                                   state=state["stream"])
         self.skipped_before = skip_resumed(self.stream, state["stream"])
 
-    def _in_flight(self) -> int:
+    def _read_again(self) -> int:
+        """The batches read but not trained on that a resumed run reads again from the stream: the feed's in flight."""
         return self.feed.in_flight if self.feed is not None else 0
 
     def _skips(self) -> list[int]:

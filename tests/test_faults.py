@@ -413,11 +413,7 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
         os.killpg(proc.pid, signal.SIGSTOP)
         assert proc.poll() is None, f"finished before the interrupt: {proc.stderr.read()}"
         assert max(train_steps(run_dir)) < STEPS
-        sent = time.time()
-        os.kill(proc.pid, signal.SIGTERM)
-        os.killpg(proc.pid, signal.SIGCONT)
-        _, err = proc.communicate(timeout=60)
-        elapsed = time.time() - sent
+        err, elapsed = _sigterm_stopped(proc, whole_group=False, timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -454,6 +450,16 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
     print(f"SIGTERM at step {interrupted_at}: exited in {elapsed:.1f} s; teacher killed at step {killed['step']}")
 
 
+def _sigterm_stopped(proc, whole_group: bool, timeout: float) -> tuple[str, float]:
+    """SIGTERM a run whose process group is stopped (SIGSTOP) -- its driver alone, or the whole group as Slurm and
+    `timeout` do -- then let the group go on and wait for the end: (its stderr, seconds from the signal)."""
+    sent = time.time()
+    (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=timeout)
+    return err, time.time() - sent
+
+
 def _resume_hint(run_dir: Path) -> str:
     """`--resume RUN_DIR continues it (from step N)`, N the step of the run dir's latest complete checkpoint."""
     from kava_ray.core.checkpoint import find_checkpoint
@@ -484,11 +490,7 @@ def test_a_sigterm_to_the_whole_group_while_sampling_ends_like_ctrl_c(job):
                 caught = flag.exists() or os.killpg(proc.pid, signal.SIGCONT)
             time.sleep(0.01)
         assert caught, f"no sampling step after a checkpoint within 300 s (rc {proc.poll()})"
-        sent = time.time()
-        os.killpg(proc.pid, signal.SIGTERM)
-        os.killpg(proc.pid, signal.SIGCONT)
-        _, err = proc.communicate(timeout=120)
-        elapsed = time.time() - sent
+        err, elapsed = _sigterm_stopped(proc, whole_group=True, timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
