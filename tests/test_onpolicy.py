@@ -128,6 +128,8 @@ def test_several_samples_per_prompt_form_groups_whose_mean_is_each_tokens_baseli
     assert math.isfinite(float(out["loss"])) and float(out["onpolicy/sampled_tokens"]) > 0
     with pytest.raises(KavaError, match="group_mean needs several samples of each prompt"):
         load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=group_mean"])
+    with pytest.raises(KavaError, match="samples of each prompt, but onpolicy.fraction is 0"):
+        load_config(ojob, ["onpolicy.samples_per_prompt=4"])  # an inert key is refused, not ignored
     with pytest.raises(KavaError, match="loss.rkl_clip': a stabiliser of loss.logit_divergence reverse_kl_sampled"):
         load_config(ojob, ON + ["loss.rkl_clip=0.2"])
 

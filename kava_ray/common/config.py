@@ -447,6 +447,9 @@ class JobConfig(_Section):
             which = "rkl_baseline" if self.loss.rkl_baseline != "none" else "rkl_clip"
             raise ValueError(f"loss.{which}: a stabiliser of loss.logit_divergence reverse_kl_sampled, and this "
                              f"job's is {self.loss.logit_divergence}")
+        if o.samples_per_prompt > 1 and o.fraction == 0:
+            raise ValueError(f"onpolicy.samples_per_prompt: {o.samples_per_prompt} samples of each prompt, but "
+                             f"onpolicy.fraction is 0 (nothing is sampled): set onpolicy.fraction above 0")
         if self.loss.rkl_baseline == "group_mean" and o.samples_per_prompt < 2:
             raise ValueError("loss.rkl_baseline: group_mean needs several samples of each prompt: set "
                              "onpolicy.samples_per_prompt above 1 (e.g. 4, tinker's group_size)")
