@@ -521,3 +521,23 @@ def test_a_loss_that_is_not_finite_stops_the_run_in_one_line_and_keeps_the_last_
     latest = find_checkpoint(run_dir, for_resume=True)
     assert json.loads((latest / "state.json").read_text())["step"] == 1 and not (run_dir / "final").exists()
     assert max(train_steps(run_dir)) == 1  # step 2's record never logged: the stop comes first
+
+
+def test_a_sigterm_ends_a_command_whose_sigint_is_ignored():
+    """A shell script's background job (`kava-ray ... &`, `nohup`) starts with SIGINT ignored, so Python installs
+    no Ctrl-C handler: a SIGTERM turned into SIGINT was then swallowed and the command ran on. It ends as Ctrl-C
+    would (KeyboardInterrupt, `terminated()` true) — and before the fix the child sleeps out its 20 s."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from kava_ray.common.signals import sigterm_as_interrupt, terminated
+        sigterm_as_interrupt()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(20)
+        except KeyboardInterrupt:
+            print("interrupted", terminated())
+    """)
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert out.stdout.strip() == "interrupted True" and time.time() - t0 < 15, (out.stdout, out.stderr[-2000:])
