@@ -11,7 +11,7 @@ import pytest
 from kava_ray.bench.stats import paired
 from kava_ray.bench.task import ARMS, QUICK_ARMS
 from kava_ray.bench.task_finetune import plateaued
-from kava_ray.bench.task_records import SPECIALISTS, correct, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_records import SPECIALISTS, TASKS, arith_rows, correct, file_rows, synthetic_rows, write_records
 from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, summarize
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
@@ -37,6 +37,21 @@ def test_synthetic_records_are_routed_by_template_half_and_checked_by_final_numb
     assert correct("exact", " 42 \n", "42") and not correct("exact", "42.", "42")
 
 
+def test_the_arith_task_is_right_distinct_across_splits_and_routed_by_operator():
+    """The default task's records: every worked answer's final number is the question's value (Python evaluates
+    it left to right, as the answer works it), no question in two splits, products routed to spec-b."""
+    rows = arith_rows({"train": 400, "validation": 16, "test": 16})
+    assert TASKS["arith"] is arith_rows and [len(rows[s]) for s in ("train", "validation", "test")] == [400, 16, 16]
+    seen = [r["question"] for s in rows for r in rows[s]]
+    assert len(seen) == len(set(seen))
+    for r in rows["train"]:
+        expr = r["question"].removeprefix("What is ").removesuffix("?")
+        assert correct("number", r["answer"], f"#### {eval(expr)}") and eval(expr) > 0, r
+        assert r["teacher"] == ("spec-b" if "*" in expr else "spec-a")
+    assert {r["teacher"] for r in rows["train"]} == set(SPECIALISTS)
+    assert arith_rows({"train": 400, "validation": 16, "test": 16}) == rows  # seeded: the cache finds its teachers
+
+
 @pytest.mark.parametrize("line, checker, says", [
     ("not json", "number", "line 1 is not JSON"),
     ('{"prompt": "q"}', "number", "line 1 needs a non-empty string \"prompt\" and \"completion\""),
@@ -50,6 +65,15 @@ def test_a_bad_records_file_is_one_line_exit_2_and_nothing_written(tmp_path, cap
     assert code == 2 and err.strip().startswith("error: bench task:") and says in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, says", [(["--task", "gsm8k", "--records", "x.jsonl"], "give one"),
+                                        (["--task", "arithmetic"], "--task 'arithmetic': one of arith, gsm8k")])
+def test_a_wrong_task_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, args, says):
+    out = tmp_path / "out"
+    code, stdout, err = _cli(capsys, "bench", "task", "--quick", *args, "--out", out)
+    assert code == 2 and err.strip().startswith("error: bench task:") and says in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_records_file_needs_enough_rows_and_two_teachers(tmp_path):

@@ -1,8 +1,9 @@
 """`kava-ray bench task`: a better student on a task? Arms scored by greedy exact match on held-out prompts.
 
-Records with a verifiable final answer (`bench.task_records`: the synthetic GSM8K by default, or any
-prompt/completion JSONL with its checker); a competent teacher (the job's first teacher's model fine-tuned on the
-training split until held-out exact match plateaus, kept by content: `bench.task_finetune`) and, for the
+Records with a verifiable final answer (`bench.task_records`: the built-in `arith` task by default, the synthetic
+GSM8K with `--task gsm8k`, or any prompt/completion JSONL with its checker); a competent teacher (the job's first
+teacher's model fine-tuned on the training split until held-out exact match plateaus, kept by content:
+`bench.task_finetune`) and, for the
 multi-teacher arms, two specialists fine-tuned on one half of the records each (the `teacher` column); a student
 that can already write the answer format (an SFT warm start of the job's layer-dropped student) and a gate fixed
 before the run (its exact match at least `min_start`, and `min_gap` below the teacher's; else one line and stop).
@@ -28,7 +29,7 @@ from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import finetune, records_job
-from kava_ray.bench.task_records import CHECKERS, exact_match, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_records import CHECKERS, TASKS, exact_match, file_rows, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, run_trl_gkd
 from kava_ray.common.config import derive, load_config
@@ -65,17 +66,19 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 # counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
 # student's layers (of the job's student model); ft_*: a teacher fine-tune (at most ft_max steps, evaluated every
 # ft_every on the validation prompts, plateau past ft_min steps: the best of the last ft_patience evaluations within
-# ft_delta of the best before); lr_grid: multiples of lr tried on seed 0 (grid_extend: at most this many extensions
-# past an edge)
-DEFAULTS = {"counts": {"train": 512, "validation": 32, "test": 64}, "n_test": 64, "max_length": 256, "max_new": 128,
-            "batch_size": 4, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
-            "lr_teacher": 1e-4, "ft_max": 96, "ft_every": 12, "ft_min": 36, "ft_patience": 2, "ft_delta": 0.02,
-            "lr_warm": 3e-4, "warm_steps": 24, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
-            "temperature": 1.0, "quick": False}
+# ft_delta of the best before; spec_max: a specialist's, half the skills); lr_grid: multiples of lr tried on seed 0
+# (grid_extend: at most this many extensions past an edge); eval_batch: prompts per greedy / sampled generation
+DEFAULTS = {"counts": {"train": 2048, "validation": 64, "test": 128}, "n_test": 128, "max_length": 96, "max_new": 40,
+            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
+            "lr_teacher": 1e-4, "ft_max": 200, "spec_max": 100, "ft_every": 25, "ft_min": 75, "ft_patience": 2,
+            "ft_delta": 0.02,
+            "lr_warm": 3e-4, "warm_steps": 25, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
+            "temperature": 1.0, "eval_batch": 64, "quick": False}
 QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
-         "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "ft_every": 1,
+         "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "spec_max": 1,
+         "ft_every": 1,
          "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "lr": 1e-3,
-         "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "quick": True}
+         "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "eval_batch": 4, "quick": True}
 
 
 def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
@@ -92,10 +95,11 @@ def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optio
     return p, names
 
 
-def _rows(records: Optional[str], checker: str, p: dict, names: list, arms_given: bool) -> tuple[dict, list, list]:
-    """The records' rows (module docstring), read and checked before anything is written, and the arms they allow
-    (the two-teacher arms need a teacher column): (rows, arms, arms dropped)."""
-    rows = synthetic_rows(p["counts"]) if records is None else file_rows(records, checker, p["counts"])
+def _rows(records: Optional[str], task: str, checker: str, p: dict, names: list,
+          arms_given: bool) -> tuple[dict, list, list]:
+    """The records' rows (the built-in `task`'s, or the file's), read and checked before anything is written, and
+    the arms they allow (the two-teacher arms need a teacher column): (rows, arms, arms dropped)."""
+    rows = TASKS[task](p["counts"]) if records is None else file_rows(records, checker, p["counts"])
     two = [a for a in names if ARMS[a]["teachers"] == "two"]
     if two and not any(ROUTE in r for r in rows["train"]):
         if arms_given:
@@ -118,14 +122,19 @@ def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
 
 
 def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, records: Optional[str] = None,
-                   checker: str = "number", arms: Optional[Sequence[str]] = None, steps: Optional[int] = None,
+                   task: Optional[str] = None, checker: str = "number", arms: Optional[Sequence[str]] = None, steps: Optional[int] = None,
                    seeds: Optional[int] = None, quick: bool = False, out: Optional[str] = None,
                    cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
                    progress: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json)."""
     p, names = _params(quick, steps, seeds, arms, records, checker)
+    if task is not None and records is not None:
+        raise KavaError("bench task: --task names a built-in task and --records a file of your own: give one")
+    task = task or "arith"
+    if task not in TASKS:
+        raise KavaError(f"bench task: --task {task!r}: one of {', '.join(TASKS)} (or --records FILE.jsonl)")
     base = load_config(config, overrides)
-    rows, names, dropped = _rows(records, checker, p, names, arms is not None)
+    rows, names, dropped = _rows(records, task, checker, p, names, arms is not None)
     root = Path(out or Path(base.ray.storage_path) / f"bench-task-{datetime.now():%Y%m%d-%H%M%S}")
     root = root.expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -142,7 +151,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         f"{100 * min_gap:g} points below the teacher's")
     rec = write_records(rows, root / "records", checker)
     say(f"records: {rec.counts['train']} train, {rec.counts['validation']} validation, {rec.counts['test']} test "
-        f"({'synthetic GSM8K' if records is None else records}; checker {checker})"
+        f"({f'the built-in {task!r} task' if records is None else records}; checker {checker})"
         + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
     t_model, s_model, tok = _models(base, quick, root)
     val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
@@ -156,7 +165,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
     if any(ARMS[a]["teachers"] == "two" for a in names):
         for spec in rec.specialists:
-            tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["ft_max"],
+            tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
                  p["lr_teacher"], True)
     tune("warm", rec.plain, val, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
     teacher = load_model(ft["teacher"]["path"], dtype="float32")
@@ -165,13 +174,13 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     val_split = load_splits(job0, tok)[1]
 
     def evaluate(student) -> dict:
-        em = exact_match(student, tok, test, checker, p["max_new"])
-        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"])
+        em = exact_match(student, tok, test, checker, p["max_new"], p["eval_batch"])
+        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
         return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
                 "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
                 "samples": em["samples"]}
 
-    t_em = exact_match(teacher, tok, test, checker, p["max_new"])
+    t_em = exact_match(teacher, tok, test, checker, p["max_new"], p["eval_batch"])
     start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
     gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
             "n": len(test)}
@@ -197,7 +206,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     floor = ENTROPY_FLOOR * start["entropy"]
     summary = summarize(runs, floor)
     result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
-              "records": records or "synthetic", "checker": checker, "dropped": dropped, "counts": rec.counts,
+              "records": records or task, "checker": checker, "dropped": dropped, "counts": rec.counts,
               "arms": names,
               "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
               "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
@@ -255,7 +264,8 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
     out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
            "train_s": train_s, "wall_s": None, **work}
     if with_val:
-        out["val"] = {"em": exact_match(student, ctx["tok"], ctx["val"], ctx["checker"], p["max_new"])["em"],
+        out["val"] = {"em": exact_match(student, ctx["tok"], ctx["val"], ctx["checker"], p["max_new"],
+                                        p["eval_batch"])["em"],
                       "ce": heldout_ce(student, ctx["val_split"])}
     out["wall_s"] = time.time() - t0
     write_json(path, out)

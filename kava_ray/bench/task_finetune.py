@@ -76,7 +76,7 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
     evals = [0]
 
     def evaluate(recipe) -> dict:
-        r = exact_match(recipe.distiller.student, tok, val_rows, checker, p["max_new"])
+        r = exact_match(recipe.distiller.student, tok, val_rows, checker, p["max_new"], p["eval_batch"])
         say(f"{name}: step {min(evals[0] * every, steps)}, validation exact match {100 * r['em']:.1f} % "
             f"({r['correct']}/{r['n']}, {time.time() - t0:.0f} s)")
         evals[0] += 1

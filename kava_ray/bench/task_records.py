@@ -1,7 +1,8 @@
 """`bench task`'s records: prompt/completion pairs with a verifiable final answer, three splits, and their checker.
 
-The synthetic GSM8K problems by default (each routed by a `teacher` column to the specialist of its half of the
-problem templates), or any prompt/completion JSONL (`--records FILE.jsonl`; an optional `teacher` column with two
+A built-in task (`TASKS`: `arith`, two-step arithmetic worked in one line, by default — short enough for a 2-core
+box to fine-tune a competent teacher and run every arm; `gsm8k`, the synthetic GSM8K word problems), each record
+routed by a `teacher` column to the specialist of its half of the problem templates, or any prompt/completion JSONL (`--records FILE.jsonl`; an optional `teacher` column with two
 values routes its records the same way), split by a seeded shuffle into train / validation / test. Written as the
 product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy exact match
 read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
@@ -56,6 +57,39 @@ def synthetic_rows(counts: dict, seed: int = 0) -> dict:
     half = {t: SPECIALISTS[i >= len(TEMPLATES) // 2] for i, t in enumerate(TEMPLATES)}
     return {s: [{"question": e.question, "answer": e.answer, ROUTE: half[e.template]}
                 for e in synthetic_split(counts[s], seed, s)] for s in SPLITS}
+
+
+# arith's templates: (the operators of its two steps, its specialist): additions and subtractions to spec-a,
+# products to spec-b (each half a skill of its own, as MOPD's specialists)
+ARITH = (("+", "+", "spec-a"), ("+", "-", "spec-a"), ("*", "+", "spec-b"), ("*", "-", "spec-b"))
+
+
+def _arith(r: random.Random) -> dict:
+    """One two-step problem `a o1 b o2 c` (left to right, every value positive; sums of numbers up to 50, the
+    times tables up to 12: school arithmetic a 135M model learns in a few hundred steps) with its worked answer."""
+    o1, o2, spec = r.choice(ARITH)
+    a, b = (r.randint(2, 50), r.randint(2, 50)) if o1 == "+" else (r.randint(2, 12), r.randint(2, 12))
+    x = a + b if o1 == "+" else a * b
+    c = r.randint(1, 30) if o2 == "+" else r.randint(1, x - 1)
+    y = x + c if o2 == "+" else x - c
+    return {"question": f"What is {a} {o1} {b} {o2} {c}?",
+            "answer": f"{a} {o1} {b} = {x}. {x} {o2} {c} = {y}. #### {y}", ROUTE: spec}
+
+
+def arith_rows(counts: dict, seed: int = 0) -> dict:
+    """{split: rows} of distinct `arith` problems (no question in two splits), drawn by one seeded generator."""
+    r, seen, rows = random.Random(f"arith-{seed}"), set(), {}
+    for s in ("test", "validation", "train"):
+        rows[s] = []
+        while len(rows[s]) < counts[s]:
+            row = _arith(r)
+            if row["question"] not in seen:
+                seen.add(row["question"])
+                rows[s].append(row)
+    return rows
+
+
+TASKS = {"arith": arith_rows, "gsm8k": synthetic_rows}
 
 
 def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:

@@ -13,7 +13,10 @@ def register(sub) -> None:
     add_bench_job(p, "<ray.storage_path>/bench-task-<time>")
     p.add_argument("--records", default=None, metavar="FILE.jsonl",
                    help="prompt/completion JSONL (an optional \"teacher\" column with two values routes the "
-                        "specialists' arms); default: the synthetic GSM8K")
+                        "specialists' arms); default: the built-in --task")
+    p.add_argument("--task", default=None, help="a built-in task when no --records: arith (two-step arithmetic "
+                                                  "worked in one line; the default) or gsm8k (the synthetic GSM8K "
+                                                  "word problems, about 4x longer)")
     p.add_argument("--checker", default="number", help="number (the final number after ####) or exact (the whole "
                                                        "completion)")
     p.add_argument("--arms", nargs="+", default=None,
@@ -36,7 +39,7 @@ def task(args) -> int:
     from kava_ray.bench.task import MIN_GAP, MIN_START, run_task_bench
     from kava_ray.bench.task_report import format_task
 
-    out = run_task_bench(args.config, args.overrides, records=args.records, checker=args.checker, arms=args.arms,
+    out = run_task_bench(args.config, args.overrides, records=args.records, task=args.task, checker=args.checker, arms=args.arms,
                          steps=args.steps, seeds=args.seeds, quick=args.quick, out=args.out, cache=args.cache,
                          min_start=MIN_START if args.min_start is None else args.min_start,
                          min_gap=MIN_GAP if args.min_gap is None else args.min_gap)
