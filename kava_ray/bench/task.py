@@ -67,17 +67,19 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 # student's layers (of the job's student model); ft_*: a teacher fine-tune (at most ft_max steps, evaluated every
 # ft_every on the validation prompts, plateau past ft_min steps: the best of the last ft_patience evaluations within
 # ft_delta of the best before; spec_max: a specialist's, half the skills); lr_grid: multiples of lr tried on seed 0
-# (grid_extend: at most this many extensions past an edge); eval_batch: prompts per greedy / sampled generation
+# (grid_extend: at most this many extensions past an edge); warm_*: the student's SFT warm start (at most warm_steps,
+# until its validation exact match is at least warm_reach); eval_batch: prompts per greedy / sampled generation
 DEFAULTS = {"counts": {"train": 2048, "validation": 64, "test": 128}, "n_test": 128, "max_length": 96, "max_new": 40,
-            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29],
+            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [*range(0, 30, 2), 29],
             "lr_teacher": 1e-4, "ft_max": 200, "spec_max": 100, "ft_every": 25, "ft_min": 75, "ft_patience": 2,
             "ft_delta": 0.02,
-            "lr_warm": 3e-4, "warm_steps": 25, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
+            "lr_warm": 1e-4, "warm_steps": 300, "warm_reach": 0.1, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
             "temperature": 1.0, "eval_batch": 64, "quick": False}
 QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
          "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "spec_max": 1,
          "ft_every": 1,
-         "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "lr": 1e-3,
+         "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "warm_reach": 1.0,
+         "lr": 1e-3,
          "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "eval_batch": 4, "quick": True}
 
 
@@ -157,9 +159,9 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
     ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
 
-    def tune(name, records_dir, rows, model, keep, steps_, lr, plateau):
+    def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
         ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
-                            checker, p, steps_, lr, cache_dir, root, tok, say, plateau)
+                            checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
         return ft[name]
 
     tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
@@ -167,7 +169,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         for spec in rec.specialists:
             tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
                  p["lr_teacher"], True)
-    tune("warm", rec.plain, val, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
+    tune("warm", rec.plain, val, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
     teacher = load_model(ft["teacher"]["path"], dtype="float32")
     job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
     test_split = load_test_split(job0, tok)

@@ -53,13 +53,15 @@ def plateaued(curve: list, patience: int, delta: float, min_step: int = 0) -> bo
 
 def finetune(base: JobConfig, name: str, records: Path, content: str, student: str, keep: Optional[list],
              val_rows: list, checker: str, p: dict, steps: int, lr: float, cache: Path, root: Path, tok,
-             say: Callable[[str], None], plateau: bool) -> dict:
-    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`: `steps` steps, or with `plateau` until
-    the validation exact match plateaus (evaluated every p["ft_every"] steps, past p["ft_min"], at most `steps`).
+             say: Callable[[str], None], plateau: bool, reach: Optional[float] = None) -> dict:
+    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`, evaluated every p["ft_every"] steps: at
+    most `steps` steps, with `plateau` until the validation exact match plateaus (past p["ft_min"]), with `reach`
+    until it is at least `reach` (a warm start that writes the answer format and gets some right).
     Returns {"path", "curve" [(step, {em, ...})], "steps", "wall_s", "kept"}; read back from the cache."""
     sizes = ("max_length", "batch_size", "max_new", "ft_every", "ft_patience", "ft_delta", "ft_min")
     key = run_key({"name": name, "student": str(student), "keep": keep, "records": content, "steps": steps,
-                   "lr": lr, "plateau": plateau, **{k: p[k] for k in sizes}})
+                   "lr": lr, "plateau": plateau, **({} if reach is None else {"reach": reach}),
+                   **{k: p[k] for k in sizes}})
     out = cache / f"{name}-{key}"
     meta_path = out / "finetune.json"
     if meta_path.is_file() and (out / "config.json").is_file():
@@ -72,7 +74,7 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
     models = {"base": load_model(str(student), dtype="float32")}
     t0 = time.time()
 
-    every = p["ft_every"] if plateau else steps
+    every = p["ft_every"]  # the curve of a fixed-length fine-tune too
     evals = [0]
 
     def evaluate(recipe) -> dict:
@@ -83,13 +85,16 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
         return {"em": r["em"]}
 
     def stop(curve) -> bool:
-        return plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
+        if reach is not None and curve[-1][1]["em"] >= reach:
+            return True
+        return plateau and plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
 
     run = train_in_process(cfg, in_process_plans(cfg, models), InProcessSource(models), steps, every, evaluate,
-                           stop=stop if plateau else None)
+                           stop=stop)
     run["recipe"].distiller.student.save_pretrained(out)
     tok.save_pretrained(out)
     meta = {"path": str(out), "curve": run["curve"], "steps": run["curve"][-1][0], "wall_s": time.time() - t0,
-            "plateaued": stop(run["curve"]) if plateau else None}
+            "plateaued": plateaued(run["curve"], p["ft_patience"], p["ft_delta"], p["ft_min"]) if plateau else None,
+            "reached": None if reach is None else run["curve"][-1][1]["em"] >= reach}
     write_json(meta_path, meta)
     return {**meta, "kept": False}
