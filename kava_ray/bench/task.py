@@ -5,7 +5,8 @@ GSM8K with `--task gsm8k`, or any prompt/completion JSONL with its checker); a c
 teacher's model fine-tuned on the training split until held-out exact match plateaus, kept by content:
 `bench.task_finetune`) and, for the
 multi-teacher arms, two specialists fine-tuned on one half of the records each (the `teacher` column); a student
-that can already write the answer format (an SFT warm start of the job's layer-dropped student) and a gate fixed
+that can already write the answer format (an SFT warm start of the job's layer-dropped student; of the fine-tuned
+teacher's layers where the job's student is its teacher's model, as the demo's) and a gate fixed
 before the run (its exact match at least `min_start`, and `min_gap` below the teacher's; else one line and stop).
 
 Then every arm from that warm start, the same number of student steps, paired over seeds (a seed draws the record
@@ -70,7 +71,7 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 # (grid_extend: at most this many extensions past an edge); warm_*: the student's SFT warm start (at most warm_steps,
 # until its validation exact match is at least warm_reach); eval_batch: prompts per greedy / sampled generation
 DEFAULTS = {"counts": {"train": 2048, "validation": 64, "test": 128}, "n_test": 128, "max_length": 96, "max_new": 40,
-            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [*range(0, 30, 2), 29],
+            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
             "lr_teacher": 1e-4, "ft_max": 200, "spec_max": 100, "ft_every": 25, "ft_min": 75, "ft_patience": 2,
             "ft_delta": 0.02,
             "lr_warm": 1e-4, "warm_steps": 300, "warm_reach": 0.1, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
@@ -169,7 +170,11 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         for spec in rec.specialists:
             tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
                  p["lr_teacher"], True)
-    tune("warm", rec.plain, val, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
+    # the student's start: its model's layers `keep`; where the job's student is its teacher's model (the demo),
+    # the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student starts in the regime
+    # on-policy distillation needs (it writes the answer format)
+    pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
+    tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
     teacher = load_model(ft["teacher"]["path"], dtype="float32")
     job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
     test_split = load_test_split(job0, tok)
