@@ -11,7 +11,15 @@ import pytest
 from kava_ray.bench.stats import paired
 from kava_ray.bench.task import ARMS, QUICK_ARMS
 from kava_ray.bench.task_finetune import plateaued
-from kava_ray.bench.task_records import SPECIALISTS, TASKS, arith_rows, correct, file_rows, synthetic_rows, write_records
+from kava_ray.bench.task_records import (
+    SPECIALISTS,
+    TASKS,
+    arith_rows,
+    correct,
+    file_rows,
+    synthetic_rows,
+    write_records,
+)
 from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, summarize
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main

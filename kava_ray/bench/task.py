@@ -30,7 +30,7 @@ from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import finetune, records_job
-from kava_ray.bench.task_records import CHECKERS, TASKS, exact_match, file_rows, write_records
+from kava_ray.bench.task_records import CHECKERS, TASKS, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, run_trl_gkd
 from kava_ray.common.config import derive, load_config
@@ -41,6 +41,7 @@ from kava_ray.core.models import load_model, load_student, load_tokenizer
 from kava_ray.core.plans import in_process_plans
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.splits import load_splits, load_test_split
+from kava_ray.data.tokenize import encode_prompt
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.console import status
 
@@ -73,15 +74,13 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 DEFAULTS = {"counts": {"train": 2048, "validation": 64, "test": 128}, "n_test": 128, "max_length": 96, "max_new": 40,
             "batch_size": 8, "steps": 12, "seeds": 5, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
             "lr_teacher": 1e-4, "ft_max": 200, "spec_max": 100, "ft_every": 25, "ft_min": 75, "ft_patience": 2,
-            "ft_delta": 0.02,
-            "lr_warm": 1e-4, "warm_steps": 300, "warm_reach": 0.1, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
-            "temperature": 1.0, "eval_batch": 64, "quick": False}
+            "ft_delta": 0.02, "lr_warm": 1e-4, "warm_steps": 300, "warm_reach": 0.1, "lr": 1e-4,
+            "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2, "temperature": 1.0, "eval_batch": 64, "quick": False}
 QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
          "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "spec_max": 1,
-         "ft_every": 1,
-         "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1, "warm_reach": 1.0,
-         "lr": 1e-3,
-         "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "eval_batch": 4, "quick": True}
+         "ft_every": 1, "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1,
+         "warm_reach": 1.0, "lr": 1e-3, "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "eval_batch": 4,
+         "quick": True}
 
 
 def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
@@ -124,9 +123,20 @@ def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
     return base.teachers[0].model, base.student.model, load_tokenizer(base.teachers[0].model)
 
 
+def _fit_sizes(p: dict, rows: dict, tok) -> None:
+    """max_length / max_new at least the longest record (prompt as rendered, completion, eos) and its longest
+    completion in tokens (+4), so a longer task (`--task gsm8k`, a file) keeps its final answer: the defaults are
+    arith's (where they change nothing)."""
+    n = [(len(encode_prompt(tok, r["question"])), len(tok(r["answer"])["input_ids"]) + 1)
+         for split in rows.values() for r in split]
+    p["max_length"] = max(p["max_length"], max(a + b for a, b in n))
+    p["max_new"] = max(p["max_new"], max(b for _, b in n) + 4)
+
+
 def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, records: Optional[str] = None,
-                   task: Optional[str] = None, checker: str = "number", arms: Optional[Sequence[str]] = None, steps: Optional[int] = None,
-                   seeds: Optional[int] = None, quick: bool = False, out: Optional[str] = None,
+                   task: Optional[str] = None, checker: str = "number", arms: Optional[Sequence[str]] = None,
+                   steps: Optional[int] = None, seeds: Optional[int] = None, quick: bool = False,
+                   out: Optional[str] = None,
                    cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
                    progress: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json)."""
@@ -157,8 +167,11 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         f"({f'the built-in {task!r} task' if records is None else records}; checker {checker})"
         + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
     t_model, s_model, tok = _models(base, quick, root)
+    if not quick:  # (the quick mode's tiny random models answer nothing: its sizes stay small)
+        _fit_sizes(p, rows, tok)
     val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
     ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
+    two = any(ARMS[a]["teachers"] == "two" for a in names)  # the specialists are needed
 
     def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
         ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
@@ -166,7 +179,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         return ft[name]
 
     tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
-    if any(ARMS[a]["teachers"] == "two" for a in names):
+    if two:
         for spec in rec.specialists:
             tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
                  p["lr_teacher"], True)
@@ -175,19 +188,20 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     # on-policy distillation needs (it writes the answer format)
     pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
     tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
+    ft["warm"]["from"] = str(pruned)
     teacher = load_model(ft["teacher"]["path"], dtype="float32")
     job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
     test_split = load_test_split(job0, tok)
     val_split = load_splits(job0, tok)[1]
 
     def evaluate(student) -> dict:
-        em = exact_match(student, tok, test, checker, p["max_new"], p["eval_batch"])
+        em = score(student, tok, test, checker, p)
         sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
         return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
                 "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
                 "samples": em["samples"]}
 
-    t_em = exact_match(teacher, tok, test, checker, p["max_new"], p["eval_batch"])
+    t_em = score(teacher, tok, test, checker, p)
     start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
     gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
             "n": len(test)}
@@ -201,7 +215,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                         f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
                         f"({root / 'gate.json'})")
     models = {"teacher": teacher}
-    for spec in rec.specialists if any(ARMS[a]["teachers"] == "two" for a in names) else ():
+    for spec in rec.specialists if two else ():
         models[spec] = load_model(ft[spec]["path"], dtype="float32")
     ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
            "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
@@ -271,8 +285,7 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
     out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
            "train_s": train_s, "wall_s": None, **work}
     if with_val:
-        out["val"] = {"em": exact_match(student, ctx["tok"], ctx["val"], ctx["checker"], p["max_new"],
-                                        p["eval_batch"])["em"],
+        out["val"] = {"em": score(student, ctx["tok"], ctx["val"], ctx["checker"], p)["em"],
                       "ce": heldout_ce(student, ctx["val_split"])}
     out["wall_s"] = time.time() - t0
     write_json(path, out)

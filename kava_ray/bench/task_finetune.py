@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kava_ray.bench.inprocess import run_key, train_in_process
-from kava_ray.bench.task_records import exact_match
+from kava_ray.bench.task_records import score
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import write_json
 from kava_ray.core.models import load_model
@@ -78,23 +78,26 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
     evals = [0]
 
     def evaluate(recipe) -> dict:
-        r = exact_match(recipe.distiller.student, tok, val_rows, checker, p["max_new"], p["eval_batch"])
+        r = score(recipe.distiller.student, tok, val_rows, checker, p)
         say(f"{name}: step {min(evals[0] * every, steps)}, validation exact match {100 * r['em']:.1f} % "
             f"({r['correct']}/{r['n']}, {time.time() - t0:.0f} s)")
         evals[0] += 1
         return {"em": r["em"]}
 
+    def flat(curve) -> bool:
+        return plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
+
+    def reached(curve) -> bool:
+        return reach is not None and curve[-1][1]["em"] >= reach
+
     def stop(curve) -> bool:
-        if reach is not None and curve[-1][1]["em"] >= reach:
-            return True
-        return plateau and plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
+        return reached(curve) or (plateau and flat(curve))
 
     run = train_in_process(cfg, in_process_plans(cfg, models), InProcessSource(models), steps, every, evaluate,
                            stop=stop)
     run["recipe"].distiller.student.save_pretrained(out)
     tok.save_pretrained(out)
     meta = {"path": str(out), "curve": run["curve"], "steps": run["curve"][-1][0], "wall_s": time.time() - t0,
-            "plateaued": plateaued(run["curve"], p["ft_patience"], p["ft_delta"], p["ft_min"]) if plateau else None,
-            "reached": None if reach is None else run["curve"][-1][1]["em"] >= reach}
+            "plateaued": flat(run["curve"]) if plateau else None, "reached": reached(run["curve"]) if reach else None}
     write_json(meta_path, meta)
     return {**meta, "kept": False}

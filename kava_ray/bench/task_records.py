@@ -2,9 +2,9 @@
 
 A built-in task (`TASKS`: `arith`, two-step arithmetic worked in one line, by default — short enough for a 2-core
 box to fine-tune a competent teacher and run every arm; `gsm8k`, the synthetic GSM8K word problems), each record
-routed by a `teacher` column to the specialist of its half of the problem templates, or any prompt/completion JSONL (`--records FILE.jsonl`; an optional `teacher` column with two
-values routes its records the same way), split by a seeded shuffle into train / validation / test. Written as the
-product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy exact match
+routed by a `teacher` column to the specialist of its half of the problem templates, or any prompt/completion JSONL
+(`--records FILE.jsonl`; an optional `teacher` column with two values routes its records the same way), split by a
+seeded shuffle into train / validation / test. Written as the product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy exact match
 read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
 
 Checkers: `number` (the final number after the last `####`, else the last number: `data.final_answer`) or `exact`
@@ -154,6 +154,11 @@ def correct(checker: str, pred: str, gold: str) -> bool:
         return pred.strip() == gold.strip()
     p = final_answer(pred)
     return p is not None and p == final_answer(gold)
+
+
+def score(model, tok, rows: Sequence[dict], checker: str, p: dict) -> dict:
+    """`exact_match` at the bench's sizes (p["max_new"] new tokens, p["eval_batch"] prompts a batch)."""
+    return exact_match(model, tok, rows, checker, p["max_new"], p["eval_batch"])
 
 
 def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:

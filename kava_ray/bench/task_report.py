@@ -20,7 +20,8 @@ ENTROPY_FLOOR = 0.5  # ... nor sample at an entropy below this share of the warm
 
 def decision_rule() -> str:
     return (f"an arm helps when its paired exact-match gain over {BASE} has a 95 % interval excluding 0, AND its "
-            f"test CE is not worse than {BASE}'s by more than {CE_MARGIN} nats (the paired interval's upper end), AND its samples' entropy stays above "
+            f"test CE is not worse than {BASE}'s by more than {CE_MARGIN} nats (the paired interval's upper end), "
+            f"AND its samples' entropy stays above "
             f"{ENTROPY_FLOOR:g} x the warm start's; an arm below that entropy floor is 'collapsed', never 'helps'")
 
 
@@ -114,8 +115,9 @@ def format_task(r: dict) -> str:
         f"validation exact match curve {_curve(ft['teacher']['curve'])}"
         + (" (plateaued)" if ft["teacher"].get("plateaued") else " (stopped at its step limit)"),
         *spec_lines,
-        f"warm start: {r['student_model']} layers {p['keep']}, {ft['warm']['steps']} SFT steps at lr "
-        f"{p['lr_warm']:g}",
+        f"warm start: {ft['warm'].get('from', r['student_model'])} layers {p['keep']}, {ft['warm']['steps']} SFT "
+        f"steps at lr {p['lr_warm']:g} (until validation exact match >= {100 * p.get('warm_reach', 0):g} %), curve "
+        f"{_curve(ft['warm']['curve'])}",
         f"gate (fixed before the run): warm start {100 * g['start_em']:.1f} % >= {100 * g['min_start']:g} % and "
         f"teacher {100 * g['teacher_em']:.1f} % >= {100 * g['min_gap']:g} points above it: "
         + ("passes" if g["passes"] else "FAILS"),
@@ -126,7 +128,8 @@ def format_task(r: dict) -> str:
                       "teacher fwd + writes / sample", "student-sampled tokens / sample", "s/step", "wall min"], rows),
         "",
         f"paired differences against {BASE} (arm - {BASE}, mean [95 % t-interval], * = excludes 0):",
-        format_table(["arm", "Δ exact match (points)", "Δ test CE", "Δ reverse KL", "Δ entropy", "decision"], d_rows),
+        format_table(["arm", "Δ exact match (points)", "Δ test CE", "Δ reverse KL", "Δ entropy", "decision"],
+                     d_rows),
         f"decision rule (fixed before the run): {r['decision_rule']} (floor here {r['entropy_floor']:.3f} nats/token)",
         *extra,
         f"wall {r['wall_s'] / 60:.1f} min; out {r['out']}"])

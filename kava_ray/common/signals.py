@@ -1,10 +1,11 @@
 """SIGTERM (`kill`, Slurm, Kubernetes) ends a command as Ctrl-C does: one line, the last checkpoint intact.
 
 `sigterm_as_interrupt()` turns SIGTERM into SIGINT, so every command's own Ctrl-C handling runs (Ray Train's run
-stops, a Tune sweep saves its state), also where SIGINT is ignored (a script's `cmd &`); `terminated()` then says it was a SIGTERM (the CLI exits 143, as a shell
-reports a process SIGTERM ended). `ray.init` installs a SIGTERM handler of its own (exit 1, or a C++ dump as the
-core worker dies mid-call), so `kava_ray.runtime.connect` installs this one again once Ray is up. A SIGTERM to the
-whole process group also ends an embedded Ray: the way out asks it nothing (`runtime.job.job_teachers`).
+stops, a Tune sweep saves its state), also where SIGINT is ignored (a script's `cmd &`); `terminated()` then says it
+was a SIGTERM (the CLI exits 143, as a shell reports a process SIGTERM ended). `ray.init` installs a SIGTERM
+handler of its own (exit 1, or a C++ dump as the core worker dies mid-call), so `kava_ray.runtime.connect` installs
+this one again once Ray is up. A SIGTERM to the whole process group also ends an embedded Ray: the way out asks it
+nothing (`runtime.job.job_teachers`).
 """
 
 from __future__ import annotations

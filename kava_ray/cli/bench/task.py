@@ -39,7 +39,8 @@ def task(args) -> int:
     from kava_ray.bench.task import MIN_GAP, MIN_START, run_task_bench
     from kava_ray.bench.task_report import format_task
 
-    out = run_task_bench(args.config, args.overrides, records=args.records, task=args.task, checker=args.checker, arms=args.arms,
+    out = run_task_bench(args.config, args.overrides, records=args.records, task=args.task, checker=args.checker,
+                         arms=args.arms,
                          steps=args.steps, seeds=args.seeds, quick=args.quick, out=args.out, cache=args.cache,
                          min_start=MIN_START if args.min_start is None else args.min_start,
                          min_gap=MIN_GAP if args.min_gap is None else args.min_gap)
