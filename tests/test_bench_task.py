@@ -168,6 +168,8 @@ def test_bench_task_quick_gate_then_arms_and_trl(tmp_path, capsys):
     r = json.loads(stdout.strip().splitlines()[-1])
     assert r["arms"] == list(QUICK_ARMS) and r["gate"]["passes"]
     assert all(r["finetunes"][n]["kept"] for n in ("teacher", "warm", *SPECIALISTS))  # the gate run's, reused
+    # one model for teacher and student (as the demo's job): the student starts from the fine-tuned teacher's layers
+    assert r["finetunes"]["warm"]["from"] == r["finetunes"]["teacher"]["path"] and "warm start: " in stdout
     for arm in QUICK_ARMS:
         assert len(r["runs"][arm]) == 2 and arm in stdout
         assert len(r["lr"][arm]["grid"]) == 2

@@ -113,13 +113,13 @@ def _rows(records: Optional[str], task: str, checker: str, p: dict, names: list,
 
 def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
     """(teacher model, student model, tokenizer): the job's first teacher's and its student's models, or with
-    `quick` two tiny random llamas (kava_ray.testing.tiny) of the shared byte tokenizer."""
+    `quick` one tiny random llama (kava_ray.testing.tiny, the shared byte tokenizer) as both, as the demo's job
+    has one model for both (so the student starts from the fine-tuned teacher's layers)."""
     if quick:
         from kava_ray.testing.tiny import build_tiny_model
 
         t = build_tiny_model(root / "tiny_teacher", family="llama", num_layers=3, hidden_size=64, seed=1)
-        s = build_tiny_model(root / "tiny_student", family="llama", num_layers=3, hidden_size=64, seed=2)
-        return str(t), str(s), load_tokenizer(str(t))
+        return str(t), str(t), load_tokenizer(str(t))
     return base.teachers[0].model, base.student.model, load_tokenizer(base.teachers[0].model)
 
 
