@@ -84,6 +84,14 @@ def test_a_wrong_task_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, a
     assert len(err.strip().splitlines()) == 1 and not out.exists()
 
 
+def test_a_records_file_that_repeats_a_prompt_is_refused(tmp_path):
+    """A repeated prompt could land in train and test: a test score that measures memory, so refused."""
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"q{i % 15}", "completion": f"#### {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(KavaError, match="record 16's prompt is record 1's too"):
+        file_rows(str(f), "number", COUNTS)
+
+
 def test_records_file_needs_enough_rows_and_two_teachers(tmp_path):
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"q{i}", "completion": f"#### {i}", "teacher": f"t{i % 3}"}) + "\n"

@@ -4,8 +4,9 @@ A built-in task (`TASKS`: `arith`, two-step arithmetic worked in one line, by de
 box to fine-tune a competent teacher and run every arm; `gsm8k`, the synthetic GSM8K word problems), each record
 routed by a `teacher` column to the specialist of its half of the problem templates, or any prompt/completion JSONL
 (`--records FILE.jsonl`; an optional `teacher` column with two values routes its records the same way), split by a
-seeded shuffle into train / validation / test. Written as the product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy exact match
-read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
+seeded shuffle into train / validation / test (a prompt written twice is refused: it could sit in two splits).
+Written as the product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy
+exact match read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
 
 Checkers: `number` (the final number after the last `####`, else the last number: `data.final_answer`) or `exact`
 (the whole completion, stripped).
@@ -124,6 +125,11 @@ def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:
     if len(rows) < need:
         raise KavaError(f"bench task: {path} has {len(rows)} records; needs at least {need} (test "
                         f"{counts['test']} + validation {counts['validation']} + training)")
+    seen: dict = {}
+    for i, r in enumerate(rows, 1):
+        if seen.setdefault(r["question"], i) != i:
+            raise KavaError(f"bench task: {path}: record {i}'s prompt is record {seen[r['question']]}'s too (a "
+                            f"prompt in two splits would score what the student memorised): write each prompt once")
     random.Random(seed).shuffle(rows)
     n_t, n_v = counts["test"], counts["validation"]
     return {"test": rows[:n_t], "validation": rows[n_t:n_t + n_v], "train": rows[n_t + n_v:][:counts["train"]]}
