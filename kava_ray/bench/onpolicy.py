@@ -6,6 +6,10 @@ answers the production request with the real tiny teacher's payload (KV, top-k, 
 seconds per batch in a thread of its own (one batch at a time, like an actor), so they use no CPU while "busy".
 First lag 0 with D = 0 measures S (sampling) and T (training) per step; then D is set to S + T (the regime where
 overlap matters most: hidden, the step is max(S + T, D); serial, S + T + D), and lag 0 and lag 1 run side by side.
+
+`--engine hf vllm` (`run_engine_bench`): the same student, prompts and lengths sampled by each `onpolicy.engine`
+(Hugging Face generate; vLLM colocated in this process, weights pushed each round), the step at lag 0 and lag 1 with
+instant teachers, and a teacher's scoring of the same sequences (HF forward + top-k against vLLM prompt log-probs).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class TimedSource:
             p.shutdown(wait=True)
 
 
-def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_tokens: int, steps: int):
+def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_tokens: int, steps: int,
+            engine: str = "hf"):
     return validate_config({
         "name": "bench-onpolicy",
         "teachers": [{"name": "teacher", "model": str(t_dir), "dtype": "float32"}],
@@ -67,7 +72,7 @@ def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_t
         "data": {"num_train": 4 * batch * steps, "num_test": 4, "num_val": 4},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
         "loss": {"logit_weight": 1.0, "logit_top_k": 16, "kv_weight": 0.1, "logit_divergence": "reverse_kl_sampled"},
-        "onpolicy": {"fraction": 1.0, "max_new_tokens": new_tokens, "lag": lag},
+        "onpolicy": {"fraction": 1.0, "max_new_tokens": new_tokens, "lag": lag, "engine": engine},
         "optim": {"lr_student": 1e-4, "lr_projector": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "train": {"steps": steps, "batch_size": batch, "max_length": 512},
         "ray": {"storage_path": str(storage), "num_workers": 1, "use_gpu": False},
@@ -81,6 +86,7 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
     source = TimedSource(models, delay_s)
     data = recipe.data(source)
     rows = []
+    tokens0 = None
     try:
         for step in range(1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -89,10 +95,15 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
             m = data.step_metrics()
             sample, wait = m[SAMPLE_S], m[TEACHER_WAIT_S]
             rows.append({"step_s": dt, "sample_s": sample, "wait_s": wait, "train_s": dt - sample - wait})
+            if step == warmup:
+                tokens0 = (data.sampler.tokens, data.sampler.seconds)
     finally:
         source.close()
+        data.close()
     kept = rows[warmup:]
-    return {k: statistics.median(r[k] for r in kept) for k in kept[0]} | {"steps": len(kept)}
+    tokens, seconds = data.sampler.tokens - tokens0[0], data.sampler.seconds - tokens0[1]
+    return ({k: statistics.median(r[k] for r in kept) for k in kept[0]}
+            | {"steps": len(kept), "tokens_per_s": tokens / seconds if seconds else 0.0})
 
 
 def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2) -> dict:
@@ -119,6 +130,78 @@ def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, wa
             "speedup": lag0["step_s"] / lag1["step_s"], "target": 1.10, "passes": lag1["step_s"] <= 1.10 * hidden,
             "batch": batch, "new_tokens": new_tokens, "steps": steps, "warmup": warmup,
             "wall_s": time.perf_counter() - t_start}
+
+
+def _scoring(model_dir: Path, batch: int, length: int, k: int, reps: int = 3) -> dict:
+    """Positions per second a teacher scores: HF forward + top-k log-probs (`teacher_forward_kv`, no KV layers kept)
+    against vLLM's prompt log-probs (`VLLMEngine.prompt_topk`), the same `batch` sequences of `length` tokens."""
+    from actors.vllm_engine import VLLMEngine
+
+    model = load_model(str(model_dir), dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    out = {}
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        teacher_forward_kv(model, ids, mask, layers=[0], logits_top_k=k, token_logprobs=True)
+    out["hf"] = reps * batch * length / (time.perf_counter() - t0)
+    engine = VLLMEngine(str(model_dir), max_model_len=length + 1, max_num_seqs=batch, max_logprobs=k)
+    try:
+        engine.prompt_topk(ids.tolist(), k)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            engine.prompt_topk(ids.tolist(), k)
+        out["vllm"] = reps * batch * length / (time.perf_counter() - t0)
+    finally:
+        engine.close()
+    return out | {"batch": batch, "length": length, "k": k}
+
+
+def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2
+                     ) -> dict:
+    """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0 and lag 1 (the
+    teachers instant: what differs is the sampling), and the teacher scoring figure beside it."""
+    from actors.vllm_engine import require_vllm
+
+    if "vllm" in engines:
+        require_vllm("bench onpolicy --engine vllm")
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kava-bench-engines-") as tmp:
+        tmp = Path(tmp)
+        t_dir = build_tiny_model(tmp / "teacher", seed=1, **TEACHER)
+        s_dir = build_tiny_model(tmp / "student", seed=2, **STUDENT)
+        models = {"teacher": load_model(str(t_dir), dtype="float32")}
+        runs = {}
+        for engine in engines:
+            for lag in (0, 1):
+                status(f"bench onpolicy: engine {engine}, lag {lag}")
+                runs[f"{engine} lag {lag}"] = _run(_config(t_dir, s_dir, tmp / "runs", lag, batch, new_tokens, steps,
+                                                           engine), models, 0.0, warmup)
+        scoring = _scoring(s_dir, 8, 128, 16) if "vllm" in engines else None
+    return {"engines": engines, "runs": runs, "scoring": scoring, "batch": batch, "new_tokens": new_tokens,
+            "steps": steps, "warmup": warmup, "wall_s": time.perf_counter() - t_start}
+
+
+def format_engine_bench(r: dict) -> str:
+    rows = [[name, f"{d['tokens_per_s']:.1f}", f"{d['step_s']:.3f}", f"{d['sample_s']:.3f}", f"{d['train_s']:.3f}"]
+            for name, d in r["runs"].items()]
+    lines = [f"on-policy sampling engines, median over {r['steps'] - r['warmup']} steps after {r['warmup']} (the "
+             f"student {STUDENT['num_layers']} layers x {STUDENT['hidden_size']}, batch {r['batch']}, "
+             f"{r['new_tokens']} new tokens, teachers instant):",
+             format_table(["engine", "sampled tok/s", "step s", "sample s", "train s"], rows)]
+    base = r["runs"].get("hf lag 0")
+    for name, d in r["runs"].items():
+        if base and not name.startswith("hf"):
+            lines.append(f"{name}: {d['tokens_per_s'] / base['tokens_per_s']:.2f}x hf lag 0's sampled tokens/s, "
+                         f"step {d['step_s'] / base['step_s']:.2f}x")
+    s = r.get("scoring")
+    if s:
+        lines.append(f"teacher scoring ({s['batch']} x {s['length']} positions, top-{s['k']}): HF forward "
+                     f"{s['hf']:.0f} positions/s, vLLM prompt log-probs {s['vllm']:.0f} positions/s "
+                     f"({s['vllm'] / s['hf']:.2f}x)")
+    lines.append(f"wall {r['wall_s']:.0f} s")
+    return "\n".join(lines)
 
 
 def format_onpolicy_bench(r: dict) -> str:

@@ -300,6 +300,11 @@ class OnPolicyConfig(_Section):
     # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline group_mean's groups
     # (tinker's group_size is 4; TRL GRPO's num_generations)
     samples_per_prompt: int = Field(1, ge=1)
+    # what samples the student's completions: hf (Hugging Face generate on the worker) or vllm (a vLLM engine
+    # colocated on the worker, the student's weights pushed in before each sampling round; the `vllm` extra)
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm_kv_cache_mb: int = Field(256, ge=16)  # vllm on CPU: its KV cache (MiB)
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm on CUDA: its share of the GPU (TRL's 0.3)
 
 
 class OptimConfig(_Section):
@@ -439,6 +444,9 @@ class JobConfig(_Section):
                 raise ValueError("ray.strategy: fsdp cannot sample from the sharded student (each rank's generate "
                                  "would gather layers a different number of times); use ray.strategy: ddp for "
                                  "on-policy distillation, or onpolicy.source: teacher")
+        if o.engine == "vllm" and (o.fraction == 0 or o.source != "student"):
+            raise ValueError("onpolicy.engine: vllm samples the student's completions, and this job samples none "
+                             f"(onpolicy.fraction {o.fraction}, onpolicy.source {o.source}): set onpolicy.engine=hf")
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")
