@@ -82,6 +82,7 @@ class VLLMEngine:
                                                                                  int(kv_cache_bytes)}
         self.max_model_len = int(max_model_len)
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
+        preload = os.environ.get("LD_PRELOAD")  # and sets LD_PRELOAD (for workers it would spawn: none here)
         with torch.random.fork_rng():  # and seeds the global RNG: the trainer's stream stays its own
             self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=self.max_model_len,
                            max_num_seqs=int(max_num_seqs), max_logprobs=max(int(max_logprobs), 0), seed=int(seed),
@@ -89,6 +90,10 @@ class VLLMEngine:
                            enable_prefix_caching=False, enforce_eager=not cuda, load_format="dummy" if dummy else "auto",
                            **memory)
         torch.set_num_threads = set_threads
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
         self.pushes = 0
 
     @classmethod

