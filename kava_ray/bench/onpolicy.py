@@ -14,6 +14,7 @@ instant teachers, and a teacher's scoring of the same sequences (HF forward + to
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -106,14 +107,19 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
             | {"steps": len(kept), "tokens_per_s": tokens / seconds if seconds else 0.0})
 
 
-def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2) -> dict:
-    t_start = time.perf_counter()
+@contextlib.contextmanager
+def _models():
+    """(temp dir, the teacher's dir, the student's dir, {"teacher": model}): the bench's tiny models."""
     with tempfile.TemporaryDirectory(prefix="kava-bench-onpolicy-") as tmp:
         tmp = Path(tmp)
         t_dir = build_tiny_model(tmp / "teacher", seed=1, **TEACHER)
         s_dir = build_tiny_model(tmp / "student", seed=2, **STUDENT)
-        models = {"teacher": load_model(str(t_dir), dtype="float32")}
+        yield tmp, t_dir, s_dir, {"teacher": load_model(str(t_dir), dtype="float32")}
 
+
+def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2) -> dict:
+    t_start = time.perf_counter()
+    with _models() as (tmp, t_dir, s_dir, models):
         def cfg(lag):
             return _config(t_dir, s_dir, tmp / "runs", lag, batch, new_tokens, steps)
 
@@ -167,11 +173,7 @@ def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_to
     if "vllm" in engines:
         require_vllm("bench onpolicy --engine vllm")
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kava-bench-engines-") as tmp:
-        tmp = Path(tmp)
-        t_dir = build_tiny_model(tmp / "teacher", seed=1, **TEACHER)
-        s_dir = build_tiny_model(tmp / "student", seed=2, **STUDENT)
-        models = {"teacher": load_model(str(t_dir), dtype="float32")}
+    with _models() as (tmp, t_dir, s_dir, models):
         runs = {}
         for engine in engines:
             for lag in (0, 1):
