@@ -686,5 +686,5 @@ def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing
                                                                          "pip install 'kava-ray[vllm]'"))
     assert r.startswith("error: onpolicy.engine: vllm: vLLM is not installed here"), r
     refused(run_cli, tiny_job, *on, "onpolicy.engin=vllm", needles=("onpolicy.engin", "did you mean 'onpolicy.engine'"))
-    refused(run_cli, tiny_job, "onpolicy.engine=vllm", needles=("onpolicy.engine: vllm samples the student's",
+    refused(run_cli, tiny_job, "onpolicy.engine=vllm", needles=("'onpolicy.engine': vllm samples the student's",
                                                                 "set onpolicy.engine=hf"))
