@@ -57,7 +57,8 @@ def _environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _dtype(model_dtype: torch.dtype) -> str:
+def engine_dtype(model_dtype: torch.dtype) -> str:
+    """vLLM's name of a torch dtype (float32 for any other)."""
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(model_dtype,
                                                                                                    "float32")
 
@@ -80,7 +81,7 @@ class VLLMEngine:
         cuda = torch.cuda.is_available()
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {"kv_cache_memory_bytes":
                                                                                  int(kv_cache_bytes)}
-        self.max_model_len = int(max_model_len)
+        self.max_model_len, self.max_logprobs = int(max_model_len), max(int(max_logprobs), 0)
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
         preload = os.environ.get("LD_PRELOAD")  # and sets LD_PRELOAD (for workers it would spawn: none here)
         with torch.random.fork_rng():  # and seeds the global RNG: the trainer's stream stays its own
@@ -104,7 +105,7 @@ class VLLMEngine:
             cfg = model.config.to_dict()
             cfg.pop("quantization_config", None)
             model.config.__class__.from_dict(cfg).save_pretrained(d)
-            dtype = kw.pop("dtype", None) or _dtype(next(model.parameters()).dtype)
+            dtype = kw.pop("dtype", None) or engine_dtype(next(model.parameters()).dtype)
             return cls(d, dtype=dtype, dummy=True, **kw)
 
     def _runner(self):
@@ -146,13 +147,16 @@ class VLLMEngine:
             lps.append([float(pos[t].logprob) for pos, t in zip(o.logprobs[:n], ids[:n])])  # by id, not by rank
         return Samples(rows, lps)
 
-    def prompt_topk(self, seqs: list[list[int]], k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def prompt_topk(self, seqs: list[list[int]], k: int, last: bool = False
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per sequence of n tokens: (top-k ids [n, k] int64, their log-probs [n, k] fp32 sorted, descending; each
         next token's log-prob [n] fp32), position t predicting token t + 1 at temperature 1 (the last position:
-        zeros and its own top-k unknown, so -inf); `teacher_forward_kv`'s layout, from prompt log-probs."""
+        next token 0, its top-k -inf unless `last`: then read from the one token the request generates, at
+        temperature 1 too); `teacher_forward_kv`'s layout, from prompt log-probs."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=int(k), detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, prompt_logprobs=int(k),
+                                logprobs=int(k) if last else None, detokenize=False)
         with torch.random.fork_rng():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], params, use_tqdm=False)
         res = []
@@ -161,9 +165,14 @@ class VLLMEngine:
             ids = torch.zeros((n, k), dtype=torch.long)
             lp = torch.full((n, k), float("-inf"))
             nxt = torch.zeros(n)
-            for t in range(n - 1):
-                d = r.prompt_logprobs[t + 1]  # {id: Logprob} conditioned on s[:t + 1]: the actual token and the top-k
-                nxt[t] = float(d[s[t + 1]].logprob)
+            for t in range(n):
+                if t < n - 1:
+                    d = r.prompt_logprobs[t + 1]  # {id: Logprob} conditioned on s[:t + 1]: the actual token, the top-k
+                    nxt[t] = float(d[s[t + 1]].logprob)
+                elif last:
+                    d = r.outputs[0].logprobs[0]  # conditioned on all of s: the sampled token and the top-k
+                else:
+                    break
                 top = sorted(((v.rank, i, v.logprob) for i, v in d.items() if v.rank is not None and v.rank <= k))[:k]
                 for j, (_, i, v) in enumerate(top):
                     ids[t, j], lp[t, j] = i, float(v)

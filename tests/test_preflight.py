@@ -677,7 +677,8 @@ def test_a_carved_synthetic_source_reads_only_the_records_it_carves():
 def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing_is_sampled(run_cli, tiny_job,
                                                                                             monkeypatch):
     """`onpolicy.engine: vllm` where vLLM is not installed: the install command, before anything starts; a typo in
-    the key; the engine of a job that samples nothing. Each one line, exit 2, no run directory."""
+    the key; the engine of a job that samples nothing. `teachers[].engine: vllm`: the same install line; a job that
+    asks it for KV, or learns its fusion from KV. Each one line, exit 2, no run directory."""
     import actors.vllm_engine
 
     on = ["onpolicy.fraction=0.5", "loss.logit_weight=1"]
@@ -688,3 +689,9 @@ def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing
     refused(run_cli, tiny_job, *on, "onpolicy.engin=vllm", needles=("onpolicy.engin", "did you mean 'onpolicy.engine'"))
     refused(run_cli, tiny_job, "onpolicy.engine=vllm", needles=("'onpolicy.engine': vllm samples the student's",
                                                                 "set onpolicy.engine=hf"))
+    logits = ["teachers.0.engine=vllm", "loss.kv_weight=0", "loss.logit_weight=1"]
+    r = refused(run_cli, tiny_job, *logits, needles=("teachers[", "].engine: vllm", "not installed"))
+    assert r.startswith("error: teachers[") and "pip install 'kava-ray[vllm]'" in r, r
+    refused(run_cli, tiny_job, "teachers.0.engine=vllm", "loss.logit_weight=1",
+            needles=("].engine': vllm serves log-probs only", "loss.kv_weight is 1", "set it to 0"))
+    refused(run_cli, tiny_job, *logits, "fusion.kind=gate", needles=("fusion.kind gate learns its weights",))

@@ -122,6 +122,57 @@ def test_the_demos_real_smollm2_samples_with_its_own_logprobs():
 
 
 @pytest.fixture(scope="module")
+def vsmol_dir(tmp_path_factory):
+    """A teacher of another tokenizer (the real SmolLM2's) vLLM's CPU attention takes (head_dim 32)."""
+    from kava_ray.testing.tokenizers import real_tokenizer
+
+    return build_tiny_model(tmp_path_factory.mktemp("vsmol"), family="llama", num_layers=2, hidden_size=64,
+                            num_heads=2, num_kv_heads=1, tokenizer=real_tokenizer("smollm2"), seed=7)
+
+
+def test_a_vllm_teacher_serves_the_hf_teachers_topk_tail_and_token_logprobs(vsmol_dir):
+    """`teachers[].engine: vllm`'s forward (`VLLMTeacherActor`: prompt log-probs) against the HF teacher's
+    (`teacher_forward_kv`) on the same text, a right-padded and a left-padded row: the same top-k ids, their
+    log-probs, the tail mass and each next token's log-prob to TOL on every real position (the last one's top-k from
+    the generated token); padding 0; no layers, through the wire; asked for KV: refused."""
+    from actors.teacher import TeacherActor
+    from actors.vllm_teacher import VLLMTeacherActor
+    from kava_ray.common.errors import KavaError
+    from kava_ray.core.kv import KVBatch
+    from kava_ray.core.models import load_tokenizer
+
+    t = {"name": "smol", "model": str(vsmol_dir), "dtype": "float32"}
+    hf = TeacherActor(t)
+    vt = VLLMTeacherActor(dict(t, engine="vllm"), engine={"max_model_len": 33, "max_logprobs": 8})
+    try:
+        assert vt.error is None, vt.error
+        tok = load_tokenizer(str(vsmol_dir))
+        rows = [tok(x)["input_ids"][:16] for x in ("The quick brown fox jumps over the lazy dog, again and again.",
+                                                   "Sorted: 15 43 59 63 75", "def f(x): return x")]
+        T = max(map(len, rows))
+        ids, mask = torch.zeros((3, T), dtype=torch.long), torch.zeros((3, T), dtype=torch.long)
+        for b, r in enumerate(rows):
+            pos = slice(T - len(r), T) if b == 2 else slice(0, len(r))  # the last row left-padded
+            ids[b, pos], mask[b, pos] = torch.tensor(r), 1
+        want = hf._forward(ids, mask, [0], 8, False, True)
+        got = KVBatch.from_wire(vt._forward(ids, mask, [], 8, False, True).to_wire("fp16"), dtype=None)
+        assert got.layer_ids == [] and got.keys.shape[0] == 0
+        got = vt._forward(ids, mask, [], 8, False, True)
+        m = mask.bool()
+        assert torch.equal(got.topk_ids[m], want.topk_ids[m])
+        assert float((got.topk_logp[m] - want.topk_logp[m]).abs().max()) < TOL
+        assert float((got.topk_tail[m] - want.topk_tail[m]).abs().max()) < TOL
+        nxt = m & torch.roll(m, -1, 1)  # positions followed by a real token
+        assert float((got.token_logp[nxt] - want.token_logp[nxt]).abs().max()) < TOL
+        assert float(got.topk_logp[~m].abs().max()) == 0 and float(got.token_logp[~nxt].abs().max()) == 0
+        assert vt.geometry()["engine"] == "vllm" and vt.geometry()["max_logprobs"] == 8
+        with pytest.raises(KavaError, match="served by vLLM, which gives no KV"):
+            vt._forward(ids, mask, [0], 8, False, False)
+    finally:
+        vt.engine.close()
+
+
+@pytest.fixture(scope="module")
 def vjob(tmp_path_factory, tiny_qwen2_dir, smol_teacher_dir, vstudent_dir):
     tmp = tmp_path_factory.mktemp("vllm_job")
     return write_job(tmp, tiny_qwen2_dir, smol_teacher_dir, vstudent_dir,
@@ -150,14 +201,16 @@ def test_a_run_samples_with_vllm_and_resumes_exactly_at_lag_1(vjob, tmp_path):
                                                     "onpolicy/reverse_kl_sum/qwen", "grad_norm"), tol=1e-6)
 
 
-def test_ray_train_samples_with_vllm_beside_two_teachers_of_different_tokenizers(ray_session, vjob, capfd):
+def test_ray_train_samples_with_vllm_beside_two_teachers_of_different_tokenizers(ray_session, vjob, vsmol_dir,
+                                                                                   capfd):
     """`kava-ray train` with `onpolicy.engine: vllm`: the Train worker holds the engine; both teacher actors (the
-    student's tokenizer and SmolLM2's) score its samples every step; the run ends cleanly (the engine closed after
-    the loop) with its final student saved."""
+    student's tokenizer and SmolLM2's, the latter on vLLM: `teachers[].engine`, a logits-only job) score its samples
+    every step; the run ends cleanly (the engine closed after the loop) with its final student saved."""
     from jobs import read_jsonl
     from kava_ray.recipes.train import run_training
 
-    cfg = load_config(vjob, ON + ["train.steps=2", "train.save_steps=2", "train.eval_steps=2"])
+    cfg = load_config(vjob, ON + ["train.steps=2", "train.save_steps=2", "train.eval_steps=2", "loss.kv_weight=0",
+                                  f"teachers.1.model={vsmol_dir}", "teachers.1.engine=vllm"])
     capfd.readouterr()
     out = run_training(cfg, name="vllm", progress=False)
     assert ("on-policy: fraction 1 of the batches completed by the student through vLLM (up to 12 new tokens, "
@@ -167,4 +220,5 @@ def test_ray_train_samples_with_vllm_beside_two_teachers_of_different_tokenizers
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["onpolicy/sampled_tokens"] > 0 and math.isfinite(r["logit_kl/smol"]), r
+        assert "cos_sim" not in r  # no teacher ships KV
     assert (Path(out["run_dir"]) / "final" / "student" / "config.json").is_file()

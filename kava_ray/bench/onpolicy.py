@@ -139,9 +139,11 @@ def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, wa
 
 
 def _scoring(model_dir: Path, batch: int, length: int, k: int, reps: int = 3) -> dict:
-    """Positions per second a teacher scores: HF forward + top-k log-probs (`teacher_forward_kv`, no KV layers kept)
-    against vLLM's prompt log-probs (`VLLMEngine.prompt_topk`), the same `batch` sequences of `length` tokens."""
+    """Positions per second a logits-only teacher scores, the forward of each engine's actor on the same `batch`
+    sequences of `length` tokens: HF (`teacher_forward_kv` with no layers: top-k, tail, token log-probs) against vLLM
+    (`actors.vllm_teacher.topk_batch`: the same from prompt log-probs)."""
     from actors.vllm_engine import VLLMEngine
+    from actors.vllm_teacher import topk_batch
 
     model = load_model(str(model_dir), dtype="float32")
     g = torch.Generator().manual_seed(0)
@@ -150,14 +152,15 @@ def _scoring(model_dir: Path, batch: int, length: int, k: int, reps: int = 3) ->
     out = {}
     t0 = time.perf_counter()
     for _ in range(reps):
-        teacher_forward_kv(model, ids, mask, layers=[0], logits_top_k=k, token_logprobs=True)
+        teacher_forward_kv(model, ids, mask, layers=[], logits_top_k=k, token_logprobs=True)
     out["hf"] = reps * batch * length / (time.perf_counter() - t0)
     engine = VLLMEngine(str(model_dir), max_model_len=length + 1, max_num_seqs=batch, max_logprobs=k)
     try:
-        engine.prompt_topk(ids.tolist(), k)  # warm-up
+        serve = lambda: topk_batch(engine, ids, mask, k, "pre_rope", 1, 1)  # noqa: E731
+        serve()  # warm-up
         t0 = time.perf_counter()
         for _ in range(reps):
-            engine.prompt_topk(ids.tolist(), k)
+            serve()
         out["vllm"] = reps * batch * length / (time.perf_counter() - t0)
     finally:
         engine.close()

@@ -319,10 +319,13 @@ def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
 
 
 def check_engines(cfg: JobConfig, command: str) -> None:
-    """`onpolicy.engine: vllm` needs vLLM installed where the driver runs (its workers load it too): the pip
-    command in one line, before anything starts."""
+    """`onpolicy.engine: vllm` and `teachers[].engine: vllm` need vLLM installed where the driver runs (its workers
+    and actors load it too): the pip command in one line, before anything starts."""
     if command in ("train", "tune", "demo") and cfg.onpolicy.fraction > 0 and cfg.onpolicy.engine == "vllm":
         require_vllm("onpolicy.engine: vllm")
+    for t in cfg.teachers:  # (the actor loads it on its node; one install for driver and nodes here)
+        if t.engine == "vllm":
+            require_vllm(f"teachers[{t.name}].engine: vllm")
 
 
 def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str] = None) -> None:
