@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kava_ray.bench.engines import scoring_rates
 from kava_ray.common.config import validate_config
 from kava_ray.common.files import format_table
 from kava_ray.core.kv import teacher_forward_kv
@@ -138,35 +139,6 @@ def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, wa
             "wall_s": time.perf_counter() - t_start}
 
 
-def _scoring(model_dir: Path, batch: int, length: int, k: int, reps: int = 3) -> dict:
-    """Positions per second a logits-only teacher scores, the forward of each engine's actor on the same `batch`
-    sequences of `length` tokens: HF (`teacher_forward_kv` with no layers: top-k, tail, token log-probs) against vLLM
-    (`actors.vllm_teacher.topk_batch`: the same from prompt log-probs)."""
-    from actors.vllm_engine import VLLMEngine
-    from actors.vllm_teacher import topk_batch
-
-    model = load_model(str(model_dir), dtype="float32")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    out = {}
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        teacher_forward_kv(model, ids, mask, layers=[], logits_top_k=k, token_logprobs=True)
-    out["hf"] = reps * batch * length / (time.perf_counter() - t0)
-    engine = VLLMEngine(str(model_dir), max_model_len=length + 1, max_num_seqs=batch, max_logprobs=k)
-    try:
-        serve = lambda: topk_batch(engine, ids, mask, k, "pre_rope", 1, 1)  # noqa: E731
-        serve()  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            serve()
-        out["vllm"] = reps * batch * length / (time.perf_counter() - t0)
-    finally:
-        engine.close()
-    return out | {"batch": batch, "length": length, "k": k}
-
-
 def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2
                      ) -> dict:
     """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0 and lag 1 (the
@@ -183,7 +155,7 @@ def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_to
                 status(f"bench onpolicy: engine {engine}, lag {lag}")
                 runs[f"{engine} lag {lag}"] = _run(_config(t_dir, s_dir, tmp / "runs", lag, batch, new_tokens, steps,
                                                            engine), models, 0.0, warmup)
-        scoring = _scoring(s_dir, 8, 128, 16) if "vllm" in engines else None
+        scoring = scoring_rates(s_dir, 8, 128, 16) if "vllm" in engines else None
     return {"engines": engines, "runs": runs, "scoring": scoring, "batch": batch, "new_tokens": new_tokens,
             "steps": steps, "warmup": warmup, "wall_s": time.perf_counter() - t_start}
 
