@@ -73,7 +73,9 @@ class VLLMGenerate:
 
     def complete(self, prompts, max_new_tokens, temperature, top_p, seed) -> Samples:
         self.sync()
-        return self.engine.sample(prompts, max_new_tokens, temperature, top_p, eos_ids=self.eos, seed=seed)
+        s = self.engine.sample(prompts, max_new_tokens, temperature, top_p, eos_ids=self.eos, seed=seed)
+        self.engine.sleep()  # (CUDA sleep mode: its memory back to the step until the next round)
+        return s
 
     def close(self) -> None:
         self.engine.close()
@@ -104,7 +106,7 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
             rows = cfg.train.batch_size * o.samples_per_prompt
             engine = VLLMEngine.for_model(student, max_model_len=cfg.train.max_length, max_num_seqs=max(rows, 1),
                                           seed=cfg.train.seed, kv_cache_bytes=o.vllm_kv_cache_mb << 20,
-                                          gpu_memory_utilization=o.vllm_gpu_memory_utilization)
+                                          gpu_memory_utilization=o.vllm_gpu_memory_utilization, sleep_mode=True)
             return VLLMGenerate(student, eos_id, engine)
         return HFGenerate(student, eos_id, pad_id, autocast)
     name = onpolicy_writer(cfg)

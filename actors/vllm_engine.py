@@ -73,7 +73,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  max_logprobs: int = 0, seed: int = 0, dummy: bool = False, kv_cache_bytes: int = 256 << 20,
-                 gpu_memory_utilization: float = 0.3):
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
         require_vllm("vLLM engine")
         _environment()
         from vllm import LLM
@@ -81,6 +81,11 @@ class VLLMEngine:
         cuda = torch.cuda.is_available()
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {"kv_cache_memory_bytes":
                                                                                  int(kv_cache_bytes)}
+        # sleep mode (CUDA; TRL colocate's vllm_enable_sleep_mode): between rounds the engine gives its GPU memory back
+        # to the step (`sleep`), its weights kept on the host and its KV cache dropped; on CPU there is nothing to free
+        self.sleep_mode, self.asleep = bool(sleep_mode and cuda), False
+        if self.sleep_mode:
+            memory["enable_sleep_mode"] = True
         self.max_model_len, self.max_logprobs = int(max_model_len), max(int(max_logprobs), 0)
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op for the whole process
         preload = os.environ.get("LD_PRELOAD")  # and sets LD_PRELOAD (for workers it would spawn: none here)
@@ -116,10 +121,23 @@ class VLLMEngine:
                             "vLLM is imported): its weights cannot be pushed from here")
         return getattr(worker, "worker", worker).model_runner
 
+    def sleep(self) -> None:
+        """Sleep mode (CUDA): free the engine's GPU memory until its next call (level 1: weights to the host, the KV
+        cache dropped); a no-op without it."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     @torch.no_grad()
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load these weights (Hugging Face names and layouts: `model.state_dict().items()`) into the engine's model,
         in place, and drop its prefix cache."""
+        self._wake()
         weights = [(n, t.detach()) for n, t in named]
         self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
@@ -131,6 +149,7 @@ class VLLMEngine:
         each token's log-prob under the distribution it was drawn from (`core.sampling.sample`'s contract)."""
         from vllm import SamplingParams, TokensPrompt
 
+        self._wake()
         stop = [int(e) for e in (eos_ids or []) if e is not None]
         params = [SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=0, min_p=0.0,
                                  max_tokens=int(max_new_tokens), logprobs=0, seed=(int(seed) * 1_000_003 + i) % 2 ** 63,
@@ -155,6 +174,7 @@ class VLLMEngine:
         temperature 1 too); `teacher_forward_kv`'s layout, from prompt log-probs."""
         from vllm import SamplingParams, TokensPrompt
 
+        self._wake()
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, prompt_logprobs=int(k),
                                 logprobs=int(k) if last else None, detokenize=False)
         with torch.random.fork_rng():
