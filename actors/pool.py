@@ -28,10 +28,30 @@ from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
 from kava_ray.core.kv import kv_bytes_per_token
 from kava_ray.core.models import KVGeometry
+from kava_ray.core.plans import logits_top_k
 
 ACTOR_PREFIX = "kava-teacher-"
 TASK_RETRIES = 5
 RemoteTeacher = ray.remote(TeacherActor)
+VLLM_TEACHER_KV_CACHE_MB = 256  # a vLLM teacher's KV cache on CPU: prompts of max_length, a batch at a time
+
+
+def vllm_limits(cfg: JobConfig) -> dict:
+    """What a vLLM teacher's engine must allow for this job: max_logprobs (its top-k) and max_model_len (its
+    longest sequence, + the one token a prompt-log-prob request generates)."""
+    return {"max_logprobs": logits_top_k(cfg), "max_model_len": cfg.train.max_length + 1}
+
+
+def _remote(t: TeacherConfig, cfg: JobConfig, options: dict):
+    """A teacher actor for `t`: `TeacherActor`, or with `engine: vllm` `VLLMTeacherActor` (imported only then: the
+    module needs vLLM at call time, not at import)."""
+    if t.engine != "vllm":
+        return RemoteTeacher.options(**options).remote(t.model_dump(), key_space=cfg.align.key_space)
+    from actors.vllm_teacher import VLLMTeacherActor
+
+    engine = dict(vllm_limits(cfg), kv_cache_mb=VLLM_TEACHER_KV_CACHE_MB)
+    return ray.remote(VLLMTeacherActor).options(**options).remote(t.model_dump(), key_space=cfg.align.key_space,
+                                                                   engine=engine)
 
 
 def actor_name(teacher_name: str, replica: int = 0) -> str:
@@ -170,9 +190,7 @@ def start_pool(cfg: JobConfig, detached: bool = False, timeout_s: float = 600.0)
     replicas = {}
     for t in cfg.teachers:
         replicas[t.name] = TeacherReplicas(t.name, [
-            RemoteTeacher.options(**_actor_options(t, cfg.ray.namespace, detached, r)).remote(
-                t.model_dump(), key_space=cfg.align.key_space)
-            for r in range(t.replicas)])
+            _remote(t, cfg, _actor_options(t, cfg.ray.namespace, detached, r)) for r in range(t.replicas)])
     wait_ready({replica_label(n, r): h for n, rs in replicas.items() for r, h in enumerate(rs.handles)}, timeout_s)
     return replicas
 

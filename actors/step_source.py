@@ -98,6 +98,9 @@ class StepSource:
                                   state=state["stream"])
         self.skipped_before = skip_resumed(self.stream, state["stream"])
 
+    def close(self) -> None:
+        """Release what the source holds beyond Python objects (an on-policy source: its engine)."""
+
     def _read_again(self) -> int:
         """The batches read but not trained on that a resumed run reads again from the stream: the feed's in flight."""
         return self.feed.in_flight if self.feed is not None else 0

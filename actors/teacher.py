@@ -72,20 +72,30 @@ class TeacherActor:
                              tokens=0)
         self.error: Optional[str] = None
         self.started = time.time()
-        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed) if ray.is_initialized() else False
+        in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None  # (else a driver's)
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed) if in_actor else False
         torch.set_num_threads(max(1, int(self.cfg.num_cpus)))
         device_map, self.device = teacher_device_map(self.cfg.num_gpus)
         self.weights: Optional[str] = None
         try:
             self.weights = weights_fingerprint(self.cfg.model)
-            self.model = load_model(self.cfg.model, dtype=self.cfg.dtype, quantization=self.cfg.quantization,
-                                    device_map=device_map)
+            self._load(device_map)
             self.tokenizer = load_tokenizer(self.cfg.model)
-            self.geom = kv_geometry(self.model)
         except KavaError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 - anything at load time is reported as one line by the pool
             self.error = f"model '{self.cfg.model}': {first_line(e, with_type=True)}"
+
+    def _load(self, device_map) -> None:
+        """Load the model this actor serves from (`self.model`) and its geometry (`self.geom`)."""
+        self.model = load_model(self.cfg.model, dtype=self.cfg.dtype, quantization=self.cfg.quantization,
+                                device_map=device_map)
+        self.geom = kv_geometry(self.model)
+
+    def _served(self) -> dict:
+        """What the model serves from, for `geometry()`: its revision and the dtype it computes in."""
+        return dict(revision=getattr(self.model.config, "_commit_hash", None),
+                    dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""))
 
     def ping(self) -> Optional[str]:
         """None when the teacher is loaded, else the one-line load error."""
@@ -109,15 +119,15 @@ class TeacherActor:
             name=self.cfg.name,
             model=self.cfg.model,
             weights=self.weights,
-            revision=getattr(self.model.config, "_commit_hash", None),
             quantization=self.cfg.quantization,
             requested_dtype=self.cfg.dtype,
-            dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            engine=self.cfg.engine,
             key_space=self.key_space,
             layers=self.cfg.layers,
             device=self.device,
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
             pid=os.getpid(),
+            **self._served(),
         )
 
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -150,9 +160,7 @@ class TeacherActor:
             t0 = time.perf_counter()
             ids = torch.tensor(np.asarray(input_ids), dtype=torch.long)  # [B, T]; a copy: inputs are read-only
             mask = torch.tensor(np.asarray(attention_mask), dtype=torch.long)  # [B, T]
-            batch = teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
-                                       logits_top_k=logits_top_k, hidden=bool(hidden),
-                                       token_logprobs=bool(token_logprobs))
+            batch = self._forward(ids, mask, layers, logits_top_k, bool(hidden), bool(token_logprobs))
             payload = batch.to_wire(wire_dtype)
             ref, nbytes, logit_nbytes = ray.put(payload), wire_nbytes(payload), wire_logits_nbytes(payload)
             self.counters["forward_s"] += time.perf_counter() - t0
@@ -165,6 +173,12 @@ class TeacherActor:
         self.counters["bytes_served"] += nbytes
         self.counters["logit_bytes_served"] += logit_nbytes
         return ref
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, layers: Optional[list[int]], logits_top_k: int,
+                 hidden: bool, token_logprobs: bool):
+        """The KVBatch of one batch (ids, mask [B, T]): `teacher_forward_kv`."""
+        return teacher_forward_kv(self.model, ids, mask, layers=layers, key_space=self.key_space,
+                                  logits_top_k=logits_top_k, hidden=hidden, token_logprobs=token_logprobs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  seed: int = 0) -> list[list[int]]:

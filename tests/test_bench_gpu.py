@@ -12,7 +12,7 @@ import torch
 from kava_ray.bench.gpu import SECTIONS, format_gpu
 
 pytestmark = pytest.mark.unit
-CUDA_ONLY = ("correctness", "memory", "fits_8gb", "fsdp")
+CUDA_ONLY = ("correctness", "memory", "fits_8gb", "fsdp", "engines")
 
 
 RUN = """

@@ -14,6 +14,7 @@ def test_bench_onpolicy_reports_lag_0_and_lag_1_beside_teachers_as_busy_as_the_s
     assert r["teacher_s"] == pytest.approx(alone["sample_s"] + alone["train_s"])
     for d in (alone, lag0, lag1):
         assert d["steps"] == 2 and d["sample_s"] > 0 and d["train_s"] > 0 and d["wait_s"] >= 0
+        assert d["tokens_per_s"] > 0
         assert d["step_s"] == pytest.approx(d["sample_s"] + d["wait_s"] + d["train_s"])
     assert r["lag1_over_hidden"] == pytest.approx(
         lag1["step_s"] / max(lag1["sample_s"] + lag1["train_s"], r["teacher_s"]))

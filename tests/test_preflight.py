@@ -672,3 +672,26 @@ def test_a_carved_synthetic_source_reads_only_the_records_it_carves():
 
     cfg = load_config("demo_cpu", ["data.test_split=train"])
     assert [len(x) for x in _carved_records(cfg)] == [cfg.data.num_train, cfg.data.num_val, cfg.data.num_test]
+
+
+def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing_is_sampled(run_cli, tiny_job,
+                                                                                            monkeypatch):
+    """`onpolicy.engine: vllm` where vLLM is not installed: the install command, before anything starts; a typo in
+    the key; the engine of a job that samples nothing. `teachers[].engine: vllm`: the same install line; a job that
+    asks it for KV, or learns its fusion from KV. Each one line, exit 2, no run directory."""
+    import actors.vllm_engine
+
+    on = ["onpolicy.fraction=0.5", "loss.logit_weight=1"]
+    monkeypatch.setattr(actors.vllm_engine, "vllm_available", lambda: False)
+    r = refused(run_cli, tiny_job, *on, "onpolicy.engine=vllm", needles=("onpolicy.engine: vllm", "not installed",
+                                                                         "pip install 'kava-ray[vllm]'"))
+    assert r.startswith("error: onpolicy.engine: vllm: vLLM is not installed here"), r
+    refused(run_cli, tiny_job, *on, "onpolicy.engin=vllm", needles=("onpolicy.engin", "did you mean 'onpolicy.engine'"))
+    refused(run_cli, tiny_job, "onpolicy.engine=vllm", needles=("'onpolicy.engine': vllm samples the student's",
+                                                                "set onpolicy.engine=hf"))
+    logits = ["teachers.0.engine=vllm", "loss.kv_weight=0", "loss.logit_weight=1"]
+    r = refused(run_cli, tiny_job, *logits, needles=("teachers[", "].engine: vllm", "not installed"))
+    assert r.startswith("error: teachers[") and "pip install 'kava-ray[vllm]'" in r, r
+    refused(run_cli, tiny_job, "teachers.0.engine=vllm", "loss.logit_weight=1",
+            needles=("].engine': vllm serves log-probs only", "loss.kv_weight is 1", "set it to 0"))
+    refused(run_cli, tiny_job, *logits, "fusion.kind=gate", needles=("fusion.kind gate learns its weights",))

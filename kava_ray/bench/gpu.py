@@ -36,7 +36,8 @@ from kava_ray.runtime.planner import plan
 from kava_ray.testing.tiny import build_tiny_model
 
 GIB = 1024 ** 3
-SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire", "chunked_loss", "fsdp")
+SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire", "chunked_loss", "fsdp",
+            "engines")
 TOP_K = 64
 # toy geometries (a CPU run checks that every section works, not what it measures; the CUDA correctness check
 # uses them too); the real ones come from `known_models.QWEN25`
@@ -487,6 +488,24 @@ def fsdp_section(models: Models, device, sz: dict, steps: int = 3) -> dict:
             "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ranks[0]["losses"], whole))}
 
 
+def engines_section(models: Models, device, sz: dict) -> dict:
+    """`onpolicy.engine` and `teachers[].engine`, hf against vllm on the smallest student's real geometry in bf16:
+    sampled tokens/s (8 prompts of 128 tokens, 256 new) and a logits-only teacher's scored positions/s (8 x 1024,
+    top-64) (`bench.engines`). On a CPU `kava-ray bench onpolicy --engine hf vllm` measures the same at toy size."""
+    from actors.vllm_engine import vllm_available
+
+    if device.type != "cuda":
+        return not_run("CUDA only here; on a CPU: kava-ray bench onpolicy --engine hf vllm")
+    if not vllm_available():
+        return not_run("vLLM is not installed here (pip install 'kava-ray[vllm]')")
+    from kava_ray.bench.engines import sampling_rates, scoring_rates
+
+    name = sz["students"][0]
+    d = models.dir(name)
+    return {"model": name, "sampling": sampling_rates(d, 8, 128, 256, dtype="bfloat16"),
+            "scoring": scoring_rates(d, 8, 1024, TOP_K, dtype="bfloat16")}
+
+
 def _section(fn: Callable, *args) -> dict:
     """One section's result; a section that fails is reported (its error's first line) and the others still run:
     on a machine nobody has tried, a partial table is worth more than a traceback."""
@@ -540,6 +559,7 @@ def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: 
         record("wire", lambda: _section(wire_section, models, device, sz))
         record("chunked_loss", lambda: _section(chunked_loss_section, models, device, sz))
         record("fsdp", lambda: _section(fsdp_section, models, device, sz))
+        record("engines", lambda: _section(engines_section, models, device, sz))
     result["wall_s"] = time.time() - t0
     if path is not None:
         write_json(path / "bench_gpu.json", result)
@@ -594,6 +614,12 @@ def format_gpu(r: dict) -> str:
                     for x in s["rows"]]
             lines.append(format_table(["chunked loss", "model", "batch", "loss rel diff", "time ratio",
                                        "peak GiB chunked / whole"], rows))
+        elif name == "engines":
+            a, b = s["sampling"], s["scoring"]
+            lines.append(f"engines ({s['model']}): sampled tokens/s hf {a['hf']:,.0f}, vllm {a['vllm']:,.0f} "
+                         f"({a['vllm'] / a['hf']:.2f}x; {a['batch']} prompts x {a['new_tokens']} new tokens); "
+                         f"teacher positions/s hf {b['hf']:,.0f}, vllm {b['vllm']:,.0f} ({b['vllm'] / b['hf']:.2f}x; "
+                         f"{b['batch']} x {b['length']}, top-{b['k']})")
         elif name == "fsdp":
             lines.append(f"fsdp ({s['model']}, 2 GPUs): peak per rank " +
                          ", ".join(f"{x['peak_gib']:.2f}" for x in s["ranks"]) +

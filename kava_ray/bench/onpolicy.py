@@ -6,10 +6,15 @@ answers the production request with the real tiny teacher's payload (KV, top-k, 
 seconds per batch in a thread of its own (one batch at a time, like an actor), so they use no CPU while "busy".
 First lag 0 with D = 0 measures S (sampling) and T (training) per step; then D is set to S + T (the regime where
 overlap matters most: hidden, the step is max(S + T, D); serial, S + T + D), and lag 0 and lag 1 run side by side.
+
+`--engine hf vllm` (`run_engine_bench`): the same student, prompts and lengths sampled by each `onpolicy.engine`
+(Hugging Face generate; vLLM colocated in this process, weights pushed each round), the step at lag 0 and lag 1 with
+instant teachers, and a teacher's scoring of the same sequences (HF forward + top-k against vLLM prompt log-probs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -18,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kava_ray.bench.engines import scoring_rates
 from kava_ray.common.config import validate_config
 from kava_ray.common.files import format_table
 from kava_ray.core.kv import teacher_forward_kv
@@ -59,7 +65,8 @@ class TimedSource:
             p.shutdown(wait=True)
 
 
-def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_tokens: int, steps: int):
+def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_tokens: int, steps: int,
+            engine: str = "hf"):
     return validate_config({
         "name": "bench-onpolicy",
         "teachers": [{"name": "teacher", "model": str(t_dir), "dtype": "float32"}],
@@ -67,7 +74,7 @@ def _config(t_dir: Path, s_dir: Path, storage: Path, lag: int, batch: int, new_t
         "data": {"num_train": 4 * batch * steps, "num_test": 4, "num_val": 4},
         "align": {"mode": "structured", "projector": {"kind": "linear", "dropout": 0.0}},
         "loss": {"logit_weight": 1.0, "logit_top_k": 16, "kv_weight": 0.1, "logit_divergence": "reverse_kl_sampled"},
-        "onpolicy": {"fraction": 1.0, "max_new_tokens": new_tokens, "lag": lag},
+        "onpolicy": {"fraction": 1.0, "max_new_tokens": new_tokens, "lag": lag, "engine": engine},
         "optim": {"lr_student": 1e-4, "lr_projector": 1e-4, "warmup_steps": 0, "schedule": "constant"},
         "train": {"steps": steps, "batch_size": batch, "max_length": 512},
         "ray": {"storage_path": str(storage), "num_workers": 1, "use_gpu": False},
@@ -81,6 +88,7 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
     source = TimedSource(models, delay_s)
     data = recipe.data(source)
     rows = []
+    tokens0 = None
     try:
         for step in range(1, cfg.train.steps + 1):
             t0 = time.perf_counter()
@@ -89,20 +97,30 @@ def _run(cfg, models: dict, delay_s: float, warmup: int) -> dict:
             m = data.step_metrics()
             sample, wait = m[SAMPLE_S], m[TEACHER_WAIT_S]
             rows.append({"step_s": dt, "sample_s": sample, "wait_s": wait, "train_s": dt - sample - wait})
+            if step == warmup:
+                tokens0 = (data.sampler.tokens, data.sampler.seconds)
     finally:
         source.close()
+        data.close()
     kept = rows[warmup:]
-    return {k: statistics.median(r[k] for r in kept) for k in kept[0]} | {"steps": len(kept)}
+    tokens, seconds = data.sampler.tokens - tokens0[0], data.sampler.seconds - tokens0[1]
+    return ({k: statistics.median(r[k] for r in kept) for k in kept[0]}
+            | {"steps": len(kept), "tokens_per_s": tokens / seconds if seconds else 0.0})
 
 
-def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2) -> dict:
-    t_start = time.perf_counter()
+@contextlib.contextmanager
+def _models():
+    """(temp dir, the teacher's dir, the student's dir, {"teacher": model}): the bench's tiny models."""
     with tempfile.TemporaryDirectory(prefix="kava-bench-onpolicy-") as tmp:
         tmp = Path(tmp)
         t_dir = build_tiny_model(tmp / "teacher", seed=1, **TEACHER)
         s_dir = build_tiny_model(tmp / "student", seed=2, **STUDENT)
-        models = {"teacher": load_model(str(t_dir), dtype="float32")}
+        yield tmp, t_dir, s_dir, {"teacher": load_model(str(t_dir), dtype="float32")}
 
+
+def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2) -> dict:
+    t_start = time.perf_counter()
+    with _models() as (tmp, t_dir, s_dir, models):
         def cfg(lag):
             return _config(t_dir, s_dir, tmp / "runs", lag, batch, new_tokens, steps)
 
@@ -119,6 +137,48 @@ def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, wa
             "speedup": lag0["step_s"] / lag1["step_s"], "target": 1.10, "passes": lag1["step_s"] <= 1.10 * hidden,
             "batch": batch, "new_tokens": new_tokens, "steps": steps, "warmup": warmup,
             "wall_s": time.perf_counter() - t_start}
+
+
+def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2
+                     ) -> dict:
+    """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0 and lag 1 (the
+    teachers instant: what differs is the sampling), and the teacher scoring figure beside it."""
+    from actors.vllm_engine import require_vllm
+
+    if "vllm" in engines:
+        require_vllm("bench onpolicy --engine vllm")
+    t_start = time.perf_counter()
+    with _models() as (tmp, t_dir, s_dir, models):
+        runs = {}
+        for engine in engines:
+            for lag in (0, 1):
+                status(f"bench onpolicy: engine {engine}, lag {lag}")
+                runs[f"{engine} lag {lag}"] = _run(_config(t_dir, s_dir, tmp / "runs", lag, batch, new_tokens, steps,
+                                                           engine), models, 0.0, warmup)
+        scoring = scoring_rates(s_dir, 8, 128, 16) if "vllm" in engines else None
+    return {"engines": engines, "runs": runs, "scoring": scoring, "batch": batch, "new_tokens": new_tokens,
+            "steps": steps, "warmup": warmup, "wall_s": time.perf_counter() - t_start}
+
+
+def format_engine_bench(r: dict) -> str:
+    rows = [[name, f"{d['tokens_per_s']:.1f}", f"{d['step_s']:.3f}", f"{d['sample_s']:.3f}", f"{d['train_s']:.3f}"]
+            for name, d in r["runs"].items()]
+    lines = [f"on-policy sampling engines, median over {r['steps'] - r['warmup']} steps after {r['warmup']} (the "
+             f"student {STUDENT['num_layers']} layers x {STUDENT['hidden_size']}, batch {r['batch']}, "
+             f"{r['new_tokens']} new tokens, teachers instant):",
+             format_table(["engine", "sampled tok/s", "step s", "sample s", "train s"], rows)]
+    base = r["runs"].get("hf lag 0")
+    for name, d in r["runs"].items():
+        if base and not name.startswith("hf"):
+            lines.append(f"{name}: {d['tokens_per_s'] / base['tokens_per_s']:.2f}x hf lag 0's sampled tokens/s, "
+                         f"step {d['step_s'] / base['step_s']:.2f}x")
+    s = r.get("scoring")
+    if s:
+        lines.append(f"teacher scoring ({s['batch']} x {s['length']} positions, top-{s['k']}): HF forward "
+                     f"{s['hf']:.0f} positions/s, vLLM prompt log-probs {s['vllm']:.0f} positions/s "
+                     f"({s['vllm'] / s['hf']:.2f}x)")
+    lines.append(f"wall {r['wall_s']:.0f} s")
+    return "\n".join(lines)
 
 
 def format_onpolicy_bench(r: dict) -> str:

@@ -60,6 +60,10 @@ class TeacherConfig(_Section):
     replicas: int = Field(1, ge=1)
     # the nodes it may run on, by their Ray labels (`ray start --labels`, cluster.yaml): {"kava-role": "teacher"}
     label_selector: Optional[dict[str, str]] = None
+    # what serves it: hf (a Hugging Face forward: KV, hidden states, logits) or vllm (a vLLM engine's prompt
+    # log-probs: top-k logits and token log-probs only, for a job without KV / hidden / relation terms; the `vllm`
+    # extra)
+    engine: Literal["hf", "vllm"] = "hf"
 
     @field_validator("label_selector")
     @classmethod
@@ -300,6 +304,11 @@ class OnPolicyConfig(_Section):
     # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline group_mean's groups
     # (tinker's group_size is 4; TRL GRPO's num_generations)
     samples_per_prompt: int = Field(1, ge=1)
+    # what samples the student's completions: hf (Hugging Face generate on the worker) or vllm (a vLLM engine
+    # colocated on the worker, the student's weights pushed in before each sampling round; the `vllm` extra)
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm_kv_cache_mb: int = Field(256, ge=16)  # vllm on CPU: its KV cache (MiB)
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm on CUDA: its share of the GPU (TRL's 0.3)
 
 
 class OptimConfig(_Section):
@@ -439,6 +448,10 @@ class JobConfig(_Section):
                 raise ValueError("ray.strategy: fsdp cannot sample from the sharded student (each rank's generate "
                                  "would gather layers a different number of times); use ray.strategy: ddp for "
                                  "on-policy distillation, or onpolicy.source: teacher")
+        if o.engine == "vllm" and (o.fraction == 0 or o.source != "student"):
+            raise ValueError("onpolicy.engine: vllm samples the student's completions, and this job samples none "
+                             f"(onpolicy.fraction {o.fraction}, onpolicy.source {o.source}): set onpolicy.engine=hf")
+        self._check_vllm_teachers()
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")
@@ -459,6 +472,34 @@ class JobConfig(_Section):
                              f"set onpolicy.top_p=1 with loss.logit_divergence reverse_kl_sampled (a temperature "
                              f"is fine)")
         return self
+
+    def _check_vllm_teachers(self) -> None:
+        """A teacher on vLLM serves log-probs only: the job may ask it (and so, the terms being job-wide, every
+        teacher) for nothing else."""
+        t = next((t for t in self.teachers if t.engine == "vllm"), None)
+        if t is None:
+            return
+        key, c = f"teachers[{t.name}].engine", self.loss
+        asked = [f"loss.{w} is {getattr(c, w):g}" for w in ("kv_weight", "relation_weight", "hidden_weight")
+                 if getattr(c, w) > 0]
+        if asked:
+            raise ValueError(f"{key}: vllm serves log-probs only (no KV or hidden states), and {asked[0]}: set it "
+                             f"to 0, or {key}=hf")
+        if t.layers is not None:
+            raise ValueError(f"{key}: vllm ships no layers, and teachers[{t.name}].layers asks for {t.layers}")
+        if t.quantization != "none":
+            raise ValueError(f"{key}: vllm loads the teacher as its weights are stored; teachers[{t.name}]."
+                             f"quantization {t.quantization} is bitsandbytes' (hf): set it to none")
+        if self.fusion.kind in ("gate", "router"):
+            raise ValueError(f"{key}: vllm serves no KV, and fusion.kind {self.fusion.kind} learns its weights "
+                             f"from the teachers' KV: use fusion.kind fixed or sum")
+        if c.logit_weight == 0:
+            raise ValueError(f"{key}: vllm serves log-probs, and this job uses none (loss.logit_weight is 0)")
+
+    @property
+    def ships_kv(self) -> bool:
+        """Whether the teachers ship KV layers: not in a job with a teacher on vLLM (`_check_vllm_teachers`)."""
+        return not any(t.engine == "vllm" for t in self.teachers)
 
     def teacher(self, name: str) -> TeacherConfig:
         for t in self.teachers:

@@ -89,7 +89,10 @@ class Distiller(nn.Module):
         self.student = student
         self.names = list(plans)
         self.layers = {n: list(plans[n].layers) for n in self.names}
-        self.projectors = nn.ModuleDict({
+        # a job whose teachers ship no KV (`JobConfig.ships_kv`: a teacher on vLLM) has no KV terms, projectors or
+        # KV metrics: its teachers serve log-probs only
+        self.kv = cfg.ships_kv
+        self.projectors = nn.ModuleDict({} if not self.kv else {
             n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                                 s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                                 mode=a.mode, aggregation=a.aggregation,
@@ -113,7 +116,7 @@ class Distiller(nn.Module):
         self.token_align = a.token_align
         # relation loss: each student layer against its heaviest mapped teacher layer (an index into the shipped ones)
         self.relation_pairs = {n: [self.layers[n].index(t) for t in heaviest_sources(plan.layer_map)]
-                               for n, plan in plans.items()}
+                               for n, plan in plans.items() if self.kv}
         self.relation_heads = {n: math.gcd(s_geom.num_kv_heads, plan.geometry.num_kv_heads) for n, plan in plans.items()}
         # hidden-state loss: the same pairs; a learned map where the widths differ (ModelOpt's ProjectionLayer:
         # Linear with bias, weights N(0, 0.02) as Megatron's init_method, bias 0), else none
@@ -143,16 +146,20 @@ class Distiller(nn.Module):
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
                                           output_hidden_states=self.fusion.kind == "router", **reader.forward_kwargs())
         with record_function("kava/projectors"):
-            projected, masks, native = self._project(batch, teacher_kv, kv_mask)
+            projected, masks, native = self._project(batch, teacher_kv, kv_mask) if self.kv else ({}, {}, {})
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
             c = self.loss_cfg
             metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
-                       for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
-            if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
+                       for n in self.aligned if self.kv}  # the share of KV positions each teacher of another
+            # tokenizer covers
+            if self.kv and self.aligned and self.fusion.fuses_targets:  # a fused target where every teacher has one
                 kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
-            views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
-            kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
-            metrics.update(per_teacher)
+            if self.kv:
+                views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
+                kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
+                metrics.update(per_teacher)
+            else:
+                kvl, kv_m = skv.keys.new_zeros(()), None
             kv_term = c.kv_weight * kvl
             # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
             # it is sequence-level KD) and the logit terms, which read the vocabulary; after the KV term, whose
@@ -429,14 +436,15 @@ class Distiller(nn.Module):
     def _metrics(self, loss, ce, kvl, kv_m: dict, batch: Batch, kv_mask: torch.Tensor, next_mask: torch.Tensor) -> dict:
         """The step's summary metrics: losses, the KV cosines and gap (mean of K and V), the token counts and the
         fusion weights."""
-        layers = kv_m["cos_per_layer"]
-        first, middle, last = COS_LAYERS
-        out = {LOSS: loss.detach(), CE: ce.detach(), KV_LOSS: kvl.detach(), COS_SIM: kv_m[COS_SIM],
-               COS_RAW: kv_m[COS_RAW], first: layers[0], middle: layers[len(layers) // 2], last: layers[-1],
-               CONTRAST_GAP: kv_m[CONTRAST_GAP],
+        out = {LOSS: loss.detach(), CE: ce.detach(), KV_LOSS: kvl.detach(),
                TOKENS: batch.attention_mask.sum(),
                KV_TOKENS: (kv_mask != 0).sum(),  # what the KV loss and KV metrics average over (loss_tokens)
                LABEL_TOKENS: next_mask.sum()}  # what CE and logit KD average over
+        if kv_m is not None:  # (a job whose teachers ship no KV has none)
+            layers = kv_m["cos_per_layer"]
+            first, middle, last = COS_LAYERS
+            out.update({COS_SIM: kv_m[COS_SIM], COS_RAW: kv_m[COS_RAW], first: layers[0],
+                        middle: layers[len(layers) // 2], last: layers[-1], CONTRAST_GAP: kv_m[CONTRAST_GAP]})
         out.update({of(FUSION, n): w for n, w in self.fusion.current_weights().items()})
         return out
 

@@ -205,7 +205,10 @@ def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeom
 
 def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> tuple[LayerMap, list[int]]:
     """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
-    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise."""
+    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise. A job whose teachers ship
+    no KV (`JobConfig.ships_kv`: one is on vLLM): no layers, no map."""
+    if not cfg.ships_kv:
+        return [], []
     a = cfg.align
     kind, sources = a.layer_map, copied_layers(cfg, teacher)
     if kind == "auto":

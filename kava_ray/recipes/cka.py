@@ -121,6 +121,10 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
         raise KavaError(f"--samples {samples}: CKA needs at least 2 examples")
     if top_k < 1:
         raise KavaError(f"--top-k {top_k}: must be >= 1")
+    if not cfg.ships_kv:
+        t = next(t.name for t in cfg.teachers if t.engine == "vllm")
+        raise KavaError(f"align cka compares the teachers' KV, and teacher '{t}' is on vLLM (teachers[{t}].engine), "
+                        f"which serves none")
     cal = calibration_config(cfg, samples)
     path = Path(out).expanduser().resolve() if out else default_out(cfg)
     t0 = time.time()

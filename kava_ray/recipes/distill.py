@@ -406,32 +406,33 @@ def train_loop_per_worker(config: dict) -> None:
     fit_maps(recipe, source)  # kind fit: the student-side maps start as the ridge fit (not on a resumed run)
     data_state = state["data"] if state else None  # the last save's (final/ keeps it)
     data = recipe.data(source, flag=run_dir / SAMPLING if rank == 0 else None, state=data_state)
-    evaluates = rank == 0 or recipe.sharded  # FSDP2: every rank runs the sharded forwards, rank 0 logs
-    log, last_eval = open_run(recipe, source, run_dir, state, evaluates)  # last_eval: in every report (Tune's)
-    bad, saved = FirstBad(), recipe.start_step  # a non-finite loss: found at the next log step, before any save
-    evals = evals_through(recipe.start_step, cfg.train)  # a Tune scheduler's clock, counted on from a resumed step
-    for step in range(recipe.start_step + 1, cfg.train.steps + 1):
-        kind, t0 = step_kind(step, cfg.train), time.perf_counter()
-        values = recipe.step(step, data.next_step(step), grad_share=kind.log and cfg.loss.kv_weight > 0)
-        values.update({k: torch.tensor(v, dtype=torch.float64, device=values["grad_norm"].device)
-                       for k, v in data.step_metrics().items()})  # the teachers' wait, the skips (sampling time)
-        dt = time.perf_counter() - t0
-        bad.update(values, step)
-        if not kind.log:
-            continue
-        if stops_nonfinite(bad, saved, log, step):  # every rank at the same step (the norms are all-reduced)
-            return
-        saved, evals = step if kind.save else saved, evals + kind.eval
-        record = step_record(values, step, dt, recipe.last_lrs, world, recipe.measured)
-        if kind.eval and evaluates:
-            last_eval = recipe.evaluate(source)
-        if rank == 0:
-            log.write(record)
-            if kind.eval:
-                log.write({"step": step, "kind": "eval", **last_eval})
-            record.update(last_eval)
-        data_state = data.state_dict() if kind.save else data_state  # every rank (collectives)
-        report = {k: v for k, v in record.items() if isinstance(v, (int, float))} | {EVALS: evals}
-        report_step(recipe, report, step, data_state if kind.save else None)  # EVALS: a scheduler's clock
-    if evaluates:
-        finish(recipe, source, log, run_dir, data_state)
+    with contextlib.closing(data):  # a colocated engine (vLLM) is shut down after the loop's last collective
+        evaluates = rank == 0 or recipe.sharded  # FSDP2: every rank runs the sharded forwards, rank 0 logs
+        log, last_eval = open_run(recipe, source, run_dir, state, evaluates)  # last_eval: in every report (Tune's)
+        bad, saved = FirstBad(), recipe.start_step  # a non-finite loss: found at the next log step, before any save
+        evals = evals_through(recipe.start_step, cfg.train)  # a Tune scheduler's clock, counted on from a resumed step
+        for step in range(recipe.start_step + 1, cfg.train.steps + 1):
+            kind, t0 = step_kind(step, cfg.train), time.perf_counter()
+            values = recipe.step(step, data.next_step(step), grad_share=kind.log and cfg.loss.kv_weight > 0)
+            values.update({k: torch.tensor(v, dtype=torch.float64, device=values["grad_norm"].device)
+                           for k, v in data.step_metrics().items()})  # the teachers' wait, the skips (sampling time)
+            dt = time.perf_counter() - t0
+            bad.update(values, step)
+            if not kind.log:
+                continue
+            if stops_nonfinite(bad, saved, log, step):  # every rank at the same step (the norms are all-reduced)
+                return
+            saved, evals = step if kind.save else saved, evals + kind.eval
+            record = step_record(values, step, dt, recipe.last_lrs, world, recipe.measured)
+            if kind.eval and evaluates:
+                last_eval = recipe.evaluate(source)
+            if rank == 0:
+                log.write(record)
+                if kind.eval:
+                    log.write({"step": step, "kind": "eval", **last_eval})
+                record.update(last_eval)
+            data_state = data.state_dict() if kind.save else data_state  # every rank (collectives)
+            report = {k: v for k, v in record.items() if isinstance(v, (int, float))} | {EVALS: evals}
+            report_step(recipe, report, step, data_state if kind.save else None)  # EVALS: a scheduler's clock
+        if evaluates:
+            finish(recipe, source, log, run_dir, data_state)

@@ -214,7 +214,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
                     sums[k] = sums.get(k, 0) - (t_kv.token_logp.to(device).double() * counted).sum()
         kv_keys = [COS_SIM, COS_RAW, CONTRAST_GAP] + [of(c, t) for c in (COS, COS_RAW) for t in plans]
         kv_keys += [k for k in m if k.startswith(of(ALIGNED, ""))]  # teachers of another tokenizer: share covered
-        for k in kv_keys:  # KV: per token the KV loss counts
+        for k in (k for k in kv_keys if k in m):  # KV: per token the KV loss counts (none: no teacher ships KV)
             sums[k] = sums.get(k, 0) + m[k].double() * m[KV_TOKENS]
     distiller.train(was_training)
     by_label = {k for k in sums if k == CE or k == LOGIT_KL or k.startswith(LOGIT_PER_TEACHER)}
@@ -327,7 +327,7 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
         direct = direct_kv_alignment(p, copied.get(t))
         if direct is not None:
             out[t] = direct
-        elif not p.aligned:  # a teacher of another tokenizer would need its KV in student time first
+        elif not p.aligned and p.layers:  # a teacher of another tokenizer would need its KV in student time first
             out[t] = probes[t] = KVAlignment([p.layers.index(t_layer) for t_layer in heaviest_sources(p.layer_map)],
                                              probe=True)
     if probes:

@@ -70,7 +70,9 @@ def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list
         if metrics[SAMPLED_TOKENS] > 0:
             metrics[RKL + k[len(RKL_SUM):]] = total / metrics[SAMPLED_TOKENS]
     metrics.update(step=step, kind="train", time_s=dt, tokens_per_s=metrics.pop(TOKENS) / dt,
-                   phase=phase(metrics[COS_SIM]), lr_student=lrs[0], lr_projector=lrs[-1])
+                   lr_student=lrs[0], lr_projector=lrs[-1])
+    if COS_SIM in metrics:  # (a job whose teachers ship no KV has no KV phase)
+        metrics["phase"] = phase(metrics[COS_SIM])
     return metrics
 
 

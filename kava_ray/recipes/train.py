@@ -221,7 +221,8 @@ def run_lines(cfg: JobConfig) -> list[str]:
     terms += [f"{name} {w:g}" for name, w in (("relation", c.relation_weight), ("hidden", c.hidden_weight)) if w > 0]
     lines = [f"loss: {' + '.join(terms)}"]
     if o.fraction > 0:
-        who = "the student" if o.source == "student" else f"teacher '{onpolicy_writer(cfg)}'"
+        who = (("the student" + (" through vLLM" if o.engine == "vllm" else "")) if o.source == "student"
+               else f"teacher '{onpolicy_writer(cfg)}'")
         lines.append(f"on-policy: fraction {o.fraction:g} of the batches completed by {who} (up to {o.max_new_tokens} "
                      f"new tokens, temperature {o.temperature:g}, top_p {o.top_p:g}), lag {o.lag}")
     return lines

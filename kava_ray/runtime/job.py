@@ -24,7 +24,16 @@ from tqdm import tqdm
 from actors.feed import ActorSource
 from actors.kv_cache import CacheSource, CacheWriter, KVCache, cache_meta, check_logits
 from actors.kv_cache import precompute as write_cache
-from actors.pool import check_resources, find_pool, pool_status, start_missing, start_pool, stop_pool, unplaceable
+from actors.pool import (
+    check_resources,
+    find_pool,
+    pool_status,
+    start_missing,
+    start_pool,
+    stop_pool,
+    unplaceable,
+    vllm_limits,
+)
 from kava_ray.common import placement, resources
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.errors import KavaError, root_cause
@@ -186,14 +195,21 @@ def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict], weights: d
     """
     for t in cfg.teachers:
         g = teacher_geoms[t.name]
-        wanted = {"model": t.model, "quantization": t.quantization, "dtype": t.dtype, "key_space": cfg.align.key_space}
+        wanted = {"model": t.model, "quantization": t.quantization, "dtype": t.dtype, "engine": t.engine,
+                  "key_space": cfg.align.key_space}
         served = {"model": g.get("model"), "quantization": g.get("quantization"), "dtype": g.get("requested_dtype"),
-                  "key_space": g.get("key_space")}
+                  "engine": g.get("engine", "hf"), "key_space": g.get("key_space")}
         for field, want in wanted.items():
             if served[field] != want:
                 key = "align.key_space" if field == "key_space" else f"teachers[{t.name}].{field}"
                 return (f"running teacher '{t.name}' was started with {field}={served[field]!r}, the config asks for "
                         f"{key}={want!r}")
+        if t.engine == "vllm":  # its engine's limits, set when it started (`vllm_limits`)
+            for field, want in vllm_limits(cfg).items():
+                if g.get(field, 0) < want:
+                    return (f"running teacher '{t.name}' was started with vLLM's {field} {g.get(field)}, this job "
+                            f"needs {want} (loss.logit_top_k / train.max_length): restart it (kava-ray teachers "
+                            f"down)")
         replicas = weights[t.name]
         for i, w in enumerate(replicas):
             if w["now"] is not None and w["loaded"] not in (None, w["now"]):

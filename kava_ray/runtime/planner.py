@@ -139,6 +139,8 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
     mods = []
     with torch.device("meta"):
         for name, (geom, layer_map, layers) in plans.items():
+            if not layers:  # a job whose teachers ship no KV (`JobConfig.ships_kv`): no projectors
+                continue
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation,

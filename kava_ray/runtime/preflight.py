@@ -17,6 +17,7 @@ from typing import Optional
 
 from huggingface_hub import constants
 
+from actors.vllm_engine import require_vllm
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.common.files import name_problem
@@ -73,6 +74,7 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
     check_student(cfg, command, resume)
     check_teachers(cfg, command, address)
     check_onpolicy_writer(cfg, command)
+    check_engines(cfg, command)
     check_context(cfg, command, resume, address)
     if command in ("train", "tune", "demo"):
         check_memory(cfg, address)
@@ -314,6 +316,16 @@ def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
     if command not in ("train", "tune", "demo") or o.fraction == 0 or o.source != "teacher":
         return
     check_writer(cfg, shares_tokenizer_here(cfg, onpolicy_writer(cfg)))
+
+
+def check_engines(cfg: JobConfig, command: str) -> None:
+    """`onpolicy.engine: vllm` and `teachers[].engine: vllm` need vLLM installed where the driver runs (its workers
+    and actors load it too): the pip command in one line, before anything starts."""
+    if command in ("train", "tune", "demo") and cfg.onpolicy.fraction > 0 and cfg.onpolicy.engine == "vllm":
+        require_vllm("onpolicy.engine: vllm")
+    for t in cfg.teachers:  # (the actor loads it on its node; one install for driver and nodes here)
+        if t.engine == "vllm":
+            require_vllm(f"teachers[{t.name}].engine: vllm")
 
 
 def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str] = None) -> None:

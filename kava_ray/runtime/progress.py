@@ -39,8 +39,8 @@ def _follow(path: Path, total: int, stop: threading.Event) -> None:
                 if r is not None and r["kind"] == "train":
                     bar.update(r["step"] - bar.n)
                     # cos: centred KV cosine (the figure a constant projector cannot game); wait: teacher wait
-                    figures = (f"loss {r['loss']:.3f}  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}"
-                               f"  wait {r['teacher_wait_s']:.2f}s")
+                    kv = f"  cos {r['cos_sim']:.3f}  gap {r['contrast_gap']:.3f}" if "cos_sim" in r else ""
+                    figures = f"loss {r['loss']:.3f}{kv}  wait {r['teacher_wait_s']:.2f}s"
                     bar.set_description_str(figures + ("  sampling..." if sampling else ""), refresh=False)
                     bar.refresh()
         stop.wait(0.5)

@@ -110,6 +110,8 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     if logits_top_k < 0:
         raise KavaError(f"logits_top_k must be >= 0, got {logits_top_k}")
     input_ids, attention_mask, pos = _forward_inputs(model, input_ids, attention_mask)
+    if layers is not None and not len(layers):  # no layers (a logits-only job: `JobConfig.ships_kv`)
+        return _logits_only(model, input_ids, attention_mask, pos, key_space, logits_top_k, token_logprobs)
     # the decoder without the LM head when logits are not needed; the whole model when they are
     with_logits = bool(logits_top_k) or token_logprobs
     run = model if with_logits else getattr(model, "base_model", model)
@@ -132,6 +134,18 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
         _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
         return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
+
+
+def _logits_only(model, input_ids, attention_mask, pos, key_space: str, k: int, token_logprobs: bool) -> KVBatch:
+    """`teacher_forward_kv` with no layers: K and V [0, B, H, T, D], the top-k / token log-probs of one forward."""
+    g = kv_geometry(model)
+    B, T = input_ids.shape
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    with torch.no_grad():
+        empty = torch.zeros((0, B, g.num_kv_heads, T, g.head_dim), device=input_ids.device)
+        kv = KVBatch(empty, empty.clone(), [], attention_mask.bool(), key_space)
+        return _with_token_logp(_with_topk(kv, out, k), out, input_ids, token_logprobs)
 
 
 def _with_hidden(kv: KVBatch, hid) -> KVBatch:

@@ -1,0 +1,72 @@
+"""The two engines side by side on one model directory, no Ray: sampled tokens per second (Hugging Face `generate`
+against a vLLM engine) and a logits-only teacher's scored positions per second (`teacher_forward_kv` with no layers
+against `actors.vllm_teacher.topk_batch`). `bench onpolicy --engine hf vllm` reports the scoring figure beside its
+on-policy steps (CPU); `bench gpu`'s `engines` section both, at real sizes on CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from kava_ray.core.kv import teacher_forward_kv
+from kava_ray.core.models import load_model
+from kava_ray.core.sampling import sample
+
+
+def _timed(fn, reps: int) -> tuple[float, object]:
+    """(seconds per call of `fn` over `reps` calls after one warm-up call (CUDA synchronised), its last result)."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        last = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps, last
+
+
+def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str = "float32", reps: int = 3) -> dict:
+    """Positions per second a logits-only teacher scores, each engine's actor forward on the same `batch` random
+    sequences of `length` tokens (top-k, tail and token log-probs): {hf, vllm, batch, length, k}."""
+    from actors.vllm_engine import VLLMEngine
+    from actors.vllm_teacher import topk_batch
+
+    model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    out = {"hf": batch * length / _timed(lambda: teacher_forward_kv(model, ids, mask, layers=[], logits_top_k=k,
+                                                                     token_logprobs=True), reps)[0]}
+    model = None  # (freed before the engine loads)
+    engine = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=length + 1, max_num_seqs=batch, max_logprobs=k)
+    try:
+        out["vllm"] = batch * length / _timed(lambda: topk_batch(engine, ids, mask, k, "pre_rope", 1, 1), reps)[0]
+    finally:
+        engine.close()
+    return out | {"batch": batch, "length": length, "k": k}
+
+
+def sampling_rates(model_dir: Path, batch: int, prompt: int, new_tokens: int, dtype: str = "float32",
+                   reps: int = 2) -> dict:
+    """Sampled tokens per second of `batch` random prompts of `prompt` tokens, up to `new_tokens` each (no EOS id
+    passed; the tokens counted are those returned), `core.sampling.sample` against `VLLMEngine.sample`: {hf, vllm,
+    batch, prompt, new_tokens}."""
+    from actors.vllm_engine import VLLMEngine
+
+    model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g).tolist()
+    secs, s = _timed(lambda: sample(model, prompts, new_tokens, eos_ids=[]), reps)
+    out = {"hf": s.tokens / secs}
+    model = None  # (freed before the engine loads)
+    engine = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=prompt + new_tokens, max_num_seqs=batch)
+    try:
+        secs, s = _timed(lambda: engine.sample(prompts, new_tokens, eos_ids=[]), reps)
+        out["vllm"] = s.tokens / secs
+    finally:
+        engine.close()
+    return out | {"batch": batch, "prompt": prompt, "new_tokens": new_tokens}
