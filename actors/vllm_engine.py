@@ -91,7 +91,7 @@ class VLLMEngine:
         preload = os.environ.get("LD_PRELOAD")  # and sets LD_PRELOAD (for workers it would spawn: none here)
         with torch.random.fork_rng():  # and seeds the global RNG: the trainer's stream stays its own
             self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=self.max_model_len,
-                           max_num_seqs=int(max_num_seqs), max_logprobs=max(int(max_logprobs), 0), seed=int(seed),
+                           max_num_seqs=int(max_num_seqs), max_logprobs=self.max_logprobs, seed=int(seed),
                            logprobs_mode="processed_logprobs", generation_config="vllm", skip_tokenizer_init=True,
                            enable_prefix_caching=False, enforce_eager=not cuda, load_format="dummy" if dummy else "auto",
                            **memory)

@@ -35,22 +35,21 @@ def topk_batch(engine: VLLMEngine, ids: torch.Tensor, mask: torch.Tensor, k: int
     real position); K and V with no layers ([0, B, heads, T, head_dim]). Position t predicts token t + 1, every
     figure at temperature 1; padded positions are 0, as `KVBatch.stack` leaves them."""
     B, T = ids.shape
+    kv = KVBatch.empty(mask, heads, head_dim, key_space)
     topk_ids = torch.zeros((B, T, k), dtype=torch.long)
     topk_logp = torch.zeros((B, T, k))
-    token_logp = torch.zeros((B, T))
+    kv.token_logp = torch.zeros((B, T))
     rows = [torch.nonzero(mask[b]).flatten() for b in range(B)]  # each row's real positions (left or right padding)
     seqs = [ids[b, pos].tolist() for b, pos in enumerate(rows)]
     live = [b for b in range(B) if len(seqs[b])]
     for b, (tid, tlp, nxt) in zip(live, engine.prompt_topk([seqs[b] for b in live], k, last=True)):
         pos = rows[b]
-        topk_ids[b, pos], topk_logp[b, pos], token_logp[b, pos] = tid, tlp, nxt
-    mass = torch.logsumexp(topk_logp.double(), dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
-    tail = torch.log(-torch.expm1(mass)).float()
-    real = mask.bool()
-    tail = torch.where(real, tail, torch.zeros_like(tail)) if k else torch.zeros((B, T))
-    empty = torch.zeros((0, B, heads, T, head_dim))
-    return KVBatch(empty, empty.clone(), [], real, key_space, topk_ids if k else None, topk_logp if k else None,
-                   tail if k else None, None, token_logp)
+        topk_ids[b, pos], topk_logp[b, pos], kv.token_logp[b, pos] = tid, tlp, nxt
+    if k:
+        mass = torch.logsumexp(topk_logp.double(), dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
+        tail = torch.log(-torch.expm1(mass)).float()
+        kv.topk_ids, kv.topk_logp, kv.topk_tail = topk_ids, topk_logp, torch.where(kv.mask, tail, 0.0)
+    return kv
 
 
 class VLLMTeacherActor(TeacherActor):

@@ -6,27 +6,21 @@ on-policy steps (CPU); `bench gpu`'s `engines` section both, at real sizes on CU
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
+from kava_ray.bench.harness import timed_mean
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.models import load_model
 from kava_ray.core.sampling import sample
 
 
-def _timed(fn, reps: int) -> tuple[float, object]:
-    """(seconds per call of `fn` over `reps` calls after one warm-up call (CUDA synchronised), its last result)."""
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        last = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps, last
+def _rate(fn, units, reps: int) -> float:
+    """`units(fn())` per second: one warm-up call counts the units (seeded: every call returns the same), then the
+    mean of `reps` timed calls (`harness.timed_mean`, the device synchronised)."""
+    n = units(fn())
+    return n / timed_mean(fn, reps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str = "float32", reps: int = 3) -> dict:
@@ -39,12 +33,13 @@ def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str =
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
     mask = torch.ones_like(ids)
-    out = {"hf": batch * length / _timed(lambda: teacher_forward_kv(model, ids, mask, layers=[], logits_top_k=k,
-                                                                     token_logprobs=True), reps)[0]}
+    positions = lambda _: batch * length  # noqa: E731
+    out = {"hf": _rate(lambda: teacher_forward_kv(model, ids, mask, layers=[], logits_top_k=k, token_logprobs=True),
+                       positions, reps)}
     model = None  # (freed before the engine loads)
     engine = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=length + 1, max_num_seqs=batch, max_logprobs=k)
     try:
-        out["vllm"] = batch * length / _timed(lambda: topk_batch(engine, ids, mask, k, "pre_rope", 1, 1), reps)[0]
+        out["vllm"] = _rate(lambda: topk_batch(engine, ids, mask, k, "pre_rope", 1, 1), positions, reps)
     finally:
         engine.close()
     return out | {"batch": batch, "length": length, "k": k}
@@ -60,13 +55,11 @@ def sampling_rates(model_dir: Path, batch: int, prompt: int, new_tokens: int, dt
     model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g).tolist()
-    secs, s = _timed(lambda: sample(model, prompts, new_tokens, eos_ids=[]), reps)
-    out = {"hf": s.tokens / secs}
+    out = {"hf": _rate(lambda: sample(model, prompts, new_tokens, eos_ids=[]), lambda s: s.tokens, reps)}
     model = None  # (freed before the engine loads)
     engine = VLLMEngine(str(model_dir), dtype=dtype, max_model_len=prompt + new_tokens, max_num_seqs=batch)
     try:
-        secs, s = _timed(lambda: engine.sample(prompts, new_tokens, eos_ids=[]), reps)
-        out["vllm"] = s.tokens / secs
+        out["vllm"] = _rate(lambda: engine.sample(prompts, new_tokens, eos_ids=[]), lambda s: s.tokens, reps)
     finally:
         engine.close()
     return out | {"batch": batch, "prompt": prompt, "new_tokens": new_tokens}

@@ -143,23 +143,22 @@ class Distiller(nn.Module):
         reader = VocabReader(self.student, self.loss_cfg.vocab_chunk, batch.input_ids.numel())  # whole, or chunks
         with record_function("kava/student_forward"), reader.capture():  # incl. the KV capture (scopes: `bench step`)
             out, skv = student_forward_kv(self.student, batch.input_ids, batch.attention_mask,
+                                          layers=None if self.kv else [],
                                           key_space=self.key_space, hidden=len(self.hidden_proj) > 0,
                                           output_hidden_states=self.fusion.kind == "router", **reader.forward_kwargs())
         with record_function("kava/projectors"):
             projected, masks, native = self._project(batch, teacher_kv, kv_mask) if self.kv else ({}, {}, {})
         with record_function("kava/fusion_loss"):  # CE, fusion, KV (+ logit) loss, metrics
             c = self.loss_cfg
-            metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
-                       for n in self.aligned if self.kv}  # the share of KV positions each teacher of another
-            # tokenizer covers
-            if self.kv and self.aligned and self.fusion.fuses_targets:  # a fused target where every teacher has one
-                kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
+            metrics, kvl, kv_m = {}, skv.keys.new_zeros(()), None  # (no KV: a job whose teachers ship none)
             if self.kv:
+                metrics = {of(ALIGNED, n): (masks[n] != 0).sum() / (kv_mask != 0).sum().clamp(min=1)
+                           for n in self.aligned}  # the share of KV positions each teacher of another tokenizer covers
+                if self.aligned and self.fusion.fuses_targets:  # a fused target exists where every teacher has one
+                    kv_mask = torch.stack([masks[n] for n in self.names]).amin(0)
                 views = {n: self._student_view(n, skv) for n in self.names}  # the student as each teacher's loss sees it
                 kvl, kv_m, per_teacher = self._kv_term(out, views, projected, masks, kv_mask)
                 metrics.update(per_teacher)
-            else:
-                kvl, kv_m = skv.keys.new_zeros(()), None
             kv_term = c.kv_weight * kvl
             # CE (off on the student's own samples: it would teach it what it already says; on a teacher's samples
             # it is sequence-level KD) and the logit terms, which read the vocabulary; after the KV term, whose

@@ -91,6 +91,14 @@ class KVBatch:
                        None if self.hidden is None else self.hidden[:, b:b + 1, :n], tok(self.token_logp))
 
     @classmethod
+    def empty(cls, mask: torch.Tensor, heads: int, head_dim: int, key_space: str) -> "KVBatch":
+        """No layers: K and V [0, B, heads, T, head_dim] on mask's device, for mask [B, T] (a logits-only job's batch,
+        `JobConfig.ships_kv`); top-k and token log-probs are set by whoever serves them."""
+        B, T = mask.shape
+        keys = torch.zeros((0, B, int(heads), T, int(head_dim)), device=mask.device)
+        return cls(keys, keys.clone(), [], mask.bool(), key_space)
+
+    @classmethod
     def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
         """Samples (`row` outputs, n_b real tokens each) as one right-padded batch for `mask` [B, T]: zeros
         past each sample's tokens. Every row must have exactly its mask row's count of tokens."""

@@ -138,14 +138,17 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
 
 def _logits_only(model, input_ids, attention_mask, pos, key_space: str, k: int, token_logprobs: bool) -> KVBatch:
     """`teacher_forward_kv` with no layers: K and V [0, B, H, T, D], the top-k / token log-probs of one forward."""
-    g = kv_geometry(model)
-    B, T = input_ids.shape
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
     with torch.no_grad():
-        empty = torch.zeros((0, B, g.num_kv_heads, T, g.head_dim), device=input_ids.device)
-        kv = KVBatch(empty, empty.clone(), [], attention_mask.bool(), key_space)
+        kv = _no_layers(model, attention_mask, key_space)
         return _with_token_logp(_with_topk(kv, out, k), out, input_ids, token_logprobs)
+
+
+def _no_layers(model, attention_mask, key_space: str) -> KVBatch:
+    """`KVBatch.empty` in `model`'s KV geometry."""
+    g = kv_geometry(model)
+    return KVBatch.empty(attention_mask, g.num_kv_heads, g.head_dim, key_space)
 
 
 def _with_hidden(kv: KVBatch, hid) -> KVBatch:
@@ -264,6 +267,8 @@ def student_forward_kv(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, **forward_kwargs)
     if labels is not None:
         kwargs["labels"] = labels.to(input_ids.device)
+    if layers is not None and not len(layers):  # a logits-only job (`JobConfig.ships_kv`): no capture, no cache
+        return model(**kwargs, use_cache=False), _no_layers(model, attention_mask, key_space)
     cached = not (model.training and _checkpointing(model))
     ids = _check_layers(layers, kv_geometry(model).num_layers)
     hid = HiddenCapture(model, ids) if hidden else contextlib.nullcontext()
