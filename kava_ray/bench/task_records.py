@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write
 from kava_ray.data import final_answer
+from kava_ray.data.answers import answers_match, same_completion
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.synthetic import TEMPLATES, synthetic_split
 from kava_ray.recipes.evaluate import generate_answers
@@ -156,10 +157,7 @@ def write_records(rows: dict, root: Path, checker: str) -> TaskRecords:
 
 def correct(checker: str, pred: str, gold: str) -> bool:
     """Whether a completion answers as the gold one does (module docstring)."""
-    if checker == "exact":
-        return pred.strip() == gold.strip()
-    p = final_answer(pred)
-    return p is not None and p == final_answer(gold)
+    return same_completion(pred, gold) if checker == "exact" else answers_match(pred, gold)
 
 
 def score(model, tok, rows: Sequence[dict], checker: str, p: dict) -> dict:

@@ -343,6 +343,11 @@ class TrainConfig(_Section):
     on_bad_kv: Literal["skip", "stop"] = "skip"
     # experiment trackers rank 0 mirrors metrics.jsonl to (kava_ray/common/trackers.py); each needs its package
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = []
+    # lm-evaluation-harness tasks rank 0 runs on the student at every evaluation (step 0 included), logged as
+    # eval/task/<task>/<metric> (`kava-ray eval --tasks` takes the same names: kava_gsm8k, kava_pydoc_ppl,
+    # file:PATH, an lm-eval task); eval_tasks_limit: the first N documents of each (null: all of them)
+    eval_tasks: list[str] = []
+    eval_tasks_limit: Optional[int] = Field(32, ge=1)
 
     @field_validator("loggers")
     @classmethod
@@ -441,6 +446,10 @@ class JobConfig(_Section):
             raise ValueError("ray.strategy: fsdp shards the student over the workers, and ray.num_workers is 1 (it "
                              "would train unsharded): set ray.num_workers above 1 or ray.strategy: ddp")
         if self.ray.sharded:
+            if self.train.eval_tasks:
+                raise ValueError("train.eval_tasks: rank 0 runs them on the whole student, and ray.strategy: fsdp "
+                                 "shards it over the workers; use ray.strategy: ddp, or `kava-ray eval RUN --tasks "
+                                 "...` on the run's checkpoints")
             if self.align.projector.kind == "fit":
                 raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "
                                  "are fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")

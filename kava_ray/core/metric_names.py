@@ -36,6 +36,9 @@ def summed(name: str) -> bool:
 COS, ALIGNED, FUSION, TOP1_AGREE = "cos", "aligned", "fusion", "top1_agree"
 LOGIT_PER_TEACHER = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
 
+# train.eval_tasks (kava_ray.recipes.harness): eval/task/<task>/<metric> at each evaluation, and the seconds it took
+TASK_PREFIX, EVAL_TASKS_S = "eval/task/", "eval/tasks_s"
+
 _PHASES = [(0.5, "Adapting"), (0.7, "Learning"), (0.9, "Good"), (0.95, "Great")]
 
 

@@ -29,3 +29,16 @@ def final_answer(text: Optional[str]) -> Optional[str]:
         return normalize_number(text.rsplit("####", 1)[1])
     nums = _NUM.findall(text)
     return normalize_number(nums[-1]) if nums else None
+
+
+def answers_match(pred: Optional[str], gold: Optional[str]) -> bool:
+    """GSM8K's correctness: both final answers (`final_answer`) exist and are equal (`evaluate.score_answers`, the
+    shipped harness task `kava_gsm8k`)."""
+    p = final_answer(pred)
+    return p is not None and p == final_answer(gold)
+
+
+def same_completion(pred: str, gold: str) -> bool:
+    """A completion equal to the gold one, surrounding whitespace aside (`bench task --checker exact`, the harness
+    tasks of a user's file, `kava-ray eval --tasks file:PATH`)."""
+    return pred.strip() == gold.strip()

@@ -41,7 +41,7 @@ from kava_ray.core.checkpoint import (
     save_checkpoint,
 )
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
-from kava_ray.core.metric_names import EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summed
+from kava_ray.core.metric_names import EVAL_TASKS_S, EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summed
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
 from kava_ray.core.nonfinite import FirstBad
 from kava_ray.core.plans import (
@@ -51,8 +51,10 @@ from kava_ray.core.plans import (
 )
 from kava_ray.core.precision import student_precision
 from kava_ray.data.splits import load_splits, load_test_split
+from kava_ray.data.tasks import resolve_tasks
 from kava_ray.recipes.evaluate import evaluate_heldout
 from kava_ray.recipes.fit_maps import fit_maps
+from kava_ray.recipes.harness import run_tasks, task_metrics
 from kava_ray.recipes.step_records import evals_through, step_kind, step_record
 
 
@@ -104,6 +106,7 @@ class DistillRecipe:
         # the last step's: its learning rates (before the schedule moves) and how many micro-batches measured each metric
         self.last_lrs: list = []
         self.measured: dict[str, int] = {}
+        self._tasks = None  # train.eval_tasks, resolved at the first evaluation (kava_ray.data.tasks)
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
         """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the tokenizers and the
@@ -297,9 +300,21 @@ class DistillRecipe:
                                rank=self.rank)
 
     def evaluate(self, source) -> dict[str, float]:
-        """`eval/*` on the validation split: what checkpoint selection and Tune read."""
-        return evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
-                                autocast=self.autocast)
+        """`eval/*` on the validation split: what checkpoint selection and Tune read; with `train.eval_tasks`,
+        rank 0 runs those harness tasks on the student too (`eval/task/<task>/<metric>`; the other ranks wait at
+        the step's next collective, as for the held-out pass)."""
+        out = evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
+                               autocast=self.autocast)
+        t = self.cfg.train
+        if t.eval_tasks and self.rank == 0:
+            if self._tasks is None:
+                self._tasks = resolve_tasks(t.eval_tasks)
+            t0 = time.perf_counter()
+            out.update(task_metrics(run_tasks(self.distiller.student, self.tokenizer, self._tasks,
+                                              self.cfg.data.prompt_format, t.eval_tasks_limit,
+                                              batch_size=t.batch_size)))
+            out[EVAL_TASKS_S] = time.perf_counter() - t0
+        return out
 
     def test(self, source) -> dict[str, float]:
         """`test/*` on the test split, once, after the last step (never used to select anything), in fp32

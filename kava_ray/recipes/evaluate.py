@@ -52,7 +52,8 @@ from kava_ray.core.plans import (
 )
 from kava_ray.core.probe import KVAlignment
 from kava_ray.core.vocab_chunks import VocabReader
-from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer, normalize_number
+from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer
+from kava_ray.data.answers import answers_match
 from kava_ray.data.sources import source_path
 from kava_ray.data.splits import carved, eval_stream, load_test_split, one_source
 from kava_ray.runtime.preflight import preflight
@@ -139,7 +140,7 @@ def generate_answers(model, tokenizer, questions: Sequence[str], prompt_format: 
 
 def score_answers(preds: Sequence[str], golds: Sequence[str],
                   questions: Optional[Sequence[str]] = None) -> dict:
-    """Compare final numbers: `normalize_number(final_answer(x))` of prediction and gold must be equal.
+    """Compare final numbers: `final_answer(x)` of prediction and gold must be equal (`data.answers.answers_match`).
 
     Returns accuracy, n, correct and `samples` (the first few: question, gold, predicted, pred_number, ok).
     """
@@ -148,8 +149,7 @@ def score_answers(preds: Sequence[str], golds: Sequence[str],
     questions = questions if questions is not None else [""] * len(golds)
     correct, samples = 0, []
     for q, pred, gold in zip(questions, preds, golds):
-        p, g = normalize_number(final_answer(pred)), normalize_number(final_answer(gold))
-        ok = p is not None and p == g
+        p, g, ok = final_answer(pred), final_answer(gold), answers_match(pred, gold)
         correct += ok
         if len(samples) < NUM_SAMPLES:
             samples.append({"question": q, "gold": g, "predicted": pred, "pred_number": p, "ok": ok})

@@ -19,9 +19,10 @@ from typing import Optional
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, format_table
 from kava_ray.common.metrics_file import METRICS, read_metrics, wall_seconds
-from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS, COS_RAW, COS_SIM, KV_LOSS, LOSS, of, phase
+from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS, COS_RAW, COS_SIM, KV_LOSS, LOSS, TASK_PREFIX, of, phase
 
 REPORT_DIR = "report"
+TASKS_TITLE = "Harness tasks (the newest `kava-ray eval --tasks` of this run)"
 COLLAPSE_GAP = 0.01  # a final contrast gap below this means nothing sample-specific was learned
 COLLAPSE_WARNING = ("the student matches other samples' targets as well as its own — nothing "
                     "sample-specific was learned (the collapse trap)")
@@ -81,6 +82,8 @@ def headline(train: list[dict], evals: list[dict], wall_s: Optional[float] = Non
         h[key] = _first_last(train, key)
     h["cos"] = {t: _first_last(train, of(COS, t)) for t in _teachers(train, of(COS, ""))}
     h["eval_ce"] = _first_last(evals, "eval/ce")
+    task_keys = sorted({k for r in evals for k in r if k.startswith(TASK_PREFIX)})  # train.eval_tasks
+    h["eval_tasks"] = {k: _first_last(evals, k) for k in task_keys}
     times = _series(train, "time_s")[1]
     # without the driver's clock: ~ mean step time x steps done (records are logged every few steps), which leaves
     # out start-up, evaluation and saving
@@ -111,6 +114,7 @@ def _rows(h: dict) -> list[list[str]]:
     named = [(k, h[k]) for k in (LOSS, CE, KV_LOSS, COS_SIM, COS_RAW)]
     named += [(of(COS, t), fl) for t, fl in h["cos"].items()]
     named += [(CONTRAST_GAP, h[CONTRAST_GAP]), ("held-out ce (eval)", h["eval_ce"])]
+    named += list(h.get("eval_tasks", {}).items())
     return [[name, _fmt(fl[0]), _fmt(fl[1])] for name, fl in named if fl is not None]
 
 
@@ -131,10 +135,15 @@ def summarize_run(run_dir) -> str:
     text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in _facts(h))
     if h["collapse_warning"]:
         text += f"\n\nwarning: final contrast gap {_fmt(h['contrast_gap'][1])} < {COLLAPSE_GAP}: {COLLAPSE_WARNING}"
+    from kava_ray.recipes.eval_tasks import format_tasks, latest_tasks_result  # torch: only where a run has some
+
+    tasks = latest_tasks_result(_metrics_path(run_dir).parent)
+    if tasks is not None:
+        text += f"\n\n{TASKS_TITLE}\n{format_tasks(tasks)}"
     return text
 
 
-def _markdown(h: dict, title: str) -> str:
+def _markdown(h: dict, title: str, tasks: Optional[dict] = None) -> str:
     def table(header, rows):
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -148,6 +157,10 @@ def _markdown(h: dict, title: str) -> str:
         ev = h["last_eval"]
         parts.append(f"## Last eval (step {ev['step']})\n\n"
                      + table(["metric", "value"], [[k, _fmt(v)] for k, v in ev.items() if k != "step"]))
+    if tasks is not None:
+        from kava_ray.recipes.eval_tasks import format_tasks
+
+        parts.append(f"## {TASKS_TITLE}\n\n```\n{format_tasks(tasks)}\n```")
     parts.append("Plots: ![loss](loss.png) ![cos](cos.png) ![contrast gap](contrast_gap.png) "
                  "![teacher wait](teacher_wait.png)")
     return "\n\n".join(parts) + "\n"
@@ -215,6 +228,10 @@ def write_report(run_dir) -> dict:
     _plot(plots["teacher_wait"], "Teacher wait and throughput", "teacher_wait_s (s)", [tr("teacher_wait_s")],
           twin=tr("tokens_per_s"))
     summary = out / "summary.md"
-    text = _markdown(h, run_dir.name)
+    from kava_ray.recipes.eval_tasks import latest_tasks_result
+
+    tasks = latest_tasks_result(run_dir)
+    text = _markdown(h, run_dir.name, tasks)
     atomic_write(summary, text)
-    return {"report_dir": str(out), "summary": str(summary), "plots": {k: str(p) for k, p in plots.items()}, **h}
+    return {"report_dir": str(out), "summary": str(summary), "plots": {k: str(p) for k, p in plots.items()}, **h,
+            "tasks": tasks}

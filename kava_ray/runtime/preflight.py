@@ -35,6 +35,7 @@ from kava_ray.core.plans import (
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.sources import check_source
 from kava_ray.data.splits import carved, check_overlap, load_splits, load_test_split
+from kava_ray.data.tasks import resolve_tasks
 from kava_ray.data.tokenize import TokenizedSplit
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
@@ -75,6 +76,8 @@ def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = 
     check_teachers(cfg, command, address)
     check_onpolicy_writer(cfg, command)
     check_engines(cfg, command)
+    if command in ("train", "tune", "demo") and cfg.train.eval_tasks:
+        resolve_tasks(cfg.train.eval_tasks)  # each task's data loaded once here: a name that cannot is one line
     check_context(cfg, command, resume, address)
     if command in ("train", "tune", "demo"):
         check_memory(cfg, address)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kava_ray.cli.bench import (
     align,
     data,
+    eval_tasks,
     feed,
     gpu,
     heal,
@@ -20,7 +21,7 @@ from kava_ray.cli.bench import (
 from kava_ray.cli.bench import all as all_benches
 
 BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, pull, data, recipes, all_benches, align, vocab,
-           onpolicy, task)  # help order
+           onpolicy, task, eval_tasks)  # help order
 
 
 def register(sub) -> None:

@@ -1,0 +1,194 @@
+"""`kava-ray eval RUN --tasks ...`: lm-evaluation-harness tasks on a run's student, beside each of its teachers
+(and a baseline student), one model at a time on one device; the table and `RUN_DIR/eval/tasks-*.json`.
+
+Teachers load through the job's own loading code (`core.models.load_model` with their dtype and quantization:
+NF4 included; a `.gguf` converted once), the student from the checkpoint. The share of a teacher's score is
+student / teacher for a higher-is-better metric and teacher / student for a lower-is-better one (a perplexity):
+1.0 is the teacher's figure either way. With a baseline, the gap recovered is (student - baseline) / (teacher -
+baseline), the figure distillation papers report: 0 where training changed nothing, 1 at the teacher.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.common.files import atomic_write, format_table
+from kava_ray.core.checkpoint import check_whole_student, checkpoint_config
+from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.data.tasks import resolve_tasks
+from kava_ray.recipes.harness import run_tasks
+
+EVAL_DIR = "eval"  # RUN_DIR/eval/tasks-<checkpoint>-<time>.json
+PREFIX = "tasks-"
+STUDENT, BASELINE = "student", "baseline"
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _student_dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def _baseline_dir(baseline: str, run_dir: Path) -> Path:
+    """`--baseline PATH`: a run or checkpoint dir, as given or inside the run's dir (`checkpoint_...`)."""
+    p = Path(baseline).expanduser()
+    return p if p.exists() or not (run_dir / baseline).exists() else run_dir / baseline
+
+
+def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: torch.device) -> list:
+    """[(label, load() -> (model, tokenizer))] in the order they run; every path checked here, before any loads."""
+    dtype = _student_dtype(device)
+
+    def student(path):
+        return lambda: (load_model(path, dtype=dtype).to(device), load_tokenizer(path))
+
+    out = [(STUDENT, student(ckpt / "student"))]
+    if baseline == "init":  # the student before training: the job's own student, as step 0 built it
+        s = cfg.student
+        out.append((BASELINE, lambda: (load_student(s.model, dtype=dtype, keep=s.keep_layers, device=device).eval(),
+                                       load_tokenizer(s.model))))
+    elif baseline is not None:
+        b_ckpt, _, _ = checkpoint_config(_baseline_dir(baseline, ckpt.parent))
+        check_whole_student(b_ckpt, "evaluate")
+        out.append((BASELINE, student(b_ckpt / "student")))
+    for t in cfg.teachers if teachers else []:
+        def teacher(t=t):
+            model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
+            if t.quantization == "none":  # bitsandbytes places a quantized model itself
+                model.to(device)
+            return model, load_tokenizer(t.model)
+        out.append((f"teacher {t.name}", teacher))
+    return out
+
+
+def console_bar(label: str) -> Callable:
+    """lm-eval's request bars as the console's one bar (the terminal's stderr, a tty only), named by model."""
+    from tqdm import tqdm
+
+    from kava_ray.runtime.console import console  # Ray: the CLI's console (this module stays importable without)
+
+    def make(iterable=None, total=None, desc=""):
+        what = desc.replace("Running ", "").replace(" requests", "")
+        return tqdm(iterable, total=total, desc=f"eval {label}: {what}", file=console(), disable=None, leave=False,
+                    dynamic_ncols=True, unit="req")
+    return make
+
+
+def _share(s: float, t: float, higher: bool) -> Optional[float]:
+    num, den = (s, t) if higher else (t, s)
+    return num / den if den else None
+
+
+def _recovered(s: float, b: float, t: float) -> Optional[float]:
+    return (s - b) / (t - b) if t != b else None
+
+
+def compare(models: dict) -> dict:
+    """{"share": {teacher: {task/metric: share}}, "gap_recovered": {teacher: {...}}} of `models` (label ->
+    `run_tasks` result); gap recovered only with a baseline."""
+    student, base = models[STUDENT], models.get(BASELINE)
+    share, rec = {}, {}
+    for label, r in models.items():
+        if not label.startswith("teacher "):
+            continue
+        t = label[len("teacher "):]
+        share[t], rec[t] = {}, {}
+        for task, sr in student.items():
+            for m, s in sr["metrics"].items():
+                tv = r.get(task, {}).get("metrics", {}).get(m)
+                if tv is None:
+                    continue
+                share[t][f"{task}/{m}"] = _share(s, tv, sr["higher_is_better"].get(m, True))
+                if base is not None and m in base.get(task, {}).get("metrics", {}):
+                    rec[t][f"{task}/{m}"] = _recovered(s, base[task]["metrics"][m], tv)
+    return {"share": share, "gap_recovered": rec if base is not None else {}}
+
+
+def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teachers: bool = True,
+                   baseline: Optional[str] = None, overrides: Optional[Sequence[str]] = None) -> dict:
+    """The harness's `tasks` on a checkpoint's student (`path`: a run or checkpoint dir), then on `baseline`
+    ("init": the student before training; a checkpoint) and each teacher, the first `limit` documents of each task;
+    written to RUN_DIR/eval/. Every name, path and override is checked before any model loads."""
+    from kava_ray.recipes.evaluate import eval_config
+    from kava_ray.runtime.console import status  # Ray: see console_bar
+
+    t0 = time.perf_counter()
+    ckpt, state, cfg = checkpoint_config(path)
+    cfg = eval_config(cfg, overrides)
+    check_whole_student(ckpt, "evaluate")
+    harness_tasks = resolve_tasks(tasks)  # unknown names, offline Hub data: one line, nothing loaded or written
+    device = _device()
+    loaders = _loaders(ckpt, cfg, baseline, teachers, device)
+    models = {}
+    for label, load in loaders:
+        status(f"eval: {label} on {', '.join(t.name for t in harness_tasks)} ({device.type})")
+        model, tok = load()
+        models[label] = run_tasks(model, tok, harness_tasks, cfg.data.prompt_format, limit,
+                                  batch_size=cfg.train.batch_size, make_bar=console_bar(label))
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = {"checkpoint": str(ckpt.resolve()), "step": state["step"], "tasks": [t.name for t in harness_tasks], "limit": limit,
+           "baseline": baseline, "device": device.type, "models": models, **compare(models),
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    dest = ckpt.parent / EVAL_DIR / f"{PREFIX}{ckpt.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    atomic_write(dest, json.dumps(out, indent=1, default=float) + "\n")
+    out["written"] = str(dest)
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.4g}" if abs(v) >= 1000 or 0 < abs(v) < 1e-3 else f"{v:.4f}"
+
+
+def format_tasks(out: dict) -> str:
+    """One row per task and metric: documents, each model's figure, each teacher's share (and gap recovered)."""
+    models = out["models"]
+    teachers = [m for m in models if m.startswith("teacher ")]
+    header = ["task", "metric", "n", *[m for m in models if not m.startswith("teacher ")]]
+    for t in teachers:
+        name = t[len("teacher "):]
+        header += [t, f"share of {name}"] + ([f"gap recovered ({name})"] if out.get("gap_recovered") else [])
+    rows = []
+    for task, r in models[STUDENT].items():
+        for m in r["metrics"]:
+            key = f"{task}/{m}"
+            row = [task, m + ("" if r["higher_is_better"].get(m, True) else " (lower better)"), r["n"]]
+            row += [_fmt(models[k].get(task, {}).get("metrics", {}).get(m)) for k in models if not k.startswith("teacher ")]
+            for t in teachers:
+                name = t[len("teacher "):]
+                row += [_fmt(models[t].get(task, {}).get("metrics", {}).get(m)), _fmt(out["share"][name].get(key))]
+                if out.get("gap_recovered"):
+                    row.append(_fmt(out["gap_recovered"][name].get(key)))
+            rows.append(row)
+    lines = [format_table(header, rows), "",
+             f"step {out['step']} of {out['checkpoint']}; {out['device']}; {out['wall_s']:.0f} s"]
+    if out.get("written"):
+        lines.append(f"results: {out['written']}")
+    return "\n".join(lines)
+
+
+def latest_tasks_result(run_dir) -> Optional[dict]:
+    """The newest `RUN_DIR/eval/tasks-*.json` (`kava-ray report`), or None."""
+    found = sorted(Path(run_dir, EVAL_DIR).glob(f"{PREFIX}*.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return None
+    try:
+        out = json.loads(found[-1].read_text())
+    except (OSError, ValueError) as e:
+        raise KavaError(f"{found[-1]}: not a readable eval result ({e})") from None
+    out["written"] = str(found[-1])
+    return out

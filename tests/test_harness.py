@@ -1,0 +1,94 @@
+"""lm-evaluation-harness tasks (`kava_ray.data.tasks`, `kava_ray.recipes.harness`): the shipped synthetic GSM8K scores
+what `evaluate.gsm8k_accuracy` scores, a user's JSONL task is greedy exact match, and a task that cannot load is one
+line before any model. The run-level paths (`train.eval_tasks`, `kava-ray eval RUN --tasks`): tests/test_train.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kava_ray.common.errors import KavaError
+from kava_ray.core.models import load_model
+from kava_ray.data.synthetic import synthetic_split
+from kava_ray.data.tasks import resolve_tasks
+from kava_ray.recipes.evaluate import generate_answers, gsm8k_accuracy, score_answers
+from kava_ray.recipes.harness import run_tasks, task_metrics
+from kava_ray.testing.tiny import build_tiny_model
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def smol_model(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama around the real SmolLM2 tokenizer (its chat template: the harness's chat path)."""
+    d = build_tiny_model(tmp_path_factory.mktemp("harness"), family="llama", num_layers=2, hidden_size=32, num_heads=2,
+                         num_kv_heads=1, head_dim=16, tokenizer=smollm2_tokenizer, max_position_embeddings=1024, seed=4)
+    return load_model(d, dtype="float32")
+
+
+# completions where lm-eval's own gsm8k filters (strict-match: the first `####`; flexible-extract: the last number,
+# compared as strings) and kava-ray's answer (the number after the last `####`, else the last, canonicalised) differ
+CANNED = [("The answer is 7.", "#### 7"), ("#### 7.0", "#### 7"), ("#### $7", "#### 7"), ("1,000 dollars", "#### 1000"),
+          ("#### 2.50", "#### 2.5"), ("#### 7\nQuestion: next #### 9", "#### 7"), ("#### 8 then #### 7", "#### 7"),
+          ("#### -0", "#### 0"), ("...5", "#### 5"), ("no number", "#### 3"), ("#### 4", "#### 3")]
+
+
+def test_the_shipped_gsm8k_task_scores_what_gsm8k_accuracy_scores(smol_model, smollm2_tokenizer):
+    """Through the harness, `kava_gsm8k` gives the same completions and accuracy as `gsm8k_accuracy` on the same
+    problems (the first N of the synthetic test split), with the chat template and with the plain prompt; its
+    scoring function agrees with `score_answers` case by case where lm-eval's own GSM8K filters would not. The
+    model's train mode and the caller's random stream are as they were."""
+    from kava_ray.data.lm_eval_tasks.kava_utils import gsm8k_results  # the shipped file lm-eval loads by path
+
+    tasks = resolve_tasks(["kava_gsm8k"])
+    n = 3
+    examples = synthetic_split(n, 0, "test")
+    smol_model.train()
+    for fmt in ("auto", "plain"):
+        torch.manual_seed(7)
+        got = run_tasks(smol_model, smollm2_tokenizer, tasks, fmt, limit=n, batch_size=2, responses=True)
+        after = torch.rand(3)
+        torch.manual_seed(7)
+        assert torch.equal(after, torch.rand(3))  # the harness seeds torch; the caller's stream continues untouched
+        assert smol_model.training
+        r = got["kava_gsm8k"]
+        assert r["n"] == n and r["responses"] == generate_answers(smol_model, smollm2_tokenizer,
+                                                                  [e.question for e in examples], fmt, 128, 2)
+        assert r["metrics"]["accuracy"] == gsm8k_accuracy(smol_model, smollm2_tokenizer, examples, fmt)["accuracy"]
+    assert task_metrics(got) == {"eval/task/kava_gsm8k/accuracy": got["kava_gsm8k"]["metrics"]["accuracy"]}
+    ours = [gsm8k_results({"answer": g}, [p])["accuracy"] for p, g in CANNED]
+    assert ours == [float(score_answers([p], [g])["correct"]) for p, g in CANNED]
+    assert sum(ours) == 7  # 7 of the 11 read as kava-ray reads them
+
+
+def test_a_users_jsonl_is_a_greedy_exact_match_task(tmp_path, smol_model, smollm2_tokenizer):
+    """`file:PATH`: each prompt as written (no template), greedy; a completion counts when it is the model's
+    answer, surrounding whitespace aside. Rows whose gold is the model's own answer score, the others do not."""
+    prompts = ["Sort: 3 1 2\n", "Capital of France?", "2 + 2 =", "Say hi."]
+    path = tmp_path / "my task.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "completion": "?"}) + "\n" for p in prompts))
+    first = run_tasks(smol_model, smollm2_tokenizer, resolve_tasks([f"file:{path}"]), responses=True)["file_my_task"]
+    said = first["responses"]
+    assert first["metrics"] == {"exact_match": 0.0} and first["n"] == 4 and len(set(said)) > 1
+    gold = [" " + said[0] + "\n", said[1], said[0] + "x", "?"]  # the model's own, padded; its own; another; another
+    path.write_text("".join(json.dumps({"prompt": p, "completion": g}) + "\n" for p, g in zip(prompts, gold)))
+    again = run_tasks(smol_model, smollm2_tokenizer, resolve_tasks([f"file:{path}"]), limit=3)["file_my_task"]
+    assert again["metrics"] == {"exact_match": pytest.approx(2 / 3)} and again["n"] == 3
+
+
+def test_a_task_that_cannot_load_is_one_line(tmp_path):
+    """Unknown names, lm-eval's own tasks whose Hub data is out of reach (tests run with HF_HUB_OFFLINE=1), a missing
+    or malformed file, a name given twice: one KavaError naming it, nothing loaded."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    cases = {"nosuch_task": r"unknown eval task 'nosuch_task': not one of kava-ray's .* \(`lm-eval ls tasks` lists them\)",
+             "arc_easy": r"eval task 'arc_easy': its data cannot be loaded \(ConnectionError: .*allenai/ai2_arc.*"
+                         r"Hugging Face cache",
+             f"file:{tmp_path}/none.jsonl": r"none.jsonl: no such file",
+             f"file:{bad}": r"bad.jsonl: line 2 needs string fields prompt and completion",
+             "kava_gsm8k,kava_gsm8k": "kava_gsm8k is named twice", ",": "give one or more task names"}
+    for names, message in cases.items():
+        with pytest.raises(KavaError, match=message):
+            resolve_tasks(names.split(","))
