@@ -84,6 +84,7 @@ def test_a_task_that_cannot_load_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
     cases = {"nosuch_task": r"unknown eval task 'nosuch_task': not one of kava-ray's .* \(`lm-eval ls tasks` lists them\)",
+             "arc_easey": r"unknown eval task 'arc_easey' \(did you mean 'arc_easy'\?\): not one of",
              "arc_easy": r"eval task 'arc_easy': its data cannot be loaded \(ConnectionError: .*allenai/ai2_arc.*"
                          r"Hugging Face cache",
              f"file:{tmp_path}/none.jsonl": r"none.jsonl: no such file",
@@ -92,3 +93,31 @@ def test_a_task_that_cannot_load_is_one_line(tmp_path):
     for names, message in cases.items():
         with pytest.raises(KavaError, match=message):
             resolve_tasks(names.split(","))
+
+
+def test_a_task_named_by_its_yaml_path_reports_under_its_own_name(smol_model, smollm2_tokenizer):
+    """A name lm-eval expands (a YAML path here; a tag or a group without an aggregate alike) is reported under
+    each task it ran, not as an empty row under the name given."""
+    from kava_ray.data.tasks import SHIPPED_DIR
+
+    got = run_tasks(smol_model, smollm2_tokenizer, resolve_tasks([str(SHIPPED_DIR / "kava_pydoc_ppl.yaml")]), limit=1)
+    assert list(got) == ["kava_pydoc_ppl"] and got["kava_pydoc_ppl"]["n"] == 1
+    assert set(got["kava_pydoc_ppl"]["metrics"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
+    assert got["kava_pydoc_ppl"]["higher_is_better"] == dict.fromkeys(got["kava_pydoc_ppl"]["metrics"], False)
+
+
+def test_share_and_gap_recovered():
+    """The student's share of a teacher's figure (inverted for a lower-is-better one) and the gap recovered from a
+    baseline, which is no figure where the teacher does not beat the baseline (the ratio would flip sign)."""
+    from kava_ray.recipes.eval_tasks import compare
+
+    def res(acc, ppl):
+        return {"t": {"metrics": {"acc": acc, "ppl": ppl}, "n": 4, "higher_is_better": {"acc": True, "ppl": False}}}
+
+    out = compare({"student": res(0.4, 20.0), "baseline": res(0.2, 40.0), "teacher a": res(0.6, 10.0),
+                   "teacher b": res(0.1, 50.0)})
+    assert out["share"] == {"a": {"t/acc": pytest.approx(0.4 / 0.6), "t/ppl": 0.5},
+                            "b": {"t/acc": 4.0, "t/ppl": 2.5}}
+    assert out["gap_recovered"] == {"a": {"t/acc": pytest.approx(0.5), "t/ppl": pytest.approx(2 / 3)},
+                                    "b": {"t/acc": None, "t/ppl": None}}
+    assert compare({"student": res(0.4, 20.0), "teacher a": res(0.6, 10.0)})["gap_recovered"] == {}

@@ -345,9 +345,11 @@ class TrainConfig(_Section):
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     # lm-evaluation-harness tasks rank 0 runs on the student at every evaluation (step 0 included), logged as
     # eval/task/<task>/<metric> (`kava-ray eval --tasks` takes the same names: kava_gsm8k, kava_pydoc_ppl,
-    # file:PATH, an lm-eval task); eval_tasks_limit: the first N documents of each (null: all of them)
+    # file:PATH, an lm-eval task); eval_tasks_limit: the first N documents of each (null: all of them);
+    # eval_tasks_max_length: the context the harness reads (null: the model's, lm-eval's default)
     eval_tasks: list[str] = []
     eval_tasks_limit: Optional[int] = Field(32, ge=1)
+    eval_tasks_max_length: Optional[int] = Field(None, ge=16)
 
     @field_validator("loggers")
     @classmethod

@@ -14,6 +14,7 @@ what only reads configs never pays for it.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -46,11 +47,13 @@ class HarnessTask:
 
 
 def lm_eval_quiet() -> None:
-    """lm-eval's chatter off (its INFO/WARNING lines; `git describe` in the working directory for its result)."""
+    """lm-eval's chatter off (its INFO/WARNING lines; `git describe` in the working directory and the environment
+    report it adds to a result)."""
     import lm_eval.evaluator
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     lm_eval.evaluator.get_git_commit_hash = lambda: None
+    lm_eval.evaluator.add_env_info = lambda results: None  # torch's collect_env, shelling out: 0.3 s a call
 
 
 @functools.cache
@@ -67,8 +70,12 @@ def _file_task(arg: str) -> HarnessTask:
     path = Path(arg[len(FILE):]).expanduser()
     if not path.is_file():
         raise KavaError(f"eval task {arg}: no such file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KavaError(f"eval task {arg}: cannot read it ({e})") from None
     n = 0
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -112,17 +119,25 @@ def _load(task: HarnessTask, spec) -> None:
     du.disable_progress_bars()  # datasets' "Generating test split" bar: a check prints nothing
     try:
         tm.load([spec])
-    except KeyError:
-        raise KavaError(f"unknown eval task {task.name!r}: not one of kava-ray's ({', '.join(SHIPPED)}, file:PATH) "
-                        f"nor an lm-eval task, group or tag (`lm-eval ls tasks` lists them)") from None
+    except KeyError as e:
+        if "not a registered" not in str(e):  # a KeyError of the task's own data processing: below
+            raise _unloadable(task, e) from None
+        close = difflib.get_close_matches(task.name, [*SHIPPED, *tm.all_tasks], n=1, cutoff=0.85)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KavaError(f"unknown eval task {task.name!r}{hint}: not one of kava-ray's ({', '.join(SHIPPED)}, "
+                        f"file:PATH) nor an lm-eval task, group or tag (`lm-eval ls tasks` lists them)") from None
     except Exception as e:  # noqa: BLE001 - whatever stops its data loading (offline, a missing file) is one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise KavaError(f"eval task {task.name!r}: its data cannot be loaded ({type(e).__name__}: {first}); a Hub "
-                        f"dataset needs the network or its copy in the Hugging Face cache, or use kava-ray's "
-                        f"offline tasks ({', '.join(SHIPPED)}) or file:PATH") from None
+        raise _unloadable(task, e) from None
     finally:
         if not was_off:
             du.enable_progress_bars()
+
+
+def _unloadable(task: HarnessTask, e: BaseException) -> KavaError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return KavaError(f"eval task {task.name!r}: its data cannot be loaded ({type(e).__name__}: {first}); a Hub "
+                     f"dataset needs the network or its copy in the Hugging Face cache, or use kava-ray's offline "
+                     f"tasks ({', '.join(SHIPPED)}) or file:PATH")
 
 
 def resolve_tasks(names: Optional[Sequence[str]]) -> list[HarnessTask]:

@@ -310,9 +310,15 @@ class DistillRecipe:
             if self._tasks is None:
                 self._tasks = resolve_tasks(t.eval_tasks)
             t0 = time.perf_counter()
-            out.update(task_metrics(run_tasks(self.distiller.student, self.tokenizer, self._tasks,
-                                              self.cfg.data.prompt_format, t.eval_tasks_limit,
-                                              batch_size=t.batch_size)))
+            try:
+                out.update(task_metrics(run_tasks(self.distiller.student, self.tokenizer, self._tasks,
+                                                  self.cfg.data.prompt_format, t.eval_tasks_limit,
+                                                  batch_size=t.batch_size, max_length=t.eval_tasks_max_length)))
+            except torch.OutOfMemoryError:
+                raise KavaError(f"train.eval_tasks: out of memory on rank 0 running {', '.join(t.eval_tasks)} at "
+                                f"batch {t.batch_size} (the harness's windows are the model's context unless "
+                                f"train.eval_tasks_max_length caps them): cap it, lower train.batch_size, or "
+                                f"evaluate the checkpoints with `kava-ray eval RUN --tasks`") from None
             out[EVAL_TASKS_S] = time.perf_counter() - t0
         return out
 

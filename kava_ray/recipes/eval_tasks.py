@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from kava_ray.common.config import derive
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table
 from kava_ray.core.checkpoint import check_whole_student, checkpoint_config
@@ -35,10 +36,6 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _student_dtype(device: torch.device) -> str:
-    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-
-
 def _baseline_dir(baseline: str, run_dir: Path) -> Path:
     """`--baseline PATH`: a run or checkpoint dir, as given or inside the run's dir (`checkpoint_...`)."""
     p = Path(baseline).expanduser()
@@ -47,7 +44,7 @@ def _baseline_dir(baseline: str, run_dir: Path) -> Path:
 
 def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: torch.device) -> list:
     """[(label, load() -> (model, tokenizer))] in the order they run; every path checked here, before any loads."""
-    dtype = _student_dtype(device)
+    dtype = "auto"  # as stored (a run saves fp32 master weights): lm-eval's `dtype=auto`, and what training scores
 
     def student(path):
         return lambda: (load_model(path, dtype=dtype).to(device), load_tokenizer(path))
@@ -89,8 +86,9 @@ def _share(s: float, t: float, higher: bool) -> Optional[float]:
     return num / den if den else None
 
 
-def _recovered(s: float, b: float, t: float) -> Optional[float]:
-    return (s - b) / (t - b) if t != b else None
+def _recovered(s: float, b: float, t: float, higher: bool) -> Optional[float]:
+    """(s - b) / (t - b) where the teacher is better than the baseline; else None (the ratio would flip sign)."""
+    return (s - b) / (t - b) if (t > b if higher else t < b) else None
 
 
 def compare(models: dict) -> dict:
@@ -110,7 +108,8 @@ def compare(models: dict) -> dict:
                     continue
                 share[t][f"{task}/{m}"] = _share(s, tv, sr["higher_is_better"].get(m, True))
                 if base is not None and m in base.get(task, {}).get("metrics", {}):
-                    rec[t][f"{task}/{m}"] = _recovered(s, base[task]["metrics"][m], tv)
+                    rec[t][f"{task}/{m}"] = _recovered(s, base[task]["metrics"][m], tv,
+                                                       sr["higher_is_better"].get(m, True))
     return {"share": share, "gap_recovered": rec if base is not None else {}}
 
 
@@ -121,12 +120,15 @@ def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teac
     written to RUN_DIR/eval/. Every name, path and override is checked before any model loads."""
     from kava_ray.recipes.evaluate import eval_config
     from kava_ray.runtime.console import status  # Ray: see console_bar
+    from kava_ray.runtime.preflight import check_teachers
 
     t0 = time.perf_counter()
     ckpt, state, cfg = checkpoint_config(path)
     cfg = eval_config(cfg, overrides)
     check_whole_student(ckpt, "evaluate")
     harness_tasks = resolve_tasks(tasks)  # unknown names, offline Hub data: one line, nothing loaded or written
+    if teachers:  # their local paths (weights, tokenizers), as a job's preflight checks them
+        check_teachers(derive(cfg, {"data.kv_source": "live"}), "eval")
     device = _device()
     loaders = _loaders(ckpt, cfg, baseline, teachers, device)
     models = {}
@@ -154,6 +156,10 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if abs(v) >= 1000 or 0 < abs(v) < 1e-3 else f"{v:.4f}"
 
 
+def _fmt_n(n) -> str:
+    return "—" if n is None else str(n)  # (a group's: lm-eval counts its tasks' documents, not its own)
+
+
 def format_tasks(out: dict) -> str:
     """One row per task and metric: documents, each model's figure, each teacher's share (and gap recovered)."""
     models = out["models"]
@@ -166,7 +172,7 @@ def format_tasks(out: dict) -> str:
     for task, r in models[STUDENT].items():
         for m in r["metrics"]:
             key = f"{task}/{m}"
-            row = [task, m + ("" if r["higher_is_better"].get(m, True) else " (lower better)"), r["n"]]
+            row = [task, m + ("" if r["higher_is_better"].get(m, True) else " (lower better)"), _fmt_n(r["n"])]
             row += [_fmt(models[k].get(task, {}).get("metrics", {}).get(m)) for k in models if not k.startswith("teacher ")]
             for t in teachers:
                 name = t[len("teacher "):]

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from kava_ray.common.errors import KavaError
 from kava_ray.core.metric_names import TASK_PREFIX
 from kava_ray.data.records import use_chat
 from kava_ray.data.tasks import HarnessTask, lm_eval_quiet, task_manager
@@ -79,49 +80,58 @@ def _rng_kept():
 
 def run_tasks(model, tokenizer, tasks: Sequence[HarnessTask], prompt_format: str = "auto",
               limit: Optional[int] = None, batch_size: int = 8, make_bar: Optional[Callable] = None,
-              responses: bool = False) -> dict:
+              responses: bool = False, max_length: Optional[int] = None) -> dict:
     """{task name: {"metrics": {metric: value}, "n": documents evaluated, "higher_is_better": {metric: bool}}};
     `responses`: also "responses", the model's raw output per document in document order.
 
-    One `simple_evaluate` for the tasks read plain and one for those read through the chat template (a shipped
-    task's chat variant, for a model that `_chat` says uses it; reported under the task's own name). Greedy where
-    the task says so, zero-shot unless the task sets shots, `limit`: the first N documents of each task.
-    `bootstrap_iters=0` (no stderr: 100,000 resamples a metric otherwise). The model's train/eval mode and the
-    caller's random streams are as they were afterwards."""
+    One `simple_evaluate` per task as named: a task or a group with an aggregate is reported under its name; a tag, a
+    group without one or a YAML path under each of the tasks lm-eval ran for it (a name that yields no figure is one
+    KavaError). A shipped task with a chat variant runs that variant, through the chat template, for a model that
+    `_chat` says uses it (reported under the task's own name). Greedy where the task says so, zero-shot unless it
+    sets shots, `limit`: the first N documents of each task; `max_length`: the context HFLM reads (None: lm-eval's
+    default, the model's). `bootstrap_iters=0` (no stderr: 100,000 resamples a metric otherwise). The model's
+    train/eval mode and the caller's random streams are as they were afterwards."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm_eval_quiet()
     chat = _chat(tokenizer, prompt_format)
-    groups: dict[bool, list[tuple[str, object]]] = {False: [], True: []}
-    for t in tasks:
-        use = chat and t.chat_spec is not None
-        groups[use].append((t.name, t.chat_spec if use else t.spec))
     was_training, out = model.training, {}
     try:
         with _rng_kept(), _bars(make_bar):
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-            for templated, specs in groups.items():
-                if not specs:
-                    continue
-                builtin = any(t.builtin for t in tasks if t.name in dict(specs))
-                res = simple_evaluate(model=lm, tasks=[s for _, s in specs], task_manager=task_manager(builtin),
-                                      limit=limit, bootstrap_iters=0, log_samples=responses,
-                                      apply_chat_template=templated)
-                for name, spec in specs:
-                    key = spec if isinstance(spec, str) else spec["task"]
-                    out[name] = _task_result(res, key)
-                    if responses:
-                        docs = sorted(res["samples"].get(key, []), key=lambda d: d["doc_id"])
-                        out[name]["responses"] = [d["resps"][0][0] for d in docs]
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
+            for t in tasks:
+                templated = chat and t.chat_spec is not None
+                spec = t.chat_spec if templated else t.spec
+                res = simple_evaluate(model=lm, tasks=[spec], task_manager=task_manager(t.builtin), limit=limit,
+                                      bootstrap_iters=0, log_samples=responses, apply_chat_template=templated)
+                out.update(_named_results(res, t.name, spec if isinstance(spec, str) else spec["task"], responses))
     finally:
         model.train(was_training)
-    return {t.name: out[t.name] for t in tasks}  # in the order asked
+    return out
+
+
+def _named_results(res: dict, name: str, key: str, responses: bool) -> dict:
+    """{reported name: result} of one task as named: its own row (`key`: the task, group or chat variant lm-eval
+    ran) as `name`, else every row lm-eval reports for it under the row's name."""
+    rows = [key] if key in res["results"] or key in res.get("groups", {}) else list(res["results"])
+    out = {}
+    for row in rows:
+        r = _task_result(res, row)
+        if r["metrics"]:
+            if responses:
+                docs = sorted(res.get("samples", {}).get(row, []), key=lambda d: d["doc_id"])
+                r["responses"] = [d["resps"][0][0] for d in docs]
+            out[name if row == key else row] = r
+    if not out:
+        raise KavaError(f"eval task {name!r}: lm-eval reported no figure for it")
+    return out
 
 
 def _task_result(res: dict, key: str) -> dict:
     """A task's (or group's) metrics from `simple_evaluate`'s result: `<metric>,<filter>` -> `metric` (filter
-    `none`) or `metric/filter`; the stderr entries left out (none are computed)."""
+    `none`) or `metric/filter`; the stderr entries left out (none are computed). A direction lm-eval leaves
+    undecided (a group whose members disagree: None) reads as higher is better."""
     row = res["results"].get(key) or res.get("groups", {}).get(key) or {}
     metrics, better = {}, res.get("higher_is_better", {}).get(key, {})
     for k, v in row.items():
@@ -131,7 +141,7 @@ def _task_result(res: dict, key: str) -> dict:
         metrics[metric if filt == "none" else f"{metric}/{filt}"] = float(v)
     n = res.get("n-samples", {}).get(key, {}).get("effective")
     return {"metrics": metrics, "n": n,
-            "higher_is_better": {m: bool(better.get(m.split("/")[0], True)) for m in metrics}}
+            "higher_is_better": {m: better.get(m.split("/")[0]) is not False for m in metrics}}
 
 
 def task_metrics(results: dict) -> dict[str, float]:

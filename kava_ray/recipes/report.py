@@ -135,7 +135,7 @@ def summarize_run(run_dir) -> str:
     text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in _facts(h))
     if h["collapse_warning"]:
         text += f"\n\nwarning: final contrast gap {_fmt(h['contrast_gap'][1])} < {COLLAPSE_GAP}: {COLLAPSE_WARNING}"
-    from kava_ray.recipes.eval_tasks import format_tasks, latest_tasks_result  # torch: only where a run has some
+    from kava_ray.recipes.eval_tasks import format_tasks, latest_tasks_result  # (torch: at report time, not at import)
 
     tasks = latest_tasks_result(_metrics_path(run_dir).parent)
     if tasks is not None:
