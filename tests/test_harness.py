@@ -121,3 +121,27 @@ def test_share_and_gap_recovered():
     assert out["gap_recovered"] == {"a": {"t/acc": pytest.approx(0.5), "t/ppl": pytest.approx(2 / 3)},
                                     "b": {"t/acc": None, "t/ppl": None}}
     assert compare({"student": res(0.4, 20.0), "teacher a": res(0.6, 10.0)})["gap_recovered"] == {}
+
+
+def test_a_missing_package_is_one_line(monkeypatch, tmp_path, smol_model, smollm2_tokenizer):
+    """Without lm-eval (the `eval` extra) a task is one line with the install; a metric whose module is missing
+    (scikit-learn's, for lm-eval's f1 / mcc: the Makefile leaves it out) is one line naming the package."""
+    import dataclasses
+    import importlib.util
+
+    from kava_ray.data.tasks import parse_task
+
+    def results(doc, out):
+        import kava_no_such_module  # noqa: F401 - what a metric of a package that is not installed meets
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "1 + 1 =", "completion": "2"}) + "\n")
+    task = parse_task(f"file:{path}")
+    task = dataclasses.replace(task, spec={**task.spec, "process_results": results})
+    with pytest.raises(KavaError, match=r"eval task 'file_one': lm-eval needs kava_no_such_module for it: pip install "
+                                        r"kava_no_such_module$"):
+        run_tasks(smol_model, smollm2_tokenizer, [task], limit=1)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find(name, *a))
+    with pytest.raises(KavaError, match=r"^eval tasks need lm-evaluation-harness: pip install 'kava-ray\[eval\]'"):
+        resolve_tasks(["kava_gsm8k"])

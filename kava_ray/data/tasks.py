@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import json
 import logging
 import re
@@ -44,6 +45,15 @@ class HarnessTask:
     spec: Union[str, dict]
     chat_spec: Union[str, dict, None] = None
     builtin: bool = False
+
+
+INSTALL = "pip install 'kava-ray[eval]' (make install does it)"
+
+
+def require_lm_eval() -> None:
+    """One line with the install when lm-evaluation-harness is missing (the `eval` extra)."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise KavaError(f"eval tasks need lm-evaluation-harness: {INSTALL}")
 
 
 def lm_eval_quiet() -> None:
@@ -146,6 +156,7 @@ def resolve_tasks(names: Optional[Sequence[str]]) -> list[HarnessTask]:
     names = [n.strip() for n in (names or [])]
     if not names or any(not n for n in names):
         raise KavaError("eval tasks: give one or more task names (e.g. kava_gsm8k,kava_pydoc_ppl or file:PATH)")
+    require_lm_eval()
     tasks = [parse_task(n) for n in names]
     seen = [t.name for t in tasks]
     dup = next((n for n in seen if seen.count(n) > 1), None)

@@ -25,6 +25,9 @@ from kava_ray.data.tasks import HarnessTask, lm_eval_quiet, task_manager
 BAR_MODULES = ("lm_eval.models.huggingface", "lm_eval.api.model", "lm_eval.api.task")
 
 
+PIP_NAMES = {"sklearn": "scikit-learn"}  # a module lm-eval imports for a metric -> its package
+
+
 def _chat(tokenizer, prompt_format: str) -> bool:
     """Whether a model's prompts go through its chat template: the job's `data.prompt_format` as the student's
     training records used it (`records.use_chat`); `chat` for a tokenizer without one (a teacher's) reads plain."""
@@ -103,8 +106,12 @@ def run_tasks(model, tokenizer, tasks: Sequence[HarnessTask], prompt_format: str
             for t in tasks:
                 templated = chat and t.chat_spec is not None
                 spec = t.chat_spec if templated else t.spec
-                res = simple_evaluate(model=lm, tasks=[spec], task_manager=task_manager(t.builtin), limit=limit,
-                                      bootstrap_iters=0, log_samples=responses, apply_chat_template=templated)
+                try:
+                    res = simple_evaluate(model=lm, tasks=[spec], task_manager=task_manager(t.builtin), limit=limit,
+                                          bootstrap_iters=0, log_samples=responses, apply_chat_template=templated)
+                except ModuleNotFoundError as e:  # a metric's package (scikit-learn for f1 / mcc: the Makefile's)
+                    pkg = PIP_NAMES.get(e.name, e.name)
+                    raise KavaError(f"eval task {t.name!r}: lm-eval needs {e.name} for it: pip install {pkg}") from None
                 out.update(_named_results(res, t.name, spec if isinstance(spec, str) else spec["task"], responses))
     finally:
         model.train(was_training)
