@@ -144,7 +144,7 @@ def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teac
     out = {"checkpoint": str(ckpt.resolve()), "step": state["step"], "tasks": [t.name for t in harness_tasks], "limit": limit,
            "baseline": baseline, "device": device.type, "models": models, **compare(models),
            "wall_s": round(time.perf_counter() - t0, 1)}
-    dest = ckpt.parent / EVAL_DIR / f"{PREFIX}{ckpt.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    dest = ckpt.resolve().parent / EVAL_DIR / f"{PREFIX}{ckpt.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
     atomic_write(dest, json.dumps(out, indent=1, default=float) + "\n")
     out["written"] = str(dest)
     return out
