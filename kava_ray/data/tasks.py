@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.files import first_line
 from kava_ray.data.answers import same_completion
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
@@ -144,8 +145,7 @@ def _load(task: HarnessTask, spec) -> None:
 
 
 def _unloadable(task: HarnessTask, e: BaseException) -> KavaError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return KavaError(f"eval task {task.name!r}: its data cannot be loaded ({type(e).__name__}: {first}); a Hub "
+    return KavaError(f"eval task {task.name!r}: its data cannot be loaded ({first_line(e, with_type=True)}); a Hub "
                      f"dataset needs the network or its copy in the Hugging Face cache, or use kava-ray's offline "
                      f"tasks ({', '.join(SHIPPED)}) or file:PATH")
 

@@ -29,7 +29,7 @@ from kava_ray.recipes.harness import run_tasks
 
 EVAL_DIR = "eval"  # RUN_DIR/eval/tasks-<checkpoint>-<time>.json
 PREFIX = "tasks-"
-STUDENT, BASELINE = "student", "baseline"
+STUDENT, BASELINE, TEACHER = "student", "baseline", "teacher "  # a model's label: TEACHER + its name
 
 
 def _device() -> torch.device:
@@ -43,7 +43,8 @@ def _baseline_dir(baseline: str, run_dir: Path) -> Path:
 
 
 def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: torch.device) -> list:
-    """[(label, load() -> (model, tokenizer))] in the order they run; every path checked here, before any loads."""
+    """[(label, load() -> (model, tokenizer))] in the order they run; a baseline checkpoint is checked here, before
+    any model loads (the teachers' paths: `check_teachers`)."""
     dtype = "auto"  # as stored (a run saves fp32 master weights): lm-eval's `dtype=auto`, and what training scores
 
     def student(path):
@@ -64,7 +65,7 @@ def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: t
             if t.quantization == "none":  # bitsandbytes places a quantized model itself
                 model.to(device)
             return model, load_tokenizer(t.model)
-        out.append((f"teacher {t.name}", teacher))
+        out.append((TEACHER + t.name, teacher))
     return out
 
 
@@ -79,6 +80,11 @@ def console_bar(label: str) -> Callable:
         return tqdm(iterable, total=total, desc=f"eval {label}: {what}", file=console(), disable=None, leave=False,
                     dynamic_ncols=True, unit="req")
     return make
+
+
+def _figure(result: dict, task: str, metric: str) -> Optional[float]:
+    """One model's figure for a task's metric in a `run_tasks` result (None where it has none)."""
+    return result.get(task, {}).get("metrics", {}).get(metric)
 
 
 def _share(s: float, t: float, higher: bool) -> Optional[float]:
@@ -97,19 +103,18 @@ def compare(models: dict) -> dict:
     student, base = models[STUDENT], models.get(BASELINE)
     share, rec = {}, {}
     for label, r in models.items():
-        if not label.startswith("teacher "):
+        if not label.startswith(TEACHER):
             continue
-        t = label[len("teacher "):]
+        t = label[len(TEACHER):]
         share[t], rec[t] = {}, {}
         for task, sr in student.items():
             for m, s in sr["metrics"].items():
-                tv = r.get(task, {}).get("metrics", {}).get(m)
+                tv, higher = _figure(r, task, m), sr["higher_is_better"].get(m, True)
                 if tv is None:
                     continue
-                share[t][f"{task}/{m}"] = _share(s, tv, sr["higher_is_better"].get(m, True))
-                if base is not None and m in base.get(task, {}).get("metrics", {}):
-                    rec[t][f"{task}/{m}"] = _recovered(s, base[task]["metrics"][m], tv,
-                                                       sr["higher_is_better"].get(m, True))
+                share[t][f"{task}/{m}"] = _share(s, tv, higher)
+                if base is not None and _figure(base, task, m) is not None:
+                    rec[t][f"{task}/{m}"] = _recovered(s, _figure(base, task, m), tv, higher)
     return {"share": share, "gap_recovered": rec if base is not None else {}}
 
 
@@ -163,22 +168,22 @@ def _fmt_n(n) -> str:
 def format_tasks(out: dict) -> str:
     """One row per task and metric: documents, each model's figure, each teacher's share (and gap recovered)."""
     models = out["models"]
-    teachers = [m for m in models if m.startswith("teacher ")]
-    header = ["task", "metric", "n", *[m for m in models if not m.startswith("teacher ")]]
-    for t in teachers:
-        name = t[len("teacher "):]
-        header += [t, f"share of {name}"] + ([f"gap recovered ({name})"] if out.get("gap_recovered") else [])
+    own = [m for m in models if not m.startswith(TEACHER)]  # the student (and the baseline)
+    teachers = {m: m[len(TEACHER):] for m in models if m.startswith(TEACHER)}  # label -> name
+    gaps = out.get("gap_recovered")
+    header = ["task", "metric", "n", *own]
+    for t, name in teachers.items():
+        header += [t, f"share of {name}"] + ([f"gap recovered ({name})"] if gaps else [])
     rows = []
     for task, r in models[STUDENT].items():
         for m in r["metrics"]:
             key = f"{task}/{m}"
             row = [task, m + ("" if r["higher_is_better"].get(m, True) else " (lower better)"), _fmt_n(r["n"])]
-            row += [_fmt(models[k].get(task, {}).get("metrics", {}).get(m)) for k in models if not k.startswith("teacher ")]
-            for t in teachers:
-                name = t[len("teacher "):]
-                row += [_fmt(models[t].get(task, {}).get("metrics", {}).get(m)), _fmt(out["share"][name].get(key))]
-                if out.get("gap_recovered"):
-                    row.append(_fmt(out["gap_recovered"][name].get(key)))
+            row += [_fmt(_figure(models[k], task, m)) for k in own]
+            for t, name in teachers.items():
+                row += [_fmt(_figure(models[t], task, m)), _fmt(out["share"][name].get(key))]
+                if gaps:
+                    row.append(_fmt(gaps[name].get(key)))
             rows.append(row)
     lines = [format_table(header, rows), "",
              f"step {out['step']} of {out['checkpoint']}; {out['device']}; {out['wall_s']:.0f} s"]
