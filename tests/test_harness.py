@@ -145,3 +145,17 @@ def test_a_missing_package_is_one_line(monkeypatch, tmp_path, smol_model, smollm
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find(name, *a))
     with pytest.raises(KavaError, match=r"^eval tasks need lm-evaluation-harness: pip install 'kava-ray\[eval\]'"):
         resolve_tasks(["kava_gsm8k"])
+
+
+def test_an_untrained_model_scores_the_uniform_guess_on_the_perplexity_task(smol_model, smollm2_tokenizer):
+    """The reference `kava-ray eval` prints beside `kava_pydoc_ppl` (a uniform guess over the vocabulary: log2 V bits a
+    token, over the bytes) counts the tokens lm-eval scores: a random tiny model, whose logits are near zero, lands on
+    it to 0.2 %, and the reference is far from what a model that has learned the text scores (the demo's teacher:
+    0.78 bits per byte)."""
+    from kava_ray.recipes.eval_tasks import uniform_reference
+
+    got = run_tasks(smol_model, smollm2_tokenizer, resolve_tasks(["kava_pydoc_ppl"]), limit=2)["kava_pydoc_ppl"]
+    uniform = uniform_reference(smollm2_tokenizer, 2)
+    assert got["metrics"]["bits_per_byte"] == pytest.approx(uniform["kava_pydoc_ppl/bits_per_byte"], rel=2e-3)
+    assert uniform["kava_pydoc_ppl/byte_perplexity"] == pytest.approx(2 ** uniform["kava_pydoc_ppl/bits_per_byte"])
+    assert 3 < uniform["kava_pydoc_ppl/bits_per_byte"] < 5

@@ -550,6 +550,9 @@ def test_eval_tasks_of_the_run_beside_its_teachers(e2e_run, tmp_path, capsys):
         gap = (bpb["student"] - bpb["baseline"]) / (teacher - bpb["baseline"]) if teacher < bpb["baseline"] else None
         assert ev["gap_recovered"][t]["kava_pydoc_ppl/bits_per_byte"] == (gap if gap is None else pytest.approx(gap))
     assert bpb["baseline"] == pytest.approx(logged[0]["eval/task/kava_pydoc_ppl/bits_per_byte"], rel=1e-5)  # step 0
+    from kava_ray.recipes.eval_tasks import uniform_reference  # a uniform guess over the student's vocabulary
+    assert ev["uniform"] == pytest.approx(uniform_reference(load_tokenizer(run_dir / "final" / "student"), 2))
+    assert "a uniform guess over the student's vocabulary (above it: worse than guessing)" in printed
     written = Path(ev["written"])
     assert written.parent == run_dir / "eval" and json.loads(written.read_text())["models"] == models
     assert "share of qwen" in printed and "gap recovered (smol)" in printed and "bits_per_byte (lower better)" in printed

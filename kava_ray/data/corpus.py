@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -36,6 +37,21 @@ def split_topics(topics: dict[str, str]) -> dict[str, list[str]]:
         if split in held:
             held[split] += len(topics[n])
     return {s: sorted(v) for s, v in out.items()}
+
+
+def pydoc_test_records() -> list[dict]:
+    """The test split's {"text", "topic"} records, in `write_pydoc_corpus`'s order (the shipped harness task
+    `kava_pydoc_ppl` reads them)."""
+    topics = pydoc_topics()
+    return [{"text": topics[n], "topic": n} for n in split_topics(topics)["test"]]
+
+
+def uniform_bits_per_byte(tokenizer, texts: list[str]) -> float:
+    """Bits per byte of a uniform guess over `tokenizer`'s vocabulary on `texts`: log2(V) per token, summed over
+    each text's tokens (no special tokens: every token a rolling log-likelihood scores), over the texts' UTF-8
+    bytes. A model below it has learned something of the text; above it, it is worse than guessing."""
+    tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    return tokens * math.log2(len(tokenizer)) / sum(len(t.encode()) for t in texts)
 
 
 def write_pydoc_corpus(out_dir) -> dict:

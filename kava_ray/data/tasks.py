@@ -29,7 +29,8 @@ from kava_ray.common.files import first_line
 from kava_ray.data.answers import same_completion
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
-SHIPPED = ("kava_gsm8k", "kava_pydoc_ppl")
+PPL_TASK = "kava_pydoc_ppl"  # the shipped perplexity task (`kava-ray eval` sets a uniform guess beside it)
+SHIPPED = ("kava_gsm8k", PPL_TASK)
 CHAT_VARIANTS = {"kava_gsm8k": "kava_gsm8k_chat"}  # the same task through the chat template
 FILE = "file:"
 FILE_MAX_NEW_TOKENS = 128  # a file task's greedy completions (as the synthetic GSM8K's)

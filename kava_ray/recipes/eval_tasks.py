@@ -24,6 +24,8 @@ from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table
 from kava_ray.core.checkpoint import check_whole_student, checkpoint_config
 from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.data.corpus import pydoc_test_records, uniform_bits_per_byte
+from kava_ray.data.tasks import PPL_TASK as PPL
 from kava_ray.data.tasks import resolve_tasks
 from kava_ray.recipes.harness import run_tasks
 
@@ -82,6 +84,15 @@ def console_bar(label: str) -> Callable:
     return make
 
 
+def uniform_reference(tokenizer, limit: Optional[int]) -> dict:
+    """`kava_pydoc_ppl`'s bits_per_byte and byte_perplexity for a uniform guess over `tokenizer`'s vocabulary, on the
+    documents the task read (its first `limit`): the figure a model must beat to have learned anything of the text
+    (`corpus.uniform_bits_per_byte`)."""
+    texts = [r["text"] for r in pydoc_test_records()[:limit]]
+    bpb = uniform_bits_per_byte(tokenizer, texts)
+    return {f"{PPL}/bits_per_byte": bpb, f"{PPL}/byte_perplexity": 2.0 ** bpb}
+
+
 def _figure(result: dict, task: str, metric: str) -> Optional[float]:
     """One model's figure for a task's metric in a `run_tasks` result (None where it has none)."""
     return result.get(task, {}).get("metrics", {}).get(metric)
@@ -136,18 +147,20 @@ def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teac
         check_teachers(derive(cfg, {"data.kv_source": "live"}), "eval")
     device = _device()
     loaders = _loaders(ckpt, cfg, baseline, teachers, device)
-    models = {}
+    models, uniform = {}, None
     for label, load in loaders:
         status(f"eval: {label} on {', '.join(t.name for t in harness_tasks)} ({device.type})")
         model, tok = load()
         models[label] = run_tasks(model, tok, harness_tasks, cfg.data.prompt_format, limit,
                                   batch_size=cfg.train.batch_size, make_bar=console_bar(label))
+        if label == STUDENT and PPL in models[label]:
+            uniform = uniform_reference(tok, limit)
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out = {"checkpoint": str(ckpt.resolve()), "step": state["step"], "tasks": [t.name for t in harness_tasks], "limit": limit,
-           "baseline": baseline, "device": device.type, "models": models, **compare(models),
+           "baseline": baseline, "device": device.type, "models": models, **compare(models), "uniform": uniform,
            "wall_s": round(time.perf_counter() - t0, 1)}
     dest = ckpt.resolve().parent / EVAL_DIR / f"{PREFIX}{ckpt.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
     atomic_write(dest, json.dumps(out, indent=1, default=float) + "\n")
@@ -185,8 +198,11 @@ def format_tasks(out: dict) -> str:
                 if gaps:
                     row.append(_fmt(gaps[name].get(key)))
             rows.append(row)
-    lines = [format_table(header, rows), "",
-             f"step {out['step']} of {out['checkpoint']}; {out['device']}; {out['wall_s']:.0f} s"]
+    lines = [format_table(header, rows), ""]
+    if out.get("uniform"):
+        lines.append("a uniform guess over the student's vocabulary (above it: worse than guessing): " +
+                     ", ".join(f"{k} {_fmt(v)}" for k, v in out["uniform"].items()))
+    lines.append(f"step {out['step']} of {out['checkpoint']}; {out['device']}; {out['wall_s']:.0f} s")
     if out.get("written"):
         lines.append(f"results: {out['written']}")
     return "\n".join(lines)

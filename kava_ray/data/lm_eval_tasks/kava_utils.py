@@ -24,11 +24,9 @@ def pydoc_test(**_) -> dict:
     test.jsonl): {"text", "topic"} rows, natural text every Python install has."""
     import datasets
 
-    from kava_ray.data.corpus import pydoc_topics, split_topics
+    from kava_ray.data.corpus import pydoc_test_records
 
-    topics = pydoc_topics()
-    rows = [{"text": topics[n], "topic": n} for n in split_topics(topics)["test"]]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(pydoc_test_records())})
 
 
 def gsm8k_results(doc: dict, results: list) -> dict:
