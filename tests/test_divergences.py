@@ -3,6 +3,7 @@
 tail bucket, and the sampled reverse KL of on-policy distillation; values and gradients (central differences of the
 hand computation)."""
 
+import itertools
 import math
 
 import numpy as np
@@ -209,21 +210,25 @@ def test_the_sampled_reverse_kl_from_a_tempered_q_is_unbiased_by_exact_enumerati
     zz = z.clone().requires_grad_(True)
     log_s = torch.log_softmax(zz, -1)
     (want,) = torch.autograd.grad((log_s.exp() * (log_s - log_t)).sum(), zz)  # grad KL(pi_S || pi_T)
-    torch.testing.assert_close(expected_grad(False), want, atol=1e-6, rtol=1e-6)  # (q is taken in fp32)
+    torch.testing.assert_close(expected_grad(False), want, atol=1e-10, rtol=1e-10)
     assert (expected_grad(True) - want).norm() / want.norm() > 0.1  # (measured: 0.18)
 
 
-def test_the_group_mean_baseline_and_the_clipped_ratio_against_hand_computations():
-    """GRPO's group baseline (per token: each row's advantage less the mean over its group's sampled tokens) and
-    PPO / verl's clipped ratio (per token max(-A r, -A clip(r, 1 - eps, 1 + eps)): no gradient where the clip binds
-    against the advantage's direction)."""
+def test_the_leave_one_out_baseline_and_the_clipped_ratio_against_hand_computations():
+    """RLOO's leave-one-out baseline (per token: each row's advantage less the mean over the sampled tokens of the
+    other rows of its group) and PPO / verl's clipped ratio (per token max(-A r, -A clip(r, 1 - eps, 1 + eps)): no
+    gradient where the clip binds against the advantage's direction)."""
     from kava_ray.core.logit_kd import group_baseline
 
-    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 9.0], [-1.0, -3.0, 9.0]], dtype=torch.float64)
-    m = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
-    b = group_baseline(adv, m, torch.tensor([0, 0, 1]))
-    # group 0: rows 0 and 1, tokens 1, 2, 3 -> 2; group 1: row 2, tokens -1, -3 -> -2 (masked 9s never count)
-    torch.testing.assert_close(b, torch.tensor([[2.0] * 3, [2.0] * 3, [-2.0] * 3], dtype=torch.float64))
+    adv = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 9.0], [-1.0, -3.0, 9.0], [4.0, 9.0, 9.0], [math.inf, 0.0, 9.0]],
+                       dtype=torch.float64)
+    m = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    b = group_baseline(adv, m, torch.tensor([0, 0, 1, 2, 2]))
+    # group 0: row 0's baseline is row 1's token 3, row 1's the mean of row 0's tokens 1, 2 (1.5); group 1: row 2 alone
+    # -> 0; group 2: row 3's baseline is row 4's, which has no sampled token -> 0, row 4's row 3's 4 (masked entries,
+    # an inf among them, never count)
+    want = torch.tensor([[3.0] * 3, [1.5] * 3, [0.0] * 3, [0.0] * 3, [4.0] * 3], dtype=torch.float64)
+    torch.testing.assert_close(b, want)
 
     student = torch.tensor([[-1.0, -2.0, -3.0, -0.5]], dtype=torch.float64)
     q = torch.tensor([[-1.5, -2.0, -2.0, -0.5]], dtype=torch.float64)  # ratios e^0.5, 1, e^-1, 1
@@ -241,3 +246,87 @@ def test_the_group_mean_baseline_and_the_clipped_ratio_against_hand_computations
     # branch is the larger loss, gradient -r A; tokens 1, 3: r = 1, gradient -A
     want = torch.tensor([[0.0, 1.0, -float(r[0, 2]) * 2.0, 0.25]], dtype=torch.float64) / 4
     torch.testing.assert_close(s.grad, want)
+
+
+class Tabular:
+    """A tabular policy over a vocabulary of V tokens and completions of n = 1 or 2 tokens: the student's logits z1
+    [V] and z2 [V, V] (the second token's, given the first), the teacher's log-probs t1, t2 alike, all float64.
+    `rows(draw, temperature)` lays out a draw of sequences as the product hands them to `sampled_reverse_kl_loss`:
+    the student's log-probs of each sampled token (with grad), q's (the student at `temperature`) and the
+    teacher's, [k, n]."""
+
+    def __init__(self, seed: int, V: int = 4, n: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.V, self.n = V, n
+        self.z1, self.z2 = (torch.randn(V, generator=g, dtype=torch.float64),
+                            torch.randn(V, V, generator=g, dtype=torch.float64))
+        self.t1 = torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64), -1)
+        self.t2 = torch.log_softmax(torch.randn(V, V, generator=g, dtype=torch.float64), -1)
+
+    def params(self):
+        return [self.z1.clone().requires_grad_(True), self.z2.clone().requires_grad_(True)]
+
+    def sequences(self):
+        return list(itertools.product(range(self.V), repeat=self.n))
+
+    def rows(self, p, draw, temperature: float = 1.0):
+        def per_token(lp1, lp2):
+            return torch.stack([torch.stack([lp1[x[0]]] + ([lp2[x[0], x[1]]] if len(x) == 2 else [])) for x in draw])
+        s = per_token(torch.log_softmax(p[0], -1), torch.log_softmax(p[1], -1))
+        q = per_token(torch.log_softmax(self.z1 / temperature, -1), torch.log_softmax(self.z2 / temperature, -1))
+        return s, q, per_token(self.t1, self.t2)
+
+    def per_position_kl_grad(self) -> torch.Tensor:
+        """The gradient of the mean over the n positions of KL(pi_S(.|prefix) || pi_T(.|prefix)), the prefixes
+        drawn from pi_S (their weights held fixed: what the per-token estimator's expectation is)."""
+        p = self.params()
+        ls1, ls2 = torch.log_softmax(p[0], -1), torch.log_softmax(p[1], -1)
+        total = (ls1.exp() * (ls1 - self.t1)).sum()
+        if self.n == 2:
+            total = total + (ls1.exp().detach() * (ls2.exp() * (ls2 - self.t2)).sum(-1)).sum()
+        return flat(torch.autograd.grad(total / self.n, p, allow_unused=True), p)
+
+
+def flat(grads, params) -> torch.Tensor:
+    return torch.cat([(torch.zeros_like(w) if g is None else g).flatten() for g, w in zip(grads, params)])
+
+
+def expected_sampled_grad(pol: Tabular, k: int, baseline: str = "none", temperature: float = 1.0) -> torch.Tensor:
+    """E over every joint draw of a group of k sequences, each drawn i.i.d. from q (the student at `temperature`),
+    of the gradient of `sampled_reverse_kl_loss` as the product computes it (one group, `group_baseline` on
+    log pi_T - log q, as `logit_kd.logit_targets` builds it), by exact enumeration. baseline "mean": GRPO's group
+    mean with the row's own tokens in it (the form `loo` replaced)."""
+    from kava_ray.core.logit_kd import group_baseline
+
+    p, total = pol.params(), 0.0
+    m, group = torch.ones(k, pol.n, dtype=torch.bool), torch.zeros(k, dtype=torch.long)
+    for draw in itertools.product(pol.sequences(), repeat=k):
+        s, q, t = pol.rows(p, draw, temperature)
+        adv = t - q
+        base = {"none": None, "loo": group_baseline(adv, m, group),
+                "mean": adv.mean().expand_as(adv)}[baseline]
+        loss, _ = sampled_reverse_kl_loss(s, q, t, m, baseline=base)
+        total = total + q.sum().exp() * loss  # the draw's probability under q
+    return flat(torch.autograd.grad(total, p, allow_unused=True), p)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("k, n", [(2, 1), (4, 1), (2, 2)])
+def test_the_leave_one_out_baseline_keeps_the_expected_gradient_exact_where_the_group_mean_does_not(k, n):
+    """Exact enumeration over a tabular policy (4 tokens, completions of n tokens, groups of k drawn i.i.d. from
+    pi_S, q = pi_S): with the leave-one-out baseline the expected gradient of the sampled reverse KL is the one
+    without a baseline, which is the gradient of the per-position KL(pi_S || pi_T), to 1e-10. The group mean with
+    the row's own tokens in it (GRPO's; `loss.rkl_baseline: group_mean` before) scales it: relative error (measured)
+    0.500 at k 2 and 0.250 at k 4 for one token (exactly 1 / k), 0.253 at k 2 for two."""
+    pol = Tabular(seed=3, n=n)
+    want = pol.per_position_kl_grad()
+    none, loo = expected_sampled_grad(pol, k), expected_sampled_grad(pol, k, "loo")
+    torch.testing.assert_close(none, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(loo, none, atol=1e-10, rtol=1e-10)
+    mean = _rel(expected_sampled_grad(pol, k, "mean"), want)
+    assert mean > 0.05
+    if n == 1:
+        assert mean == pytest.approx(1 / k, abs=1e-9)

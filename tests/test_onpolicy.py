@@ -102,16 +102,17 @@ def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
     assert 0 < data.sampler.tokens <= batch.input_ids.shape[0] * asked[0]
 
 
-def test_several_samples_per_prompt_form_groups_whose_mean_is_each_tokens_baseline(ojob, teachers):
-    """onpolicy.samples_per_prompt 2 with loss.rkl_baseline group_mean (GRPO / tinker's group of samples): each prompt
-    of the batch is sampled twice (two rows, one group id, their own completions), and the sampled reverse KL's
-    baseline is the group's mean advantage over its sampled tokens; a step trains on it."""
+def test_several_samples_per_prompt_form_groups_whose_other_rows_are_each_tokens_baseline(ojob, teachers):
+    """onpolicy.samples_per_prompt 2 with loss.rkl_baseline loo (tinker's group of samples, RLOO's baseline): each
+    prompt of the batch is sampled twice (two rows, one group id, their own completions), and the sampled reverse
+    KL's baseline of a row is the mean advantage over the sampled tokens of the other row of its group; a step trains
+    on it. group_mean (GRPO's mean, the row's own tokens included: a biased gradient) is refused, naming loo."""
     from kava_ray.core.logit_kd import logit_targets
     from kava_ray.data.onpolicy import prompts_of
 
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.samples_per_prompt=2", "loss.rkl_clip=0.2",
-                                  "loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=group_mean"])
+                                  "loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=loo"])
     recipe, _, batch, kv = _first_batch(cfg, plans, models)
     assert batch.input_ids.shape[0] == 2 * cfg.train.batch_size and batch.group.tolist() == [0, 0, 1, 1]
     prompts = prompts_of(batch)
@@ -122,12 +123,16 @@ def test_several_samples_per_prompt_form_groups_whose_mean_is_each_tokens_baseli
     tg, _ = logit_targets(recipe.distiller.logit_specs["qwen"], kv["qwen"], batch, mask, cfg.loss, 10**6, "cpu")
     adv = (tg.token_logp - tg.sample_logp)[tg.m]
     rows = torch.arange(4)[:, None].expand_as(tg.m)[tg.m]
-    assert float(tg.baseline[0, 0]) == pytest.approx(float(adv[rows < 2].mean()), rel=1e-6)
-    assert float(tg.baseline[3, 0]) == pytest.approx(float(adv[rows >= 2].mean()), rel=1e-6)
+    assert float(tg.baseline[0, 0]) == pytest.approx(float(adv[rows == 1].mean()), rel=1e-6)
+    assert float(tg.baseline[1, 0]) == pytest.approx(float(adv[rows == 0].mean()), rel=1e-6)
+    assert float(tg.baseline[3, 0]) == pytest.approx(float(adv[rows == 2].mean()), rel=1e-6)
     out = recipe.step(1, [(batch, kv)])
     assert math.isfinite(float(out["loss"])) and float(out["onpolicy/sampled_tokens"]) > 0
-    with pytest.raises(KavaError, match="group_mean needs several samples of each prompt"):
-        load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=group_mean"])
+    with pytest.raises(KavaError, match="loo needs several samples of each prompt"):
+        load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "loss.rkl_baseline=loo"])
+    with pytest.raises(KavaError, match=r"'loss.rkl_baseline': group_mean .* set loss.rkl_baseline=loo"):
+        load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "onpolicy.samples_per_prompt=2",
+                                "loss.rkl_baseline=group_mean"])
     with pytest.raises(KavaError, match="samples of each prompt, but onpolicy.fraction is 0"):
         load_config(ojob, ["onpolicy.samples_per_prompt=4"])  # an inert key is refused, not ignored
     with pytest.raises(KavaError, match="loss.rkl_clip': a stabiliser of loss.logit_divergence reverse_kl_sampled"):

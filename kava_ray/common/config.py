@@ -271,11 +271,12 @@ class LossConfig(_Section):
     # reverse_kl on batches of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
     logit_divergence: Literal["forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled"] = "forward_kl"
     jsd_beta: float = Field(0.5, ge=0, le=1)  # GKD's beta: 0 forward KL, 1 reverse KL
-    # reverse_kl_sampled's stabilisers (`divergences.sampled_reverse_kl_loss`): group_mean subtracts from each token's
-    # advantage the mean over the sampled tokens of its prompt's onpolicy.samples_per_prompt samples (GRPO's group
-    # baseline, per token); rkl_clip eps clips the importance ratio pi_S / q to [1 - eps, 1 + eps] as PPO / verl's
-    # `compute_policy_loss` (clip_ratio 0.2 there): the lag-1 sample's ratio, off by default
-    rkl_baseline: Literal["none", "group_mean"] = "none"
+    # reverse_kl_sampled's stabilisers (`divergences.sampled_reverse_kl_loss`): loo subtracts from each token's
+    # advantage the mean over the sampled tokens of the OTHER samples of its prompt (onpolicy.samples_per_prompt):
+    # RLOO's leave-one-out baseline (TRL `RLOOTrainer`), per token, which keeps the expected gradient exact;
+    # rkl_clip eps clips the importance ratio pi_S / q to [1 - eps, 1 + eps] as PPO / verl's `compute_policy_loss`
+    # (clip_ratio 0.2 there): the lag-1 sample's ratio, off by default
+    rkl_baseline: Literal["none", "loo"] = "none"
     rkl_clip: Optional[float] = Field(None, gt=0, lt=1)
     # CE and the logit terms read the student's logits this many positions at a time, from its final hidden states,
     # gradients taken chunk by chunk (`core.vocab_chunks`): [B, T, V] never exists at once; equal to the whole-logits
@@ -286,6 +287,15 @@ class LossConfig(_Section):
     @classmethod
     def _yaml_off(cls, v):
         return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+    @field_validator("rkl_baseline", mode="before")
+    @classmethod
+    def _no_group_mean(cls, v):
+        if v == "group_mean":
+            raise ValueError("group_mean (GRPO's group mean, the row's own tokens included) biases the sampled "
+                             "reverse KL's expected gradient (19-50 % of its norm at 2 samples per prompt, by exact "
+                             "enumeration): set loss.rkl_baseline=loo, the leave-one-out mean (RLOO)")
+        return v
 
 
 class OnPolicyConfig(_Section):
@@ -301,7 +311,7 @@ class OnPolicyConfig(_Section):
     # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights of one step
     # earlier); 0: sampled with the current weights, then scored
     lag: Literal[0, 1] = 1
-    # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline group_mean's groups
+    # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline loo's groups
     # (tinker's group_size is 4; TRL GRPO's num_generations)
     samples_per_prompt: int = Field(1, ge=1)
     # what samples the student's completions: hf (Hugging Face generate on the worker) or vllm (a vLLM engine
@@ -474,8 +484,8 @@ class JobConfig(_Section):
         if o.samples_per_prompt > 1 and o.fraction == 0:
             raise ValueError(f"onpolicy.samples_per_prompt: {o.samples_per_prompt} samples of each prompt, but "
                              f"onpolicy.fraction is 0 (nothing is sampled): set onpolicy.fraction above 0")
-        if self.loss.rkl_baseline == "group_mean" and o.samples_per_prompt < 2:
-            raise ValueError("loss.rkl_baseline: group_mean needs several samples of each prompt: set "
+        if self.loss.rkl_baseline == "loo" and o.samples_per_prompt < 2:
+            raise ValueError("loss.rkl_baseline: loo needs several samples of each prompt: set "
                              "onpolicy.samples_per_prompt above 1 (e.g. 4, tinker's group_size)")
         if self.loss.logit_divergence == "reverse_kl_sampled" and o.top_p < 1:
             raise ValueError(f"onpolicy.top_p: {o.top_p} never samples the student's tokens outside the nucleus, "

@@ -119,13 +119,13 @@ def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tenso
     """On-policy distillation's importance-sampled policy gradient (module docstring), all [B, T] at the next-token
     positions: student_logp (with grad) and sample_logp (the sampling policy's) of the sampled next token,
     teacher_logp the teacher's of the same token; mask the sampled positions. baseline [B, T]: subtracted from each
-    advantage (`logit_kd.group_baseline`: GRPO's group mean). clip eps: PPO's clipped ratio (verl
+    advantage (`logit_kd.group_baseline`: RLOO's leave-one-out mean). clip eps: PPO's clipped ratio (verl
     `compute_policy_loss_vanilla`, without its dual clip): per token max(-A r, -A clip(r, 1 - eps, 1 + eps)).
     Returns (loss, the teacher-scored per-token reverse KL of the samples, mean of log q - log pi_T: tinker's
     `teacher_kl`, detached)."""
     m = mask.to(student_logp.device) != 0
-    q = sample_logp.to(student_logp.device, torch.float32)
     s = _at_least_f32(student_logp)
+    q = sample_logp.to(s.device, s.dtype)  # (float32 at least, float64 with a float64 student: exact enumeration)
     adv = (teacher_logp.to(q.device, s.dtype) - s).detach()  # A_t of the current student: no gradient through it
     if baseline is not None:
         adv = adv - baseline.to(adv.device, adv.dtype).detach()

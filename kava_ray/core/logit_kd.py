@@ -100,7 +100,7 @@ class LogitTargets:
     nxt: Optional[torch.Tensor] = None
     sample_logp: Optional[torch.Tensor] = None
     token_logp: Optional[torch.Tensor] = None
-    baseline: Optional[torch.Tensor] = None  # [B, T]: loss.rkl_baseline group_mean's, each row its group's
+    baseline: Optional[torch.Tensor] = None  # [B, T]: loss.rkl_baseline loo's, each row its group's other rows'
 
     def at(self, sl: slice) -> "LogitTargets":
         """The same targets on the positions `sl` of the time axis."""
@@ -142,7 +142,7 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
                                 "student's samples")
             nxt = torch.nn.functional.pad(batch.input_ids[:, 1:].to(device), (0, 1))  # [B, T]: each next token
             sampled = dict(nxt=nxt, sample_logp=batch.sample_logp.to(device), token_logp=t.token_logp.to(device))
-            if c.rkl_baseline == "group_mean":
+            if c.rkl_baseline == "loo":
                 sampled["baseline"] = group_baseline(sampled["token_logp"] - sampled["sample_logp"], m,
                                                      batch.group.to(device))
     else:
@@ -156,15 +156,19 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
 
 
 def group_baseline(adv: torch.Tensor, m: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """[B, T]: each row's group mean of the per-token advantage `adv` [B, T] (log pi_T - log q, known before the
-    student's logits) over the group's positions `m` [B, T] (`Batch.group` [B]: the rows sampled from one prompt):
-    GRPO's group-mean baseline (Shao et al. 2024; TRL `GRPOTrainer`'s advantages minus the mean of their group),
-    per token. Detached."""
+    """[B, T]: each row's leave-one-out baseline, the mean of the per-token advantage `adv` [B, T] (log pi_T - log q,
+    known before the student's logits) over the sampled positions `m` [B, T] of the OTHER rows of its group
+    (`Batch.group` [B]: the rows sampled from one prompt); 0 for a row with no other sampled tokens. RLOO (Ahmadian
+    et al. 2024; TRL `RLOOTrainer`), per token: a baseline that does not depend on the row's own samples leaves the
+    expected gradient exact, where GRPO's group mean with the row's own tokens in it scales it by about 1 - 1/k
+    (exact enumeration: tests/test_divergences.py). Detached."""
     n = int(group.max()) + 1
     w = m.to(adv.dtype)
-    sums = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, (adv * w).sum(-1))
-    counts = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, w.sum(-1))
-    return (sums / counts.clamp(min=1))[group][:, None].expand_as(adv).detach()
+    own, own_n = torch.where(m, adv, 0.0).sum(-1), w.sum(-1)  # [B]
+    sums = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, own)
+    counts = torch.zeros(n, dtype=adv.dtype, device=adv.device).index_add_(0, group, own_n)
+    others = (sums[group] - own) / (counts[group] - own_n).clamp(min=1)
+    return others[:, None].expand_as(adv).detach()
 
 
 def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_cfg,
