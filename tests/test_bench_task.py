@@ -188,7 +188,7 @@ def test_bench_task_quick_gate_then_arms_and_trl(tmp_path, capsys):
     assert all(t["teacher_rows_per_sample"] == 1.0 and t["loss"] is not None for t in trl)
     assert sum(t["generated_per_sample"] for t in trl) > 0  # GKD's coin (λ 0.5) sampled on some step
     assert all(t["figures"]["test_ce"] != r["start"]["test_ce"] for t in trl)  # it trained: the student moved
-    assert r["summary"]["onpolicy-jsd"]["teacher_rows_per_sample"]["mean"] == 1.0
+    assert r["summary"]["onpolicy-gkd"]["teacher_rows_per_sample"]["mean"] == 1.0
     assert r["summary"]["mopd"]["teacher_rows_per_sample"]["mean"] == 2.0  # both specialists score every row
     assert r["vs_trl"]["step_ratio"] > 0
-    assert "kava-ray onpolicy-jsd against TRL trl-gkd" in stdout and ARMS["mopd"].get("routed")
+    assert "kava-ray onpolicy-gkd against TRL trl-gkd" in stdout and ARMS["mopd"].get("routed")

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Callable, Optional
 
-from kava_ray.core.metric_names import GRAD_KV_RATIO, GRAD_KV_SHARE
+from kava_ray.core.metric_names import GRAD_KV_RATIO, GRAD_KV_SHARE, LOSS
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.recipes.fit_maps import fit_maps
 
@@ -29,17 +29,18 @@ def run_key(obj) -> str:
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
                      evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
                      stop: Optional[Callable[[list], bool]] = None) -> dict:
-    """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does); returns {"recipe", "first" / "last" (the first / last step's metrics),
-    "step_s" (median), "wall_step_s" (median of each step with its data: the teachers' forwards and any
-    sampling), "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end,
-    "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`), "sums" (each metric summed
-    over the steps: `bench task`'s sampled tokens per training sample)}. stop(curve): called after
-    each evaluation; True ends the run there (a warm start that trains until its curve flattens)."""
+    """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does); returns {"recipe",
+    "first" / "last" (the first / last step's metrics), "step_s" (median), "wall_step_s" (median of each step with
+    its data: the teachers' forwards and any sampling), "curve" [(step, evaluate(recipe))] at step 0, every
+    `eval_every` steps and at the end, "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with
+    `grad_share`), "sums" (each metric summed over the steps: `bench task`'s sampled tokens per training sample),
+    "losses" (each step's loss)}. stop(curve): called after each evaluation; True ends the run there (a warm start
+    that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     fit_maps(recipe, source)
     data = recipe.data(source, until=steps, depth=1)
-    times, walls, last, curve, first, shares, ratios, sums = [], [], {}, [], {}, [], [], {}
+    times, walls, last, curve, first, shares, ratios, sums, losses = [], [], {}, [], {}, [], [], {}, []
     if evaluate is not None:
         curve.append((0, evaluate(recipe)))
     for step in range(1, steps + 1):
@@ -50,6 +51,7 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
         times.append(time.perf_counter() - t0)
         walls.append(time.perf_counter() - t_wall)
         first = first or {k: float(v) for k, v in last.items()}
+        losses.append(float(last[LOSS]))
         for k, v in last.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         if grad_share:
@@ -61,4 +63,4 @@ def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[
                 break
     return {"recipe": recipe, "first": first, "last": last, "step_s": statistics.median(times) if times else None,
             "wall_step_s": statistics.median(walls) if walls else None, "curve": curve, "shares": shares,
-            "ratios": ratios, "sums": sums}
+            "ratios": ratios, "sums": sums, "losses": losses}

@@ -32,7 +32,7 @@ from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import finetune, records_job
 from kava_ray.bench.task_records import CHECKERS, TASKS, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
-from kava_ray.bench.task_trl import TRL_BETA, run_trl_gkd
+from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import default_cache_dir, write_json
@@ -45,14 +45,20 @@ from kava_ray.data.tokenize import encode_prompt
 from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.runtime.console import status
 
-JSD = {"onpolicy.fraction": 0.5, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
+JSD = {"onpolicy.fraction": TRL_LMBDA, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
+# GKD's objective and nothing else, as TRL's GKDTrainer computes it: no CE on the data batches, sampled with the
+# current weights (lag 0), the JSD over the whole vocabulary (top-k = the teacher's vocabulary, set per run) in
+# float32 (bf16 log-probs move it by ~0.2 %), transformers' warm-up (lr 0 at step 0)
+GKD = {**JSD, "loss.ce_weight": 0.0, "onpolicy.lag": 0, "optim.warmup_from_zero": True, "loss.logit_top_k": "vocab",
+       "align.wire_dtype": "fp32"}
 # each arm: its overrides of the records job (CE weight 1, logit weight 1, no KV), its teachers ("one": the
 # generalist; "two": the specialists) and whether its records name their teacher (MOPD's per-record routing)
 ARMS: dict[str, dict] = {
     "sft": {"set": {"loss.logit_weight": 0.0}, "teachers": "one"},
     "sft+logits": {"set": {}, "teachers": "one"},
     "seq_kd": {"set": {"onpolicy.fraction": 0.5, "onpolicy.source": "teacher"}, "teachers": "one"},
-    "onpolicy-jsd": {"set": JSD, "teachers": "one"},
+    "onpolicy-gkd": {"set": GKD, "teachers": "one"},
+    "onpolicy-jsd+ce": {"set": JSD, "teachers": "one"},
     "onpolicy-rkl": {"set": {"onpolicy.fraction": 0.5, "loss.logit_divergence": "reverse_kl_sampled"},
                      "teachers": "one"},
     "onpolicy+kv": {"set": {**JSD, "loss.kv_weight": 1.0, "align.projector.kind": "auto"}, "teachers": "one"},
@@ -61,8 +67,8 @@ ARMS: dict[str, dict] = {
     "trl-gkd": {"trl": True, "teachers": "one"},
 }
 # what fits the default run on the 2-core box (README "A task bench"): the issue's six; the others with --arms
-DEFAULT_ARMS = ("sft", "sft+logits", "onpolicy-jsd", "onpolicy-rkl", "mopd", "trl-gkd")
-QUICK_ARMS = ("sft", "onpolicy-jsd", "mopd", "trl-gkd")
+DEFAULT_ARMS = ("sft", "sft+logits", "onpolicy-gkd", "onpolicy-jsd+ce", "onpolicy-rkl", "mopd", "trl-gkd")
+QUICK_ARMS = ("sft", "onpolicy-gkd", "mopd", "trl-gkd")
 MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %, >= 20 points below the teacher's
 
 # counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
@@ -231,9 +237,9 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
               "arms": names,
               "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
               "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
-              "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-jsd",
+              "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-gkd",
                                                                                          "trl-gkd"),
-              "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd")},
+              "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd+ce")},
               "wall_s": time.time() - t_start}
     write_json(root / "bench_task.json", result)
     return result
@@ -263,18 +269,21 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
     models = {n: ctx["models"][n] for n in teachers}
     samples = p["steps"] * p["batch_size"]
     t0 = time.time()
+    # the arm's job (the TRL arm's too: its batches are this job's, in this job's order)
+    records_dir = rec.routed if a.get("routed") else rec.plain
+    cfg = records_job(ctx["base"], records_dir, [(n, ctx["paths"][n]) for n in teachers], ctx["warm"], None, p,
+                      ctx["root"])
+    vocab = int(models["teacher" if "teacher" in models else teachers[0]].config.vocab_size)
+    sets = {k: (vocab if v == "vocab" else v) for k, v in a.get("set", {}).items()}  # GKD's whole vocabulary
+    cfg = derive(cfg, {**sets, "train.seed": seed, "train.data_seed": seed, "train.steps": p["steps"],
+                       "optim.lr_student": lr})
     if a.get("trl"):
         r = run_trl_gkd(load_student(ctx["warm"], dtype="float32"), models["teacher"], ctx["tok"],
-                        rec.rows("train"), seed, p["steps"], p["batch_size"], lr, p)
+                        kava_batches(cfg, ctx["tok"], p["steps"]), seed, lr, p)
         student, train_s, step_s = r["student"], r["train_s"], r["step_s"]
         work = {"teacher_rows_per_sample": r["teacher_rows_per_sample"], "generated_per_sample":
                 r["generated_per_sample"], "loss": r["loss"]}
     else:
-        records_dir = rec.routed if a.get("routed") else rec.plain
-        cfg = records_job(ctx["base"], records_dir, [(n, ctx["paths"][n]) for n in teachers], ctx["warm"], None, p,
-                          ctx["root"])
-        cfg = derive(cfg, {**a["set"], "train.seed": seed, "train.data_seed": seed, "train.steps": p["steps"],
-                           "optim.lr_student": lr})
         source = CountingSource(models)
         t1 = time.time()
         run = train_in_process(cfg, in_process_plans(cfg, models), source, p["steps"])

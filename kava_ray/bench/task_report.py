@@ -100,9 +100,9 @@ def format_task(r: dict) -> str:
     vs, mo = r.get("vs_trl"), r.get("mopd") or {}
     extra = []
     if vs:
-        extra.append(f"kava-ray onpolicy-jsd against TRL trl-gkd (GKDTrainer, λ {TRL_LMBDA}, β {TRL_BETA}): exact "
+        extra.append(f"kava-ray onpolicy-gkd against TRL trl-gkd (GKDTrainer, λ {TRL_LMBDA}, β {TRL_BETA}): exact "
                      f"match {fmt_interval(vs['em'], 1, 100.0)} points, test CE {fmt_interval(vs['test_ce'], 4)}, "
-                     f"s/step ratio {vs['step_ratio']:.2f} (onpolicy-jsd / trl-gkd, this run)")
+                     f"s/step ratio {vs['step_ratio']:.2f} (onpolicy-gkd / trl-gkd, this run)")
     for other, v in mo.items():
         if v:
             extra.append(f"mopd - {other}: exact match {fmt_interval(v['em'], 1, 100.0)} points, test CE "

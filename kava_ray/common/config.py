@@ -197,7 +197,9 @@ class AlignConfig(_Section):
     # teachers whose tokenizer differs from the student's: which of the teacher tokens overlapping a student
     # token's characters give its KV -- their mean, the last (it has seen the whole span) or the first
     token_align: Literal["mean", "last", "first"] = "mean"
-    wire_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    # fp32: K, V, hidden states and top-k log-probs as computed (twice bf16's bytes): an exact logit term (GKD over
+    # the whole vocabulary as TRL computes it; bf16 log-probs move a JSD by ~0.2 %)
+    wire_dtype: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     prefetch_depth: int = Field(2, ge=1, le=64)
     projector: ProjectorConfig = ProjectorConfig()
 
@@ -327,6 +329,9 @@ class OptimConfig(_Section):
     lr_projector: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    # the warm-up's first rate: false (kava-ray's) (step + 1) / warmup_steps, so step 1 trains at lr / warmup_steps;
+    # true: transformers' `get_*_schedule_with_warmup` (TRL's trainers), step / warmup_steps, so step 1 trains at lr 0
+    warmup_from_zero: bool = False
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     grad_clip: Optional[float] = Field(1.0, gt=0)
     accumulation: int = Field(1, ge=1)

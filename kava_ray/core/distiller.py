@@ -498,12 +498,15 @@ def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Opt
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
-    """Linear warmup over warmup_steps, then cosine / linear decay to 0 or constant."""
+    """Linear warmup over warmup_steps, then cosine / linear decay to 0 or constant. `warmup_from_zero`: the warm-up
+    of transformers' `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup` (step / warmup_steps:
+    the first step at lr 0), which TRL's trainers use; the decay is theirs either way."""
     warm = optim.warmup_steps
+    first = 0 if optim.warmup_from_zero else 1
 
     def f(step: int) -> float:
         if step < warm:
-            return (step + 1) / warm
+            return (step + first) / warm
         if optim.schedule == "constant":
             return 1.0
         progress = (step - warm) / max(1, total_steps - warm)

@@ -12,9 +12,13 @@
   loss): advantage A_t = log pi_T(x_t) - log pi_S(x_t) at the sampled token (no gradient through A), loss
   -exp(log pi_S(x_t) - log q(x_t)) * A_t, averaged over the sampled tokens (tinker sums them; a mean keeps the
   scale of kava-ray's other terms). tinker's A_t takes the sampler's log q; where q = pi_S (lag 0, temperature 1,
-  top_p 1) the two are one, and where q differs (a tempered q, or sampled one step earlier) the current pi_S keeps
-  the estimate unbiased: E_q[(pi_S / q) (log pi_T - log pi_S) grad log pi_S] = -grad KL(pi_S || pi_T). A top_p < 1
-  q never draws the tokens outside its nucleus, which no weight recovers: the config refuses it.
+  top_p 1) the two are one. Per position the form is exact for any q that can draw every token: given the prefix,
+  E_q[(pi_S / q) (log pi_T - log pi_S) grad log pi_S] = -grad KL(pi_S || pi_T). Per sequence (the per-position KLs
+  summed over prefixes) it is exact only where the prefixes are drawn from pi_S, temperature 1 and top_p 1: a
+  tempered q draws the prefixes from itself, which the per-token weight does not correct (2-11 % of the expected
+  gradient's norm at T 0.7, by exact enumeration: tests/test_divergences.py), and a top_p < 1 q never draws the
+  tokens outside its nucleus; the config refuses both. Lag 1 draws the prefixes from the previous step's weights:
+  per position exact, per sequence off by one step's change of pi_S (`loss.rkl_clip` bounds its ratio).
 
 Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`); masked
 positions change neither the loss nor its gradient. Pure PyTorch.
@@ -91,6 +95,8 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
     `temperature` is its k + 1 entries' log-probs divided by it and renormalised (as `losses.topk_kl_loss`);
     both buckets are floored at TAIL_FLOOR. valid [B, T, k]: the entries that count as ids (an id past the
     student's head, a padded teacher row: its mass joins the teacher's bucket, as `losses.topk_kl_loss` does).
+    With k = V (every id sent: `loss.logit_top_k` >= the vocabulary) there is no bucket: `generalized_jsd_loss` on
+    the whole vocabulary, TRL's GKD to float rounding.
     """
     if not temperature > 0:
         raise KavaError(f"temperature must be > 0, got {temperature}")
@@ -106,6 +112,9 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
         out = keep & ~valid.to(t.device)
         t_tail = torch.logaddexp(t_tail, torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
         t, log_s = torch.where(out, OFF, t), torch.where(out, OFF, log_s)
+    if ids.shape[-1] >= student_logits.shape[-1]:  # every id sent: the whole vocabulary, no bucket (TRL's form)
+        log_t = torch.log_softmax(t / temperature, dim=-1)
+        return _masked_mean(jsd_per_position(log_s, log_t, beta), m)
     t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
     a = torch.cat([t, t_tail[..., None]], dim=-1) / temperature  # [B, T, k + 1]
     log_t = a - torch.logsumexp(a, dim=-1, keepdim=True)

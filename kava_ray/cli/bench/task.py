@@ -20,8 +20,9 @@ def register(sub) -> None:
     p.add_argument("--checker", default="number", help="number (the final number after ####) or exact (the whole "
                                                        "completion)")
     p.add_argument("--arms", nargs="+", default=None,
-                   help="a subset of sft, sft+logits, seq_kd, onpolicy-jsd, onpolicy-rkl, onpolicy+kv, mopd, fused, "
-                        "trl-gkd (default: sft sft+logits onpolicy-jsd onpolicy-rkl mopd trl-gkd)")
+                   help="a subset of sft, sft+logits, seq_kd, onpolicy-gkd, onpolicy-jsd+ce, onpolicy-rkl, "
+                        "onpolicy+kv, mopd, fused, trl-gkd (default: sft sft+logits onpolicy-gkd onpolicy-jsd+ce "
+                        "onpolicy-rkl mopd trl-gkd)")
     p.add_argument("--steps", type=int, default=None, help="student steps per arm (default 12; --quick 2)")
     p.add_argument("--seeds", type=int, default=None, help="paired seeds (default 5; --quick 2)")
     p.add_argument("--cache", default=None, help="where the fine-tuned teachers and warm start are kept (default: "

@@ -147,9 +147,10 @@ class KVBatch:
     def to_wire(self, dtype: str = "bf16") -> dict:
         """Compact, pickle-friendly payload of numpy arrays (zero-copy views of CPU tensors already in `dtype`).
 
-        K, V: bf16 (as a uint16 view), fp16, or fp8 e4m3 (a uint8 view + `k_scale`/`v_scale` [L, H, D] float32).
-        Top-k, when the batch has them: ids int32 [B, T, k], log-probs bf16 or fp16 (`topk_dtype`; fp16 on an
-        fp8 wire), tail float32 [B, T]. Layout and reasons: docs/internals/core.md#kv.
+        K, V: bf16 (as a uint16 view), fp16, fp8 e4m3 (a uint8 view + `k_scale`/`v_scale` [L, H, D] float32), or
+        fp32 (as computed: an exact logit term at twice bf16's bytes). Top-k, when the batch has them: ids int32
+        [B, T, k], log-probs in the wire's dtype (`topk_dtype`; fp16 on an fp8 wire), tail float32 [B, T]. Layout
+        and reasons: docs/internals/core.md#kv.
         """
         dtype = _wire_dtype(dtype)
         payload = {
@@ -174,23 +175,25 @@ class KVBatch:
                 payload[name] = q.to("cpu").contiguous().view(torch.uint8).numpy()
                 payload[name + "_scale"] = scale[:, 0, :, 0, :].to("cpu").contiguous().numpy()  # [L, H, D]
         if self.topk_ids is not None and self.topk_logp is not None:
-            lp_dtype = "bf16" if dtype == "bf16" else "fp16"  # fp8 wire: log-probs as fp16
+            lp_dtype = dtype if dtype in ("bf16", "fp32") else "fp16"  # fp8 wire: log-probs as fp16
             payload["topk_dtype"] = lp_dtype
             payload["topk_ids"] = self.topk_ids.detach().to("cpu", torch.int32).contiguous().numpy()
             lp = self.topk_logp.detach()
             if lp_dtype == "bf16":
                 payload["topk_logp"] = lp.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
+            elif lp_dtype == "fp32":
+                payload["topk_logp"] = lp.to("cpu", torch.float32).contiguous().numpy()
             else:
                 payload["topk_logp"] = lp.to("cpu", torch.float16).contiguous().numpy()
             if self.topk_tail is not None:
                 payload["topk_tail"] = self.topk_tail.detach().to("cpu", torch.float32).contiguous().numpy()
         if self.token_logp is not None:  # float32: a log-prob's difference to the student's is the signal
             payload["tl"] = self.token_logp.detach().to("cpu", torch.float32).contiguous().numpy()
-        if self.hidden is not None:  # bf16, or fp16 on an fp16 / fp8 wire (no per-channel fp8 for activations)
-            payload["hidden_dtype"] = "bf16" if dtype == "bf16" else "fp16"
+        if self.hidden is not None:  # bf16 / fp32 as the wire, else fp16 (no per-channel fp8 for activations)
+            payload["hidden_dtype"] = dtype if dtype in ("bf16", "fp32") else "fp16"
             h = self.hidden.detach()
             payload["h"] = (h.to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy() if dtype == "bf16"
-                            else h.to("cpu", torch.float16).contiguous().numpy())
+                            else h.to("cpu", torch.float32 if dtype == "fp32" else torch.float16).contiguous().numpy())
         return payload
 
     @classmethod
@@ -252,8 +255,10 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
     lp = lp.to(device) if device is not None else lp
     if payload.get("topk_dtype", "bf16" if lp.dtype == torch.uint16 else "fp16") == "bf16":
         lp = lp.view(torch.bfloat16)
-    # int32 -> int64 and half -> float32/64 always copy: nothing aliases the (maybe read-only) buffers
+    # int32 -> int64 and half -> float32/64 copy; an fp32 wire's log-probs are cloned: nothing aliases the (maybe
+    # read-only) buffers
     out = torch.float64 if dtype == torch.float64 else torch.float32
+    lp = lp.clone() if lp.dtype == out else lp
     tail = payload.get("topk_tail")
     if tail is not None:
         with warnings.catch_warnings():
@@ -277,9 +282,9 @@ def wire_logits_nbytes(payload: dict) -> int:
 
 def _wire_dtype(dtype) -> str:
     d = str(dtype).lower().removeprefix("torch.")
-    d = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8"}.get(d, d)
-    if d not in ("bf16", "fp16", "fp8"):
-        raise KavaError(f"unknown KV wire dtype {dtype!r}; expected bf16, fp16 or fp8")
+    d = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "float32": "fp32"}.get(d, d)
+    if d not in ("bf16", "fp16", "fp8", "fp32"):
+        raise KavaError(f"unknown KV wire dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")
     return d
 
 
