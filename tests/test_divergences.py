@@ -190,10 +190,11 @@ def test_next_token_logprobs_reads_each_next_tokens_log_prob():
     assert out[1, 2].item() == pytest.approx(lp[1, 2, ids[1, 3]].item()) and (out[:, -1] == 0).all()
 
 
-def test_the_sampled_reverse_kl_from_a_tempered_q_is_unbiased_by_exact_enumeration():
-    """q at temperature 0.7 over a 5-token vocabulary: the expectation over x ~ q of the loss's gradient, by exact
-    enumeration, is the gradient of KL(pi_S || pi_T) (to 1e-6: q in fp32); the advantage taken from log q (tinker's, right only
-    where q = pi_S) is not (off by 18 % of its norm here)."""
+def test_the_sampled_reverse_kl_from_a_tempered_q_is_exact_at_one_position_by_exact_enumeration():
+    """q at temperature 0.7 over a 5-token vocabulary, one position (no prefix; over whole sequences it is not:
+    `test_a_tempered_q_is_exact_per_position_but_not_over_whole_sequences`): the expectation over x ~ q of the
+    loss's gradient, by exact enumeration, is the gradient of KL(pi_S || pi_T); the advantage taken from log q
+    (tinker's, right only where q = pi_S) is not (off by 18 % of its norm here)."""
     g = torch.Generator().manual_seed(1)
     z = torch.randn(5, generator=g, dtype=torch.float64)
     log_t = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
@@ -336,3 +337,19 @@ def test_the_leave_one_out_baseline_keeps_the_expected_gradient_exact_where_the_
     assert mean > 0.05
     if n == 1:
         assert mean == pytest.approx(1 / k, abs=1e-9)
+
+
+def test_a_tempered_q_is_exact_per_position_but_not_over_whole_sequences():
+    """Why the config refuses reverse_kl_sampled with onpolicy.temperature != 1, by exact enumeration over two-token
+    sequences of a tabular policy: q = pi_S at temperature T draws both tokens; the importance weight pi_S / q makes
+    each position's expected gradient exact given its prefix (the first token's block, which has no prefix, matches
+    to 1e-10 at any T), but the second token's prefix comes from q, not pi_S: against the gradient of the per-position
+    KL(pi_S || pi_T) with prefixes from pi_S the error is (measured) 0.053 at T 0.7 and 0.114 at T 0.5 (seeds 0-2 of this policy: 0.018-0.115
+    and 0.039-0.219), ~1e-16 at T 1."""
+    pol = Tabular(seed=3, n=2)
+    want, first = pol.per_position_kl_grad(), slice(0, pol.V)  # the first token's logits z1: [:V] of the flat grad
+    assert _rel(expected_sampled_grad(pol, 1, temperature=1.0), want) < 1e-10
+    for T in (0.7, 0.5):
+        got = expected_sampled_grad(pol, 1, temperature=T)
+        torch.testing.assert_close(got[first], want[first], atol=1e-10, rtol=1e-10)
+        assert _rel(got, want) > 0.01

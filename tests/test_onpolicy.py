@@ -327,7 +327,10 @@ def test_a_typo_in_the_section_is_one_line(ojob):  # text records: tests/test_pr
         load_config(ojob, ["loss.logit_divergence=reverse_kl_sampled"])
     with pytest.raises(KavaError, match=r"'onpolicy.top_p': 0.9 never samples the student's tokens outside the nucleus"):
         load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "onpolicy.top_p=0.9"])
-    load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "onpolicy.temperature=0.7"])  # unbiased
+    with pytest.raises(KavaError, match=r"^config key 'onpolicy.temperature': 0.7 draws the samples' prefixes from "
+                                        r"the tempered q.*: set onpolicy.temperature=1 with"):
+        load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "onpolicy.temperature=0.7"])
+    load_config(ojob, ON + ["loss.logit_divergence=jsd", "onpolicy.temperature=0.7"])  # the dense forms take any q
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@
   -exp(log pi_S(x_t) - log q(x_t)) * A_t, averaged over the sampled tokens (tinker sums them; a mean keeps the
   scale of kava-ray's other terms). tinker's A_t takes the sampler's log q; where q = pi_S (lag 0, temperature 1,
   top_p 1) the two are one. Per position the form is exact for any q that can draw every token: given the prefix,
-  E_q[(pi_S / q) (log pi_T - log pi_S) grad log pi_S] = -grad KL(pi_S || pi_T). Per sequence (the per-position KLs
-  summed over prefixes) it is exact only where the prefixes are drawn from pi_S, temperature 1 and top_p 1: a
-  tempered q draws the prefixes from itself, which the per-token weight does not correct (2-11 % of the expected
-  gradient's norm at T 0.7, by exact enumeration: tests/test_divergences.py), and a top_p < 1 q never draws the
-  tokens outside its nucleus; the config refuses both. Lag 1 draws the prefixes from the previous step's weights:
-  per position exact, per sequence off by one step's change of pi_S (`loss.rkl_clip` bounds its ratio).
+  E_q[(pi_S / q) (log pi_T - log pi_S) grad log pi_S] = -grad KL(pi_S || pi_T). Per sequence (the sum over positions
+  of that KL, the prefixes drawn from pi_S) it is exact only where the sampler draws them from pi_S, temperature 1
+  and top_p 1: a tempered q draws the prefixes from itself, which the per-token weight does not correct (2-11 % of
+  the expected gradient's norm at T 0.7, by exact enumeration: tests/test_divergences.py), and a top_p < 1 q never
+  draws the tokens outside its nucleus; the config refuses both. Lag 1 draws the prefixes from the previous step's
+  weights: per position exact, per sequence off by one step's change of pi_S (`loss.rkl_clip` bounds its ratio).
 
 Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`); masked
 positions change neither the loss nor its gradient. Pure PyTorch.
