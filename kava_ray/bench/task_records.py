@@ -91,7 +91,6 @@ def arith_rows(counts: dict, seed: int = 0) -> dict:
     return rows
 
 
-TASKS = {"arith": arith_rows, "gsm8k": synthetic_rows}
 
 
 def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:
@@ -131,9 +130,31 @@ def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:
         if seen.setdefault(r["question"], i) != i:
             raise KavaError(f"bench task: {path}: record {i}'s prompt is record {seen[r['question']]}'s too (a "
                             f"prompt in two splits would score what the student memorised): write each prompt once")
+    return split_rows(rows, counts, seed)
+
+
+def split_rows(rows: list, counts: dict, seed: int = 0) -> dict:
+    """{split: rows}: a seeded shuffle, then test and validation first, the rest (at most counts["train"]) train."""
+    rows = list(rows)
     random.Random(seed).shuffle(rows)
     n_t, n_v = counts["test"], counts["validation"]
     return {"test": rows[:n_t], "validation": rows[n_t:n_t + n_v], "train": rows[n_t + n_v:][:counts["train"]]}
+
+
+def sort_rows(counts: dict, seed: int = 0) -> dict:
+    """{split: rows} of the README's `sort.jsonl` (1,200 prompts "Sort these numbers from smallest to largest: 59 63
+    15 43 75", the sorted list the completion: its snippet's generator, byte for byte), split as `file_rows` splits
+    that file (checker exact)."""
+    r = random.Random(0)
+    rows = []
+    for _ in range(1200):
+        xs = r.sample(range(10, 100), 5)
+        rows.append({"question": "Sort these numbers from smallest to largest: " + " ".join(map(str, xs)),
+                     "answer": " ".join(map(str, sorted(xs)))})
+    return split_rows(rows, counts, seed)
+
+
+TASKS = {"arith": arith_rows, "gsm8k": synthetic_rows}
 
 
 def write_records(rows: dict, root: Path, checker: str) -> TaskRecords:

@@ -13,6 +13,7 @@ from kava_ray.cli.bench import (
     projector_ab,
     pull,
     recipes,
+    scarce,
     step,
     task,
     tune_share,
@@ -21,7 +22,7 @@ from kava_ray.cli.bench import (
 from kava_ray.cli.bench import all as all_benches
 
 BENCHES = (projector_ab, feed, step, gpu, tune_share, heal, pull, data, recipes, all_benches, align, vocab,
-           onpolicy, task, eval_tasks)  # help order
+           onpolicy, task, scarce, eval_tasks)  # help order
 
 
 def register(sub) -> None:
