@@ -196,7 +196,8 @@ class CacheSource:
         if name not in data:
             raise KavaError(f"KV cache {self.cache.root}: teacher '{name}' is not in batch {request.key!r}")
         p = data[name][0] if self.cache.by_example else data[name]
-        _check_payload(self.cache.root, name, request, p)
+        vocab = self.cache.meta.get("teachers", {}).get(name, {}).get("geometry", {}).get("vocab_size")
+        _check_payload(self.cache.root, name, request, p, vocab)
         if self.cache.by_example:
             rows = [KVBatch.from_wire(r, dtype=None) for r in data[name]]
             p = KVBatch.stack(rows, torch.as_tensor(request.attention_mask)).to_wire(p["dtype"])
@@ -207,9 +208,12 @@ class CacheSource:
         return p
 
 
-def _check_payload(root, name: str, request, p: dict) -> None:
-    """A stored payload must have the layers, wire dtype and top-k the request asks for (one line if not)."""
+def _check_payload(root, name: str, request, p: dict, vocab: Optional[int] = None) -> None:
+    """A stored payload must have the layers, wire dtype and top-k the request asks for (one line if not); a k past
+    the teacher's `vocab` is all of it (`teacher_forward_kv` serves at most V ids)."""
     layers, k = request.layers, request.logits_top_k
+    if k and vocab:
+        k = min(k, int(vocab))
     if layers is not None and list(p["layer_ids"]) != list(layers) or p["dtype"] != request.wire_dtype:
         raise KavaError(f"KV cache {root}: teacher '{name}' has layers {p['layer_ids']} in "
                         f"{p['dtype']}, the job wants {layers} in {request.wire_dtype}")

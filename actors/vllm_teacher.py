@@ -97,6 +97,7 @@ class VLLMTeacherActor(TeacherActor):
         if layers or hidden:
             raise KavaError(f"teacher '{self.cfg.name}' is served by vLLM, which gives no KV or hidden states "
                             f"(asked for layers {layers}, hidden {hidden})")
+        logits_top_k = min(logits_top_k, self.geom.vocab_size or logits_top_k)  # past V: every id, as HF's forward
         if logits_top_k > self.engine.max_logprobs:
             raise KavaError(f"teacher '{self.cfg.name}': top-{logits_top_k} asked, its vLLM engine serves at most "
                             f"{self.engine.max_logprobs} (restart it: kava-ray teachers down)")

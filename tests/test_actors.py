@@ -292,6 +292,25 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
         assert "\n" not in str(info.value)
 
 
+def test_a_cached_top_k_past_the_teachers_vocabulary_is_all_of_it():
+    """`loss.logit_top_k` >= V: the teacher serves its V ids (`teacher_forward_kv` clamps k), so a cached payload of
+    V ids answers such a job (the cache's geometry gives V); a payload of another k is still refused in one line."""
+    from types import SimpleNamespace
+
+    from actors.kv_cache import _check_payload
+
+    def request(k):
+        return SimpleNamespace(key="b0", layers=[0], wire_dtype="bf16", logits_top_k=k, hidden=False)
+
+    payload = {"layer_ids": [0], "dtype": "bf16", "topk_ids": np.zeros((1, 2, 50), dtype=np.int32)}
+    _check_payload("cache", "t", request(10**6), payload, vocab=50)
+    _check_payload("cache", "t", request(50), payload, vocab=50)
+    with pytest.raises(KavaError, match="has top-50 logits, the job wants top-64"):
+        _check_payload("cache", "t", request(64), payload, vocab=100)
+    with pytest.raises(KavaError, match="has top-50 logits, the job wants top-1000000"):
+        _check_payload("cache", "t", request(10**6), payload)  # (no geometry: no clamp)
+
+
 def test_logits_take_a_padded_head_and_need_a_teacher_that_gives_them(tiny_job, monkeypatch):
     from dataclasses import replace
 

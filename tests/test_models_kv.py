@@ -360,8 +360,13 @@ def test_teacher_topk_logits_equal_log_softmax_of_the_forward(name, key_space, r
     moved = kv.to(dtype=torch.bfloat16)
     assert torch.equal(moved.topk_ids, kv.topk_ids) and moved.topk_logp.dtype == torch.float32
     assert torch.equal(kv.select_layers([1]).topk_logp, kv.topk_logp)
-    with pytest.raises(KavaError, match="exceeds the teacher's vocabulary"):
-        teacher_forward_kv(model, ids, mask, layers=[0], logits_top_k=10**6)
+    # a k past the vocabulary (`loss.logit_top_k` >= V) is every id: the whole distribution, nothing in the tail
+    V = logits.shape[-1]
+    every = teacher_forward_kv(model, ids, mask, layers=[0], logits_top_k=10**6)
+    assert every.topk_ids.shape == (*ids.shape, V)
+    assert torch.equal(every.topk_ids.sort(-1).values, torch.arange(V).expand(*ids.shape, V))
+    assert torch.isneginf(every.topk_tail).all()
+    torch.testing.assert_close(every.topk_logp.logsumexp(-1), torch.zeros(ids.shape), atol=1e-5, rtol=0)
 
 
 def test_wire_topk_round_trip_byte_count_and_no_topk_payload_unchanged(llama, batch):

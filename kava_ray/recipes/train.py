@@ -26,7 +26,8 @@ from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, root_cause
 from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, last_values, stopped_by
 from kava_ray.core.checkpoint import find_checkpoint, read_state
-from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload
+from kava_ray.core.divergences import topk_divergence_warning
+from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload, student_geometry
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
 from kava_ray.runtime.console import quiet, status, with_logs
 from kava_ray.runtime.job import job_teachers
@@ -228,6 +229,14 @@ def run_lines(cfg: JobConfig) -> list[str]:
     return lines
 
 
+def topk_warning(cfg: JobConfig, plans: dict) -> Optional[str]:
+    """`divergences.topk_divergence_warning` for the job, where a teacher shares the student's tokenizer (the
+    others' logit terms are the hybrid / ULD losses, not `topk_divergence`)."""
+    if not any(not p.aligned for p in plans.values()):
+        return None
+    return topk_divergence_warning(cfg.loss, student_geometry(cfg).vocab_size, cfg.onpolicy.fraction)
+
+
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,
          restart_teachers: bool, verbose: bool) -> dict:
     with job_teachers(cfg, address, restart=restart_teachers, command="train") as job:
@@ -237,6 +246,9 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
         status(f"training: {cfg.train.steps} steps, {workers} worker{'s' if workers != 1 else ''} -> {run_dir}")
         for line in run_lines(cfg):
             status(line)
+        warning = topk_warning(cfg, job.plans)
+        if warning:
+            status(warning)
         t0 = time.time()
         with follow_metrics(run_dir / METRICS, cfg.train.steps, enabled=progress):
             result = fit(trainer, run_dir)

@@ -214,8 +214,11 @@ def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
 
 
 def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
-    """The top-k a teacher serves: the job's, or 0 for another vocabulary with loss.logit_cross_vocab off."""
-    return 0 if _other_vocab(geom, s_geom) and cross_vocab(cfg) == "off" else _top_k(cfg)
+    """The top-k a teacher serves: the job's (at most its vocabulary: `teacher_forward_kv` clamps it), or 0 for
+    another vocabulary with loss.logit_cross_vocab off."""
+    if _other_vocab(geom, s_geom) and cross_vocab(cfg) == "off":
+        return 0
+    return min(_top_k(cfg), int(geom.vocab_size)) if geom.vocab_size else _top_k(cfg)
 
 
 def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu: bool) -> dict[str, int]:

@@ -99,8 +99,8 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     inference-mode) tensors on the model's device and dtype. pre_rope: K, V captured at the projections and
     checked against the cache; post_rope: the cache.
 
-    logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included);
-    k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
+    logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included); a k
+    past the vocabulary V serves all V ids (the whole distribution, tail -inf); k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
     hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T, hidden]; the forward then
     runs every decoder layer). token_logprobs: also each next token's log-prob (`KVBatch.token_logp` [B, T]).
     """
@@ -213,14 +213,14 @@ def output_cache(out):
 
 
 def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
-    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0)."""
+    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0); k at most the vocabulary
+    (`loss.logit_top_k` >= V: every id)."""
     if not k:
         return kv
     logits = getattr(out, "logits", None)
     if logits is None:
         raise KavaError("the teacher forward returned no logits: cannot serve top-k log-probs")
-    if k > logits.shape[-1]:
-        raise KavaError(f"logits_top_k {k} exceeds the teacher's vocabulary ({logits.shape[-1]})")
+    k = min(k, logits.shape[-1])
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V] in fp32
     kv.topk_logp, kv.topk_ids = torch.topk(logp, k, dim=-1, sorted=True)
     # the mass outside the k ids, exactly (1 - sum p would lose a small tail to rounding): the tail bucket
