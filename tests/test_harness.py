@@ -108,19 +108,33 @@ def test_a_task_named_by_its_yaml_path_reports_under_its_own_name(smol_model, sm
 
 def test_share_and_gap_recovered():
     """The student's share of a teacher's figure (inverted for a lower-is-better one) and the gap recovered from a
-    baseline, which is no figure where the teacher does not beat the baseline (the ratio would flip sign)."""
-    from kava_ray.recipes.eval_tasks import compare
+    baseline, which is no figure where the teacher does not beat the baseline (the ratio would flip sign), and none
+    at all on a perplexity (a ratio scale: the gap there means nothing), only on accuracy-like metrics and bits per
+    byte; the table shows "—" in its place."""
+    from kava_ray.recipes.eval_tasks import compare, format_tasks, has_gap
 
-    def res(acc, ppl):
-        return {"t": {"metrics": {"acc": acc, "ppl": ppl}, "n": 4, "higher_is_better": {"acc": True, "ppl": False}}}
+    def res(acc, bpb):
+        metrics = {"acc": acc, "exact_match/strict-match": acc, "bits_per_byte": bpb, "word_perplexity": 2 ** bpb,
+                   "byte_perplexity": 2 ** bpb}
+        return {"t": {"metrics": metrics, "n": 4, "higher_is_better": {m: m.startswith(("acc", "exact")) for m in
+                                                                        metrics}}}
 
-    out = compare({"student": res(0.4, 20.0), "baseline": res(0.2, 40.0), "teacher a": res(0.6, 10.0),
-                   "teacher b": res(0.1, 50.0)})
-    assert out["share"] == {"a": {"t/acc": pytest.approx(0.4 / 0.6), "t/ppl": 0.5},
-                            "b": {"t/acc": 4.0, "t/ppl": 2.5}}
-    assert out["gap_recovered"] == {"a": {"t/acc": pytest.approx(0.5), "t/ppl": pytest.approx(2 / 3)},
-                                    "b": {"t/acc": None, "t/ppl": None}}
-    assert compare({"student": res(0.4, 20.0), "teacher a": res(0.6, 10.0)})["gap_recovered"] == {}
+    out = compare({"student": res(0.4, 2.0), "baseline": res(0.2, 4.0), "teacher a": res(0.6, 1.0),
+                   "teacher b": res(0.1, 5.0)})
+    assert out["share"]["a"] == {"t/acc": pytest.approx(0.4 / 0.6), "t/exact_match/strict-match": pytest.approx(2 / 3),
+                                 "t/bits_per_byte": 0.5, "t/word_perplexity": 0.5, "t/byte_perplexity": 0.5}
+    assert out["gap_recovered"] == {"a": {"t/acc": pytest.approx(0.5), "t/exact_match/strict-match": pytest.approx(0.5),
+                                          "t/bits_per_byte": pytest.approx(2 / 3)},
+                                    "b": {"t/acc": None, "t/exact_match/strict-match": None, "t/bits_per_byte": None}}
+    assert compare({"student": res(0.4, 2.0), "teacher a": res(0.6, 1.0)})["gap_recovered"] == {}
+    assert [has_gap(m) for m in ("perplexity", "word_perplexity", "byte_perplexity", "accuracy", "bits_per_byte")] == \
+        [False, False, False, True, True]
+    models = {"student": res(0.4, 2.0), "baseline": res(0.2, 4.0), "teacher a": res(0.6, 1.0)}
+    table = format_tasks({**compare(models), "models": models, "step": 1, "checkpoint": "c", "device": "cpu",
+                          "wall_s": 1.0})
+    rows = {line.split()[1]: line.split() for line in table.splitlines() if line.startswith("t ")}
+    assert rows["word_perplexity"][-1] == rows["byte_perplexity"][-1] == "—"  # (the share beside it stays)
+    assert rows["bits_per_byte"][-1] == "0.6667" and rows["acc"][-1] == "0.5000"
 
 
 def test_a_missing_package_is_one_line(monkeypatch, tmp_path, smol_model, smollm2_tokenizer):
