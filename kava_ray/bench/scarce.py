@@ -61,11 +61,11 @@ ARMS: dict[str, dict] = {
 CE_MARGIN, ENTROPY_FLOOR = 0.05, 0.5  # the guards: as `bench task`'s
 
 DEFAULTS = {"counts": {"train": 880, "validation": 64, "test": 256}, "gold": 32, "steps": 30, "batch_size": 8,
-            "max_length": 96, "max_new": 24, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
+            "max_length": 96, "max_new": 16, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
             "warm_steps": 10, "lr_warm": 1e-4, "lr_teacher": 1e-4, "ft_max": 200, "ft_every": 25, "ft_min": 75,
             "ft_patience": 2, "ft_delta": 0.02, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
             "selection_seed": 0, "seeds": [1, 2, 3, 4], "curve_every": 10, "n_boot": 2000, "n_entropy": 64,
-            "eval_batch": 64, "temperature": 1.0, "quick": False}
+            "eval_batch": 256, "temperature": 1.0, "quick": False}
 QUICK = {"counts": {"train": 40, "validation": 4, "test": 8}, "gold": 8, "steps": 3, "batch_size": 2,
          "max_length": 96, "max_new": 8, "keep": [0, 2], "warm_steps": 1, "lr_warm": 1e-3, "lr_teacher": 1e-3,
          "ft_max": 1, "ft_every": 1, "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr": 1e-3, "lr_grid": (0.5, 2.0),
@@ -198,6 +198,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
     say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
         f"{start['entropy']:.3f}")
     ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher, "teacher_dir": teacher_dir,
+           "start_point": {"em": start["em"], "teacher_match": start["teacher_match"]},
            "data": data, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
            "done": root / "runs_done"}
     runs, lrs = {}, {}
@@ -263,30 +264,39 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, lrs: dict, select: bool = Fa
         return json.loads(path.read_text())
     t0 = time.time()
     steps, every = p["steps"], (None if select else p["curve_every"])
-    curve: list = []
 
-    def at():
-        def ev(recipe):  # a curve's point: exact match against the gold and the teacher's completions
+    def at(n_steps: int, final: bool):
+        """A phase's curve points: exact match against the gold and the teacher's completions, every `every`
+        steps; not at the phase's step 0 (the warm start's, or the first phase's end) nor at the run's last
+        step (the full evaluation below scores it)."""
+        if select:
+            return None
+        calls, last = [], 1 + n_steps // every + (1 if n_steps % every else 0)
+
+        def ev(recipe):
+            calls.append(1)
+            if len(calls) == 1 or (final and len(calls) == last):
+                return None
             e = ctx["evaluate"](recipe.distiller.student, full_eval=False)
             return {"em": e["em"], "teacher_match": e["teacher_match"]}
         return ev
 
+    def points(run, offset: int = 0) -> list:
+        return [(offset + s, e) for s, e in run["curve"] if e is not None]
+
     if "then" in a:  # seqkd for a third of the steps at seqkd's rate, then the second phase at this arm's
         n1 = steps // 3
-        run1 = _train(ctx, _job(ctx, arm, seed, first, ctx["warm"], n1, a["set"]), n1, every,
-                      None if select else at())
-        curve += run1["curve"]
+        run1 = _train(ctx, _job(ctx, arm, seed, first, ctx["warm"], n1, a["set"]), n1, every, at(n1, False))
         mid = ctx["root"] / "tmp" / f"{_safe(arm)}-{seed}-{key}"
         run1["recipe"].distiller.student.save_pretrained(mid)
         ctx["tok"].save_pretrained(mid)
         cfg2 = _job(ctx, arm, seed, lr, str(mid), steps - n1, {**a["set"], **a["then"]})
-        run = _train(ctx, cfg2, steps - n1, every, None if select else at())
-        curve += [(n1 + s, e) for s, e in run["curve"][1:]]
-        step_s = run["wall_step_s"]
+        run = _train(ctx, cfg2, steps - n1, every, at(steps - n1, True))
+        curve = points(run1) + points(run, n1)
     else:
-        run = _train(ctx, _job(ctx, arm, seed, lr, ctx["warm"], steps, a["set"]), steps, every,
-                     None if select else at())
-        curve, step_s = run["curve"], run["wall_step_s"]
+        run = _train(ctx, _job(ctx, arm, seed, lr, ctx["warm"], steps, a["set"]), steps, every, at(steps, True))
+        curve = points(run)
+    step_s = run["wall_step_s"]
     student = run["recipe"].distiller.student
     if select:
         em = generate_answers(student, ctx["tok"], [r["question"] for r in ctx["val"]], max_new_tokens=p["max_new"],
@@ -295,7 +305,9 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, lrs: dict, select: bool = Fa
                        "ce": heldout_ce(student, ctx["val_split"])}}
     else:
         e = ctx["evaluate"](student)
-        out = {"figures": {k: v for k, v in e.items() if k != "ok"}, "ok": e["ok"], "curve": curve}
+        point = {"em": e["em"], "teacher_match": e["teacher_match"]}
+        out = {"figures": {k: v for k, v in e.items() if k != "ok"}, "ok": e["ok"],
+               "curve": [(0, ctx["start_point"])] + curve + [(steps, point)]}
     out.update({"seed": seed, "lr": lr, "s_per_step": step_s, "wall_s": time.time() - t0})
     write_json(path, out)
     f = out.get("figures") or out["val"]
