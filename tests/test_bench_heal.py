@@ -234,3 +234,27 @@ def test_a_learning_rate_grid_is_extended_until_its_best_is_inside():
     assert (best, on_edge) == (8.0, True)  # out of extensions: still on the edge, and said
     best, grid, on_edge = bracketed(lambda m: {"val_ce": (m - 0.25) ** 2}, (1.0, 2.0), lambda r: -r["val_ce"], 2)
     assert (best, sorted(grid), on_edge) == (0.25, [0.25, 0.5, 1.0, 2.0], True)  # downwards too
+
+
+@pytest.mark.unit
+def test_the_kv_rule_helps_settles_no_effect_and_counts_the_seeds_an_unsettled_result_needs():
+    """Run 2's rule on hand-made test CEs over 5 seeds: KV 0.1 nats below logits with a tight spread and below its
+    other-batch control -> helps; the same gain matched by the control -> not 'helps' (the interval against the
+    control holds 0); a difference of 0.01 ± 0.005 -> no measurable effect; a mean of -0.03 with a wide spread ->
+    unsettled, with the seeds a t-interval of that spread would need (more than the 5 run)."""
+    from kava_ray.bench.heal import CONTROL, KV_ARM, KV_OTHER, kv_decision
+
+    logits = [3.0, 3.1, 2.9, 3.05, 2.95]
+    runs = {CONTROL: logits, KV_ARM: [x - 0.1 + e for x, e in zip(logits, (0.01, -0.01, 0.0, 0.005, -0.005))],
+            KV_OTHER: logits}
+    mk = lambda d: {a: [{"figures": {"test_ce": c}} for c in v] for a, v in d.items()}  # noqa: E731
+    assert kv_decision(mk(runs))["verdict"] == "helps"
+    matched = dict(runs, **{KV_OTHER: runs[KV_ARM]})
+    d = kv_decision(mk(matched))
+    assert d["verdict"] == "unsettled" and d["kv_vs_control"]["mean"] == 0.0
+    small = dict(runs, **{KV_ARM: [x + 0.01 + e / 2 for x, e in zip(logits, (0.01, -0.01, 0.0, 0.005, -0.005))]})
+    assert kv_decision(mk(small))["verdict"] == "no measurable effect"
+    wide = dict(runs, **{KV_ARM: [x - 0.03 + e for x, e in zip(logits, (0.2, -0.2, 0.1, -0.1, -0.15))]})
+    d = kv_decision(mk(wide))
+    assert d["verdict"] == "unsettled" and d["seeds_needed"] > 5
+    assert kv_decision(mk({CONTROL: logits, KV_ARM: logits})) is None  # the control arm did not run

@@ -63,16 +63,62 @@ class Arm:
 ARMS: dict[str, Arm] = {  # in the order they run (what a cut-short bench has first)
     "ce": Arm(), "ce+logits": Arm(logit=1.0), "ce+kv": Arm(kv_ratio=1.0),
     "ce+kv-otherbatch": Arm(kv_ratio=1.0, other_batch=True), "ce+logits+kv": Arm(logit=1.0, kv_ratio=1.0),
+    "ce+logits+kv-otherbatch": Arm(logit=1.0, kv_ratio=1.0, other_batch=True),
     "ce+logits-nf4": Arm(logit=1.0, nf4=True), "kv-only": Arm(ce=0.0, kv_ratio=1.0, grid=False),
     "ce+kv-0.3": Arm(kv_ratio=0.3), "ce+logits+relation": Arm(logit=1.0, relation=1.0),
     "ce+logits+hidden": Arm(logit=1.0, hidden=True)}
 BASE, CONTROL, KV_CONTROL = "ce", "ce+logits", "kv-only"
 MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
+# Run 2 (docs/results.md): does the KV route add anything beyond logits? (`kv_decision`)
+KV_ARM, KV_OTHER = "ce+logits+kv", "ce+logits+kv-otherbatch"
 
 
 def decision_rule(base: str = BASE) -> str:
     return (f"an arm helps when its paired test-CE difference against {base} has a 95 % interval that excludes 0 "
             f"and its mean gain is at least {MIN_NATS} nats or {100 * MIN_GR:.0f} points of gap recovered (GR)")
+
+
+def kv_rule() -> str:
+    return (f"KV helps when the 95 % interval of test CE ({KV_ARM} - {CONTROL}) lies below 0 with a mean <= "
+            f"-{MIN_NATS} nats AND its control does not match it (the interval of {KV_ARM} - {KV_OTHER} lies below "
+            f"0); no measurable effect when that interval lies inside +-{MIN_NATS} nats; else unsettled, with the "
+            f"seeds a t-interval of the same spread would need to decide")
+
+
+def seeds_needed(d: dict, margin: float = MIN_NATS, level: float = 0.95, most: int = 1000) -> Optional[int]:
+    """The seeds a paired t-interval with this spread (`d`: `stats.paired`) needs to decide the KV rule: to fit
+    inside +-margin around a mean inside it, or to exclude 0 with a mean beyond it (None: more than `most`)."""
+    import statistics
+
+    from kava_ray.bench.stats import t_quantile
+
+    sd = statistics.stdev(d["diffs"]) if len(d["diffs"]) > 1 else 0.0
+    room = margin - abs(d["mean"]) if abs(d["mean"]) < margin else abs(d["mean"])
+    if sd == 0 or room <= 0:
+        return None if room <= 0 else d["n"]
+    for n in range(2, most + 1):
+        if t_quantile(0.5 + level / 2, n - 1) * sd / n ** 0.5 < room:
+            return n
+    return None
+
+
+def kv_decision(runs: dict) -> Optional[dict]:
+    """Run 2's decision (`kv_rule`) from the test CE of ce+logits, ce+logits+kv and its other-batch control, paired
+    over the test seeds; None unless all three ran."""
+    if not all(a in runs for a in (CONTROL, KV_ARM, KV_OTHER)):
+        return None
+    ce = {a: [r["figures"]["test_ce"] for r in runs[a]] for a in (CONTROL, KV_ARM, KV_OTHER)}
+    d, c = paired(ce[KV_ARM], ce[CONTROL]), paired(ce[KV_ARM], ce[KV_OTHER])
+    if d["lo"] is None:
+        return {"kv_vs_logits": d, "kv_vs_control": c, "verdict": "unsettled", "seeds_needed": None}
+    if d["hi"] < 0 and d["mean"] <= -MIN_NATS and c["hi"] is not None and c["hi"] < 0:
+        verdict = "helps"
+    elif -MIN_NATS < d["lo"] and d["hi"] < MIN_NATS:
+        verdict = "no measurable effect"
+    else:
+        verdict = "unsettled"
+    return {"kv_vs_logits": d, "kv_vs_control": c, "verdict": verdict,
+            "seeds_needed": seeds_needed(d) if verdict == "unsettled" else None}
 
 
 TOP_K = 64
@@ -190,16 +236,15 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                       calib.get("hidden_unit", 1.0), (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
     runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
     summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
-    # seed 0 chose each arm's rate on validation CE, so its test CE is a little optimistic: the same without it
-    later = summarize({a: rs[1:] for a, rs in runs.items()}, base_arm) if p["seeds"] > 2 else None
-    passes = _control_passes(summary, base_arm)
+    passes = _control_passes(runs)
     plots = _plot(runs, summary, root, gate["teacher_ce"], base_arm)
     result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm,
               "decision_rule": rule, "gate": gate, "ce_start": warm["ce"], "warm_start": warm, "start": start,
               "kv_calibration": calib, "lr": lrs, "teacher": job.teachers[0].name,
               "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
               "train_blocks": len(scorer.train_split), **cache, "control_passes": passes,
-              "kv_control": _kv_control(runs, start, summary), "summary": summary, "summary_later_seeds": later,
+              "kv_control": _kv_control(runs, start, summary), "summary": summary, "test_seeds": test_seeds(p),
+              "kv_rule": kv_rule(), "kv_decision": kv_decision(runs),
               "runs": runs, "plots": plots,
               "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
               "runs_wall_s": sum(r["wall_s"] for rs in runs.values() for r in rs), "wall_s": time.time() - t_start}
@@ -386,9 +431,15 @@ class _RunContext:
     say: Callable[[str], None]
 
 
+def test_seeds(p: dict) -> list[int]:
+    """The seeds every arm is scored on: 1 .. p["seeds"]. Seed 0 chooses each arm's rate and is not among them
+    (its validation-chosen rate would make its test figure a little optimistic)."""
+    return list(range(1, p["seeds"] + 1))
+
+
 def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, dict]:
-    """Every arm: its learning rate from the grid on seed 0 (by validation CE; that run is its seed 0), then
-    the other seeds at that rate; a seed's arms train on the same blocks in the same order (paired).
+    """Every arm: its learning rate from the grid on the selection seed 0 (by validation CE), then the test seeds
+    (`test_seeds`) at that rate; a seed's arms train on the same blocks in the same order (paired).
     Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
     val_head = load_splits_head(ctx.scorer.cfg, ctx.tok, ctx.p["eval_blocks"])
     val = load_splits(ctx.scorer.cfg, ctx.tok)[1]
@@ -404,13 +455,10 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
             lr = base_lr * best
             lrs[arm] = {"lr": lr, "grid": {str(base_lr * m): grid[m]["val_ce"] for m in sorted(grid)},
                         "on_edge": on_edge}
-            first = grid[best]
         else:  # the KV control: at the base arm's rate
             lr = lrs.get(BASE, {}).get("lr", base_lr)
             lrs[arm] = {"lr": lr, "grid": {}}
-            first = _run(ctx, arm, 0, lr, sources[a.variant], val_head)
-        runs[arm] = [first] + [_run(ctx, arm, seed, lr, sources[a.variant], val_head)
-                               for seed in range(1, ctx.p["seeds"])]
+        runs[arm] = [_run(ctx, arm, seed, lr, sources[a.variant], val_head) for seed in test_seeds(ctx.p)]
     return runs, lrs
 
 
@@ -497,11 +545,12 @@ def _figures(score: dict, ce_start: float, ce_teacher: float, teacher: str) -> d
             "kv_cos_free": score.get(f"kv_cos_free/{teacher}")}
 
 
-def _control_passes(summary: dict, base_arm: str) -> Optional[bool]:
-    """Whether the positive control (CONTROL against BASE) helps; None: the control was not run against ce in
-    this bench."""
-    control = summary.get(CONTROL, {}).get("decision") if base_arm == BASE else None
-    return None if control is None else bool(control["helps"])
+def _control_passes(runs: dict) -> Optional[bool]:
+    """Whether the positive control (CONTROL against BASE, whatever the base arm of the table) helps; None: the
+    bench did not run both."""
+    if BASE not in runs or CONTROL not in runs:
+        return None
+    return bool(summarize({BASE: runs[BASE], CONTROL: runs[CONTROL]})[CONTROL]["decision"]["helps"])
 
 
 def _plot(runs: dict, summary: dict, root: Path, ce_teacher: float, base_arm: str) -> dict:
@@ -582,15 +631,15 @@ def plot_gr(summary: dict, path: Path, base_arm: str = BASE) -> None:
     fig.savefig(str(path), dpi=110)
 
 
-def _later_lines(r: dict, base: str) -> list[str]:
-    """The paired test-CE differences and decisions on the seeds after 0 (seed 0 chose each arm's rate)."""
-    later = r.get("summary_later_seeds")
-    if not later:
+def _kv_lines(r: dict) -> list[str]:
+    """Run 2's decision, where its three arms ran."""
+    d = r.get("kv_decision")
+    if not d:
         return []
-    rows = [[arm, fmt_interval(s["vs_base"]["test_ce"], 4), s["decision"]["verdict"]]
-            for arm, s in later.items() if "vs_base" in s]
-    return [f"the same on seeds 1..{r['seeds'] - 1} alone (seed 0 chose each arm's learning rate on validation CE):",
-            format_table(["arm", f"Δ test CE vs {base}", "decision"], rows)]
+    need = f" (a t-interval of this spread needs ~{d['seeds_needed']} seeds)" if d.get("seeds_needed") else ""
+    return [f"KV rule (fixed before the run): {r['kv_rule']}",
+            f"{KV_ARM} - {CONTROL}: test CE {fmt_interval(d['kv_vs_logits'], 4)}; {KV_ARM} - {KV_OTHER}: "
+            f"{fmt_interval(d['kv_vs_control'], 4)}: KV {d['verdict']}{need}"]
 
 
 def format_heal(r: dict) -> str:
@@ -630,8 +679,8 @@ def format_heal(r: dict) -> str:
         f"heal bench ({r['config']}): teacher {r['teacher']}, its pruned student, Python-docs text in "
         f"{r['block']}-token blocks x {r['batch_size']}; warm start {warm['steps']} CE steps (until a "
         f"{r['warm_every']}-step stretch gained < {r['warm_flat']:g} nats, at most {r['warm_max']}), then "
-        f"{r['steps']} steps per arm; seeds {list(range(r['seeds']))} (each draws the block order, dropout and any "
-        f"projector's initialisation; every arm starts from the warm start)",
+        f"{r['steps']} steps per arm; test seeds {test_seeds(r)} (each draws the block order, dropout and any "
+        f"projector's initialisation; every arm starts from the warm start; seed 0 chose the rates)",
         f"gate: teacher {g['teacher_ce']:.3f} nats vs pruned student {g['student_ce']:.3f} nats on the test split "
         f"({r['test_tokens']} tokens): gap {g['gap']:.2f} nats (needs >= {g['min_gap']:g}); warm start "
         f"{r['ce_start']:.3f} nats (GR measured from here; its validation-head curve "
@@ -639,17 +688,17 @@ def format_heal(r: dict) -> str:
         f"KV weights: grad/kv_ratio (|KV's gradient| / |CE's| on the student) at weight 1 is {calib['ratio_at_1']:.4f} "
         f"at the warm start, so " + ", ".join(f"{a} {w:.1f}" for a, w in calib["weights"].items()),
         *hidden_line,
-        "learning rate per arm (seed 0, by CE on the whole validation split):",
+        "learning rate per arm (the selection seed 0, not a test seed, by CE on the whole validation split):",
         format_table(["arm", "lr", "grid (lr:validation CE)"], lr_rows),
         "",
         format_table(["arm", *[k[1] for k in keys], "s/step", "decision"], rows),
         "",
         f"paired differences against {base} (arm - {base}, mean [95 % t-interval], * = excludes 0):",
         format_table(["arm", "Δ test CE", "Δ GR %", "Δ KL", "Δ top-1 %", "Δ KV cos"], d_rows),
-        *_later_lines(r, base),
         f"decision rule (fixed before the run): {r['decision_rule']}",
         f"positive control ({CONTROL} vs {BASE}): " + {True: "passes", False: "FAILS: no conclusion about KV",
                                                         None: "not in this run"}[r["control_passes"]],
+        *_kv_lines(r),
         kv_line,
         f"teacher forwards per training sample: {r['teacher_forwards_per_sample']:.2f} ({r['cached_blocks']} blocks "
         f"computed once in {r['teacher_forwards']} teacher batches, read by every arm and seed)",
