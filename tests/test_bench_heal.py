@@ -51,7 +51,8 @@ def heal_out(tmp_path_factory):
 
 
 def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp_path, capsys):
-    from kava_ray.bench.heal import ARMS, format_heal, run_heal_bench
+    from kava_ray.bench.heal import DEFAULT_ARMS as ARMS
+    from kava_ray.bench.heal import format_heal, run_heal_bench
     from kava_ray.cli import _print_json_last
 
     job = heal_job(tmp_path, trained_teacher)
@@ -67,7 +68,8 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
     calib = r["kv_calibration"]
     assert calib["ratio_at_1"] > 0 and calib["weights"]["ce+kv"] == pytest.approx(1 / calib["ratio_at_1"])
     assert calib["weights"]["ce+kv-0.3"] == pytest.approx(0.3 / calib["ratio_at_1"])
-    # each arm's rate is the grid's best by validation CE on seed 0, and its seeds train at it
+    # each arm's rate is the grid's best by validation CE on seed 0, and its test seeds (1, 2: not 0) train at it
+    assert all([x["seed"] for x in r["runs"][a]] == [1, 2] for a in ARMS) and r["test_seeds"] == [1, 2]
     for arm, v in r["lr"].items():
         runs = r["runs"][arm]
         assert all(run["lr"] == v["lr"] for run in runs), arm
@@ -91,7 +93,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
             d = r["summary"][arm]["vs_base"]["test_ce"]
             assert d["n"] == 2 and d["lo"] <= d["mean"] <= d["hi"], arm
             assert r["summary"][arm]["decision"]["verdict"] in ("helps", "hurts", "no measurable gain")
-    # seed 0's arms saw the same blocks: their first eval (step 0, the warm start) is the same number
+    # seed 1's arms saw the same blocks: their first eval (step 0, the warm start) is the same number
     assert len({runs[0]["curve"][0][1] for runs in r["runs"].values()}) == 1
     assert r["teacher_forwards_per_sample"] == 1.0
     # heal_job.yaml (what `kava-ray tune --space heal_kv` trains) reads the bench's teacher cache: the warm
@@ -110,6 +112,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
     text = format_heal(r)
     assert "decision rule" in text and "positive control (ce+logits vs ce): " in text and "teacher tiny" in text
     assert "KV control (kv-only raises the projector-free KV cosine): " in text and "warm start" in text
+    assert r["kv_decision"]["verdict"] in ("helps", "no measurable effect", "unsettled") and "KV rule" in text
     # a re-run into the same --out reads every finished run back: nothing trains again, the same figures
     again = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False,
                            arms=["ce", "ce+logits"])
@@ -258,3 +261,26 @@ def test_the_kv_rule_helps_settles_no_effect_and_counts_the_seeds_an_unsettled_r
     d = kv_decision(mk(wide))
     assert d["verdict"] == "unsettled" and d["seeds_needed"] > 5
     assert kv_decision(mk({CONTROL: logits, KV_ARM: logits})) is None  # the control arm did not run
+
+
+def test_bench_heal_width_pruned_student_takes_the_kv_through_each_projector(ray_session, trained_teacher, tmp_path):
+    """`--width-kv 1` (Run 2's real projector): the student is the layer-dropped copy with its attention cut to 1 of
+    the teacher's 2 KV groups per layer (the most active kept), so its KV is [1, 16] where the teacher's is [2, 16];
+    the layer map stays identity (the cache holds the copied layers), and each projector arm trains at the KV weight
+    measured through its own projector."""
+    from kava_ray.bench.heal import WIDTH_ARMS, format_heal, run_heal_bench
+    from kava_ray.core.models import kv_geometry, load_model
+
+    out = tmp_path / "width"
+    r = run_heal_bench(str(heal_job(tmp_path, trained_teacher)), quick=True, out=str(out), min_gap=0.02,
+                       progress=False, width_kv=1)
+    assert r["arms"] == list(WIDTH_ARMS) and all(len(r["runs"][a]) == 2 for a in WIDTH_ARMS)
+    w = r["width"]
+    assert w["kv_groups"] == 1 and len(w["kept"]) == 2 and all(len(k) == 1 for k in w["kept"])
+    g = kv_geometry(load_model(str(out / "student-kv1"), dtype="float32").config)
+    assert (g.num_kv_heads, g.head_dim) == (1, 16)
+    units = r["kv_calibration"]["units"]
+    assert set(units) == {"linear", "fit", "elastic"} and all(u > 0 for u in units.values())
+    for arm in WIDTH_ARMS:
+        assert all(math.isfinite(x["figures"]["test_ce"]) for x in r["runs"][arm]), arm
+    assert "width-pruned student: 1 KV group(s) per layer" in format_heal(r)

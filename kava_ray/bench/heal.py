@@ -53,6 +53,7 @@ class Arm:
     nf4: bool = False
     hidden: bool = False
     grid: bool = True
+    projector: str = "auto"  # align.projector.kind of the KV term (Run 2's width-pruned student: linear, fit, elastic)
 
     @property
     def variant(self) -> str:
@@ -64,9 +65,16 @@ ARMS: dict[str, Arm] = {  # in the order they run (what a cut-short bench has fi
     "ce": Arm(), "ce+logits": Arm(logit=1.0), "ce+kv": Arm(kv_ratio=1.0),
     "ce+kv-otherbatch": Arm(kv_ratio=1.0, other_batch=True), "ce+logits+kv": Arm(logit=1.0, kv_ratio=1.0),
     "ce+logits+kv-otherbatch": Arm(logit=1.0, kv_ratio=1.0, other_batch=True),
+    # a student whose KV geometry differs from its teacher's (`--width-kv`): the KV through a real projector
+    "ce+logits+kv-linear": Arm(logit=1.0, kv_ratio=1.0, projector="linear"),
+    "ce+logits+kv-fit": Arm(logit=1.0, kv_ratio=1.0, projector="fit"),
+    "ce+logits+kv-elastic": Arm(logit=1.0, kv_ratio=1.0, projector="elastic"),
     "ce+logits-nf4": Arm(logit=1.0, nf4=True), "kv-only": Arm(ce=0.0, kv_ratio=1.0, grid=False),
     "ce+kv-0.3": Arm(kv_ratio=0.3), "ce+logits+relation": Arm(logit=1.0, relation=1.0),
     "ce+logits+hidden": Arm(logit=1.0, hidden=True)}
+# the arms of a width-pruned student (`--width-kv`: Run 2's real projector), and every other arm by default
+WIDTH_ARMS = ("ce+logits", "ce+logits+kv-linear", "ce+logits+kv-fit", "ce+logits+kv-elastic")
+DEFAULT_ARMS = tuple(a for a in ARMS if a not in WIDTH_ARMS[1:])
 BASE, CONTROL, KV_CONTROL = "ce", "ce+logits", "kv-only"
 MIN_NATS, MIN_GR = 0.05, 0.05  # an arm helps: its CE interval excludes 0 and it gains >= 0.05 nats or 5 GR points
 # Run 2 (docs/results.md): does the KV route add anything beyond logits? (`kv_decision`)
@@ -171,7 +179,7 @@ def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int, lr
     cfg = derive((variants or {}).get(a.variant, job), {
         "loss.ce_weight": a.ce, "loss.kv_weight": a.kv_ratio * kv_unit, "loss.logit_weight": a.logit,
         "loss.relation_weight": a.relation, "loss.hidden_weight": hidden_unit if a.hidden else 0.0,
-        "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
+        "train.seed": seed, "train.data_seed": seed, "train.steps": steps, "align.projector.kind": a.projector,
         "student.model": student, "student.keep_layers": None, "data.kv_source": "cache"})
     return cfg if lr is None else derive(cfg, {"optim.lr_student": lr})
 
@@ -183,18 +191,24 @@ def gap_recovered(ce_start: float, ce: float, ce_teacher: float) -> float:
 def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, steps: Optional[int] = None,
                    seeds: Optional[int] = None, arms: Optional[Sequence[str]] = None, quick: bool = False,
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
-                   address: Optional[str] = None, progress: bool = True, base_arm: str = BASE,
-                   onpolicy: bool = False, lr_scale: float = 4.0) -> dict:
+                   address: Optional[str] = None, progress: bool = True, base_arm: Optional[str] = None,
+                   onpolicy: bool = False, lr_scale: float = 4.0, width_kv: Optional[int] = None) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
-    is paired against (`ce`, or a recipe such as `ce` at a tuned learning rate). onpolicy: after the warm start,
-    the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate."""
+    is paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned learning rate). onpolicy: after the warm start,
+    the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate. width_kv: the
+    student's attention width-pruned to this many KV groups per layer (`_width_pruned`), the arms `WIDTH_ARMS`
+    by default."""
     if onpolicy:
         bad = [a for a in (arms or []) if a not in OP_ARMS]
         if bad or (arms and OP_BASE not in arms):
             raise KavaError(f"bench heal --onpolicy: arms must be among {', '.join(OP_ARMS)} and include {OP_BASE} "
                             f"(got {list(arms)})")
         onpolicy_arms, arms = list(arms or OP_ARMS), None
-    p, names = _bench_params(quick, steps, seeds, arms, arm_overrides, base_arm)
+    base_arm = base_arm or (CONTROL if width_kv else BASE)
+    if width_kv is not None and width_kv < 1:
+        raise KavaError(f"bench heal: --width-kv {width_kv}: keep at least 1 KV group per layer")
+    p, names = _bench_params(quick, steps, seeds, arms or (WIDTH_ARMS if width_kv else None), arm_overrides,
+                             base_arm)
     base = _base_job(config, overrides, arm_overrides)
     root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -206,6 +220,9 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     corpus = Path(write_pydoc_corpus(root / "corpus")["train"]["path"]).parent
     job = heal_job(base, corpus, root, p["block"], p["batch_size"], p["topics"])
     tok = load_tokenizer(job.student.model)
+    width = None
+    if width_kv:  # the student: the layer-dropped copy, its attention width-pruned (Minitron)
+        job, width = _width_pruned(job, root, tok, width_kv, say)
     gate = _gate(job, tok, min_gap, say)  # 1. before anything starts
     variants = variant_jobs(job, root, names)  # 2. the teacher's outputs, once per cache variant
     cache = _cache_teacher(job, root / "kv_cache", address, progress, say)
@@ -228,11 +245,16 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                      gate["teacher_ce"], job.teachers[0].name)
     sources = _sources(scorer, variants)
     calib = _calibration(root / "calibration.json", lambda: _calibrate_kv(job, scorer, str(warm_dir), say))  # 4.
+    for kind in sorted({ARMS[a].projector for a in names if a in ARMS and ARMS[a].kv_ratio} - {"auto"}):
+        calib.setdefault("units", {}).update(_calibration(
+            root / f"calibration_{kind}.json",
+            lambda: {kind: _calibrate_kv(job, scorer, str(warm_dir), say, kind)["kv_unit"]}))
     if "hidden" in variants:  # the KV weight whose gradient equals CE's; the hidden-state loss's, as the logit loss
         calib.update(_calibration(root / "calibration_hidden.json",
                                   lambda: _calibrate_hidden(variants, sources["hidden"], str(warm_dir), say)))
     _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
-    ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {}, calib["kv_unit"],
+    ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {},
+                      {"auto": calib["kv_unit"], **calib.get("units", {})},
                       calib.get("hidden_unit", 1.0), (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
     runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
     summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
@@ -240,7 +262,7 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     plots = _plot(runs, summary, root, gate["teacher_ce"], base_arm)
     result = {"config": str(config), "out": str(root), "quick": quick, **p, "arms": names, "base": base_arm,
               "decision_rule": rule, "gate": gate, "ce_start": warm["ce"], "warm_start": warm, "start": start,
-              "kv_calibration": calib, "lr": lrs, "teacher": job.teachers[0].name,
+              "kv_calibration": calib, "lr": lrs, "teacher": job.teachers[0].name, "width": width,
               "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
               "train_blocks": len(scorer.train_split), **cache, "control_passes": passes,
               "kv_control": _kv_control(runs, start, summary), "summary": summary, "test_seeds": test_seeds(p),
@@ -258,7 +280,7 @@ def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms:
     checked before anything loads."""
     p = dict(QUICK if quick else DEFAULTS)
     p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
-    names = list(arms or ARMS)
+    names = list(arms or DEFAULT_ARMS)
     names += [a for a in (arm_overrides or {}) if a not in names]
     unknown = [a for a in names if a not in ARMS and a not in (arm_overrides or {})]
     if unknown or base_arm not in names or p["seeds"] < 1 or p["steps"] < 1:
@@ -305,6 +327,35 @@ def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
         raise KavaError(f"bench heal: the teacher ({ce_teacher:.2f} nats) is not {min_gap:g} nat(s) better than the "
                         f"student ({ce_pruned:.2f} nats) on the test split: nothing to distil")
     return gate
+
+
+def _width_pruned(job: JobConfig, root: Path, tok, n: int, say) -> tuple[JobConfig, dict]:
+    """The job with its student width-pruned (`core.prune`, Minitron): the layer-dropped copy of the job's student,
+    its attention cut to the `n` most active KV groups per layer on the first training batch; saved once under root
+    (written whole, then renamed), it keeps the layers' provenance, so the layer map stays identity while the KV
+    geometry differs and the KV term needs a real projector."""
+    from kava_ray.core.prune import kv_group_importance, prune_kv_groups
+    from kava_ray.data.batching import collate_split
+
+    out = root / f"student-kv{n}"
+    meta_path = out / "width.json"
+    if not meta_path.is_file():
+        student = load_student(job.student.model, dtype="float32", keep=job.student.keep_layers)
+        split = load_splits(job, tok)[0]
+        batch = collate_split(split, range(min(job.train.batch_size, len(split))))
+        kept = prune_kv_groups(student, n, kv_group_importance(student, batch.input_ids, batch.attention_mask))
+        tmp = root / f".student-kv{n}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        student.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        write_json(tmp / "width.json", {"kv_groups": n, "kept": kept, "from": str(job.student.model),
+                                        "layers": job.student.keep_layers})
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    meta = json.loads(meta_path.read_text())
+    say(f"width-pruned student: {n} KV group(s) per layer kept by their activations (Minitron), "
+        f"per layer {meta['kept']} ({out})")
+    return derive(job, {"student.model": str(out), "student.keep_layers": None}), meta
 
 
 def _cache_teacher(job: JobConfig, out: Path, address: Optional[str], progress: bool, say) -> dict:
@@ -359,18 +410,19 @@ def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
     return meta
 
 
-def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, steps: int = 3) -> dict:
+def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, projector: str = "auto", steps: int = 3) -> dict:
     """The KV weight whose gradient on the student equals CE's at the warm start: `steps` CE + KV steps (weight 1,
-    seed 0) measure grad/kv_ratio (|KV's gradient| / |CE's|, linear in the weight); kv_unit = 1 / its median."""
-    cfg = arm_config(job, "ce+kv", 0, warm, steps)
+    seed 0, through `projector`) measure grad/kv_ratio (|KV's gradient| / |CE's|, linear in the weight); kv_unit =
+    1 / its median."""
+    cfg = derive(arm_config(job, "ce+kv", 0, warm, steps), {"align.projector.kind": projector})
     ratios = sorted(train_in_process(cfg, scorer.plans, scorer.source, steps, grad_share=True)["ratios"])
     ratio = ratios[len(ratios) // 2]
     if not ratio > 0:
         raise KavaError("bench heal: the KV loss has no gradient on the student at the warm start (grad/kv_ratio 0)")
-    say(f"KV weight: grad/kv_ratio at weight 1 is {ratio:.4f} (steps 1..{steps}: "
+    say(f"KV weight ({projector} projector): grad/kv_ratio at weight 1 is {ratio:.4f} (steps 1..{steps}: "
         + " ".join(f"{r:.4f}" for r in ratios) + f"), so KV's gradient equals CE's at weight {1 / ratio:.1f}")
     return {"ratio_at_1": ratio, "ratios": ratios, "kv_unit": 1 / ratio,
-            "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio}}
+            "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio and ARMS[a].projector == projector}}
 
 
 def _calibration(path: Path, measure: Callable[[], dict]) -> dict:
@@ -424,7 +476,7 @@ class _RunContext:
     warm: str
     p: dict
     recipes: dict
-    kv_unit: float
+    kv_units: dict  # {projector kind: the KV weight whose gradient equals CE's at the warm start}
     hidden_unit: float
     ends: tuple  # (warm start CE, teacher CE): the span of the gap recovered
     done: Path  # finished runs, one JSON each
@@ -466,8 +518,9 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
     """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps, scored on the
     test split (and on the whole validation split `val`, what the grid selects by); kept under ctx.done and
     read back by a re-run with the same config."""
-    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], None, ctx.kv_unit,
-                     ctx.variants, ctx.hidden_unit)
+    a = ARMS.get(arm, ARMS[BASE])
+    cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], None,
+                     ctx.kv_units[a.projector], ctx.variants, ctx.hidden_unit)
     if arm in ctx.recipes:
         cfg = derive(cfg, ctx.recipes[arm])
     cfg = derive(cfg, {"optim.lr_student": lr})  # the grid's rate, over a recipe's own
@@ -685,8 +738,11 @@ def format_heal(r: dict) -> str:
         f"({r['test_tokens']} tokens): gap {g['gap']:.2f} nats (needs >= {g['min_gap']:g}); warm start "
         f"{r['ce_start']:.3f} nats (GR measured from here; its validation-head curve "
         + " ".join(f"{s}:{c:.3f}" for s, c in warm["curve"]) + ")",
+        *([f"width-pruned student: {r['width']['kv_groups']} KV group(s) per layer (of the teacher's), kept by their "
+           f"activations: {r['width']['kept']}"] if r.get("width") else []),
         f"KV weights: grad/kv_ratio (|KV's gradient| / |CE's| on the student) at weight 1 is {calib['ratio_at_1']:.4f} "
-        f"at the warm start, so " + ", ".join(f"{a} {w:.1f}" for a, w in calib["weights"].items()),
+        f"at the warm start, so " + ", ".join(f"{a} {w:.1f}" for a, w in calib["weights"].items())
+        + "".join(f"; through a {k} projector {u:.1f}" for k, u in calib.get("units", {}).items()),
         *hidden_line,
         "learning rate per arm (the selection seed 0, not a test seed, by CE on the whole validation split):",
         format_table(["arm", "lr", "grid (lr:validation CE)"], lr_rows),

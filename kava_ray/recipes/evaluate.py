@@ -317,14 +317,17 @@ def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict,
 def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
                  device="cpu", fit_batches: int = 16) -> dict:
     """{teacher: `probe.KVAlignment`} ready to score: direct for a teacher the student was copied from by
-    `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`), else a linear probe from
-    each student layer to the heaviest teacher layer of its layer map, fit on the first `fit_batches`
-    batches of `train_split` (the frozen student's KV against the teacher's)."""
+    `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`) and whose KV geometry it kept,
+    else a linear probe from each student layer to the heaviest teacher layer of its layer map, fit on the first
+    `fit_batches` batches of `train_split` (the frozen student's KV against the teacher's). A copy whose attention was
+    width-pruned (`core.prune`) has the teacher's layers but not its heads: a probe."""
     from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     out, probes = {}, {}
+    s_geom = kv_geometry(student.config)
     for t, p in plans.items():
-        direct = direct_kv_alignment(p, copied.get(t))
+        same = (p.geometry.num_kv_heads, p.geometry.head_dim) == (s_geom.num_kv_heads, s_geom.head_dim)
+        direct = direct_kv_alignment(p, copied.get(t)) if same else None
         if direct is not None:
             out[t] = direct
         elif not p.aligned and p.layers:  # a teacher of another tokenizer would need its KV in student time first
