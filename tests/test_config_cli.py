@@ -161,7 +161,7 @@ def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
 
     leaves = _leaves(build_parser())
     assert [words for words, p in leaves if not callable(p.get_default("func"))] == []
-    assert len(leaves) == 30  # 12 commands; config 2, teachers 4, bench 15 subcommands
+    assert len(leaves) == 31  # 12 commands; config 2, teachers 4, bench 16 subcommands
     code = "import sys, kava_ray.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'pydantic'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -173,7 +173,7 @@ def test_options_between_overrides_in_every_command_that_takes_them(capsys):
     from kava_ray.cli import build_parser
 
     leaves = [(words, p) for words, p in _leaves(build_parser()) if "overrides" in {a.dest for a in p._actions}]
-    assert len(leaves) == 18
+    assert len(leaves) == 19
     for words, p in leaves:
         needed = [x for a in p._actions if a.required and a.option_strings for x in (a.option_strings[0], "X")]
         places = ["RUN" for a in p._actions if not a.option_strings and a.dest != "overrides"]
