@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -34,16 +33,15 @@ from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired
-from kava_ray.bench.task_finetune import finetune, records_job
+from kava_ray.bench.task_finetune import bench_dirs, finetune, records_job, reporter
 from kava_ray.bench.task_records import correct, sort_rows, write_records
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import atomic_write, default_cache_dir, write_json
+from kava_ray.common.files import atomic_write, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
 from kava_ray.core.plans import in_process_plans
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import generate_answers, heldout_ce
-from kava_ray.runtime.console import status
 
 BASE, CONTROL = "sft-gold", "seqkd"
 # each arm: its records ("gold": the labelled few; "teacher": the teacher's completions of the unlabelled prompts)
@@ -132,16 +130,9 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         raise KavaError(f"bench scarce: arms must be among {', '.join(ARMS)} and include {BASE} and {CONTROL} "
                         f"(got {' '.join(names)})")
     base = load_config(config, overrides)
-    root = Path(out or Path(base.ray.storage_path) / f"bench-scarce-{datetime.now():%Y%m%d-%H%M%S}")
-    root = root.expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
-                                                                  default_cache_dir() / "bench-task")
+    root, cache_dir = bench_dirs(base, "scarce", out, cache, quick)
     t_start = time.time()
-
-    def say(msg: str) -> None:
-        if progress:
-            status(f"[bench scarce] {msg}")
+    say = reporter("scarce", progress)
 
     say(f"decision rule, fixed before the run: {decision_rule()}")
     rows = sort_rows(p["counts"])

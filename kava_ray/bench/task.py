@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -29,13 +28,13 @@ from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
-from kava_ray.bench.task_finetune import finetune, records_job
+from kava_ray.bench.task_finetune import bench_dirs, finetune, records_job, reporter
 from kava_ray.bench.task_records import CHECKERS, TASKS, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
-from kava_ray.common.files import default_cache_dir, write_json
+from kava_ray.common.files import write_json
 from kava_ray.core.metric_names import SAMPLED_TOKENS
 from kava_ray.core.models import load_model, load_student, load_tokenizer
 from kava_ray.core.plans import in_process_plans
@@ -43,7 +42,6 @@ from kava_ray.data.batching import ROUTE
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tokenize import encode_prompt
 from kava_ray.recipes.evaluate import heldout_ce
-from kava_ray.runtime.console import status
 
 JSD = {"onpolicy.fraction": TRL_LMBDA, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
 # GKD's objective and nothing else, as TRL's GKDTrainer computes it: no CE on the data batches, sampled with the
@@ -154,16 +152,9 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         raise KavaError(f"bench task: --task {task!r}: one of {', '.join(TASKS)} (or --records FILE.jsonl)")
     base = load_config(config, overrides)
     rows, names, dropped = _rows(records, task, checker, p, names, arms is not None)
-    root = Path(out or Path(base.ray.storage_path) / f"bench-task-{datetime.now():%Y%m%d-%H%M%S}")
-    root = root.expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
-                                                                  default_cache_dir() / "bench-task")
+    root, cache_dir = bench_dirs(base, "task", out, cache, quick)
     t_start = time.time()
-
-    def say(msg: str) -> None:
-        if progress:
-            status(f"[bench task] {msg}")
+    say = reporter("task", progress)
 
     say(f"decision rule, fixed before the run: {decision_rule()}")
     say(f"gate, fixed before the run: the warm start's exact match >= {100 * min_start:g} % and >= "

@@ -16,10 +16,33 @@ from typing import Callable, Optional
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.task_records import score
 from kava_ray.common.config import JobConfig, derive
-from kava_ray.common.files import write_json
+from kava_ray.common.files import default_cache_dir, write_json
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
+from kava_ray.runtime.console import status
 from kava_ray.testing.sources import InProcessSource
+
+
+def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool) -> tuple[Path, Path]:
+    """(the bench's output dir, made: `out`, else <ray.storage_path>/bench-<name>-<time>; where its fine-tunes are
+    kept: `cache`, else OUT/cache with `quick`, else the kava-ray cache's bench-task/, which `bench task` and
+    `bench scarce` share)."""
+    from datetime import datetime
+
+    root = Path(out or Path(base.ray.storage_path) / f"bench-{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    root = root.expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    keep = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
+                                                             default_cache_dir() / "bench-task")
+    return root, keep
+
+
+def reporter(name: str, progress: bool) -> Callable[[str], None]:
+    """`say`: one progress line on the console (`[bench <name>] ...`), or nothing without `progress`."""
+    def say(msg: str) -> None:
+        if progress:
+            status(f"[bench {name}] {msg}")
+    return say
 
 
 def records_job(base: JobConfig, records: Path, teachers: list, student: str, keep: Optional[list], p: dict,
