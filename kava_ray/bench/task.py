@@ -12,7 +12,8 @@ before the run (its exact match at least `min_start`, and `min_gap` below the te
 Then every arm from that warm start, the same number of student steps, paired over seeds (a seed draws the record
 order and the samples), each at its own learning rate: chosen on seed 0 by validation exact match (then CE) from a
 grid that is extended while the best sits on its edge; the test seeds are 1..--seeds (seed 0, which chose the
-rates, is not among them). Scored on the test split: greedy exact match on its first N prompts, test CE of its records, and the teacher-scored reverse KL and entropy of the student's own samples
+rates, is not among them). Scored on the test split: greedy exact match on its first N prompts, test CE of its
+records, and the teacher-scored reverse KL and entropy of the student's own samples
 (`bench.heal_onpolicy.sample_scores`). The decision rule (`bench.task_report.decision_rule`) is stated before
 anything trains; the summary and the table are `bench.task_report`'s.
 """
