@@ -211,7 +211,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
 def teacher_completions(teacher, tok, prompts: list, p: dict, cache: Path, say) -> dict:
     """{prompt: the teacher's greedy completion}, computed once per teacher and prompt set (kept under `cache`)."""
     key = run_key({"teacher": str(getattr(teacher, "name_or_path", "")), "prompts": prompts, "max_new": p["max_new"],
-                   "params": sum(float(x.double().sum()) for x in list(teacher.parameters())[:4])})
+                   "params": sum(float(x.detach().double().sum()) for x in list(teacher.parameters())[:4])})
     path = cache / f"completions-{key}.json"
     if path.is_file():
         say(f"teacher completions: kept from {path}")
