@@ -3,7 +3,7 @@ teachers' own test CE."""
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_address, add_output, add_restart_teachers, quiet, show
+from kava_ray.cli.shared import add_address, add_output, add_restart_teachers, quiet_in_run, show
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 
@@ -43,7 +43,7 @@ def evaluate(args) -> int:
         raise KavaError("--baseline and --no-teachers are for --tasks")
     from kava_ray.recipes.evaluate import evaluate_checkpoint
 
-    with quiet(args, "eval"):
+    with quiet_in_run(args, "eval", args.path):
         out = evaluate_checkpoint(args.path, limit=GSM8K_LIMIT if args.limit is None else args.limit,
                                   max_new_tokens=args.max_new_tokens,
                                   address=args.address, restart_teachers=args.restart_teachers,
@@ -62,7 +62,7 @@ def evaluate_tasks(args) -> int:
                         f"each teacher on this machine, one at a time)")
     if args.limit is not None and args.limit < 1:
         raise KavaError(f"--limit {args.limit}: give at least 1 document per task")
-    with quiet(args, "eval"):
+    with quiet_in_run(args, "eval", args.path):
         out = run(args.path, args.tasks, limit=args.limit, teachers=args.teachers, baseline=args.baseline,
                   overrides=args.overrides)
     return show(args, format_tasks(out), out)

@@ -94,11 +94,22 @@ def quiet(args, command: str, storage_path: Optional[str] = None):
     return quiet_console(log_dir, args.verbose)
 
 
+def quiet_in_run(args, command: str, path: str):
+    """`quiet` for a command on a run or checkpoint (`eval`): its logs in `RUN_DIR/eval/logs/<command>-<time>/`,
+    beside its results, whatever directory it runs from."""
+    from kava_ray.runtime.console import quiet as quiet_console
+
+    p = Path(path).expanduser().resolve()
+    run = p.parent if (p / "state.json").is_file() else p
+    return quiet_console(run / "eval" / "logs" / f"{command}-{datetime.now():%Y%m%d-%H%M%S}", args.verbose)
+
+
 # ----------------------------------------------------------------------------- flags
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="a YAML file or a preset name (see `kava-ray config presets`)")
+def add_config_args(p: argparse.ArgumentParser, required: bool = True, help_: str = "") -> None:
+    p.add_argument("--config", required=required,
+                   help=help_ or "a YAML file or a preset name (see `kava-ray config presets`)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr_student=3e-5")
 
 

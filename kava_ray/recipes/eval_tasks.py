@@ -23,7 +23,7 @@ import torch
 from kava_ray.common.config import derive
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table
-from kava_ray.core.checkpoint import check_whole_student, checkpoint_config
+from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, held_checkpoint
 from kava_ray.core.models import load_model, load_student, load_tokenizer
 from kava_ray.data.corpus import pydoc_test_records, uniform_bits_per_byte
 from kava_ray.data.tasks import PPL_TASK as PPL
@@ -45,9 +45,9 @@ def _baseline_dir(baseline: str, run_dir: Path) -> Path:
     return p if p.exists() or not (run_dir / baseline).exists() else run_dir / baseline
 
 
-def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: torch.device) -> list:
-    """[(label, load() -> (model, tokenizer))] in the order they run; a baseline checkpoint is checked here, before
-    any model loads (the teachers' paths: `check_teachers`)."""
+def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: torch.device, runs: Path) -> list:
+    """[(label, load() -> (model, tokenizer))] in the order they run; a baseline checkpoint (a name is looked up in
+    `runs`, the run's dir) is checked here, before any model loads (the teachers' paths: `check_teachers`)."""
     dtype = "auto"  # as stored (a run saves fp32 master weights): lm-eval's `dtype=auto`, and what training scores
 
     def student(path):
@@ -59,7 +59,7 @@ def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, device: t
         out.append((BASELINE, lambda: (load_student(s.model, dtype=dtype, keep=s.keep_layers, device=device).eval(),
                                        load_tokenizer(s.model))))
     elif baseline is not None:
-        b_ckpt, _, _ = checkpoint_config(_baseline_dir(baseline, ckpt.parent))
+        b_ckpt, _, _ = checkpoint_config(_baseline_dir(baseline, runs))
         check_whole_student(b_ckpt, "evaluate")
         out.append((BASELINE, student(b_ckpt / "student")))
     for t in cfg.teachers if teachers else []:
@@ -147,19 +147,29 @@ def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teac
     """The harness's `tasks` on a checkpoint's student (`path`: a run or checkpoint dir), then on `baseline`
     ("init": the student before training; a checkpoint) and each teacher, the first `limit` documents of each task;
     written to RUN_DIR/eval/. Every name, path and override is checked before any model loads."""
+    from kava_ray.runtime.console import status  # Ray: see console_bar
+
+    with held_checkpoint(path) as (ckpt, real, live):  # a live run's checkpoint stays while it is read
+        if live:
+            status(f"eval: {live}")
+        return _evaluate_tasks(ckpt, real, tasks, limit, teachers, baseline, overrides)
+
+
+def _evaluate_tasks(ckpt: Path, real: Path, tasks: Sequence[str], limit: Optional[int], teachers: bool,
+                    baseline: Optional[str], overrides: Optional[Sequence[str]]) -> dict:
     from kava_ray.recipes.evaluate import eval_config
     from kava_ray.runtime.console import status  # Ray: see console_bar
     from kava_ray.runtime.preflight import check_teachers
 
     t0 = time.perf_counter()
-    ckpt, state, cfg = checkpoint_config(path)
+    ckpt, state, cfg = checkpoint_config(ckpt)
     cfg = eval_config(cfg, overrides)
     check_whole_student(ckpt, "evaluate")
     harness_tasks = resolve_tasks(tasks)  # unknown names, offline Hub data: one line, nothing loaded or written
     if teachers:  # their local paths (weights, tokenizers), as a job's preflight checks them
         check_teachers(derive(cfg, {"data.kv_source": "live"}), "eval")
     device = _device()
-    loaders = _loaders(ckpt, cfg, baseline, teachers, device)
+    loaders = _loaders(ckpt, cfg, baseline, teachers, device, runs=real.parent)
     models, uniform = {}, None
     for label, load in loaders:
         status(f"eval: {label} on {', '.join(t.name for t in harness_tasks)} ({device.type})")
@@ -172,10 +182,10 @@ def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teac
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = {"checkpoint": str(ckpt.resolve()), "step": state["step"], "tasks": [t.name for t in harness_tasks], "limit": limit,
+    out = {"checkpoint": str(real.resolve()), "step": state["step"], "tasks": [t.name for t in harness_tasks], "limit": limit,
            "baseline": baseline, "device": device.type, "models": models, **compare(models), "uniform": uniform,
            "wall_s": round(time.perf_counter() - t0, 1)}
-    dest = ckpt.resolve().parent / EVAL_DIR / f"{PREFIX}{ckpt.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    dest = real.resolve().parent / EVAL_DIR / f"{PREFIX}{real.name}-{datetime.now():%Y%m%d-%H%M%S}.json"
     atomic_write(dest, json.dumps(out, indent=1, default=float) + "\n")
     out["written"] = str(dest)
     return out
