@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from kava_ray.common.errors import KavaError, NothingToDo
+from kava_ray.common.quiet_start import quiet_start
 from kava_ray.common.signals import EXIT_TERMINATED, sigterm_as_interrupt, terminated
 
 EXIT_BAD_INPUT = 2
@@ -50,7 +51,8 @@ def call(args: argparse.Namespace) -> int:
     code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
     sigterm_as_interrupt()
     try:
-        return args.func(args)
+        with quiet_start(getattr(args, "verbose", True)):  # import-time chatter to the run's logs (not --verbose)
+            return args.func(args)
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -153,3 +155,4 @@ def add_bench_job(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--out", default=None, help=f"output dir (default: {default_out})")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
     add_json(p)
+    add_verbose(p)

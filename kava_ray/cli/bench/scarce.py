@@ -24,5 +24,5 @@ def scarce(args) -> int:
     from kava_ray.bench.scarce import format_scarce, run_scarce_bench
 
     out = run_scarce_bench(args.config, args.overrides, quick=args.quick, out=args.out, cache=args.cache,
-                           arms=args.arms)
+                           arms=args.arms, verbose=args.verbose)
     return show(args, format_scarce(out), out)
