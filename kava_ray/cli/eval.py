@@ -55,16 +55,16 @@ def evaluate_tasks(args) -> int:
     from kava_ray.recipes.eval_tasks import evaluate_tasks as run
     from kava_ray.recipes.eval_tasks import format_tasks
 
-    held_out = [f for f, on in (("--address", args.address), ("--restart-teachers", args.restart_teachers),
+    held_out = [f for f, on in (("--restart-teachers", args.restart_teachers),
                                 ("--max-new-tokens", args.max_new_tokens != MAX_NEW_TOKENS)) if on]
-    if held_out:  # (the tasks load every model here, on one device: no Ray, no teacher pool)
+    if held_out:  # (the tasks load every model themselves: no teacher pool)
         raise KavaError(f"{held_out[0]} is for the held-out evaluation, not --tasks (which loads the student and "
-                        f"each teacher on this machine, one at a time)")
+                        f"each teacher itself: here one at a time, or with --address side by side on the cluster)")
     if args.limit is not None and args.limit < 1:
         raise KavaError(f"--limit {args.limit}: give at least 1 document per task")
     with quiet_in_run(args, "eval", args.path):
         out = run(args.path, args.tasks, limit=args.limit, teachers=args.teachers, baseline=args.baseline,
-                  overrides=args.overrides)
+                  overrides=args.overrides, address=args.address)
     return show(args, format_tasks(out), out)
 
 
