@@ -34,6 +34,7 @@ def register(sub) -> None:
     add_address(p)
     add_restart_teachers(p)
     add_output(p, evaluate)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the eval's logs (`common.quiet_start`)
 
 
 def evaluate(args) -> int:

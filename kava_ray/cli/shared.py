@@ -51,7 +51,8 @@ def call(args: argparse.Namespace) -> int:
     code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
     sigterm_as_interrupt()
     try:
-        with quiet_start(getattr(args, "verbose", True)):  # import-time chatter to the run's logs (not --verbose)
+        # the commands that keep a run's logs: their imports' chatter goes there too (not --verbose)
+        with quiet_start(not getattr(args, "quiet_start", False) or getattr(args, "verbose", True)):
             return args.func(args)
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ def register(sub) -> None:
     shared.add_name(p, "run")
     shared.add_restart_teachers(p)
     shared.add_output(p, train)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the run's logs (`common.quiet_start`)
 
 
 def train(args) -> int:

@@ -20,12 +20,19 @@ from typing import Iterator, Optional, TextIO
 
 from kava_ray.common.errors import KavaError, NothingToDo
 
-_early: dict = {"path": None, "console": None}
+_early: dict = {"path": None, "console": None, "fd_console": None}
 
 
 def console() -> Optional[TextIO]:
-    """The terminal's stderr while `quiet_start` holds fd 2, else None."""
+    """The terminal's stderr while `quiet_start` holds fd 2 (the `sys.stderr` it found, or a dup of fd 2 where that
+    was fd 2 itself), else None."""
     return _early["console"]
+
+
+def fd_console() -> Optional[TextIO]:
+    """The terminal's fd 2 as it was before `quiet_start` (a dup), while it holds fd 2, else None: what a nested
+    redirect of fds 1 and 2 (`runtime.console.quiet`) keeps as its console."""
+    return _early["fd_console"]
 
 
 def terminal_stream() -> tuple[TextIO, bool]:
@@ -63,10 +70,11 @@ def quiet_start(verbose: bool = False) -> Iterator[None]:
     fd, path = tempfile.mkstemp(prefix="kava-start-", suffix=".log")
     term, owned = terminal_stream()
     saved, prev = os.dup(2), sys.stderr
+    fd_term = term if owned else os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="replace")
     buf = os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(fd, 2)
     sys.stderr = buf
-    _early.update(path=path, console=term)
+    _early.update(path=path, console=term, fd_console=fd_term)
     try:
         yield
     except BaseException as e:
@@ -79,10 +87,9 @@ def quiet_start(verbose: bool = False) -> Iterator[None]:
         sys.stderr = prev
         os.dup2(saved, 2)
         os.close(saved)
-        _early.update(path=None, console=None)
+        _early.update(path=None, console=None, fd_console=None)
         buf.close()
-        if owned:
-            term.close()
+        fd_term.close()  # (term itself when owned)
         with contextlib.suppress(OSError):
             os.unlink(path)
 

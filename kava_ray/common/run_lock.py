@@ -63,10 +63,10 @@ def describe_holder(info: dict) -> str:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir, command: str, say: Optional[Callable[[str], None]] = None) -> Iterator[Path]:
-    """Hold `run_dir`'s lock for the block (the dir is made if missing, and removed again on the way out if this
-    call made it and an error leaves nothing else in it); a live holder is one KavaError line; a stale lock file
-    (its writer died) is taken over with a line through `say`."""
+def run_lock(run_dir, command: str, say: Optional[Callable[[str], None]] = None) -> Iterator[bool]:
+    """Hold `run_dir`'s lock for the block, which gets whether this call made the dir (then it is removed again on
+    the way out if an error leaves nothing else in it: a refusal before the run wrote anything); a live holder is
+    one KavaError line; a stale lock file (its writer died) is taken over with a line through `say`."""
     run_dir = Path(run_dir)
     made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,12 +81,12 @@ def run_lock(run_dir, command: str, say: Optional[Callable[[str], None]] = None)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         ok = False
         try:
-            yield run_dir
+            yield made
             ok = True
         finally:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # an empty lock file: released cleanly (a stale one still names its writer)
-            if made and not ok and not [p for p in run_dir.iterdir() if p.name != LOCK]:
+            if made and not ok and run_dir.is_dir() and not [p for p in run_dir.iterdir() if p.name != LOCK]:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a refusal leaves nothing where nothing was
     finally:
         os.close(fd)

@@ -134,6 +134,7 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
     """
+    given = resume  # (what the user named: the preflight's lines say it)
     if resume:
         resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir (the preflight checks it)
     run_dir = resumed_run_dir(resume) if resume and name is None else None  # --resume RUN continues in RUN
@@ -141,12 +142,13 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
         name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
         run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
     started = time.time()
-    with run_lock(run_dir, "kava-ray train" + (" --resume" if resume else ""), say=status):  # before Ray starts
+    # before anything is written or Ray starts; for --resume this also checks the checkpoint is complete and compatible
+    preflight(cfg, "train", resume=given, resume_override=resume_override, address=address, name=name)
+    with run_lock(run_dir, "kava-ray train" + (" --resume" if resume else ""), say=status) as made:  # one writer
         if not resume and [p for p in run_dir.iterdir() if p.name != LOCK]:
             raise KavaError(f"{run_dir.name} exists: `--resume` it or pick another `--name`")
-        # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
-        preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address, name=name)
-        with quiet(run_dir / "logs", verbose):
+        # a refusal before Ray started removes the run dir this command made (`quiet`), lock and all
+        with quiet(run_dir / "logs", verbose, made_above=run_dir if made else None):
             _data(cfg)  # refused before Ray starts: one line, and `quiet` removes the run dir it made
             try:
                 return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)

@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--cache", default=None, help="where the fine-tuned teacher, warm start and teacher completions "
                                                  "are kept (default: <kava-ray cache>/bench-task)")
     p.add_argument("--quick", action="store_true", help="tiny random models, a few steps (the test runs this)")
-    p.set_defaults(func=scarce)
+    p.set_defaults(func=scarce, quiet_start=True)
 
 
 def scarce(args) -> int:

@@ -34,7 +34,7 @@ def register(sub) -> None:
                         "(default 20)")
     p.add_argument("--quick", action="store_true", help="tiny random models, a few steps, 2 seeds: checks the harness "
                                                         "end to end (no figure is a result; the gate is skipped)")
-    p.set_defaults(func=task)
+    p.set_defaults(func=task, quiet_start=True)
 
 
 def task(args) -> int:
