@@ -38,6 +38,37 @@ def test_quiet_sends_fd_level_output_to_the_log_and_status_to_the_terminal(tmp_p
     assert with_logs("x") == "x"  # outside quiet: unchanged
 
 
+def test_a_quiet_start_moves_import_chatter_into_the_runs_log(tmp_path, capfd):
+    """What a command's imports write before its run's logs exist (`common.quiet_start`, around every command
+    without --verbose) goes into that run's driver.log, not the terminal; status lines still reach the terminal; a
+    command that fails unexpectedly shows what was caught (it may explain the failure); a refusal does not."""
+    from kava_ray.common.errors import KavaError
+    from kava_ray.common.quiet_start import quiet_start
+    from kava_ray.runtime.console import quiet, status
+
+    with quiet_start():
+        os.write(2, b"Failed to load _C_mxfp8.so\n")  # (torchao's, at import: below Python's streams)
+        print("Loading weights: 100%|##########| 30/30", file=sys.stderr)
+        status("data: 64 training rows")
+        with quiet(tmp_path / "logs", verbose=False, ray_logs=False):
+            os.write(2, b"in the run\n")
+            status("training: 2 steps")
+    assert capfd.readouterr().err == "data: 64 training rows\ntraining: 2 steps\n"
+    log = (tmp_path / "logs" / "driver.log").read_text()
+    assert log.index("Failed to load _C_mxfp8.so") < log.index("Loading weights") < log.index("in the run")
+    with pytest.raises(KavaError), quiet_start():
+        os.write(2, b"chatter before a refusal\n")
+        raise KavaError("bad input")
+    assert capfd.readouterr().err == ""  # the refusal's one line is the CLI's to print
+    with pytest.raises(RuntimeError), quiet_start():
+        os.write(2, b"why it crashed\n")
+        raise RuntimeError("boom")
+    assert capfd.readouterr().err == "why it crashed\n"
+    with quiet_start(verbose=True):
+        os.write(2, b"live\n")
+    assert capfd.readouterr().err == "live\n"
+
+
 def test_verbose_leaves_the_console_alone(tmp_path, capfd):
     import kava_ray.runtime.console
     from kava_ray.runtime.console import quiet, status

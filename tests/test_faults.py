@@ -235,6 +235,74 @@ def test_corrupt_checkpoint_is_one_line_naming_the_file(good_ckpt, job, tmp_path
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and rel in err[0], err
 
 
+# ------------------------------------------------------------------------ one writer per run dir
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_one_writer_per_run_dir_with_two_real_processes(good_ckpt, job, tmp_path, capsys):
+    """A live `kava-ray train` holds its run dir (`common.run_lock`, taken before Ray starts): a second `train` of
+    that name or a `--resume` of it is one line naming the holder's command and pid, exit 2, nothing written; `eval`
+    of a live run pins the checkpoint it reads (the run may delete it: `num_to_keep`) and says so, and before the
+    first checkpoint says "no checkpoint yet"; once the holder is SIGKILLed its lock is taken over with a line."""
+    from kava_ray.common.run_lock import LOCK, run_lock
+    from kava_ray.core.checkpoint import check_files, held_checkpoint
+
+    storage = Path(load_config(job).ray.storage_path)
+    run = storage / "live"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    holder = subprocess.Popen([KVCLI, "train", "--config", str(job), "--name", "live"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not ((run / LOCK).is_file() and (run / LOCK).read_text()):
+            time.sleep(0.01)
+        os.killpg(holder.pid, signal.SIGSTOP)  # held, before its Ray: the writer stays live and does no more
+        assert json.loads((run / LOCK).read_text())["pid"] == holder.pid
+        # a live run without a checkpoint: eval says so and writes nothing
+        (run / "metrics.jsonl").write_text("")  # (what the run writes at its first step)
+        before = _listing(run)
+        rc, err = _cli(capsys, "eval", str(run))
+        assert rc == 2 and len(err) == 1 and "no checkpoint yet (its run is live: `kava-ray train`" in err[0], err
+        assert f"pid {holder.pid} " in err[0] and _listing(run) == before, err
+        # a second writer, by name and by --resume: one line naming the holder; nothing written
+        shutil.copytree(good_ckpt, run / good_ckpt.name)
+        before = _listing(run)
+        for argv in (["train", "--config", str(job), "--name", "live"], ["train", "--resume", str(run)]):
+            out = subprocess.run([KVCLI, *argv], capture_output=True, text=True, env=env, timeout=120)
+            err = [ln for ln in out.stderr.splitlines() if ln.strip()]
+            assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+            assert err[0].startswith(f"error: {run} is in use by `kava-ray train` (pid {holder.pid} on "), err
+            assert _listing(run) == before
+        # eval's read of a live run: pinned (hard links), so the run deleting it mid-read loses nothing
+        with held_checkpoint(run) as (ckpt, real, live):
+            assert real == run / good_ckpt.name and ckpt != real and live and f"pid {holder.pid}" in live
+            assert "checkpoint of step 2, pinned" in live
+            shutil.rmtree(real)  # what num_to_keep does when the run saves its next one
+            check_files(ckpt)  # every file whole
+        assert not [p for p in storage.iterdir() if p.name.startswith(".live-read-")]  # the pin is gone
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    said = []
+    with run_lock(run, "kava-ray train --resume", say=said.append):  # the dead holder's lock: taken over, a line
+        assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
+    assert len(said) == 1 and f"taking over the lock of `kava-ray train` (pid {holder.pid} on " in said[0], said
+    assert "which is no longer running" in said[0]
+    # a finished run's name without --resume: one line, before anything starts
+    rc, err = _cli(capsys, "train", "--config", str(job), "--name", "live")
+    assert rc == 2 and err == ["error: live exists: `--resume` it or pick another `--name`"], err
+
+
+def test_train_needs_a_config_or_a_run_to_resume(capsys):
+    rc, err = _cli(capsys, "train", "train.steps=2")
+    assert rc == 2 and err == ["error: train: --config is required (a YAML file or a preset), or --resume RUN_DIR "
+                               "to continue a run with the config it saved"], err
+
+
 def test_corrupt_tensor_file_without_a_size_record_is_one_line(good_ckpt, job, plans, tmp_path):
     """A checkpoint whose state.json has no size record (older versions): load_into names the bad file."""
     from kava_ray.core.checkpoint import load_into, read_state
@@ -313,7 +381,8 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     # an interrupted run's line (`train.resume_hint`) names the step --resume would continue from, else says none
     from kava_ray.recipes.train import resume_hint
 
-    assert resume_hint(run) == f"--resume {run} continues it (from step 2)"
+    assert resume_hint(run) == f"`kava-ray train --resume {run}` continues it (from step 2)"
+    assert resume_hint(run, address="auto") == f"`kava-ray train --resume {run} --address auto` continues it (from step 2)"
     (tmp_path / "fresh" / "logs").mkdir(parents=True)
     assert resume_hint(tmp_path / "fresh") == "no checkpoint was saved yet: nothing to resume"
     rc, err = _cli(capsys, "eval", str(partial))
@@ -388,14 +457,16 @@ def test_an_interrupt_swallowed_inside_the_fit_is_raised_when_it_returns():
 def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_teacher_kill(tiny_pool, ref_curve, job):
     """SIGTERM the driver (`kill`, Slurm, Kubernetes) once a checkpoint exists: it takes Ctrl-C's path
     (`kava_ray.common.signals`; Ray's own SIGTERM handler, which ray.init installs, would exit 1 with a C++ dump and
-    no line): exit 143 with one `error: terminated (SIGTERM); --resume RUN_DIR continues it (from step N)` line within 60 s and nothing of its embedded Ray left; `kava-ray train --resume RUN_DIR` then finishes the run on the reference
+    no line): exit 143 with one `error: terminated (SIGTERM); `kava-ray train --resume RUN_DIR` continues it (from step
+    N)` line within 60 s and nothing of its embedded Ray left; that command, alone (no --config: the run's saved job
+    and the override it started with, which --config would refuse without --resume-override), then finishes the run on the reference
     curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run again), although
     its teacher actor's process is SIGKILLed two steps past the interrupt: it restarts (max_restarts) and the
     feed's requests are retried."""
     env = dict(os.environ, RAY_ADDRESS="", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS")
     name = "sigterm"
-    cmd = [KVCLI, "train", "--config", str(job), "--name", name]
+    cmd = [KVCLI, "train", "--config", str(job), "--name", name, "train.num_to_keep=3"]  # an override to keep
     run_dir = Path(load_config(job).ray.storage_path) / name
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -439,7 +510,7 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    assert main(["train", "--config", str(job), "--name", name, "--resume", str(run_dir)]) == 0
+    assert main(["train", "--resume", str(run_dir)]) == 0  # the hint's command
     thread.join()
     assert killed and killed["step"] < STEPS, killed
     got = train_steps(run_dir)
@@ -461,11 +532,12 @@ def _sigterm_stopped(proc, whole_group: bool, timeout: float) -> tuple[str, floa
 
 
 def _resume_hint(run_dir: Path) -> str:
-    """`--resume RUN_DIR continues it (from step N)`, N the step of the run dir's latest complete checkpoint."""
+    """`kava-ray train --resume RUN_DIR` continues it (from step N), N the step of the run dir's latest complete
+    checkpoint."""
     from kava_ray.core.checkpoint import find_checkpoint
 
     step = json.loads((find_checkpoint(run_dir, for_resume=True) / "state.json").read_text())["step"]
-    return f"--resume {run_dir} continues it (from step {step})"
+    return f"`kava-ray train --resume {run_dir}` continues it (from step {step})"
 
 
 @pytest.mark.ray  # `kava-ray train` starts its own embedded Ray

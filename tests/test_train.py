@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -557,12 +558,27 @@ def test_eval_tasks_of_the_run_beside_its_teachers(e2e_run, tmp_path, capsys):
     assert written.parent == run_dir / "eval" and json.loads(written.read_text())["models"] == models
     assert "share of qwen" in printed and "gap recovered (smol)" in printed and "bits_per_byte (lower better)" in printed
     assert "Harness tasks" in summarize_run(run_dir) and "file_mine" in summarize_run(run_dir)
+    # with --address: each model a Ray task with its own resources, side by side, the same figures
+    assert main(["eval", str(run_dir), "--tasks", "kava_pydoc_ppl", "--limit", "2", "--address", "auto",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    side = json.loads(captured.out.strip().splitlines()[-1])
+    assert sorted(side["models"]) == ["student", "teacher llama", "teacher qwen", "teacher smol"]
+    for label, m in side["models"].items():
+        assert m["kava_pydoc_ppl"]["metrics"] == pytest.approx(models[label]["kava_pydoc_ppl"]["metrics"], rel=1e-5)
+    ran = side["ran"]
+    assert len({r["pid"] for r in ran.values()} | {os.getpid()}) == 5  # four processes of the cluster's
+    spans = sorted((r["start"], r["end"]) for r in ran.values())
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans  # at least two ran at once
+    assert side["address"] == "auto" and all(r["node"] for r in ran.values())
+    assert (run_dir / "eval" / "logs").is_dir()  # its logs beside its results, wherever it ran from
+    results = sorted((run_dir / "eval").glob("tasks-*.json"))
     for bad, line in (("nosuch", "error: unknown eval task 'nosuch'"), (f"file:{tmp_path}/none.jsonl", "error: eval "
                       f"task file:{tmp_path}/none.jsonl: no such file")):
         assert main(["eval", str(run_dir), "--tasks", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(line), err
-        assert list((run_dir / "eval").iterdir()) == [written]
+        assert sorted((run_dir / "eval").glob("tasks-*.json")) == results
 
 
 def test_demo_without_the_model_package_prints_the_install_command(capsys):

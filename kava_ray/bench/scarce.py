@@ -33,7 +33,7 @@ from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired
-from kava_ray.bench.task_finetune import bench_dirs, finetune, records_job, reporter
+from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import correct, sort_rows, write_records
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
@@ -121,7 +121,7 @@ def decide_scarce(runs: dict, floor: float, n_boot: int) -> dict:
 
 def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None, quick: bool = False,
                      out: Optional[str] = None, cache: Optional[str] = None, arms: Optional[list] = None,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, verbose: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_scarce.json)."""
     p = dict(QUICK if quick else DEFAULTS)
     names = list(arms or ARMS)
@@ -130,82 +130,82 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         raise KavaError(f"bench scarce: arms must be among {', '.join(ARMS)} and include {BASE} and {CONTROL} "
                         f"(got {' '.join(names)})")
     base = load_config(config, overrides)
-    root, cache_dir = bench_dirs(base, "scarce", out, cache, quick)
-    t_start = time.time()
-    say = reporter("scarce", progress)
+    with bench_run(base, "scarce", out, cache, quick, verbose) as (root, cache_dir):
+        t_start = time.time()
+        say = reporter("scarce", progress)
 
-    say(f"decision rule, fixed before the run: {decision_rule()}")
-    rows = sort_rows(p["counts"])
-    if quick:
-        from kava_ray.testing.tiny import build_tiny_model
+        say(f"decision rule, fixed before the run: {decision_rule()}")
+        rows = sort_rows(p["counts"])
+        if quick:
+            from kava_ray.testing.tiny import build_tiny_model
 
-        t_model = s_model = str(build_tiny_model(root / "tiny_base", family="llama", num_layers=3, hidden_size=64,
-                                                 seed=1))
-    else:
-        t_model, s_model = base.teachers[0].model, base.student.model
-    tok = load_tokenizer(t_model)
-    gold, unlabelled = rows["train"][:p["gold"]], rows["train"][p["gold"]:]
-    held = {"validation": rows["validation"], "test": rows["test"]}
-    full = write_records(rows, root / "records" / "all", "exact")
-    labelled = write_records({"train": gold, **held}, root / "records" / "gold", "exact")
-    val, test = rows["validation"], rows["test"]
-    say(f"records: {len(gold)} labelled + {len(unlabelled)} unlabelled training prompts, {len(val)} validation, "
-        f"{len(test)} test (the sort task, checker exact)")
-    ft = {}
+            t_model = s_model = str(build_tiny_model(root / "tiny_base", family="llama", num_layers=3, hidden_size=64,
+                                                     seed=1))
+        else:
+            t_model, s_model = base.teachers[0].model, base.student.model
+        tok = load_tokenizer(t_model)
+        gold, unlabelled = rows["train"][:p["gold"]], rows["train"][p["gold"]:]
+        held = {"validation": rows["validation"], "test": rows["test"]}
+        full = write_records(rows, root / "records" / "all", "exact")
+        labelled = write_records({"train": gold, **held}, root / "records" / "gold", "exact")
+        val, test = rows["validation"], rows["test"]
+        say(f"records: {len(gold)} labelled + {len(unlabelled)} unlabelled training prompts, {len(val)} validation, "
+            f"{len(test)} test (the sort task, checker exact)")
+        ft = {}
 
-    def tune(name, rec, model, keep, steps, lr, plateau):
-        ft[name] = finetune(base, name, rec.plain, f"{rec.fingerprint}/{rec.plain.name}", model, keep, val, "exact", p,
-                            steps, lr, cache_dir, root, tok, say, plateau)
-        return ft[name]["path"]
+        def tune(name, rec, model, keep, steps, lr, plateau):
+            ft[name] = finetune(base, name, rec.plain, f"{rec.fingerprint}/{rec.plain.name}", model, keep, val, "exact", p,
+                                steps, lr, cache_dir, root, tok, say, plateau)
+            return ft[name]["path"]
 
-    teacher_dir = tune("teacher", full, t_model, None, p["ft_max"], p["lr_teacher"], True)
-    warm = tune("scarce-warm", labelled, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
-    teacher = load_model(teacher_dir, dtype="float32")
-    written = teacher_completions(teacher, tok, [r["question"] for r in unlabelled + test], p, cache_dir, say)
-    t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
-               if written[r["question"]].strip()]
-    distilled = write_records({"train": t_train, **held}, root / "records" / "teacher", "exact")
-    t_test = [written[r["question"]] for r in test]
-    teacher_em = float(np.mean([correct("exact", c, r["answer"]) for c, r in zip(t_test, test)]))
-    say(f"teacher: {100 * teacher_em:.1f} % exact match on the {len(test)} test prompts; its completions of "
-        f"{len(t_train)} unlabelled prompts ({len(unlabelled) - len(t_train)} empty, left out)")
-    data = {"gold": labelled, "teacher": distilled}
-    job0 = records_job(base, labelled.plain, [("teacher", teacher_dir)], warm, None, p, root)
-    test_split, val_split = load_test_split(job0, tok), load_splits(job0, tok)[1]
+        teacher_dir = tune("teacher", full, t_model, None, p["ft_max"], p["lr_teacher"], True)
+        warm = tune("scarce-warm", labelled, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
+        teacher = load_model(teacher_dir, dtype="float32")
+        written = teacher_completions(teacher, tok, [r["question"] for r in unlabelled + test], p, cache_dir, say)
+        t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
+                   if written[r["question"]].strip()]
+        distilled = write_records({"train": t_train, **held}, root / "records" / "teacher", "exact")
+        t_test = [written[r["question"]] for r in test]
+        teacher_em = float(np.mean([correct("exact", c, r["answer"]) for c, r in zip(t_test, test)]))
+        say(f"teacher: {100 * teacher_em:.1f} % exact match on the {len(test)} test prompts; its completions of "
+            f"{len(t_train)} unlabelled prompts ({len(unlabelled) - len(t_train)} empty, left out)")
+        data = {"gold": labelled, "teacher": distilled}
+        job0 = records_job(base, labelled.plain, [("teacher", teacher_dir)], warm, None, p, root)
+        test_split, val_split = load_test_split(job0, tok), load_splits(job0, tok)[1]
 
-    def evaluate(student, full_eval: bool = True) -> dict:
-        preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
-                                 batch_size=p["eval_batch"])
-        ok = [int(correct("exact", x, r["answer"])) for x, r in zip(preds, test)]
-        agree = [int(correct("exact", x, t)) for x, t in zip(preds, t_test)]
-        out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
-        if full_eval:
-            sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
-            out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": _entropy(sc),
-                        "tokens": sc["tokens"]})
-        return out
+        def evaluate(student, full_eval: bool = True) -> dict:
+            preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
+                                     batch_size=p["eval_batch"])
+            ok = [int(correct("exact", x, r["answer"])) for x, r in zip(preds, test)]
+            agree = [int(correct("exact", x, t)) for x, t in zip(preds, t_test)]
+            out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
+            if full_eval:
+                sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
+                out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": _entropy(sc),
+                            "tokens": sc["tokens"]})
+            return out
 
-    start = evaluate(load_student(warm, dtype="float32"))
-    say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
-        f"{start['entropy']:.3f}")
-    ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher, "teacher_dir": teacher_dir,
-           "start_point": {"em": start["em"], "teacher_match": start["teacher_match"]},
-           "data": data, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
-           "done": root / "runs_done"}
-    runs, lrs = {}, {}
-    for arm in names:  # seqkd before seqkd-opd, whose first phase is seqkd at seqkd's rate
-        lrs[arm] = _select(ctx, arm, lrs)
-        runs[arm] = [_run(ctx, arm, s, lrs[arm]["lr"], lrs) for s in p["seeds"]]
-    floor = ENTROPY_FLOOR * start["entropy"]
-    decisions = decide_scarce(runs, floor, p["n_boot"])
-    summary = {a: {k: mean_sd([r["figures"][k] for r in rs]) for k in ("em", "teacher_match", "test_ce", "rkl",
-                                                                     "entropy")} for a, rs in runs.items()}
-    result = {"config": str(config), "out": str(root), "quick": quick, "params": p, "arms": names,
-              "decision_rule": decision_rule(), "entropy_floor": floor, "teacher_em": teacher_em,
-              "teacher_train": len(t_train), "finetunes": ft, "start": {k: v for k, v in start.items() if k != "ok"},
-              "lr": lrs, "runs": runs, "summary": summary, "decisions": decisions, "wall_s": time.time() - t_start}
-    write_json(root / "bench_scarce.json", result)
-    return result
+        start = evaluate(load_student(warm, dtype="float32"))
+        say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
+            f"{start['entropy']:.3f}")
+        ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher, "teacher_dir": teacher_dir,
+               "start_point": {"em": start["em"], "teacher_match": start["teacher_match"]},
+               "data": data, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
+               "done": root / "runs_done"}
+        runs, lrs = {}, {}
+        for arm in names:  # seqkd before seqkd-opd, whose first phase is seqkd at seqkd's rate
+            lrs[arm] = _select(ctx, arm, lrs)
+            runs[arm] = [_run(ctx, arm, s, lrs[arm]["lr"], lrs) for s in p["seeds"]]
+        floor = ENTROPY_FLOOR * start["entropy"]
+        decisions = decide_scarce(runs, floor, p["n_boot"])
+        summary = {a: {k: mean_sd([r["figures"][k] for r in rs]) for k in ("em", "teacher_match", "test_ce", "rkl",
+                                                                         "entropy")} for a, rs in runs.items()}
+        result = {"config": str(config), "out": str(root), "quick": quick, "params": p, "arms": names,
+                  "decision_rule": decision_rule(), "entropy_floor": floor, "teacher_em": teacher_em,
+                  "teacher_train": len(t_train), "finetunes": ft, "start": {k: v for k, v in start.items() if k != "ok"},
+                  "lr": lrs, "runs": runs, "summary": summary, "decisions": decisions, "wall_s": time.time() - t_start}
+        write_json(root / "bench_scarce.json", result)
+        return result
 
 
 def teacher_completions(teacher, tok, prompts: list, p: dict, cache: Path, say) -> dict:

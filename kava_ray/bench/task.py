@@ -20,7 +20,9 @@ anything trains; the summary and the table are `bench.task_report`'s.
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -29,9 +31,9 @@ from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
-from kava_ray.bench.task_finetune import bench_dirs, finetune, records_job, reporter
+from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import CHECKERS, TASKS, file_rows, score, write_records
-from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, decision_rule, pair, summarize
+from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, QUICK_NOTE, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
@@ -68,6 +70,16 @@ ARMS: dict[str, dict] = {
 # what fits the default run on the 2-core box (README "A task bench"): the issue's six; the others with --arms
 DEFAULT_ARMS = ("sft", "sft+logits", "onpolicy-gkd", "onpolicy-jsd+ce", "onpolicy-rkl", "mopd", "trl-gkd")
 QUICK_ARMS = ("sft", "onpolicy-gkd", "mopd", "trl-gkd")
+# --quick's tiny random models answer nothing (exact match 0 for teacher and student): it shows the harness runs
+# end to end, and its gate and decisions are stated as that, not as results
+QUICK_GATE = QUICK_NOTE
+
+
+def samples_own(arm: str) -> bool:
+    """Whether `arm` trains on the student's own samples (the figure "student-sampled tokens / sample" is its)."""
+    a = ARMS[arm]
+    return bool(a.get("trl")) or (a["set"].get("onpolicy.fraction", 0) > 0
+                                  and a["set"].get("onpolicy.source", "student") == "student")
 MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %, >= 20 points below the teacher's
 
 # counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
@@ -90,16 +102,36 @@ QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_
 
 def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
             records: Optional[str], checker: str) -> tuple[dict, list]:
-    p = dict(QUICK if quick else DEFAULTS)
-    p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
-    names = list(arms or (QUICK_ARMS if quick else DEFAULT_ARMS))
-    bad = [a for a in names if a not in ARMS]
-    if bad or BASE not in names or p["steps"] < 1 or p["seeds"] < 2:
-        raise KavaError(f"bench task: arms must be among {', '.join(ARMS)} and include {BASE} (got {names}); "
-                        f"steps >= 1, seeds >= 2 (paired intervals)")
+    """The run's parameters and arms; each flag checked on its own, one line naming it, before anything is read."""
+    if steps is not None and steps < 1:
+        raise KavaError(f"bench task: --steps {steps}: give at least 1 student step per arm")
+    if seeds is not None and seeds < 2:
+        raise KavaError(f"bench task: --seeds {seeds}: give at least 2 (the intervals are paired over seeds)")
+    for a in arms or ():
+        if a not in ARMS:
+            near = difflib.get_close_matches(a, ARMS, n=1)
+            raise KavaError(f"bench task: --arms {a!r} is not an arm" + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f"; the arms: {', '.join(ARMS)}")
+    if arms is not None and BASE not in arms:
+        raise KavaError(f"bench task: --arms must include {BASE!r} (every arm is compared with it)")
     if checker not in CHECKERS:
         raise KavaError(f"bench task: --checker {checker!r}: one of {', '.join(CHECKERS)}")
-    return p, names
+    p = dict(QUICK if quick else DEFAULTS)
+    p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
+    return p, list(arms or (QUICK_ARMS if quick else DEFAULT_ARMS))
+
+
+def check_gate(min_start: float, min_gap: float, n_test: int) -> None:
+    """The gate's figures are fractions (the CLI's flags are percent: `--min-start 5`), and a gate the test
+    prompts could never pass -- a warm start of k / n_test correct with k / n >= min_start and 1 - k / n >= min_gap
+    -- is refused here, before anything trains."""
+    for flag, v in (("--min-start", min_start), ("--min-gap", min_gap)):
+        if not 0.0 <= v <= 1.0:
+            raise KavaError(f"bench task: {flag} {100 * v:g}: a percentage from 0 to 100")
+    if math.ceil(min_start * n_test - 1e-9) / n_test > 1.0 - min_gap + 1e-9:
+        raise KavaError(f"bench task: no result on {n_test} test prompts can pass the gate (a warm start >= "
+                        f"{100 * min_start:g} % and >= {100 * min_gap:g} points below the teacher's): lower --min-start "
+                        f"or --min-gap")
 
 
 def _rows(records: Optional[str], task: str, checker: str, p: dict, names: list,
@@ -143,9 +175,10 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    steps: Optional[int] = None, seeds: Optional[int] = None, quick: bool = False,
                    out: Optional[str] = None,
                    cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, verbose: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json)."""
     p, names = _params(quick, steps, seeds, arms, records, checker)
+    check_gate(min_start, min_gap, p["n_test"])
     if task is not None and records is not None:
         raise KavaError("bench task: --task names a built-in task and --records a file of your own: give one")
     task = task or "arith"
@@ -153,88 +186,88 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         raise KavaError(f"bench task: --task {task!r}: one of {', '.join(TASKS)} (or --records FILE.jsonl)")
     base = load_config(config, overrides)
     rows, names, dropped = _rows(records, task, checker, p, names, arms is not None)
-    root, cache_dir = bench_dirs(base, "task", out, cache, quick)
-    t_start = time.time()
-    say = reporter("task", progress)
+    with bench_run(base, "task", out, cache, quick, verbose) as (root, cache_dir):
+        t_start = time.time()
+        say = reporter("task", progress)
 
-    say(f"decision rule, fixed before the run: {decision_rule()}")
-    say(f"gate, fixed before the run: the warm start's exact match >= {100 * min_start:g} % and >= "
-        f"{100 * min_gap:g} points below the teacher's")
-    rec = write_records(rows, root / "records", checker)
-    say(f"records: {rec.counts['train']} train, {rec.counts['validation']} validation, {rec.counts['test']} test "
-        f"({f'the built-in {task!r} task' if records is None else records}; checker {checker})"
-        + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
-    t_model, s_model, tok = _models(base, quick, root)
-    if not quick:  # (the quick mode's tiny random models answer nothing: its sizes stay small)
-        _fit_sizes(p, rows, tok)
-    val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
-    ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
-    two = any(ARMS[a]["teachers"] == "two" for a in names)  # the specialists are needed
+        say(f"decision rule, fixed before the run: {decision_rule()}")
+        say(f"gate, fixed before the run: the warm start's exact match >= {100 * min_start:g} % and >= "
+            f"{100 * min_gap:g} points below the teacher's")
+        rec = write_records(rows, root / "records", checker)
+        say(f"records: {rec.counts['train']} train, {rec.counts['validation']} validation, {rec.counts['test']} test "
+            f"({f'the built-in {task!r} task' if records is None else records}; checker {checker})"
+            + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
+        t_model, s_model, tok = _models(base, quick, root)
+        if not quick:  # (the quick mode's tiny random models answer nothing: its sizes stay small)
+            _fit_sizes(p, rows, tok)
+        val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
+        ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
+        two = any(ARMS[a]["teachers"] == "two" for a in names)  # the specialists are needed
 
-    def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
-        ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
-                            checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
-        return ft[name]
+        def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
+            ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
+                                checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
+            return ft[name]
 
-    tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
-    if two:
-        for spec in rec.specialists:
-            tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
-                 p["lr_teacher"], True)
-    # the student's start: its model's layers `keep`; where the job's student is its teacher's model (the demo),
-    # the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student starts in the regime
-    # on-policy distillation needs (it writes the answer format)
-    pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
-    tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
-    ft["warm"]["from"] = str(pruned)
-    teacher = load_model(ft["teacher"]["path"], dtype="float32")
-    job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
-    test_split = load_test_split(job0, tok)
-    val_split = load_splits(job0, tok)[1]
+        tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
+        if two:
+            for spec in rec.specialists:
+                tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
+                     p["lr_teacher"], True)
+        # the student's start: its model's layers `keep`; where the job's student is its teacher's model (the demo),
+        # the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student starts in the regime
+        # on-policy distillation needs (it writes the answer format)
+        pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
+        tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
+        ft["warm"]["from"] = str(pruned)
+        teacher = load_model(ft["teacher"]["path"], dtype="float32")
+        job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
+        test_split = load_test_split(job0, tok)
+        val_split = load_splits(job0, tok)[1]
 
-    def evaluate(student) -> dict:
-        em = score(student, tok, test, checker, p)
-        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
-        return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
-                "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
-                "samples": em["samples"]}
+        def evaluate(student) -> dict:
+            em = score(student, tok, test, checker, p)
+            sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
+            return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
+                    "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
+                    "samples": em["samples"]}
 
-    t_em = score(teacher, tok, test, checker, p)
-    start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
-    gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
-            "n": len(test)}
-    gate["passes"] = start["em"] >= min_start and t_em["em"] - start["em"] >= min_gap
-    say(f"gate: teacher {100 * t_em['em']:.1f} %, warm start {100 * start['em']:.1f} % exact match on {len(test)} "
-        f"test prompts: {'passes' if gate['passes'] else 'FAILS'}")
-    write_json(root / "gate.json", {"gate": gate, "finetunes": ft, "start": start})
-    if not gate["passes"]:
-        raise KavaError(f"bench task: gate fails: the warm start's exact match {100 * start['em']:.1f} % (needs >= "
-                        f"{100 * min_start:g} %) against the teacher's {100 * t_em['em']:.1f} % (needs >= "
-                        f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
-                        f"({root / 'gate.json'})")
-    models = {"teacher": teacher}
-    for spec in rec.specialists if two else ():
-        models[spec] = load_model(ft[spec]["path"], dtype="float32")
-    ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
-           "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
-           "val_split": val_split, "say": say,
-           "checker": checker, "done": root / "runs_done"}
-    runs, lrs = {}, {}
-    for arm in names:
-        runs[arm], lrs[arm] = _arm(ctx, arm)
-    floor = ENTROPY_FLOOR * start["entropy"]
-    summary = summarize(runs, floor)
-    result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
-              "records": records or task, "checker": checker, "dropped": dropped, "counts": rec.counts,
-              "arms": names,
-              "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
-              "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
-              "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-gkd",
-                                                                                         "trl-gkd"),
-              "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd+ce")},
-              "wall_s": time.time() - t_start}
-    write_json(root / "bench_task.json", result)
-    return result
+        t_em = score(teacher, tok, test, checker, p)
+        start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
+        gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
+                "n": len(test), "skipped": quick}
+        gate["passes"] = start["em"] >= min_start and t_em["em"] - start["em"] >= min_gap
+        say(f"gate: teacher {100 * t_em['em']:.1f} %, warm start {100 * start['em']:.1f} % exact match on {len(test)} "
+            f"test prompts: " + (QUICK_GATE if quick else "passes" if gate["passes"] else "FAILS"))
+        write_json(root / "gate.json", {"gate": gate, "finetunes": ft, "start": start})
+        if not gate["passes"] and not quick:
+            raise KavaError(f"bench task: gate fails: the warm start's exact match {100 * start['em']:.1f} % (needs >= "
+                            f"{100 * min_start:g} %) against the teacher's {100 * t_em['em']:.1f} % (needs >= "
+                            f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
+                            f"({root / 'gate.json'})")
+        models = {"teacher": teacher}
+        for spec in rec.specialists if two else ():
+            models[spec] = load_model(ft[spec]["path"], dtype="float32")
+        ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
+               "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
+               "val_split": val_split, "say": say,
+               "checker": checker, "done": root / "runs_done"}
+        runs, lrs = {}, {}
+        for arm in names:
+            runs[arm], lrs[arm] = _arm(ctx, arm)
+        floor = ENTROPY_FLOOR * start["entropy"]
+        summary = summarize(runs, floor, quick=quick, own_samples=[a for a in names if samples_own(a)])
+        result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
+                  "records": records or task, "checker": checker, "dropped": dropped, "counts": rec.counts,
+                  "arms": names,
+                  "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
+                  "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
+                  "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-gkd",
+                                                                                             "trl-gkd"),
+                  "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd+ce")},
+                  "wall_s": time.time() - t_start}
+        write_json(root / "bench_task.json", result)
+        return result
 
 
 def _arm(ctx: dict, arm: str) -> tuple[list, dict]:

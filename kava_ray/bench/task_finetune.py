@@ -8,10 +8,11 @@ beside it, whatever the bench's --out, so the teachers are fine-tuned once per r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.task_records import score
@@ -19,7 +20,7 @@ from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import default_cache_dir, write_json
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
-from kava_ray.runtime.console import status
+from kava_ray.runtime.console import quiet, status
 from kava_ray.testing.sources import InProcessSource
 
 
@@ -35,6 +36,16 @@ def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[s
     keep = Path(cache).expanduser().resolve() if cache else (root / "cache" if quick else
                                                              default_cache_dir() / "bench-task")
     return root, keep
+
+
+@contextlib.contextmanager
+def bench_run(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool,
+              verbose: bool = True) -> Iterator[tuple[Path, Path]]:
+    """`bench_dirs` for the block, its console quiet unless `verbose`: the `[bench ...]` lines on the terminal, the
+    libraries' (weights' progress bars, deprecations) in OUT/logs/driver.log (`runtime.console.quiet`)."""
+    root, keep = bench_dirs(base, name, out, cache, quick)
+    with quiet(root / "logs", verbose, ray_logs=False):
+        yield root, keep
 
 
 def reporter(name: str, progress: bool) -> Callable[[str], None]:

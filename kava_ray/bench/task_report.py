@@ -7,13 +7,14 @@ interval excluding 0, its test CE is at most `CE_MARGIN` nats worse, and its sam
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from kava_ray.bench.stats import fmt_interval, guarded_verdict, mean_sd, paired
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA
 from kava_ray.common.files import format_table
 
 BASE = "sft"
+QUICK_NOTE = "skipped (--quick: tiny random models, a check of the harness, not a result)"
 CE_MARGIN = 0.05  # an arm that helps may not lose more than this much test CE (nats) against the base
 ENTROPY_FLOOR = 0.5  # ... nor sample at an entropy below this share of the warm start's (else: "collapsed")
 
@@ -33,10 +34,12 @@ def decide(em: Optional[dict], ce: Optional[dict], entropy: Optional[float], flo
     return {"helps": verdict == "helps", "verdict": verdict}
 
 
-def summarize(runs: dict, floor: float) -> dict:
+def summarize(runs: dict, floor: float, quick: bool = False, own_samples: Sequence[str] = ()) -> dict:
     """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards, teacher-written completions and
     student-sampled tokens per training sample, s/step: the median step with its sampling and teachers, wall);
-    per non-base arm: paired differences against the base and the decision (`decide`)."""
+    per non-base arm: paired differences against the base and the decision (`decide`). An arm of `own_samples`
+    that sampled no token trained on nothing of its own: its verdict says so; `quick`: every verdict says the run
+    checks the harness."""
     out = {}
     keys = ("em", "test_ce", "rkl", "entropy")
     base = [r["figures"] for r in runs.get(BASE, [])]
@@ -53,6 +56,10 @@ def summarize(runs: dict, floor: float) -> dict:
         elif arm == BASE:
             s["decision"] = {"helps": False, "verdict": "collapsed" if s["mean"]["entropy"]["mean"] < floor
                              else "(base)"}
+        if arm in own_samples and s["generated_per_sample"]["mean"] == 0:
+            s["decision"] = {"helps": False, "verdict": "sampled nothing (its on-policy steps had no tokens)"}
+        if quick:
+            s["decision"] = {"helps": False, "verdict": "— (--quick)"}
         out[arm] = s
     return out
 
@@ -120,7 +127,7 @@ def format_task(r: dict) -> str:
         f"{_curve(ft['warm']['curve'])}",
         f"gate (fixed before the run): warm start {100 * g['start_em']:.1f} % >= {100 * g['min_start']:g} % and "
         f"teacher {100 * g['teacher_em']:.1f} % >= {100 * g['min_gap']:g} points above it: "
-        + ("passes" if g["passes"] else "FAILS"),
+        + (QUICK_NOTE if g.get("skipped") else "passes" if g["passes"] else "FAILS"),
         "learning rate per arm (seed 0, by validation exact match, then validation CE; grid lr:EM/CE):",
         format_table(["arm", "lr", "grid"], lr_rows),
         "",

@@ -10,6 +10,7 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the demo_cpu preset")
     add_address(p)
     add_output(p, demo)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the run's logs (`common.quiet_start`)
 
 
 def demo(args) -> int:

@@ -3,7 +3,7 @@ teachers' own test CE."""
 
 from __future__ import annotations
 
-from kava_ray.cli.shared import add_address, add_output, add_restart_teachers, quiet, show
+from kava_ray.cli.shared import add_address, add_output, add_restart_teachers, quiet_in_run, show
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 
@@ -34,6 +34,7 @@ def register(sub) -> None:
     add_address(p)
     add_restart_teachers(p)
     add_output(p, evaluate)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the eval's logs (`common.quiet_start`)
 
 
 def evaluate(args) -> int:
@@ -43,7 +44,7 @@ def evaluate(args) -> int:
         raise KavaError("--baseline and --no-teachers are for --tasks")
     from kava_ray.recipes.evaluate import evaluate_checkpoint
 
-    with quiet(args, "eval"):
+    with quiet_in_run(args, "eval", args.path):
         out = evaluate_checkpoint(args.path, limit=GSM8K_LIMIT if args.limit is None else args.limit,
                                   max_new_tokens=args.max_new_tokens,
                                   address=args.address, restart_teachers=args.restart_teachers,
@@ -55,16 +56,16 @@ def evaluate_tasks(args) -> int:
     from kava_ray.recipes.eval_tasks import evaluate_tasks as run
     from kava_ray.recipes.eval_tasks import format_tasks
 
-    held_out = [f for f, on in (("--address", args.address), ("--restart-teachers", args.restart_teachers),
+    held_out = [f for f, on in (("--restart-teachers", args.restart_teachers),
                                 ("--max-new-tokens", args.max_new_tokens != MAX_NEW_TOKENS)) if on]
-    if held_out:  # (the tasks load every model here, on one device: no Ray, no teacher pool)
+    if held_out:  # (the tasks load every model themselves: no teacher pool)
         raise KavaError(f"{held_out[0]} is for the held-out evaluation, not --tasks (which loads the student and "
-                        f"each teacher on this machine, one at a time)")
+                        f"each teacher itself: here one at a time, or with --address side by side on the cluster)")
     if args.limit is not None and args.limit < 1:
         raise KavaError(f"--limit {args.limit}: give at least 1 document per task")
-    with quiet(args, "eval"):
+    with quiet_in_run(args, "eval", args.path):
         out = run(args.path, args.tasks, limit=args.limit, teachers=args.teachers, baseline=args.baseline,
-                  overrides=args.overrides)
+                  overrides=args.overrides, address=args.address)
     return show(args, format_tasks(out), out)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from kava_ray.common.errors import KavaError, NothingToDo
+from kava_ray.common.quiet_start import quiet_start
 from kava_ray.common.signals import EXIT_TERMINATED, sigterm_as_interrupt, terminated
 
 EXIT_BAD_INPUT = 2
@@ -50,7 +51,9 @@ def call(args: argparse.Namespace) -> int:
     code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
     sigterm_as_interrupt()
     try:
-        return args.func(args)
+        # the commands that keep a run's logs: their imports' chatter goes there too (not --verbose)
+        with quiet_start(not getattr(args, "quiet_start", False) or getattr(args, "verbose", True)):
+            return args.func(args)
     except KavaError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -94,11 +97,22 @@ def quiet(args, command: str, storage_path: Optional[str] = None):
     return quiet_console(log_dir, args.verbose)
 
 
+def quiet_in_run(args, command: str, path: str):
+    """`quiet` for a command on a run or checkpoint (`eval`): its logs in `RUN_DIR/eval/logs/<command>-<time>/`,
+    beside its results, whatever directory it runs from."""
+    from kava_ray.runtime.console import quiet as quiet_console
+
+    p = Path(path).expanduser().resolve()
+    run = p.parent if (p / "state.json").is_file() else p
+    return quiet_console(run / "eval" / "logs" / f"{command}-{datetime.now():%Y%m%d-%H%M%S}", args.verbose)
+
+
 # ----------------------------------------------------------------------------- flags
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="a YAML file or a preset name (see `kava-ray config presets`)")
+def add_config_args(p: argparse.ArgumentParser, required: bool = True, help_: str = "") -> None:
+    p.add_argument("--config", required=required,
+                   help=help_ or "a YAML file or a preset name (see `kava-ray config presets`)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr_student=3e-5")
 
 
@@ -142,3 +156,4 @@ def add_bench_job(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--out", default=None, help=f"output dir (default: {default_out})")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides of the base config")
     add_json(p)
+    add_verbose(p)

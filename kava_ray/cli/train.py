@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kava_ray.cli import shared
+from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table
 
 # the prefixes shown: the loss and its terms, the alignment, on-policy's figures, the held-out ones, the waits
@@ -12,22 +13,28 @@ METRICS = ("loss", "ce", "kv_loss", "cos", "contrast_gap", "logit_", "top1_agree
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="distill the teachers into the student (Ray Train)")
-    shared.add_config_args(p)
+    shared.add_config_args(p, required=False, help_="a YAML file or a preset name (see `kava-ray config presets`); "
+                                                    "with --resume, default: the config the run saved")
     shared.add_address(p)
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue a run: its directory (latest checkpoint) or one checkpoint dir")
+                   help="continue a run: its directory (latest checkpoint) or one checkpoint dir; alone, with the "
+                        "config and overrides the run was started with")
     p.add_argument("--resume-override", action="store_true",
                    help="with --resume: continue with this config's optim.*/train.*/data.*/loss.*/onpolicy.* values "
                         "where they differ")
     shared.add_name(p, "run")
     shared.add_restart_teachers(p)
     shared.add_output(p, train)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the run's logs (`common.quiet_start`)
 
 
 def train(args) -> int:
-    from kava_ray.recipes.train import run_training
+    from kava_ray.recipes.train import resume_config, run_training
 
-    cfg = shared.job_config(args)
+    if args.config is None and args.resume is None:
+        raise KavaError("train: --config is required (a YAML file or a preset), or --resume RUN_DIR to continue a "
+                        "run with the config it saved")
+    cfg = shared.job_config(args) if args.config else resume_config(args.resume, args.overrides)
     out = run_training(cfg, resume=args.resume, name=args.name, address=args.address,
                        resume_override=args.resume_override, restart_teachers=args.restart_teachers,
                        verbose=args.verbose)

@@ -17,6 +17,7 @@ def register(sub) -> None:
                    help="continue an interrupted sweep: its directory (or its name); finished trials stay")
     shared.add_address(p)
     shared.add_output(p, tune)
+    p.set_defaults(quiet_start=True)  # the imports' chatter into the sweep's logs (`common.quiet_start`)
 
 
 def tune(args) -> int:

@@ -10,9 +10,14 @@ The files: docs/internals/core.md#checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +26,8 @@ from safetensors.torch import load_file, save_file
 from kava_ray.common.config import JobConfig, config_hash, diff_keys, resolve_paths, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, first_line, write_json
+from kava_ray.common.metrics_file import METRICS
+from kava_ray.common.run_lock import LOCK, describe_holder, holder
 from kava_ray.core import fsdp
 from kava_ray.core.plans import copied_from_teacher
 
@@ -179,7 +186,51 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
         raise KavaError(f"{path}: no complete checkpoint ({passed_over[0]})")
     if not p.exists():
         raise KavaError(f"{path}: no such run dir or checkpoint")
+    if (p / METRICS).is_file() or (p / LOCK).is_file():  # a run that has not saved one
+        live = holder(p)
+        raise KavaError(f"{path}: no checkpoint yet" + (f" (its run is live: {describe_holder(live)})" if live else ""))
     raise KavaError(f"{path}: not a kava-ray run dir or checkpoint (no {STATE})")
+
+
+@contextlib.contextmanager
+def held_checkpoint(path, tries: int = 3) -> Iterator[tuple[Path, Path, Optional[str]]]:
+    """(the dir to read, the checkpoint it stands for, a line saying the run is live, else None) for the block.
+
+    A live run (`common.run_lock`) deletes old checkpoints as it saves new ones (`train.num_to_keep`), so a
+    reader pins the one it picked: hard links into a hidden sibling dir of the run (a copy where links fail),
+    removed on the way out. The files stay whole while the run goes on; a checkpoint deleted mid-pin is picked anew.
+    """
+    ckpt = find_checkpoint(path)
+    live = holder(ckpt.parent)
+    if not live:
+        yield ckpt, ckpt, None
+        return
+    for attempt in range(tries):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{ckpt.parent.name}-read-", dir=ckpt.parent.parent))
+        try:
+            try:
+                shutil.copytree(ckpt, tmp / ckpt.name, copy_function=_link_or_copy)
+            except (FileNotFoundError, shutil.Error):
+                if attempt == tries - 1:
+                    raise KavaError(f"{path}: its live run deleted checkpoint {ckpt.name} while it was pinned, "
+                                    f"{tries} times: try again") from None
+                ckpt = find_checkpoint(path)
+                continue
+            step = read_state(tmp / ckpt.name, verify=False)["step"]
+            yield tmp / ckpt.name, ckpt, (f"{ckpt.parent.name} is live ({describe_holder(live)}): reading its "
+                                          f"checkpoint of step {step}, pinned until this command ends")
+            return
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise
+        shutil.copy2(src, dst)
 
 
 def finished(ckpt, step: int) -> bool:

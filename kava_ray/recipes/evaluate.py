@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from transformers import GenerationConfig
 from kava_ray.common.config import LossConfig, derive, flatten
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
-from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, load_into
+from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, held_checkpoint, load_into
 from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.logit_kd import VocabTerms, logit_targets, next_labels
@@ -415,9 +416,19 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     teacher's own test CE beside the student's, and greedy GSM8K accuracy on the first `limit` test questions, for
     one checkpoint. overrides: KEY=VALUE on the checkpoint's job (`eval_config`), e.g. another test file."""
     from kava_ray.runtime.console import status  # Ray: see the module docstring
+
+    with held_checkpoint(path) as (ckpt, real, live):  # a live run's checkpoint stays while it is read
+        if live:
+            status(f"eval: {live}")
+        return _evaluate(ckpt, real, limit, max_new_tokens, address, restart_teachers, overrides)
+
+
+def _evaluate(ckpt: Path, real: Path, limit: int, max_new_tokens: int, address, restart_teachers: bool,
+              overrides: Optional[Sequence[str]]) -> dict:
+    from kava_ray.runtime.console import status  # Ray: see the module docstring
     from kava_ray.runtime.job import job_teachers
 
-    ckpt, state, cfg = checkpoint_config(path)  # one line for a missing or corrupt checkpoint
+    ckpt, state, cfg = checkpoint_config(ckpt)  # one line for a missing or corrupt checkpoint
     cfg = eval_config(cfg, overrides)
     check_whole_student(ckpt, "evaluate")
     preflight(cfg, "eval", resume=ckpt, address=address)  # before Ray or any teacher starts
@@ -426,8 +437,8 @@ def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, addres
     with job_teachers(cfg, address, restart=restart_teachers) as job:
         teacher_toks = teacher_tokenizers(job.plans)
         test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
-        status(f"eval: step {state['step']} of {ckpt.parent.name} on {len(test)} test rows ({cfg.data.source})")
-        out = {"checkpoint": str(ckpt), "step": state["step"], "test_rows": len(test)}
+        status(f"eval: step {state['step']} of {real.parent.name} on {len(test)} test rows ({cfg.data.source})")
+        out = {"checkpoint": str(real), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
         distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
                               vocab_maps(cfg, job.plans, tokenizer, teacher_toks), sharded=cfg.ray.sharded)

@@ -22,10 +22,11 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from kava_ray.common import resources
-from kava_ray.common.config import JobConfig
+from kava_ray.common.config import JobConfig, load_config
 from kava_ray.common.errors import KavaError, root_cause
 from kava_ray.common.metrics_file import METRICS, SAMPLING, add_session, last, last_values, stopped_by
-from kava_ray.core.checkpoint import find_checkpoint, read_state
+from kava_ray.common.run_lock import LOCK, run_lock
+from kava_ray.core.checkpoint import checkpoint_config, find_checkpoint, read_state
 from kava_ray.core.divergences import topk_divergence_warning
 from kava_ray.core.plans import cross_vocab_lines, onpolicy_writer, plans_payload, student_geometry
 from kava_ray.recipes.distill import LoopConfig, train_loop_per_worker
@@ -133,34 +134,40 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
     Ray starts: the console stays quiet (status lines + the progress bar; every other line in
     `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
     """
-    # before Ray starts; for --resume this also checks the checkpoint is complete and compatible
-    preflight(cfg, "train", resume=resume, resume_override=resume_override, address=address, name=name)
+    given = resume  # (what the user named: the preflight's lines say it)
     if resume:
-        resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir the preflight checked
+        resume = str(find_checkpoint(resume, for_resume=True))  # the checkpoint dir (the preflight checks it)
     run_dir = resumed_run_dir(resume) if resume and name is None else None  # --resume RUN continues in RUN
     if run_dir is None:
         name = name or f"{cfg.name}-{datetime.now():%Y%m%d-%H%M%S}"
         run_dir = Path(cfg.ray.storage_path).expanduser().resolve() / name
     started = time.time()
-    with quiet(run_dir / "logs", verbose):
-        _data(cfg)  # refused before Ray starts: one line, and `quiet` removes the run dir it made
-        try:
-            return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
-        except KavaError as e:
-            if "(logs: " in str(e):
-                raise
-            raise KavaError(with_logs(str(e))) from None
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`common.signals`): the CLI's line says how the run goes on
-            raise KeyboardInterrupt(resume_hint(run_dir, resume)) from None
-        finally:
-            # rank 0's `sampling...` flag: a worker ended mid-sample (a SIGTERM to the whole group) leaves it
-            (run_dir / SAMPLING).unlink(missing_ok=True)
-            add_session(run_dir, started, time.time())  # the run's wall time (`kava-ray report`), every session of it
+    # before anything is written or Ray starts; for --resume this also checks the checkpoint is complete and compatible
+    preflight(cfg, "train", resume=given, resume_override=resume_override, address=address, name=name)
+    with run_lock(run_dir, "kava-ray train" + (" --resume" if resume else ""), say=status) as made:  # one writer
+        if not resume and [p for p in run_dir.iterdir() if p.name != LOCK]:
+            raise KavaError(f"{run_dir.name} exists: `--resume` it or pick another `--name`")
+        # a refusal before Ray started removes the run dir this command made (`quiet`), lock and all
+        with quiet(run_dir / "logs", verbose, made_above=run_dir if made else None):
+            _data(cfg)  # refused before Ray starts: one line, and `quiet` removes the run dir it made
+            try:
+                return _run(cfg, run_dir, resume, address, progress, resume_override, restart_teachers, verbose)
+            except KavaError as e:
+                if "(logs: " in str(e):
+                    raise
+                raise KavaError(with_logs(str(e))) from None
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`common.signals`): the line says how the run goes on
+                raise KeyboardInterrupt(resume_hint(run_dir, resume, address)) from None
+            finally:
+                # rank 0's `sampling...` flag: a worker ended mid-sample (a SIGTERM to the whole group) leaves it
+                (run_dir / SAMPLING).unlink(missing_ok=True)
+                add_session(run_dir, started, time.time())  # the run's wall time (`kava-ray report`), every session
 
 
-def resume_hint(run_dir: Path, resume: Optional[str] = None) -> str:
-    """What an interrupted run's line ends with: `--resume RUN_DIR continues it (from step N)` where RUN_DIR holds a
-    complete checkpoint (else the one this run resumed from), or that none was saved yet."""
+def resume_hint(run_dir: Path, resume: Optional[str] = None, address: Optional[str] = None) -> str:
+    """What an interrupted run's line ends with: the command that continues it, `kava-ray train --resume RUN_DIR`
+    (its saved config; `--address` as given), and the step it continues from -- where RUN_DIR holds a complete
+    checkpoint (else the one this run resumed from) -- or that none was saved yet."""
     for where in (run_dir, resume):
         if where is None:
             continue
@@ -168,8 +175,16 @@ def resume_hint(run_dir: Path, resume: Optional[str] = None) -> str:
             step = read_state(find_checkpoint(where, for_resume=True), verify=False)["step"]
         except KavaError:
             continue
-        return f"--resume {where} continues it (from step {step})"
+        at = f" --address {address}" if address else ""
+        return f"`kava-ray train --resume {where}{at}` continues it (from step {step})"
     return "no checkpoint was saved yet: nothing to resume"
+
+
+def resume_config(resume: str, overrides: Optional[list[str]] = None) -> JobConfig:
+    """`train --resume RUN_DIR` without `--config`: the job its latest complete checkpoint saved (the config file
+    and the KEY=VALUE overrides it started with), with `overrides` on top (run-changing keys still need
+    `--resume-override`: `checkpoint.check_compatible`)."""
+    return load_config(checkpoint_config(find_checkpoint(resume, for_resume=True))[2], overrides)
 
 
 def resumed_run_dir(ckpt: str) -> Optional[Path]:

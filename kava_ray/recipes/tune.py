@@ -29,6 +29,7 @@ from kava_ray.common import resources
 from kava_ray.common.config import JobConfig, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_path, atomic_write, first_line, format_table
+from kava_ray.common.run_lock import run_lock
 from kava_ray.common.trackers import mlflow_uri
 from kava_ray.core.metric_names import EVALS
 from kava_ray.core.models import KVGeometry
@@ -137,6 +138,12 @@ def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_
     preflight(cfg, "tune", resume=resume, space=space, address=address, name=name)  # the space first, then data...
     spec = load_space(space, base=cfg)  # every space error before anything starts
     exp_dir = experiment_dir(cfg, name, resume)
+    with run_lock(exp_dir, "kava-ray tune" + (" --resume" if resume else ""), say=status):  # one writer, before Ray
+        return _tune(cfg, spec, exp_dir, resume, num_samples, max_concurrent, address, trial, restart_teachers)
+
+
+def _tune(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurrent, address, trial,
+          restart_teachers: bool) -> dict:
     if resume and not tune.Tuner.can_restore(str(exp_dir)):
         raise KavaError(f"nothing to resume at {exp_dir} (pass the directory of an earlier sweep)")
     runs = max_concurrent or spec.max_concurrent or DEFAULT_EMBEDDED_TRIALS

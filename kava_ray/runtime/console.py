@@ -18,6 +18,9 @@ from typing import Optional, TextIO
 import ray
 
 from kava_ray.common.errors import KavaError
+from kava_ray.common.quiet_start import console as early_console
+from kava_ray.common.quiet_start import fd_console as early_fd_console
+from kava_ray.common.quiet_start import take as take_early
 from kava_ray.runtime.ray_private import session_logs_dir
 
 _state: dict = {"console": None, "log_dir": None, "ray_started": False, "made": []}
@@ -30,8 +33,9 @@ def ray_started() -> None:
 
 
 def console() -> TextIO:
-    """The terminal's stderr: the saved one while `quiet` redirects, else `sys.stderr`."""
-    return _state["console"] or sys.stderr
+    """The terminal's stderr: the saved one while `quiet` (or the CLI's `quiet_start`) redirects, else
+    `sys.stderr`."""
+    return _state["console"] or early_console() or sys.stderr
 
 
 def log_dir() -> Optional[Path]:
@@ -59,15 +63,20 @@ def _kept_on_refusal() -> bool:
 
 
 @contextlib.contextmanager
-def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True):
-    """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`: leave it live."""
+def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True, made_above: Optional[Path] = None):
+    """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`: leave it live.
+    made_above: a parent of `log_dir` this command made just before (a run dir with its lock): a refusal removes it
+    as it removes what this call makes."""
     global LOG_TO_DRIVER
     if _state["log_dir"] is not None:  # nested: the outer one owns the console
         yield
         return
     log_dir = Path(log_dir)
     made = [p for p in (log_dir, *log_dir.parents) if not p.exists()]  # what this call creates (removed on refusal)
+    if made_above is not None and Path(made_above) not in made:
+        made.append(Path(made_above))
     log_dir.mkdir(parents=True, exist_ok=True)
+    take_early(log_dir / "driver.log")  # what the command's imports wrote before this (`common.quiet_start`)
     t0 = time.time()
     _state["ray_started"] = False
     _state["made"] = made
@@ -117,7 +126,7 @@ def _redirect(path: Path):
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    _state["console"] = prev_console or term
+    _state["console"] = prev_console or early_fd_console() or term
     try:
         yield
     finally:

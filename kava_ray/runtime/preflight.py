@@ -327,6 +327,9 @@ def check_engines(cfg: JobConfig, command: str) -> None:
     if command in ("train", "tune", "demo") and cfg.onpolicy.fraction > 0 and cfg.onpolicy.engine == "vllm":
         require_vllm("onpolicy.engine: vllm")
     for t in cfg.teachers:  # (the actor loads it on its node; one install for driver and nodes here)
+        if t.engine == "vllm" and t.num_gpus > 1:  # (`actors.vllm_teacher` says so too, after Ray: too late)
+            raise KavaError(f"teachers[{t.name}].engine: vllm serves a teacher from one device here (num_gpus "
+                            f"{t.num_gpus:g}; tensor parallelism is not wired): use num_gpus <= 1 or engine hf")
         if t.engine == "vllm":
             require_vllm(f"teachers[{t.name}].engine: vllm")
 

@@ -17,12 +17,12 @@ def register(sub) -> None:
     p.add_argument("--cache", default=None, help="where the fine-tuned teacher, warm start and teacher completions "
                                                  "are kept (default: <kava-ray cache>/bench-task)")
     p.add_argument("--quick", action="store_true", help="tiny random models, a few steps (the test runs this)")
-    p.set_defaults(func=scarce)
+    p.set_defaults(func=scarce, quiet_start=True)
 
 
 def scarce(args) -> int:
     from kava_ray.bench.scarce import format_scarce, run_scarce_bench
 
     out = run_scarce_bench(args.config, args.overrides, quick=args.quick, out=args.out, cache=args.cache,
-                           arms=args.arms)
+                           arms=args.arms, verbose=args.verbose)
     return show(args, format_scarce(out), out)
