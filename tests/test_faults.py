@@ -272,9 +272,8 @@ def test_one_writer_per_run_dir_with_two_real_processes(good_ckpt, job, tmp_path
         shutil.copytree(good_ckpt, run / good_ckpt.name)
         before = _listing(run)
         for argv in (["train", "--config", str(job), "--name", "live"], ["train", "--resume", str(run)]):
-            out = subprocess.run([KVCLI, *argv], capture_output=True, text=True, env=env, timeout=120)
-            err = [ln for ln in out.stderr.splitlines() if ln.strip()]
-            assert out.returncode == 2 and len(err) == 1, out.stderr[-2000:]
+            rc, err = _cli(capsys, *argv)  # (this process: the second of the two)
+            assert rc == 2 and len(err) == 1, err
             assert err[0].startswith(f"error: {run} is in use by `kava-ray train` (pid {holder.pid} on "), err
             assert _listing(run) == before
         # eval's read of a live run: pinned (hard links), so the run deleting it mid-read loses nothing
