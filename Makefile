@@ -26,7 +26,7 @@ PY     := $(NOPYC) $(BIN)/python
 PIP    := $(BIN)/python -m pip install -q --no-compile
 # uv's `uv pip install` (the ecosystem's fast installer: parallel downloads, no per-package build step) for all but
 # torch, which pip takes from the wheel this box keeps on disk (uv does not look there; from PyPI it would be the
-# multi-GB CUDA build). INSTALLER=pip installs everything with pip instead (docs/install.md: the two measured).
+# multi-GB CUDA build). INSTALLER=pip installs everything with pip instead.
 INSTALLER ?= uv
 ifeq ($(INSTALLER),uv)
 INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python -c scripts/constraints.txt
