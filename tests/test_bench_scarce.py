@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from kava_ray.bench.scarce import ARMS, BASE, CONTROL, decide_scarce, paired_bootstrap
+from kava_ray.bench.scarce import ARMS, BASE, CONTROL, decide_scarce
+from kava_ray.bench.stats import paired_bootstrap
 from kava_ray.bench.task_records import sort_rows
 from kava_ray.cli import main
 

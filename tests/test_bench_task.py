@@ -23,7 +23,7 @@ from kava_ray.bench.task_records import (
     synthetic_rows,
     write_records,
 )
-from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, summarize
+from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, pair, summarize
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
 from kava_ray.common.errors import KavaError
@@ -153,6 +153,31 @@ def test_decision_guards_a_collapsed_arm_never_helps():
     assert s["onpolicy-gkd"]["decision"]["verdict"].startswith("sampled nothing")
     assert s["seq_kd"]["decision"]["verdict"] == "helps"  # (the teacher writes its samples: none of its own)
     assert samples_own("onpolicy-gkd") and samples_own("trl-gkd") and not samples_own("seq_kd")
+
+
+def test_two_arms_doing_the_same_work_are_same_only_inside_the_margins_over_seeds_and_prompts():
+    """kava-ray's GKD against TRL's (`task_report.pair`): an arm against a copy of itself is "same"; one that gets
+    every prompt right against one that gets none "differs"; a copy on 8 prompts, where chance alone spreads the
+    bootstrap past the 5-point margin, is "undecided at this size" - never "same" for want of data."""
+    import random
+
+    rng = random.Random(0)
+
+    def runs(oks, ce=0.2):
+        return [{"figures": {"ok": o, "em": sum(o) / len(o), "test_ce": ce + 0.001 * i}, "s_per_step": 1.0}
+                for i, o in enumerate(oks)]
+
+    many = [[rng.random() < 0.5 for _ in range(400)] for _ in range(5)]
+    same = pair({"a": runs(many), "b": runs(many)}, "a", "b")
+    assert same["parity"] == "same" and same["em_sp"]["prompts"] == 400 and same["em_sp"]["mean"] == 0
+    noisy = pair({"a": runs([[rng.random() < 0.5 for _ in range(8)] for _ in range(5)]),
+                  "b": runs([[rng.random() < 0.5 for _ in range(8)] for _ in range(5)])}, "a", "b")
+    assert noisy["parity"] == "undecided at this size", noisy["em_sp"]
+    apart = pair({"a": runs([[1] * 64] * 5), "b": runs([[0] * 64] * 5)}, "a", "b")
+    assert apart["parity"] == "differs" and apart["em_sp"]["lo"] == 1.0
+    old = pair({"a": [{**r, "figures": {k: v for k, v in r["figures"].items() if k != "ok"}} for r in runs(many)],
+                "b": runs(many)}, "a", "b")  # a run saved before per-prompt scores were kept
+    assert old["em_sp"] is None and old["parity"] == "undecided at this size"
 
 
 def test_trl_arm_pins_the_students_generation_config(tiny_llama_dir):

@@ -32,7 +32,7 @@ import numpy as np
 from kava_ray.bench.heal import _safe
 from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
-from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired
+from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import correct, sort_rows, write_records
 from kava_ray.common.config import derive, load_config
@@ -79,21 +79,6 @@ def decision_rule() -> str:
             f"nats (the paired interval's upper end), AND its samples' entropy stays above {ENTROPY_FLOOR:g} x the "
             f"warm start's (else 'collapsed', never 'helps'); 'hurts' when the interval lies below 0; else 'no "
             f"measurable gain'")
-
-
-def paired_bootstrap(a: list, b: list, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """The mean of a - b over seeds and prompts, with a percentile interval from resampling both: a, b [seeds][prompts]
-    of per-prompt scores (1 / 0), paired by seed and prompt. Each resample draws seeds with replacement and, apart,
-    prompts with replacement (the same draw for both arms): the interval carries both sources of error."""
-    x = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)  # [S, N]
-    rng = np.random.default_rng(seed)
-    S, N = x.shape
-    means = np.empty(n_boot)
-    for i in range(n_boot):
-        means[i] = x[rng.integers(0, S, S)][:, rng.integers(0, N, N)].mean()
-    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "n": int(S), "prompts": int(N),
-            "excludes_zero": bool(lo > 0 or hi < 0)}
 
 
 def verdict(runs: dict, arm: str, other: str, floor: float, n_boot: int) -> Optional[dict]:

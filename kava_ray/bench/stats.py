@@ -11,6 +11,8 @@ import math
 import statistics
 from typing import Optional, Sequence
 
+import numpy as np
+
 
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the incomplete beta function (modified Lentz)."""
@@ -81,6 +83,21 @@ def paired(arm: Sequence[Optional[float]], base: Sequence[Optional[float]], leve
     half = t_quantile(0.5 + level / 2, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(d), "diffs": d,
             "excludes_zero": mean - half > 0 or mean + half < 0}
+
+
+def paired_bootstrap(a: list, b: list, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """The mean of a - b over seeds and prompts, with a percentile interval from resampling both: a, b [seeds][prompts]
+    of per-prompt scores (1 / 0), paired by seed and prompt. Each resample draws seeds with replacement and, apart,
+    prompts with replacement (the same draw for both arms): the interval carries both sources of error."""
+    x = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)  # [S, N]
+    rng = np.random.default_rng(seed)
+    S, N = x.shape
+    means = np.empty(n_boot)
+    for i in range(n_boot):
+        means[i] = x[rng.integers(0, S, S)][:, rng.integers(0, N, N)].mean()
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return {"mean": float(x.mean()), "lo": float(lo), "hi": float(hi), "n": int(S), "prompts": int(N),
+            "excludes_zero": bool(lo > 0 or hi < 0)}
 
 
 def fmt_interval(p: Optional[dict], digits: int = 3, scale: float = 1.0) -> str:

@@ -230,7 +230,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
             sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
             return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
                     "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
-                    "samples": em["samples"]}
+                    "samples": em["samples"], "ok": em["ok"]}
 
         t_em = score(teacher, tok, test, checker, p)
         start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))

@@ -187,11 +187,12 @@ def score(model, tok, rows: Sequence[dict], checker: str, p: dict) -> dict:
 
 
 def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:
-    """Greedy exact match of `model` on `rows` ({question, answer}): {"em" (share), "n", "correct", "samples"
-    (the first three: question, gold, predicted, ok)}."""
+    """Greedy exact match of `model` on `rows` ({question, answer}): {"em" (share), "n", "correct", "ok" (1 / 0 per
+    row, in order: what a bootstrap over prompts resamples), "samples" (the first three: question, gold, predicted,
+    ok)}."""
     preds = generate_answers(model, tok, [r["question"] for r in rows], max_new_tokens=max_new_tokens,
                              batch_size=batch_size)
     ok = [correct(checker, p, r["answer"]) for p, r in zip(preds, rows)]
-    return {"em": sum(ok) / max(len(ok), 1), "n": len(ok), "correct": sum(ok),
+    return {"em": sum(ok) / max(len(ok), 1), "n": len(ok), "correct": sum(ok), "ok": [int(o) for o in ok],
             "samples": [{"question": r["question"], "gold": r["answer"], "predicted": p, "ok": o}
                         for r, p, o in list(zip(rows, preds, ok))[:3]]}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from kava_ray.bench.stats import fmt_interval, guarded_verdict, mean_sd, paired
+from kava_ray.bench.stats import fmt_interval, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA
 from kava_ray.common.files import format_table
 
@@ -17,6 +17,7 @@ BASE = "sft"
 QUICK_NOTE = "skipped (--quick: tiny random models, a check of the harness, not a result)"
 CE_MARGIN = 0.05  # an arm that helps may not lose more than this much test CE (nats) against the base
 ENTROPY_FLOOR = 0.5  # ... nor sample at an entropy below this share of the warm start's (else: "collapsed")
+SAME_EM, SAME_CE = 0.05, 0.03  # two arms doing the same work match within these (exact match share, nats)
 
 
 def decision_rule() -> str:
@@ -65,14 +66,31 @@ def summarize(runs: dict, floor: float, quick: bool = False, own_samples: Sequen
 
 
 def pair(runs: dict, arm: str, other: str) -> Optional[dict]:
-    """`arm` against `other`, paired over seeds: the exact-match difference (arm - other) and the ratio of their
-    mean s/step (arm / other); None unless both ran."""
+    """`arm` against `other`, paired over seeds: the exact-match difference (arm - other) over seeds (t) and over
+    seeds x prompts (`em_sp`: the paired bootstrap, when every run kept its per-prompt scores), the test-CE
+    difference, the ratio of their mean s/step (arm / other) and `parity` (`same_work`); None unless both ran."""
     if arm not in runs or other not in runs:
         return None
     a, b = runs[arm], runs[other]
-    return {"em": paired([r["figures"]["em"] for r in a], [r["figures"]["em"] for r in b]),
-            "test_ce": paired([r["figures"]["test_ce"] for r in a], [r["figures"]["test_ce"] for r in b]),
-            "step_ratio": mean_sd([r["s_per_step"] for r in a])["mean"] / mean_sd([r["s_per_step"] for r in b])["mean"]}
+    oks = [r["figures"].get("ok") for r in a + b]
+    em_sp = paired_bootstrap([r["figures"]["ok"] for r in a], [r["figures"]["ok"] for r in b]) \
+        if all(oks) and len(a) == len(b) and len(a) > 1 else None
+    out = {"em": paired([r["figures"]["em"] for r in a], [r["figures"]["em"] for r in b]), "em_sp": em_sp,
+           "test_ce": paired([r["figures"]["test_ce"] for r in a], [r["figures"]["test_ce"] for r in b]),
+           "step_ratio": mean_sd([r["s_per_step"] for r in a])["mean"] / mean_sd([r["s_per_step"] for r in b])["mean"]}
+    out["parity"] = same_work(em_sp, out["test_ce"])
+    return out
+
+
+def same_work(em: Optional[dict], ce: Optional[dict]) -> str:
+    """The verdict on two arms meant to do the same work (kava-ray's GKD against TRL's), fixed before the run:
+    "same" when the exact-match interval (seeds x prompts) lies inside +-SAME_EM and the test-CE interval inside
+    +-SAME_CE nats; else "differs" when either interval excludes 0; else "undecided at this size"."""
+    if not em or not ce or ce["lo"] is None:
+        return "undecided at this size"
+    if -SAME_EM <= em["lo"] and em["hi"] <= SAME_EM and -SAME_CE <= ce["lo"] and ce["hi"] <= SAME_CE:
+        return "same"
+    return "differs" if em["excludes_zero"] or ce["excludes_zero"] else "undecided at this size"
 
 
 def _pct(ms: Optional[dict]) -> str:
@@ -108,8 +126,11 @@ def format_task(r: dict) -> str:
     extra = []
     if vs:
         extra.append(f"kava-ray onpolicy-gkd against TRL trl-gkd (GKDTrainer, λ {TRL_LMBDA}, β {TRL_BETA}): exact "
-                     f"match {fmt_interval(vs['em'], 1, 100.0)} points, test CE {fmt_interval(vs['test_ce'], 4)}, "
-                     f"s/step ratio {vs['step_ratio']:.2f} (onpolicy-gkd / trl-gkd, this run)")
+                     f"match {fmt_interval(vs['em'], 1, 100.0)} points over seeds, "
+                     f"{fmt_interval(vs.get('em_sp'), 1, 100.0)} over seeds x prompts, test CE "
+                     f"{fmt_interval(vs['test_ce'], 4)}, s/step ratio {vs['step_ratio']:.2f} (onpolicy-gkd / "
+                     f"trl-gkd, this run): {vs.get('parity', '—')} (same: both intervals inside +-{100 * SAME_EM:.0f} "
+                     f"points and +-{SAME_CE} nats)")
     for other, v in mo.items():
         if v:
             extra.append(f"mopd - {other}: exact match {fmt_interval(v['em'], 1, 100.0)} points, test CE "
