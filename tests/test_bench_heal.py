@@ -261,6 +261,14 @@ def test_the_kv_rule_helps_settles_no_effect_and_counts_the_seeds_an_unsettled_r
     d = kv_decision(mk(wide))
     assert d["verdict"] == "unsettled" and d["seeds_needed"] > 5
     assert kv_decision(mk({CONTROL: logits, KV_ARM: logits})) is None  # the control arm did not run
+    # Part B: each projector arm against logits alone, no control: a tight 0.1-nat gain helps, a tight 0.17-nat loss
+    # is "unsettled" by the rule's letter and said to be worse (no seed count offered), a wide one counts its seeds
+    gain = [x - 0.1 + e for x, e in zip(logits, (0.01, -0.01, 0.0, 0.005, -0.005))]
+    proj = kv_decision(mk({CONTROL: logits, "ce+logits+kv-fit": gain, "ce+logits+kv-linear": [x + 0.27 for x in gain],
+                           "ce+logits+kv-elastic": wide[KV_ARM]}))["projectors"]
+    assert proj["ce+logits+kv-fit"]["verdict"] == "helps"
+    assert proj["ce+logits+kv-linear"]["verdict"] == "unsettled" and proj["ce+logits+kv-linear"]["worse"]
+    assert proj["ce+logits+kv-linear"]["seeds_needed"] is None and proj["ce+logits+kv-elastic"]["seeds_needed"] > 5
 
 
 def test_bench_heal_width_pruned_student_takes_the_kv_through_each_projector(ray_session, trained_teacher, tmp_path):
@@ -283,4 +291,6 @@ def test_bench_heal_width_pruned_student_takes_the_kv_through_each_projector(ray
     assert set(units) == {"linear", "fit", "elastic"} and all(u > 0 for u in units.values())
     for arm in WIDTH_ARMS:
         assert all(math.isfinite(x["figures"]["test_ce"]) for x in r["runs"][arm]), arm
-    assert "width-pruned student: 1 KV group(s) per layer" in format_heal(r)
+    text = format_heal(r)
+    assert "width-pruned student: 1 KV group(s) per layer" in text
+    assert set(r["kv_decision"]["projectors"]) == set(WIDTH_ARMS[1:]) and "KV through this projector" in text

@@ -110,23 +110,39 @@ def seeds_needed(d: dict, margin: float = MIN_NATS, level: float = 0.95, most: i
     return None
 
 
-def kv_decision(runs: dict) -> Optional[dict]:
-    """Run 2's decision (`kv_rule`) from the test CE of ce+logits, ce+logits+kv and its other-batch control, paired
-    over the test seeds; None unless all three ran."""
-    if not all(a in runs for a in (CONTROL, KV_ARM, KV_OTHER)):
-        return None
-    ce = {a: [r["figures"]["test_ce"] for r in runs[a]] for a in (CONTROL, KV_ARM, KV_OTHER)}
-    d, c = paired(ce[KV_ARM], ce[CONTROL]), paired(ce[KV_ARM], ce[KV_OTHER])
+def _kv_verdict(d: dict, control: Optional[dict] = None) -> str:
+    """The KV rule on `d` (a KV arm - ce+logits, `stats.paired`): "helps" when its interval lies below 0 with a mean
+    <= -MIN_NATS (and, given a `control`, that one's interval below 0 too); "no measurable effect" inside
+    +-MIN_NATS; else "unsettled"."""
     if d["lo"] is None:
-        return {"kv_vs_logits": d, "kv_vs_control": c, "verdict": "unsettled", "seeds_needed": None}
-    if d["hi"] < 0 and d["mean"] <= -MIN_NATS and c["hi"] is not None and c["hi"] < 0:
-        verdict = "helps"
-    elif -MIN_NATS < d["lo"] and d["hi"] < MIN_NATS:
-        verdict = "no measurable effect"
-    else:
-        verdict = "unsettled"
-    return {"kv_vs_logits": d, "kv_vs_control": c, "verdict": verdict,
-            "seeds_needed": seeds_needed(d) if verdict == "unsettled" else None}
+        return "unsettled"
+    if d["hi"] < 0 and d["mean"] <= -MIN_NATS and (control is None or (control["hi"] is not None and
+                                                                       control["hi"] < 0)):
+        return "helps"
+    return "no measurable effect" if -MIN_NATS < d["lo"] and d["hi"] < MIN_NATS else "unsettled"
+
+
+def kv_decision(runs: dict) -> Optional[dict]:
+    """Run 2's decisions (`kv_rule`), paired over the test seeds. Part A: ce+logits+kv against ce+logits, with
+    its other-batch control, where all three ran. Part B: each projector arm of a width-pruned student
+    (`WIDTH_ARMS`) against ce+logits, with no control ("projectors"). None when neither ran."""
+    ce = {a: [r["figures"]["test_ce"] for r in rs] for a, rs in runs.items()}
+    out: dict = {}
+    if all(a in runs for a in (CONTROL, KV_ARM, KV_OTHER)):
+        d, c = paired(ce[KV_ARM], ce[CONTROL]), paired(ce[KV_ARM], ce[KV_OTHER])
+        verdict = _kv_verdict(d, c)
+        out.update({"kv_vs_logits": d, "kv_vs_control": c, "verdict": verdict,
+                    "seeds_needed": seeds_needed(d) if verdict == "unsettled" and d["lo"] is not None else None})
+    proj = {}
+    for arm in (a for a in WIDTH_ARMS[1:] if a in runs and CONTROL in runs):
+        d = paired(ce[arm], ce[CONTROL])
+        verdict = _kv_verdict(d)
+        worse = d["lo"] is not None and d["lo"] > 0  # unsettled by the rule's letter, and no seed count would help
+        proj[arm] = {"vs_logits": d, "verdict": verdict, "worse": worse, "seeds_needed":
+                     seeds_needed(d) if verdict == "unsettled" and d["lo"] is not None and not worse else None}
+    if proj:
+        out["projectors"] = proj
+    return out or None
 
 
 TOP_K = 64
@@ -685,14 +701,23 @@ def plot_gr(summary: dict, path: Path, base_arm: str = BASE) -> None:
 
 
 def _kv_lines(r: dict) -> list[str]:
-    """Run 2's decision, where its three arms ran."""
+    """Run 2's decisions, where their arms ran."""
     d = r.get("kv_decision")
     if not d:
         return []
-    need = f" (a t-interval of this spread needs ~{d['seeds_needed']} seeds)" if d.get("seeds_needed") else ""
-    return [f"KV rule (fixed before the run): {r['kv_rule']}",
-            f"{KV_ARM} - {CONTROL}: test CE {fmt_interval(d['kv_vs_logits'], 4)}; {KV_ARM} - {KV_OTHER}: "
-            f"{fmt_interval(d['kv_vs_control'], 4)}: KV {d['verdict']}{need}"]
+
+    def need(x: dict) -> str:
+        return f" (a t-interval of this spread needs ~{x['seeds_needed']} seeds)" if x.get("seeds_needed") else ""
+
+    lines = [f"KV rule (fixed before the run): {r['kv_rule']}"]
+    if "verdict" in d:
+        lines.append(f"{KV_ARM} - {CONTROL}: test CE {fmt_interval(d['kv_vs_logits'], 4)}; {KV_ARM} - {KV_OTHER}: "
+                     f"{fmt_interval(d['kv_vs_control'], 4)}: KV {d['verdict']}{need(d)}")
+    for arm, x in d.get("projectors", {}).items():
+        worse = f" (its interval lies above 0: worse than {CONTROL} alone)" if x.get("worse") else ""
+        lines.append(f"{arm} - {CONTROL}: test CE {fmt_interval(x['vs_logits'], 4)}: KV through this projector "
+                     f"{x['verdict']}{worse}{need(x)} (no other-batch control in this run)")
+    return lines
 
 
 def format_heal(r: dict) -> str:
