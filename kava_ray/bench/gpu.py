@@ -62,9 +62,10 @@ def sizes(cuda: bool) -> dict:
         return {"small": ("toy-student", "toy-teacher"),
                 "teachers": ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
                 "students": ["qwen2.5-0.5b", "qwen2.5-1.5b"],
-                "points": [(4, 512), (8, 1024)], "matmul": 8192, "wire_tokens": (8, 1024)}
+                "points": [(4, 512), (8, 1024)], "matmul": 8192, "wire_tokens": (8, 1024), "reps": 3}
+    # a toy run checks that each section works, not what it measures: one timed call after the warm-up
     return {"small": ("toy-student", "toy-teacher"), "teachers": ["toy-teacher"], "students": ["toy-student"],
-            "points": [(2, 128)], "matmul": 1024, "wire_tokens": (2, 128)}
+            "points": [(2, 128)], "matmul": 1024, "wire_tokens": (2, 128), "reps": 1}
 
 
 def not_run(reason: str) -> dict:
@@ -331,9 +332,10 @@ def flops_per_token(model, tokens: int) -> float:
     return 2 * n + 2 * c.num_hidden_layers * tokens * q_dim
 
 
-def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+def speed_section(models: Models, device, sz: dict) -> dict:
     """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's share against a
     plain forward) and of the production student step, at each (batch, tokens) point."""
+    reps = sz["reps"]
     peak = matmul_peak(device, sz["matmul"])
     rows = []
     for name in sz["teachers"]:
@@ -375,8 +377,9 @@ def speed_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     return {"matmul_peak_tflops": peak / 1e12, "rows": rows}
 
 
-def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+def wire_section(models: Models, device, sz: dict) -> dict:
     """Encode (device -> wire arrays) and decode (wire -> fp32 on the device) of one teacher batch."""
+    reps = sz["reps"]
     name = sz["teachers"][-1] if device.type == "cuda" else sz["small"][1]
     b, t = sz["wire_tokens"]
     model = load_model(str(models.dir(name)), dtype="bfloat16" if device.type == "cuda" else "float32").to(device)
@@ -394,10 +397,11 @@ def wire_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
     return out
 
 
-def chunked_loss_section(models: Models, device, sz: dict, reps: int = 3) -> dict:
+def chunked_loss_section(models: Models, device, sz: dict) -> dict:
     """The chunked vocabulary loss (`loss.vocab_chunk`) against whole logits on the smallest student (Qwen2.5's
     152k-id vocabulary on CUDA), for CE and logit KD: the first step's loss of each (the same weights), the step
     time, and on CUDA the step's peak memory."""
+    reps = sz["reps"]
     name, teacher = sz["students"][0], sz["teachers"][0]
     b, t = (4, 1024) if device.type == "cuda" else sz["points"][0]
     chunk = 512 if device.type == "cuda" else 64  # (toy sizes: still several chunks)
