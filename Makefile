@@ -74,8 +74,9 @@ lint: $(STAMP)
 # run, are built once): most of a Ray test's time is waiting on process starts, which two processes overlap.
 # --no-loadscope-reorder: files go out in tests/conftest.py's LONGEST_FILES order (xdist would otherwise order
 # them by their number of tests, which left the 3-test, 5-minute test_tune.py to run alone at the end).
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS) tests
 
 # Lint + the unit tier only (no Ray), in two processes a file at a time: 1:52 on a 2-core box (3:00 in one).
 test-fast: lint
