@@ -567,7 +567,8 @@ def test_eval_tasks_of_the_run_beside_its_teachers(e2e_run, tmp_path, capsys):
     for label, m in side["models"].items():
         assert m["kava_pydoc_ppl"]["metrics"] == pytest.approx(models[label]["kava_pydoc_ppl"]["metrics"], rel=1e-5)
     ran = side["ran"]
-    assert len({r["pid"] for r in ran.values()} | {os.getpid()}) == 5  # four processes of the cluster's
+    pids = {r["pid"] for r in ran.values()}  # the cluster's workers (Ray may hand a finished task's worker the next)
+    assert os.getpid() not in pids and len(pids) >= 2, ran
     spans = sorted((r["start"], r["end"]) for r in ran.values())
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans  # at least two ran at once
     assert side["address"] == "auto" and all(r["node"] for r in ran.values())
