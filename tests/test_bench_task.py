@@ -244,5 +244,5 @@ def test_bench_task_quick_runs_on_its_own_as_a_harness_check(tmp_path):
     assert all(t["figures"]["test_ce"] != r["start"]["test_ce"] for t in trl)  # it trained: the student moved
     assert r["summary"]["onpolicy-gkd"]["teacher_rows_per_sample"]["mean"] == 1.0
     assert r["summary"]["mopd"]["teacher_rows_per_sample"]["mean"] == 2.0  # both specialists score every row
-    assert r["vs_trl"]["step_ratio"] > 0
+    assert r["vs_trl"]["step_ratio"] > 0 and r["vs_trl"]["parity"] == "— (--quick)"  # 0 % against 0 %: no "same"
     assert "kava-ray onpolicy-gkd against TRL trl-gkd" in stdout and ARMS["mopd"].get("routed")

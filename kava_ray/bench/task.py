@@ -263,8 +263,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                   "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
                   "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
                   "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-gkd",
-                                                                                             "trl-gkd"),
-                  "mopd": {o: pair(runs, "mopd", o) for o in ("fused", "onpolicy-jsd+ce")},
+                                                                                             "trl-gkd", quick),
+                  "mopd": {o: pair(runs, "mopd", o, quick) for o in ("fused", "onpolicy-jsd+ce")},
                   "wall_s": time.time() - t_start}
         write_json(root / "bench_task.json", result)
         return result
