@@ -339,6 +339,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
         recipe = DistillRecipe(cfg, plans)
         recipe.setup({str(ck)!r})
         import resource
+        sys.dont_write_bytecode = True  # a module first imported under the limit would leave a cut-off .pyc
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
         try:
             recipe.save({str(ck)!r}, 3, recipe.data(None).state_dict())
