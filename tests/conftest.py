@@ -210,12 +210,14 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"every test needs exactly one tier marker {TIERS}:\n  "
                                 + "\n  ".join(problems))
     # `make test` runs two processes a file at a time, handing files out in this order: the longest first
-    # (measured, minutes each on 2 cores), so the two finish together instead of one waiting on a late long file
+    # (each file's worker-seconds in a fresh clone's `make test`, 2026-11-29: 192 s for test_multinode.py down to 13 s),
+    # so the two finish together instead of one waiting on a late long file (test_vllm.py, 81 s, went out last)
     first = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda it: first.get(os.path.basename(str(it.fspath)), len(first)))
 
 
-LONGEST_FILES = ("test_multinode.py", "test_tune.py", "test_service_ray.py", "test_fsdp.py", "test_actors.py",
-                 "test_faults.py", "test_train.py",
-                 "test_cross_tokenizer.py", "test_cluster.py", "test_console.py", "test_align_cka.py", "test_plan.py",
-                 "test_formats.py", "test_bench_heal.py", "test_onpolicy.py", "test_logit_loss.py", "test_bench_recipes.py")
+LONGEST_FILES = ("test_multinode.py", "test_faults.py", "test_service_ray.py", "test_tune.py", "test_actors.py",
+                 "test_bench_heal.py", "test_train.py", "test_vllm.py", "test_cross_tokenizer.py", "test_onpolicy.py",
+                 "test_fsdp.py", "test_plan.py", "test_readme_job.py", "test_formats.py", "test_bench_gpu.py",
+                 "test_kv_pull.py", "test_preflight.py", "test_bench_task.py", "test_align_cka.py",
+                 "test_align_tokens.py", "test_align_vocab.py")
