@@ -156,10 +156,10 @@ def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student
 def _distiller(distill_setup, overrides):
     from kava_ray.common.config import load_config
     from kava_ray.core.align.layers import plan_teacher_layers
-    from kava_ray.core.distiller import Distiller
     from kava_ray.core.kv import teacher_forward_kv
     from kava_ray.core.models import kv_geometry, load_student
     from kava_ray.core.plans import TeacherPlan
+    from kava_ray.recipes.build import build_distiller
 
     path, batch, teachers = distill_setup
     cfg = load_config(path, ["align.projector.kind=elastic", *overrides])
@@ -172,7 +172,7 @@ def _distiller(distill_setup, overrides):
         lm, layers = plan_teacher_layers("ratio", g.num_layers, s_geom.num_layers, mode=cfg.align.mode)
         plans[name] = TeacherPlan(name, g, lm, layers)
         kv[name] = teacher_forward_kv(model, batch.input_ids, batch.attention_mask, layers=layers)
-    return Distiller(student, plans, s_geom, cfg), batch, kv
+    return build_distiller(student, plans, s_geom, cfg), batch, kv
 
 
 @pytest.mark.parametrize("fusion", ["fixed", "sum"])

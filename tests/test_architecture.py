@@ -253,7 +253,7 @@ def test_a_made_up_name_is_stale(span):
 
 
 @pytest.mark.parametrize("span", ["ray.train.report", "torch.distributed", "Dataset.map", "fusion.kind",
-                                  "align.projector.kind", "RUN_DIR/logs/", "core.distiller.Distiller._vocab_terms",
+                                  "align.projector.kind", "RUN_DIR/logs/", "core.terms.vocab.VocabTerm._routed",
                                   "runtime/console.status(line)", "core/kv/{batch,rope}.py", "kava_ray.data.Batch"])
 def test_a_real_or_foreign_name_passes(span):
     assert _problem(span, ROOT) is None

@@ -16,11 +16,11 @@ import torch
 from jobs import assert_same_curve, pool_beside, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
-from kava_ray.core.distiller import Distiller
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
+from kava_ray.recipes.build import build_distiller
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tokenizers import real_tokenizer
 from tiny_models import logit_term, train_on_one_batch
@@ -74,7 +74,7 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
     (_, _, _, batch), kv = next(feed)
     assert kv["qtok"].keys.shape[3] == batch.teachers["qtok"].input_ids.shape[1]  # teacher time, not student time
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg)
     history = [{k: float(v) for k, v in m.items()}
                for m in train_on_one_batch(distiller, cfg.optim, batch, kv, steps=6)]
     for n in ("qwen", "qtok"):
@@ -95,7 +95,7 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
 
     assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg)
     assert distiller.logit_names == ["qwen"]
     with pytest.raises(KavaError, match="no teacher shares the student's tokenizer and loss.logit_cross_vocab=off"):
         check_vocab(cfg, {"qtok": plans["qtok"]})  # refused by the plans
@@ -132,7 +132,7 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     maps = vocab_maps(cfg, plans, s_tok, toks)
     assert list(maps) == ["qtok"] and maps["qtok"].matched >= 256  # every byte of the byte-level student
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps)
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg, maps)
     assert distiller.logit_names == ["qwen", "qtok"]
     m = distiller(batch, kv).metrics
     # a byte of the student pairs where a Qwen2 token ends inside the same segment, followed by more of it
@@ -147,7 +147,7 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     alone = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}",
                                "loss.ce_weight=0", "loss.kv_weight=0"])
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, {"qtok": plans["qtok"]}, kv_geometry(student), alone, maps)
+    distiller = build_distiller(student, {"qtok": plans["qtok"]}, kv_geometry(student), alone, maps)
     history = [{k: float(v) for k, v in m.items()}
                for m in train_on_one_batch(distiller, cfg.optim, batch, {"qtok": kv["qtok"]}, steps=6)]
     part = "logit_kl/qtok" if mode == "hybrid" else "logit_uld/qtok"

@@ -305,8 +305,8 @@ def test_train_needs_a_config_or_a_run_to_resume(capsys):
 def test_corrupt_tensor_file_without_a_size_record_is_one_line(good_ckpt, job, plans, tmp_path):
     """A checkpoint whose state.json has no size record (older versions): load_into names the bad file."""
     from kava_ray.core.checkpoint import load_into, read_state
-    from kava_ray.core.distiller import Distiller
     from kava_ray.core.models import kv_geometry, load_student
+    from kava_ray.recipes.build import build_distiller
 
     ck = tmp_path / "old"
     shutil.copytree(good_ckpt, ck)
@@ -317,7 +317,7 @@ def test_corrupt_tensor_file_without_a_size_record_is_one_line(good_ckpt, job, p
     read_state(ck)
     student = load_student(str(ck / "student"), dtype="float32")
     with pytest.raises(KavaError, match=r"fusion.safetensors is corrupt") as e:
-        load_into(ck, Distiller(student, plans, kv_geometry(student), load_config(job)))
+        load_into(ck, build_distiller(student, plans, kv_geometry(student), load_config(job)))
     assert len(str(e.value).splitlines()) == 1
 
 

@@ -78,9 +78,9 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
     model whole and a saved copy of the layer-dropped one (its config's `copied_from`) get identity; a student of the
     same KV geometry built apart from the teacher (2 kv heads x 16, like tiny Qwen2's) gets fit; the demo preset's
     layer-dropped student keeps identity for both of its teachers."""
-    from kava_ray.core.distiller import Distiller
     from kava_ray.core.models import kv_geometry, load_student
     from kava_ray.core.plans import copied_from_teacher
+    from kava_ray.recipes.build import build_distiller
     from kava_ray.runtime.planner import plan
 
     saved = tmp_path / "saved"
@@ -93,7 +93,7 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
         cfg = load_config(pull_job, overrides)
         student = load_student(cfg.student.model, dtype="float32", keep=cfg.student.keep_layers)
         assert kv_geometry(student).num_kv_heads == 2 and kv_geometry(student).head_dim == 16  # one geometry
-        pr = Distiller(student, in_process_plans(cfg, models), kv_geometry(student), cfg).projectors["qwen"]
+        pr = build_distiller(student, in_process_plans(cfg, models), kv_geometry(student), cfg).projectors["qwen"]
         assert copied_from_teacher(cfg, "qwen") is copied, name
         assert (pr.kind, pr.student_side) == (("identity", False) if copied else ("fit", True)), name
         planned = plan(cfg)["devices"]["cpu"]["items"]  # identity: nothing trained, nothing saved for backward
@@ -103,8 +103,8 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
     fsdp = derive(cfg, {"ray.strategy": "fsdp", "ray.num_workers": 2})
     assert fsdp.ray.sharded and not cfg.ray.sharded
     fsdp_plans = in_process_plans(fsdp, models)
-    assert Distiller(student, fsdp_plans, kv_geometry(student), fsdp, sharded=True).projectors["qwen"].kind == "linear"
-    assert Distiller(student, fsdp_plans, kv_geometry(student), fsdp).projectors["qwen"].kind == "fit"
+    assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp, sharded=True).projectors["qwen"].kind == "linear"
+    assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp).projectors["qwen"].kind == "fit"
     demo = load_config("demo_cpu")
     assert demo.align.projector.kind == "auto" and all(copied_from_teacher(demo, t.name) for t in demo.teachers)
 
@@ -218,19 +218,20 @@ def test_a_fitted_student_side_map_starts_at_the_best_linear_fit_and_kv_training
 
 def test_a_trained_map_learns_at_the_students_rate_and_fit_refuses_a_fused_target(fit_job):
     from kava_ray.common.errors import KavaError
-    from kava_ray.core.distiller import Distiller, param_groups
+    from kava_ray.core.distiller import param_groups
     from kava_ray.core.models import kv_geometry, load_student
+    from kava_ray.recipes.build import build_distiller
 
     cfg = load_config(fit_job, ["align.projector.train_map=true", "optim.lr_projector=1e-2"])
     models = {"qwen": load_model(cfg.teachers[0].model, dtype="float32")}
     plans = in_process_plans(cfg, models)
     student = load_student(cfg.student.model, dtype="float32")
-    groups = {g["name"]: g for g in param_groups(Distiller(student, plans, kv_geometry(student), cfg), cfg.optim)}
+    groups = {g["name"]: g for g in param_groups(build_distiller(student, plans, kv_geometry(student), cfg), cfg.optim)}
     assert set(groups) == {"student", "map"} and groups["map"]["lr"] == cfg.optim.lr_student
     two = {"a": plans["qwen"], "b": plans["qwen"]}
     with pytest.raises(KavaError, match="use fusion.kind: sum with 2 teachers"):
-        Distiller(student, two, kv_geometry(student), cfg)
-    assert Distiller(student, two, kv_geometry(student), load_config(fit_job, ["fusion.kind=sum"])).names == ["a", "b"]
+        build_distiller(student, two, kv_geometry(student), cfg)
+    assert build_distiller(student, two, kv_geometry(student), load_config(fit_job, ["fusion.kind=sum"])).names == ["a", "b"]
     with pytest.raises(KavaError, match=r"fit needs align.mode: structured"):
         load_config(fit_job, ["align.mode=flat"])
 
@@ -240,13 +241,14 @@ def _hidden_loss(recipe, teacher, cfg) -> float:
     student layer against its matched teacher layer (no map: one width), on the CE positions."""
     import torch
 
+    from kava_ray.core.align.layers import heaviest_sources
     from kava_ray.core.kv import student_forward_kv, teacher_forward_kv
     from kava_ray.core.losses import hidden_cosine_loss, next_token_mask
     from kava_ray.data import collate
 
     student, split, total = recipe.distiller.student, recipe.val, []
-    pairs = recipe.distiller.relation_pairs["qwen"]
-    layers = recipe.plans["qwen"].layers
+    layers = recipe.plans["qwen"].layers  # each student layer against its heaviest mapped teacher layer (the term's)
+    pairs = [list(layers).index(t) for t in heaviest_sources(recipe.plans["qwen"].layer_map)]
     with torch.no_grad():
         for s in range(0, len(split), 4):
             b = collate(split.items[s:s + 4], split.pad_id)

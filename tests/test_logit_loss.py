@@ -12,7 +12,6 @@ from jobs import write_job
 from kava_ray.common.config import load_config, set_dotted, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import plan_teacher_layers
-from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.losses import (
     log_normalizer,
@@ -27,6 +26,7 @@ from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import TeacherPlan, student_tokenizer
 from kava_ray.data import Batch, BatchStream
 from kava_ray.data.splits import load_splits
+from kava_ray.recipes.build import build_distiller
 from tiny_models import train_on_one_batch
 
 pytestmark = pytest.mark.unit
@@ -311,7 +311,7 @@ def make(setup, *overrides):
     cfg = validate_config(d)
     torch.manual_seed(0)
     student = load_student(cfg.student.model, dtype="float32")
-    return Distiller(student, plans, s_geom, cfg), cfg, batch, kv
+    return build_distiller(student, plans, s_geom, cfg), cfg, batch, kv
 
 
 @pytest.mark.parametrize("fusion,kv_weight", [("fixed", "1.0"), ("sum", "0.0"), ("gate", "0.5")])
@@ -371,7 +371,7 @@ def test_missing_logits_and_vocab_mismatch_fail_with_one_line(setup):
     wide = {**plans, "qwen": dataclasses.replace(plans["qwen"], geometry=dataclasses.replace(
         plans["qwen"].geometry, vocab_size=V + 64))}
     big[b, t, 1] = V + 1
-    padded = Distiller(distiller.student, wide, s_geom, cfg)
+    padded = build_distiller(distiller.student, wide, s_geom, cfg)
     out = padded(batch, {**kv, "qwen": dataclasses.replace(kv["qwen"], topk_ids=big)})
     loss, m = out.loss, out.metrics
     assert torch.isfinite(loss) and torch.isfinite(m["logit_kl/qwen"])
@@ -438,15 +438,15 @@ def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     teachers = {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
     plans = teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg)
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg)
     got = evaluate_heldout(distiller, InProcessSource(teachers), plans, val, cfg, "cpu", torch.float32)
     for t in ("qwen", "llama"):
         assert got[f"eval/logit_kl/{t}"] > 0 and 0 <= got[f"eval/top1_agree/{t}"] <= 1
     # fixed equal weights: the weighted KL is the mean of the teachers' (token weighting is linear)
     assert got["eval/logit_kl"] == pytest.approx((got["eval/logit_kl/qwen"] + got["eval/logit_kl/llama"]) / 2)
     plain = load_config(job_path)
-    off = evaluate_heldout(Distiller(student, plans, kv_geometry(student), plain), InProcessSource(teachers), plans,
-                           val, plain, "cpu", torch.float32)
+    off = evaluate_heldout(build_distiller(student, plans, kv_geometry(student), plain), InProcessSource(teachers),
+                           plans, val, plain, "cpu", torch.float32)
     assert not any("logit" in k or "top1" in k for k in off)
 
 

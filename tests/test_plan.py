@@ -256,8 +256,8 @@ def test_projector_count_matches_the_real_modules(calibration_job):
     """The meta-device count the planner shows equals the parameters a Distiller really trains."""
     import torch
 
-    from kava_ray.core.distiller import Distiller
     from kava_ray.core.plans import TeacherPlan
+    from kava_ray.recipes.build import build_distiller
     from kava_ray.runtime.planner import _infos, _layer_plans, _projector_params
 
     for overrides in ([], FLAT, ["fusion.kind=router"]):
@@ -265,8 +265,8 @@ def test_projector_count_matches_the_real_modules(calibration_job):
         s, t_infos = _infos(cfg)
         plans = _layer_plans(cfg, s, t_infos)
         counted = _projector_params(cfg, plans, s.geometry)["total"]
-        d = Distiller(torch.nn.Linear(1, 1), {n: TeacherPlan(n, g, lm, ls) for n, (g, lm, ls) in plans.items()},
-                      s.geometry, cfg)
+        d = build_distiller(torch.nn.Linear(1, 1), {n: TeacherPlan(n, g, lm, ls) for n, (g, lm, ls) in plans.items()},
+                            s.geometry, cfg)
         real = sum(p.numel() for m in (d.projectors, d.fusion) for p in m.parameters())
         assert counted == real
 

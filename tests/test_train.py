@@ -13,12 +13,13 @@ from jobs import read_jsonl, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import plan_teacher_layers
-from kava_ray.core.distiller import Distiller, build_optimizer
+from kava_ray.core.distiller import build_optimizer
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import TeacherPlan, student_tokenizer
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
+from kava_ray.recipes.build import build_distiller
 from kava_ray.testing.sources import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
@@ -66,7 +67,7 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
         plans[t.name] = TeacherPlan(t.name, g, lm, layers)
         kv[t.name] = teacher_forward_kv(model, batch.input_ids, batch.attention_mask, layers=layers).to(
             dtype=torch.float32)
-    distiller = Distiller(student, plans, s_geom, cfg)
+    distiller = build_distiller(student, plans, s_geom, cfg)
     opt = build_optimizer(distiller, cfg.optim)
     history = []
     for i in range(5):
@@ -275,7 +276,7 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
                                 key_space="post_rope") for n, m in teachers_in_process.items()}
     student = load_student(cfg.student.model, dtype="float32")
     with pytest.raises(KavaError, match=r"sent post_rope keys, the student aligns pre_rope keys"):
-        Distiller(student, plans, kv_geometry(student), cfg)(batch, kv)
+        build_distiller(student, plans, kv_geometry(student), cfg)(batch, kv)
 
 
 def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_path, teachers_in_process):
@@ -291,7 +292,7 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg).eval()
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg).eval()
     source = InProcessSource(teachers_in_process)
     got = evaluate_heldout(distiller, source, plans, val, cfg, "cpu", torch.float32)
     stream = eval_stream(val, cfg, drop_last=False)  # as evaluate_heldout reads it: every row

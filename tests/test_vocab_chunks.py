@@ -14,12 +14,12 @@ import torch
 
 from jobs import write_job
 from kava_ray.common.config import load_config
-from kava_ray.core.distiller import Distiller
 from kava_ray.core.models import kv_geometry, load_model, load_student
 from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers, vocab_maps
 from kava_ray.core.vocab_chunks import VocabReader, chunk_slices, head_of
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
+from kava_ray.recipes.build import build_distiller
 from kava_ray.testing.sources import InProcessSource
 
 
@@ -62,7 +62,7 @@ def _run(job, plans, maps, batch, kv, overrides, student_class=None):
     student = load_student(cfg.student.model, dtype="float32")
     if student_class is not None:
         student.__class__ = student_class
-    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps).train()
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg, maps).train()
     for m in distiller.modules():  # dropout off: both paths see one function
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -141,7 +141,7 @@ def test_the_chunked_path_never_holds_the_batch_logits(one_batch):
     job, plans, maps, batch, kv = one_batch
     cfg = load_config(job, ["loss.vocab_chunk=8"])
     student = load_student(cfg.student.model, dtype="float32")
-    distiller = Distiller(student, plans, kv_geometry(student), cfg, maps)
+    distiller = build_distiller(student, plans, kv_geometry(student), cfg, maps)
     V, B = student.config.vocab_size, batch.input_ids.shape[0]
     saved = []
 
@@ -154,8 +154,8 @@ def test_the_chunked_path_never_holds_the_batch_logits(one_batch):
         loss = distiller(batch, kv).loss
     loss.backward()
     assert saved == [], saved  # the whole-logits path saves [B, T, V] (checked below)
-    plain = Distiller(load_student(cfg.student.model, dtype="float32"), plans, kv_geometry(student),
-                      load_config(job, ["loss.vocab_chunk=0"]), maps)
+    plain = build_distiller(load_student(cfg.student.model, dtype="float32"), plans, kv_geometry(student),
+                            load_config(job, ["loss.vocab_chunk=0"]), maps)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         plain(batch, kv)
     assert any(math.prod(s[:-1]) >= B * batch.input_ids.shape[1] - B for s in saved), saved  # [B, T(-1), V]

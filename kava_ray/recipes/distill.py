@@ -52,6 +52,7 @@ from kava_ray.core.plans import (
 from kava_ray.core.precision import student_precision
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tasks import resolve_tasks
+from kava_ray.recipes.build import build_distiller
 from kava_ray.recipes.evaluate import evaluate_heldout
 from kava_ray.recipes.fit_maps import fit_maps
 from kava_ray.recipes.harness import run_tasks, task_metrics
@@ -139,7 +140,7 @@ class DistillRecipe:
                                gradient_checkpointing=cfg.student.gradient_checkpointing)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         # sharded: the job's (the projector kind's one rule, `projectors.job_kind`), also in one process
-        self.distiller = Distiller(student, self.plans, kv_geometry(student), cfg, maps,
+        self.distiller = build_distiller(student, self.plans, kv_geometry(student), cfg, maps,
                                    sharded=cfg.ray.sharded).to(self.device)
         if self.sharded:  # before the optimizer: it holds the shards
             fsdp.shard(self.distiller, self.precision, self.device)

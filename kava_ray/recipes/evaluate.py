@@ -24,7 +24,6 @@ from kava_ray.common.config import LossConfig, derive, flatten
 from kava_ray.common.errors import KavaError
 from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.checkpoint import check_whole_student, checkpoint_config, held_checkpoint, load_into
-from kava_ray.core.distiller import Distiller
 from kava_ray.core.kv import student_forward_kv
 from kava_ray.core.logit_kd import VocabTerms, logit_targets, next_labels
 from kava_ray.core.losses import next_token_mask
@@ -57,6 +56,7 @@ from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final
 from kava_ray.data.answers import answers_match
 from kava_ray.data.sources import source_path
 from kava_ray.data.splits import carved, eval_stream, load_test_split, one_source
+from kava_ray.recipes.build import build_distiller
 from kava_ray.runtime.preflight import preflight
 
 NUM_SAMPLES = 5  # predictions kept in the accuracy result for a human to look at
@@ -440,7 +440,7 @@ def _evaluate(ckpt: Path, real: Path, limit: int, max_new_tokens: int, address, 
         status(f"eval: step {state['step']} of {real.parent.name} on {len(test)} test rows ({cfg.data.source})")
         out = {"checkpoint": str(real), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
-        distiller = Distiller(student, job.plans, kv_geometry(student), cfg,
+        distiller = build_distiller(student, job.plans, kv_geometry(student), cfg,
                               vocab_maps(cfg, job.plans, tokenizer, teacher_toks), sharded=cfg.ray.sharded)
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
