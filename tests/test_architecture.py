@@ -258,3 +258,32 @@ def test_a_made_up_name_is_stale(span):
 def test_a_real_or_foreign_name_passes(span):
     assert _problem(span, ROOT) is None
 
+
+
+# ---------------------------------------------------------------------------------- the public surface
+
+PRODUCT = ("kava_ray", "actors")
+
+
+def private_imports(source: str, where: str = "") -> list[str]:
+    """`from kava_ray... import _name` / `from actors... import _name` in `source`: a module reaching into another's
+    private name (a leading underscore; dunders aside). What one module shares with another is public."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PRODUCT:
+            out += [f"{where}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_of_the_product_imports_another_s_private_name():
+    found = [hit for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))
+             for hit in private_imports(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not found, "\n".join(found)
+
+
+def test_a_private_import_is_found_in_one_and_in_several_lines():
+    assert private_imports("from kava_ray.core.losses import _tail_of\n", "x.py") == ["x.py:1: kava_ray.core.losses._tail_of"]
+    several = "from actors.pool import (\n    start_pool,\n    _actor_options,\n)\n"
+    assert [h.split(": ")[1] for h in private_imports(several)] == ["actors.pool._actor_options"]
+    assert private_imports("from ray._private import worker\nfrom kava_ray.cli import __version__\n") == []

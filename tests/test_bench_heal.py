@@ -53,7 +53,7 @@ def heal_out(tmp_path_factory):
 def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp_path, capsys):
     from kava_ray.bench.heal import DEFAULT_ARMS as ARMS
     from kava_ray.bench.heal import format_heal, run_heal_bench
-    from kava_ray.cli import _print_json_last
+    from kava_ray.cli.shared import print_json_last
 
     job = heal_job(tmp_path, trained_teacher)
     r = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False)
@@ -119,7 +119,7 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
     assert again["runs"]["ce+logits"] == json.loads(json.dumps(r["runs"]["ce+logits"])) and again["runs_wall_s"] == pytest.approx(
         sum(x["wall_s"] for a in ("ce", "ce+logits") for x in r["runs"][a]))
     capsys.readouterr()
-    _print_json_last(r)
+    print_json_last(r)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"gate", "summary", "runs", "decision_rule", "control_passes", "wall_s"} <= set(out)
 

@@ -14,7 +14,7 @@ from jobs import write_job
 
 def test_bench_recipes_tiny(tiny_pool, tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir, capsys):
     from kava_ray.bench.recipes import format_recipes, run_recipes_bench
-    from kava_ray.cli import _print_json_last
+    from kava_ray.cli.shared import print_json_last
 
     job = write_job(tmp_path, tiny_qwen2_dir, tiny_llama_dir, tiny_student_dir)
     # 1 seed and two of the four recipes (`--recipes`: the base and the one with both losses, so every loss
@@ -39,7 +39,7 @@ def test_bench_recipes_tiny(tiny_pool, tmp_path, tiny_qwen2_dir, tiny_llama_dir,
     text = format_recipes(out)
     assert "ce+kv+logits" in text and "teacher forwards per training sample: 1.00" in text and "teacher qwen" in text
     capsys.readouterr()
-    _print_json_last(out)
+    print_json_last(out)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last)["summary"].keys() == out["summary"].keys()
 

@@ -543,7 +543,7 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
     other = arm in ARMS and ARMS[arm].other_batch
     key = run_key({"cfg": cfg.model_dump(mode="json", exclude_defaults=True), "other_batch": other,
                         "eval_every": ctx.p["eval_every"], "eval_blocks": ctx.p["eval_blocks"], "val": val is not None})
-    path = ctx.done / _safe(arm) / f"seed{seed}-{key}.json"
+    path = ctx.done / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     plans, src = source
@@ -564,7 +564,7 @@ def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_he
     return out
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "+-._" else "_" for c in name)
 
 

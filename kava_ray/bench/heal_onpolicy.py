@@ -182,7 +182,7 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
             "control": summary.get(OP_BASE, {}).get("vs_start")}
 
 
-def _entropy(f: dict) -> float:
+def sample_entropy(f: dict) -> float:
     """The student's samples' own per-token entropy estimate, -E log q = teacher NLL - reverse KL: near 0, the student
     has collapsed onto a few sequences (whatever the teacher thinks of them)."""
     return f["teacher_nll"] - f["rkl"]
@@ -194,7 +194,7 @@ def op_summarize(runs: dict, start: dict) -> dict:
     out = {}
     base = [r["figures"] for r in runs.get(OP_BASE, [])]
     for arm, rs in runs.items():
-        figs = [dict(r["figures"], entropy=_entropy(r["figures"])) for r in rs]
+        figs = [dict(r["figures"], entropy=sample_entropy(r["figures"])) for r in rs]
         s = {"mean": {k: mean_sd([f[k] for f in figs]) for k in ("test_ce", "rkl", "teacher_nll", "entropy")},
              "wall_s": sum(r["wall_s"] for r in rs), "step_s": mean_sd([r["step_s"] for r in rs]),
              "teacher_rows_per_sample": mean_sd([r["teacher_rows_per_sample"] for r in rs]),
@@ -208,7 +208,7 @@ def op_summarize(runs: dict, start: dict) -> dict:
             gain = None if d is None else dict(d, mean=-d["mean"], lo=None if d["hi"] is None else -d["hi"],
                                                hi=None if d["lo"] is None else -d["lo"])  # lower reverse KL: a gain
             verdict = guarded_verdict(gain, s["vs_base"]["test_ce"], s["mean"]["entropy"]["mean"], CE_MARGIN,
-                                      ENTROPY_FLOOR * _entropy(start), MIN_RKL)
+                                      ENTROPY_FLOOR * sample_entropy(start), MIN_RKL)
             s["decision"] = {"helps": verdict == "helps", "verdict": verdict}
         out[arm] = s
     return out
@@ -218,7 +218,7 @@ def format_onpolicy(r: dict) -> str:
     o = r["onpolicy"]
     st, p = o["start"], o["params"]
     rows = [["warm start", f"{st['test_ce']:.4f}", f"{st['rkl']:.4f}", f"{st['teacher_nll']:.4f}",
-             f"{_entropy(st):.4f}", "—", "—", "—", "—"]]
+             f"{sample_entropy(st):.4f}", "—", "—", "—", "—"]]
     for arm, s in o["summary"].items():
         m = s["mean"]
         rows.append([arm, *(f"{m[k]['mean']:.4f} ± {m[k]['sd']:.4f}" for k in ("test_ce", "rkl", "teacher_nll",

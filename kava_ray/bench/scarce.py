@@ -29,8 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from kava_ray.bench.heal import _safe
-from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
+from kava_ray.bench.heal import safe_name
+from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
@@ -166,7 +166,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
             out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
             if full_eval:
                 sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
-                out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": _entropy(sc),
+                out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": sample_entropy(sc),
                             "tokens": sc["tokens"]})
             return out
 
@@ -235,7 +235,7 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, lrs: dict, select: bool = Fa
     first = lrs[CONTROL]["lr"] if "then" in a else None
     key = run_key({"arm": arm, "seed": seed, "lr": lr, "first": first, "select": select, "warm": ctx["warm"],
                    "p": {k: v for k, v in p.items() if k not in ("seeds", "n_boot")}})
-    path = ctx["done"] / _safe(arm) / f"seed{seed}-{key}.json"
+    path = ctx["done"] / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     t0 = time.time()
@@ -263,7 +263,7 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, lrs: dict, select: bool = Fa
     if "then" in a:  # seqkd for a third of the steps at seqkd's rate, then the second phase at this arm's
         n1 = steps // 3
         run1 = _train(ctx, _job(ctx, arm, seed, first, ctx["warm"], n1, a["set"]), n1, every, at(n1, False))
-        mid = ctx["root"] / "tmp" / f"{_safe(arm)}-{seed}-{key}"
+        mid = ctx["root"] / "tmp" / f"{safe_name(arm)}-{seed}-{key}"
         run1["recipe"].distiller.student.save_pretrained(mid)
         ctx["tok"].save_pretrained(mid)
         cfg2 = _job(ctx, arm, seed, lr, str(mid), steps - n1, {**a["set"], **a["then"]})

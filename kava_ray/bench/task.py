@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from kava_ray.bench.heal import _safe
-from kava_ray.bench.heal_onpolicy import CountingSource, _entropy, sample_scores
+from kava_ray.bench.heal import safe_name
+from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
@@ -229,7 +229,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
             em = score(student, tok, test, checker, p)
             sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
             return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
-                    "teacher_nll": sc["teacher_nll"], "entropy": _entropy(sc), "tokens": sc["tokens"],
+                    "teacher_nll": sc["teacher_nll"], "entropy": sample_entropy(sc), "tokens": sc["tokens"],
                     "samples": em["samples"], "ok": em["ok"]}
 
         t_em = score(teacher, tok, test, checker, p)
@@ -289,7 +289,7 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
     teachers = list(rec.specialists) if two else ["teacher"]
     key = run_key({"arm": arm, "seed": seed, "lr": lr, "val": with_val, "warm": ctx["warm"], "p": {
         k: v for k, v in p.items() if k not in ("ft_max", "ft_every", "seeds")}, "records": rec.fingerprint})
-    path = ctx["done"] / _safe(arm) / f"seed{seed}-{key}.json"
+    path = ctx["done"] / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     models = {n: ctx["models"][n] for n in teachers}

@@ -12,10 +12,9 @@ from typing import Optional
 from kava_ray.cli import align, bench, config, data, demo, generate, plan, report, teachers, train, tune
 from kava_ray.cli import eval as eval_
 from kava_ray.cli.shared import CommandParser, call
-from kava_ray.cli.shared import print_json_last as _print_json_last  # tests read --json output with it
 
 COMMANDS = (config, data, teachers, align, train, tune, plan, demo, eval_, generate, report, bench)  # the order of --help
-__all__ = ["COMMANDS", "build_parser", "main", "_print_json_last"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

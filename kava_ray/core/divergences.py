@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.losses import OFF, TAIL_FLOOR, _at_least_f32, _bool_mask, _tail_of, _topk_prepare, log_normalizer
+from kava_ray.core.losses import OFF, TAIL_FLOOR, at_least_f32, bool_mask, log_normalizer, tail_of, topk_prepare
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled")
 
@@ -97,9 +97,9 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
                         f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}")
     if not temperature > 0:
         raise KavaError(f"temperature must be > 0, got {temperature}")
-    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "generalized JSD")
-    log_s = F.log_softmax(_at_least_f32(student_logits) / temperature, dim=-1)
-    log_t = F.log_softmax(_at_least_f32(teacher_logits.detach()) / temperature, dim=-1)
+    m = bool_mask(mask, *student_logits.shape[:2], student_logits.device, "generalized JSD")
+    log_s = F.log_softmax(at_least_f32(student_logits) / temperature, dim=-1)
+    log_t = F.log_softmax(at_least_f32(teacher_logits.detach()) / temperature, dim=-1)
     return _masked_mean(jsd_per_position(log_s, log_t, beta), m)
 
 
@@ -120,14 +120,14 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
     """
     if not temperature > 0:
         raise KavaError(f"temperature must be > 0, got {temperature}")
-    ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
+    ids, m = topk_prepare(student_logits, topk_ids, topk_logp, mask)
     keep = m[..., None]
     if lse is None:
         lse = log_normalizer(student_logits, temperature)
     z = student_logits.gather(-1, ids)  # [B, T, k]
-    log_s = torch.where(keep, _at_least_f32(z) / temperature - lse[..., None], -1.0)  # full-vocabulary student
+    log_s = torch.where(keep, at_least_f32(z) / temperature - lse[..., None], -1.0)  # full-vocabulary student
     t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)
-    t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
+    t_tail = tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
     if valid is not None:  # entries left out: no mass of their own on either side (exp(OFF) = 0)
         out = keep & ~valid.to(t.device)
         t_tail = torch.logaddexp(t_tail, torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
@@ -138,7 +138,7 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
     t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
     a = torch.cat([t, t_tail[..., None]], dim=-1) / temperature  # [B, T, k + 1]
     log_t = a - torch.logsumexp(a, dim=-1, keepdim=True)
-    log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)
+    log_s = torch.cat([log_s, tail_of(log_s)[..., None]], dim=-1)
     return _masked_mean(jsd_per_position(log_s, log_t, beta), m)
 
 
@@ -153,7 +153,7 @@ def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tenso
     Returns (loss, the teacher-scored per-token reverse KL of the samples, mean of log q - log pi_T: tinker's
     `teacher_kl`, detached)."""
     m = mask.to(student_logp.device) != 0
-    s = _at_least_f32(student_logp)
+    s = at_least_f32(student_logp)
     q = sample_logp.to(s.device, s.dtype)  # (float32 at least, float64 with a float64 student: exact enumeration)
     adv = (teacher_logp.to(q.device, s.dtype) - s).detach()  # A_t of the current student: no gradient through it
     if baseline is not None:

@@ -28,7 +28,7 @@ NORM_EPS = 1e-6
 CENTER_TOL = 1e-3  # centred vectors shorter than this x the (layer, head) RMS norm count as ~zero
 
 
-def _bool_mask(mask: torch.Tensor | None, B: int, T: int, device, what: str) -> torch.Tensor:
+def bool_mask(mask: torch.Tensor | None, B: int, T: int, device, what: str) -> torch.Tensor:
     """[B, T] bool on `device`: True where a position counts (every position when `mask` is None)."""
     if mask is None:
         return torch.ones(B, T, dtype=torch.bool, device=device)
@@ -43,7 +43,7 @@ def _prepare(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | N
         raise KavaError(f"KV loss needs student and target [L, B, H, T, D] of one shape, "
                         f"got {tuple(student.shape)} and {tuple(target.shape)}")
     L, B, H, T, D = student.shape
-    m = _bool_mask(mask, B, T, student.device, "KV loss")[None, :, None, :]  # [1, B, 1, T]
+    m = bool_mask(mask, B, T, student.device, "KV loss")[None, :, None, :]  # [1, B, 1, T]
     # cosines and norms in fp32 at least: under bf16 autocast both sides arrive in bf16
     dtype = torch.promote_types(student.dtype, torch.float32)
     return _fill_masked(student, m, dtype), _fill_masked(target, m, dtype), m
@@ -292,14 +292,14 @@ def position_masks(batch: Batch, loss_tokens: str = "all") -> tuple[torch.Tensor
     return kv, next_token_mask(batch.labels)
 
 
-def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
+def at_least_f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def log_normalizer(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log sum_v exp(logits[..., v] / T) in float32 at least, [B, T]: the one logsumexp over the vocabulary per
     position that CE and (at T = 1) logit KD share."""
-    z = _at_least_f32(logits)
+    z = at_least_f32(logits)
     return torch.logsumexp(z if temperature == 1.0 else z / temperature, dim=-1)
 
 
@@ -308,7 +308,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def _tail_of(logp: torch.Tensor) -> torch.Tensor:
+def tail_of(logp: torch.Tensor) -> torch.Tensor:
     """log of the mass outside the ids of `logp` [..., k] (log-probs normalised over the full vocabulary),
     floored at TAIL_FLOOR."""
     total = torch.logsumexp(logp, dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
@@ -321,14 +321,14 @@ def topk_tail(topk_logp: torch.Tensor, served_tail: torch.Tensor | None, k: int)
     rounding then limits it to ~1e-3)."""
     lp = topk_logp.float()
     if served_tail is None:
-        return _tail_of(lp[..., :k])
+        return tail_of(lp[..., :k])
     tail = served_tail.float()
     if k < lp.shape[-1]:
         tail = torch.logaddexp(tail, torch.logsumexp(lp[..., k:], dim=-1))
     return tail
 
 
-def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+def topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
                   mask: torch.Tensor | None):
     """Check shapes; return ids [B, T, k] (0 at masked positions) and m [B, T] bool."""
     if student_logits.dim() != 3 or topk_ids.dim() != 3 or tuple(topk_ids.shape) != tuple(topk_logp.shape):
@@ -337,7 +337,7 @@ def _topk_prepare(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_log
     B, T = student_logits.shape[:2]
     if tuple(topk_ids.shape[:2]) != (B, T):
         raise KavaError(f"top-k KL: teacher top-k is [B, T]={tuple(topk_ids.shape[:2])}, student logits ({B}, {T})")
-    m = _bool_mask(mask, B, T, student_logits.device, "top-k KL")
+    m = bool_mask(mask, B, T, student_logits.device, "top-k KL")
     ids = torch.where(m[..., None], topk_ids.to(student_logits.device).long(), 0)  # garbage ids never gathered
     return ids, m
 
@@ -361,7 +361,7 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
     if tail not in LOGIT_TAILS:
         raise KavaError(f"top-k KL tail must be one of {', '.join(LOGIT_TAILS)}, not {tail!r}")
-    ids, m = _topk_prepare(student_logits, topk_ids, topk_logp, mask)
+    ids, m = topk_prepare(student_logits, topk_ids, topk_logp, mask)
     if valid is not None and tail == "none":
         m = m & valid.to(m.device).any(-1)
         ids = torch.where(m[..., None], ids, 0)
@@ -369,7 +369,7 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
     if lse is None:
         lse = log_normalizer(student_logits, temperature)
     z = student_logits.gather(-1, ids)  # [B, T, k], before the cast: V-sized tensors stay in their dtype
-    log_s = torch.where(keep, _at_least_f32(z) / temperature - lse[..., None], -1.0)  # student, full vocabulary
+    log_s = torch.where(keep, at_least_f32(z) / temperature - lse[..., None], -1.0)  # student, full vocabulary
     t = torch.where(keep, topk_logp.to(student_logits.device, log_s.dtype), -1.0)  # teacher, T = 1
     if valid is not None:  # entries left out: no mass of their own (bucket: the teacher's served tail gains it)
         out = keep & ~valid.to(t.device)
@@ -378,10 +378,10 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
                                            torch.logsumexp(torch.where(out, t, -math.inf), dim=-1))
         t, log_s = torch.where(out, OFF, t), torch.where(out, OFF, log_s)
     if tail == "bucket":
-        t_tail = _tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
+        t_tail = tail_of(t) if teacher_tail is None else teacher_tail.to(t.device, t.dtype)
         t_tail = torch.where(m, t_tail.clamp(min=math.log(TAIL_FLOOR)), -1.0)
         t = torch.cat([t, t_tail[..., None]], dim=-1)  # [B, T, k + 1]
-        log_s = torch.cat([log_s, _tail_of(log_s)[..., None]], dim=-1)
+        log_s = torch.cat([log_s, tail_of(log_s)[..., None]], dim=-1)
     a = t / temperature
     log_p = a - torch.logsumexp(a, dim=-1, keepdim=True)  # the teacher at T, over its k (+ 1) entries
     per = (log_p.exp() * (log_p - log_s)).sum(-1)  # [B, T]; an entry left out: exp(OFF) = 0 times a finite term
@@ -399,13 +399,13 @@ def uld_loss(student_logits: torch.Tensor, topk_logp: torch.Tensor, mask: torch.
     teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse: the student's
     `log_normalizer` at T = 1 when the caller has it. Float32 at least; masked positions count for nothing.
     """
-    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "ULD")
+    m = bool_mask(mask, *student_logits.shape[:2], student_logits.device, "ULD")
     k = topk_logp.shape[-1]
     if lse is None:
         lse = log_normalizer(student_logits, 1.0)
     keep = m[..., None]
     z = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1).values  # [B, T, k'] sorted descending
-    s = torch.where(keep, _at_least_f32(z) - lse[..., None], -1.0).exp()  # masked: anything, never NaN
+    s = torch.where(keep, at_least_f32(z) - lse[..., None], -1.0).exp()  # masked: anything, never NaN
     t = torch.where(keep, topk_logp.to(s.device, s.dtype), -1.0).exp()
     t_tail = (1.0 - t.sum(-1)).clamp(min=0.0) if teacher_tail is None else \
         torch.where(m, teacher_tail.to(s.device, s.dtype), -1.0).exp()
@@ -439,14 +439,14 @@ def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk
     student_unmatched [U] long: the student ids no teacher id maps to; teacher_tail [B, T]: log of its mass
     outside the k ids.
     """
-    m = _bool_mask(mask, *student_logits.shape[:2], student_logits.device, "hybrid logit loss")
+    m = bool_mask(mask, *student_logits.shape[:2], student_logits.device, "hybrid logit loss")
     t2s = t2s.to(student_logits.device)
     ids = torch.where(m[..., None], topk_ids.to(student_logits.device).long(), 0)
     inside = ids < len(t2s)  # an id past the map (a padded LM-head row) has no string
     sid = torch.where(inside, t2s[ids.clamp(max=len(t2s) - 1)], -1)  # [B, T, k] student ids, -1: unmatched
     matched = sid >= 0
     if teacher_tail is None:
-        teacher_tail = _tail_of(topk_logp.float())
+        teacher_tail = tail_of(topk_logp.float())
     kl = topk_kl_loss(student_logits, sid.clamp(min=0), topk_logp, m, temperature=temperature, tail="bucket",
                       teacher_tail=teacher_tail, lse=lse, valid=matched)
     keep = m[..., None]
@@ -456,7 +456,7 @@ def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk
         lse1 = log_normalizer(student_logits) if lse is None or temperature != 1.0 else lse
         z = student_logits.index_select(-1, student_unmatched.to(student_logits.device))  # [B, T, U]
         z = z.topk(min(k, n_un), dim=-1).values
-        s_rest = torch.where(keep, _at_least_f32(z) - lse1[..., None], -1.0).exp()
+        s_rest = torch.where(keep, at_least_f32(z) - lse1[..., None], -1.0).exp()
     else:
         s_rest = t_rest.new_zeros(*t_rest.shape[:2], 0)
     uld = _sorted_l1(t_rest, s_rest, m)
@@ -469,7 +469,7 @@ def top1_agreement(student_logits: torch.Tensor, topk_ids: torch.Tensor, mask: t
                    ) -> torch.Tensor:
     """Masked mean of (student argmax over the full vocab == teacher's top-1 id, `topk_ids[..., 0]`):
     a detached 0-d float32 tensor (0 if no position counts)."""
-    ids, m = _topk_prepare(student_logits, topk_ids, topk_ids, mask)
+    ids, m = topk_prepare(student_logits, topk_ids, topk_ids, mask)
     agree = (student_logits.argmax(-1) == ids[..., 0]) & m
     return agree.float().sum() / m.float().sum().clamp_min(1.0)
 

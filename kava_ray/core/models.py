@@ -158,7 +158,7 @@ def resolve_packaged_file(spec: str) -> Path:
     return path
 
 
-def _resolve(spec, gguf_file=None) -> tuple[str, str | None]:
+def resolve_model(spec, gguf_file=None) -> tuple[str, str | None]:
     """spec (+ gguf_file) -> (hub id or local dir, gguf file name or None); KavaError for bad paths."""
     if isinstance(spec, str) and spec.startswith(PYPI_SCHEME):
         spec = str(resolve_packaged_file(spec))
@@ -204,7 +204,7 @@ def _quant_config(quantization, dtype):
 
 def model_source(spec, gguf_file=None, cache_dir=None) -> str:
     """The hub id or local HF dir to load `spec` from (a .gguf is converted once to a cached dir)."""
-    source, gguf_name = _resolve(spec, gguf_file)
+    source, gguf_name = resolve_model(spec, gguf_file)
     if gguf_name is not None:
         gguf_path = Path(source) / gguf_name
         if not gguf_path.is_file():
@@ -266,7 +266,7 @@ def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=No
             and (local / "tokenizer_config.json").is_file():
         source, gguf_name = str(local), None
     else:
-        source, gguf_name = _resolve(spec, gguf_file)
+        source, gguf_name = resolve_model(spec, gguf_file)
     kwargs = dict(trust_remote_code=trust_remote_code is True)
     if gguf_name is not None:
         gguf_path = Path(source) / gguf_name

@@ -22,7 +22,7 @@ from kava_ray.common.fingerprints import tokenizer_fingerprint
 from kava_ray.core.align.layers import LayerMap, plan_teacher_layers
 from kava_ray.core.align.vocab import cached_vocab_map
 from kava_ray.core.logit_kd import LogitTeacher
-from kava_ray.core.models import KVGeometry, _resolve, copied_from, kv_geometry, load_model_config, load_tokenizer
+from kava_ray.core.models import KVGeometry, copied_from, kv_geometry, load_model_config, load_tokenizer, resolve_model
 
 
 @dataclass
@@ -97,7 +97,7 @@ def shares_tokenizer_here(cfg: JobConfig, teacher: str, student_fp: Optional[str
     while online, a path only another node has, a package not installed): the teachers' own report decides then."""
     spec = cfg.teacher(teacher).model
     try:
-        source, gguf = _resolve(spec)
+        source, gguf = resolve_model(spec)
     except KavaError:
         return None
     if gguf is None and not os.path.isdir(source) and not constants.HF_HUB_OFFLINE:

@@ -23,7 +23,7 @@ from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.common.files import name_problem
 from kava_ray.core.align.layers import load_layer_map
 from kava_ray.core.checkpoint import STATE, check_compatible, check_files, find_checkpoint, finished, read_state
-from kava_ray.core.models import PYPI_SCHEME, _resolve, load_model_config, load_tokenizer, resolve_packaged_file
+from kava_ray.core.models import PYPI_SCHEME, load_model_config, load_tokenizer, resolve_model, resolve_packaged_file
 from kava_ray.core.plans import (
     check_writer,
     cross_vocab,
@@ -267,7 +267,7 @@ def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
             load_tokenizer(Path(ckpt) / "student")
         return
     with about("student.model"):
-        source, gguf = _resolve(cfg.student.model)
+        source, gguf = resolve_model(cfg.student.model)
         if gguf is None and not os.path.isdir(source) and not _hub_offline():
             return  # a hub id, online: fetching it is the loader's business (and may take minutes offline)
         load_tokenizer(cfg.student.model)
@@ -298,7 +298,7 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
         return
     for t in cfg.teachers:
         with about(f"teachers[{t.name}].model"):
-            source, gguf = _resolve(t.model)
+            source, gguf = resolve_model(t.model)
             if not os.path.isdir(source) and gguf is None:
                 continue  # a hub id: the loader's
             if gguf is None:
@@ -345,7 +345,7 @@ def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str
         models += [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers]
     n = cfg.train.max_length
     for key, spec in models:
-        source, gguf = _resolve(str(spec))
+        source, gguf = resolve_model(str(spec))
         if gguf is None and not os.path.isdir(source) and (key != "student.model" or not _hub_offline()):
             continue  # a hub id: the student's is read offline only (from the cache), a teacher's not at all
         with about(key):
@@ -409,7 +409,7 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
         return
     specs = [cfg.student.model, *(t.model for t in cfg.teachers)] if cfg.data.kv_source == "live" else \
         [cfg.student.model]
-    if not _hub_offline() and any(_resolve(m)[1] is None and not os.path.isdir(_resolve(m)[0]) for m in specs):
+    if not _hub_offline() and any(resolve_model(m)[1] is None and not os.path.isdir(resolve_model(m)[0]) for m in specs):
         return
     if torch.cuda.is_available():
         with silenced():

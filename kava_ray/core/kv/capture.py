@@ -26,7 +26,7 @@ _K_NORMS = ("k_norm", "k_layernorm")
 _V_NORMS = ("v_norm",)
 
 
-def _family(model) -> str:
+def model_family(model) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", "") or type(model).__name__
 
@@ -64,7 +64,7 @@ def attention_layers(model) -> list[torch.nn.Module]:
 def _refuse(model, attn, why: str) -> KavaError:
     name = type(attn).__name__ if attn is not None else type(model).__name__
     return KavaError(
-        f"{_family(model)} ({name}): cannot take pre-RoPE keys: {why}; use align.key_space: post_rope"
+        f"{model_family(model)} ({name}): cannot take pre-RoPE keys: {why}; use align.key_space: post_rope"
     )
 
 
@@ -165,7 +165,7 @@ def _heads(t: torch.Tensor, B: int, T: int, D: int, transposed_input: bool) -> t
                     f"(B={B}, T={T}, D={D}); use align.key_space: post_rope")
 
 
-class _Capture:
+class KVCapture:
     """Forward hooks that capture pre-RoPE K and V of the selected layers during one forward.
 
     Each hooked module must run once per forward; later calls (a shared module) fail loudly. Hooks are
@@ -181,7 +181,7 @@ class _Capture:
     def _hook(self, key):
         def fn(_mod, inputs, out):
             if key in self.outputs:
-                raise KavaError(f"{_family(self.model)}: layer {key[0]} {key[1]} ran twice in one forward "
+                raise KavaError(f"{model_family(self.model)}: layer {key[0]} {key[1]} ran twice in one forward "
                                 "(shared module); cannot take pre-RoPE keys, use align.key_space: post_rope")
             x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
             transposed = x is not None and x.dim() == 4 and x.stride(1) < x.stride(2)
@@ -189,7 +189,7 @@ class _Capture:
 
         return fn
 
-    def __enter__(self) -> "_Capture":
+    def __enter__(self) -> "KVCapture":
         try:
             for tap in self.taps:
                 mods = {"proj": tap.proj, "v_proj": tap.v_proj, "k_norm": tap.k_norm, "v_norm": tap.v_norm}
@@ -265,7 +265,7 @@ def layer_mismatch(k, v, kc, vc, real, tol: float) -> str | None:
     return f"key norms differ from the cached keys' by up to {spread:.1%}" if spread > tol else None
 
 
-def _check_against_cache(model, keys, values, ids: list[int], cache, mask) -> None:
+def check_against_cache(model, keys, values, ids: list[int], cache, mask) -> None:
     """Guard against a wrong capture: every selected layer's `layer_mismatch` against the cache the same
     forward filled; KavaError (one line) on the first mismatch."""
     try:
@@ -285,7 +285,7 @@ def _check_against_cache(model, keys, values, ids: list[int], cache, mask) -> No
         why = layer_mismatch(keys[j], values[j], kc, vc, real, tol)
         if why:
             raise KavaError(
-                f"{_family(model)}: keys captured at the projection are not the cached keys of layer {i} before "
+                f"{model_family(model)}: keys captured at the projection are not the cached keys of layer {i} before "
                 f"rotation ({why}); pre-RoPE keys are not supported for this family, use align.key_space: post_rope"
             )
 

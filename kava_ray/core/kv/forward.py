@@ -12,8 +12,8 @@ from transformers.cache_utils import Cache
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv.batch import KEY_SPACES, KVBatch
-from kava_ray.core.kv.capture import HiddenCapture, _Capture, _check_against_cache, attention_layers, cache_layers
-from kava_ray.core.kv.rope import _rotate_outside_forward, position_ids_from_mask
+from kava_ray.core.kv.capture import HiddenCapture, KVCapture, attention_layers, cache_layers, check_against_cache
+from kava_ray.core.kv.rope import position_ids_from_mask, rotate_outside_forward
 from kava_ray.core.models import kv_geometry
 
 
@@ -72,7 +72,7 @@ def extract_kv(
         if position_ids is None:
             position_ids = position_ids_from_mask(mask) if mask is not None else torch.arange(T, device=dev)
         position_ids = position_ids.reshape(-1, T)  # [B or 1, T]
-        keys = _rotate_outside_forward(keys, model, position_ids, inverse=True)
+        keys = rotate_outside_forward(keys, model, position_ids, inverse=True)
     return KVBatch(keys, values, ids, mask, key_space)
 
 
@@ -128,11 +128,11 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
             kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
             return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
-    with _Capture(model, ids) as cap, hid, stop, torch.inference_mode():
+    with KVCapture(model, ids) as cap, hid, stop, torch.inference_mode():
         out = run(**kwargs)
     with torch.no_grad():
         kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
-        _check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
+        check_against_cache(model, kv.keys, kv.values, ids, _cache_of(out, stop), kv.mask)
         return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
 
 
@@ -279,14 +279,14 @@ def student_forward_kv(
         if hidden:
             kv.hidden = hid.stack()
         return out, kv
-    with _Capture(model, ids) as cap, hid:
+    with KVCapture(model, ids) as cap, hid:
         out = model(**kwargs, use_cache=cached)
     kv = _stack(cap.pairs(*input_ids.shape), attention_mask, ids, key_space)
     if cached:
         with torch.no_grad():
-            _check_against_cache(model, kv.keys, kv.values, ids, output_cache(out), kv.mask)
+            check_against_cache(model, kv.keys, kv.values, ids, output_cache(out), kv.mask)
     if key_space == "post_rope":
-        kv.keys = _rotate_outside_forward(kv.keys, model, pos, inverse=False)
+        kv.keys = rotate_outside_forward(kv.keys, model, pos, inverse=False)
     if hidden:
         kv.hidden = hid.stack()
     return out, kv

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from kava_ray.common.errors import KavaError
-from kava_ray.core.kv.capture import _family, attention_layers
+from kava_ray.core.kv.capture import attention_layers, model_family
 from kava_ray.core.models import kv_geometry, rotary_embedding, uses_rotary
 
 
@@ -69,7 +69,7 @@ def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) 
     return out.to(keys.dtype)
 
 
-def _rotate_outside_forward(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rotate_outside_forward(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
     """Keys [L, B, H, T, D] between pre- and post-RoPE space without a forward: unchanged for a model
     without rotary, the model's own rotary for Llama-style rotary, KavaError for other rotary."""
     if not uses_rotary(model):
@@ -79,11 +79,11 @@ def _rotate_outside_forward(keys: torch.Tensor, model, position_ids: torch.Tenso
         return _rope(keys, model, position_ids, inverse=inverse)
     if inverse:
         raise KavaError(
-            f"{_family(model)}: cannot de-rotate cached keys ({problem}); teacher_forward_kv / student_forward_kv "
+            f"{model_family(model)}: cannot de-rotate cached keys ({problem}); teacher_forward_kv / student_forward_kv "
             "capture exact pre-RoPE keys for this family, or use key_space post_rope"
         )
     raise KavaError(
-        f"{_family(model)}: post_rope keys under gradient checkpointing need Llama-style rotary ({problem}); "
+        f"{model_family(model)}: post_rope keys under gradient checkpointing need Llama-style rotary ({problem}); "
         "turn gradient checkpointing off or use align.key_space: pre_rope"
     )
 
