@@ -86,6 +86,24 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
     assert abs(sum(v for k, v in m.items() if k.startswith("fusion/")) - 1) < 1e-5
 
 
+def test_the_in_process_loop_is_the_workers_a_non_finite_loss_ends_it_in_one_line(job_path, teachers_in_process):
+    """The benches' loop (`bench.inprocess.train_in_process`) is the worker's (`recipes.steps.run_steps`): each step's
+    metrics.jsonl record, the data side's figures, and a loss gone non-finite (lr 1e30) ends the run at the next log
+    step with the worker's one line; a sane rate runs every step and stops nothing."""
+    from kava_ray.bench.inprocess import train_in_process
+    from kava_ray.core.plans import in_process_plans
+
+    sane = load_config(job_path, ["train.steps=3"])
+    run = train_in_process(sane, in_process_plans(sane, teachers_in_process), InProcessSource(teachers_in_process), 3)
+    assert run["stopped"] is None and [r["step"] for r in run["records"]] == [1, 2, 3]
+    assert all(r["kind"] == "train" and math.isfinite(r["loss"]) and "lr_student" in r for r in run["records"])
+    assert "teacher_wait_s" in run["last"] and run["last"]["skipped_batches"] == 0
+    bad = load_config(job_path, ["train.steps=4", "optim.lr_student=1e30"])
+    run = train_in_process(bad, in_process_plans(bad, teachers_in_process), InProcessSource(teachers_in_process), 4)
+    assert run["stopped"] is not None and len(run["stopped"].splitlines()) == 1, run["stopped"]
+    assert run["stopped"].startswith("step 2: the loss is not finite") and len(run["losses"]) == 1, run["stopped"]
+
+
 def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_process, monkeypatch):
     """Training and the evaluations that select checkpoints (and Tune trials) read train + validation only;
     the test split is read once, by `test()`, after the last step."""
@@ -94,7 +112,8 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
 
     requested = []
     real = sources.synthetic_split
-    monkeypatch.setattr(sources, "synthetic_split", lambda n, seed, split: requested.append(split) or real(n, seed, split))
+    monkeypatch.setattr(sources, "synthetic_split",
+                        lambda n, seed, split: requested.append(split) or real(n, seed, split))
     cfg = load_config(job_path)
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
     plans = teacher_plans(cfg, geoms, student_geometry(cfg))
@@ -557,7 +576,8 @@ def test_eval_tasks_of_the_run_beside_its_teachers(e2e_run, tmp_path, capsys):
     assert "a uniform guess over the student's vocabulary (above it: worse than guessing)" in printed
     written = Path(ev["written"])
     assert written.parent == run_dir / "eval" and json.loads(written.read_text())["models"] == models
-    assert "share of qwen" in printed and "gap recovered (smol)" in printed and "bits_per_byte (lower better)" in printed
+    assert ("share of qwen" in printed and "gap recovered (smol)" in printed
+            and "bits_per_byte (lower better)" in printed)
     assert "Harness tasks" in summarize_run(run_dir) and "file_mine" in summarize_run(run_dir)
     # with --address: each model a Ray task with its own resources, side by side, the same figures
     assert main(["eval", str(run_dir), "--tasks", "kava_pydoc_ppl", "--limit", "2", "--address", "auto",

@@ -43,7 +43,6 @@ from kava_ray.core.checkpoint import (
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.metric_names import EVAL_TASKS_S, EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summed
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
-from kava_ray.core.nonfinite import FirstBad
 from kava_ray.core.plans import (
     plans_from_payload,
     teacher_tokenizers,
@@ -56,7 +55,8 @@ from kava_ray.recipes.build import build_distiller
 from kava_ray.recipes.evaluate import evaluate_heldout
 from kava_ray.recipes.fit_maps import fit_maps
 from kava_ray.recipes.harness import run_tasks, task_metrics
-from kava_ray.recipes.step_records import evals_through, step_kind, step_record
+from kava_ray.recipes.step_records import evals_through, step_kind
+from kava_ray.recipes.steps import NonFinite, run_steps
 
 
 @dataclass
@@ -104,7 +104,8 @@ class DistillRecipe:
         self.start_step = 0
         self.tokenizer, self.teacher_toks = None, {}
         self.train_split, self.val = None, None
-        # the last step's: its learning rates (before the schedule moves) and how many micro-batches measured each metric
+        # the last step's: its learning rates (before the schedule moves) and how many micro-batches measured each
+        # metric
         self.last_lrs: list = []
         self.measured: dict[str, int] = {}
         self._tasks = None  # train.eval_tasks, resolved at the first evaluation (kava_ray.data.tasks)
@@ -293,7 +294,8 @@ class DistillRecipe:
         return {GRAD_KV_SHARE: (n_kv / get_total_norm(whole).clamp_min(1e-30)).double(),
                 GRAD_KV_RATIO: (n_kv / get_total_norm(rest).clamp_min(1e-30)).double()}
 
-    def save(self, path, step: int, data_state: dict, with_optimizer: bool = True, extra: Optional[dict] = None) -> Path:
+    def save(self, path, step: int, data_state: dict, with_optimizer: bool = True,
+             extra: Optional[dict] = None) -> Path:
         """A checkpoint at `step`: the Distiller (and optimizer), and `data_state` (the step source's `state_dict()`,
         where the data side continues)."""
         return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
@@ -396,18 +398,6 @@ def open_run(recipe: DistillRecipe, source, run_dir: Path, state: Optional[dict]
     return log, first
 
 
-def stops_nonfinite(bad: FirstBad, saved: int, log: Optional[MetricsLog], step: int) -> bool:
-    """Whether the run stops at this log step: a non-finite loss since the last save (`FirstBad`) is no fault to retry
-    from the checkpoint (it would go bad again), but one line for the driver (rank 0's metrics.jsonl)."""
-    try:
-        bad.check(saved)
-    except KavaError as e:
-        if log is not None:
-            log.write({"step": step, "kind": ERROR, "message": str(e)})
-        return True
-    return False
-
-
 def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker; `config` is a `LoopConfig` as a dict."""
     import ray.train  # Ray: see the module docstring
@@ -431,30 +421,28 @@ def train_loop_per_worker(config: dict) -> None:
     with contextlib.closing(data):  # a colocated engine (vLLM) is shut down after the loop's last collective
         evaluates = rank == 0 or recipe.sharded  # FSDP2: every rank runs the sharded forwards, rank 0 logs
         log, last_eval = open_run(recipe, source, run_dir, state, evaluates)  # last_eval: in every report (Tune's)
-        bad, saved = FirstBad(), recipe.start_step  # a non-finite loss: found at the next log step, before any save
         evals = evals_through(recipe.start_step, cfg.train)  # a Tune scheduler's clock, counted on from a resumed step
-        for step in range(recipe.start_step + 1, cfg.train.steps + 1):
-            kind, t0 = step_kind(step, cfg.train), time.perf_counter()
-            values = recipe.step(step, data.next_step(step), grad_share=kind.log and cfg.loss.kv_weight > 0)
-            values.update({k: torch.tensor(v, dtype=torch.float64, device=values["grad_norm"].device)
-                           for k, v in data.step_metrics().items()})  # the teachers' wait, the skips (sampling time)
-            dt = time.perf_counter() - t0
-            bad.update(values, step)
-            if not kind.log:
-                continue
-            if stops_nonfinite(bad, saved, log, step):  # every rank at the same step (the norms are all-reduced)
-                return
-            saved, evals = step if kind.save else saved, evals + kind.eval
-            record = step_record(values, step, dt, recipe.last_lrs, world, recipe.measured)
-            if kind.eval and evaluates:
-                last_eval = recipe.evaluate(source)
-            if rank == 0:
-                log.write(record)
-                if kind.eval:
-                    log.write({"step": step, "kind": "eval", **last_eval})
-                record.update(last_eval)
-            data_state = data.state_dict() if kind.save else data_state  # every rank (collectives)
-            report = {k: v for k, v in record.items() if isinstance(v, (int, float))} | {EVALS: evals}
-            report_step(recipe, report, step, data_state if kind.save else None)  # EVALS: a scheduler's clock
+        steps = run_steps(recipe, data, cfg.train.steps, lambda s: step_kind(s, cfg.train),
+                          grad_share=cfg.loss.kv_weight > 0)
+        try:
+            for done in steps:
+                if done.record is None:  # not a log step
+                    continue
+                kind, step, record = done.kind, done.step, done.record
+                evals += kind.eval
+                if kind.eval and evaluates:
+                    last_eval = recipe.evaluate(source)
+                if rank == 0:
+                    log.write(record)
+                    if kind.eval:
+                        log.write({"step": step, "kind": "eval", **last_eval})
+                    record.update(last_eval)
+                data_state = data.state_dict() if kind.save else data_state  # every rank (collectives)
+                report = {k: v for k, v in record.items() if isinstance(v, (int, float))} | {EVALS: evals}
+                report_step(recipe, report, step, data_state if kind.save else None)  # EVALS: a scheduler's clock
+        except NonFinite as e:  # no fault to retry from the checkpoint (it would go bad again): one line for the driver
+            if log is not None:
+                log.write({"step": e.step, "kind": ERROR, "message": str(e)})
+            return
         if evaluates:
             finish(recipe, source, log, run_dir, data_state)
