@@ -263,8 +263,8 @@ class KVFeed:
         out = []
         for item, reqs, _ in self._inflight:
             r = next(iter(reqs.values()))
-            out.append((r.key, {n: q.input_ids for n, q in reqs.items()}, {n: q.attention_mask for n, q in reqs.items()},
-                        item, r.examples))
+            out.append((r.key, {n: q.input_ids for n, q in reqs.items()},
+                        {n: q.attention_mask for n, q in reqs.items()}, item, r.examples))
         return out
 
     @property

@@ -117,7 +117,8 @@ class KVCache:
             self.meta, self.shards = meta, {}
             self._save_manifest()
         else:
-            raise KavaError(f"KV cache {self.root}: no manifest.json (write the cache with kava-ray teachers precompute)")
+            raise KavaError(f"KV cache {self.root}: no manifest.json "
+                            f"(write the cache with kava-ray teachers precompute)")
 
     @property
     def by_example(self) -> bool:
@@ -280,8 +281,8 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
     resumes). logits_top_k > 0: the teachers' top-k log-probs are cached with the KV (an int, or {teacher:
     k}). `tokenizers`: {teacher: tokenizer} of the teachers aligned by characters, saved under
     `tokenizers/<teacher>/`, with the vocabulary map to the student's of those whose logits the job takes
-    (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads it there). Returns counts in examples (written, skipped, total), bytes and the teacher
-    forwards (batches) run.
+    (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads it there). Returns counts in examples (written,
+    skipped, total), bytes and the teacher forwards (batches) run.
     """
 
     k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)

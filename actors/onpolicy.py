@@ -114,7 +114,8 @@ class OnPolicyStepSource(StepSource):
 
     def items(self) -> Iterator[tuple]:
         o = self.cfg.onpolicy
-        return itertools.chain(self.restored, onpolicy_items(self.stream, self.sampler, o.fraction, self.cfg.train.seed))
+        return itertools.chain(self.restored,
+                               onpolicy_items(self.stream, self.sampler, o.fraction, self.cfg.train.seed))
 
     def next_step(self, step: int):
         self.sampled_s = self.sampler.seconds

@@ -93,8 +93,8 @@ class VLLMEngine:
             self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=self.max_model_len,
                            max_num_seqs=int(max_num_seqs), max_logprobs=self.max_logprobs, seed=int(seed),
                            logprobs_mode="processed_logprobs", generation_config="vllm", skip_tokenizer_init=True,
-                           enable_prefix_caching=False, enforce_eager=not cuda, load_format="dummy" if dummy else "auto",
-                           **memory)
+                           enable_prefix_caching=False, enforce_eager=not cuda,
+                           load_format="dummy" if dummy else "auto", **memory)
         torch.set_num_threads = set_threads
         if preload is None:
             os.environ.pop("LD_PRELOAD", None)

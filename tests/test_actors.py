@@ -366,7 +366,8 @@ def test_bench_feed_runs_every_mode_and_reports_ratios(ray_session, tmp_path):
 
     r = run_feed_bench(steps=3, batch=2, tokens=16, depths=(1, 2), ratios=(2.0,), teacher_counts=(1,),
                        replicas=(2,), replica_steps=4, real_layers=(2,), transport_mib=2, repeats=2,
-                       cross_node=False, transport_warmup_bytes=2**25)  # on a cluster of its own: tests/test_multinode.py
+                       # on a cluster of its own: tests/test_multinode.py
+                       cross_node=False, transport_warmup_bytes=2**25)
     regimes = r["regimes"]
     assert [(g["mode"], g["teachers"]) for g in regimes] == [("timed", 1), ("real", 1)]
     for g in regimes:
@@ -410,7 +411,8 @@ def test_a_running_pool_of_another_config_is_refused(pool, tiny_job, tiny_studen
 
     cfg, _ = pool
     storage = tmp_path / "runs"
-    args = ["train", "--config", str(tiny_job), override.format(student=tiny_student_dir), f"ray.storage_path={storage}"]
+    args = ["train", "--config", str(tiny_job), override.format(student=tiny_student_dir),
+            f"ray.storage_path={storage}"]
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -90,7 +90,8 @@ def test_multi_teacher_json_is_read_by_teacher_name(tmp_path):
     assert build_layer_map("cka", 6, 2, cka_path=path, teacher="a") == a
     lm, shipped = plan_teacher_layers("cka", 3, 2, cka_path=path, teacher="b")
     assert lm == b and shipped == [0, 2]
-    for call in (lambda: load_layer_map(path, "c"), lambda: plan_teacher_layers("cka", 6, 2, cka_path=path, teacher="c")):
+    for call in (lambda: load_layer_map(path, "c"),
+                 lambda: plan_teacher_layers("cka", 6, 2, cka_path=path, teacher="c")):
         with pytest.raises(KavaError) as err:
             call()
         msg = str(err.value)

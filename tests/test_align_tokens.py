@@ -174,7 +174,8 @@ def test_causal_alignment_never_uses_a_teacher_token_that_ends_after_the_student
     lo, hi = v_item["align_lo"], v_item["align_hi"]
     s_canon = canonical_spans(s_item["offsets"], segment_bounds(s_text, ex.question, ex.answer, True))
     t_canon = canonical_spans(t_item["offsets"], segment_bounds(t_text, ex.question, ex.answer, True))
-    for i in range(len(lo)):  # every used teacher token ends (in the shared coordinate) where the student's does or before
+    # every used teacher token ends (in the shared coordinate) where the student's does or before
+    for i in range(len(lo)):
         assert all(t_canon[1][j] <= s_canon[1][i] for j in range(lo[i], hi[i])), i
     # the digits of "123" in the question: "1" and "2" uncovered, "3" takes the teacher's "123"
     digits = [i for i, (s0, s1) in enumerate(s_item["offsets"]) if q + 8 <= s0 < q + 11]
@@ -279,7 +280,8 @@ def reference_apply(x, lo, hi, mode):
             if z <= a:
                 continue
             seg = x[..., b, :, a:z, :].double()
-            out[..., b, :, i, :] = seg.mean(-2) if mode == "mean" else seg[..., -1, :] if mode == "last" else seg[..., 0, :]
+            out[..., b, :, i, :] = (seg.mean(-2) if mode == "mean" else seg[..., -1, :] if mode == "last"
+                                    else seg[..., 0, :])
     return out
 
 
@@ -333,7 +335,8 @@ def test_canonical_spans_rules():
     assert segment_bounds(text.upper(), q, a, False) is None  # a rewritten question: all-unaligned
     assert (canonical_spans(offs, None)[2] == -1).all()
     # no-span teacher tokens neither match nor break monotonicity, even between overlapping ones
-    spans = (np.array([0, 5, -1]), np.array([5, 9, -1]), np.array([-1, 0, 3, -1, 6, -1]), np.array([-1, 3, 6, -1, 9, -1]))
+    spans = (np.array([0, 5, -1]), np.array([5, 9, -1]), np.array([-1, 0, 3, -1, 6, -1]),
+             np.array([-1, 3, 6, -1, 9, -1]))
     lo, hi = align_positions(*spans, causal=False)
     assert lo.tolist()[:2] == [1, 2] and hi.tolist()[:2] == [3, 5] and lo[2] == hi[2]
     lo, hi = align_positions(*spans)  # causal: teacher [3, 6) ends after student [0, 5): only [0, 3) is used

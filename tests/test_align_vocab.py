@@ -90,7 +90,8 @@ def test_hybrid_through_the_real_identity_map_is_the_same_tokenizer_kd(smollm2_t
     logp_full = (torch.randn(1, 4, len(m.t2s), generator=g) * 3).log_softmax(-1)
     logp, ids = logp_full.topk(32, dim=-1)
     tail = logp_full.scatter(-1, ids, float("-inf")).logsumexp(-1)
-    loss, parts = hybrid_logit_loss(student, ids, logp, torch.from_numpy(m.t2s), torch.from_numpy(m.student_unmatched()),
+    loss, parts = hybrid_logit_loss(student, ids, logp, torch.from_numpy(m.t2s),
+                                    torch.from_numpy(m.student_unmatched()),
                                     teacher_tail=tail, matched_weight=m.coverage)
     assert m.coverage == 1.0 and float(parts["uld"]) == 0.0
     assert float(loss) == pytest.approx(float(topk_kl_loss(student, ids, logp, teacher_tail=tail)), rel=1e-6)

@@ -2,11 +2,11 @@
 
 Every backticked span of a page (and every token of its fenced diagrams) that names this repository's code is
 looked up: a path (`kava_ray/core/distiller.py`, `recipes/distill.py`, `core/kv/{batch,rope}.py`, `tune_spaces/*.yaml`)
-must exist; a dotted name (`core.distiller.Distiller.forward`, `runtime/console.status(line)`, `DistillRecipe.build_model`,
-`plans.layer_plan`) must resolve to a module and then to what that module defines or imports, a class's methods and
-attributes included; a bare private name (`_vocab_terms`) must be defined somewhere in the code. Names are resolved
-by parsing the sources with `ast`, not by importing them: no torch, no Ray, a fraction of a second, and a module
-that fails to import still gets its names checked.
+must exist; a dotted name (`core.distiller.Distiller.forward`, `runtime/console.status(line)`,
+`DistillRecipe.build_model`, `plans.layer_plan`) must resolve to a module and then to what that module defines or
+imports, a class's methods and attributes included; a bare private name (`_vocab_terms`) must be defined somewhere
+in the code. Names are resolved by parsing the sources with `ast`, not by importing them: no torch, no Ray, a
+fraction of a second, and a module that fails to import still gets its names checked.
 
 What counts as a reference (strict where it is ours, silent where it is not):
     a dotted name counts when its first part is one of this repository's modules or packages (any dotted suffix of
@@ -206,8 +206,8 @@ def _spans(text: str) -> list[tuple[int, str]]:
             fenced = not fenced
             continue
         if fenced:
-            out += [(no, t) for t in re.findall(rf"(?<![\w./-])(?:{IDENT}/)*{IDENT}(?:\.{IDENT})+|(?<![\w.])_[A-Za-z]\w*",
-                                                line)]
+            out += [(no, t) for t in re.findall(rf"(?<![\w./-])(?:{IDENT}/)*{IDENT}(?:\.{IDENT})+"
+                                                rf"|(?<![\w.])_[A-Za-z]\w*", line)]
         else:
             out += [(no, s) for s in re.findall(r"`([^`\n]+)`", line)]
     return out
@@ -246,14 +246,14 @@ def test_every_code_reference_exists(page):
 
 
 @pytest.mark.parametrize("span", ["core.distiller.Distiller._made_up", "kava_ray/core/made_up.py",
-                                  "runtime/console.made_up(line)", "DistillRecipe.made_up", "Distiller.total", "_made_up_term",
-                                  "plans.made_up", "core/kv/{batch,made_up}.py"])
+                                  "runtime/console.made_up(line)", "DistillRecipe.made_up", "Distiller.total",
+                                  "_made_up_term", "plans.made_up", "core/kv/{batch,made_up}.py"])
 def test_a_made_up_name_is_stale(span):
     assert _problem(span, ROOT)
 
 
 @pytest.mark.parametrize("span", ["ray.train.report", "torch.distributed", "Dataset.map", "fusion.kind",
-                                  "align.projector.kind", "RUN_DIR/logs/", "core.terms.vocab.VocabTerm._routed",
+                                  "align.projector.kind", "RUN_DIR/logs/", "core.terms.ce_logits.CELogitsTerm._routed",
                                   "runtime/console.status(line)", "core/kv/{batch,rope}.py", "kava_ray.data.Batch"])
 def test_a_real_or_foreign_name_passes(span):
     assert _problem(span, ROOT) is None
@@ -283,7 +283,8 @@ def test_no_module_of_the_product_imports_another_s_private_name():
 
 
 def test_a_private_import_is_found_in_one_and_in_several_lines():
-    assert private_imports("from kava_ray.core.losses import _tail_of\n", "x.py") == ["x.py:1: kava_ray.core.losses._tail_of"]
+    assert private_imports("from kava_ray.core.losses import _tail_of\n", "x.py") == [
+        "x.py:1: kava_ray.core.losses._tail_of"]
     several = "from actors.pool import (\n    start_pool,\n    _actor_options,\n)\n"
     assert [h.split(": ")[1] for h in private_imports(several)] == ["actors.pool._actor_options"]
     assert private_imports("from ray._private import worker\nfrom kava_ray.cli import __version__\n") == []

@@ -116,8 +116,8 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
     # a re-run into the same --out reads every finished run back: nothing trains again, the same figures
     again = run_heal_bench(str(job), quick=True, out=str(heal_out), min_gap=0.02, progress=False,
                            arms=["ce", "ce+logits"])
-    assert again["runs"]["ce+logits"] == json.loads(json.dumps(r["runs"]["ce+logits"])) and again["runs_wall_s"] == pytest.approx(
-        sum(x["wall_s"] for a in ("ce", "ce+logits") for x in r["runs"][a]))
+    assert again["runs"]["ce+logits"] == json.loads(json.dumps(r["runs"]["ce+logits"])) and (
+        again["runs_wall_s"] == pytest.approx(sum(x["wall_s"] for a in ("ce", "ce+logits") for x in r["runs"][a])))
     capsys.readouterr()
     print_json_last(r)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -162,7 +162,8 @@ def test_every_command_has_a_handler_and_no_module_loads_torch_or_ray():
     leaves = _leaves(build_parser())
     assert [words for words, p in leaves if not callable(p.get_default("func"))] == []
     assert len(leaves) == 31  # 12 commands; config 2, teachers 4, bench 16 subcommands
-    code = "import sys, kava_ray.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'pydantic'}))"
+    code = ("import sys, kava_ray.cli; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'pydantic'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

@@ -74,11 +74,13 @@ def test_verbose_leaves_the_console_alone(tmp_path, capfd):
     from kava_ray.runtime.console import quiet, status
 
     with quiet(tmp_path / "logs", verbose=True, ray_logs=False):
-        assert kava_ray.runtime.console.LOG_TO_DRIVER is True  # --verbose: workers' lines stream to the console, as before
+        # --verbose: workers' lines stream to the console, as before
+        assert kava_ray.runtime.console.LOG_TO_DRIVER is True
         os.write(2, b"C-level chatter\n")
         status("connecting: embedded Ray")
     with quiet(tmp_path / "quiet-logs", verbose=False, ray_logs=False):
-        assert kava_ray.runtime.console.LOG_TO_DRIVER is False  # quiet: they stay in Ray's logs (copied to RUN_DIR/logs)
+        # quiet: they stay in Ray's logs (copied to RUN_DIR/logs)
+        assert kava_ray.runtime.console.LOG_TO_DRIVER is False
     err = capfd.readouterr().err
     assert "C-level chatter" in err and "connecting: embedded Ray" in err
     assert not (tmp_path / "logs" / "driver.log").exists()

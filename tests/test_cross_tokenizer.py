@@ -114,8 +114,8 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
 def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     """Both teachers' logits train the student: qtok's top-k (over Qwen2's 151k ids) at the teacher positions
     paired with the student's (`batch.teachers["qtok"].logit_pair`: both have read the same text), by the hybrid or
-    ULD loss; `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone (no CE,
-    KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
+    ULD loss; `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone
+    (no CE, KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
     batch lower it."""
     from actors.feed import KVFeed, feed_items
     from kava_ray.core.plans import teacher_logits_top_k, vocab_maps

@@ -32,7 +32,8 @@ def _kl(p_log, q_log):
 
 
 def _jsd(s_log, t_log, beta):
-    """The generalized JSD of GKD (Agarwal et al. 2024, Eq. 1) as TRL defines its ends: beta 0 = KL(T||S), 1 = KL(S||T)."""
+    """The generalized JSD of GKD (Agarwal et al. 2024, Eq. 1) as TRL defines its ends: beta 0 = KL(T||S),
+    1 = KL(S||T)."""
     if beta == 0:
         return _kl(t_log, s_log)
     if beta == 1:
@@ -106,11 +107,14 @@ def test_the_ends_of_the_jsd_are_the_two_kls_and_the_middle_is_symmetric_at_one_
     zs, zt, mask = _case(1)
     s, t, m = torch.tensor(zs), torch.tensor(zt), torch.tensor(mask)
     # forward KL(T||S) at beta 0 is reverse KL at beta 1 with the roles swapped; JSD(0.5) is symmetric
-    assert generalized_jsd_loss(s, t, m, beta=0.0).item() == pytest.approx(generalized_jsd_loss(t, s, m, beta=1.0).item())
-    assert generalized_jsd_loss(s, t, m, beta=0.5).item() == pytest.approx(generalized_jsd_loss(t, s, m, beta=0.5).item())
+    assert generalized_jsd_loss(s, t, m, beta=0.0).item() == pytest.approx(
+        generalized_jsd_loss(t, s, m, beta=1.0).item())
+    assert generalized_jsd_loss(s, t, m, beta=0.5).item() == pytest.approx(
+        generalized_jsd_loss(t, s, m, beta=0.5).item())
     assert generalized_jsd_loss(s, s, m, beta=0.5).item() == pytest.approx(0.0, abs=1e-12)
     assert 0 < generalized_jsd_loss(s, t, m, beta=0.5).item() <= math.log(2)  # JSD's bound
-    assert [divergence_beta(d, 0.3) for d in ("forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled")] == [0, 1, 0.3, 1]
+    assert [divergence_beta(d, 0.3)
+            for d in ("forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled")] == [0, 1, 0.3, 1]
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -344,8 +348,8 @@ def test_a_tempered_q_is_exact_per_position_but_not_over_whole_sequences():
     sequences of a tabular policy: q = pi_S at temperature T draws both tokens; the importance weight pi_S / q makes
     each position's expected gradient exact given its prefix (the first token's block, which has no prefix, matches
     to 1e-10 at any T), but the second token's prefix comes from q, not pi_S: against the gradient of the per-position
-    KL(pi_S || pi_T) with prefixes from pi_S the error is (measured) 0.053 at T 0.7 and 0.114 at T 0.5 (seeds 0-2 of this policy: 0.018-0.115
-    and 0.039-0.219), ~1e-16 at T 1."""
+    KL(pi_S || pi_T) with prefixes from pi_S the error is (measured) 0.053 at T 0.7 and 0.114 at T 0.5 (seeds 0-2
+    of this policy: 0.018-0.115 and 0.039-0.219), ~1e-16 at T 1."""
     pol = Tabular(seed=3, n=2)
     want, first = pol.per_position_kl_grad(), slice(0, pol.V)  # the first token's logits z1: [:V] of the flat grad
     assert _rel(expected_sampled_grad(pol, 1, temperature=1.0), want) < 1e-10

@@ -382,7 +382,8 @@ def test_a_partial_copy_in_a_run_dir_is_passed_over(good_ckpt, tmp_path, capsys)
     from kava_ray.recipes.train import resume_hint
 
     assert resume_hint(run) == f"`kava-ray train --resume {run}` continues it (from step 2)"
-    assert resume_hint(run, address="auto") == f"`kava-ray train --resume {run} --address auto` continues it (from step 2)"
+    assert resume_hint(run, address="auto") == (
+        f"`kava-ray train --resume {run} --address auto` continues it (from step 2)")
     (tmp_path / "fresh" / "logs").mkdir(parents=True)
     assert resume_hint(tmp_path / "fresh") == "no checkpoint was saved yet: nothing to resume"
     rc, err = _cli(capsys, "eval", str(partial))
@@ -459,10 +460,10 @@ def test_sigterm_exits_in_one_line_then_resume_continues_the_curve_through_a_tea
     (`kava_ray.common.signals`; Ray's own SIGTERM handler, which ray.init installs, would exit 1 with a C++ dump and
     no line): exit 143 with one `error: terminated (SIGTERM); `kava-ray train --resume RUN_DIR` continues it (from step
     N)` line within 60 s and nothing of its embedded Ray left; that command, alone (no --config: the run's saved job
-    and the override it started with, which --config would refuse without --resume-override), then finishes the run on the reference
-    curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run again), although
-    its teacher actor's process is SIGKILLed two steps past the interrupt: it restarts (max_restarts) and the
-    feed's requests are retried."""
+    and the override it started with, which --config would refuse without --resume-override), then finishes the run
+    on the reference curve (the steps past the checkpoint it resumes from are dropped from metrics.jsonl and run
+    again), although its teacher actor's process is SIGKILLed two steps past the interrupt: it restarts
+    (max_restarts) and the feed's requests are retried."""
     env = dict(os.environ, RAY_ADDRESS="", PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS")
     name = "sigterm"

@@ -174,7 +174,8 @@ def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> 
     result = {}
     for strategy in ("fsdp", "fsdp-micro", "ddp"):  # fsdp-micro: ray.fsdp_reduce micro_batch
         cfg = load_config(job, ["ray.strategy=ddp"] if strategy == "ddp" else
-                          ["ray.strategy=fsdp", f"ray.fsdp_reduce={'micro_batch' if strategy == 'fsdp-micro' else 'step'}"])
+                          ["ray.strategy=fsdp",
+                           f"ray.fsdp_reduce={'micro_batch' if strategy == 'fsdp-micro' else 'step'}"])
         t_model = teacher_model(cfg, "cpu")
         plans = in_process_plans(cfg, {"t": t_model})
         micro = [(b, teacher_kv(cfg, plans, t_model, b, "cpu")) for b in _micro_batches(cfg)[rank::world]]

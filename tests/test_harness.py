@@ -83,7 +83,8 @@ def test_a_task_that_cannot_load_is_one_line(tmp_path):
     or malformed file, a name given twice: one KavaError naming it, nothing loaded."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
-    cases = {"nosuch_task": r"unknown eval task 'nosuch_task': not one of kava-ray's .* \(`lm-eval ls tasks` lists them\)",
+    cases = {"nosuch_task": r"unknown eval task 'nosuch_task': not one of kava-ray's .* "
+                            r"\(`lm-eval ls tasks` lists them\)",
              "arc_easey": r"unknown eval task 'arc_easey' \(did you mean 'arc_easy'\?\): not one of",
              "arc_easy": r"eval task 'arc_easy': its data cannot be loaded \(ConnectionError: .*allenai/ai2_arc.*"
                          r"Hugging Face cache",

@@ -103,7 +103,8 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
     fsdp = derive(cfg, {"ray.strategy": "fsdp", "ray.num_workers": 2})
     assert fsdp.ray.sharded and not cfg.ray.sharded
     fsdp_plans = in_process_plans(fsdp, models)
-    assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp, sharded=True).projectors["qwen"].kind == "linear"
+    assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp,
+                           sharded=True).projectors["qwen"].kind == "linear"
     assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp).projectors["qwen"].kind == "fit"
     demo = load_config("demo_cpu")
     assert demo.align.projector.kind == "auto" and all(copied_from_teacher(demo, t.name) for t in demo.teachers)
@@ -121,7 +122,8 @@ def test_kv_only_training_from_the_teachers_own_kv_raises_the_projector_free_cos
     # measured on held-out batches: KV-only training moves the student toward its teacher; CE-only training and
     # a KV loss through a random projector move it away (measured: 0.905 -> 0.963, 0.428, 0.052)
     assert kv_id["mean"] - start["mean"] > 0.03, (start, kv_id)
-    assert kv_id["mean"] > ce_only["mean"] + 0.1 and kv_id["mean"] > kv_random["mean"] + 0.1, (kv_id, ce_only, kv_random)
+    assert kv_id["mean"] > ce_only["mean"] + 0.1 and kv_id["mean"] > kv_random["mean"] + 0.1, (
+        kv_id, ce_only, kv_random)
     # KV-only: the KV term is the whole loss, so its share of the student's gradient is 1
     assert all(v["grad/kv_share"] == pytest.approx(1.0, rel=1e-4) for v in curve.values())
 
@@ -231,7 +233,8 @@ def test_a_trained_map_learns_at_the_students_rate_and_fit_refuses_a_fused_targe
     two = {"a": plans["qwen"], "b": plans["qwen"]}
     with pytest.raises(KavaError, match="use fusion.kind: sum with 2 teachers"):
         build_distiller(student, two, kv_geometry(student), cfg)
-    assert build_distiller(student, two, kv_geometry(student), load_config(fit_job, ["fusion.kind=sum"])).names == ["a", "b"]
+    assert build_distiller(student, two, kv_geometry(student),
+                           load_config(fit_job, ["fusion.kind=sum"])).names == ["a", "b"]
     with pytest.raises(KavaError, match=r"fit needs align.mode: structured"):
         load_config(fit_job, ["align.mode=flat"])
 

@@ -325,7 +325,8 @@ def test_a_typo_in_the_section_is_one_line(ojob):  # text records: tests/test_pr
         load_config(ojob, ["onpolicy.fractoin=1"])
     with pytest.raises(KavaError, match="reverse_kl_sampled needs the student's samples"):
         load_config(ojob, ["loss.logit_divergence=reverse_kl_sampled"])
-    with pytest.raises(KavaError, match=r"'onpolicy.top_p': 0.9 never samples the student's tokens outside the nucleus"):
+    with pytest.raises(KavaError, match=r"'onpolicy.top_p': 0.9 never samples the student's tokens "
+                                        r"outside the nucleus"):
         load_config(ojob, ON + ["loss.logit_divergence=reverse_kl_sampled", "onpolicy.top_p=0.9"])
     with pytest.raises(KavaError, match=r"^config key 'onpolicy.temperature': 0.7 draws the samples' prefixes from "
                                         r"the tempered q.*: set onpolicy.temperature=1 with"):

@@ -277,7 +277,8 @@ def test_plan_cli_exit_codes_fits_does_not_fit_bad_input(capsys):
 
     assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8GiB"]) == 0
     assert "fits" in capsys.readouterr().out
-    assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8GiB", "align.mode=flat", "loss.vocab_chunk=0"]) == 3
+    assert main(["plan", "--config", "single_gpu_8gb", "--gpu-mem", "8GiB", "align.mode=flat",
+                 "loss.vocab_chunk=0"]) == 3
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out
     err = captured.err.strip().splitlines()
@@ -398,7 +399,8 @@ def test_fsdp_accumulation_keeps_the_unsharded_gradients_in_the_reduce_dtype():
 
     def grads(*overrides):  # the preset reduces per micro-batch (ray.fsdp_reduce: micro_batch); once per step here
         st = plan(load_config("qwen_7b_student", ["ray.fsdp_reduce=step", *overrides]), 80 * GiB)["devices"]
-        return {k: v for k, v in st["student worker"]["items"].items() if "grads" in k and not k.startswith("fsdp gathered")}
+        return {k: v for k, v in st["student worker"]["items"].items()
+                if "grads" in k and not k.startswith("fsdp gathered")}
 
     assert grads("optim.accumulation=2") == {
         "student grads, unsharded until the last micro-batch (fp32, accumulation 2)": pytest.approx(P * 4, rel=1e-6)}

@@ -1,5 +1,5 @@
-"""The private Ray APIs kava-ray uses (`kava_ray.runtime.ray_private`): still there, on the Ray they were checked against.
-A Ray upgrade fails here first, with the file to re-check named."""
+"""The private Ray APIs kava-ray uses (`kava_ray.runtime.ray_private`): still there, on the Ray they were checked
+against. A Ray upgrade fails here first, with the file to re-check named."""
 
 import pytest
 import ray
@@ -15,5 +15,5 @@ def test_the_private_ray_apis_are_still_there():
 
 def test_the_installed_ray_is_the_one_they_were_checked_against():
     assert ".".join(ray.__version__.split(".")[:2]) == RAY_VERSION, (
-        f"Ray {ray.__version__} is installed, kava_ray/runtime/ray_private.py was written against {RAY_VERSION}: re-check its "
-        f"three private APIs, then update RAY_VERSION")
+        f"Ray {ray.__version__} is installed, kava_ray/runtime/ray_private.py was written against {RAY_VERSION}: "
+        f"re-check its three private APIs, then update RAY_VERSION")

@@ -83,7 +83,8 @@ def readme_run(ray_session, tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, ti
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "chat.jsonl").write_text(chat_records(40))
     block = _readme_job()
-    for printed, local in {"Qwen/Qwen2.5-7B-Instruct": tiny_qwen2_dir, "meta-llama/Llama-3.1-8B-Instruct": tiny_llama_dir,
+    for printed, local in {"Qwen/Qwen2.5-7B-Instruct": tiny_qwen2_dir,
+                           "meta-llama/Llama-3.1-8B-Instruct": tiny_llama_dir,
                            "Qwen/Qwen2.5-0.5B-Instruct": tiny_student_dir,
                            "./my_data/{split}.jsonl": tmp / "chat.jsonl"}.items():
         assert printed in block, printed

@@ -151,7 +151,8 @@ def test_tune_gets_the_trackers_callbacks(tmp_path, monkeypatch):
     assert [type(c) for c in cbs] == [TBXLoggerCallback, MLflowLoggerCallback]
     assert cbs[1].tracking_uri == f"file:{tmp_path / 'sweep' / 'mlruns'}" and cbs[1].experiment_name == "sweep"
     assert tracker_callbacks(validate_config(_job()), tmp_path) == []
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")  # setup() exports its URI (mlflow.set_tracking_uri): undone after
+    # setup() exports its URI (mlflow.set_tracking_uri): undone after
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")
     cbs[1].setup()  # what Tune calls first: the sweep's experiment in the file store
     from mlflow.tracking import MlflowClient
 

@@ -1,4 +1,5 @@
-"""Ray Tune over tiny models: an interrupted ASHA sweep resumes, ASHA stops the bad trial, best.yaml trains; a bad\nspace is refused before anything starts."""
+"""Ray Tune over tiny models: an interrupted ASHA sweep resumes, ASHA stops the bad trial, best.yaml trains; a bad
+space is refused before anything starts."""
 
 import csv
 import json
@@ -46,9 +47,10 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
                                                                                         monkeypatch):
     """One sweep, three trials, one at a time: the first finishes, Ctrl+C stops the sweep (a SIGINT to this
     process, inside Tune's fit): `kava-ray tune` says how to continue in one line, exit 130; `--resume` runs the
-    other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed run's scheduler starts empty, so the
-    good trial before it fills the rung); best.yaml is a job that trains. The job's relative `ray.storage_path` is
-    the command's CWD's: every trial writes there, nothing lands where Tune runs its trials (Ray's session dir)."""
+    other two without running the first again; ASHA stops the bad learning rate at its first rung (the resumed
+    run's scheduler starts empty, so the good trial before it fills the rung); best.yaml is a job that trains. The
+    job's relative `ray.storage_path` is the command's CWD's: every trial writes there, nothing lands where Tune
+    runs its trials (Ray's session dir)."""
     import ray
 
     from kava_ray.cli import main

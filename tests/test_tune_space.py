@@ -168,7 +168,8 @@ def test_schedulers(base):
 
 BAD_PARAMS = [
     # (description, params, text the one line must contain)
-    ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}}, "'optim.lr_studnet': not a JobConfig key (did you mean 'optim.lr_student'?)"),
+    ("unknown key", {"optim.lr_studnet": {"uniform": [0.1, 0.2]}},
+     "'optim.lr_studnet': not a JobConfig key (did you mean 'optim.lr_student'?)"),
     ("a section, not a leaf", {"align.projector": {"choice": [{}]}}, "'align.projector': not a JobConfig key"),
     # keys every trial shares with the sweep (a trial could not apply them): refused with the reason
     ("a teacher's key", {"teachers.0.model": {"choice": ["a", "b"]}},

@@ -122,8 +122,8 @@ def test_chunked_sampled_reverse_kl_and_a_wider_teacher_head_equal_the_whole_log
     wide = dataclasses.replace(kv["qwen"], topk_ids=kv["qwen"].topk_ids.clone())
     wide.topk_ids[..., 3] = 10_000  # past the tiny student's vocabulary
     kv["qwen"] = wide
-    plans = {n: dataclasses.replace(p, geometry=dataclasses.replace(p.geometry, vocab_size=10_001)) if n == "qwen" else p
-             for n, p in plans.items()}
+    plans = {n: dataclasses.replace(p, geometry=dataclasses.replace(p.geometry, vocab_size=10_001))
+             if n == "qwen" else p for n, p in plans.items()}
     for extra in (["loss.logit_divergence=reverse_kl_sampled", "onpolicy.fraction=0.5"], ["loss.logit_tail=none"]):
         b = sampled if "onpolicy.fraction=0.5" in extra else batch
         whole = _run(job, plans, maps, b, kv, [*extra, "loss.vocab_chunk=0"])

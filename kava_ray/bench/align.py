@@ -142,6 +142,7 @@ def format_align_bench(r: dict) -> str:
         "",
         f"alignment: {100 * a['aligned_fraction']:.1f} % of student tokens aligned, "
         f"{a['teacher_per_student']:.2f} teacher tokens per aligned student token, "
-        f"{100 * a['causal_unaligned']:.1f} % left out by the causal rule (every overlapping teacher token ends later), "
+        f"{100 * a['causal_unaligned']:.1f} % left out by the causal rule "
+        f"(every overlapping teacher token ends later), "
         f"{a['build_ms_per_batch']:.1f} ms/batch to build from text, {a['apply_ms_per_batch']:.2f} ms/batch to apply",
     ])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from kava_ray.bench.harness import bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.bench.memory import measure_peak
+from kava_ray.bench.step_setup import bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.common.config import LossConfig, load_config
 from kava_ray.common.files import format_table
 from kava_ray.core.models import load_model

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kava_ray.bench.harness import timed_mean
+from kava_ray.bench.step_setup import timed_mean
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.models import load_model
 from kava_ray.core.sampling import sample

@@ -397,12 +397,14 @@ def format_feed_bench(r: dict) -> str:
     if r["replicas"]:
         out += ["", f"replica scaling (timed, one teacher at T/S = {c['replica_ratio']:g}, depth 2N, batches routed "
                     "by key):",
-                format_table(["replicas N", "T", "S", "step", "max(T/N, S)", "step / max(T/N, S)", "forwards per replica"],
+                format_table(["replicas N", "T", "S", "step", "max(T/N, S)", "step / max(T/N, S)",
+                              "forwards per replica"],
                              [[str(x["replicas"]), _ms(x["T_s"]), _ms(x["S_s"]), _ms(x["step_s"]), _ms(x["expected_s"]),
                                f"{x['step_over_expected']:.2f}", "/".join(map(str, x["forwards_per_replica"]))]
                               for x in r["replicas"]])]
     e = r["early_stop"]
-    out += ["", f"teacher forward serving layers {e['served_layers'][0]}-{e['served_layers'][-1]} of {e['teacher_layers']}: "
+    out += ["", f"teacher forward serving layers {e['served_layers'][0]}-{e['served_layers'][-1]} "
+                f"of {e['teacher_layers']}: "
                 f"whole {e['full_ms']:.1f} ms, stopped after the last served layer {e['stopped_ms']:.1f} ms "
                 f"({e['stopped_over_full']:.2f}x)"]
     t = r["transport"]

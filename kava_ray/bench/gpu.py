@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import transformers
 
-from kava_ray.bench.harness import random_batch, sync_device, timed_mean
+from kava_ray.bench.step_setup import random_batch, sync_device, timed_mean
 from kava_ray.common.config import JobConfig, load_config, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
@@ -406,7 +406,8 @@ def chunked_loss_section(models: Models, device, sz: dict) -> dict:
     b, t = (4, 1024) if device.type == "cuda" else sz["points"][0]
     chunk = 512 if device.type == "cuda" else 64  # (toy sizes: still several chunks)
     rows = []
-    for recipe_name, extra in (("ce", ["loss.kv_weight=0"]), ("ce+logits", ["loss.kv_weight=0", "loss.logit_weight=1"])):
+    for recipe_name, extra in (("ce", ["loss.kv_weight=0"]),
+                               ("ce+logits", ["loss.kv_weight=0", "loss.logit_weight=1"])):
         got = {}
         for path, size in (("whole", 0), ("chunked", chunk)):
             cfg = job(models, name, teacher, b, t, overrides=[*extra, f"loss.vocab_chunk={size}"])
@@ -430,7 +431,8 @@ def chunked_loss_section(models: Models, device, sz: dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         w, c = got["whole"], got["chunked"]
-        rows.append({"recipe": recipe_name, "model": name, "batch": b, "tokens": t, "chunk": chunk, "whole": w, "chunked": c,
+        rows.append({"recipe": recipe_name, "model": name, "batch": b, "tokens": t, "chunk": chunk,
+                     "whole": w, "chunked": c,
                      "loss_rel_diff": abs(c["loss"] - w["loss"]) / max(abs(w["loss"]), 1e-12),
                      "time_ratio": c["step_s"] / w["step_s"],
                      "memory_ratio": None if w["peak_gib"] is None else c["peak_gib"] / w["peak_gib"]})

@@ -210,7 +210,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    address: Optional[str] = None, progress: bool = True, base_arm: Optional[str] = None,
                    onpolicy: bool = False, lr_scale: float = 4.0, width_kv: Optional[int] = None) -> dict:
     """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
-    is paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned learning rate). onpolicy: after the warm start,
+    is paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned learning
+    rate). onpolicy: after the warm start,
     the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate. width_kv: the
     student's attention width-pruned to this many KV groups per layer (`_width_pruned`), the arms `WIDTH_ARMS`
     by default."""
@@ -226,7 +227,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     p, names = _bench_params(quick, steps, seeds, arms or (WIDTH_ARMS if width_kv else None), arm_overrides,
                              base_arm)
     base = _base_job(config, overrides, arm_overrides)
-    root = Path(out or Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+    default = Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}"
+    root = Path(out or default).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     say = _reporter(progress)
@@ -438,7 +440,8 @@ def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, projector: str
     say(f"KV weight ({projector} projector): grad/kv_ratio at weight 1 is {ratio:.4f} (steps 1..{steps}: "
         + " ".join(f"{r:.4f}" for r in ratios) + f"), so KV's gradient equals CE's at weight {1 / ratio:.1f}")
     return {"ratio_at_1": ratio, "ratios": ratios, "kv_unit": 1 / ratio,
-            "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS if ARMS[a].kv_ratio and ARMS[a].projector == projector}}
+            "weights": {a: ARMS[a].kv_ratio / ratio for a in ARMS
+                        if ARMS[a].kv_ratio and ARMS[a].projector == projector}}
 
 
 def _calibration(path: Path, measure: Callable[[], dict]) -> dict:
@@ -637,7 +640,8 @@ def parse_recipe(text: str) -> tuple[str, dict]:
     (NAME, {dotted key: value}); each item is read as an override line (`parse_override`: values are YAML)."""
     name, sep, rest = text.partition(":")
     if not sep or not name or name in ARMS:
-        raise KavaError(f"--recipe {text!r}: expected NAME:key=value,... with a new name (not one of {', '.join(ARMS)})")
+        raise KavaError(f"--recipe {text!r}: expected NAME:key=value,... with a new name "
+                        f"(not one of {', '.join(ARMS)})")
     out = {}
     for item in filter(None, rest.split(",")):
         if "=" not in item:
@@ -671,7 +675,8 @@ def summarize(runs: dict, base_arm: str = BASE) -> dict:
             helps = bool(d_ce and d_ce["excludes_zero"] and d_ce["mean"] < 0
                          and (-d_ce["mean"] >= MIN_NATS or d_gr["mean"] >= MIN_GR))
             hurts = bool(d_ce and d_ce["excludes_zero"] and d_ce["mean"] > 0)
-            s["decision"] = {"helps": helps, "verdict": "helps" if helps else "hurts" if hurts else "no measurable gain"}
+            verdict = "helps" if helps else "hurts" if hurts else "no measurable gain"
+            s["decision"] = {"helps": helps, "verdict": verdict}
         out[arm] = s
     return out
 
@@ -726,8 +731,8 @@ def format_heal(r: dict) -> str:
             ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]
     rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
     st = r["start"]
-    rows.append(["warm start", f"{st['test_ce']:.4f}", "0.0", *[("—" if st.get(k) is None else f"{st[k] * sc:.{d}f}")
-                                                             for k, _, d, sc in keys[2:]], "—", "(all arms start here)"])
+    start_figures = [("—" if st.get(k) is None else f"{st[k] * sc:.{d}f}") for k, _, d, sc in keys[2:]]
+    rows.append(["warm start", f"{st['test_ce']:.4f}", "0.0", *start_figures, "—", "(all arms start here)"])
     for arm, s in r["summary"].items():
         cells = []
         for k, _, d, sc in keys:
@@ -748,7 +753,8 @@ def format_heal(r: dict) -> str:
                     f"at the warm start (Minitron's dynamic α, fixed there)"] if "hidden_unit" in calib else [])
     lr_rows = [[arm, f"{v['lr']:.2g}", (" ".join(f"{float(x):.2g}:{c:.4f}" for x, c in v["grid"].items()) or
                                         f"(the {BASE} arm's rate)")
-                + (" (best on an edge after the extensions)" if v.get("on_edge") else "")] for arm, v in r["lr"].items()]
+                + (" (best on an edge after the extensions)" if v.get("on_edge") else "")]
+               for arm, v in r["lr"].items()]
     kv_line = "KV control (kv-only raises the projector-free KV cosine): " + (
         "not in this run" if kc is None else
         f"{'passes' if kc['passes'] else 'FAILS'}: {kc['start']:.3f} at the warm start -> {kc['end']['mean']:.3f} "

@@ -83,7 +83,8 @@ def format_object_store(r: dict) -> str:
     head = (f"object store on {r['plasma_directory']}, {r['store_bytes'] / 2**30:g} GiB"
             f"{', preallocated' if r['preallocate'] else ''} (Ray start {r['init_s']:.1f} s): {r['payloads']} payloads "
             f"of {r['bytes'] / 2**20:.0f} MiB, actor -> driver")
-    rows = [f"  {name:<12}{1000 * x['s']:6.1f} ms  {x['Bps'] / 1e9:6.2f} GB/s  {x['Bps'] / r['memcpy_Bps']:.2f} x memcpy"
+    rows = [f"  {name:<12}{1000 * x['s']:6.1f} ms  {x['Bps'] / 1e9:6.2f} GB/s  "
+            f"{x['Bps'] / r['memcpy_Bps']:.2f} x memcpy"
             f"  {x['faults']:>6} page faults in the actor" for name, x in (("first ten", r["first"]),
                                                                           ("last ten", r["last"]))]
     return "\n".join([head, *rows, f"  memcpy      {r['memcpy_Bps'] / 1e9:.2f} GB/s"])

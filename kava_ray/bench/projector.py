@@ -111,7 +111,8 @@ def format_projector_ab(result: dict) -> str:
         ])
     c = result["config"]
     title = (f"projector A/B: held-out MSE after {c['steps']} Adam steps (lr {c['lr']:g}, full batch), "
-             f"d={c['d']}, N={c['n']}, {c['seeds']} seeds, elastic mlp_ratio {c['mlp_ratio']:g} dropout {c['dropout']:g}")
+             f"d={c['d']}, N={c['n']}, {c['seeds']} seeds, "
+             f"elastic mlp_ratio {c['mlp_ratio']:g} dropout {c['dropout']:g}")
     out = [title, format_table(header, lines)]
     out.append(f"({result['seconds']:.1f} s)")
     return "\n".join(out)

@@ -139,8 +139,8 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         ft = {}
 
         def tune(name, rec, model, keep, steps, lr, plateau):
-            ft[name] = finetune(base, name, rec.plain, f"{rec.fingerprint}/{rec.plain.name}", model, keep, val, "exact", p,
-                                steps, lr, cache_dir, root, tok, say, plateau)
+            ft[name] = finetune(base, name, rec.plain, f"{rec.fingerprint}/{rec.plain.name}", model, keep, val,
+                                "exact", p, steps, lr, cache_dir, root, tok, say, plateau)
             return ft[name]["path"]
 
         teacher_dir = tune("teacher", full, t_model, None, p["ft_max"], p["lr_teacher"], True)
@@ -173,7 +173,8 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         start = evaluate(load_student(warm, dtype="float32"))
         say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
             f"{start['entropy']:.3f}")
-        ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher, "teacher_dir": teacher_dir,
+        ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher,
+               "teacher_dir": teacher_dir,
                "start_point": {"em": start["em"], "teacher_match": start["teacher_match"]},
                "data": data, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
                "done": root / "runs_done"}
@@ -187,7 +188,8 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
                                                                          "entropy")} for a, rs in runs.items()}
         result = {"config": str(config), "out": str(root), "quick": quick, "params": p, "arms": names,
                   "decision_rule": decision_rule(), "entropy_floor": floor, "teacher_em": teacher_em,
-                  "teacher_train": len(t_train), "finetunes": ft, "start": {k: v for k, v in start.items() if k != "ok"},
+                  "teacher_train": len(t_train), "finetunes": ft,
+                  "start": {k: v for k, v in start.items() if k != "ok"},
                   "lr": lrs, "runs": runs, "summary": summary, "decisions": decisions, "wall_s": time.time() - t_start}
         write_json(root / "bench_scarce.json", result)
         return result

@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kava_ray.bench.chunked_loss import chunk_bench, format_chunk_bench
-from kava_ray.bench.harness import CROSS_COVERAGE, bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.bench.memory import compare_with_plan
+from kava_ray.bench.step_setup import CROSS_COVERAGE, bench_job, kv_stepper, random_batch, sync_device, timed_mean
 from kava_ray.common.config import JobConfig, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import format_table

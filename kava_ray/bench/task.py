@@ -110,8 +110,8 @@ def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optio
     for a in arms or ():
         if a not in ARMS:
             near = difflib.get_close_matches(a, ARMS, n=1)
-            raise KavaError(f"bench task: --arms {a!r} is not an arm" + (f" (did you mean {near[0]!r}?)" if near else "")
-                            + f"; the arms: {', '.join(ARMS)}")
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise KavaError(f"bench task: --arms {a!r} is not an arm{hint}; the arms: {', '.join(ARMS)}")
     if arms is not None and BASE not in arms:
         raise KavaError(f"bench task: --arms must include {BASE!r} (every arm is compared with it)")
     if checker not in CHECKERS:
@@ -130,8 +130,8 @@ def check_gate(min_start: float, min_gap: float, n_test: int) -> None:
             raise KavaError(f"bench task: {flag} {100 * v:g}: a percentage from 0 to 100")
     if math.ceil(min_start * n_test - 1e-9) / n_test > 1.0 - min_gap + 1e-9:
         raise KavaError(f"bench task: no result on {n_test} test prompts can pass the gate (a warm start >= "
-                        f"{100 * min_start:g} % and >= {100 * min_gap:g} points below the teacher's): lower --min-start "
-                        f"or --min-gap")
+                        f"{100 * min_start:g} % and >= {100 * min_gap:g} points below the teacher's): lower "
+                        f"--min-start or --min-gap")
 
 
 def _rows(records: Optional[str], task: str, checker: str, p: dict, names: list,

@@ -139,7 +139,8 @@ def format_task(r: dict) -> str:
     return "\n".join([
         f"task bench ({r['config']}): {r['records']} records ({r['counts']['train']} train; checker {r['checker']}); "
         f"greedy exact match on the first {g['n']} test prompts (at most {p['max_new']} new tokens); {p['steps']} "
-        f"student steps x batch {p['batch_size']} per arm, test seeds {list(range(1, p['seeds'] + 1))} (seed 0 chose each rate)",
+        f"student steps x batch {p['batch_size']} per arm, test seeds {list(range(1, p['seeds'] + 1))} "
+        f"(seed 0 chose each rate)",
         f"teacher: {r['teacher_model']} fine-tuned {ft['teacher']['steps']} steps at lr {p['lr_teacher']:g}, "
         f"validation exact match curve {_curve(ft['teacher']['curve'])}"
         + (" (plateaued)" if ft["teacher"].get("plateaued") else " (stopped at its step limit)"),

@@ -62,7 +62,8 @@ def format_vocab_bench(r: dict, corpora: Optional[list] = None) -> str:
         heads += [f"paired ({c})", f"kv aligned ({c})"]
     rows = []
     for p in r["pairs"]:
-        row = [f"{p['teacher']} -> {p['student']}", f"{p['map']['coverage']:.1%}", f"{p['map']['student_coverage']:.1%}"]
+        row = [f"{p['teacher']} -> {p['student']}", f"{p['map']['coverage']:.1%}",
+               f"{p['map']['student_coverage']:.1%}"]
         for c in corpora:
             row += [f"{p[c]['paired']:.1%}", f"{p[c]['kv']:.1%}"]
         rows.append(row)
@@ -70,7 +71,8 @@ def format_vocab_bench(r: dict, corpora: Optional[list] = None) -> str:
     tokens = {c: r["pairs"][0][c]["student_tokens"] for c in corpora}
     return "\n".join([
         f"vocab bench: real tokenizers, {cfg['docs']} Python doc topics and {cfg['problems']} math problems "
-        f"(each cut at {cfg['max_length']} student tokens; {', '.join(f'{c}: {n} tokens of the first student' for c, n in tokens.items())})",
+        f"(each cut at {cfg['max_length']} student tokens; "
+        f"{', '.join(f'{c}: {n} tokens of the first student' for c, n in tokens.items())})",
         "map: share of the teacher's vocabulary with a student token of the same string (the hybrid loss's matched "
         "weight), and of the student's it reaches; paired: student tokens whose next-token distribution meets a "
         "teacher's (logit_aligned); kv aligned: student tokens the KV alignment covers (aligned)",

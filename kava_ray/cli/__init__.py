@@ -13,7 +13,8 @@ from kava_ray.cli import align, bench, config, data, demo, generate, plan, repor
 from kava_ray.cli import eval as eval_
 from kava_ray.cli.shared import CommandParser, call
 
-COMMANDS = (config, data, teachers, align, train, tune, plan, demo, eval_, generate, report, bench)  # the order of --help
+# the order of --help
+COMMANDS = (config, data, teachers, align, train, tune, plan, demo, eval_, generate, report, bench)
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 

@@ -9,7 +9,8 @@ def register(sub) -> None:
     p_align = sub.add_parser("align", help="measure teacher/student layer alignment")
     align_sub = p_align.add_subparsers(dest="align_command", required=True)
     p = align_sub.add_parser("cka", help="linear CKA of every teacher layer vs every student layer on training "
-                                        "examples -> one JSON of per-teacher layer maps (align.layer_map=cka) + heat maps")
+                                        "examples -> one JSON of per-teacher layer maps (align.layer_map=cka) "
+                                        "+ heat maps")
     add_config_args(p)
     p.add_argument("--samples", type=int, default=64, help="the first N training examples to measure on")
     p.add_argument("--top-k", type=int, default=1, help="teacher layers per student layer (weights: their CKA)")

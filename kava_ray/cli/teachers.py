@@ -54,7 +54,8 @@ def teachers(args) -> int:
 def format_pool(out: dict) -> str:
     """`up` and `down`: one line; `status`: a table."""
     if out["action"] == "up":
-        return f"started {len(out['teachers'])} teacher(s) in namespace '{out['namespace']}': {', '.join(out['teachers'])}"
+        return (f"started {len(out['teachers'])} teacher(s) in namespace '{out['namespace']}': "
+                f"{', '.join(out['teachers'])}")
     if out["action"] == "down":
         return f"stopped: {', '.join(out['teachers']) if out['teachers'] else 'nothing was running'}"
     return format_status(out["teachers"])

@@ -811,7 +811,8 @@ def resolve_paths(cfg: JobConfig, like: Optional[JobConfig] = None) -> JobConfig
             node = node[k] if isinstance(node, dict) else (node[k] if k < len(node) else None)
         return node
 
-    for section, key in (("ray", "storage_path"), ("data", "kv_cache_dir"), ("data", "cache_dir"), ("align", "cka_path")):
+    for section, key in (("ray", "storage_path"), ("data", "kv_cache_dir"), ("data", "cache_dir"),
+                         ("align", "cka_path")):
         fix(d[section], key, at(section), always=True)
     fix(d["data"], "source", at("data"), always=False)
     fix(d["student"], "model", at("student"), always=False)

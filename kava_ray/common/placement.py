@@ -59,7 +59,8 @@ class Node:
     name: str = ""  # how to call it; Ray's node id's first 8 digits when empty
 
     def describe(self) -> str:
-        res = ", ".join(f"{self.resources.get(k, 0):g} {k}" for k in ("CPU", "GPU") if k == "CPU" or k in self.resources)
+        res = ", ".join(f"{self.resources.get(k, 0):g} {k}" for k in ("CPU", "GPU")
+                        if k == "CPU" or k in self.resources)
         return f"node {self.name or self.node_id[:8]} ({self.address}: {res})"
 
 

@@ -1,8 +1,9 @@
 """What a job asks Ray for, in one place: a teacher replica, the teacher pool, a train worker, a whole run.
 
 Pure arithmetic on the config (no Ray): the embedded Ray's size (`kava_ray.runtime.job`), the pool's resource check
-(`actors.pool`), Ray Train's `resources_per_worker` (`kava_ray.recipes.train`) and Tune's concurrency (`kava_ray.recipes.tune`)
-all read these, so they cannot disagree. A run = its workers + Ray Train's controller (1 CPU).
+(`actors.pool`), Ray Train's `resources_per_worker` (`kava_ray.recipes.train`) and Tune's concurrency
+(`kava_ray.recipes.tune`) all read these, so they cannot disagree. A run = its workers + Ray Train's controller
+(1 CPU).
 """
 
 from __future__ import annotations

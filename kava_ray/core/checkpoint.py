@@ -35,7 +35,8 @@ STATE = "state.json"
 # the data side's state (`actors.step_source.StepSource.state_dict`), opaque here: its entries JSON can hold, and
 # (on-policy's batches in flight) the rest, pickled -- so a checkpoint without them is never unpickled
 DATA, DATA_OBJECTS = "data_state.json", "data_state.pt"
-LEGACY_PENDING = "onpolicy_pending.pt"  # (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)
+# (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)
+LEGACY_PENDING = "onpolicy_pending.pt"
 
 
 def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, data_state: dict,
@@ -242,7 +243,8 @@ def finished(ckpt, step: int) -> bool:
         state = json.loads((final / STATE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(state, dict) and state.get("step") == step and "test" in state and incomplete(final, state) is None
+    return (isinstance(state, dict) and state.get("step") == step and "test" in state
+            and incomplete(final, state) is None)
 
 
 def checkpoint_config(path) -> tuple[Path, dict, JobConfig]:
@@ -315,8 +317,9 @@ def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> d
         raise KavaError(f"checkpoint {path} was trained with a different config: {', '.join(keys)}"
                         f" differ")
     _check_identity_projectors(path, saved, cfg)
-    if (saved.loss.hidden_weight > 0) != (cfg.loss.hidden_weight > 0):  # the hidden-state maps and their optimizer
-        raise KavaError(f"checkpoint {path} was trained with loss.hidden_weight={saved.loss.hidden_weight:g}: it "  # state
+    # the hidden-state maps and their optimizer state
+    if (saved.loss.hidden_weight > 0) != (cfg.loss.hidden_weight > 0):
+        raise KavaError(f"checkpoint {path} was trained with loss.hidden_weight={saved.loss.hidden_weight:g}: it "
                         f"cannot continue with loss.hidden_weight={cfg.loss.hidden_weight:g} (on / off changes what "
                         f"the checkpoint holds)")
     if not allow_run_changes:

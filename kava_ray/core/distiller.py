@@ -64,7 +64,7 @@ class Distiller(nn.Module):
         self.names = list(plans)
         self.layers = {n: list(plans[n].layers) for n in self.names}
         self.kv = "kv" in terms  # a job whose teachers ship no KV (a teacher on vLLM) serves log-probs only
-        vocab = terms["vocab"]
+        vocab = terms["ce_logits"]
         self.logit_specs, self.logit_names = vocab.specs, vocab.names
 
     def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch], *, output_kv_term: bool = False,

@@ -110,7 +110,8 @@ class LogitTargets:
     def loss_mask(self, lt: "LogitTeacher", c) -> torch.Tensor:
         """The positions the loss averages over: `m`, less those with no id inside the student's head when the
         forward KL renormalises over the k (`losses.topk_kl_loss`, tail none)."""
-        if lt.cross is None and self.valid is not None and c.logit_divergence == "forward_kl" and c.logit_tail == "none":
+        if (lt.cross is None and self.valid is not None and c.logit_divergence == "forward_kl"
+                and c.logit_tail == "none"):
             return self.m & self.valid.any(-1)
         return self.m
 

@@ -220,7 +220,8 @@ def load_model_config(spec, keep=None, trust_remote_code=None):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code is True)
     if keep:
         if max(keep) >= config.num_hidden_layers:
-            raise KavaError(f"student.keep_layers {list(keep)}: need layer indices in [0, {config.num_hidden_layers - 1}]")
+            raise KavaError(f"student.keep_layers {list(keep)}: need layer indices in "
+                            f"[0, {config.num_hidden_layers - 1}]")
         if getattr(config, "layer_types", None):
             config.layer_types = [config.layer_types[i] for i in keep]
         config.num_hidden_layers = len(keep)

@@ -273,7 +273,8 @@ def _check_identity(mode: str, t_heads: int, t_head_dim: int, s_heads: int, s_he
         raise KavaError("align.projector.kind: identity needs align.mode: structured (flat mixes every layer)")
     if (t_heads, t_head_dim) != (s_heads, s_head_dim):
         raise KavaError(f"align.projector.kind: identity needs the teacher's KV geometry per layer: teacher "
-                        f"{t_heads} heads x {t_head_dim}, student {s_heads} x {s_head_dim} (use auto, linear or elastic)")
+                        f"{t_heads} heads x {t_head_dim}, student {s_heads} x {s_head_dim} "
+                        f"(use auto, linear or elastic)")
 
 
 class TeacherProjector(nn.Module):

@@ -121,7 +121,8 @@ def load_examples(source: str, split: str, n: Optional[int] = None, seed: int = 
                   hub_config: Optional[str] = "main") -> list[Example]:
     """GSM8K examples (question, answer) of a split: `load_records` as Examples (for small splits)."""
     ds = load_records(source, split, n, seed, hub_config)
-    where = f"data source '{source}'" if source_path(source, split) is None else f"data file {source_path(source, split)}"
+    where = (f"data source '{source}'" if source_path(source, split) is None
+             else f"data file {source_path(source, split)}")
     out = []
     for i, row in enumerate(ds):
         record_format(row, "gsm8k", f"{where}: row {i}")

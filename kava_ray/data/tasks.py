@@ -94,7 +94,8 @@ def _file_task(arg: str) -> HarnessTask:
             row = json.loads(line)
         except ValueError as e:
             raise KavaError(f"eval task {arg}: line {i} is not JSON ({e})") from None
-        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str)):
+        if not (isinstance(row, dict) and isinstance(row.get("prompt"), str)
+                and isinstance(row.get("completion"), str)):
             raise KavaError(f"eval task {arg}: line {i} needs string fields prompt and completion")
         n += 1
     if n == 0:

@@ -121,7 +121,8 @@ def encode_texts(tokenizer, texts: list, max_length: int, overlength: str = "tru
     for j, ids in enumerate(tokenizer(texts, add_special_tokens=True)["input_ids"]):
         ids = list(ids) + eos
         if len(ids) > max_length and overlength == "error":
-            raise KavaError(f"{wheres[j] if wheres else f'text {j}'} has {len(ids)} tokens > train.max_length={max_length} "
+            raise KavaError(f"{wheres[j] if wheres else f'text {j}'} has {len(ids)} tokens "
+                            f"> train.max_length={max_length} "
                             "(raise max_length or set data.overlength=truncate)")
         kept = ids[:max_length]
         out.append({"input_ids": kept, "loss_mask": [1] * len(kept), "truncated": len(ids) > max_length,

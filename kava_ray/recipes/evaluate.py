@@ -5,8 +5,8 @@ records only), and KV alignment against the teachers.
 `evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
 `evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.runtime.job`, so this
 module belongs to the orchestration layer. Those two (Ray) are imported where used: the recipe imports this
-module, and `kava-ray bench gpu` builds the recipe on images without Ray. Accuracy on the tiny random test models is ~0 (they emit
-byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
+module, and `kava-ray bench gpu` builds the recipe on images without Ray. Accuracy on the tiny random test models
+is ~0 (they emit byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
 """
 
 from __future__ import annotations
@@ -391,8 +391,8 @@ def eval_config(cfg, overrides: Optional[Sequence[str]]):
     for line in overrides or []:
         key = ".".join(parse_override(line)[0])
         if not key.startswith(EVAL_OVERRIDABLE):
-            raise KavaError(f"eval override {line!r}: {key} is the checkpoint's own (eval may change "
-                            f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in EVAL_OVERRIDABLE)})")
+            may = ", ".join(k.rstrip(".") + (".*" if k.endswith(".") else "") for k in EVAL_OVERRIDABLE)
+            raise KavaError(f"eval override {line!r}: {key} is the checkpoint's own (eval may change {may})")
         keys.append(key)
     run, cfg = cfg, load_config(cfg, list(overrides or []))
     own = same_source(run, cfg)

@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 def trial_dir(cfg: JobConfig) -> Path:
     """This trial's dir in the experiment's storage (not Tune's local staging dir), shared by all nodes."""
     ctx = tune.get_context()
-    path = Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name() / Path(ctx.get_trial_dir()).name
+    path = (Path(cfg.ray.storage_path).expanduser().resolve() / ctx.get_experiment_name()
+            / Path(ctx.get_trial_dir()).name)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -358,4 +359,5 @@ def format_results(out: dict) -> str:
     header = [k for k in rows[0] if k != "error" or any(r["error"] for r in rows)]
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     return "\n".join([format_table(header, [[fmt(r[k]) for k in header] for r in rows]),
-                      f"best: {out['best']['trial']} -> {out['best_config']}  (kava-ray train --config {out['best_config']})"])
+                      f"best: {out['best']['trial']} -> {out['best_config']}  "
+                      f"(kava-ray train --config {out['best_config']})"])

@@ -24,7 +24,8 @@ from kava_ray.common.quiet_start import take as take_early
 from kava_ray.runtime.ray_private import session_logs_dir
 
 _state: dict = {"console": None, "log_dir": None, "ray_started": False, "made": []}
-LOG_TO_DRIVER = True  # ray.init(log_to_driver=...) in `connect`: `quiet` turns it off (workers' lines stay in Ray's logs)
+# ray.init(log_to_driver=...) in `connect`: `quiet` turns it off (workers' lines stay in Ray's logs)
+LOG_TO_DRIVER = True
 
 
 def ray_started() -> None:

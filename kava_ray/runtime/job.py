@@ -65,7 +65,8 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
                 require_cluster: bool = False) -> str:
     """Connect to the job's Ray (`address`, else `ray.address`, else an embedded one sized for the job)."""
     return connect(address or cfg.ray.address, cfg.ray.namespace,
-                   num_cpus=cfg.ray.num_cpus or resources.embedded_cpus(cfg, concurrent_runs), require_cluster=require_cluster)
+                   num_cpus=cfg.ray.num_cpus or resources.embedded_cpus(cfg, concurrent_runs),
+                   require_cluster=require_cluster)
 
 
 def job_session(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: int = 1,

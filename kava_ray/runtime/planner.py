@@ -278,7 +278,8 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     Pp = proj["total"]
     p_opt = (Pp - proj["small"]) * 2 + proj["small"] * 8 if adam8 else Pp * 8
     autocast_copy = proj["linear_weight"] * 2 if policy != "fp32" else 0
-    p_acts = tokens * sum(_projector_bytes(cfg, name, geom, layers_, g, a) for name, (geom, _, layers_) in plans.items())
+    p_acts = tokens * sum(_projector_bytes(cfg, name, geom, layers_, g, a)
+                          for name, (geom, _, layers_) in plans.items())
     items[f"projectors + fusion ({Pp / 1e6:.1f}M params)"] = Pp * 8 + p_opt + autocast_copy + p_acts
 
     # the KV loss saves ~LOSS_S elements per token per student-layout element (K and V together); gate and

@@ -409,7 +409,8 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
         return
     specs = [cfg.student.model, *(t.model for t in cfg.teachers)] if cfg.data.kv_source == "live" else \
         [cfg.student.model]
-    if not _hub_offline() and any(resolve_model(m)[1] is None and not os.path.isdir(resolve_model(m)[0]) for m in specs):
+    if not _hub_offline() and any(resolve_model(m)[1] is None and not os.path.isdir(resolve_model(m)[0])
+                                  for m in specs):
         return
     if torch.cuda.is_available():
         with silenced():

@@ -22,5 +22,5 @@ from kava_ray.core.kv.forward import extract_kv, next_token_logprobs, student_fo
 from kava_ray.core.kv.rope import position_ids_from_mask, rotate_half
 
 __all__ = ["KEY_SPACES", "TOPK_ARRAYS", "WIRE_VERSION", "KVBatch", "attention_layers", "extract_kv",
-           "kv_bytes_per_token", "logits_bytes_per_token", "next_token_logprobs", "position_ids_from_mask", "rotate_half",
-           "student_forward_kv", "teacher_forward_kv", "wire_logits_nbytes", "wire_nbytes"]
+           "kv_bytes_per_token", "logits_bytes_per_token", "next_token_logprobs", "position_ids_from_mask",
+           "rotate_half", "student_forward_kv", "teacher_forward_kv", "wire_logits_nbytes", "wire_nbytes"]

@@ -100,7 +100,8 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     checked against the cache; post_rope: the cache.
 
     logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included); a k
-    past the vocabulary V serves all V ids (the whole distribution, tail -inf); k = 0 skips the LM head, and `stop_early` ends the forward after the deepest selected layer's attention.
+    past the vocabulary V serves all V ids (the whole distribution, tail -inf); k = 0 skips the LM head, and
+    `stop_early` ends the forward after the deepest selected layer's attention.
     hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T, hidden]; the forward then
     runs every decoder layer). token_logprobs: also each next token's log-prob (`KVBatch.token_logp` [B, T]).
     """
@@ -127,7 +128,8 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
             out = run(**kwargs)
         with torch.no_grad():  # outside inference mode, so the stacked copies are normal tensors
             kv = extract_kv(_cache_of(out, stop), model, pos, key_space=key_space, layers=ids, mask=attention_mask)
-            return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs), hid)
+            return _with_hidden(_with_token_logp(_with_topk(kv, out, logits_top_k), out, input_ids, token_logprobs),
+                                hid)
     with KVCapture(model, ids) as cap, hid, stop, torch.inference_mode():
         out = run(**kwargs)
     with torch.no_grad():

@@ -15,7 +15,8 @@ from kava_ray.core.terms.base import StepView, TermParts
 
 class KVTerm:
     """kv_weight * the KV loss; figures: kv_loss, cos_sim / cos_raw / the first, middle and last layer's cosine /
-    contrast_gap (the mean of K and V), cos/<t>, cos_raw/<t>, and aligned/<t> (the share of KV positions a teacher of another tokenizer covers)."""
+    contrast_gap (the mean of K and V), cos/<t>, cos_raw/<t>, and aligned/<t> (the share of KV positions a teacher
+    of another tokenizer covers)."""
 
     name = "kv"
 

@@ -11,21 +11,21 @@ from kava_ray.core.metric_names import CE, LOGIT_KL, TOP1_AGREE, of
 from kava_ray.core.terms.base import StepView, TermParts
 
 
-class VocabTerm:
+class CELogitsTerm:
     """ce_weight * CE + logit_weight * the logit teachers' terms (`logit_kd.targets_term`), each weighted by the
     fusion weights (`_weights`, or per record: `_routed`) on the next-token positions. One logsumexp per position
     serves CE and (at temperature 1) the logit terms. CE is off on the student's own samples (it would teach it what
     it already says; on a teacher's samples it is sequence-level KD). Figures: ce, logit_kl (the weighted loss),
     logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
 
-    name = "vocab"
+    name = "ce_logits"
 
     def __init__(self, parts: TermParts):
         self.c, self.fusion, self.specs = parts.loss, parts.fusion, parts.logit_specs
         self.names = list(self.specs)
 
     @classmethod
-    def build(cls, parts: TermParts) -> "VocabTerm":
+    def build(cls, parts: TermParts) -> "CELogitsTerm":
         return cls(parts)  # always: CE's figure is measured at ce_weight 0 too
 
     def __call__(self, v: StepView) -> torch.Tensor:
@@ -79,7 +79,8 @@ class VocabTerm:
             raise KavaError(f"a record names teacher {unknown[0]!r} (column 'teacher'), but the job's logit teachers "
                             f"are {', '.join(self.names)}")
         m = mask.to(torch.bool)
-        total = m.sum().to(torch.float32).clamp(min=1)  # every named row names a logit teacher; free rows' weights sum to 1
+        # every named row names a logit teacher; free rows' weights sum to 1
+        total = m.sum().to(torch.float32).clamp(min=1)
         free = torch.tensor([not r for r in batch.route], device=m.device)[:, None] & m
         out = {}
         for n, w in zip(self.names, weights):
