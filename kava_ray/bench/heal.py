@@ -209,29 +209,19 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
                    address: Optional[str] = None, progress: bool = True, base_arm: Optional[str] = None,
                    onpolicy: bool = False, lr_scale: float = 4.0, width_kv: Optional[int] = None) -> dict:
-    """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other
-    is paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned learning
-    rate). onpolicy: after the warm start,
-    the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate. width_kv: the
-    student's attention width-pruned to this many KV groups per layer (`_width_pruned`), the arms `WIDTH_ARMS`
-    by default."""
+    """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other is
+    paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned rate). onpolicy:
+    after the warm start, the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student
+    rate. width_kv: the student's attention width-pruned to this many KV groups per layer (`_width_pruned`)."""
     if onpolicy:
-        bad = [a for a in (arms or []) if a not in OP_ARMS]
-        if bad or (arms and OP_BASE not in arms):
-            raise KavaError(f"bench heal --onpolicy: arms must be among {', '.join(OP_ARMS)} and include {OP_BASE} "
-                            f"(got {list(arms)})")
-        onpolicy_arms, arms = list(arms or OP_ARMS), None
+        onpolicy_arms, arms = _onpolicy_arms(arms), None
     base_arm = base_arm or (CONTROL if width_kv else BASE)
     if width_kv is not None and width_kv < 1:
         raise KavaError(f"bench heal: --width-kv {width_kv}: keep at least 1 KV group per layer")
     p, names = _bench_params(quick, steps, seeds, arms or (WIDTH_ARMS if width_kv else None), arm_overrides,
                              base_arm)
     base = _base_job(config, overrides, arm_overrides)
-    default = Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}"
-    root = Path(out or default).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-    say = _reporter(progress)
+    root, t_start, say = _out_dir(base, out), time.time(), _reporter(progress)
     rule = decision_rule(base_arm)
     if not onpolicy:  # (the on-policy arms have a rule of their own, said before they run)
         say(f"decision rule, fixed before the run: {rule}")
@@ -242,18 +232,13 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     if width_kv:  # the student: the layer-dropped copy, its attention width-pruned (Minitron)
         job, width = _width_pruned(job, root, tok, width_kv, say)
     gate = _gate(job, tok, min_gap, say)  # 1. before anything starts
-    variants = variant_jobs(job, root, names)  # 2. the teacher's outputs, once per cache variant
-    cache = _cache_teacher(job, root / "kv_cache", address, progress, say)
-    for name, vjob in variants.items():
-        if name:
-            cache[name] = _cache_teacher(vjob, Path(vjob.data.kv_cache_dir), address, progress, say)
+    variants, cache = _teacher_caches(job, root, names, (address, progress), say)  # 2.
     scorer = Scorer(derive(job, {"data.kv_source": "cache"}), 0, 0)
     warm_dir = root / "warm_start"  # 3. the shared warm start, and the job a Tune sweep continues from
     warm = _warm_start(scorer, tok, warm_dir, p, say)
     if onpolicy:
-        lr = lr_scale * job.optim.lr_student
-        op = run_onpolicy_arms(job, corpus, root, str(warm_dir), tok, p["steps"], p["seeds"], lr, quick, say,
-                               onpolicy_arms)
+        op = run_onpolicy_arms(job, corpus, root, str(warm_dir), tok, p["steps"], p["seeds"],
+                               lr_scale * job.optim.lr_student, quick, say, onpolicy_arms)
         result = {"config": str(config), "out": str(root), "quick": quick, "gate": gate, "ce_start": warm["ce"],
                   "warm_start": warm, "teacher": job.teachers[0].name, "batch_size": p["batch_size"],
                   "onpolicy": op, "wall_s": time.time() - t_start}
@@ -261,19 +246,8 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         return result
     start = _figures(scorer.model(load_student(str(warm_dir), dtype="float32"), tok), warm["ce"],
                      gate["teacher_ce"], job.teachers[0].name)
-    sources = _sources(scorer, variants)
-    calib = _calibration(root / "calibration.json", lambda: _calibrate_kv(job, scorer, str(warm_dir), say))  # 4.
-    for kind in sorted({ARMS[a].projector for a in names if a in ARMS and ARMS[a].kv_ratio} - {"auto"}):
-        calib.setdefault("units", {}).update(_calibration(
-            root / f"calibration_{kind}.json",
-            lambda: {kind: _calibrate_kv(job, scorer, str(warm_dir), say, kind)["kv_unit"]}))
-    if "hidden" in variants:  # the KV weight whose gradient equals CE's; the hidden-state loss's, as the logit loss
-        calib.update(_calibration(root / "calibration_hidden.json",
-                                  lambda: _calibrate_hidden(variants, sources["hidden"], str(warm_dir), say)))
-    _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
-    ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {},
-                      {"auto": calib["kv_unit"], **calib.get("units", {})},
-                      calib.get("hidden_unit", 1.0), (warm["ce"], gate["teacher_ce"]), root / "runs_done", say)
+    ctx, calib = _run_context(job, variants, scorer, tok, warm_dir, p, arm_overrides, names,
+                              (warm["ce"], gate["teacher_ce"]), root, say)  # 4.
     runs, lrs = _run_arms(ctx, names, base_arm)  # 5.
     summary = summarize(runs, base_arm)  # 6. figures, paired differences, decisions
     passes = _control_passes(runs)
@@ -284,12 +258,68 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
               "teacher_ce": gate["teacher_ce"], "test_tokens": int(scorer.test.lengths.sum()),
               "train_blocks": len(scorer.train_split), **cache, "control_passes": passes,
               "kv_control": _kv_control(runs, start, summary), "summary": summary, "test_seeds": test_seeds(p),
-              "kv_rule": kv_rule(), "kv_decision": kv_decision(runs),
-              "runs": runs, "plots": plots,
+              "kv_rule": kv_rule(), "kv_decision": kv_decision(runs), "runs": runs, "plots": plots,
               "arm_overrides": arm_overrides or {}, "job": str(root / "heal_job.yaml"),
               "runs_wall_s": sum(r["wall_s"] for rs in runs.values() for r in rs), "wall_s": time.time() - t_start}
     write_json(root / "bench_heal.json", result)
     return result
+
+
+def _run_context(job, variants: dict, scorer, tok, warm_dir: Path, p: dict, arm_overrides: Optional[dict],
+                 names: list, ends: tuple, root: Path, say) -> tuple["_RunContext", dict]:
+    """(what every run shares, the calibrations): the cache variants' sources, the loss weights measured at the warm
+    start (`_calibrations`), and OUT/heal_job.yaml, the job a Tune sweep continues from."""
+    sources = _sources(scorer, variants)
+    calib = _calibrations(job, scorer, variants, sources, names, warm_dir, root, say)
+    _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
+    ctx = _RunContext(job, variants, sources, scorer, tok, str(warm_dir), p, arm_overrides or {},
+                      {"auto": calib["kv_unit"], **calib.get("units", {})}, calib.get("hidden_unit", 1.0), ends,
+                      root / "runs_done", say)
+    return ctx, calib
+
+
+def _out_dir(base, out: Optional[str]) -> Path:
+    """OUT (created): `--out`, else a dated dir under the job's storage path."""
+    default = Path(base.ray.storage_path) / f"bench-heal-{datetime.now():%Y%m%d-%H%M%S}"
+    root = Path(out or default).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _teacher_caches(job, root: Path, names: list, where: tuple, say) -> tuple[dict, dict]:
+    """(the cache variants' jobs, {"cached_blocks", ..., variant: its figures}): the teacher's outputs computed once
+    per cache variant the arms read (`variant_jobs`: the plain cache, NF4, hidden states)."""
+    address, progress = where
+    variants = variant_jobs(job, root, names)
+    cache = _cache_teacher(job, root / "kv_cache", address, progress, say)
+    for name, vjob in variants.items():
+        if name:
+            cache[name] = _cache_teacher(vjob, Path(vjob.data.kv_cache_dir), address, progress, say)
+    return variants, cache
+
+
+def _onpolicy_arms(arms: Optional[Sequence[str]]) -> list[str]:
+    """`--onpolicy`'s arms: among `OP_ARMS` and with `OP_BASE` (default: all of them)."""
+    bad = [a for a in (arms or []) if a not in OP_ARMS]
+    if bad or (arms and OP_BASE not in arms):
+        raise KavaError(f"bench heal --onpolicy: arms must be among {', '.join(OP_ARMS)} and include {OP_BASE} "
+                        f"(got {list(arms)})")
+    return list(arms or OP_ARMS)
+
+
+def _calibrations(job, scorer, variants: dict, sources: dict, names: list, warm_dir: Path, root: Path, say) -> dict:
+    """The loss weights the arms run at, each measured once at the warm start and kept in OUT (`_calibration`): the
+    KV weight whose gradient equals CE's (`kv_unit`; per projector kind an arm uses, `units`) and the hidden-state
+    loss's, as the logit loss (`hidden_unit`, with the hidden-state variant)."""
+    calib = _calibration(root / "calibration.json", lambda: _calibrate_kv(job, scorer, str(warm_dir), say))
+    for kind in sorted({ARMS[a].projector for a in names if a in ARMS and ARMS[a].kv_ratio} - {"auto"}):
+        calib.setdefault("units", {}).update(_calibration(
+            root / f"calibration_{kind}.json",
+            lambda: {kind: _calibrate_kv(job, scorer, str(warm_dir), say, kind)["kv_unit"]}))
+    if "hidden" in variants:
+        calib.update(_calibration(root / "calibration_hidden.json",
+                                  lambda: _calibrate_hidden(variants, sources["hidden"], str(warm_dir), say)))
+    return calib
 
 
 def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
@@ -725,10 +755,14 @@ def _kv_lines(r: dict) -> list[str]:
     return lines
 
 
-def format_heal(r: dict) -> str:
-    g, base = r["gate"], r.get("base", BASE)
-    keys = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
-            ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]
+HEAL_FIGURES = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl", "KL(t||s)", 3, 1.0),
+                ("top1", "top-1 %", 1, 100.0), ("kv_cos_free", "KV cos (no proj.)", 3, 1.0)]  # key, label, digits, x
+
+
+def _heal_rows(r: dict) -> tuple[list, list]:
+    """(the figures table's rows: the teacher, the warm start, each arm's mean ± sd over seeds and its verdict; the
+    paired differences' rows, each arm against the base)."""
+    keys = HEAL_FIGURES
     rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
     st = r["start"]
     start_figures = [("—" if st.get(k) is None else f"{st[k] * sc:.{d}f}") for k, _, d, sc in keys[2:]]
@@ -747,6 +781,13 @@ def format_heal(r: dict) -> str:
         v = s["vs_base"]
         d_rows.append([arm, fmt_interval(v["test_ce"], 4), fmt_interval(v["gr"], 1, 100.0), fmt_interval(v["kl"], 3),
                        fmt_interval(v["top1"], 1, 100.0), fmt_interval(v["kv_cos_free"], 3)])
+    return rows, d_rows
+
+
+def format_heal(r: dict) -> str:
+    g, base = r["gate"], r.get("base", BASE)
+    keys = HEAL_FIGURES
+    rows, d_rows = _heal_rows(r)
     calib, warm, kc = r["kv_calibration"], r["warm_start"], r.get("kv_control")
     hidden_line = ([f"hidden-state weight (ce+logits+hidden): {calib['hidden_unit']:.2f}, the logit loss "
                     f"({calib['logit_kl_at_start']:.4f}) over the hidden-state loss ({calib['hidden_loss_at_1']:.4f}) "

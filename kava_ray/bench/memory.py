@@ -100,6 +100,16 @@ def _peak() -> int:
     raise KavaError("no VmHWM in /proc/self/status: the memory measurement needs Linux")
 
 
+def _batch(gen: torch.Generator, B: int, T: int) -> Batch:
+    """A random batch [B, T], the first sequence half padding (real batches are padded), the first quarter prompt."""
+    ids = torch.randint(0, 256, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, T // 2:] = 0
+    labels = torch.where(mask.bool(), ids, -100)
+    labels[:, : T // 4] = -100  # prompt tokens
+    return Batch(input_ids=ids, attention_mask=mask, labels=labels, answer_mask=(labels != -100).long())
+
+
 def _run(job: str, steps: int) -> dict:
     """The measuring process: the job's teacher payloads first (then the teachers are freed), then the
     student worker's Distiller and optimizer, `steps` steps, reading each payload as the KVFeed receives it."""
@@ -110,14 +120,6 @@ def _run(job: str, steps: int) -> dict:
     B, T = cfg.train.batch_size, cfg.train.max_length
     accum, depth = cfg.optim.accumulation, cfg.align.prefetch_depth + 1
     gen = torch.Generator().manual_seed(0)
-
-    def batch():  # [B, T], the first sequence half padding (real batches are padded)
-        ids = torch.randint(0, 256, (B, T), generator=gen)
-        mask = torch.ones(B, T, dtype=torch.long)
-        mask[0, T // 2:] = 0
-        labels = torch.where(mask.bool(), ids, -100)
-        labels[:, : T // 4] = -100  # prompt tokens
-        return Batch(input_ids=ids, attention_mask=mask, labels=labels, answer_mask=(labels != -100).long())
 
     # warm up one-time allocations (lazy imports, kernels), then hand freed heap back to the OS
     warm = load_student(cfg.student.model, dtype="float32")
@@ -131,7 +133,7 @@ def _run(job: str, steps: int) -> dict:
     teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
     plans = in_process_plans(cfg, teachers)
     top_k = teacher_logits_top_k(cfg, plans)
-    batches = [batch() for _ in range(steps * accum + depth - 1)]
+    batches = [_batch(gen, B, T) for _ in range(steps * accum + depth - 1)]
     sent = [pickle.dumps({n: teacher_forward_kv(teachers[n], b.input_ids, b.attention_mask, layers=p.layers,
                                                 logits_top_k=top_k[n]).to_wire(cfg.align.wire_dtype)
                           for n, p in plans.items()}, protocol=5) for b in batches]

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import correct, sort_rows, write_records
-from kava_ray.common.config import derive, load_config
+from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
@@ -108,12 +109,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
                      out: Optional[str] = None, cache: Optional[str] = None, arms: Optional[list] = None,
                      progress: bool = True, verbose: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_scarce.json)."""
-    p = dict(QUICK if quick else DEFAULTS)
-    names = list(arms or ARMS)
-    bad = [a for a in names if a not in ARMS]
-    if bad or BASE not in names or CONTROL not in names:
-        raise KavaError(f"bench scarce: arms must be among {', '.join(ARMS)} and include {BASE} and {CONTROL} "
-                        f"(got {' '.join(names)})")
+    p, names = dict(QUICK if quick else DEFAULTS), _arms_checked(arms)
     base = load_config(config, overrides)
     with bench_run(base, "scarce", out, cache, quick, verbose) as (root, cache_dir):
         t_start = time.time()
@@ -121,13 +117,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
 
         say(f"decision rule, fixed before the run: {decision_rule()}")
         rows = sort_rows(p["counts"])
-        if quick:
-            from kava_ray.testing.tiny import build_tiny_model
-
-            t_model = s_model = str(build_tiny_model(root / "tiny_base", family="llama", num_layers=3, hidden_size=64,
-                                                     seed=1))
-        else:
-            t_model, s_model = base.teachers[0].model, base.student.model
+        t_model, s_model = _model_dirs(base, quick, root)
         tok = load_tokenizer(t_model)
         gold, unlabelled = rows["train"][:p["gold"]], rows["train"][p["gold"]:]
         held = {"validation": rows["validation"], "test": rows["test"]}
@@ -146,38 +136,19 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         teacher_dir = tune("teacher", full, t_model, None, p["ft_max"], p["lr_teacher"], True)
         warm = tune("scarce-warm", labelled, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
         teacher = load_model(teacher_dir, dtype="float32")
-        written = teacher_completions(teacher, tok, [r["question"] for r in unlabelled + test], p, cache_dir, say)
-        t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
-                   if written[r["question"]].strip()]
+        t_train, t_test, teacher_em = _teacher_written(teacher, tok, unlabelled, test, p, cache_dir, say)
         distilled = write_records({"train": t_train, **held}, root / "records" / "teacher", "exact")
-        t_test = [written[r["question"]] for r in test]
-        teacher_em = float(np.mean([correct("exact", c, r["answer"]) for c, r in zip(t_test, test)]))
-        say(f"teacher: {100 * teacher_em:.1f} % exact match on the {len(test)} test prompts; its completions of "
-            f"{len(t_train)} unlabelled prompts ({len(unlabelled) - len(t_train)} empty, left out)")
         data = {"gold": labelled, "teacher": distilled}
         job0 = records_job(base, labelled.plain, [("teacher", teacher_dir)], warm, None, p, root)
         test_split, val_split = load_test_split(job0, tok), load_splits(job0, tok)[1]
 
-        def evaluate(student, full_eval: bool = True) -> dict:
-            preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
-                                     batch_size=p["eval_batch"])
-            ok = [int(correct("exact", x, r["answer"])) for x, r in zip(preds, test)]
-            agree = [int(correct("exact", x, t)) for x, t in zip(preds, t_test)]
-            out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
-            if full_eval:
-                sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
-                out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": sample_entropy(sc),
-                            "tokens": sc["tokens"]})
-            return out
-
+        evaluate = _scorer(teacher, tok, test, t_test, p, test_split)
         start = evaluate(load_student(warm, dtype="float32"))
         say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
             f"{start['entropy']:.3f}")
-        ctx = {"base": base, "p": p, "root": root, "tok": tok, "warm": warm, "teacher": teacher,
-               "teacher_dir": teacher_dir,
-               "start_point": {"em": start["em"], "teacher_match": start["teacher_match"]},
-               "data": data, "evaluate": evaluate, "val": val, "val_split": val_split, "say": say,
-               "done": root / "runs_done"}
+        ctx = ScarceContext(base, p, root, tok, warm, teacher, teacher_dir,
+                            {"em": start["em"], "teacher_match": start["teacher_match"]}, data, evaluate, val,
+                            val_split, say)
         runs, lrs = {}, {}
         for arm in names:  # seqkd before seqkd-opd, whose first phase is seqkd at seqkd's rate
             lrs[arm] = _select(ctx, arm, lrs)
@@ -193,6 +164,84 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
                   "lr": lrs, "runs": runs, "summary": summary, "decisions": decisions, "wall_s": time.time() - t_start}
         write_json(root / "bench_scarce.json", result)
         return result
+
+
+@dataclass
+class ScarceContext:
+    """What every arm's run reads: the job, the bench's sizes (`p`), the output dir, the tokenizer, the warm start,
+    the teacher (loaded, and its fine-tuned dir), the warm start's exact match and agreement with the teacher (an
+    on-policy arm's phase 2 starts there), the records of each arm's data, the scorer, the validation rows and split
+    (the rate grid's) and the progress line."""
+
+    base: JobConfig
+    p: dict
+    root: Path
+    tok: Any
+    warm: str
+    teacher: Any
+    teacher_dir: str
+    start_point: dict
+    data: dict
+    evaluate: Callable
+    val: list
+    val_split: Any
+    say: Callable
+
+    @property
+    def done(self) -> Path:  # finished runs, read back by a re-run with the same --out
+        return self.root / "runs_done"
+
+
+def _teacher_written(teacher, tok, unlabelled: list, test: list, p: dict, cache_dir: Path, say
+                     ) -> tuple[list, list, float]:
+    """(the teacher's completions of the unlabelled prompts as records, the empty ones left out; its completions of
+    the test prompts; its exact match on them)."""
+    written = teacher_completions(teacher, tok, [r["question"] for r in unlabelled + test], p, cache_dir, say)
+    t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
+               if written[r["question"]].strip()]
+    t_test = [written[r["question"]] for r in test]
+    teacher_em = float(np.mean([correct("exact", c, r["answer"]) for c, r in zip(t_test, test)]))
+    say(f"teacher: {100 * teacher_em:.1f} % exact match on the {len(test)} test prompts; its completions of "
+        f"{len(t_train)} unlabelled prompts ({len(unlabelled) - len(t_train)} empty, left out)")
+    return t_train, t_test, teacher_em
+
+
+def _arms_checked(arms: Optional[list]) -> list[str]:
+    """The arms to run: among `ARMS` and with `BASE` and `CONTROL` (default: all of them)."""
+    names = list(arms or ARMS)
+    bad = [a for a in names if a not in ARMS]
+    if bad or BASE not in names or CONTROL not in names:
+        raise KavaError(f"bench scarce: arms must be among {', '.join(ARMS)} and include {BASE} and {CONTROL} "
+                        f"(got {' '.join(names)})")
+    return names
+
+
+def _model_dirs(base, quick: bool, root: Path) -> tuple[str, str]:
+    """(the teacher's base model, the student's): the job's, or in quick mode one tiny random Llama for both."""
+    if not quick:
+        return base.teachers[0].model, base.student.model
+    from kava_ray.testing.tiny import build_tiny_model
+
+    tiny = str(build_tiny_model(root / "tiny_base", family="llama", num_layers=3, hidden_size=64, seed=1))
+    return tiny, tiny
+
+
+def _scorer(teacher, tok, test: list, t_test: list, p: dict, test_split) -> Callable:
+    """A student's test figures: greedy exact match on the test prompts and agreement with the teacher's completions
+    (`ok`: per prompt); with `full_eval`, test CE and the teacher-scored reverse KL and entropy of its samples."""
+    def evaluate(student, full_eval: bool = True) -> dict:
+        preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
+                                 batch_size=p["eval_batch"])
+        ok = [int(correct("exact", x, r["answer"])) for x, r in zip(preds, test)]
+        agree = [int(correct("exact", x, t)) for x, t in zip(preds, t_test)]
+        out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
+        if full_eval:
+            sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
+            out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": sample_entropy(sc),
+                        "tokens": sc["tokens"]})
+        return out
+
+    return evaluate
 
 
 def teacher_completions(teacher, tok, prompts: list, p: dict, cache: Path, say) -> dict:
@@ -212,93 +261,96 @@ def teacher_completions(teacher, tok, prompts: list, p: dict, cache: Path, say) 
     return done
 
 
-def _job(ctx: dict, arm: str, seed: int, lr: float, student: str, steps: int, sets: dict):
-    p = ctx["p"]
-    cfg = records_job(ctx["base"], ctx["data"][ARMS[arm]["data"]].plain, [("teacher", ctx["teacher_dir"])], student,
-                      None, p, ctx["root"])
+def _job(ctx: ScarceContext, arm: str, seed: int, lr: float, student: str, steps: int, sets: dict):
+    p = ctx.p
+    cfg = records_job(ctx.base, ctx.data[ARMS[arm]["data"]].plain, [("teacher", ctx.teacher_dir)], student,
+                      None, p, ctx.root)
     return derive(cfg, {**sets, "train.seed": seed, "train.data_seed": seed, "train.steps": steps,
                         "optim.lr_student": lr})
 
 
-def _select(ctx: dict, arm: str, lrs: dict) -> dict:
+def _select(ctx: ScarceContext, arm: str, lrs: dict) -> dict:
     """The arm's rate on the selection seed, by validation exact match then validation CE, over a grid extended
     past an edge."""
-    p = ctx["p"]
+    p = ctx.p
     best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, p["selection_seed"], p["lr"] * m, lrs, select=True),
                                     p["lr_grid"], lambda r: (r["val"]["em"], -r["val"]["ce"]), p["grid_extend"])
     return {"lr": p["lr"] * best, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in sorted(grid)},
             "on_edge": on_edge}
 
 
-def _run(ctx: dict, arm: str, seed: int, lr: float, lrs: dict, select: bool = False) -> dict:
+def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: bool = False) -> dict:
     """One run of `arm` from the warm start (kept under OUT/runs_done, read back by a re-run): with `select`, its
     validation figures only; else its test figures and curves."""
-    p, a = ctx["p"], ARMS[arm]
+    p, a = ctx.p, ARMS[arm]
     first = lrs[CONTROL]["lr"] if "then" in a else None
-    key = run_key({"arm": arm, "seed": seed, "lr": lr, "first": first, "select": select, "warm": ctx["warm"],
+    key = run_key({"arm": arm, "seed": seed, "lr": lr, "first": first, "select": select, "warm": ctx.warm,
                    "p": {k: v for k, v in p.items() if k not in ("seeds", "n_boot")}})
-    path = ctx["done"] / safe_name(arm) / f"seed{seed}-{key}.json"
+    path = ctx.done / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     t0 = time.time()
     steps, every = p["steps"], (None if select else p["curve_every"])
 
     def at(n_steps: int, final: bool):
-        """A phase's curve points: exact match against the gold and the teacher's completions, every `every`
-        steps; not at the phase's step 0 (the warm start's, or the first phase's end) nor at the run's last
-        step (the full evaluation below scores it)."""
-        if select:
-            return None
-        calls, last = [], 1 + n_steps // every + (1 if n_steps % every else 0)
-
-        def ev(recipe):
-            calls.append(1)
-            if len(calls) == 1 or (final and len(calls) == last):
-                return None
-            e = ctx["evaluate"](recipe.distiller.student, full_eval=False)
-            return {"em": e["em"], "teacher_match": e["teacher_match"]}
-        return ev
+        return None if select else _phase_curve(ctx, every, n_steps, final)
 
     def points(run, offset: int = 0) -> list:
         return [(offset + s, e) for s, e in run["curve"] if e is not None]
 
     if "then" in a:  # seqkd for a third of the steps at seqkd's rate, then the second phase at this arm's
         n1 = steps // 3
-        run1 = _train(ctx, _job(ctx, arm, seed, first, ctx["warm"], n1, a["set"]), n1, every, at(n1, False))
-        mid = ctx["root"] / "tmp" / f"{safe_name(arm)}-{seed}-{key}"
+        run1 = _train(ctx, _job(ctx, arm, seed, first, ctx.warm, n1, a["set"]), n1, every, at(n1, False))
+        mid = ctx.root / "tmp" / f"{safe_name(arm)}-{seed}-{key}"
         run1["recipe"].distiller.student.save_pretrained(mid)
-        ctx["tok"].save_pretrained(mid)
+        ctx.tok.save_pretrained(mid)
         cfg2 = _job(ctx, arm, seed, lr, str(mid), steps - n1, {**a["set"], **a["then"]})
         run = _train(ctx, cfg2, steps - n1, every, at(steps - n1, True))
         curve = points(run1) + points(run, n1)
     else:
-        run = _train(ctx, _job(ctx, arm, seed, lr, ctx["warm"], steps, a["set"]), steps, every, at(steps, True))
+        run = _train(ctx, _job(ctx, arm, seed, lr, ctx.warm, steps, a["set"]), steps, every, at(steps, True))
         curve = points(run)
     step_s = run["wall_step_s"]
     student = run["recipe"].distiller.student
     if select:
-        em = generate_answers(student, ctx["tok"], [r["question"] for r in ctx["val"]], max_new_tokens=p["max_new"],
+        em = generate_answers(student, ctx.tok, [r["question"] for r in ctx.val], max_new_tokens=p["max_new"],
                               batch_size=p["eval_batch"])
-        out = {"val": {"em": float(np.mean([correct("exact", x, r["answer"]) for x, r in zip(em, ctx["val"])])),
-                       "ce": heldout_ce(student, ctx["val_split"])}}
+        out = {"val": {"em": float(np.mean([correct("exact", x, r["answer"]) for x, r in zip(em, ctx.val)])),
+                       "ce": heldout_ce(student, ctx.val_split)}}
     else:
-        e = ctx["evaluate"](student)
+        e = ctx.evaluate(student)
         point = {"em": e["em"], "teacher_match": e["teacher_match"]}
         out = {"figures": {k: v for k, v in e.items() if k != "ok"}, "ok": e["ok"],
-               "curve": [(0, ctx["start_point"])] + curve + [(steps, point)]}
+               "curve": [(0, ctx.start_point)] + curve + [(steps, point)]}
     out.update({"seed": seed, "lr": lr, "s_per_step": step_s, "wall_s": time.time() - t0})
     write_json(path, out)
     f = out.get("figures") or out["val"]
-    ctx["say"](f"{arm} seed {seed} lr {lr:.2g}{' (selection)' if select else ''}: exact match {100 * f['em']:.1f} %"
-               + (f", teacher match {100 * f['teacher_match']:.1f} %, test CE {f['test_ce']:.4f}, entropy "
-                  f"{f['entropy']:.3f}" if not select else f", validation CE {f['ce']:.4f}")
-               + f" ({out['wall_s']:.0f} s)")
+    ctx.say(f"{arm} seed {seed} lr {lr:.2g}{' (selection)' if select else ''}: exact match {100 * f['em']:.1f} %"
+            + (f", teacher match {100 * f['teacher_match']:.1f} %, test CE {f['test_ce']:.4f}, entropy "
+               f"{f['entropy']:.3f}" if not select else f", validation CE {f['ce']:.4f}")
+            + f" ({out['wall_s']:.0f} s)")
     return out
 
 
-def _train(ctx: dict, cfg, steps: int, every: Optional[int], evaluate) -> dict:
+def _phase_curve(ctx: ScarceContext, every: int, n_steps: int, final: bool) -> Callable:
+    """A phase's curve points (`train_in_process`'s evaluate): exact match against the gold and the teacher's
+    completions, every `every` steps; not at the phase's step 0 (the warm start's, or the first phase's end) nor at
+    the run's last step (the run's full evaluation scores it)."""
+    calls, last = [], 1 + n_steps // every + (1 if n_steps % every else 0)
+
+    def ev(recipe):
+        calls.append(1)
+        if len(calls) == 1 or (final and len(calls) == last):
+            return None
+        e = ctx.evaluate(recipe.distiller.student, full_eval=False)
+        return {"em": e["em"], "teacher_match": e["teacher_match"]}
+
+    return ev
+
+
+def _train(ctx: ScarceContext, cfg, steps: int, every: Optional[int], evaluate) -> dict:
     """`train_in_process` of job `cfg` against the in-process teacher."""
-    models = {"teacher": ctx["teacher"]}
+    models = {"teacher": ctx.teacher}
     return train_in_process(cfg, in_process_plans(cfg, models), CountingSource(models), steps, every, evaluate)
 
 

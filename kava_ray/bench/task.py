@@ -24,18 +24,19 @@ import difflib
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from kava_ray.bench.heal import safe_name
 from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
-from kava_ray.bench.task_records import CHECKERS, TASKS, file_rows, score, write_records
+from kava_ray.bench.task_records import CHECKERS, TASKS, TaskRecords, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, QUICK_NOTE, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
-from kava_ray.common.config import derive, load_config
+from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import write_json
 from kava_ray.core.metric_names import SAMPLED_TOKENS
@@ -170,26 +171,46 @@ def _fit_sizes(p: dict, rows: dict, tok) -> None:
     p["max_new"] = max(p["max_new"], max(b for _, b in n) + 4)
 
 
+@dataclass
+class TaskContext:
+    """What every arm's run reads: the job, the records and the bench's sizes (`p`), the output dir, the tokenizer,
+    the warm start, the teachers (loaded, and their fine-tuned dirs), the scorer of a student, the validation rows
+    and split (the rate grid's), the checker and the progress line."""
+
+    base: JobConfig
+    rec: TaskRecords
+    p: dict
+    root: Path
+    tok: Any
+    warm: str
+    models: dict
+    paths: dict
+    evaluate: Callable
+    val: list
+    val_split: Any
+    checker: str
+    say: Callable
+
+    @property
+    def done(self) -> Path:  # finished runs, read back by a re-run with the same --out
+        return self.root / "runs_done"
+
+
 def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, records: Optional[str] = None,
                    task: Optional[str] = None, checker: str = "number", arms: Optional[Sequence[str]] = None,
                    steps: Optional[int] = None, seeds: Optional[int] = None, quick: bool = False,
                    out: Optional[str] = None,
                    cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
                    progress: bool = True, verbose: bool = True) -> dict:
-    """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json)."""
+    """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json). Stages: the
+    records, the fine-tunes, the gate, the arms, the summary."""
     p, names = _params(quick, steps, seeds, arms, records, checker)
     check_gate(min_start, min_gap, p["n_test"])
-    if task is not None and records is not None:
-        raise KavaError("bench task: --task names a built-in task and --records a file of your own: give one")
-    task = task or "arith"
-    if task not in TASKS:
-        raise KavaError(f"bench task: --task {task!r}: one of {', '.join(TASKS)} (or --records FILE.jsonl)")
+    task = _task_name(task, records)
     base = load_config(config, overrides)
     rows, names, dropped = _rows(records, task, checker, p, names, arms is not None)
     with bench_run(base, "task", out, cache, quick, verbose) as (root, cache_dir):
-        t_start = time.time()
-        say = reporter("task", progress)
-
+        t_start, say = time.time(), reporter("task", progress)
         say(f"decision rule, fixed before the run: {decision_rule()}")
         say(f"gate, fixed before the run: the warm start's exact match >= {100 * min_start:g} % and >= "
             f"{100 * min_gap:g} points below the teacher's")
@@ -201,80 +222,106 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         if not quick:  # (the quick mode's tiny random models answer nothing: its sizes stay small)
             _fit_sizes(p, rows, tok)
         val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
-        ft = {}  # the fine-tunes: the generalist teacher, the specialists, the warm start
         two = any(ARMS[a]["teachers"] == "two" for a in names)  # the specialists are needed
-
-        def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
-            ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
-                                checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
-            return ft[name]
-
-        tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
-        if two:
-            for spec in rec.specialists:
-                tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
-                     p["lr_teacher"], True)
-        # the student's start: its model's layers `keep`; where the job's student is its teacher's model (the demo),
-        # the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student starts in the regime
-        # on-policy distillation needs (it writes the answer format)
-        pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
-        tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
-        ft["warm"]["from"] = str(pruned)
+        ft = _finetunes(base, rec, p, tok, (t_model, s_model), val, checker, two, (cache_dir, root), say)
         teacher = load_model(ft["teacher"]["path"], dtype="float32")
         job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
-        test_split = load_test_split(job0, tok)
-        val_split = load_splits(job0, tok)[1]
-
-        def evaluate(student) -> dict:
-            em = score(student, tok, test, checker, p)
-            sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
-            return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
-                    "teacher_nll": sc["teacher_nll"], "entropy": sample_entropy(sc), "tokens": sc["tokens"],
-                    "samples": em["samples"], "ok": em["ok"]}
-
-        t_em = score(teacher, tok, test, checker, p)
-        start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
-        gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
-                "n": len(test), "skipped": quick}
-        gate["passes"] = start["em"] >= min_start and t_em["em"] - start["em"] >= min_gap
-        say(f"gate: teacher {100 * t_em['em']:.1f} %, warm start {100 * start['em']:.1f} % exact match on {len(test)} "
-            f"test prompts: " + (QUICK_GATE if quick else "passes" if gate["passes"] else "FAILS"))
-        write_json(root / "gate.json", {"gate": gate, "finetunes": ft, "start": start})
-        if not gate["passes"] and not quick:
-            raise KavaError(f"bench task: gate fails: the warm start's exact match {100 * start['em']:.1f} % (needs >= "
-                            f"{100 * min_start:g} %) against the teacher's {100 * t_em['em']:.1f} % (needs >= "
-                            f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
-                            f"({root / 'gate.json'})")
+        evaluate = _scorer(teacher, tok, test, checker, p, load_test_split(job0, tok))
+        t_em, start, gate = _gate(teacher, ft, evaluate, (tok, test, checker, p), (min_start, min_gap), quick,
+                                  root, say)
         models = {"teacher": teacher}
         for spec in rec.specialists if two else ():
             models[spec] = load_model(ft[spec]["path"], dtype="float32")
-        ctx = {"base": base, "rec": rec, "p": p, "root": root, "tok": tok, "warm": ft["warm"]["path"],
-               "models": models, "paths": {n: ft[n]["path"] for n in models}, "evaluate": evaluate, "val": val,
-               "val_split": val_split, "say": say,
-               "checker": checker, "done": root / "runs_done"}
+        ctx = TaskContext(base, rec, p, root, tok, ft["warm"]["path"], models, {n: ft[n]["path"] for n in models},
+                          evaluate, val, load_splits(job0, tok)[1], checker, say)
         runs, lrs = {}, {}
         for arm in names:
             runs[arm], lrs[arm] = _arm(ctx, arm)
         floor = ENTROPY_FLOOR * start["entropy"]
         summary = summarize(runs, floor, quick=quick, own_samples=[a for a in names if samples_own(a)])
-        result = {"config": str(config), "out": str(root), "quick": quick, "params": {k: v for k, v in p.items()},
+        result = {"config": str(config), "out": str(root), "quick": quick, "params": dict(p),
                   "records": records or task, "checker": checker, "dropped": dropped, "counts": rec.counts,
-                  "arms": names,
-                  "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor, "gate": gate,
-                  "teacher_model": t_model, "student_model": s_model, "finetunes": ft, "teacher_em": t_em,
-                  "start": start, "lr": lrs, "runs": runs, "summary": summary, "vs_trl": pair(runs, "onpolicy-gkd",
-                                                                                             "trl-gkd", quick),
+                  "arms": names, "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor,
+                  "gate": gate, "teacher_model": t_model, "student_model": s_model, "finetunes": ft,
+                  "teacher_em": t_em, "start": start, "lr": lrs, "runs": runs, "summary": summary,
+                  "vs_trl": pair(runs, "onpolicy-gkd", "trl-gkd", quick),
                   "mopd": {o: pair(runs, "mopd", o, quick) for o in ("fused", "onpolicy-jsd+ce")},
                   "wall_s": time.time() - t_start}
         write_json(root / "bench_task.json", result)
         return result
 
 
-def _arm(ctx: dict, arm: str) -> tuple[list, dict]:
+def _task_name(task: Optional[str], records: Optional[str]) -> str:
+    """The built-in task to run (default `arith`), refused beside a records file of the user's own."""
+    if task is not None and records is not None:
+        raise KavaError("bench task: --task names a built-in task and --records a file of your own: give one")
+    task = task or "arith"
+    if task not in TASKS:
+        raise KavaError(f"bench task: --task {task!r}: one of {', '.join(TASKS)} (or --records FILE.jsonl)")
+    return task
+
+
+def _finetunes(base, rec: TaskRecords, p: dict, tok, model_dirs: tuple, val: list, checker: str, two: bool,
+               dirs: tuple, say) -> dict:
+    """{name: its fine-tune (`task_finetune.finetune`)}: the generalist teacher, the specialists (`two`) and the
+    student's warm start. The warm start is the student model's layers `keep`; where the job's student is its
+    teacher's model (the demo), the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student
+    starts in the regime on-policy distillation needs (it writes the answer format)."""
+    (t_model, s_model), (cache_dir, root), ft = model_dirs, dirs, {}
+
+    def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
+        ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
+                            checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
+
+    tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
+    for spec in rec.specialists if two else ():
+        tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
+             p["lr_teacher"], True)
+    pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
+    tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
+    ft["warm"]["from"] = str(pruned)
+    return ft
+
+
+def _scorer(teacher, tok, test: list, checker: str, p: dict, test_split) -> Callable:
+    """A student's test figures: greedy exact match on the test prompts, test CE of their records, and the
+    teacher-scored reverse KL and entropy of its own samples."""
+    def evaluate(student) -> dict:
+        em = score(student, tok, test, checker, p)
+        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
+        return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
+                "teacher_nll": sc["teacher_nll"], "entropy": sample_entropy(sc), "tokens": sc["tokens"],
+                "samples": em["samples"], "ok": em["ok"]}
+
+    return evaluate
+
+
+def _gate(teacher, ft: dict, evaluate, scoring: tuple, bounds: tuple, quick: bool, root: Path, say
+          ) -> tuple[dict, dict, dict]:
+    """(the teacher's exact match, the warm start's figures, the gate): stated, written to OUT/gate.json, and a
+    failing gate one line before any arm runs (quick mode: stated and skipped)."""
+    (tok, test, checker, p), (min_start, min_gap) = scoring, bounds
+    t_em = score(teacher, tok, test, checker, p)
+    start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
+    gate = {"teacher_em": t_em["em"], "start_em": start["em"], "min_start": min_start, "min_gap": min_gap,
+            "n": len(test), "skipped": quick}
+    gate["passes"] = start["em"] >= min_start and t_em["em"] - start["em"] >= min_gap
+    say(f"gate: teacher {100 * t_em['em']:.1f} %, warm start {100 * start['em']:.1f} % exact match on {len(test)} "
+        f"test prompts: " + (QUICK_GATE if quick else "passes" if gate["passes"] else "FAILS"))
+    write_json(root / "gate.json", {"gate": gate, "finetunes": ft, "start": start})
+    if not gate["passes"] and not quick:
+        raise KavaError(f"bench task: gate fails: the warm start's exact match {100 * start['em']:.1f} % (needs >= "
+                        f"{100 * min_start:g} %) against the teacher's {100 * t_em['em']:.1f} % (needs >= "
+                        f"{100 * min_gap:g} points above it) on {len(test)} test prompts; nothing run "
+                        f"({root / 'gate.json'})")
+    return t_em, start, gate
+
+
+def _arm(ctx: TaskContext, arm: str) -> tuple[list, dict]:
     """An arm's learning rate (the selection seed 0, by validation exact match then validation CE, over a grid
     extended past an edge at most p["grid_extend"] times) and its runs on the test seeds 1..p["seeds"] at that rate
     (seed 0 is not among them: its validation-chosen rate would flatter its test figures)."""
-    p = ctx["p"]
+    p = ctx.p
     best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, p["lr"] * m, with_val=True), p["lr_grid"],
                                     lambda r: (r["val"]["em"], -r["val"]["ce"]), p["grid_extend"])
     lr = p["lr"] * best
@@ -282,30 +329,30 @@ def _arm(ctx: dict, arm: str) -> tuple[list, dict]:
     return [_run(ctx, arm, s, lr) for s in range(1, p["seeds"] + 1)], info
 
 
-def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> dict:
+def _run(ctx: TaskContext, arm: str, seed: int, lr: float, with_val: bool = False) -> dict:
     """One run of `arm` from the warm start (kept under OUT/runs_done and read back by a re-run)."""
-    p, a, rec = ctx["p"], ARMS[arm], ctx["rec"]
+    p, a, rec = ctx.p, ARMS[arm], ctx.rec
     two = a["teachers"] == "two"
     teachers = list(rec.specialists) if two else ["teacher"]
-    key = run_key({"arm": arm, "seed": seed, "lr": lr, "val": with_val, "warm": ctx["warm"], "p": {
+    key = run_key({"arm": arm, "seed": seed, "lr": lr, "val": with_val, "warm": ctx.warm, "p": {
         k: v for k, v in p.items() if k not in ("ft_max", "ft_every", "seeds")}, "records": rec.fingerprint})
-    path = ctx["done"] / safe_name(arm) / f"seed{seed}-{key}.json"
+    path = ctx.done / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    models = {n: ctx["models"][n] for n in teachers}
+    models = {n: ctx.models[n] for n in teachers}
     samples = p["steps"] * p["batch_size"]
     t0 = time.time()
     # the arm's job (the TRL arm's too: its batches are this job's, in this job's order)
     records_dir = rec.routed if a.get("routed") else rec.plain
-    cfg = records_job(ctx["base"], records_dir, [(n, ctx["paths"][n]) for n in teachers], ctx["warm"], None, p,
-                      ctx["root"])
+    cfg = records_job(ctx.base, records_dir, [(n, ctx.paths[n]) for n in teachers], ctx.warm, None, p,
+                      ctx.root)
     vocab = int(models["teacher" if "teacher" in models else teachers[0]].config.vocab_size)
     sets = {k: (vocab if v == "vocab" else v) for k, v in a.get("set", {}).items()}  # GKD's whole vocabulary
     cfg = derive(cfg, {**sets, "train.seed": seed, "train.data_seed": seed, "train.steps": p["steps"],
                        "optim.lr_student": lr})
     if a.get("trl"):
-        r = run_trl_gkd(load_student(ctx["warm"], dtype="float32"), models["teacher"], ctx["tok"],
-                        kava_batches(cfg, ctx["tok"], p["steps"]), seed, lr, p)
+        r = run_trl_gkd(load_student(ctx.warm, dtype="float32"), models["teacher"], ctx.tok,
+                        kava_batches(cfg, ctx.tok, p["steps"]), seed, lr, p)
         student, train_s, step_s = r["student"], r["train_s"], r["step_s"]
         work = {"teacher_rows_per_sample": r["teacher_rows_per_sample"], "generated_per_sample":
                 r["generated_per_sample"], "loss": r["loss"]}
@@ -317,15 +364,15 @@ def _run(ctx: dict, arm: str, seed: int, lr: float, with_val: bool = False) -> d
         work = {"teacher_rows_per_sample": source.rows / samples,
                 "teacher_written_per_sample": source.written / samples,
                 "generated_per_sample": (run["sums"].get(SAMPLED_TOKENS, 0.0)) / samples}
-    out = {"seed": seed, "lr": lr, "figures": ctx["evaluate"](student), "s_per_step": step_s,
+    out = {"seed": seed, "lr": lr, "figures": ctx.evaluate(student), "s_per_step": step_s,
            "train_s": train_s, "wall_s": None, **work}
     if with_val:
-        out["val"] = {"em": score(student, ctx["tok"], ctx["val"], ctx["checker"], p)["em"],
-                      "ce": heldout_ce(student, ctx["val_split"])}
+        out["val"] = {"em": score(student, ctx.tok, ctx.val, ctx.checker, p)["em"],
+                      "ce": heldout_ce(student, ctx.val_split)}
     out["wall_s"] = time.time() - t0
     write_json(path, out)
     f = out["figures"]
-    ctx["say"](f"{arm} seed {seed} lr {lr:.2g}: exact match {100 * f['em']:.1f} %, test CE {f['test_ce']:.4f}, "
-               f"reverse KL {f['rkl']:.3f}, entropy {f['entropy']:.3f}, {out['s_per_step']:.1f} s/step "
-               f"({out['wall_s']:.0f} s)")
+    ctx.say(f"{arm} seed {seed} lr {lr:.2g}: exact match {100 * f['em']:.1f} %, test CE {f['test_ce']:.4f}, "
+            f"reverse KL {f['rkl']:.3f}, entropy {f['entropy']:.3f}, {out['s_per_step']:.1f} s/step "
+            f"({out['wall_s']:.0f} s)")
     return out

@@ -102,6 +102,24 @@ def _curve(c: list) -> str:
     return " ".join(f"{s}:{100 * e['em']:.0f}%" for s, e in c)
 
 
+def _pair_lines(r: dict) -> list[str]:
+    """The pairs beyond the base: kava-ray's onpolicy-gkd against TRL's trl-gkd, and mopd against the others."""
+    vs, mo = r.get("vs_trl"), r.get("mopd") or {}
+    extra = []
+    if vs:
+        extra.append(f"kava-ray onpolicy-gkd against TRL trl-gkd (GKDTrainer, λ {TRL_LMBDA}, β {TRL_BETA}): exact "
+                     f"match {fmt_interval(vs['em'], 1, 100.0)} points over seeds, "
+                     f"{fmt_interval(vs.get('em_sp'), 1, 100.0)} over seeds x prompts, test CE "
+                     f"{fmt_interval(vs['test_ce'], 4)}, s/step ratio {vs['step_ratio']:.2f} (onpolicy-gkd / "
+                     f"trl-gkd, this run): {vs.get('parity', '—')} (same: both intervals inside +-{100 * SAME_EM:.0f} "
+                     f"points and +-{SAME_CE} nats)")
+    for other, v in mo.items():
+        if v:
+            extra.append(f"mopd - {other}: exact match {fmt_interval(v['em'], 1, 100.0)} points, test CE "
+                         f"{fmt_interval(v['test_ce'], 4)}")
+    return extra
+
+
 def format_task(r: dict) -> str:
     p, g, st = r["params"], r["gate"], r["start"]
     ft = r["finetunes"]
@@ -123,19 +141,7 @@ def format_task(r: dict) -> str:
                s["decision"]["verdict"]] for arm, s in r["summary"].items() if "vs_base" in s]
     lr_rows = [[arm, f"{v['lr']:.3g}", " ".join(f"{x}:{100 * c['em']:.0f}%/{c['ce']:.3f}" for x, c in v["grid"].items())
                 + (" (best on an edge after the extensions)" if v["on_edge"] else "")] for arm, v in r["lr"].items()]
-    vs, mo = r.get("vs_trl"), r.get("mopd") or {}
-    extra = []
-    if vs:
-        extra.append(f"kava-ray onpolicy-gkd against TRL trl-gkd (GKDTrainer, λ {TRL_LMBDA}, β {TRL_BETA}): exact "
-                     f"match {fmt_interval(vs['em'], 1, 100.0)} points over seeds, "
-                     f"{fmt_interval(vs.get('em_sp'), 1, 100.0)} over seeds x prompts, test CE "
-                     f"{fmt_interval(vs['test_ce'], 4)}, s/step ratio {vs['step_ratio']:.2f} (onpolicy-gkd / "
-                     f"trl-gkd, this run): {vs.get('parity', '—')} (same: both intervals inside +-{100 * SAME_EM:.0f} "
-                     f"points and +-{SAME_CE} nats)")
-    for other, v in mo.items():
-        if v:
-            extra.append(f"mopd - {other}: exact match {fmt_interval(v['em'], 1, 100.0)} points, test CE "
-                         f"{fmt_interval(v['test_ce'], 4)}")
+    extra = _pair_lines(r)
     return "\n".join([
         f"task bench ({r['config']}): {r['records']} records ({r['counts']['train']} train; checker {r['checker']}); "
         f"greedy exact match on the first {g['n']} test prompts (at most {p['max_new']} new tokens); {p['steps']} "
