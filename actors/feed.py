@@ -74,7 +74,7 @@ class KVRequest(NamedTuple):
 
 class KVSource(Protocol):
     """Where a KVFeed's teacher answers come from: `ActorSource` (live actors), `actors.kv_cache.CacheSource`
-    (the on-disk cache), `kava_ray.testing.sources.InProcessSource` (teachers in this process). `submit` starts
+    (the on-disk cache), `kava_ray.testing.inprocess_source.InProcessSource` (teachers in this process). `submit` starts
     one teacher's work on a request and returns a future (anything); `result` turns it into the wire payload."""
 
     def submit(self, name: str, request: KVRequest) -> Any: ...

@@ -4,7 +4,7 @@ teachers score them.
 `OnPolicyStepSource` is the `actors.step_source.StepSource` whose items go through a `Sampler` for a share
 `onpolicy.fraction` of the batches (GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw
 the same): it samples each row's completion with a `actors.engines.CompletionEngine` and returns the sampled batch
-(`data.onpolicy.sampled_batch`) under a key made of its content (replicas and Tune trials that sampled the same
+(`data.completions.sampled_batch`) under a key made of its content (replicas and Tune trials that sampled the same
 sequences share one teacher forward); the KVFeed then asks every teacher for it like any other batch. When the
 sampling happens relative to training is the feed's depth, batches taken only as a step asks for one:
 `onpolicy.lag` 1 samples batch n + 1 as step n asks for batch n (the teachers score n meanwhile, and n + 1 while the
@@ -28,7 +28,7 @@ from actors.step_source import StepSource, gathered
 from kava_ray.common.config import JobConfig
 from kava_ray.core.metric_names import SAMPLE_S
 from kava_ray.data import Batch, BatchStream, TokenizedSplit
-from kava_ray.data.onpolicy import prompts_of, sampled_batch
+from kava_ray.data.completions import prompts_of, sampled_batch
 
 
 def _unit(*parts) -> float:

@@ -5,7 +5,7 @@ torchtune's `StatefulDataLoader` shape: one object per rank owns the batch strea
 training split), the teachers' feed over it (`actors.feed.KVFeed`, `depth` batches ahead) and the batches skipped for
 non-finite teacher KV (train.on_bad_kv=skip); the recipe only asks for a step's batches and saves `state_dict()` as
 one opaque entry of its checkpoint. On-policy distillation is a subclass in its own module
-(`actors.onpolicy.OnPolicyStepSource`: the sampler, its lag and the batches in flight).
+(`actors.onpolicy_source.OnPolicyStepSource`: the sampler, its lag and the batches in flight).
 docs/internals/step.md#step-source.
 """
 

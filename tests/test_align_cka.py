@@ -223,7 +223,7 @@ def test_training_runs_on_the_measured_map(measured, tiny_job):
     from kava_ray.common.config import load_config
     from kava_ray.core.models import load_model
     from kava_ray.core.plans import in_process_plans
-    from kava_ray.testing.sources import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource
 
     _, res = measured
     cfg = load_config(tiny_job, ["align.layer_map=cka", f"align.cka_path={res['path']}"])

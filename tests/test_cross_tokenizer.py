@@ -21,7 +21,7 @@ from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tok
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
 from kava_ray.recipes.build import build_distiller
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 from kava_ray.testing.tokenizers import real_tokenizer
 from tiny_models import logit_term, train_on_one_batch
 

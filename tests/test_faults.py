@@ -36,7 +36,7 @@ from jobs import assert_same_curve, run_recipe, train_steps, train_steps_so_far,
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.checkpoint import load_data_state
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 STEPS, SAVE = 24, 3
 KVCLI = str(Path(sys.executable).with_name("kava-ray"))

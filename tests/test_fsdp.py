@@ -58,7 +58,7 @@ def ddp_steps(job, resume=None) -> dict:
     from kava_ray.core.models import load_model
     from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
-    from kava_ray.testing.sources import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource
 
     cfg = load_config(job)
     teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}

@@ -18,7 +18,7 @@ from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
 from kava_ray.core.projectors import resolve_kind
 from kava_ray.recipes.fit_maps import fit_maps
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 STEPS = 12
 

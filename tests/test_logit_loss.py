@@ -430,7 +430,7 @@ def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     eval/logit_kl/<t>, eval/top1_agree/<t>, token-weighted like the KV metrics."""
     from kava_ray.core.plans import student_geometry, teacher_plans
     from kava_ray.recipes.evaluate import evaluate_heldout
-    from kava_ray.testing.sources import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource
 
     cfg = load_config(job_path, ["loss.logit_weight=1.0", "loss.logit_top_k=4", "fusion.kind=fixed"])
     tok, _ = student_tokenizer(cfg)

@@ -204,7 +204,7 @@ def lost_ref_curve(long_job, steps: int) -> dict:
     from kava_ray.common.config import load_config
     from kava_ray.core.models import kv_geometry, load_model
     from kava_ray.core.plans import student_geometry, teacher_plans
-    from kava_ray.testing.sources import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource
 
     cfg = load_config(long_job)
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}

@@ -18,7 +18,7 @@ from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
 from kava_ray.data import IGNORE_INDEX
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 ON = ["onpolicy.fraction=1", "onpolicy.max_new_tokens=12", "loss.logit_weight=1", "loss.logit_top_k=8",
       "loss.kv_weight=0.1"]
@@ -89,7 +89,7 @@ def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
     past max_length - the shortest prompt of the batch, where `sampled_batch` would cut it anyway (a huge
     max_new_tokens sampled for minutes)."""
     import actors.engines
-    from kava_ray.data.onpolicy import prompts_of
+    from kava_ray.data.completions import prompts_of
 
     asked = []
     real = actors.engines.sample
@@ -108,7 +108,7 @@ def test_several_samples_per_prompt_form_groups_whose_other_rows_are_each_tokens
     KL's baseline of a row is the mean advantage over the sampled tokens of the other row of its group; a step trains
     on it. group_mean (GRPO's mean, the row's own tokens included: a biased gradient) is refused, naming loo."""
     from kava_ray.core.logit_kd import logit_targets
-    from kava_ray.data.onpolicy import prompts_of
+    from kava_ray.data.completions import prompts_of
 
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.samples_per_prompt=2", "loss.rkl_clip=0.2",
@@ -227,7 +227,7 @@ def test_a_metric_some_ranks_measured_is_their_mean(tmp_path):
 def test_a_teacher_writes_the_completions_for_sequence_level_kd(ojob, teachers):
     """`onpolicy.source: teacher` (TRL's seq_kd): the named teacher writes each completion, seeded like the student's
     samples; CE stays on (it is the teacher's text) and no sampling log-probs travel."""
-    from kava_ray.data.onpolicy import prompts_of
+    from kava_ray.data.completions import prompts_of
 
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.source=teacher", "onpolicy.teacher=qwen", "onpolicy.lag=0"])

@@ -13,7 +13,7 @@ from kava_ray.common.errors import KavaError
 from kava_ray.core.distiller import build_optimizer
 from kava_ray.core.models import load_student
 from kava_ray.core.precision import resolve_precision, student_precision
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model, build_tokenizer
 
 LR, STEPS = 3e-5, 10

@@ -20,7 +20,7 @@ from kava_ray.core.plans import TeacherPlan, student_tokenizer
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
 from kava_ray.recipes.build import build_distiller
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 
 

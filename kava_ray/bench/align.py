@@ -26,7 +26,7 @@ from kava_ray.core.plans import in_process_plans
 from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
 from kava_ray.data.splits import data_seed
 from kava_ray.recipes.cka import measure_cka
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
 

@@ -36,10 +36,10 @@ from kava_ray.core.models import load_model, load_student
 from kava_ray.core.plans import in_process_plans
 from kava_ray.core.sampling import sample
 from kava_ray.data.batching import collate_split
-from kava_ray.data.onpolicy import prompts_of, sampled_batch
+from kava_ray.data.completions import prompts_of, sampled_batch
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import heldout_ce
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 OP_BASE = "ce+logits"
 OP_ARMS = {  # the config of each arm on top of the records job (logit weight 1, no KV)

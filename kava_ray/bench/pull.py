@@ -22,7 +22,7 @@ from kava_ray.core.plans import copied_layers, in_process_plans
 from kava_ray.recipes.evaluate import kv_alignment, score_student
 from kava_ray.runtime.console import status
 from kava_ray.runtime.preflight import check_model_files
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 OLD = {"align.projector.kind": "linear", "loss.kv_weight": 1.0, "optim.lr_projector": 5e-3}
 ARMS = {"old: linear projector": OLD, "new: auto": {"align.projector.kind": "auto"}}

@@ -21,7 +21,7 @@ from kava_ray.common.files import default_cache_dir, write_json
 from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
 from kava_ray.runtime.console import quiet, status
-from kava_ray.testing.sources import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource
 
 
 def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool) -> tuple[Path, Path]:

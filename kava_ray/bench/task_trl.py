@@ -7,10 +7,10 @@ tokenization, its record order, right-padded rows), served to the trainer as the
 sampler), the prompts left-padded for `generate` as TRL's `DataCollatorForChatML` pads them.
 
 What still differs, by TRL's design: the steps that sample are drawn by `random.random() <= lmbda` on the trainer's
-seeded Python RNG (kava-ray: a hash of the batch key, `actors.onpolicy`), so the same λ picks other steps; and on a
-sampled step GKDTrainer divides the JSD sum by the *gold* completions' token count (`num_items_in_batch`, counted by
-`Trainer` before `training_step` replaces the batch), kava-ray by the sampled tokens' (tests/test_gkd_twin.py shows
-both, and that the sums agree).
+seeded Python RNG (kava-ray: a hash of the batch key, `actors.onpolicy_source`), so the same λ picks other steps;
+and on a sampled step GKDTrainer divides the JSD sum by the *gold* completions' token count (`num_items_in_batch`,
+counted by `Trainer` before `training_step` replaces the batch), kava-ray by the sampled tokens'
+(tests/test_gkd_twin.py shows both, and that the sums agree).
 
 TRL's `DistillationTrainer` (stable in 1.16) has no λ (it is always on-policy), so the arm that matches a λ below 1 is
 GKDTrainer. Its generation config is pinned: GKDTrainer sets max_new_tokens, temperature, top_k 0, top_p 1 and leaves
@@ -32,7 +32,7 @@ import torch
 from transformers import GenerationConfig
 
 from kava_ray.data import Batch, BatchStream
-from kava_ray.data.onpolicy import prompts_of
+from kava_ray.data.completions import prompts_of
 from kava_ray.data.splits import data_seed, load_splits
 
 TRL_LMBDA, TRL_BETA = 0.5, 0.5
@@ -68,6 +68,34 @@ def trl_inputs(batch: Batch, pad_id: int) -> dict:
             "labels": batch.labels.long(), "prompts": ids, "prompt_attention_mask": mask}
 
 
+def _gkd_config(out: str, steps: int, size: int, lr: float, p: dict, lmbda: float, beta: float, seed: int):
+    """TRL's GKDConfig for `steps` steps of `size` rows: transformers' constant schedule after `p["warmup_steps"]`
+    (default 2) steps of warm-up, clip 1.0, no weight decay, fp32 on the CPU, no logging or saving."""
+    from trl.experimental.gkd import GKDConfig
+
+    return GKDConfig(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=size, learning_rate=lr,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=p.get("warmup_steps", 2), weight_decay=0.0,
+        max_grad_norm=1.0, lmbda=lmbda, beta=beta, seq_kd=False, temperature=p["temperature"],
+        max_new_tokens=p["max_new"], max_length=p["max_length"], seed=seed, data_seed=seed, bf16=False,
+        use_cpu=True, gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch")
+
+
+def _step_clock(times: list):
+    """A trainer callback that appends each step's wall seconds (sampling and the teacher included) to `times`."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    return Clock()
+
+
 def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: float, p: dict,
                 lmbda: float = TRL_LMBDA, beta: float = TRL_BETA,
                 on_policy: Optional[Callable] = None) -> dict:
@@ -80,8 +108,8 @@ def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: floa
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
-    from transformers import PrinterCallback, TrainerCallback
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
+    from transformers import PrinterCallback
+    from trl.experimental.gkd import GKDTrainer
 
     size = int(batches[0].input_ids.shape[0])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -113,26 +141,12 @@ def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: floa
             return out
 
     times: list = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
-
     pin_generation_config(student)
     data = Dataset.from_dict({"row": list(range(len(batches) * size))})
     with tempfile.TemporaryDirectory(prefix="kava-trl-") as out:
-        args = GKDConfig(
-            output_dir=out, max_steps=len(batches), per_device_train_batch_size=size, learning_rate=lr,
-            lr_scheduler_type="constant_with_warmup", warmup_steps=p.get("warmup_steps", 2), weight_decay=0.0,
-            max_grad_norm=1.0, lmbda=lmbda, beta=beta, seq_kd=False, temperature=p["temperature"],
-            max_new_tokens=p["max_new"], max_length=p["max_length"], seed=seed, data_seed=seed, bf16=False,
-            use_cpu=True, gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
-            disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch")
+        args = _gkd_config(out, len(batches), size, lr, p, lmbda, beta, seed)
         trainer = Kava(model=student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok,
-                       callbacks=[Clock()], data_collator=lambda rows: dict(served[rows[0]["row"] // size]))
+                       callbacks=[_step_clock(times)], data_collator=lambda rows: dict(served[rows[0]["row"] // size]))
         trainer.remove_callback(PrinterCallback)  # its per-step log dicts on stdout: the losses are kept above
         t0 = time.perf_counter()
         trainer.train()

@@ -88,7 +88,7 @@ class Batch:
 
     teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the student's
     tokenizer reads `input_ids` / `attention_mask` as they are). source: "data" (the records' own completions),
-    "student" or "teacher" (completions sampled by it: on-policy distillation, `data.onpolicy`); sample_logp [B, T]
+    "student" or "teacher" (completions sampled by it: on-policy distillation, `data.completions`); sample_logp [B, T]
     float: at position t the sampling log-prob of token t + 1 where it was sampled (0 elsewhere). route: per row,
     the teacher its record names (a `teacher` column: its logits alone teach that row; None or "" for every
     teacher), or None when the records name none.

@@ -3,9 +3,9 @@
 `DistillRecipe` holds one rank's model state (the Distiller, the optimizer and schedule, the splits) and does one
 optimizer step over `optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}); it knows nothing of where
 they come from: `data()` gives the rank's `actors.step_source.StepSource` (the stream, the teachers' feed, the skips;
-on-policy: `actors.onpolicy.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps. `kava-ray bench feed`
-times exactly this step. `train_loop_per_worker` is the plain loop Ray Train runs; what it does and how a resume
-continues the same curve: docs/internals/step.md#recipe.
+on-policy: `actors.onpolicy_source.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps.
+`kava-ray bench feed` times exactly this step. `train_loop_per_worker` is the plain loop Ray Train runs; what it
+does and how a resume continues the same curve: docs/internals/step.md#recipe.
 
 Ray (and `actors`, which needs it) is imported inside the functions that use it: `kava-ray bench gpu` builds this
 recipe on images without Ray.
@@ -176,7 +176,7 @@ class DistillRecipe:
         `OnPolicyStepSource`, whose sampler writes with the job's engine (the student on this worker, or a teacher);
         `flag`: a file that exists while it samples (the progress bar reads it)."""
         from actors.engines import engine_for  # Ray: see the module docstring
-        from actors.onpolicy import OnPolicyStepSource, Sampler
+        from actors.onpolicy_source import OnPolicyStepSource, Sampler
         from actors.step_source import StepSource
 
         kw = dict(rank=self.rank, world=self.world, device=self.device, start_step=self.start_step, until=until,
