@@ -34,9 +34,9 @@ from kava_ray.bench.heal import safe_name
 from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
-from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
+from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import correct, sort_rows, write_records
-from kava_ray.common.config import JobConfig, derive, load_config
+from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
@@ -146,9 +146,9 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         start = evaluate(load_student(warm, dtype="float32"))
         say(f"warm start: {100 * start['em']:.1f} % exact match, test CE {start['test_ce']:.4f}, entropy "
             f"{start['entropy']:.3f}")
-        ctx = ScarceContext(base, p, root, tok, warm, teacher, teacher_dir,
-                            {"em": start["em"], "teacher_match": start["teacher_match"]}, data, evaluate, val,
-                            val_split, say)
+        ctx = ScarceContext(base=base, p=p, root=root, tok=tok, warm=warm, evaluate=evaluate, val=val,
+                            val_split=val_split, say=say, teacher=teacher, teacher_dir=teacher_dir,
+                            start_point={"em": start["em"], "teacher_match": start["teacher_match"]}, data=data)
         runs, lrs = {}, {}
         for arm in names:  # seqkd before seqkd-opd, whose first phase is seqkd at seqkd's rate
             lrs[arm] = _select(ctx, arm, lrs)
@@ -167,29 +167,14 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
 
 
 @dataclass
-class ScarceContext:
-    """What every arm's run reads: the job, the bench's sizes (`p`), the output dir, the tokenizer, the warm start,
-    the teacher (loaded, and its fine-tuned dir), the warm start's exact match and agreement with the teacher (an
-    on-policy arm's phase 2 starts there), the records of each arm's data, the scorer, the validation rows and split
-    (the rate grid's) and the progress line."""
+class ScarceContext(ArmContext):
+    """`ArmContext` with the teacher (loaded, and its fine-tuned dir), the warm start's exact match and agreement with
+    the teacher (an on-policy arm's phase 2 starts there) and the records of each arm's data."""
 
-    base: JobConfig
-    p: dict
-    root: Path
-    tok: Any
-    warm: str
-    teacher: Any
-    teacher_dir: str
-    start_point: dict
-    data: dict
-    evaluate: Callable
-    val: list
-    val_split: Any
-    say: Callable
-
-    @property
-    def done(self) -> Path:  # finished runs, read back by a re-run with the same --out
-        return self.root / "runs_done"
+    teacher: Any = None
+    teacher_dir: str = ""
+    start_point: dict = None
+    data: dict = None
 
 
 def _teacher_written(teacher, tok, unlabelled: list, test: list, p: dict, cache_dir: Path, say

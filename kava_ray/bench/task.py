@@ -26,17 +26,17 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kava_ray.bench.heal import safe_name
 from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_scores
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
-from kava_ray.bench.task_finetune import bench_run, finetune, records_job, reporter
+from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
 from kava_ray.bench.task_records import CHECKERS, TASKS, TaskRecords, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, QUICK_NOTE, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
-from kava_ray.common.config import JobConfig, derive, load_config
+from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import write_json
 from kava_ray.core.metric_names import SAMPLED_TOKENS
@@ -172,28 +172,13 @@ def _fit_sizes(p: dict, rows: dict, tok) -> None:
 
 
 @dataclass
-class TaskContext:
-    """What every arm's run reads: the job, the records and the bench's sizes (`p`), the output dir, the tokenizer,
-    the warm start, the teachers (loaded, and their fine-tuned dirs), the scorer of a student, the validation rows
-    and split (the rate grid's), the checker and the progress line."""
+class TaskContext(ArmContext):
+    """`ArmContext` with the records, the teachers (loaded, and their fine-tuned dirs) and the checker."""
 
-    base: JobConfig
-    rec: TaskRecords
-    p: dict
-    root: Path
-    tok: Any
-    warm: str
-    models: dict
-    paths: dict
-    evaluate: Callable
-    val: list
-    val_split: Any
-    checker: str
-    say: Callable
-
-    @property
-    def done(self) -> Path:  # finished runs, read back by a re-run with the same --out
-        return self.root / "runs_done"
+    rec: TaskRecords = None
+    models: dict = None
+    paths: dict = None
+    checker: str = "number"
 
 
 def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = None, records: Optional[str] = None,
@@ -232,8 +217,9 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         models = {"teacher": teacher}
         for spec in rec.specialists if two else ():
             models[spec] = load_model(ft[spec]["path"], dtype="float32")
-        ctx = TaskContext(base, rec, p, root, tok, ft["warm"]["path"], models, {n: ft[n]["path"] for n in models},
-                          evaluate, val, load_splits(job0, tok)[1], checker, say)
+        ctx = TaskContext(base=base, p=p, root=root, tok=tok, warm=ft["warm"]["path"], evaluate=evaluate, val=val,
+                          val_split=load_splits(job0, tok)[1], say=say, rec=rec, models=models,
+                          paths={n: ft[n]["path"] for n in models}, checker=checker)
         runs, lrs = {}, {}
         for arm in names:
             runs[arm], lrs[arm] = _arm(ctx, arm)

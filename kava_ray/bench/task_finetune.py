@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.task_records import score
@@ -22,6 +23,27 @@ from kava_ray.core.models import load_model
 from kava_ray.core.plans import in_process_plans
 from kava_ray.runtime.console import quiet, status
 from kava_ray.testing.inprocess_source import InProcessSource
+
+
+@dataclass
+class ArmContext:
+    """What every arm's run of a records bench (`bench task`, `bench scarce`) reads: the job, the bench's sizes
+    (`p`), the output dir, the tokenizer, the warm start's dir, the scorer of a student, the validation rows and split
+    (what the rate grid selects by) and the progress line."""
+
+    base: JobConfig
+    p: dict
+    root: Path
+    tok: Any
+    warm: str
+    evaluate: Callable
+    val: list
+    val_split: Any
+    say: Callable
+
+    @property
+    def done(self) -> Path:  # finished runs, read back by a re-run with the same --out
+        return self.root / "runs_done"
 
 
 def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool) -> tuple[Path, Path]:
