@@ -1,1 +1,2 @@
-"""Ray actors built on the kava_ray leaf modules: teacher pool and the student-side KV feed."""
+"""The Ray actors: the teachers (HF and vLLM), their pool (names, placement, restarts, replicas) and the KV cache's
+writer. Their student-side clients (the feed, the step sources, the sampling engines) are `kava_ray.rollout`."""

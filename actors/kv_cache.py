@@ -21,12 +21,12 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from actors.feed import ActorSource, KVFeed, request_arrays
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_dir, atomic_write, write_json
 from kava_ray.core.align.vocab import save_vocab_map
 from kava_ray.core.kv import TOPK_ARRAYS, KVBatch
 from kava_ray.data import collate_split
+from kava_ray.rollout.feed import ActorSource, KVFeed, request_arrays
 
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"

@@ -6,7 +6,7 @@ LRU: one forward per batch, however many students consume it.
 
 `kv()` answers with an ObjectRef of the payload, put once into the teacher node's object store: the LRU
 holds these refs, so a hit hands out the same object (no second copy into the store), and a consumer on
-another node pulls it straight from there (`actors.feed.ActorSource` starts that pull as soon as the ref exists).
+another node pulls it straight from there (`rollout.feed.ActorSource` starts that pull as soon as the ref exists).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class TeacherActor:
            layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0,
            hidden: bool = False, token_logprobs: bool = False) -> ray.ObjectRef:
         """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays);
-        `actors.feed.get_kv` turns the call's result into the payload.
+        `kava_ray.rollout.feed.get_kv` turns the call's result into the payload.
 
         `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
         the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 
 from actors.teacher import TeacherActor
-from actors.vllm_engine import VLLMEngine, engine_dtype
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
 from kava_ray.core.losses import TAIL_FLOOR
 from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_model_config, resolve_dtype
+from kava_ray.rollout.vllm_engine import VLLMEngine, engine_dtype
 
 
 def topk_batch(engine: VLLMEngine, ids: torch.Tensor, mask: torch.Tensor, k: int, key_space: str, heads: int,

@@ -8,7 +8,6 @@ import pytest
 import ray
 import torch
 
-from actors.feed import ActorSource, KVFeed, feed_items, get_kv
 from actors.kv_cache import CacheSource, KVCache
 from actors.pool import find_pool, missing_replicas, start_missing, start_pool, stop_pool
 from kava_ray.common.config import load_config
@@ -18,6 +17,7 @@ from kava_ray.core.models import load_model
 from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
+from kava_ray.rollout.feed import ActorSource, KVFeed, feed_items, get_kv
 from kava_ray.runtime.job import teacher_geometries
 
 
@@ -48,8 +48,8 @@ def batches(cfg, n, seed=None, batch_size=None):
 def canonical_batches(cfg, n):
     """The first n batches as `teachers precompute` runs them (consecutive examples of the training split):
     what a cached example was computed in, so live and cached answers are bit-equal."""
-    from actors.feed import request_arrays
     from kava_ray.data import collate_split
+    from kava_ray.rollout.feed import request_arrays
 
     tok, _ = student_tokenizer(cfg)
     train, _ = load_splits(cfg, tok)

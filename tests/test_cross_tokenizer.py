@@ -64,7 +64,7 @@ def test_plans_align_only_the_teacher_of_another_tokenizer(xjob):
 def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
     """5 steps on one batch: both teachers' centred cos rise; `aligned/qtok` is the share of student tokens it
     covers; a batch without the alignment is refused in one line."""
-    from actors.feed import KVFeed, feed_items
+    from kava_ray.rollout.feed import KVFeed, feed_items
 
     cfg = load_config(xjob)
     models, plans = in_process(cfg)
@@ -117,8 +117,8 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
     ULD loss; `logit_aligned/qtok` is the share of next-token positions paired. Trained on qtok's logit term alone
     (no CE, KV or other teacher pulling elsewhere: the random teacher is near uniform over 151k ids), 6 steps on one
     batch lower it."""
-    from actors.feed import KVFeed, feed_items
     from kava_ray.core.plans import teacher_logits_top_k, vocab_maps
+    from kava_ray.rollout.feed import KVFeed, feed_items
 
     cfg = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}"])
     models, plans = in_process(cfg)
@@ -201,7 +201,7 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
         mp.setenv("KAVA_RAY_CACHE", str(tmp_path / "empty_user_cache"))
         assert vocab_maps(cached, plans, student_tokenizer(cached)[0], toks)["qtok"].matched >= 256
     # batches of another seed, assembled from the examples: each teacher's rows padded to its own tokens
-    from actors.feed import KVFeed, feed_items
+    from kava_ray.rollout.feed import KVFeed, feed_items
     from kava_ray.runtime.job import kv_source
 
     models, _ = in_process(cfg)

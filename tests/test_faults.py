@@ -31,11 +31,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.feed import BadKV, KVFeed, feed_items
 from jobs import assert_same_curve, run_recipe, train_steps, train_steps_so_far, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.checkpoint import load_data_state
+from kava_ray.rollout.feed import BadKV, KVFeed, feed_items
 from kava_ray.testing.inprocess_source import InProcessSource
 
 STEPS, SAVE = 24, 3
@@ -118,7 +118,7 @@ def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, 
     keys = stream_keys(cfg, 8)
     poison = {keys[1], keys[4]}  # b1 before the step-3 checkpoint; b4 is in flight when it is written
     clean, _, _ = run_recipe(cfg, plans, InProcessSource(teachers), 3)
-    with caplog.at_level("WARNING", logger="actors.feed"):
+    with caplog.at_level("WARNING", logger="kava_ray.rollout.feed"):
         full, _, data = run_recipe(cfg, plans, PoisonSource(teachers, poison), 6, tmp_path / "ck", save_at=3)
     warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
     assert len(warned) == 2 and keys[1] in warned[0] and "qwen" in warned[0], warned
@@ -144,10 +144,10 @@ def test_nan_kv_is_skipped_counted_and_resume_stays_exact(job, teachers, plans, 
 def test_skip_accounting_per_rank_under_ddp_sharding(job):
     """Ranks skip different batches (each reads its own shard): the checkpoint saves the trained-on position
     (the same for all ranks) plus each rank's count, and each rank resumes past exactly its own skips."""
-    from actors.step_source import skip_resumed, stream_state_after
     from kava_ray.core.plans import student_tokenizer
     from kava_ray.data import BatchStream
     from kava_ray.data.splits import data_seed, load_splits
+    from kava_ray.rollout.step_source import skip_resumed, stream_state_after
 
     cfg = load_config(job)
     tok, _ = student_tokenizer(cfg)

@@ -88,12 +88,12 @@ def test_nothing_is_sampled_past_train_max_length(ojob, teachers, monkeypatch):
     """max_new_tokens just below train.max_length (320; the config refuses more): the student is asked for no token
     past max_length - the shortest prompt of the batch, where `sampled_batch` would cut it anyway (a huge
     max_new_tokens sampled for minutes)."""
-    import actors.engines
+    import kava_ray.rollout.engines
     from kava_ray.data.completions import prompts_of
 
     asked = []
-    real = actors.engines.sample
-    monkeypatch.setattr(actors.engines, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
+    real = kava_ray.rollout.engines.sample
+    monkeypatch.setattr(kava_ray.rollout.engines, "sample", lambda model, prompts, n, *a, **k: asked.append(n) or
                         real(model, prompts, n, *a, **k))
     models, plans = teachers
     cfg = load_config(ojob, ON + ["onpolicy.lag=0", "onpolicy.max_new_tokens=319"])

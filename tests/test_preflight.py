@@ -679,10 +679,10 @@ def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing
     """`onpolicy.engine: vllm` where vLLM is not installed: the install command, before anything starts; a typo in
     the key; the engine of a job that samples nothing. `teachers[].engine: vllm`: the same install line; a job that
     asks it for KV, or learns its fusion from KV. Each one line, exit 2, no run directory."""
-    import actors.vllm_engine
+    import kava_ray.rollout.vllm_engine
 
     on = ["onpolicy.fraction=0.5", "loss.logit_weight=1"]
-    monkeypatch.setattr(actors.vllm_engine, "vllm_available", lambda: False)
+    monkeypatch.setattr(kava_ray.rollout.vllm_engine, "vllm_available", lambda: False)
     r = refused(run_cli, tiny_job, *on, "onpolicy.engine=vllm", needles=("onpolicy.engine: vllm", "not installed",
                                                                          "pip install 'kava-ray[vllm]'"))
     assert r.startswith("error: onpolicy.engine: vllm: vLLM is not installed here"), r

@@ -300,10 +300,10 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
 
 def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_path, teachers_in_process):
     """With loss_tokens=answer the held-out KV cosine averages over answer tokens, as the loss does."""
-    from actors.feed import KVFeed, feed_items
     from kava_ray.core.plans import student_geometry, teacher_plans
     from kava_ray.data.splits import eval_stream
     from kava_ray.recipes.evaluate import evaluate_heldout
+    from kava_ray.rollout.feed import KVFeed, feed_items
 
     cfg = load_config(job_path, ["loss.loss_tokens=answer"])
     tok, _ = student_tokenizer(cfg)

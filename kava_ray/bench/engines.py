@@ -26,8 +26,8 @@ def _rate(fn, units, reps: int) -> float:
 def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str = "float32", reps: int = 3) -> dict:
     """Positions per second a logits-only teacher scores, each engine's actor forward on the same `batch` random
     sequences of `length` tokens (top-k, tail and token log-probs): {hf, vllm, batch, length, k}."""
-    from actors.vllm_engine import VLLMEngine
     from actors.vllm_teacher import topk_batch
+    from kava_ray.rollout.vllm_engine import VLLMEngine
 
     model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)
     g = torch.Generator().manual_seed(0)
@@ -50,7 +50,7 @@ def sampling_rates(model_dir: Path, batch: int, prompt: int, new_tokens: int, dt
     """Sampled tokens per second of `batch` random prompts of `prompt` tokens, up to `new_tokens` each (no EOS id
     passed; the tokens counted are those returned), `core.sampling.sample` against `VLLMEngine.sample`: {hf, vllm,
     batch, prompt, new_tokens}."""
-    from actors.vllm_engine import VLLMEngine
+    from kava_ray.rollout.vllm_engine import VLLMEngine
 
     model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)
     g = torch.Generator().manual_seed(1)

@@ -21,7 +21,6 @@ import numpy as np
 import ray
 import torch
 
-from actors.feed import ActorSource, KVFeed, get_kv
 from actors.pool import TeacherReplicas
 from kava_ray.bench.cross_node import format_cross_node
 from kava_ray.bench.timed_teacher import TimedTeacher
@@ -33,6 +32,7 @@ from kava_ray.core.models import kv_geometry, load_model, load_model_config
 from kava_ray.core.plans import student_geometry, student_tokenizer, teacher_plans
 from kava_ray.data.batching import Batch, batch_key
 from kava_ray.recipes.distill import DistillRecipe
+from kava_ray.rollout.feed import ActorSource, KVFeed, get_kv
 from kava_ray.runtime.connect import connect, disconnect
 from kava_ray.runtime.console import status
 from kava_ray.runtime.job import job_teachers

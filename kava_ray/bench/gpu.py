@@ -498,7 +498,7 @@ def engines_section(models: Models, device, sz: dict) -> dict:
     """`onpolicy.engine` and `teachers[].engine`, hf against vllm on the smallest student's real geometry in bf16:
     sampled tokens/s (8 prompts of 128 tokens, 256 new) and a logits-only teacher's scored positions/s (8 x 1024,
     top-64) (`bench.engines`). On a CPU `kava-ray bench onpolicy --engine hf vllm` measures the same at toy size."""
-    from actors.vllm_engine import vllm_available
+    from kava_ray.rollout.vllm_engine import vllm_available
 
     if device.type != "cuda":
         return not_run("CUDA only here; on a CPU: kava-ray bench onpolicy --engine hf vllm")

@@ -143,7 +143,7 @@ def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_to
                      ) -> dict:
     """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0 and lag 1 (the
     teachers instant: what differs is the sampling), and the teacher scoring figure beside it."""
-    from actors.vllm_engine import require_vllm
+    from kava_ray.rollout.vllm_engine import require_vllm
 
     if "vllm" in engines:
         require_vllm("bench onpolicy --engine vllm")

@@ -7,7 +7,7 @@ tokenization, its record order, right-padded rows), served to the trainer as the
 sampler), the prompts left-padded for `generate` as TRL's `DataCollatorForChatML` pads them.
 
 What still differs, by TRL's design: the steps that sample are drawn by `random.random() <= lmbda` on the trainer's
-seeded Python RNG (kava-ray: a hash of the batch key, `actors.onpolicy_source`), so the same λ picks other steps;
+seeded Python RNG (kava-ray: a hash of the batch key, `rollout.onpolicy_source`), so the same λ picks other steps;
 and on a sampled step GKDTrainer divides the JSD sum by the *gold* completions' token count (`num_items_in_batch`,
 counted by `Trainer` before `training_step` replaces the batch), kava-ray by the sampled tokens'
 (tests/test_gkd_twin.py shows both, and that the sums agree).

@@ -32,7 +32,7 @@ from kava_ray.core import fsdp
 from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
-# the data side's state (`actors.step_source.StepSource.state_dict`), opaque here: its entries JSON can hold, and
+# the data side's state (`rollout.step_source.StepSource.state_dict`), opaque here: its entries JSON can hold, and
 # (on-policy's batches in flight) the rest, pickled -- so a checkpoint without them is never unpickled
 DATA, DATA_OBJECTS = "data_state.json", "data_state.pt"
 # (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)

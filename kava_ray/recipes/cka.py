@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from actors.feed import KVFeed, feed_items
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import write_json
@@ -27,6 +26,7 @@ from kava_ray.core.models import load_student
 from kava_ray.core.plans import student_tokenizer, teacher_tokenizers
 from kava_ray.data import Batch, BatchStream
 from kava_ray.data.splits import data_seed, load_splits
+from kava_ray.rollout.feed import KVFeed, feed_items
 from kava_ray.runtime.job import job_teachers
 from kava_ray.runtime.preflight import preflight
 

@@ -2,8 +2,8 @@
 
 `DistillRecipe` holds one rank's model state (the Distiller, the optimizer and schedule, the splits) and does one
 optimizer step over `optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}); it knows nothing of where
-they come from: `data()` gives the rank's `actors.step_source.StepSource` (the stream, the teachers' feed, the skips;
-on-policy: `actors.onpolicy_source.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps.
+they come from: `data()` gives the rank's `rollout.step_source.StepSource` (the stream, the teachers' feed, the skips;
+on-policy: `kava_ray.rollout.onpolicy_source.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps.
 `kava-ray bench feed` times exactly this step. `train_loop_per_worker` is the plain loop Ray Train runs; what it
 does and how a resume continues the same curve: docs/internals/step.md#recipe.
 
@@ -170,14 +170,14 @@ class DistillRecipe:
 
     def data(self, source, until: Optional[int] = None, depth: Optional[int] = None, flag: Optional[Path] = None,
              state: Optional[dict] = None):
-        """This rank's `actors.step_source.StepSource` over the training split, teachers' answers from `source`, the
+        """This rank's `rollout.step_source.StepSource` over the training split, teachers' answers from `source`, the
         steps after `start_step` up to `until` (train.steps), `depth` batches ahead (align.prefetch_depth),
         continuing from `state` (a checkpoint's: `setup()`'s "data"). On-policy (`onpolicy.fraction` > 0): an
         `OnPolicyStepSource`, whose sampler writes with the job's engine (the student on this worker, or a teacher);
         `flag`: a file that exists while it samples (the progress bar reads it)."""
-        from actors.engines import engine_for  # Ray: see the module docstring
-        from actors.onpolicy_source import OnPolicyStepSource, Sampler
-        from actors.step_source import StepSource
+        from kava_ray.rollout.engines import engine_for  # Ray: see the module docstring
+        from kava_ray.rollout.onpolicy_source import OnPolicyStepSource, Sampler
+        from kava_ray.rollout.step_source import StepSource
 
         kw = dict(rank=self.rank, world=self.world, device=self.device, start_step=self.start_step, until=until,
                   depth=depth)

@@ -183,7 +183,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
     sharing the student's tokenizer: from the log-prob they serve each next token), the figure the student's
     CE is read against.
     """
-    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
+    from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     was_training = distiller.training
     distiller.eval()
@@ -269,7 +269,7 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
       projector-free centred KV cosine (see `kava_ray.core.probe`) over the real tokens, the mean over student
       layers with a copied layer 0 left out, and `kv_cos_free/<t>/layer<i>` per student layer.
     """
-    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
+    from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     stream = eval_stream(split, cfg)
     same = {n: p for n, p in plans.items() if not p.aligned}
@@ -322,7 +322,7 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
     else a linear probe from each student layer to the heaviest teacher layer of its layer map, fit on the first
     `fit_batches` batches of `train_split` (the frozen student's KV against the teacher's). A copy whose attention was
     width-pruned (`core.prune`) has the teacher's layers but not its heads: a probe."""
-    from actors.feed import KVFeed, feed_items  # Ray: see the module docstring
+    from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     out, probes = {}, {}
     s_geom = kv_geometry(student.config)

@@ -26,7 +26,7 @@ def fit_maps(recipe, source, batches: int = 16) -> list[str]:
     if not todo:
         return []
     if recipe.rank == 0:  # fit once; the other ranks receive the maps (DDP broadcast only at its construction)
-        from actors.feed import KVFeed, feed_items  # Ray: see recipes/distill.py's docstring
+        from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see recipes/distill.py's docstring
 
         for n in todo:
             if recipe.plans[n].aligned:

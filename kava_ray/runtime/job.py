@@ -21,7 +21,6 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
-from actors.feed import ActorSource
 from actors.kv_cache import CacheSource, CacheWriter, KVCache, cache_meta, check_logits
 from actors.kv_cache import precompute as write_cache
 from actors.pool import (
@@ -52,6 +51,7 @@ from kava_ray.core.plans import (
 )
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tokenize import portable
+from kava_ray.rollout.feed import ActorSource
 from kava_ray.runtime.connect import connect, owned_ray, resolve_use_gpu
 from kava_ray.runtime.console import status
 from kava_ray.runtime.node_paths import Read, check_node_paths, reads, tokenizer_reads

@@ -17,7 +17,6 @@ from typing import Optional
 
 from huggingface_hub import constants
 
-from actors.vllm_engine import require_vllm
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError, NothingToDo
 from kava_ray.common.files import name_problem
@@ -37,6 +36,7 @@ from kava_ray.data.sources import check_source
 from kava_ray.data.splits import carved, check_overlap, load_splits, load_test_split
 from kava_ray.data.tasks import resolve_tasks
 from kava_ray.data.tokenize import TokenizedSplit
+from kava_ray.rollout.vllm_engine import require_vllm
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 

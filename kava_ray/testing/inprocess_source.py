@@ -1,7 +1,7 @@
 """A KVFeed source that runs teacher models in this process: what a TeacherActor serves, without Ray.
 
 For tests and notebooks that want the real feed, Distiller and training step on tiny models without
-starting a cluster. Same protocol as `actors.feed.ActorSource`: `submit` then `result`.
+starting a cluster. Same protocol as `kava_ray.rollout.feed.ActorSource`: `submit` then `result`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class InProcessSource:
         return sample(model, prompts, max_new_tokens, temperature, top_p, eos_ids=eos, pad_id=pad, seed=seed).ids
 
     def result(self, name: str, request, _future) -> dict:
-        r = request  # an `actors.feed.KVRequest`
+        r = request  # an `kava_ray.rollout.feed.KVRequest`
         kv = teacher_forward_kv(self.models[name], torch.as_tensor(r.input_ids), torch.as_tensor(r.attention_mask),
                                 layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k,
                                 hidden=r.hidden, token_logprobs=getattr(r, "token_logprobs", False))

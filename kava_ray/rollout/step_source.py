@@ -2,10 +2,10 @@
 KV, and `state_dict` is where a resumed run continues the same curve.
 
 torchtune's `StatefulDataLoader` shape: one object per rank owns the batch stream (`data.BatchStream` over the
-training split), the teachers' feed over it (`actors.feed.KVFeed`, `depth` batches ahead) and the batches skipped for
+training split), the teachers' feed over it (`rollout.feed.KVFeed`, `depth` batches ahead) and the batches skipped for
 non-finite teacher KV (train.on_bad_kv=skip); the recipe only asks for a step's batches and saves `state_dict()` as
 one opaque entry of its checkpoint. On-policy distillation is a subclass in its own module
-(`actors.onpolicy_source.OnPolicyStepSource`: the sampler, its lag and the batches in flight).
+(`kava_ray.rollout.onpolicy_source.OnPolicyStepSource`: the sampler, its lag and the batches in flight).
 docs/internals/step.md#step-source.
 """
 
@@ -16,7 +16,6 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from actors.feed import BadKV, KVFeed, KVSource, feed_items
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
@@ -24,12 +23,13 @@ from kava_ray.core.metric_names import SKIPPED_BATCHES, TEACHER_WAIT_S
 from kava_ray.core.plans import teacher_logits_top_k, token_logprob_teachers, wants_hidden
 from kava_ray.data import Batch, BatchStream, TokenizedSplit
 from kava_ray.data.splits import data_seed
+from kava_ray.rollout.feed import BadKV, KVFeed, KVSource, feed_items
 
 
 class StepSource:
     """One rank's steps: `next_step(step)` -> the step's `optim.accumulation` (Batch, {teacher: KVBatch}).
 
-    split: the training split; kv_source: where the teachers' answers come from (`actors.feed.KVSource`);
+    split: the training split; kv_source: where the teachers' answers come from (`kava_ray.rollout.feed.KVSource`);
     start_step: the steps already trained (a resumed run's); until: the last step to feed (train.steps): no batch
     past it is read, and a skipped one extends the read by one; depth: batches in flight to the teachers
     (align.prefetch_depth). The feed starts at the first `next_step`, after any `load_state_dict`."""
@@ -51,7 +51,7 @@ class StepSource:
     # ------------------------------------------------------------------------------------------ the steps
 
     def items(self) -> Iterator[tuple]:
-        """The feed's items (`actors.feed.feed_items`): the stream's batches."""
+        """The feed's items (`kava_ray.rollout.feed.feed_items`): the stream's batches."""
         return feed_items(self.stream)
 
     def _feed(self) -> KVFeed:

@@ -1,9 +1,9 @@
 """On-policy distillation's step source: a share of the batches completed by the student (or a teacher) before the
 teachers score them.
 
-`OnPolicyStepSource` is the `actors.step_source.StepSource` whose items go through a `Sampler` for a share
+`OnPolicyStepSource` is the `kava_ray.rollout.step_source.StepSource` whose items go through a `Sampler` for a share
 `onpolicy.fraction` of the batches (GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw
-the same): it samples each row's completion with a `actors.engines.CompletionEngine` and returns the sampled batch
+the same): it samples each row's completion with a `rollout.engines.CompletionEngine` and returns the sampled batch
 (`data.completions.sampled_batch`) under a key made of its content (replicas and Tune trials that sampled the same
 sequences share one teacher forward); the KVFeed then asks every teacher for it like any other batch. When the
 sampling happens relative to training is the feed's depth, batches taken only as a step asks for one:
@@ -22,13 +22,13 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from actors.engines import CompletionEngine
-from actors.feed import feed_items, request_arrays
-from actors.step_source import StepSource, gathered
 from kava_ray.common.config import JobConfig
 from kava_ray.core.metric_names import SAMPLE_S
 from kava_ray.data import Batch, BatchStream, TokenizedSplit
 from kava_ray.data.completions import prompts_of, sampled_batch
+from kava_ray.rollout.engines import CompletionEngine
+from kava_ray.rollout.feed import feed_items, request_arrays
+from kava_ray.rollout.step_source import StepSource, gathered
 
 
 def _unit(*parts) -> float:

@@ -2,7 +2,7 @@
 
 Three engines: `HFGenerate`, the student on this worker through Hugging Face `generate` (`core.sampling.sample`: its
 KV cache, a seed per batch, each sampled token's log-prob under the distribution it was drawn from); `VLLMGenerate`,
-the same student through a vLLM engine colocated on this worker (`onpolicy.engine: vllm`, `actors.vllm_engine`: the
+the same student through a vLLM engine colocated on this worker (`onpolicy.engine: vllm`, `rollout.vllm_engine`: the
 student's current weights pushed in before each sampling round); `TeacherGenerate`, a teacher of the student's
 tokenizer writing through its actor (`onpolicy.source: teacher`: sequence-level KD, no log-probs). `engine_for` picks
 the job's.
@@ -100,7 +100,7 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
     share the student's tokenizer (its ids are the student's)."""
     if cfg.onpolicy.source != "teacher":
         if cfg.onpolicy.engine == "vllm":
-            from actors.vllm_engine import VLLMEngine
+            from kava_ray.rollout.vllm_engine import VLLMEngine
 
             o = cfg.onpolicy
             rows = cfg.train.batch_size * o.samples_per_prompt
