@@ -39,7 +39,7 @@ VLLM_TEACHER_KV_CACHE_MB = 256  # a vLLM teacher's KV cache on CPU: prompts of m
 def vllm_limits(cfg: JobConfig) -> dict:
     """What a vLLM teacher's engine must allow for this job: max_logprobs (its top-k) and max_model_len (its
     longest sequence, + the one token a prompt-log-prob request generates)."""
-    return {"max_logprobs": logits_top_k(cfg), "max_model_len": cfg.train.max_length + 1}
+    return {"max_logprobs": logits_top_k(cfg.loss), "max_model_len": cfg.train.max_length + 1}
 
 
 def _remote(t: TeacherConfig, cfg: JobConfig, options: dict):

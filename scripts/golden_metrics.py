@@ -85,8 +85,7 @@ def run_case(root: Path, models: dict, name: str, sets: dict) -> dict:
     from kava_ray.bench.inprocess import train_in_process
     from kava_ray.common.config import load_config
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans
-    from kava_ray.testing.inprocess_source import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
     sets = dict(sets)
     teachers = sets.pop("teachers", ("qwen", "llama"))

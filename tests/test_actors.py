@@ -39,8 +39,8 @@ def references(pool):
 
 
 def batches(cfg, n, seed=None, batch_size=None):
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     stream = BatchStream(train, batch_size or cfg.train.batch_size, cfg.train.seed if seed is None else seed)
     return list(feed_items(stream, n))
 
@@ -51,8 +51,8 @@ def canonical_batches(cfg, n):
     from kava_ray.data import collate_split
     from kava_ray.rollout.feed import request_arrays
 
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     B = cfg.train.batch_size
     out = []
     for s in range(0, n * B, B):
@@ -170,7 +170,8 @@ def test_precompute_then_cache_equals_live_and_detects_corruption(pool, tmp_path
     again = precompute(cfg, out, progress=False)  # resumes: nothing left to do
     assert again["written"] == again["forwards"] == 0 and again["skipped"] == stats["total"]
 
-    plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, teacher_geometries(handles),
+                          student_geometry(cfg.student))
     layers = {n: p.layers for n, p in plans.items()}
     def real(kv, mask):  # padding carries whatever the forward put there live, zeros from the cache
         m = torch.as_tensor(mask).bool()[None, :, None, :, None]
@@ -257,7 +258,8 @@ def test_precompute_caches_logits_exactly_and_a_cache_without_logits_is_refused(
     assert stats["written"] == stats["total"] > 0
     cache = KVCache(out)
     assert cache.meta["logits_top_k"] == 4
-    plans = teacher_plans(cfg, teacher_geometries(handles), student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, teacher_geometries(handles),
+                          student_geometry(cfg.student))
     layers = {n: p.layers for n, p in plans.items()}
     items = canonical_batches(cfg, 2)
     cached = list(KVFeed(CacheSource(cache), iter(items), layers, decode=False, logits_top_k=4))
@@ -316,25 +318,25 @@ def test_logits_take_a_padded_head_and_need_a_teacher_that_gives_them(tiny_job, 
 
     from kava_ray.core.plans import TeacherPlan, check_vocab, logit_specs, logit_teachers
 
-    s_geom = student_geometry(load_config(tiny_job))
+    s_geom = student_geometry(load_config(tiny_job).student)
     plans = {n: TeacherPlan(n, s_geom, [], []) for n in ("qwen", "llama")}
     # the student's tokenizer, a wider LM head (Qwen2.5-7B's 152,064 rows against 1.5B's 151,936): its logits count
     bigger = dict(plans, llama=replace(plans["llama"], geometry=replace(s_geom, vocab_size=s_geom.vocab_size + 128)))
-    check_vocab(load_config(tiny_job), bigger)  # no logits asked for: nothing to check
+    check_vocab(load_config(tiny_job).loss, bigger)  # no logits asked for: nothing to check
     cfg = logit_job(tiny_job, 4, monkeypatch)
-    check_vocab(cfg, plans)
-    check_vocab(cfg, bigger)
-    specs = logit_specs(cfg, bigger)
+    check_vocab(cfg.loss, plans)
+    check_vocab(cfg.loss, bigger)
+    specs = logit_specs(cfg.loss, bigger)
     assert (specs["llama"].cross, specs["llama"].vocab_size) == (None, s_geom.vocab_size + 128)
     # a teacher of another tokenizer: its vocabulary is not checked (it is mapped), its logits are used unless
     # loss.logit_cross_vocab is off (then a job with only such teachers is refused)
     other = dict(bigger, llama=replace(bigger["llama"], tokenizer="elsewhere", tokenizer_fingerprint="x"))
-    check_vocab(cfg, other)
-    assert logit_teachers(cfg, other) == ["qwen", "llama"]
+    check_vocab(cfg.loss, other)
+    assert logit_teachers(cfg.loss, other) == ["qwen", "llama"]
     off = logit_job(tiny_job, 4, monkeypatch, ["loss.logit_cross_vocab=off"])
-    assert logit_teachers(off, other) == ["qwen"]
+    assert logit_teachers(off.loss, other) == ["qwen"]
     with pytest.raises(KavaError, match="no teacher shares the student's tokenizer") as info:
-        check_vocab(off, {"llama": other["llama"]})
+        check_vocab(off.loss, {"llama": other["llama"]})
     assert "\n" not in str(info.value)
 
 

@@ -168,9 +168,9 @@ def test_calibration_reads_only_training_examples_and_plans_without_the_map(tiny
     from kava_ray.core.plans import student_tokenizer
     from kava_ray.data.splits import load_splits
 
-    tok = student_tokenizer(cfg)[0]
-    train, val = load_splits(cfg, tok)
-    cal_train = load_splits(cal, tok)[0]
+    tok = student_tokenizer(cfg.student)[0]
+    train, val = load_splits(cfg.data, cfg.train, tok)
+    cal_train = load_splits(cal.data, cal.train, tok)[0]
     assert [x["input_ids"] for x in cal_train.items] == [x["input_ids"] for x in train.items[:8]]  # its first 8
     assert not {tuple(x["input_ids"]) for x in cal_train.items} & {tuple(x["input_ids"]) for x in val.items}
     with pytest.raises(KavaError, match="exceeds data.num_train=64"):
@@ -222,8 +222,7 @@ def test_training_runs_on_the_measured_map(measured, tiny_job):
     from jobs import run_recipe
     from kava_ray.common.config import load_config
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans
-    from kava_ray.testing.inprocess_source import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
     _, res = measured
     cfg = load_config(tiny_job, ["align.layer_map=cka", f"align.cka_path={res['path']}"])

@@ -177,15 +177,17 @@ def test_identity_map_of_a_layer_dropped_student(tmp_path):
            "student": {"model": "m", "keep_layers": [0, 5, 10, 15, 20, 25]}}
     cfg = validate_config(job)
     assert cfg.align.layer_map == "auto"
-    assert copied_layers(cfg, "same") == [0, 5, 10, 15, 20, 25] and copied_layers(cfg, "other") is None
-    lm, shipped = layer_plan(cfg, "same", 30, 6)
+    assert copied_layers(cfg.student, cfg.teacher("same")) == [0, 5, 10, 15, 20, 25]
+    assert copied_layers(cfg.student, cfg.teacher("other")) is None
+    lm, shipped = layer_plan(cfg.align, cfg.student, cfg.teacher("same"), 30, 6)
     assert lm == identity_map(30, 6, [0, 5, 10, 15, 20, 25]) and shipped == [0, 5, 10, 15, 20, 25]
-    assert layer_plan(cfg, "other", 30, 6)[0] == ratio_map(30, 6)  # not copied from it: ratio
+    other = layer_plan(cfg.align, cfg.student, cfg.teacher("other"), 30, 6)
+    assert other[0] == ratio_map(30, 6)  # not copied from it: ratio
     ratio = validate_config({**job, "align": {"layer_map": "ratio"}})
-    assert layer_plan(ratio, "same", 30, 6)[0] == ratio_map(30, 6) != lm
+    assert layer_plan(ratio.align, ratio.student, ratio.teacher("same"), 30, 6)[0] == ratio_map(30, 6) != lm
     selected = validate_config({**job, "teachers": [{"name": "same", "model": "m", "layers": [0, 5, 10]}]})
     with pytest.raises(KavaError, match="outside the selected layers"):
-        layer_plan(selected, "same", 30, 6)
+        layer_plan(selected.align, selected.student, selected.teacher("same"), 30, 6)
 
     # a saved copy of that student (a warm start, a checkpoint's student/): no keep_layers in the job, the
     # provenance in its config.json -- `auto` and `identity` both map to the source layers, not to 0..5
@@ -195,5 +197,5 @@ def test_identity_map_of_a_layer_dropped_student(tmp_path):
         "model": "m", "layers": [0, 5, 10, 15, 20, 25]}}))
     for kind in ("auto", "identity"):
         warm = validate_config({**job, "student": {"model": str(saved)}, "align": {"layer_map": kind}})
-        assert copied_layers(warm, "same") == [0, 5, 10, 15, 20, 25]
-        assert layer_plan(warm, "same", 30, 6) == (lm, shipped), kind
+        assert copied_layers(warm.student, warm.teacher("same")) == [0, 5, 10, 15, 20, 25]
+        assert layer_plan(warm.align, warm.student, warm.teacher("same"), 30, 6) == (lm, shipped), kind

@@ -146,8 +146,8 @@ def distill_setup(tmp_path_factory, tiny_qwen2_dir, tiny_llama_dir, tiny_student
                      teachers=[{"name": "qwen", "model": str(tiny_qwen2_dir), "dtype": "float32"},
                                {"name": "llama", "model": str(tiny_llama_dir), "dtype": "float32"}])
     cfg = load_config(path)
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     _, _, _, batch = BatchStream(train, 4, 0).next()
     teachers = {t.name: load_model(t.model, dtype="float32") for t in cfg.teachers}
     return path, batch, teachers

@@ -105,9 +105,11 @@ def test_bench_heal_quick_end_to_end(ray_session, trained_teacher, heal_out, tmp
 
     tuned = load_config(r["job"], ["loss.kv_parts=keys", "align.projector.kind=elastic"])
     cache = json.loads(Path(tuned.data.kv_cache_dir, "manifest.json").read_text())["meta"]
-    plans = teacher_plans(tuned, {n: t["geometry"] for n, t in cache["teachers"].items()}, student_geometry(tuned))
+    geoms = {n: t["geometry"] for n, t in cache["teachers"].items()}
+    plans = teacher_plans(tuned.student, tuned.teachers, tuned.align, geoms, student_geometry(tuned.student))
     assert plans["tiny"].layers == cache["teachers"]["tiny"]["layers"] == [0, 3]
-    kv_source(tuned, plans, load_splits(tuned, student_tokenizer(tuned)[0])[0].fingerprint)  # raises on a mismatch
+    kv_source(tuned, plans, load_splits(tuned.data, tuned.train,
+                                        student_tokenizer(tuned.student)[0])[0].fingerprint)  # raises on a mismatch
     assert all(Path(p).stat().st_size > 0 for p in r["plots"].values())
     text = format_heal(r)
     assert "decision rule" in text and "positive control (ce+logits vs ce): " in text and "teacher tiny" in text

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.unit
 
 
 def test_the_sort_rows_are_the_readmes_file_split_as_bench_task_splits_it():
-    """The README's snippet, byte for byte: 1,200 distinct prompts, each completion its prompt's numbers sorted."""
+    """The sort snippet of docs/results.md, byte for byte: 1,200 distinct prompts, each completion its prompt's
+    numbers sorted."""
     rows = sort_rows({"train": 2000, "validation": 64, "test": 256})
     assert [len(rows[s]) for s in ("test", "validation", "train")] == [256, 64, 880]
     every = [r for s in rows.values() for r in s]

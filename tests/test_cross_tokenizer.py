@@ -17,11 +17,11 @@ from jobs import assert_same_curve, pool_beside, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.models import kv_geometry, load_model, load_student
-from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers
+from kava_ray.core.plans import student_tokenizer, teacher_tokenizers
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
 from kava_ray.recipes.build import build_distiller
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 from kava_ray.testing.tokenizers import real_tokenizer
 from tiny_models import logit_term, train_on_one_batch
 
@@ -52,7 +52,7 @@ def test_plans_align_only_the_teacher_of_another_tokenizer(xjob):
     assert not plans["qwen"].aligned and plans["qtok"].aligned
     toks = teacher_tokenizers(plans)
     assert list(toks) == ["qtok"] and len(toks["qtok"]) > 150_000
-    train, _ = load_splits(cfg, student_tokenizer(cfg)[0], toks)
+    train, _ = load_splits(cfg.data, cfg.train, student_tokenizer(cfg.student)[0], toks)
     _, _, _, batch = BatchStream(train, 2, 0).next()
     T = batch.input_ids.shape[1]
     view = batch.teachers["qtok"]
@@ -68,7 +68,7 @@ def test_distiller_step_with_a_teacher_of_another_tokenizer(xjob):
 
     cfg = load_config(xjob)
     models, plans = in_process(cfg)
-    train, _ = load_splits(cfg, student_tokenizer(cfg)[0], teacher_tokenizers(plans))
+    train, _ = load_splits(cfg.data, cfg.train, student_tokenizer(cfg.student)[0], teacher_tokenizers(plans))
     feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
                   {n: p.layers for n, p in plans.items()}, depth=1)
     (_, _, _, batch), kv = next(feed)
@@ -93,19 +93,19 @@ def test_cross_vocab_off_takes_logits_only_from_the_teacher_sharing_the_tokenize
     models, plans = in_process(cfg)
     from kava_ray.core.plans import check_vocab, teacher_logits_top_k
 
-    assert teacher_logits_top_k(cfg, plans) == {"qwen": 4, "qtok": 0}
+    assert teacher_logits_top_k(cfg.loss, plans) == {"qwen": 4, "qtok": 0}
     student = load_student(cfg.student.model, dtype="float32")
     distiller = build_distiller(student, plans, kv_geometry(student), cfg)
     assert distiller.logit_names == ["qwen"]
     with pytest.raises(KavaError, match="no teacher shares the student's tokenizer and loss.logit_cross_vocab=off"):
-        check_vocab(cfg, {"qtok": plans["qtok"]})  # refused by the plans
+        check_vocab(cfg.loss, {"qtok": plans["qtok"]})  # refused by the plans
     on = load_config(xjob, ["loss.logit_weight=0.5", "loss.logit_top_k=4"])  # default: hybrid
-    assert teacher_logits_top_k(on, plans) == {"qwen": 4, "qtok": 4}
-    check_vocab(on, {"qtok": plans["qtok"]})
+    assert teacher_logits_top_k(on.loss, plans) == {"qwen": 4, "qtok": 4}
+    check_vocab(on.loss, {"qtok": plans["qtok"]})
     from kava_ray.core.plans import cross_vocab_lines  # what `kava-ray train` prints once its teachers are up
 
-    assert cross_vocab_lines(cfg, plans) == []
-    (line,) = cross_vocab_lines(on, plans)
+    assert cross_vocab_lines(cfg.loss, cfg.student, plans) == []
+    (line,) = cross_vocab_lines(on.loss, on.student, plans)
     assert line.startswith("logits: teacher 'qtok' (another tokenizer) by hybrid at the positions where both have "
                            "read the same text; ") and "of the teacher's 151,936 tokens" in line, line
 
@@ -122,14 +122,14 @@ def test_a_teacher_of_another_tokenizer_trains_the_student_s_logits(xjob, mode):
 
     cfg = load_config(xjob, ["loss.logit_weight=1.0", "loss.logit_top_k=8", f"loss.logit_cross_vocab={mode}"])
     models, plans = in_process(cfg)
-    s_tok, toks = student_tokenizer(cfg)[0], teacher_tokenizers(plans)
-    train, _ = load_splits(cfg, s_tok, toks)
+    s_tok, toks = student_tokenizer(cfg.student)[0], teacher_tokenizers(plans)
+    train, _ = load_splits(cfg.data, cfg.train, s_tok, toks)
     feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 4, 0), 1),
-                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg, plans))
+                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg.loss, plans))
     (_, _, _, batch), kv = next(feed)
     pair = batch.teachers["qtok"].logit_pair
     assert pair.shape == batch.input_ids.shape and int(pair.max()) < kv["qtok"].topk_ids.shape[1]
-    maps = vocab_maps(cfg, plans, s_tok, toks)
+    maps = vocab_maps(cfg.loss, cfg.student, plans, s_tok, toks)
     assert list(maps) == ["qtok"] and maps["qtok"].matched >= 256  # every byte of the byte-level student
     student = load_student(cfg.student.model, dtype="float32")
     distiller = build_distiller(student, plans, kv_geometry(student), cfg, maps)
@@ -199,15 +199,16 @@ def test_kv_cache_keeps_the_teacher_tokenizer(xpool, xjob, tmp_path):
     with pytest.MonkeyPatch.context() as mp:  # the cache's copy of the map is read, not built again
         mp.setattr(vocab, "build_vocab_map", lambda *a, **k: pytest.fail("map built again"))
         mp.setenv("KAVA_RAY_CACHE", str(tmp_path / "empty_user_cache"))
-        assert vocab_maps(cached, plans, student_tokenizer(cached)[0], toks)["qtok"].matched >= 256
+        assert vocab_maps(cached.loss, cached.student, plans, student_tokenizer(cached.student)[0],
+                          toks)["qtok"].matched >= 256
     # batches of another seed, assembled from the examples: each teacher's rows padded to its own tokens
     from kava_ray.rollout.feed import KVFeed, feed_items
     from kava_ray.runtime.job import kv_source
 
     models, _ = in_process(cfg)
-    train, _ = load_splits(cached, student_tokenizer(cached)[0], teacher_tokenizers(plans))
+    train, _ = load_splits(cached.data, cached.train, student_tokenizer(cached.student)[0], teacher_tokenizers(plans))
     layers = {n: p.layers for n, p in plans.items()}
-    k = teacher_logits_top_k(cached, plans)
+    k = teacher_logits_top_k(cached.loss, plans)
     assert k == {"qwen": 8, "qtok": 8}
     for (item, kc), (_, kl) in zip(
             KVFeed(kv_source(cached, plans, train.fingerprint), feed_items(BatchStream(train, 3, 5), 2), layers,

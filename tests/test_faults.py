@@ -88,7 +88,8 @@ def plans(job, teachers):
     from kava_ray.core.plans import student_geometry, teacher_plans
 
     cfg = load_config(job)
-    return teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers.items()}
+    return teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
 
 
 def stream_keys(cfg, n: int) -> list[str]:
@@ -96,9 +97,9 @@ def stream_keys(cfg, n: int) -> list[str]:
     from kava_ray.data import BatchStream
     from kava_ray.data.splits import data_seed, load_splits
 
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
-    stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg))
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
+    stream = BatchStream(train, cfg.train.batch_size, data_seed(cfg.train))
     return [stream.next()[0] for _ in range(n)]
 
 
@@ -150,9 +151,9 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     from kava_ray.rollout.step_source import skip_resumed, stream_state_after
 
     cfg = load_config(job)
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
-    streams = [BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2) for r in (0, 1)]
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
+    streams = [BatchStream(train, 2, data_seed(cfg.train), rank=r, world_size=2) for r in (0, 1)]
     skips, in_flight, trained = [0, 3], 2, 5
     for r, s in enumerate(streams):
         for _ in range(trained + skips[r] + in_flight):
@@ -160,13 +161,13 @@ def test_skip_accounting_per_rank_under_ddp_sharding(job):
     states = [stream_state_after(s, in_flight, skips) for s in streams]
     assert states[0]["position"] == states[1]["position"] == trained and states[0]["skipped"] == skips
     for r in (0, 1):
-        restored = BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2, state=states[0])
+        restored = BatchStream(train, 2, data_seed(cfg.train), rank=r, world_size=2, state=states[0])
         assert skip_resumed(restored, states[0]) == skips[r]
-        expect = BatchStream(train, 2, data_seed(cfg), rank=r, world_size=2)
+        expect = BatchStream(train, 2, data_seed(cfg.train), rank=r, world_size=2)
         for _ in range(trained + skips[r]):
             expect.next()
         assert restored.next()[0] == expect.next()[0]
-    wrap = BatchStream(train, 2, data_seed(cfg))
+    wrap = BatchStream(train, 2, data_seed(cfg.train))
     wrap.position = wrap.steps_per_epoch - 1
     skip_resumed(wrap, {"skipped": [3]})
     assert (wrap.epoch, wrap.position) == (1, 2)
@@ -191,8 +192,8 @@ def _stream(cfg):
     from kava_ray.data import BatchStream
     from kava_ray.data.splits import data_seed, load_splits
 
-    tok, _ = student_tokenizer(cfg)
-    return BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))
+    tok, _ = student_tokenizer(cfg.student)
+    return BatchStream(load_splits(cfg.data, cfg.train, tok)[0], cfg.train.batch_size, data_seed(cfg.train))
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +328,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
     ck = tmp_path / good_ckpt.name
     shutil.copytree(good_ckpt, ck)
     before = {p.relative_to(ck): p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    geoms = json.dumps({n: p.geometry.to_dict() for n, p in plans.items()})
     script = textwrap.dedent(f"""
         import sys
         from kava_ray.common.config import load_config
@@ -334,8 +336,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(good_ckpt, j
         from kava_ray.core.plans import student_geometry, teacher_plans
         from kava_ray.recipes.distill import DistillRecipe
         cfg = load_config({str(job)!r})
-        plans = teacher_plans(cfg, {json.dumps({n: p.geometry.to_dict() for n, p in plans.items()})},
-                              student_geometry(cfg))
+        plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, {geoms}, student_geometry(cfg.student))
         recipe = DistillRecipe(cfg, plans)
         recipe.setup({str(ck)!r})
         import resource

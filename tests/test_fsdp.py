@@ -56,9 +56,8 @@ def ddp_steps(job, resume=None) -> dict:
     from kava_ray.common.config import derive
     from kava_ray.core.checkpoint import load_data_state, load_into, read_state
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
-    from kava_ray.testing.inprocess_source import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
     cfg = load_config(job)
     teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
@@ -166,8 +165,8 @@ def _accumulating_rank(rank: int, world: int, port: int, job: str, out: str) -> 
     from kava_ray.bench.gpu import teacher_kv, teacher_model
     from kava_ray.core import fsdp
     from kava_ray.core.models import decoder_layers
-    from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
+    from kava_ray.testing.inprocess_source import in_process_plans
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -250,8 +249,8 @@ def test_accumulation_reduces_once_per_step_and_the_shards_stay_on_the_workers_d
 
     from kava_ray.bench.gpu import teacher_kv, teacher_model
     from kava_ray.common.config import derive
-    from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.distill import DistillRecipe
+    from kava_ray.testing.inprocess_source import in_process_plans
 
     job = write_job(tmp_path, tiny_qwen2_dir, None, tiny_student_dir,
                     teachers=[{"name": "t", "model": str(tiny_qwen2_dir), "dtype": "float32"}],

@@ -23,9 +23,8 @@ from kava_ray.bench.task_finetune import records_job
 from kava_ray.bench.task_trl import kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
 from kava_ray.core.models import load_model, load_tokenizer
-from kava_ray.core.plans import in_process_plans
 from kava_ray.rollout.engines import HFGenerate, Samples
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.unit

@@ -15,10 +15,9 @@ from jobs import run_recipe, write_job
 from kava_ray.bench.pull import projector_free
 from kava_ray.common.config import derive, load_config
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import in_process_plans
 from kava_ray.core.projectors import resolve_kind
 from kava_ray.recipes.fit_maps import fit_maps
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 STEPS = 12
 
@@ -94,7 +93,7 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
         student = load_student(cfg.student.model, dtype="float32", keep=cfg.student.keep_layers)
         assert kv_geometry(student).num_kv_heads == 2 and kv_geometry(student).head_dim == 16  # one geometry
         pr = build_distiller(student, in_process_plans(cfg, models), kv_geometry(student), cfg).projectors["qwen"]
-        assert copied_from_teacher(cfg, "qwen") is copied, name
+        assert copied_from_teacher(cfg.student, cfg.teacher("qwen")) is copied, name
         assert (pr.kind, pr.student_side) == (("identity", False) if copied else ("fit", True)), name
         planned = plan(cfg)["devices"]["cpu"]["items"]  # identity: nothing trained, nothing saved for backward
         assert (sum(v for k, v in planned.items() if k.startswith("projectors + fusion")) == 0) is copied, name
@@ -107,7 +106,8 @@ def test_auto_reads_the_students_provenance_not_its_geometry_alone(pull_job, tmp
                            sharded=True).projectors["qwen"].kind == "linear"
     assert build_distiller(student, fsdp_plans, kv_geometry(student), fsdp).projectors["qwen"].kind == "fit"
     demo = load_config("demo_cpu")
-    assert demo.align.projector.kind == "auto" and all(copied_from_teacher(demo, t.name) for t in demo.teachers)
+    assert demo.align.projector.kind == "auto"
+    assert all(copied_from_teacher(demo.student, t) for t in demo.teachers)
 
 
 def test_kv_only_training_from_the_teachers_own_kv_raises_the_projector_free_cosine(pull_job):

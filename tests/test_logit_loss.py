@@ -283,8 +283,8 @@ def setup(job_path):
     """One batch, the teachers' KV and top-k log-probs (k=8, of SHARPEN x the logits) from an in-process
     forward, the plans."""
     cfg = load_config(job_path)
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     _, _, _, batch = BatchStream(train, 4, 0).next()
     s_geom = kv_geometry(load_student(cfg.student.model, dtype="float32"))
     plans, kv = {}, {}
@@ -433,10 +433,11 @@ def test_heldout_eval_aggregates_the_logit_metrics(job_path):
     from kava_ray.testing.inprocess_source import InProcessSource
 
     cfg = load_config(job_path, ["loss.logit_weight=1.0", "loss.logit_top_k=4", "fusion.kind=fixed"])
-    tok, _ = student_tokenizer(cfg)
-    _, val = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    _, val = load_splits(cfg.data, cfg.train, tok)
     teachers = {t.name: load_model(t.model, dtype=t.dtype, quantization=t.quantization) for t in cfg.teachers}
-    plans = teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in teachers.items()}, student_geometry(cfg))
+    geoms = {n: kv_geometry(m).to_dict() for n, m in teachers.items()}
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     student = load_student(cfg.student.model, dtype="float32")
     distiller = build_distiller(student, plans, kv_geometry(student), cfg)
     got = evaluate_heldout(distiller, InProcessSource(teachers), plans, val, cfg, "cpu", torch.float32)

@@ -208,7 +208,8 @@ def lost_ref_curve(long_job, steps: int) -> dict:
 
     cfg = load_config(long_job)
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
-    plans = teacher_plans(cfg, {n: kv_geometry(m).to_dict() for n, m in models.items()}, student_geometry(cfg))
+    geoms = {n: kv_geometry(m).to_dict() for n, m in models.items()}
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     curve, _, _ = run_recipe(cfg, plans, InProcessSource(models), steps)
     return curve
 

@@ -16,9 +16,8 @@ from kava_ray.common.config import load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import in_process_plans
 from kava_ray.data import IGNORE_INDEX
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 ON = ["onpolicy.fraction=1", "onpolicy.max_new_tokens=12", "loss.logit_weight=1", "loss.logit_top_k=8",
       "loss.kv_weight=0.1"]

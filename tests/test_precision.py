@@ -196,7 +196,8 @@ def test_the_training_recipe_runs_a_policy_end_to_end(policy, tiny_qwen2_dir, st
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
     teacher = {"qwen": load_model(tiny_qwen2_dir, dtype="float32")}
-    plans = teacher_plans(cfg, {"qwen": kv_geometry(teacher["qwen"]).to_dict()}, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, {"qwen": kv_geometry(teacher["qwen"]).to_dict()},
+                          student_geometry(cfg.student))
     source = InProcessSource(teacher)
 
     recipe = DistillRecipe(cfg, plans)  # device cpu: the policy as configured, not auto's fp32

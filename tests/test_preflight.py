@@ -430,15 +430,15 @@ def test_one_file_is_carved_into_disjoint_splits_and_overlap_is_allowed_only_whe
     (tmp_path / "chat.jsonl").write_text(qa_rows(120))
     cfg = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.num_train=null"])
     tok = load_tokenizer(cfg.student.model)
-    train, val = load_splits(cfg, tok)
-    test = load_test_split(cfg, tok)
-    assert carved(cfg) and (len(train), len(val), len(test)) == (120 - 16, 8, 8)
+    train, val = load_splits(cfg.data, cfg.train, tok)
+    test = load_test_split(cfg.data, cfg.train, tok)
+    assert carved(cfg.data) and (len(train), len(val), len(test)) == (120 - 16, 8, 8)
     texts = lambda s: {tuple(s.items[i]["input_ids"]) for i in range(len(s))}  # noqa: E731
     assert not texts(train) & texts(test) and not texts(train) & texts(val) and not texts(val) & texts(test)
-    assert prepare_data(cfg)["carved"] and check_overlap(cfg) is None
+    assert prepare_data(cfg)["carved"] and check_overlap(cfg.data) is None
     allowed = load_config(str(tiny_job), [f"data.source={tmp_path}/chat.jsonl", "data.allow_overlap=true"])
-    assert not carved(allowed)
-    assert check_overlap(allowed) == ("warning: data.allow_overlap: 8 of 8 test records are also training records "
+    assert not carved(allowed.data)
+    assert check_overlap(allowed.data) == ("warning: data.allow_overlap: 8 of 8 test records are also training records "
                                       "(every split reads the same file): they are not held out")
     # null numbers (every record of a split's own file): 5 % of the one file each, at least one
     nulls = ["data.num_val=null", "data.num_test=null", "data.val_split=validation"]
@@ -461,8 +461,9 @@ def test_null_shares_are_of_the_records_the_job_trains_on(tiny_job, tmp_path):
     (tmp_path / "chat.jsonl").write_text(qa_rows(400))
     one = [f"data.source={tmp_path}/chat.jsonl", "data.num_val=null", "data.num_test=null"]
     cfg = load_config(str(tiny_job), [*one, "data.num_train=40"])
-    assert carved_counts(cfg, 1_000_000) == (2, 2) and carved_counts(cfg, 10) == (1, 1)
-    assert carved_counts(load_config(str(tiny_job), one + ["data.num_train=null"]), 1_000_000) == (50_000, 50_000)
+    assert carved_counts(cfg.data, 1_000_000) == (2, 2) and carved_counts(cfg.data, 10) == (1, 1)
+    every = load_config(str(tiny_job), one + ["data.num_train=null"])
+    assert carved_counts(every.data, 1_000_000) == (50_000, 50_000)
     assert {k: prepare_data(cfg)[k] for k in ("train", "validation", "test")} == {"train": 40, "validation": 2,
                                                                                   "test": 2}
     (tmp_path / "train.jsonl").write_text(qa_rows(400))
@@ -671,7 +672,7 @@ def test_a_carved_synthetic_source_reads_only_the_records_it_carves():
     from kava_ray.data.splits import _carved_records
 
     cfg = load_config("demo_cpu", ["data.test_split=train"])
-    assert [len(x) for x in _carved_records(cfg)] == [cfg.data.num_train, cfg.data.num_val, cfg.data.num_test]
+    assert [len(x) for x in _carved_records(cfg.data)] == [cfg.data.num_train, cfg.data.num_val, cfg.data.num_test]
 
 
 def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing_is_sampled(run_cli, tiny_job,

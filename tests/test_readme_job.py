@@ -47,7 +47,7 @@ def test_the_readme_job_without_val_split_on_one_file_loads(tmp_path):
     job.write_text("\n".join(line for line in block.replace("./my_data/{split}.jsonl", str(tmp_path / "chat.jsonl"))
                              .splitlines() if not line.startswith("  val_split:")))
     cfg = load_config(str(job))
-    assert cfg.data.val_split is None and cfg.data.num_val is None and carved(cfg)
+    assert cfg.data.val_split is None and cfg.data.num_val is None and carved(cfg.data)
 
 
 def test_the_readme_on_policy_block_loads_on_top_of_the_demo(tmp_path):
@@ -130,7 +130,8 @@ def test_eval_on_another_file_tests_on_all_of_it(readme_run):
     ev = evaluate_checkpoint(out["run_dir"], limit=0, overrides=[f"data.source={other}"])
     assert ev["test_rows"] == 10
     student = Path(out["run_dir"]) / "final" / "student"
-    split = load_test_split(eval_config(cfg, [f"data.source={other}"]), load_tokenizer(student))
+    other_cfg = eval_config(cfg, [f"data.source={other}"])
+    split = load_test_split(other_cfg.data, other_cfg.train, load_tokenizer(student))
     assert len(split) == 10
     assert ev["test/ce"] == pytest.approx(heldout_ce(load_model(student, dtype="float32"), split), rel=1e-5)
     assert evaluate_checkpoint(out["run_dir"], limit=0, overrides=[f"data.source={other}", "data.num_test=3"]
@@ -151,7 +152,7 @@ def test_eval_of_the_runs_own_file_keeps_its_carve(readme_run, capsys):
     link = tmp / "same.jsonl"
     link.symlink_to(tmp / "chat.jsonl")
     own = eval_config(cfg, [f"data.source={link}"])
-    assert len(load_test_split(own, load_tokenizer(run / "final" / "student"))) == 2
+    assert len(load_test_split(own.data, own.train, load_tokenizer(run / "final" / "student"))) == 2
     assert evaluate_checkpoint(run, limit=0, overrides=[f"data.source={tmp / 'chat.jsonl'}"])["test_rows"] == 2
     before = sorted(str(p) for p in run.rglob("*"))
     for args in (["data.num_test=8"], [f"data.source={link}", "data.num_val=1"], ["data.allow_overlap=true"]):

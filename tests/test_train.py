@@ -53,8 +53,8 @@ def test_every_mode_and_fusion_trains(job_path, teachers_in_process, mode, fusio
     """5 optimizer steps on one batch: the KV loss falls and every trainable part receives gradient."""
     cfg = load_config(job_path, [f"align.mode={mode}", f"fusion.kind={fusion}", f"align.aggregation={aggregation}",
                                  "align.projector.kind=elastic", "align.projector.dropout=0.0"])
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     _, _, _, batch = BatchStream(train, 4, 0).next()
     student = load_student(cfg.student.model, dtype="float32")
     s_geom = kv_geometry(student)
@@ -91,7 +91,7 @@ def test_the_in_process_loop_is_the_workers_a_non_finite_loss_ends_it_in_one_lin
     metrics.jsonl record, the data side's figures, and a loss gone non-finite (lr 1e30) ends the run at the next log
     step with the worker's one line; a sane rate runs every step and stops nothing."""
     from kava_ray.bench.inprocess import train_in_process
-    from kava_ray.core.plans import in_process_plans
+    from kava_ray.testing.inprocess_source import in_process_plans
 
     sane = load_config(job_path, ["train.steps=3"])
     run = train_in_process(sane, in_process_plans(sane, teachers_in_process), InProcessSource(teachers_in_process), 3)
@@ -116,7 +116,7 @@ def test_checkpoint_selection_never_reads_the_test_split(job_path, teachers_in_p
                         lambda n, seed, split: requested.append(split) or real(n, seed, split))
     cfg = load_config(job_path)
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     source = InProcessSource(teachers_in_process)
     _, recipe, _ = run_recipe(cfg, plans, source, 2)
     val = recipe.evaluate(source)
@@ -139,7 +139,7 @@ def test_resume_with_changed_optim_schedule_or_loss_is_refused_unless_overridden
 
     cfg = load_config(job_path, ["optim.warmup_steps=0", "optim.schedule=constant"])
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 2)
     ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
 
@@ -181,7 +181,8 @@ def test_resume_with_onpolicy_edits_is_refused_a_vocab_chunk_is_not(job_path, te
 
     cfg = load_config(job_path)
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    recipe = DistillRecipe(cfg, teacher_plans(cfg, geoms, student_geometry(cfg)))
+    recipe = DistillRecipe(cfg, teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms,
+                                              student_geometry(cfg.student)))
     recipe.setup()
     ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
     sampled = load_config(job_path, ["onpolicy.fraction=0.5", "onpolicy.temperature=0.7", "loss.vocab_chunk=64"])
@@ -206,7 +207,7 @@ def test_an_identity_projector_that_auto_now_builds_otherwise_is_one_line(job_pa
 
     cfg = load_config(job_path, ["align.projector.kind=auto"])
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     recipe = DistillRecipe(cfg, plans)
     recipe.setup()
     ckpt = recipe.save(tmp_path / "ckpt", 2, recipe.data(None).state_dict())
@@ -250,7 +251,7 @@ def test_resume_of_a_finished_run_is_one_line_before_ray(job_path, teachers_in_p
 
     cfg = load_config(job_path)
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     _, recipe, _ = run_recipe(cfg, plans, InProcessSource(teachers_in_process), 1)
     run = tmp_path / "run"
     ckpt = recipe.save(run / "checkpoint_2000-01-01_00-00-00.000000", cfg.train.steps, recipe.data(None).state_dict())
@@ -286,11 +287,11 @@ def test_distiller_refuses_keys_of_another_key_space(job_path, teachers_in_proce
     from kava_ray.core.plans import student_geometry, teacher_plans
 
     cfg = load_config(job_path)
-    tok, _ = student_tokenizer(cfg)
-    train, _ = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     _, _, _, batch = BatchStream(train, 2, 0).next()
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     kv = {n: teacher_forward_kv(m, batch.input_ids, batch.attention_mask, layers=plans[n].layers,
                                 key_space="post_rope") for n, m in teachers_in_process.items()}
     student = load_student(cfg.student.model, dtype="float32")
@@ -306,15 +307,15 @@ def test_heldout_kv_metrics_are_weighted_by_the_tokens_the_kv_loss_counts(job_pa
     from kava_ray.rollout.feed import KVFeed, feed_items
 
     cfg = load_config(job_path, ["loss.loss_tokens=answer"])
-    tok, _ = student_tokenizer(cfg)
-    _, val = load_splits(cfg, tok)
+    tok, _ = student_tokenizer(cfg.student)
+    _, val = load_splits(cfg.data, cfg.train, tok)
     geoms = {n: kv_geometry(m).to_dict() for n, m in teachers_in_process.items()}
-    plans = teacher_plans(cfg, geoms, student_geometry(cfg))
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
     student = load_student(cfg.student.model, dtype="float32")
     distiller = build_distiller(student, plans, kv_geometry(student), cfg).eval()
     source = InProcessSource(teachers_in_process)
     got = evaluate_heldout(distiller, source, plans, val, cfg, "cpu", torch.float32)
-    stream = eval_stream(val, cfg, drop_last=False)  # as evaluate_heldout reads it: every row
+    stream = eval_stream(val, cfg.train, drop_last=False)  # as evaluate_heldout reads it: every row
     num = den = 0.0
     with torch.no_grad():
         for (_, _, _, batch), kv in KVFeed(source, feed_items(stream, stream.steps_per_epoch),
@@ -484,7 +485,7 @@ def test_eval_and_report_of_the_run(e2e_run, ray_session, capsys):
     assert "test/teacher_ce/smol" not in ev  # another tokenizer: its CE counts other tokens
     assert "teacher qwen" in printed and "test CE (same tokens)" in printed and printed.count("test/ce ") == 1
     # the qwen teacher's CE is what the teacher model itself scores on the same split (transformers, in process)
-    split = load_test_split(cfg, student_tokenizer(cfg)[0])
+    split = load_test_split(cfg.data, cfg.train, student_tokenizer(cfg.student)[0])
     assert ev["test/teacher_ce/qwen"] == pytest.approx(heldout_ce(load_model(cfg.teachers[0].model, dtype="float32"),
                                                                   split), rel=1e-4)
     smaller = evaluate_checkpoint(out["run_dir"], limit=0, overrides=["data.num_test=2"])

@@ -55,9 +55,8 @@ def test_interrupted_asha_sweep_resumes_stops_the_bad_trial_and_its_best_config_
 
     from kava_ray.cli import main
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans
     from kava_ray.recipes.tune import run_tune
-    from kava_ray.testing.inprocess_source import InProcessSource
+    from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
     root, job = tune_job
     monkeypatch.chdir(root)  # `ray.storage_path: runs` -> root/runs

@@ -262,10 +262,11 @@ def test_optuna_search_needs_the_package(tmp_path, base):
 def _plans(cfg):
     """The teachers' plans as a sweep's driver gets them (here from the tiny models loaded in process)."""
     from kava_ray.core.models import load_model
-    from kava_ray.core.plans import in_process_plans, student_geometry
+    from kava_ray.core.plans import student_geometry
+    from kava_ray.testing.inprocess_source import in_process_plans
 
     return in_process_plans(cfg, {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}), \
-        student_geometry(cfg)
+        student_geometry(cfg.student)
 
 
 def test_a_dimension_the_job_makes_inert_is_dropped_with_one_line(tiny_job, tiny_qwen2_dir, capsys):

@@ -16,8 +16,7 @@ from jobs import assert_same_curve, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.models import load_model, load_student
-from kava_ray.core.plans import in_process_plans
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 
 # fp32 on both sides; what is left is the order of the sums (vLLM's CPU kernels against PyTorch's): ~1e-6 on the

@@ -15,12 +15,12 @@ import torch
 from jobs import write_job
 from kava_ray.common.config import load_config
 from kava_ray.core.models import kv_geometry, load_model, load_student
-from kava_ray.core.plans import in_process_plans, student_tokenizer, teacher_tokenizers, vocab_maps
+from kava_ray.core.plans import student_tokenizer, teacher_tokenizers, vocab_maps
 from kava_ray.core.vocab_chunks import VocabReader, chunk_slices, head_of
 from kava_ray.data import BatchStream
 from kava_ray.data.splits import load_splits
 from kava_ray.recipes.build import build_distiller
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +42,13 @@ def one_batch(chunk_job):
     cfg = load_config(chunk_job, BASE)
     models = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
     plans = in_process_plans(cfg, models)
-    s_tok, toks = student_tokenizer(cfg)[0], teacher_tokenizers(plans)
-    train, _ = load_splits(cfg, s_tok, toks)
+    s_tok, toks = student_tokenizer(cfg.student)[0], teacher_tokenizers(plans)
+    train, _ = load_splits(cfg.data, cfg.train, s_tok, toks)
     feed = KVFeed(InProcessSource(models), feed_items(BatchStream(train, 2, 0), 1),
-                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg, plans),
+                  {n: p.layers for n, p in plans.items()}, depth=1, logits_top_k=teacher_logits_top_k(cfg.loss, plans),
                   token_logprobs=("qwen",))
     (_, _, _, batch), kv = next(feed)
-    return chunk_job, plans, vocab_maps(cfg, plans, s_tok, toks), batch, kv
+    return chunk_job, plans, vocab_maps(cfg.loss, cfg.student, plans, s_tok, toks), batch, kv
 
 
 BASE = ["loss.logit_weight=0.5", "loss.logit_top_k=16"]  # both teachers' logits: qtok's by the hybrid loss
@@ -166,8 +166,8 @@ def test_heldout_ce_is_the_same_chunked(one_batch, tiny_student_dir):
 
     job, *_ = one_batch
     cfg = load_config(job)
-    s_tok, toks = student_tokenizer(cfg)[0], {}
-    _, val = load_splits(cfg, s_tok, toks)
+    s_tok, toks = student_tokenizer(cfg.student)[0], {}
+    _, val = load_splits(cfg.data, cfg.train, s_tok, toks)
     student = load_student(cfg.student.model, dtype="float32")
     whole = heldout_ce(student, val, batch_size=2, vocab_chunk=0)
     chunked = heldout_ce(student, val, batch_size=2, vocab_chunk=5)

@@ -22,11 +22,10 @@ from kava_ray.common.files import format_table, write_json
 from kava_ray.core.align.tokens import alignment_stats, apply_alignment
 from kava_ray.core.metric_names import CE, CONTRAST_GAP, COS_SIM, of
 from kava_ray.core.models import load_model, load_tokenizer
-from kava_ray.core.plans import in_process_plans
 from kava_ray.data import BatchStream, load_examples, teacher_view, tokenize_split
 from kava_ray.data.splits import data_seed
 from kava_ray.recipes.cka import measure_cka
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
 
@@ -55,7 +54,7 @@ def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
     t0 = time.perf_counter()
     split.views[name] = teacher_view(split, t_tok, d.prompt_format, cfg.train.max_length)
     build_s = (time.perf_counter() - t0) / batches
-    stream = BatchStream(split, cfg.train.batch_size, data_seed(cfg), bucket=False)
+    stream = BatchStream(split, cfg.train.batch_size, data_seed(cfg.train), bucket=False)
     sums = {"aligned": 0.0, "tokens": 0.0, "per": 0.0}
     apply_s = []
     for _ in range(batches):

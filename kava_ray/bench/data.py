@@ -93,7 +93,7 @@ def driver(corpus: str, max_length: int, cache: str, batch_size: int) -> dict:
     tok = load_tokenizer(cfg.student.model)
     base = _peak_rss_mib()
     t0 = time.perf_counter()
-    train, _ = load_splits(cfg, tok)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     return {"prepare_s": time.perf_counter() - t0, "blocks": len(train), "tokens": int(train.lengths.sum()),
             "peak_rss_mib": _peak_rss_mib(), "base_rss_mib": base}
 
@@ -104,7 +104,7 @@ def worker(corpus: str, max_length: int, cache: str, batch_size: int, batches: i
     tok = load_tokenizer(cfg.student.model)
     base = _peak_rss_mib()
     t0 = time.perf_counter()
-    train, _ = load_splits(cfg, tok)
+    train, _ = load_splits(cfg.data, cfg.train, tok)
     stream = BatchStream(train, batch_size, seed=0)
     stream.next()
     first = time.perf_counter() - t0

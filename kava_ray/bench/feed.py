@@ -146,12 +146,13 @@ def _local_payloads(plans: dict, data: list) -> list[dict]:
 def _timed_regimes(t_dir, s_dir, storage, data, ratios, teacher_counts, depths, t0: float) -> tuple[list, dict]:
     """The timed-teacher regime table, and the one-teacher student (S, plans, cfg) the replica part reuses."""
     rows, one = [], {}
-    s_fp = student_tokenizer(bench_config({"t": t_dir}, s_dir, storage))[1]
+    s_fp = student_tokenizer(bench_config({"t": t_dir}, s_dir, storage).student)[1]
     geom = dict(kv_geometry(load_model_config(str(t_dir))).to_dict(), tokenizer_fingerprint=s_fp)
     for k in teacher_counts:
         names = [f"t{i}" for i in range(k)]
         cfg = bench_config({n: t_dir for n in names}, s_dir, storage)
-        plans = teacher_plans(cfg, {n: geom for n in names}, student_geometry(cfg), s_fp)
+        plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, {n: geom for n in names},
+                              student_geometry(cfg.student), s_fp)
         layers = {n: p.layers for n, p in plans.items()}
         student = _Student(cfg, plans)
         payloads = _local_payloads(plans, data)

@@ -28,11 +28,12 @@ from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.known_models import KNOWN
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import in_process_plans, student_geometry, teacher_logits_top_k
+from kava_ray.core.plans import student_geometry, teacher_logits_top_k
 from kava_ray.data import Batch
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.recipes.fit_maps import fit_on
 from kava_ray.runtime.planner import plan
+from kava_ray.testing.inprocess_source import in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 
 GIB = 1024 ** 3
@@ -122,7 +123,7 @@ def teacher_kv(cfg: JobConfig, plans: dict, model, data: Batch, device):
     dev = next(model.parameters()).device
     wire = teacher_forward_kv(model, data.input_ids.to(dev), data.attention_mask.to(dev),
                               layers=plans["t"].layers, key_space=cfg.align.key_space,
-                              logits_top_k=teacher_logits_top_k(cfg, plans)["t"])
+                              logits_top_k=teacher_logits_top_k(cfg.loss, plans)["t"])
     return {"t": KVBatch.from_wire(wire.to_wire(cfg.align.wire_dtype), device=device)}
 
 
@@ -264,7 +265,7 @@ def measure_job(cfg: JobConfig, device, steps: int = 2) -> dict:
 
 
 def cfg_vocab(cfg: JobConfig) -> int:
-    return student_geometry(cfg).vocab_size
+    return student_geometry(cfg.student).vocab_size
 
 
 def _nf4() -> dict:
@@ -452,7 +453,7 @@ def _fsdp_rank(rank: int, world: int, cfg_yaml: str, steps: int, out: str) -> No
     cfg = load_config(cfg_yaml)
     t_model = teacher_model(cfg, device)
     plans = _plans(cfg, t_model)
-    data = random_batch(cfg.train.batch_size, cfg.train.max_length, student_geometry(cfg).vocab_size)
+    data = random_batch(cfg.train.batch_size, cfg.train.max_length, student_geometry(cfg.student).vocab_size)
     kv = teacher_kv(cfg, plans, t_model, data, device)
     del t_model
     torch.cuda.empty_cache()

@@ -362,7 +362,7 @@ def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
     """The gate, before any teacher cache or training: the teacher must beat the pruned student on the test split
     by `min_gap` nats, or there is nothing to distil (a one-line error)."""
     teacher = job.teachers[0]
-    test = load_test_split(job, tok)
+    test = load_test_split(job.data, job.train, tok)
     t_model = load_model(teacher.model, dtype=teacher.dtype, quantization=teacher.quantization)
     ce_teacher = heldout_ce(t_model, test)
     del t_model
@@ -389,7 +389,7 @@ def _width_pruned(job: JobConfig, root: Path, tok, n: int, say) -> tuple[JobConf
     meta_path = out / "width.json"
     if not meta_path.is_file():
         student = load_student(job.student.model, dtype="float32", keep=job.student.keep_layers)
-        split = load_splits(job, tok)[0]
+        split = load_splits(job.data, job.train, tok)[0]
         batch = collate_split(split, range(min(job.train.batch_size, len(split))))
         kept = prune_kv_groups(student, n, kv_group_importance(student, batch.input_ids, batch.attention_mask))
         tmp = root / f".student-kv{n}.tmp"
@@ -543,7 +543,7 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
     (`test_seeds`) at that rate; a seed's arms train on the same blocks in the same order (paired).
     Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
     val_head = load_splits_head(ctx.scorer.cfg, ctx.tok, ctx.p["eval_blocks"])
-    val = load_splits(ctx.scorer.cfg, ctx.tok)[1]
+    val = load_splits(ctx.scorer.cfg.data, ctx.scorer.cfg.train, ctx.tok)[1]
     sources = ctx.sources
     runs, lrs = {}, {}
     for arm in sorted(names, key=lambda x: x != BASE):  # the base first: the KV control trains at its rate
@@ -686,7 +686,7 @@ def parse_recipe(text: str) -> tuple[str, dict]:
 
 def load_splits_head(cfg: JobConfig, tok, n: int):
     """The first `n` blocks of the validation split: the curve's held-out CE, cheap enough every few steps."""
-    return load_splits(cfg, tok)[1].head(n)
+    return load_splits(cfg.data, cfg.train, tok)[1].head(n)
 
 
 def summarize(runs: dict, base_arm: str = BASE) -> dict:

@@ -33,13 +33,12 @@ from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.losses import next_token_mask
 from kava_ray.core.models import load_model, load_student
-from kava_ray.core.plans import in_process_plans
 from kava_ray.core.sampling import sample
 from kava_ray.data.batching import collate_split
 from kava_ray.data.completions import prompts_of, sampled_batch
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import heldout_ce
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 OP_BASE = "ce+logits"
 OP_ARMS = {  # the config of each arm on top of the records job (logit weight 1, no KV)
@@ -143,7 +142,7 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
     teacher = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
     models = {t.name: teacher}
     plans = in_process_plans(cfg0, models)
-    test = load_test_split(cfg0, tok)
+    test = load_test_split(cfg0.data, cfg0.train, tok)
     score = {"prompts": min(p["eval_prompts"], len(test)), "max_new": p["completion"]}
 
     def evaluate(student) -> dict:
@@ -178,7 +177,7 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
     summary = op_summarize(runs, start)
     return {"arms": names, "base": OP_BASE, "decision_rule": op_decision_rule(), "params": p, "steps": steps,
             "seeds": seeds, "lr": lr, "start": start, "score": score, "runs": runs, "summary": summary,
-            "records": str(records), "train_records": len(load_splits(cfg0, tok)[0]),
+            "records": str(records), "train_records": len(load_splits(cfg0.data, cfg0.train, tok)[0]),
             "control": summary.get(OP_BASE, {}).get("vs_start")}
 
 

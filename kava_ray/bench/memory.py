@@ -25,12 +25,13 @@ from kava_ray.common.config import JobConfig, derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
 from kava_ray.core.models import load_model, load_student
-from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+from kava_ray.core.plans import teacher_logits_top_k
 from kava_ray.core.precision import student_precision
 from kava_ray.data.batching import Batch
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.recipes.fit_maps import fit_on
 from kava_ray.runtime.planner import RUNTIME_BYTES, cpu_allocator_slack, plan
+from kava_ray.testing.inprocess_source import in_process_plans
 
 
 def measure_peak(cfg: JobConfig, steps: int = 2, threads: int = 2, timeout: float = 300) -> dict:
@@ -132,7 +133,7 @@ def _run(job: str, steps: int) -> dict:
     # inside the baseline, unpickled into new arrays inside the measurement as a KVFeed receives them
     teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
     plans = in_process_plans(cfg, teachers)
-    top_k = teacher_logits_top_k(cfg, plans)
+    top_k = teacher_logits_top_k(cfg.loss, plans)
     batches = [_batch(gen, B, T) for _ in range(steps * accum + depth - 1)]
     sent = [pickle.dumps({n: teacher_forward_kv(teachers[n], b.input_ids, b.attention_mask, layers=p.layers,
                                                 logits_top_k=top_k[n]).to_wire(cfg.align.wire_dtype)

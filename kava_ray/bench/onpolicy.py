@@ -29,9 +29,9 @@ from kava_ray.common.files import format_table
 from kava_ray.core.kv import teacher_forward_kv
 from kava_ray.core.metric_names import SAMPLE_S, TEACHER_WAIT_S
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import in_process_plans
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.runtime.console import status
+from kava_ray.testing.inprocess_source import in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 
 TEACHER = dict(family="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)

@@ -18,11 +18,11 @@ from kava_ray.bench.inprocess import train_in_process
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.files import format_table, write_json
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import copied_layers, in_process_plans
+from kava_ray.core.plans import copied_layers
 from kava_ray.recipes.evaluate import kv_alignment, score_student
 from kava_ray.runtime.console import status
 from kava_ray.runtime.preflight import check_model_files
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 OLD = {"align.projector.kind": "linear", "loss.kv_weight": 1.0, "optim.lr_projector": 5e-3}
 ARMS = {"old: linear projector": OLD, "new: auto": {"align.projector.kind": "auto"}}
@@ -32,7 +32,8 @@ def projector_free(recipe, cfg, plans, source, teacher: str) -> dict:
     """The student's projector-free centred KV cosine to `teacher` on the validation split, scored the way every
     bench scores a student (`score_student`): `probe.KVAlignment.result()` (`kv_cos_free`, `per_layer`, ...)."""
     student = recipe.distiller.student
-    align = kv_alignment(student, source, plans, recipe.train_split, cfg, {teacher: copied_layers(cfg, teacher)})
+    copied = {teacher: copied_layers(cfg.student, cfg.teacher(teacher))}
+    align = kv_alignment(student, source, plans, recipe.train_split, cfg, copied)
     score_student(student, source, plans, recipe.val, cfg, alignment=align)
     return align[teacher].result()
 
@@ -65,8 +66,9 @@ def run_pull_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     for name, overrides in ARMS.items():
         status(f"[bench pull] {name}: {steps} KV-only steps ...")
         arms[name] = _arm(base, overrides, source, plans, t.name, steps, eval_every, share_steps)
-    result = {"config": str(config), "teacher": t.name, "steps": steps, "student_layers": copied_layers(base, t.name),
-              "arms": arms, "wall_s": time.time() - t0, "out": str(root)}
+    result = {"config": str(config), "teacher": t.name, "steps": steps,
+              "student_layers": copied_layers(base.student, base.teacher(t.name)), "arms": arms,
+              "wall_s": time.time() - t0, "out": str(root)}
     write_json(root / "bench_pull.json", result)
     return result
 

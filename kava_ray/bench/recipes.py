@@ -63,9 +63,9 @@ class Scorer:
         _, self.plans, _ = setup_teachers(cache_cfg)  # the cache: no Ray, no teacher model
         self.source = kv_source(cache_cfg, self.plans)
         tok = load_tokenizer(cache_cfg.student.model)
-        self.train_split = load_splits(cache_cfg, tok)[0]
-        self.test = load_test_split(cache_cfg, tok)
-        self.copied = {t: copied_layers(cache_cfg, t) for t in self.plans}
+        self.train_split = load_splits(cache_cfg.data, cache_cfg.train, tok)[0]
+        self.test = load_test_split(cache_cfg.data, cache_cfg.train, tok)
+        self.copied = {t: copied_layers(cache_cfg.student, cache_cfg.teacher(t)) for t in self.plans}
 
     def model(self, model, tokenizer, split=None) -> dict:
         """Score a student model on `split` (default the test split); exact match on gsm8k records only."""

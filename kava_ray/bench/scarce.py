@@ -40,9 +40,9 @@ from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
-from kava_ray.core.plans import in_process_plans
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.recipes.evaluate import generate_answers, heldout_ce
+from kava_ray.testing.inprocess_source import in_process_plans
 
 BASE, CONTROL = "sft-gold", "seqkd"
 # each arm: its records ("gold": the labelled few; "teacher": the teacher's completions of the unlabelled prompts)
@@ -140,7 +140,7 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         distilled = write_records({"train": t_train, **held}, root / "records" / "teacher", "exact")
         data = {"gold": labelled, "teacher": distilled}
         job0 = records_job(base, labelled.plain, [("teacher", teacher_dir)], warm, None, p, root)
-        test_split, val_split = load_test_split(job0, tok), load_splits(job0, tok)[1]
+        test_split, val_split = load_test_split(job0.data, job0.train, tok), load_splits(job0.data, job0.train, tok)[1]
 
         evaluate = _scorer(teacher, tok, test, t_test, p, test_split)
         start = evaluate(load_student(warm, dtype="float32"))

@@ -16,10 +16,11 @@ import torch
 from kava_ray.common.config import JobConfig, validate_config
 from kava_ray.core.align.vocab import VocabMap
 from kava_ray.core.kv import KVBatch, teacher_forward_kv
-from kava_ray.core.plans import in_process_plans, teacher_logits_top_k
+from kava_ray.core.plans import teacher_logits_top_k
 from kava_ray.data import Batch, TeacherInputs
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.recipes.fit_maps import fit_on
+from kava_ray.testing.inprocess_source import in_process_plans
 
 CROSS_COVERAGE = 0.8  # the share of the student's ids the teacher of another vocabulary reaches (`_cross_vocab`)
 
@@ -104,7 +105,7 @@ def kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict,
 def _teacher_kv(cfg: JobConfig, plans: dict, t_model, which: str, data: Batch, payloads: dict, device) -> KVBatch:
     """The teacher's KV (and top-k logits) for the batch on `device`: the teacher runs once per distinct
     (teacher, layers, k) request, its wire payload kept in `payloads` for the variants that share it."""
-    layers, k = plans["t"].layers, teacher_logits_top_k(cfg, plans)["t"]
+    layers, k = plans["t"].layers, teacher_logits_top_k(cfg.loss, plans)["t"]
     key = (which, tuple(layers), k)
     if key not in payloads:
         wire = teacher_forward_kv(t_model, data.input_ids, data.attention_mask,

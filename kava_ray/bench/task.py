@@ -41,11 +41,11 @@ from kava_ray.common.errors import KavaError
 from kava_ray.common.files import write_json
 from kava_ray.core.metric_names import SAMPLED_TOKENS
 from kava_ray.core.models import load_model, load_student, load_tokenizer
-from kava_ray.core.plans import in_process_plans
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tokenize import encode_prompt
 from kava_ray.recipes.evaluate import heldout_ce
+from kava_ray.testing.inprocess_source import in_process_plans
 
 JSD = {"onpolicy.fraction": TRL_LMBDA, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
 # GKD's objective and nothing else, as TRL's GKDTrainer computes it: no CE on the data batches, sampled with the
@@ -211,14 +211,14 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
         ft = _finetunes(base, rec, p, tok, (t_model, s_model), val, checker, two, (cache_dir, root), say)
         teacher = load_model(ft["teacher"]["path"], dtype="float32")
         job0 = records_job(base, rec.plain, [("teacher", ft["teacher"]["path"])], ft["warm"]["path"], None, p, root)
-        evaluate = _scorer(teacher, tok, test, checker, p, load_test_split(job0, tok))
+        evaluate = _scorer(teacher, tok, test, checker, p, load_test_split(job0.data, job0.train, tok))
         t_em, start, gate = _gate(teacher, ft, evaluate, (tok, test, checker, p), (min_start, min_gap), quick,
                                   root, say)
         models = {"teacher": teacher}
         for spec in rec.specialists if two else ():
             models[spec] = load_model(ft[spec]["path"], dtype="float32")
         ctx = TaskContext(base=base, p=p, root=root, tok=tok, warm=ft["warm"]["path"], evaluate=evaluate, val=val,
-                          val_split=load_splits(job0, tok)[1], say=say, rec=rec, models=models,
+                          val_split=load_splits(job0.data, job0.train, tok)[1], say=say, rec=rec, models=models,
                           paths={n: ft[n]["path"] for n in models}, checker=checker)
         runs, lrs = {}, {}
         for arm in names:

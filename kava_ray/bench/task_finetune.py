@@ -20,9 +20,8 @@ from kava_ray.bench.task_records import score
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import default_cache_dir, write_json
 from kava_ray.core.models import load_model
-from kava_ray.core.plans import in_process_plans
 from kava_ray.runtime.console import quiet, status
-from kava_ray.testing.inprocess_source import InProcessSource
+from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 
 @dataclass

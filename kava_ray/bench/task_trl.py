@@ -49,7 +49,7 @@ def pin_generation_config(model) -> GenerationConfig:
 def kava_batches(cfg, tok, steps: int) -> list[Batch]:
     """The first `steps` batches kava-ray's training stream gives job `cfg` (its training split, batch size and data
     seed): what its steps 1 .. `steps` train on (one rank, no accumulation)."""
-    stream = BatchStream(load_splits(cfg, tok)[0], cfg.train.batch_size, data_seed(cfg))
+    stream = BatchStream(load_splits(cfg.data, cfg.train, tok)[0], cfg.train.batch_size, data_seed(cfg.train))
     return [stream.next()[3] for _ in range(steps)]
 
 

@@ -407,6 +407,11 @@ class RayConfig(_Section):
         return self.strategy == "fsdp" and self.num_workers > 1
 
 
+def ships_kv(teachers: list[TeacherConfig]) -> bool:
+    """Whether the teachers ship KV layers: not in a job with a teacher on vLLM (`_check_vllm_teachers`)."""
+    return not any(t.engine == "vllm" for t in teachers)
+
+
 class JobConfig(_Section):
     name: str = "kava"
     teachers: list[TeacherConfig] = Field(min_length=1)
@@ -528,8 +533,8 @@ class JobConfig(_Section):
 
     @property
     def ships_kv(self) -> bool:
-        """Whether the teachers ship KV layers: not in a job with a teacher on vLLM (`_check_vllm_teachers`)."""
-        return not any(t.engine == "vllm" for t in self.teachers)
+        """Whether the teachers ship KV layers: `ships_kv(self.teachers)`."""
+        return ships_kv(self.teachers)
 
     def teacher(self, name: str) -> TeacherConfig:
         for t in self.teachers:

@@ -387,7 +387,8 @@ def _check_identity_projectors(path, saved: JobConfig, cfg: JobConfig) -> None:
         return
     keys = _projector_keys(path)
     for t in cfg.teachers:
-        if _identity_only([k for k in keys if k.startswith(t.name + ".")]) and not copied_from_teacher(cfg, t.name):
+        own = [k for k in keys if k.startswith(t.name + ".")]
+        if _identity_only(own) and not copied_from_teacher(cfg.student, t):
             raise KavaError(_identity_refusal(path, t.name, "fit or linear"))
 
 

@@ -1,5 +1,8 @@
 """Teacher plans and the logit rules: what a job's student side consumes of its teachers, without Ray.
 
+Each function takes the config sections it reads (`loss`, `student`, `teachers`, `align`, `onpolicy`), as torchtune
+builds each component from its own section: the caller holds the `JobConfig`.
+
 `teacher_plans` builds a `TeacherPlan` per teacher from the geometries it reports (running actors, a KV cache,
 or in process); the logit rules say which teachers train the student's logits and with how many top-k ids. The
 Distiller, the train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds Ray. The job's
@@ -15,7 +18,7 @@ from typing import Optional
 
 from huggingface_hub import constants
 
-from kava_ray.common.config import JobConfig
+from kava_ray.common.config import AlignConfig, LossConfig, OnPolicyConfig, StudentConfig, TeacherConfig, ships_kv
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import default_cache_dir
 from kava_ray.common.fingerprints import tokenizer_fingerprint
@@ -48,54 +51,55 @@ class TeacherPlan:
         return self.tokenizer is not None
 
 
-def logits_top_k(cfg: JobConfig) -> int:
+def logits_top_k(loss: LossConfig) -> int:
     """The top-k every KVFeed of the job asks for: `loss.logit_top_k` when `loss.logit_weight` > 0, else 0."""
-    weight = float(getattr(cfg.loss, "logit_weight", 0.0) or 0.0)
-    return int(getattr(cfg.loss, "logit_top_k", 64)) if weight > 0 else 0
+    weight = float(getattr(loss, "logit_weight", 0.0) or 0.0)
+    return int(getattr(loss, "logit_top_k", 64)) if weight > 0 else 0
 
 
-def wants_hidden(cfg: JobConfig) -> bool:
+def wants_hidden(loss: LossConfig) -> bool:
     """Whether the job's teachers serve their layers' hidden states too (`loss.hidden_weight` > 0)."""
-    return float(getattr(cfg.loss, "hidden_weight", 0.0) or 0.0) > 0
+    return float(getattr(loss, "hidden_weight", 0.0) or 0.0) > 0
 
 
-def token_logprob_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+def token_logprob_teachers(onpolicy: Optional[OnPolicyConfig], plans: dict[str, "TeacherPlan"]) -> list[str]:
     """Teachers that also serve each next token's log-prob: those of the student's tokenizer, when the student
     samples (`onpolicy`): the sampled reverse KL and its metric read them."""
-    o = getattr(cfg, "onpolicy", None)
+    o = onpolicy
     if o is None or o.fraction == 0 or o.source != "student":
         return []
     return [n for n, p in plans.items() if not p.aligned]
 
 
-def cross_vocab(cfg: JobConfig) -> str:
+def cross_vocab(loss: LossConfig) -> str:
     """How teachers of another tokenizer train the student's logits: "hybrid", "uld" or "off"."""
-    return getattr(cfg.loss, "logit_cross_vocab", "off")
+    return getattr(loss, "logit_cross_vocab", "off")
 
 
-def logit_teachers(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+def logit_teachers(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
     """Teachers whose logits train the student: its tokenizer's, and the others' unless logit_cross_vocab=off."""
-    across = cross_vocab(cfg) != "off"
+    across = cross_vocab(loss) != "off"
     return [n for n, p in plans.items() if across or not p.aligned]
 
 
-def check_vocab(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> None:
+def check_vocab(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> None:
     """When the job asks for teacher logits, at least one teacher must give them (a `logit_teachers` entry, its
     LM head of any size: docs/internals/core.md#plans); else one KavaError line."""
-    if not logits_top_k(cfg):
+    if not logits_top_k(loss):
         return
-    usable = logit_teachers(cfg, plans)
+    usable = logit_teachers(loss, plans)
     if not usable:
-        raise KavaError(f"loss.logit_weight={cfg.loss.logit_weight} needs teacher logits, but no teacher shares the "
-                        f"student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
+        raise KavaError(f"loss.logit_weight={loss.logit_weight} needs teacher logits, but no teacher shares "
+                        f"the student's tokenizer and loss.logit_cross_vocab=off ({', '.join(plans)} are aligned by "
                         f"characters, KV only); set loss.logit_cross_vocab=hybrid (or uld), or loss.logit_weight=0")
 
 
-def shares_tokenizer_here(cfg: JobConfig, teacher: str, student_fp: Optional[str] = None) -> Optional[bool]:
+def shares_tokenizer_here(student: StudentConfig, teacher: TeacherConfig,
+                          student_fp: Optional[str] = None) -> Optional[bool]:
     """Whether `teacher` tokenizes as the student (the fingerprint its actor will report: `teacher_plans`), read in
     the driver before any teacher starts. None where its tokenizer is not at hand here without the network (a hub id
     while online, a path only another node has, a package not installed): the teachers' own report decides then."""
-    spec = cfg.teacher(teacher).model
+    spec = teacher.model
     try:
         source, gguf = resolve_model(spec)
     except KavaError:
@@ -106,36 +110,38 @@ def shares_tokenizer_here(cfg: JobConfig, teacher: str, student_fp: Optional[str
         fp = tokenizer_fingerprint(load_tokenizer(spec))
     except (KavaError, OSError, ValueError):
         return None
-    return fp == (student_fp or student_tokenizer(cfg)[1])
+    return fp == (student_fp or student_tokenizer(student)[1])
 
 
-def onpolicy_writer(cfg: JobConfig) -> str:
+def onpolicy_writer(onpolicy: OnPolicyConfig, teachers: list[TeacherConfig]) -> str:
     """The teacher that writes completions with `onpolicy.source: teacher`: `onpolicy.teacher`, else the first."""
-    return cfg.onpolicy.teacher or cfg.teachers[0].name
+    return onpolicy.teacher or teachers[0].name
 
 
-def check_writer(cfg: JobConfig, shares_tokenizer: Optional[bool]) -> None:
+def check_writer(onpolicy: OnPolicyConfig, teachers: list[TeacherConfig], shares_tokenizer: Optional[bool]) -> None:
     """`onpolicy.source: teacher` needs a writer of the student's tokenizer (its ids are the student's): one line
     when it is known to have another (the driver's `shares_tokenizer_here` before Ray, or its plan once it runs)."""
     if shares_tokenizer is False:
         raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; "
-                        f"'{onpolicy_writer(cfg)}' has another (set onpolicy.teacher to one that shares it)")
+                        f"'{onpolicy_writer(onpolicy, teachers)}' has another (set onpolicy.teacher to one that "
+                        f"shares it)")
 
 
-def teacher_logits_top_k(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
-    """{teacher: top-k to ask it for}: `logits_top_k(cfg)` for the `logit_teachers`, 0 (no wasted work) else."""
-    k, usable = logits_top_k(cfg), set(logit_teachers(cfg, plans))
+def teacher_logits_top_k(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> dict[str, int]:
+    """{teacher: top-k to ask it for}: `logits_top_k(loss)` for the `logit_teachers`, 0 (no wasted work) else."""
+    k, usable = logits_top_k(loss), set(logit_teachers(loss, plans))
     return {n: (k if n in usable else 0) for n in plans}
 
 
-def vocab_maps(cfg: JobConfig, plans: dict[str, "TeacherPlan"], student_tok, teacher_toks: dict) -> dict:
+def vocab_maps(loss: LossConfig, student: StudentConfig, plans: dict[str, "TeacherPlan"], student_tok,
+               teacher_toks: dict) -> dict:
     """{teacher: `align.vocab.VocabMap`} for the logit teachers of another tokenizer (none when the job takes no
     logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's tokenizer (a KV cache keeps one
     there) or the kava-ray cache (`<cache>/vocab_maps/`), else built (1-4 s for 50k-150k vocabularies) and
     saved there."""
-    if not logits_top_k(cfg) or cross_vocab(cfg) == "off":
+    if not logits_top_k(loss) or cross_vocab(loss) == "off":
         return {}
-    s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(cfg).vocab_size
+    s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(student).vocab_size
     out = {}
     for n, tok in teacher_toks.items():
         p = plans[n]
@@ -145,27 +151,27 @@ def vocab_maps(cfg: JobConfig, plans: dict[str, "TeacherPlan"], student_tok, tea
     return out
 
 
-def cross_vocab_lines(cfg: JobConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
+def cross_vocab_lines(loss: LossConfig, student: StudentConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
     """One status line per teacher whose logits cross vocabularies: the loss, and its vocabulary map's coverage
     (built here once, so the workers of this node read it from the cache)."""
-    if not logits_top_k(cfg) or cross_vocab(cfg) == "off" or not any(p.aligned for p in plans.values()):
+    if not logits_top_k(loss) or cross_vocab(loss) == "off" or not any(p.aligned for p in plans.values()):
         return []
     toks = teacher_tokenizers(plans)
-    maps = vocab_maps(cfg, plans, student_tokenizer(cfg)[0], toks)
-    return [f"logits: teacher '{n}' (another tokenizer) by {cross_vocab(cfg)} at the positions where both have read "
+    maps = vocab_maps(loss, student, plans, student_tokenizer(student)[0], toks)
+    return [f"logits: teacher '{n}' (another tokenizer) by {cross_vocab(loss)} at the positions where both have read "
             f"the same text; {m.summary()}" for n, m in maps.items()]
 
 
-def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[dict] = None) -> dict:
+def logit_specs(loss: LossConfig, plans: dict[str, "TeacherPlan"], maps: Optional[dict] = None) -> dict:
     """{teacher: `logit_kd.LogitTeacher`} for the `logit_teachers`; `maps`: `vocab_maps` (needed for hybrid)."""
     out = {}
-    for n in logit_teachers(cfg, plans):
+    for n in logit_teachers(loss, plans):
         if not plans[n].aligned:
             v = plans[n].geometry.vocab_size
             out[n] = LogitTeacher(n, vocab_size=None if v is None else int(v))
         elif (maps or {}).get(n) is not None:
-            out[n] = LogitTeacher.across(n, cross_vocab(cfg), maps[n], cfg.loss.logit_hybrid_matched_weight)
-        elif cross_vocab(cfg) == "uld":  # needs no map (top-1 agreement then counts no match)
+            out[n] = LogitTeacher.across(n, cross_vocab(loss), maps[n], loss.logit_hybrid_matched_weight)
+        elif cross_vocab(loss) == "uld":  # needs no map (top-1 agreement then counts no match)
             out[n] = LogitTeacher(n, "uld")
         else:
             raise KavaError(f"teacher '{n}' uses another tokenizer: loss.logit_cross_vocab=hybrid needs its vocabulary "
@@ -173,83 +179,73 @@ def logit_specs(cfg: JobConfig, plans: dict[str, "TeacherPlan"], maps: Optional[
     return out
 
 
-def student_geometry(cfg: JobConfig) -> KVGeometry:
-    return kv_geometry(load_model_config(cfg.student.model, keep=cfg.student.keep_layers))
+def student_geometry(student: StudentConfig) -> KVGeometry:
+    return kv_geometry(load_model_config(student.model, keep=student.keep_layers))
 
 
-def student_tokenizer(cfg: JobConfig):
-    tok = load_tokenizer(cfg.student.model)
+def student_tokenizer(student: StudentConfig):
+    tok = load_tokenizer(student.model)
     return tok, tokenizer_fingerprint(tok)
 
 
-def teacher_plans(cfg: JobConfig, teacher_geoms: dict[str, dict], s_geom: KVGeometry,
-                  student_fp: Optional[str] = None, tokenizer_dirs: Optional[dict[str, str]] = None
-                  ) -> dict[str, TeacherPlan]:
+def teacher_plans(student: StudentConfig, teachers: list[TeacherConfig], align: AlignConfig,
+                  teacher_geoms: dict[str, dict], s_geom: KVGeometry, student_fp: Optional[str] = None,
+                  tokenizer_dirs: Optional[dict[str, str]] = None) -> dict[str, TeacherPlan]:
     """Layer map + shipped layers per teacher, from the geometries the teachers report, and how each one's
     positions meet the student's: one to one (same tokenizer fingerprint as `student_fp`, default the
     student's) or aligned by characters (its tokenizer loaded from `tokenizer_dirs[name]`, else its model)."""
     if student_fp is None:
-        student_fp = student_tokenizer(cfg)[1]
+        student_fp = student_tokenizer(student)[1]
+    ships = ships_kv(teachers)
     plans = {}
-    for t in cfg.teachers:
+    for t in teachers:
         geom = teacher_geoms[t.name]
         g = KVGeometry.from_dict(geom)
-        layer_map, shipped = layer_plan(cfg, t.name, g.num_layers, s_geom.num_layers)
+        layer_map, shipped = layer_plan(align, student, t, g.num_layers, s_geom.num_layers) if ships else ([], [])
         fp = geom.get("tokenizer_fingerprint")
         tokenizer = None
         if fp is not None and fp != student_fp:
             tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
-        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp, copied_from_teacher(cfg, t.name))
+        plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp, copied_from_teacher(student, t))
     return plans
 
 
-def layer_plan(cfg: JobConfig, teacher: str, n_teacher: int, n_student: int) -> tuple[LayerMap, list[int]]:
+def layer_plan(align: AlignConfig, student: StudentConfig, teacher: TeacherConfig, n_teacher: int, n_student: int
+               ) -> tuple[LayerMap, list[int]]:
     """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
-    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise. A job whose teachers ship
-    no KV (`JobConfig.ships_kv`: one is on vLLM): no layers, no map."""
-    if not cfg.ships_kv:
-        return [], []
-    a = cfg.align
-    kind, sources = a.layer_map, copied_layers(cfg, teacher)
+    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise. Only for a job whose
+    teachers ship KV (`ships_kv`; none does beside a teacher on vLLM)."""
+    kind, sources = align.layer_map, copied_layers(student, teacher)
     if kind == "auto":
         kind = "identity" if sources is not None else "ratio"
-    return plan_teacher_layers(kind, n_teacher, n_student, mode=a.mode, selected=cfg.teacher(teacher).layers,
-                               explicit=a.explicit_map, cka_path=a.cka_path, teacher=teacher,
+    return plan_teacher_layers(kind, n_teacher, n_student, mode=align.mode, selected=teacher.layers,
+                               explicit=align.explicit_map, cka_path=align.cka_path, teacher=teacher.name,
                                sources=sources)
 
 
-def copied_layers(cfg: JobConfig, teacher: str) -> Optional[list[int]]:
+def copied_layers(student: StudentConfig, teacher: TeacherConfig) -> Optional[list[int]]:
     """The teacher layers the student's were copied from (`student.keep_layers` of this teacher's model, or a saved
     student's `models.copied_from`), else None. Such a pair shares its per-layer geometry: `align.layer_map: auto`
     is then identity, and KV compares without a projector (`core.probe`)."""
-    keep, source = cfg.student.keep_layers, cfg.student.model
+    keep, source = student.keep_layers, student.model
     if not keep:
-        prov = copied_from(load_model_config(cfg.student.model)) if _is_local_dir(source) else None
+        prov = copied_from(load_model_config(student.model)) if _is_local_dir(source) else None
         if prov is None:
             return None
         keep, source = prov["layers"], prov["model"]
-    return list(keep) if cfg.teacher(teacher).model == source else None
+    return list(keep) if teacher.model == source else None
 
 
-def copied_from_teacher(cfg: JobConfig, teacher: str) -> bool:
+def copied_from_teacher(student: StudentConfig, teacher: TeacherConfig) -> bool:
     """Whether the student starts as this teacher's own weights: layers copied from its model (`copied_layers`:
     `student.keep_layers`, or a saved copy's provenance) or that very model. Only then do the two share a KV basis,
     so `align.projector.kind: auto` makes the teacher's own KV the target (identity, `projectors.resolve_kind`); a
     student of the same geometry trained apart from the teacher (Qwen3's sizes, Qwen2.5-1.5B/3B) has its own."""
-    return copied_layers(cfg, teacher) is not None or cfg.student.model == cfg.teacher(teacher).model
+    return copied_layers(student, teacher) is not None or student.model == teacher.model
 
 
 def _is_local_dir(spec: str) -> bool:
     return "://" not in spec and Path(spec).expanduser().is_dir()
-
-
-def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
-    """Plans for teachers loaded in this process ({teacher: model}, e.g. `testing.InProcessSource`'s): the
-    geometry and tokenizer fingerprint each would report as an actor."""
-    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
-                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
-             for t in cfg.teachers}
-    return teacher_plans(cfg, geoms, student_geometry(cfg))
 
 
 def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:

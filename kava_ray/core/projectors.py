@@ -36,15 +36,17 @@ def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: i
     return "fit" if fit_ok else "linear"
 
 
-def job_kind(cfg, t_geom, s_geom, *, copied: bool, sharded: bool, aligned: bool = False) -> str:
-    """The projector kind a job (`JobConfig`: its align, fusion and teachers) trains for one teacher of KV geometry
+def job_kind(align, fusion_kind: str, n_teachers: int, t_geom, s_geom, *, copied: bool, sharded: bool,
+             aligned: bool = False) -> str:
+    """The projector kind a job (its `align` section, `fusion.kind`, its number of teachers) trains for one teacher
+    of KV geometry
     `t_geom`: `resolve_kind` with the job's arguments, the one rule the Distiller, the planner and Tune's
     inert-dimension check share. `fit` only where it can serve (`fit_allowed`) and not when FSDP2 shards the
     student (`sharded`, `RayConfig.sharded`: fit fills its maps on rank 0 and broadcasts them; FSDP2 shards them).
     copied: `plans.copied_from_teacher`; aligned: another tokenizer."""
-    return resolve_kind(cfg.align.projector.kind, cfg.align.mode, t_geom.num_kv_heads, t_geom.head_dim,
+    return resolve_kind(align.projector.kind, align.mode, t_geom.num_kv_heads, t_geom.head_dim,
                         s_geom.num_kv_heads, s_geom.head_dim,
-                        fit_allowed(cfg.fusion.kind, len(cfg.teachers), aligned) and not sharded, copied=copied)
+                        fit_allowed(fusion_kind, n_teachers, aligned) and not sharded, copied=copied)
 
 
 def fit_allowed(fusion_kind: str, n_teachers: int, aligned: bool = False) -> bool:

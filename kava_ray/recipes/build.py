@@ -29,7 +29,8 @@ def build_distiller(student: nn.Module, plans: dict[str, TeacherPlan], s_geom: K
         n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,
                             s_geom.num_layers, s_geom.num_kv_heads, s_geom.head_dim, plan.layer_map,
                             mode=a.mode, aggregation=a.aggregation,
-                            kind=job_kind(cfg, plan.geometry, s_geom, copied=plan.copied, sharded=sharded,
+                            kind=job_kind(cfg.align, cfg.fusion.kind, len(cfg.teachers), plan.geometry, s_geom,
+                                          copied=plan.copied, sharded=sharded,
                                           aligned=plan.aligned),
                             mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj, train_map=p.train_map)
         for n, plan in plans.items()})
@@ -42,7 +43,7 @@ def build_distiller(student: nn.Module, plans: dict[str, TeacherPlan], s_geom: K
     positions = TeacherPositions([n for n, plan in plans.items() if plan.aligned], a.token_align)
     parts = TermParts(loss=cfg.loss, names=list(plans), plans=plans, fusion=fusion, projectors=projectors,
                       positions=positions, ships_kv=cfg.ships_kv,
-                      logit_specs=logit_specs(cfg, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {},
-                      scored=token_logprob_teachers(cfg, plans), onpolicy=cfg.onpolicy.fraction > 0)
+                      logit_specs=logit_specs(cfg.loss, plans, vocab_maps) if cfg.loss.logit_weight > 0 else {},
+                      scored=token_logprob_teachers(cfg.onpolicy, plans), onpolicy=cfg.onpolicy.fraction > 0)
     return Distiller(student, plans, projectors, fusion, build_terms(parts, s_geom), cfg.loss, positions,
                      a.key_space)

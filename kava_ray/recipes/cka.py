@@ -137,12 +137,12 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
             if top_k > len(chosen):
                 raise KavaError(f"--top-k {top_k} exceeds teacher '{t.name}''s {len(chosen)} candidate layers")
             layers[t.name] = chosen
-        tok = student_tokenizer(cal)[0]
+        tok = student_tokenizer(cal.student)[0]
         # the first `samples` training examples (validation comes after), with the views of teachers of another
         # tokenizer: feed_items sends those their own ids, and the batches carry the alignment
-        split = load_splits(cal, tok, teacher_tokenizers(plans))[0]
+        split = load_splits(cal.data, cal.train, tok, teacher_tokenizers(plans))[0]
         batch_size = max(b for b in range(1, min(cal.train.batch_size, len(split)) + 1) if len(split) % b == 0)
-        stream = BatchStream(split, batch_size, data_seed(cal), bucket=False)  # every example once
+        stream = BatchStream(split, batch_size, data_seed(cal.train), bucket=False)  # every example once
         steps = stream.steps_per_epoch
         student = load_student(cal.student.model, dtype="float32", keep=cal.student.keep_layers).eval()
         kinds = _kinds(features)

@@ -38,8 +38,8 @@ def pydoc_corpus(out, config: str = "demo_cpu", block: int = 128, overrides: Opt
     root = Path(written["train"]["path"]).parent
     cfg = corpus_job(config, root, block, overrides)
     tok = load_tokenizer(cfg.student.model)
-    train, val = load_splits(cfg, tok)
-    test = load_test_split(cfg, tok)
+    train, val = load_splits(cfg.data, cfg.train, tok)
+    test = load_test_split(cfg.data, cfg.train, tok)
     result = {"out": str(root), "config": str(config), "block": block, "tokenizer": cfg.student.model, "splits": {}}
     for name, split in (("train", train), ("validation", val), ("test", test)):
         result["splits"][name] = {**written[name], "blocks": len(split), "tokens": int(split.lengths.sum())}

@@ -116,9 +116,11 @@ class DistillRecipe:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.student.model)
         self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
-        maps = vocab_maps(cfg, self.plans, self.tokenizer, self.teacher_toks)  # for their logits (hybrid)
+        maps = vocab_maps(cfg.loss, cfg.student, self.plans, self.tokenizer,
+                          self.teacher_toks)  # for their logits (hybrid)
         state = self.build_model(maps, checkpoint_dir, wrap, run_changes)
-        self.train_split, self.val = load_splits(cfg, self.tokenizer, self.teacher_toks)  # test: only in `test()`
+        # the test split: only in `test()`
+        self.train_split, self.val = load_splits(cfg.data, cfg.train, self.tokenizer, self.teacher_toks)
         if state:
             state["data"] = load_data_state(checkpoint_dir)
         return state
@@ -328,7 +330,7 @@ class DistillRecipe:
     def test(self, source) -> dict[str, float]:
         """`test/*` on the test split, once, after the last step (never used to select anything), in fp32
         without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
-        split = load_test_split(self.cfg, self.tokenizer, self.teacher_toks)
+        split = load_test_split(self.cfg.data, self.cfg.train, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
                                 prefix="test")
 

@@ -187,10 +187,10 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
 
     was_training = distiller.training
     distiller.eval()
-    stream = eval_stream(split, cfg, drop_last=False)  # every row: a split not a multiple of the batch too
+    stream = eval_stream(split, cfg.train, drop_last=False)  # every row: a split not a multiple of the batch too
     feed = KVFeed(source, feed_items(stream, stream.steps_per_epoch), {n: p.layers for n, p in plans.items()},
                   depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device, dtype=dtype,
-                  logits_top_k=teacher_logits_top_k(cfg, plans), hidden=wants_hidden(cfg),
+                  logits_top_k=teacher_logits_top_k(cfg.loss, plans), hidden=wants_hidden(cfg.loss),
                   token_logprobs=[n for n, p in plans.items() if not p.aligned] if teacher_ce else ())
     sums: dict = {}
     weights: dict = {KV_TOKENS: 0, LABEL_TOKENS: 0}
@@ -231,7 +231,7 @@ def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg,
 
 def direct_alignment(cfg, plans: dict) -> dict:
     """{teacher: `direct_kv_alignment`} for each teacher the student was copied from by `keep_layers`."""
-    found = {t: direct_kv_alignment(p, copied_layers(cfg, t)) for t, p in plans.items()}
+    found = {t: direct_kv_alignment(p, copied_layers(cfg.student, cfg.teacher(t))) for t, p in plans.items()}
     return {t: kva for t, kva in found.items() if kva is not None}
 
 
@@ -271,9 +271,9 @@ def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, devi
     """
     from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
-    stream = eval_stream(split, cfg)
+    stream = eval_stream(split, cfg.train)
     same = {n: p for n, p in plans.items() if not p.aligned}
-    specs = logit_specs(cfg, same) if logit_top_k else {}
+    specs = logit_specs(cfg.loss, same) if logit_top_k else {}
     logit_names = list(specs)
     kd = derive(cfg, {"loss.logit_top_k": logit_top_k, "loss.logit_temperature": 1.0,
                       "loss.logit_tail": "bucket"}).loss if logit_names else None  # top-k 0: no logit figures
@@ -335,7 +335,7 @@ def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg,
             out[t] = probes[t] = KVAlignment([p.layers.index(t_layer) for t_layer in heaviest_sources(p.layer_map)],
                                              probe=True)
     if probes:
-        stream = eval_stream(train_split, cfg)
+        stream = eval_stream(train_split, cfg.train)
         n = min(fit_batches, stream.steps_per_epoch)
         feed = KVFeed(source, feed_items(stream, n), {t: plans[t].layers for t in probes},
                       depth=cfg.align.prefetch_depth, wire_dtype=cfg.align.wire_dtype, device=device)
@@ -398,8 +398,8 @@ def eval_config(cfg, overrides: Optional[Sequence[str]]):
     own = same_source(run, cfg)
     if "data.source" in keys and not own and cfg.data.source != "synthetic":
         return derive(cfg, {**({} if "data.num_test" in keys else {"data.num_test": None}),
-                            **({"data.allow_overlap": True} if one_source(cfg) else {})})
-    if own and carved(run):
+                            **({"data.allow_overlap": True} if one_source(cfg.data) else {})})
+    if own and carved(run.data):
         was, now = flatten(run.to_dict()), flatten(cfg.to_dict())
         moved = [f"{k}={_value(now[k])}" for k in CARVE_KEYS if now[k] != was[k]]
         if moved:
@@ -436,12 +436,13 @@ def _evaluate(ckpt: Path, real: Path, limit: int, max_new_tokens: int, address, 
     tokenizer = load_tokenizer(ckpt / "student")
     with job_teachers(cfg, address, restart=restart_teachers) as job:
         teacher_toks = teacher_tokenizers(job.plans)
-        test = load_test_split(cfg, tokenizer, teacher_toks)  # what a run reports once at its end
+        test = load_test_split(cfg.data, cfg.train, tokenizer, teacher_toks)  # what a run reports once at its end
         status(f"eval: step {state['step']} of {real.parent.name} on {len(test)} test rows ({cfg.data.source})")
         out = {"checkpoint": str(real), "step": state["step"], "test_rows": len(test)}
         torch.manual_seed(0)
         distiller = build_distiller(student, job.plans, kv_geometry(student), cfg,
-                              vocab_maps(cfg, job.plans, tokenizer, teacher_toks), sharded=cfg.ray.sharded)
+                              vocab_maps(cfg.loss, cfg.student, job.plans, tokenizer,
+                                         teacher_toks), sharded=cfg.ray.sharded)
         load_into(ckpt, distiller)
         out.update(evaluate_heldout(distiller, job.source(), job.plans, test, cfg, "cpu", torch.float32,
                                     prefix="test", teacher_ce=cfg.data.kv_source == "live"))

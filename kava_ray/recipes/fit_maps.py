@@ -32,7 +32,7 @@ def fit_maps(recipe, source, batches: int = 16) -> list[str]:
             if recipe.plans[n].aligned:
                 raise KavaError(f"align.projector.kind: fit needs teacher '{n}' to share the student's tokenizer "
                                 f"(its KV is fit token by token); use linear or elastic for it")
-        stream = eval_stream(recipe.train_split, recipe.cfg)
+        stream = eval_stream(recipe.train_split, recipe.cfg.train)
         feed = KVFeed(source, feed_items(stream, min(batches, stream.steps_per_epoch)),
                       {n: recipe.plans[n].layers for n in todo}, wire_dtype=recipe.cfg.align.wire_dtype,
                       device=recipe.device)

@@ -219,7 +219,7 @@ def teachers_status(job) -> None:
     else:
         status(f"teachers: {len(job.plans)} {'ready' if job.started else 'already running'} ({names}) "
                f"in {job.setup_s:.0f} s")
-    for line in cross_vocab_lines(cfg, job.plans):
+    for line in cross_vocab_lines(cfg.loss, cfg.student, job.plans):
         status(line)
 
 
@@ -238,7 +238,7 @@ def run_lines(cfg: JobConfig) -> list[str]:
     lines = [f"loss: {' + '.join(terms)}"]
     if o.fraction > 0:
         who = (("the student" + (" through vLLM" if o.engine == "vllm" else "")) if o.source == "student"
-               else f"teacher '{onpolicy_writer(cfg)}'")
+               else f"teacher '{onpolicy_writer(cfg.onpolicy, cfg.teachers)}'")
         lines.append(f"on-policy: fraction {o.fraction:g} of the batches completed by {who} (up to {o.max_new_tokens} "
                      f"new tokens, temperature {o.temperature:g}, top_p {o.top_p:g}), lag {o.lag}")
     return lines
@@ -249,7 +249,7 @@ def topk_warning(cfg: JobConfig, plans: dict) -> Optional[str]:
     others' logit terms are the hybrid / ULD losses, not `topk_divergence`)."""
     if not any(not p.aligned for p in plans.values()):
         return None
-    return topk_divergence_warning(cfg.loss, student_geometry(cfg).vocab_size, cfg.onpolicy.fraction)
+    return topk_divergence_warning(cfg.loss, student_geometry(cfg.student).vocab_size, cfg.onpolicy.fraction)
 
 
 def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_override: bool,

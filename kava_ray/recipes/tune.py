@@ -70,7 +70,7 @@ def trial_fn(config: dict, setup: dict) -> None:
     through the object store by tune.with_parameters. The trial's workers find the shared teacher pool by name."""
     cfg = apply_params(validate_config(setup["base"]), config["params"])
     geoms = setup["geometries"]
-    plans = teacher_plans(cfg, geoms, KVGeometry.from_dict(setup["student_geometry"]),
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, KVGeometry.from_dict(setup["student_geometry"]),
                           tokenizer_dirs={n: g["tokenizer"] for n, g in geoms.items() if g.get("tokenizer")})
     run_dir = trial_dir(cfg) / "run"
     try:
@@ -154,7 +154,7 @@ def _tune(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurre
     with job_teachers(cfg, address, restart=restart_teachers, concurrent_runs=runs, command="tune") as job:
         teachers_status(job)
         # a dimension this job makes inert (an elastic projector's knobs where the projector is identity): one line
-        spec, dropped = drop_inert(spec, cfg, projector_kinds(cfg, job.plans, student_geometry(cfg)))
+        spec, dropped = drop_inert(spec, cfg, projector_kinds(cfg, job.plans, student_geometry(cfg.student)))
         if dropped:
             status(dropped)
         # with how each teacher's tokens meet the student's (one to one, or by characters) for the trials' plans
@@ -167,7 +167,7 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
     """The Tuner over `trial` (Ray is up; the shared pool, if any, is `handles`)."""
     use_gpu = resolve_use_gpu(cfg.ray.use_gpu)
     limit = max_concurrent or spec.max_concurrent or derive_max_concurrent(cfg, use_gpu)
-    setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg).to_dict(),
+    setup = {"base": cfg.to_dict(), "geometries": geoms, "student_geometry": student_geometry(cfg.student).to_dict(),
              "use_gpu": use_gpu}
     # the trial function only drives; its Train workers and teachers ask for their own resources
     trainable = tune.with_resources(tune.with_parameters(trial, setup=setup), {"CPU": resources.TRIAL_CPUS})

@@ -109,8 +109,9 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
                                           gpu_memory_utilization=o.vllm_gpu_memory_utilization, sleep_mode=True)
             return VLLMGenerate(student, eos_id, engine)
         return HFGenerate(student, eos_id, pad_id, autocast)
-    name = onpolicy_writer(cfg)
-    check_writer(cfg, not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)
+    name = onpolicy_writer(cfg.onpolicy, cfg.teachers)
+    check_writer(cfg.onpolicy, cfg.teachers,
+                 not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)
     if hasattr(kv_source, "generate"):
         return TeacherGenerate(lambda *args: kv_source.generate(name, *args))
     handles = getattr(kv_source, "handles", None)

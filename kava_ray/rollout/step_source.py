@@ -41,7 +41,7 @@ class StepSource:
                  depth: Optional[int] = None):
         self.cfg, self.plans, self.kv_source = cfg, plans, kv_source
         self.rank, self.world, self.device = rank, world, device
-        self.stream = BatchStream(split, cfg.train.batch_size, data_seed(cfg), rank=rank, world_size=world)
+        self.stream = BatchStream(split, cfg.train.batch_size, data_seed(cfg.train), rank=rank, world_size=world)
         self.limit = max(0, (until or cfg.train.steps) - start_step) * cfg.optim.accumulation
         self.depth = cfg.align.prefetch_depth if depth is None else depth
         self.skipped_before = 0  # this rank's skips before a resume (its cumulative count continues from them)
@@ -59,9 +59,10 @@ class StepSource:
             cfg = self.cfg
             self.feed = KVFeed(self.kv_source, self.items(), {n: p.layers for n, p in self.plans.items()},
                                depth=self.depth, wire_dtype=cfg.align.wire_dtype, device=self.device,
-                               logits_top_k=teacher_logits_top_k(cfg, self.plans), on_bad_kv=cfg.train.on_bad_kv,
-                               limit=self.limit, hidden=wants_hidden(cfg),
-                               token_logprobs=token_logprob_teachers(cfg, self.plans), read_ahead=self.read_ahead)
+                               logits_top_k=teacher_logits_top_k(cfg.loss, self.plans), on_bad_kv=cfg.train.on_bad_kv,
+                               limit=self.limit, hidden=wants_hidden(cfg.loss),
+                               token_logprobs=token_logprob_teachers(cfg.onpolicy, self.plans),
+                               read_ahead=self.read_ahead)
         return self.feed
 
     def next_step(self, step: int) -> Iterator[tuple[Batch, dict[str, KVBatch]]]:

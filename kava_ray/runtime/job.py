@@ -172,9 +172,9 @@ def teacher_geometries(handles: dict) -> dict[str, dict]:
 def live_plans(cfg: JobConfig, handles: dict) -> dict[str, TeacherPlan]:
     """Plans for a running pool: its geometries; teachers of another tokenizer are aligned by characters."""
     geoms = teacher_geometries(handles)
-    s_geom = student_geometry(cfg)
-    plans = teacher_plans(cfg, geoms, s_geom, student_tokenizer(cfg)[1])
-    check_vocab(cfg, plans)
+    s_geom = student_geometry(cfg.student)
+    plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, s_geom, student_tokenizer(cfg.student)[1])
+    check_vocab(cfg.loss, plans)
     return plans
 
 
@@ -235,19 +235,19 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
 
     if cfg.data.kv_source == "cache":
         cache = KVCache(cfg.data.kv_cache_dir)
-        check_logits(cache.root, cache.meta, logits_top_k(cfg))
+        check_logits(cache.root, cache.meta, logits_top_k(cfg.loss))
         meta = cache.meta["teachers"]
         missing = [t.name for t in cfg.teachers if t.name not in meta]
         if missing:
             raise KavaError(f"KV cache {cfg.data.kv_cache_dir} has no teacher {missing[0]!r}")
-        student_fp = student_tokenizer(cfg)[1]
+        student_fp = student_tokenizer(cfg.student)[1]
         # a teacher of another tokenizer: the cache holds a copy of its tokenizer (no teacher model needed)
         geoms = {n: dict(t["geometry"], tokenizer_fingerprint=t.get("tokenizer_fingerprint", student_fp))
                  for n, t in meta.items()}
         dirs = {n: str(cache.root / t["tokenizer"]) for n, t in meta.items() if t.get("tokenizer")}
-        s_geom = student_geometry(cfg)
-        plans = teacher_plans(cfg, geoms, s_geom, student_fp, dirs)
-        check_vocab(cfg, plans)
+        s_geom = student_geometry(cfg.student)
+        plans = teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, s_geom, student_fp, dirs)
+        check_vocab(cfg.loss, plans)
         return None, plans, []
     try:
         handles, started = find_pool(cfg), []
@@ -269,7 +269,7 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
     (`handles`, else found by name)."""
 
     if cfg.data.kv_source == "cache":
-        meta = (cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg), wants_hidden(cfg))
+        meta = (cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg.loss), wants_hidden(cfg.loss))
                 if data_fingerprint is not None else None)
         return CacheSource(KVCache(cfg.data.kv_cache_dir, meta))
     return ActorSource(handles if handles is not None else find_pool(cfg, list(plans)),
@@ -306,9 +306,10 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
     if cfg.data.kv_source != "live":  # precompute always asks live teachers
         cfg = derive(cfg, {"data.kv_source": "live"})
     with job_teachers(cfg, address, restart=restart_teachers) as job:
-        tok = student_tokenizer(cfg)[0]
+        tok = student_tokenizer(cfg.student)[0]
         teacher_toks = teacher_tokenizers(job.plans)
-        splits = [*load_splits(cfg, tok, teacher_toks), load_test_split(cfg, tok, teacher_toks)]
+        splits = [*load_splits(cfg.data, cfg.train, tok, teacher_toks),
+                  load_test_split(cfg.data, cfg.train, tok, teacher_toks)]
         bar = tqdm(total=sum(len(s) for s in splits), desc="precompute", unit="example",
                    disable=None if progress else True)
 
@@ -317,8 +318,9 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
             bar.refresh()
 
         args = (cfg, job.handles, job.plans, splits, Path(out_dir).expanduser().absolute())
-        kwargs = dict(logits_top_k=teacher_logits_top_k(cfg, job.plans), tokenizers=teacher_toks,
-                      vocab_maps=vocab_maps(cfg, job.plans, tok, teacher_toks), hidden=wants_hidden(cfg))
+        kwargs = dict(logits_top_k=teacher_logits_top_k(cfg.loss, job.plans), tokenizers=teacher_toks,
+                      vocab_maps=vocab_maps(cfg.loss, cfg.student, job.plans, tok,
+                                            teacher_toks), hidden=wants_hidden(cfg.loss))
         try:
             node = writer_node(cfg, job.handles, job.plans)
             if node is None:  # the teachers' KV is on this node: written from here

@@ -144,7 +144,8 @@ def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
             mods.append(TeacherProjector(layers, geom.num_kv_heads, geom.head_dim, s_geom.num_layers,
                                          s_geom.num_kv_heads, s_geom.head_dim, layer_map, mode=a.mode,
                                          aggregation=a.aggregation,
-                                         kind=job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name),
+                                         kind=job_kind(cfg.align, cfg.fusion.kind, len(cfg.teachers), geom, s_geom,
+                                                       copied=copied_from_teacher(cfg.student, cfg.teacher(name)),
                                                       sharded=cfg.ray.sharded),
                                          mlp_ratio=p.mlp_ratio, dropout=p.dropout, head_proj=p.head_proj,
                                          train_map=p.train_map))
@@ -200,7 +201,7 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
 
 
 def _top_k(cfg: JobConfig) -> int:
-    return logits_top_k(cfg)  # the job's one rule for the k its teachers serve
+    return logits_top_k(cfg.loss)  # the job's one rule for the k its teachers serve
 
 
 def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
@@ -216,7 +217,7 @@ def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
 def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
     """The top-k a teacher serves: the job's (at most its vocabulary: `teacher_forward_kv` clamps it), or 0 for
     another vocabulary with loss.logit_cross_vocab off."""
-    if _other_vocab(geom, s_geom) and cross_vocab(cfg) == "off":
+    if _other_vocab(geom, s_geom) and cross_vocab(cfg.loss) == "off":
         return 0
     return min(_top_k(cfg), int(geom.vocab_size)) if geom.vocab_size else _top_k(cfg)
 
@@ -323,7 +324,8 @@ def _projector_bytes(cfg: JobConfig, name: str, geom: KVGeometry, layers: list[i
     sees its own D_t slice). Checked against saved-tensor hooks on CPU (fp32): exact for every mode.
     """
     al, p = cfg.align, cfg.align.projector
-    kind = job_kind(cfg, geom, s_geom, copied=copied_from_teacher(cfg, name), sharded=cfg.ray.sharded)
+    kind = job_kind(cfg.align, cfg.fusion.kind, len(cfg.teachers), geom, s_geom,
+                    copied=copied_from_teacher(cfg.student, cfg.teacher(name)), sharded=cfg.ray.sharded)
     if kind == "identity":  # the teacher's KV as it is: nothing trained, nothing saved for backward
         return 0.0
     if kind == "fit":  # the student-side map saves its input, the student's KV of each layer
@@ -360,7 +362,8 @@ def _layer_plans(cfg: JobConfig, s: ModelInfo, t_infos: dict) -> dict:
     out = {}
     for t in cfg.teachers:
         g = t_infos[t.name].geometry
-        layer_map, shipped = layer_plan(cfg, t.name, g.num_layers, s.geometry.num_layers)
+        layer_map, shipped = ((layer_plan(cfg.align, cfg.student, t, g.num_layers, s.geometry.num_layers))
+                              if cfg.ships_kv else ([], []))
         out[t.name] = (g, layer_map, shipped)
     return out
 

@@ -190,12 +190,12 @@ def prepare_data(cfg: JobConfig) -> dict:
     """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
     the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts (and the
     records' format)."""
-    overlap = check_overlap(cfg)  # the same rows in a held-out split: refused (one line) unless allowed
+    overlap = check_overlap(cfg.data)  # the same rows in a held-out split: refused (one line) unless allowed
     tok = load_tokenizer(cfg.student.model)
-    train, val = load_splits(cfg, tok)
-    test = load_test_split(cfg, tok)
+    train, val = load_splits(cfg.data, cfg.train, tok)
+    test = load_test_split(cfg.data, cfg.train, tok)
     check_routes(cfg, {"training": train, "validation": val, "test": test})
-    return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg),
+    return {"train": len(train), "validation": len(val), "test": len(test), "carved": carved(cfg.data),
             "warning": overlap, "format": train.format}
 
 
@@ -204,17 +204,18 @@ def check_routes(cfg: JobConfig, splits: dict[str, TokenizedSplit]) -> None:
     job's logit teachers (`plans.logit_teachers`; the Distiller refuses any other mid-run): one line naming the split,
     row and name, before Ray starts. A teacher of another tokenizer counts as one unless loss.logit_cross_vocab=off,
     when it does only where its tokenizer is not at hand here (`shares_tokenizer_here`: None)."""
-    if not logits_top_k(cfg):
+    if not logits_top_k(cfg.loss):
         return  # no logit term: nothing reads the column
-    names, across, student_fp = [t.name for t in cfg.teachers], cross_vocab(cfg) != "off", None
+    names, across, student_fp = [t.name for t in cfg.teachers], cross_vocab(cfg.loss) != "off", None
     logit_names = None
     for what, split in splits.items():
         if split.records is None or ROUTE not in split.records.column_names:
             continue
         if logit_names is None:
             if not across:
-                student_fp = student_tokenizer(cfg)[1]
-            logit_names = [n for n in names if across or shares_tokenizer_here(cfg, n, student_fp) is not False]
+                student_fp = student_tokenizer(cfg.student)[1]
+            logit_names = [n for n in names if across or shares_tokenizer_here(cfg.student, cfg.teacher(n),
+                                                                               student_fp) is not False]
         for i, r in enumerate(split.records.select_columns([ROUTE])[ROUTE]):
             if r and r not in logit_names:
                 why = (f" ('{r}' uses another tokenizer than the student's and loss.logit_cross_vocab=off)"
@@ -318,7 +319,8 @@ def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
     o = cfg.onpolicy
     if command not in ("train", "tune", "demo") or o.fraction == 0 or o.source != "teacher":
         return
-    check_writer(cfg, shares_tokenizer_here(cfg, onpolicy_writer(cfg)))
+    writer = cfg.teacher(onpolicy_writer(cfg.onpolicy, cfg.teachers))
+    check_writer(cfg.onpolicy, cfg.teachers, shares_tokenizer_here(cfg.student, writer))
 
 
 def check_engines(cfg: JobConfig, command: str) -> None:

@@ -297,7 +297,8 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
 def projector_kinds(base: JobConfig, plans: dict, s_geom) -> dict[str, str]:
     """{teacher: the projector kind its trials train}: `projectors.job_kind`, the Distiller's rule (`auto`:
     identity, fit or linear)."""
-    return {n: job_kind(base, p.geometry, s_geom, copied=p.copied, sharded=base.ray.sharded, aligned=p.aligned)
+    return {n: job_kind(base.align, base.fusion.kind, len(base.teachers), p.geometry, s_geom, copied=p.copied,
+                        sharded=base.ray.sharded, aligned=p.aligned)
             for n, p in plans.items()}
 
 

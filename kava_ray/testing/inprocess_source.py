@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from kava_ray.common.config import JobConfig
+from kava_ray.common.fingerprints import tokenizer_fingerprint
 from kava_ray.core.kv import teacher_forward_kv
+from kava_ray.core.models import kv_geometry, load_tokenizer
+from kava_ray.core.plans import TeacherPlan, student_geometry, teacher_plans
 
 
 class InProcessSource:
@@ -36,3 +40,12 @@ class InProcessSource:
                                 layers=r.layers, key_space=self.key_space, logits_top_k=r.logits_top_k,
                                 hidden=r.hidden, token_logprobs=getattr(r, "token_logprobs", False))
         return kv.to_wire(r.wire_dtype)
+
+
+def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
+    """Plans for teachers loaded in this process ({teacher: model}, an `InProcessSource`'s): the geometry and
+    tokenizer fingerprint each would report as an actor."""
+    geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
+                          tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
+             for t in cfg.teachers}
+    return teacher_plans(cfg.student, cfg.teachers, cfg.align, geoms, student_geometry(cfg.student))
