@@ -18,7 +18,6 @@ from kava_ray.bench.task_records import (
     SPECIALISTS,
     TASKS,
     arith_rows,
-    correct,
     file_rows,
     synthetic_rows,
     write_records,
@@ -27,6 +26,7 @@ from kava_ray.bench.task_report import BASE, CE_MARGIN, decide, pair, summarize
 from kava_ray.bench.task_trl import pin_generation_config
 from kava_ray.cli import main
 from kava_ray.common.errors import KavaError
+from kava_ray.data.answers import correct
 
 COUNTS = {"train": 8, "validation": 2, "test": 2}
 

@@ -35,13 +35,13 @@ from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
-from kava_ray.bench.task_records import correct, sort_rows, write_records
+from kava_ray.bench.task_records import sort_rows, write_records
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, write_json
 from kava_ray.core.models import load_model, load_student, load_tokenizer
 from kava_ray.data.splits import load_splits, load_test_split
-from kava_ray.recipes.evaluate import generate_answers, heldout_ce
+from kava_ray.recipes.evaluate import answer_accuracy, generate_answers, heldout_ce, score_answers
 from kava_ray.testing.inprocess_source import in_process_plans
 
 BASE, CONTROL = "sft-gold", "seqkd"
@@ -185,7 +185,7 @@ def _teacher_written(teacher, tok, unlabelled: list, test: list, p: dict, cache_
     t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
                if written[r["question"]].strip()]
     t_test = [written[r["question"]] for r in test]
-    teacher_em = float(np.mean([correct("exact", c, r["answer"]) for c, r in zip(t_test, test)]))
+    teacher_em = score_answers(t_test, [r["answer"] for r in test], checker="exact")["accuracy"]
     say(f"teacher: {100 * teacher_em:.1f} % exact match on the {len(test)} test prompts; its completions of "
         f"{len(t_train)} unlabelled prompts ({len(unlabelled) - len(t_train)} empty, left out)")
     return t_train, t_test, teacher_em
@@ -217,8 +217,8 @@ def _scorer(teacher, tok, test: list, t_test: list, p: dict, test_split) -> Call
     def evaluate(student, full_eval: bool = True) -> dict:
         preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
                                  batch_size=p["eval_batch"])
-        ok = [int(correct("exact", x, r["answer"])) for x, r in zip(preds, test)]
-        agree = [int(correct("exact", x, t)) for x, t in zip(preds, t_test)]
+        ok = score_answers(preds, [r["answer"] for r in test], checker="exact")["ok"]
+        agree = score_answers(preds, t_test, checker="exact")["ok"]
         out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
         if full_eval:
             sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
@@ -298,9 +298,9 @@ def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: 
     step_s = run["wall_step_s"]
     student = run["recipe"].distiller.student
     if select:
-        em = generate_answers(student, ctx.tok, [r["question"] for r in ctx.val], max_new_tokens=p["max_new"],
-                              batch_size=p["eval_batch"])
-        out = {"val": {"em": float(np.mean([correct("exact", x, r["answer"]) for x, r in zip(em, ctx.val)])),
+        em = answer_accuracy(student, ctx.tok, [r["question"] for r in ctx.val], [r["answer"] for r in ctx.val],
+                             "exact", max_new_tokens=p["max_new"], batch_size=p["eval_batch"])["accuracy"]
+        out = {"val": {"em": em,
                        "ce": heldout_ce(student, ctx.val_split)}}
     else:
         e = ctx.evaluate(student)

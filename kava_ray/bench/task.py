@@ -33,7 +33,7 @@ from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
-from kava_ray.bench.task_records import CHECKERS, TASKS, TaskRecords, file_rows, score, write_records
+from kava_ray.bench.task_records import TASKS, TaskRecords, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, QUICK_NOTE, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
@@ -41,6 +41,7 @@ from kava_ray.common.errors import KavaError
 from kava_ray.common.files import write_json
 from kava_ray.core.metric_names import SAMPLED_TOKENS
 from kava_ray.core.models import load_model, load_student, load_tokenizer
+from kava_ray.data.answers import CHECKERS
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tokenize import encode_prompt

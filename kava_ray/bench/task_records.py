@@ -25,12 +25,10 @@ from typing import Optional, Sequence
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write
 from kava_ray.data import final_answer
-from kava_ray.data.answers import answers_match, same_completion
 from kava_ray.data.batching import ROUTE
 from kava_ray.data.synthetic import TEMPLATES, synthetic_split
-from kava_ray.recipes.evaluate import generate_answers
+from kava_ray.recipes.evaluate import answer_accuracy
 
-CHECKERS = ("number", "exact")
 SPLITS = ("train", "validation", "test")
 SPECIALISTS = ("spec-a", "spec-b")  # the synthetic records' two halves of the templates, in TEMPLATES' order
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -176,23 +174,14 @@ def write_records(rows: dict, root: Path, checker: str) -> TaskRecords:
                        {s: len(rows[s]) for s in SPLITS}, hashlib.sha1(blob).hexdigest()[:16])
 
 
-def correct(checker: str, pred: str, gold: str) -> bool:
-    """Whether a completion answers as the gold one does (module docstring)."""
-    return same_completion(pred, gold) if checker == "exact" else answers_match(pred, gold)
-
-
 def score(model, tok, rows: Sequence[dict], checker: str, p: dict) -> dict:
     """`exact_match` at the bench's sizes (p["max_new"] new tokens, p["eval_batch"] prompts a batch)."""
     return exact_match(model, tok, rows, checker, p["max_new"], p["eval_batch"])
 
 
 def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:
-    """Greedy exact match of `model` on `rows` ({question, answer}): {"em" (share), "n", "correct", "ok" (1 / 0 per
-    row, in order: what a bootstrap over prompts resamples), "samples" (the first three: question, gold, predicted,
-    ok)}."""
-    preds = generate_answers(model, tok, [r["question"] for r in rows], max_new_tokens=max_new_tokens,
-                             batch_size=batch_size)
-    ok = [correct(checker, p, r["answer"]) for p, r in zip(preds, rows)]
-    return {"em": sum(ok) / max(len(ok), 1), "n": len(ok), "correct": sum(ok), "ok": [int(o) for o in ok],
-            "samples": [{"question": r["question"], "gold": r["answer"], "predicted": p, "ok": o}
-                        for r, p, o in list(zip(rows, preds, ok))[:3]]}
+    """Greedy exact match of `model` on `rows` ({question, answer}): `evaluate.answer_accuracy`'s dict, its share
+    also as "em"."""
+    r = answer_accuracy(model, tok, [x["question"] for x in rows], [x["answer"] for x in rows], checker,
+                        max_new_tokens=max_new_tokens, batch_size=batch_size)
+    return {"em": r["accuracy"], **r}

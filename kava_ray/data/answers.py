@@ -1,10 +1,14 @@
-"""GSM8K answers: the number a worked solution ends with, in one canonical form."""
+"""Whether an answer is right: GSM8K's final number in one canonical form (`number`), or the whole completion
+(`exact`). The one checker every generate-and-score route uses: `kava-ray eval` (`evaluate.score_answers`), the
+shipped harness tasks (`kava_gsm8k`, a user's `file:PATH`) and the task benches."""
 
 from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Optional
+
+CHECKERS = ("number", "exact")
 
 _NUM = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\$?\.\d+")
 
@@ -42,3 +46,8 @@ def same_completion(pred: str, gold: str) -> bool:
     """A completion equal to the gold one, surrounding whitespace aside (`bench task --checker exact`, the harness
     tasks of a user's file, `kava-ray eval --tasks file:PATH`)."""
     return pred.strip() == gold.strip()
+
+
+def correct(checker: str, pred: Optional[str], gold: Optional[str]) -> bool:
+    """Whether `pred` answers as `gold` does: `number` (`answers_match`) or `exact` (`same_completion`)."""
+    return same_completion(pred or "", gold or "") if checker == "exact" else answers_match(pred, gold)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Union
 
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import first_line
-from kava_ray.data.answers import same_completion
+from kava_ray.data.answers import correct
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 PPL_TASK = "kava_pydoc_ppl"  # the shipped perplexity task (`kava-ray eval` sets a uniform guess beside it)
@@ -112,7 +112,7 @@ def _file_task(arg: str) -> HarnessTask:
 
 
 def _file_results(doc: dict, results: list) -> dict:
-    return {"exact_match": float(same_completion(results[0], doc["completion"]))}
+    return {"exact_match": float(correct("exact", results[0], doc["completion"]))}
 
 
 def parse_task(arg: str) -> HarnessTask:

@@ -1,7 +1,8 @@
 """Held-out evaluation: CE on the tokens that carry loss (and perplexity for text), greedy GSM8K accuracy (gsm8k
 records only), and KV alignment against the teachers.
 
-`heldout_ce`, `generate_answers`, `score_answers` and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
+`heldout_ce`, `generate_answers`, `score_answers`, `answer_accuracy` (the one generate-and-score route: `kava-ray
+eval`'s GSM8K accuracy and the task benches' exact match) and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
 `evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
 `evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.runtime.job`, so this
 module belongs to the orchestration layer. Those two (Ray) are imported where used: the recipe imports this
@@ -53,7 +54,7 @@ from kava_ray.core.plans import (
 from kava_ray.core.probe import KVAlignment
 from kava_ray.core.vocab_chunks import VocabReader
 from kava_ray.data import Example, TokenizedSplit, collate, encode_prompt, final_answer
-from kava_ray.data.answers import answers_match
+from kava_ray.data.answers import correct
 from kava_ray.data.sources import source_path
 from kava_ray.data.splits import carved, eval_stream, load_test_split, one_source
 from kava_ray.recipes.build import build_distiller
@@ -139,31 +140,40 @@ def generate_answers(model, tokenizer, questions: Sequence[str], prompt_format: 
     return out
 
 
-def score_answers(preds: Sequence[str], golds: Sequence[str],
-                  questions: Optional[Sequence[str]] = None) -> dict:
-    """Compare final numbers: `final_answer(x)` of prediction and gold must be equal (`data.answers.answers_match`).
-
-    Returns accuracy, n, correct and `samples` (the first few: question, gold, predicted, pred_number, ok).
-    """
+def score_answers(preds: Sequence[str], golds: Sequence[str], questions: Optional[Sequence[str]] = None,
+                  checker: str = "number") -> dict:
+    """Score predictions by `checker` (`data.answers.correct`: `number`, the final numbers equal; `exact`, the whole
+    completion). {"accuracy", "n", "correct", "ok" (1 / 0 per row, in order: what a bootstrap over prompts
+    resamples), "samples" (the first few: question, gold, predicted, ok; `number` adds pred_number and gives gold as
+    its number)}."""
     if len(preds) != len(golds):
         raise KavaError(f"score_answers: {len(preds)} predictions for {len(golds)} gold answers")
     questions = questions if questions is not None else [""] * len(golds)
-    correct, samples = 0, []
-    for q, pred, gold in zip(questions, preds, golds):
-        p, g, ok = final_answer(pred), final_answer(gold), answers_match(pred, gold)
-        correct += ok
-        if len(samples) < NUM_SAMPLES:
-            samples.append({"question": q, "gold": g, "predicted": pred, "pred_number": p, "ok": ok})
+    ok = [int(correct(checker, pred, gold)) for pred, gold in zip(preds, golds)]
+    samples = []
+    for q, pred, gold, o in list(zip(questions, preds, golds, ok))[:NUM_SAMPLES]:
+        if checker == "number":
+            samples.append({"question": q, "gold": final_answer(gold), "predicted": pred,
+                            "pred_number": final_answer(pred), "ok": bool(o)})
+        else:
+            samples.append({"question": q, "gold": gold, "predicted": pred, "ok": bool(o)})
     n = len(golds)
-    return {"accuracy": correct / n if n else 0.0, "n": n, "correct": correct, "samples": samples}
+    return {"accuracy": sum(ok) / n if n else 0.0, "n": n, "correct": sum(ok), "ok": ok, "samples": samples}
+
+
+def answer_accuracy(model, tokenizer, questions: Sequence[str], golds: Sequence[str], checker: str = "number",
+                    prompt_format: str = "auto", max_new_tokens: int = 128, batch_size: int = 8) -> dict:
+    """Greedy answers of `model` to `questions` (`generate_answers`), scored against `golds` by `checker`
+    (`score_answers`, whose dict it returns)."""
+    preds = generate_answers(model, tokenizer, questions, prompt_format, max_new_tokens, batch_size)
+    return score_answers(preds, golds, questions, checker)
 
 
 def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format: str = "auto",
                    max_new_tokens: int = 128, batch_size: int = 8) -> dict:
-    """Greedy GSM8K accuracy of `model` on `examples` (see `score_answers` for the result dict)."""
-    questions = [ex.question for ex in examples]
-    preds = generate_answers(model, tokenizer, questions, prompt_format, max_new_tokens, batch_size)
-    return score_answers(preds, [ex.answer for ex in examples], questions)
+    """Greedy GSM8K accuracy of `model` on `examples`: `answer_accuracy` with the `number` checker."""
+    return answer_accuracy(model, tokenizer, [ex.question for ex in examples], [ex.answer for ex in examples],
+                           "number", prompt_format, max_new_tokens, batch_size)
 
 
 # ----------------------------------------------------------------------------- KV alignment, held out

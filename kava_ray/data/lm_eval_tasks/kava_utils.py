@@ -32,6 +32,6 @@ def pydoc_test(**_) -> dict:
 def gsm8k_results(doc: dict, results: list) -> dict:
     """accuracy 1/0 of one greedy completion: `normalize_number(final_answer(.))` of it and of the gold answer
     equal, exactly as `kava_ray.recipes.evaluate.score_answers` (`gsm8k_accuracy`) scores it."""
-    from kava_ray.data.answers import answers_match
+    from kava_ray.data.answers import correct
 
-    return {"accuracy": float(answers_match(results[0], doc["answer"]))}
+    return {"accuracy": float(correct("number", results[0], doc["answer"]))}
