@@ -50,6 +50,32 @@ class Term(Protocol):
     def __call__(self, view: StepView) -> Optional[torch.Tensor]: ...
 
 
+class PriorWeighted:
+    """A term summed over the teachers, each weighted by the normalised fusion prior (the relation and hidden terms):
+    a subclass names its weight in the `loss` section (`weight_key`), its figure (`metric`) and one teacher's loss
+    (`per_teacher`); it is built only when that weight is > 0."""
+
+    weight_key: str
+    metric: str
+
+    def __init__(self, parts: "TermParts"):
+        self.weight, self.names, self.fusion = getattr(parts.loss, self.weight_key), parts.names, parts.fusion
+
+    @classmethod
+    def build(cls, parts: "TermParts", *args):
+        return cls(parts, *args) if getattr(parts.loss, cls.weight_key) > 0 else None
+
+    def per_teacher(self, v: StepView, n: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, v: StepView) -> torch.Tensor:
+        total = 0
+        for wi, n in zip(self.fusion.prior.tolist(), self.names):
+            total = total + wi * self.per_teacher(v, n)
+        v.metrics[self.metric] = total.detach()
+        return self.weight * total
+
+
 @dataclass
 class TermParts:
     """What a term is built from: the job's `loss` section and the Distiller's parts it reads (the fusion, the

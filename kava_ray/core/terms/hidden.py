@@ -3,15 +3,13 @@ layers, through a learned map where the widths differ."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
 from kava_ray.common.errors import KavaError
 from kava_ray.core.losses import hidden_cosine_loss
 from kava_ray.core.metric_names import HIDDEN
-from kava_ray.core.terms.base import StepView, TermParts
+from kava_ray.core.terms.base import PriorWeighted, StepView, TermParts
 from kava_ray.core.terms.relation import layer_pairs
 
 
@@ -26,33 +24,25 @@ def hidden_projection(s_hidden: int, t_hidden: int) -> nn.Module:
     return proj
 
 
-class HiddenTerm:
+class HiddenTerm(PriorWeighted):
     """hidden_weight * `losses.hidden_cosine_loss` to every teacher's matched layers on the CE positions, weighted
     with the normalised fusion prior; a teacher of another tokenizer's states first moved to student positions as its
     KV is. Its maps (`proj`, {teacher: module}) are the Distiller's `hidden_proj`, trained with the projectors."""
 
-    name = "hidden"
+    name, weight_key, metric = "hidden", "hidden_weight", HIDDEN
 
     def __init__(self, parts: TermParts, s_hidden: int):
-        self.weight, self.names, self.fusion = parts.loss.hidden_weight, parts.names, parts.fusion
+        super().__init__(parts)
         self.positions, self.pairs = parts.positions, layer_pairs(parts)
         self.proj = nn.ModuleDict({n: hidden_projection(s_hidden, p.geometry.hidden_size)
                                    for n, p in parts.plans.items()})
 
-    @classmethod
-    def build(cls, parts: TermParts, s_hidden: int) -> Optional["HiddenTerm"]:
-        return cls(parts, s_hidden) if parts.loss.hidden_weight > 0 else None
-
-    def __call__(self, v: StepView) -> torch.Tensor:
-        total = 0
-        for wi, n in zip(self.fusion.prior.tolist(), self.names):
-            t = v.teacher_kv[n]
-            if t.hidden is None:
-                raise KavaError(f"teacher '{n}' sent no hidden states (loss.hidden_weight > 0 needs them; a KV cache "
-                                f"must be precomputed with it)")
-            (th,), m = self.positions(n, (t.hidden.unsqueeze(2),), v.batch, v.next_mask)  # [L, B, 1, T, h]: as KV
-            th = th.squeeze(2)  # [L_t, B, T_s, h_t]
-            s = self.proj[n](v.skv.hidden)  # [L_s, B, T, h_t]
-            total = total + wi * hidden_cosine_loss(s, th[self.pairs[n]], m)
-        v.metrics[HIDDEN] = total.detach()
-        return self.weight * total
+    def per_teacher(self, v: StepView, n: str) -> torch.Tensor:
+        t = v.teacher_kv[n]
+        if t.hidden is None:
+            raise KavaError(f"teacher '{n}' sent no hidden states (loss.hidden_weight > 0 needs them; a KV cache "
+                            f"must be precomputed with it)")
+        (th,), m = self.positions(n, (t.hidden.unsqueeze(2),), v.batch, v.next_mask)  # [L, B, 1, T, h]: as KV
+        th = th.squeeze(2)  # [L_t, B, T_s, h_t]
+        s = self.proj[n](v.skv.hidden)  # [L_s, B, T, h_t]
+        return hidden_cosine_loss(s, th[self.pairs[n]], m)

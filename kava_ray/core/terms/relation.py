@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
 from kava_ray.core.align.layers import heaviest_sources
 from kava_ray.core.losses import relation_loss
 from kava_ray.core.metric_names import RELATION
-from kava_ray.core.terms.base import StepView, TermParts
+from kava_ray.core.terms.base import PriorWeighted, StepView, TermParts
 
 
 def layer_pairs(parts: TermParts) -> dict[str, list[int]]:
@@ -19,27 +18,19 @@ def layer_pairs(parts: TermParts) -> dict[str, list[int]]:
     return {n: [list(p.layers).index(t) for t in heaviest_sources(p.layer_map)] for n, p in parts.plans.items()}
 
 
-class RelationTerm:
+class RelationTerm(PriorWeighted):
     """relation_weight * (`losses.relation_loss` of K and V, their mean) to every teacher, weighted with the
     normalised fusion prior; figure: relation."""
 
-    name = "relation"
+    name, weight_key, metric = "relation", "relation_weight", RELATION
 
     def __init__(self, parts: TermParts, s_heads: int):
-        self.weight, self.names, self.fusion = parts.loss.relation_weight, parts.names, parts.fusion
+        super().__init__(parts)
         self.pairs = layer_pairs(parts)
         self.heads = {n: math.gcd(s_heads, p.geometry.num_kv_heads) for n, p in parts.plans.items()}
 
-    @classmethod
-    def build(cls, parts: TermParts, s_heads: int) -> Optional["RelationTerm"]:
-        return cls(parts, s_heads) if parts.loss.relation_weight > 0 else None
-
-    def __call__(self, v: StepView) -> torch.Tensor:
-        total = 0
-        for wi, n in zip(self.fusion.prior.tolist(), self.names):
-            keys, values = v.native[n]
-            pick, heads = self.pairs[n], self.heads[n]
-            total = total + wi * (relation_loss(v.skv.keys, keys[pick], v.masks[n], heads)
-                                  + relation_loss(v.skv.values, values[pick], v.masks[n], heads)) / 2
-        v.metrics[RELATION] = total.detach()
-        return self.weight * total
+    def per_teacher(self, v: StepView, n: str) -> torch.Tensor:
+        keys, values = v.native[n]
+        pick, heads = self.pairs[n], self.heads[n]
+        return (relation_loss(v.skv.keys, keys[pick], v.masks[n], heads)
+                + relation_loss(v.skv.values, values[pick], v.masks[n], heads)) / 2
