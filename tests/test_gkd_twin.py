@@ -29,7 +29,7 @@ from kava_ray.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.unit
 
-P = {"max_length": 96, "max_new": 24, "batch_size": 4, "temperature": 1.0}
+P = SimpleNamespace(max_length=96, max_new=24, batch_size=4, temperature=1.0)  # the bench sizes TRL reads
 STEPS, LR, SEED = 4, 3e-3, 3
 
 
@@ -53,7 +53,7 @@ def _job(pair, tmp_path, lmbda: float):
     teacher, student, records, _ = pair
     cfg = records_job(load_config("demo_cpu"), records, [("teacher", teacher)], student, None, P, tmp_path)
     vocab = load_model(str(teacher), dtype="float32").config.vocab_size
-    sets = {**GKD, "loss.logit_top_k": vocab, "onpolicy.fraction": lmbda, "onpolicy.max_new_tokens": P["max_new"]}
+    sets = {**GKD, "loss.logit_top_k": vocab, "onpolicy.fraction": lmbda, "onpolicy.max_new_tokens": P.max_new}
     return derive(cfg, {**sets, "train.seed": SEED, "train.data_seed": SEED, "train.steps": STEPS,
                         "optim.lr_student": LR})
 
@@ -93,7 +93,7 @@ def test_at_lambda_0_kava_rays_gkd_and_trls_end_with_the_same_weights(pair, tmp_
 def _completion(prompt: list, n: int, eos: int) -> list:
     """A fixed 'sample' of `n` tokens for `prompt` (ending in eos where it stops early), the same on both sides."""
     body = [(sum(prompt) * 7 + 13 * j) % 200 + 40 for j in range(n)]
-    return body if n >= P["max_new"] else body[:-1] + [eos]
+    return body if n >= P.max_new else body[:-1] + [eos]
 
 
 def _inject(monkeypatch, pair, length):
@@ -146,7 +146,7 @@ def test_at_lambda_1_on_the_same_injected_completions_the_per_step_losses_are_eq
     weights (abs 5e-6, measured 1.1e-6: TRL's sequences keep its prompts left-padded, kava-ray's rows are
     right-padded, so their positions differ by a shift RoPE cancels up to rounding)."""
     gold = _gold_lengths(kava_batches(_job(pair, tmp_path, 1.0), pair[3], STEPS))
-    assert max(gold.values()) <= P["max_new"]  # (a sample stops at max_new: every gold length can be matched)
+    assert max(gold.values()) <= P.max_new  # (a sample stops at max_new: every gold length can be matched)
     _, kava, kava_losses, trl = _both_injected(pair, tmp_path, monkeypatch, gold.__getitem__)
     assert trl["generated_per_sample"] > 0 and kava_losses == pytest.approx(trl["losses"], rel=1e-6)
     assert _max_weight_diff(kava, trl["student"]) < 5e-6

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,7 +35,7 @@ from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed, guarded_verdict, mean_sd, paired, paired_bootstrap
 from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
-from kava_ray.bench.task_records import sort_rows, write_records
+from kava_ray.bench.task_records import ArmSizes, sort_rows, write_records
 from kava_ray.common.config import derive, load_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, write_json
@@ -59,17 +59,31 @@ ARMS: dict[str, dict] = {
 }
 CE_MARGIN, ENTROPY_FLOOR = 0.05, 0.5  # the guards: as `bench task`'s
 
-DEFAULTS = {"counts": {"train": 880, "validation": 64, "test": 256}, "gold": 32, "steps": 30, "batch_size": 8,
-            "max_length": 96, "max_new": 16, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
-            "warm_steps": 10, "lr_warm": 1e-4, "lr_teacher": 1e-4, "ft_max": 200, "ft_every": 25, "ft_min": 75,
-            "ft_patience": 2, "ft_delta": 0.02, "lr": 1e-4, "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2,
-            "selection_seed": 0, "seeds": [1, 2, 3, 4], "curve_every": 10, "n_boot": 2000, "n_entropy": 64,
-            "eval_batch": 256, "temperature": 1.0, "quick": False}
-QUICK = {"counts": {"train": 40, "validation": 4, "test": 8}, "gold": 8, "steps": 3, "batch_size": 2,
-         "max_length": 96, "max_new": 8, "keep": [0, 2], "warm_steps": 1, "lr_warm": 1e-3, "lr_teacher": 1e-3,
-         "ft_max": 1, "ft_every": 1, "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr": 1e-3, "lr_grid": (0.5, 2.0),
-         "grid_extend": 0, "selection_seed": 0, "seeds": [1, 2], "curve_every": 1, "n_boot": 200, "n_entropy": 4,
-         "eval_batch": 8, "temperature": 1.0, "quick": True}
+@dataclass(frozen=True)
+class ScarceSizes(ArmSizes):
+    """`bench scarce`'s sizes: `ArmSizes`, and gold (the labels SFT may read), selection_seed (the seed each arm's
+    rate is chosen on, not a test seed), seeds (the test seeds), curve_every (steps between a curve's points), n_boot
+    (bootstrap resamples) and n_entropy (prompts sampled for the entropy guard)."""
+
+    gold: int
+    selection_seed: int
+    seeds: list
+    curve_every: int
+    n_boot: int
+    n_entropy: int
+
+
+DEFAULTS = ScarceSizes(counts={"train": 880, "validation": 64, "test": 256}, gold=32, steps=30, batch_size=8,
+                       max_length=96, max_new=16, keep=[i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
+                       warm_steps=10, lr_warm=1e-4, lr_teacher=1e-4, ft_max=200, ft_every=25, ft_min=75,
+                       ft_patience=2, ft_delta=0.02, lr=1e-4, lr_grid=(0.25, 1.0, 4.0), grid_extend=2,
+                       selection_seed=0, seeds=[1, 2, 3, 4], curve_every=10, n_boot=2000, n_entropy=64,
+                       eval_batch=256, temperature=1.0, quick=False)
+QUICK = ScarceSizes(counts={"train": 40, "validation": 4, "test": 8}, gold=8, steps=3, batch_size=2, max_length=96,
+                    max_new=8, keep=[0, 2], warm_steps=1, lr_warm=1e-3, lr_teacher=1e-3, ft_max=1, ft_every=1,
+                    ft_min=0, ft_patience=1, ft_delta=0.0, lr=1e-3, lr_grid=(0.5, 2.0), grid_extend=0,
+                    selection_seed=0, seeds=[1, 2], curve_every=1, n_boot=200, n_entropy=4, eval_batch=8,
+                    temperature=1.0, quick=True)
 
 
 def decision_rule() -> str:
@@ -109,17 +123,17 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
                      out: Optional[str] = None, cache: Optional[str] = None, arms: Optional[list] = None,
                      progress: bool = True, verbose: bool = True) -> dict:
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_scarce.json)."""
-    p, names = dict(QUICK if quick else DEFAULTS), _arms_checked(arms)
+    p, names = QUICK if quick else DEFAULTS, _arms_checked(arms)
     base = load_config(config, overrides)
     with bench_run(base, "scarce", out, cache, quick, verbose) as (root, cache_dir):
         t_start = time.time()
         say = reporter("scarce", progress)
 
         say(f"decision rule, fixed before the run: {decision_rule()}")
-        rows = sort_rows(p["counts"])
+        rows = sort_rows(p.counts)
         t_model, s_model = _model_dirs(base, quick, root)
         tok = load_tokenizer(t_model)
-        gold, unlabelled = rows["train"][:p["gold"]], rows["train"][p["gold"]:]
+        gold, unlabelled = rows["train"][:p.gold], rows["train"][p.gold:]
         held = {"validation": rows["validation"], "test": rows["test"]}
         full = write_records(rows, root / "records" / "all", "exact")
         labelled = write_records({"train": gold, **held}, root / "records" / "gold", "exact")
@@ -133,8 +147,8 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
                                 "exact", p, steps, lr, cache_dir, root, tok, say, plateau)
             return ft[name]["path"]
 
-        teacher_dir = tune("teacher", full, t_model, None, p["ft_max"], p["lr_teacher"], True)
-        warm = tune("scarce-warm", labelled, s_model, p["keep"], p["warm_steps"], p["lr_warm"], False)
+        teacher_dir = tune("teacher", full, t_model, None, p.ft_max, p.lr_teacher, True)
+        warm = tune("scarce-warm", labelled, s_model, p.keep, p.warm_steps, p.lr_warm, False)
         teacher = load_model(teacher_dir, dtype="float32")
         t_train, t_test, teacher_em = _teacher_written(teacher, tok, unlabelled, test, p, cache_dir, say)
         distilled = write_records({"train": t_train, **held}, root / "records" / "teacher", "exact")
@@ -152,12 +166,12 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
         runs, lrs = {}, {}
         for arm in names:  # seqkd before seqkd-opd, whose first phase is seqkd at seqkd's rate
             lrs[arm] = _select(ctx, arm, lrs)
-            runs[arm] = [_run(ctx, arm, s, lrs[arm]["lr"], lrs) for s in p["seeds"]]
+            runs[arm] = [_run(ctx, arm, s, lrs[arm]["lr"], lrs) for s in p.seeds]
         floor = ENTROPY_FLOOR * start["entropy"]
-        decisions = decide_scarce(runs, floor, p["n_boot"])
+        decisions = decide_scarce(runs, floor, p.n_boot)
         summary = {a: {k: mean_sd([r["figures"][k] for r in rs]) for k in ("em", "teacher_match", "test_ce", "rkl",
                                                                          "entropy")} for a, rs in runs.items()}
-        result = {"config": str(config), "out": str(root), "quick": quick, "params": p, "arms": names,
+        result = {"config": str(config), "out": str(root), "quick": quick, "params": asdict(p), "arms": names,
                   "decision_rule": decision_rule(), "entropy_floor": floor, "teacher_em": teacher_em,
                   "teacher_train": len(t_train), "finetunes": ft,
                   "start": {k: v for k, v in start.items() if k != "ok"},
@@ -177,7 +191,7 @@ class ScarceContext(ArmContext):
     data: dict = None
 
 
-def _teacher_written(teacher, tok, unlabelled: list, test: list, p: dict, cache_dir: Path, say
+def _teacher_written(teacher, tok, unlabelled: list, test: list, p: ArmSizes, cache_dir: Path, say
                      ) -> tuple[list, list, float]:
     """(the teacher's completions of the unlabelled prompts as records, the empty ones left out; its completions of
     the test prompts; its exact match on them)."""
@@ -211,17 +225,17 @@ def _model_dirs(base, quick: bool, root: Path) -> tuple[str, str]:
     return tiny, tiny
 
 
-def _scorer(teacher, tok, test: list, t_test: list, p: dict, test_split) -> Callable:
+def _scorer(teacher, tok, test: list, t_test: list, p: ArmSizes, test_split) -> Callable:
     """A student's test figures: greedy exact match on the test prompts and agreement with the teacher's completions
     (`ok`: per prompt); with `full_eval`, test CE and the teacher-scored reverse KL and entropy of its samples."""
     def evaluate(student, full_eval: bool = True) -> dict:
-        preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p["max_new"],
-                                 batch_size=p["eval_batch"])
+        preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p.max_new,
+                                 batch_size=p.eval_batch)
         ok = score_answers(preds, [r["answer"] for r in test], checker="exact")["ok"]
         agree = score_answers(preds, t_test, checker="exact")["ok"]
         out = {"em": float(np.mean(ok)), "teacher_match": float(np.mean(agree)), "ok": ok}
         if full_eval:
-            sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_entropy"], p["eval_batch"])
+            sc = sample_scores(student, teacher, test_split, tok, p.max_new, p.n_entropy, p.eval_batch)
             out.update({"test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"], "entropy": sample_entropy(sc),
                         "tokens": sc["tokens"]})
         return out
@@ -229,16 +243,16 @@ def _scorer(teacher, tok, test: list, t_test: list, p: dict, test_split) -> Call
     return evaluate
 
 
-def teacher_completions(teacher, tok, prompts: list, p: dict, cache: Path, say) -> dict:
+def teacher_completions(teacher, tok, prompts: list, p: ArmSizes, cache: Path, say) -> dict:
     """{prompt: the teacher's greedy completion}, computed once per teacher and prompt set (kept under `cache`)."""
-    key = run_key({"teacher": str(getattr(teacher, "name_or_path", "")), "prompts": prompts, "max_new": p["max_new"],
+    key = run_key({"teacher": str(getattr(teacher, "name_or_path", "")), "prompts": prompts, "max_new": p.max_new,
                    "params": sum(float(x.detach().double().sum()) for x in list(teacher.parameters())[:4])})
     path = cache / f"completions-{key}.json"
     if path.is_file():
         say(f"teacher completions: kept from {path}")
         return json.loads(path.read_text())
     t0 = time.time()
-    outs = generate_answers(teacher, tok, prompts, max_new_tokens=p["max_new"], batch_size=p["eval_batch"])
+    outs = generate_answers(teacher, tok, prompts, max_new_tokens=p.max_new, batch_size=p.eval_batch)
     done = dict(zip(prompts, outs))
     cache.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(done))
@@ -258,9 +272,9 @@ def _select(ctx: ScarceContext, arm: str, lrs: dict) -> dict:
     """The arm's rate on the selection seed, by validation exact match then validation CE, over a grid extended
     past an edge."""
     p = ctx.p
-    best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, p["selection_seed"], p["lr"] * m, lrs, select=True),
-                                    p["lr_grid"], lambda r: (r["val"]["em"], -r["val"]["ce"]), p["grid_extend"])
-    return {"lr": p["lr"] * best, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in sorted(grid)},
+    best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, p.selection_seed, p.lr * m, lrs, select=True),
+                                    p.lr_grid, lambda r: (r["val"]["em"], -r["val"]["ce"]), p.grid_extend)
+    return {"lr": p.lr * best, "grid": {f"{p.lr * m:.3g}": grid[m]["val"] for m in sorted(grid)},
             "on_edge": on_edge}
 
 
@@ -270,12 +284,12 @@ def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: 
     p, a = ctx.p, ARMS[arm]
     first = lrs[CONTROL]["lr"] if "then" in a else None
     key = run_key({"arm": arm, "seed": seed, "lr": lr, "first": first, "select": select, "warm": ctx.warm,
-                   "p": {k: v for k, v in p.items() if k not in ("seeds", "n_boot")}})
+                   "p": {k: v for k, v in asdict(p).items() if k not in ("seeds", "n_boot")}})
     path = ctx.done / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     t0 = time.time()
-    steps, every = p["steps"], (None if select else p["curve_every"])
+    steps, every = p.steps, (None if select else p.curve_every)
 
     def at(n_steps: int, final: bool):
         return None if select else _phase_curve(ctx, every, n_steps, final)
@@ -299,7 +313,7 @@ def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: 
     student = run["recipe"].distiller.student
     if select:
         em = answer_accuracy(student, ctx.tok, [r["question"] for r in ctx.val], [r["answer"] for r in ctx.val],
-                             "exact", max_new_tokens=p["max_new"], batch_size=p["eval_batch"])["accuracy"]
+                             "exact", max_new_tokens=p.max_new, batch_size=p.eval_batch)["accuracy"]
         out = {"val": {"em": em,
                        "ce": heldout_ce(student, ctx.val_split)}}
     else:

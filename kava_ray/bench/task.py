@@ -24,7 +24,7 @@ import difflib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -33,7 +33,7 @@ from kava_ray.bench.heal_onpolicy import CountingSource, sample_entropy, sample_
 from kava_ray.bench.inprocess import run_key, train_in_process
 from kava_ray.bench.stats import bracketed
 from kava_ray.bench.task_finetune import ArmContext, bench_run, finetune, records_job, reporter
-from kava_ray.bench.task_records import TASKS, TaskRecords, file_rows, score, write_records
+from kava_ray.bench.task_records import TASKS, ArmSizes, TaskRecords, file_rows, score, write_records
 from kava_ray.bench.task_report import BASE, ENTROPY_FLOOR, QUICK_NOTE, decision_rule, pair, summarize
 from kava_ray.bench.task_trl import TRL_BETA, TRL_LMBDA, kava_batches, run_trl_gkd
 from kava_ray.common.config import derive, load_config
@@ -84,26 +84,31 @@ def samples_own(arm: str) -> bool:
                                   and a["set"].get("onpolicy.source", "student") == "student")
 MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %, >= 20 points below the teacher's
 
-# counts: records per split; n_test: the held-out prompts scored (greedy, first N of the test split); keep: the
-# student's layers (of the job's student model); ft_*: a teacher fine-tune (at most ft_max steps, evaluated every
-# ft_every on the validation prompts, plateau past ft_min steps: the best of the last ft_patience evaluations within
-# ft_delta of the best before; spec_max: a specialist's, half the skills); lr_grid: multiples of lr tried on seed 0
-# (grid_extend: at most this many extensions past an edge); warm_*: the student's SFT warm start (at most warm_steps,
-# until its validation exact match is at least warm_reach); eval_batch: prompts per greedy / sampled generation
-DEFAULTS = {"counts": {"train": 2048, "validation": 64, "test": 128}, "n_test": 128, "max_length": 96, "max_new": 40,
-            "batch_size": 8, "steps": 12, "seeds": 5, "keep": [i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
-            "lr_teacher": 1e-4, "ft_max": 200, "spec_max": 100, "ft_every": 25, "ft_min": 75, "ft_patience": 2,
-            "ft_delta": 0.02, "lr_warm": 1e-4, "warm_steps": 300, "warm_reach": 0.1, "lr": 1e-4,
-            "lr_grid": (0.25, 1.0, 4.0), "grid_extend": 2, "temperature": 1.0, "eval_batch": 64, "quick": False}
-QUICK = {"counts": {"train": 24, "validation": 4, "test": 4}, "n_test": 4, "max_length": 384, "max_new": 12,
-         "batch_size": 2, "steps": 2, "seeds": 2, "keep": [0, 2], "lr_teacher": 1e-3, "ft_max": 1, "spec_max": 1,
-         "ft_every": 1, "ft_min": 0, "ft_patience": 1, "ft_delta": 0.0, "lr_warm": 1e-3, "warm_steps": 1,
-         "warm_reach": 1.0, "lr": 1e-3, "lr_grid": (0.5, 2.0), "grid_extend": 0, "temperature": 1.0, "eval_batch": 4,
-         "quick": True}
+@dataclass(frozen=True)
+class TaskSizes(ArmSizes):
+    """`bench task`'s sizes: `ArmSizes`, and n_test (the held-out prompts scored: the first N of the test split),
+    seeds (the test seeds 1..N), spec_max (a specialist's fine-tune, half the skills: at most this many steps) and
+    warm_reach (the warm start trains until its validation exact match is at least this)."""
+
+    n_test: int
+    seeds: int
+    spec_max: int
+    warm_reach: float
+
+
+DEFAULTS = TaskSizes(counts={"train": 2048, "validation": 64, "test": 128}, n_test=128, max_length=96, max_new=40,
+                     batch_size=8, steps=12, seeds=5, keep=[i for i in range(30) if i not in (3, 7, 11, 15, 19, 23)],
+                     lr_teacher=1e-4, ft_max=200, spec_max=100, ft_every=25, ft_min=75, ft_patience=2, ft_delta=0.02,
+                     lr_warm=1e-4, warm_steps=300, warm_reach=0.1, lr=1e-4, lr_grid=(0.25, 1.0, 4.0), grid_extend=2,
+                     temperature=1.0, eval_batch=64, quick=False)
+QUICK = TaskSizes(counts={"train": 24, "validation": 4, "test": 4}, n_test=4, max_length=384, max_new=12,
+                  batch_size=2, steps=2, seeds=2, keep=[0, 2], lr_teacher=1e-3, ft_max=1, spec_max=1, ft_every=1,
+                  ft_min=0, ft_patience=1, ft_delta=0.0, lr_warm=1e-3, warm_steps=1, warm_reach=1.0, lr=1e-3,
+                  lr_grid=(0.5, 2.0), grid_extend=0, temperature=1.0, eval_batch=4, quick=True)
 
 
 def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
-            records: Optional[str], checker: str) -> tuple[dict, list]:
+            records: Optional[str], checker: str) -> tuple[TaskSizes, list]:
     """The run's parameters and arms; each flag checked on its own, one line naming it, before anything is read."""
     if steps is not None and steps < 1:
         raise KavaError(f"bench task: --steps {steps}: give at least 1 student step per arm")
@@ -118,8 +123,8 @@ def _params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optio
         raise KavaError(f"bench task: --arms must include {BASE!r} (every arm is compared with it)")
     if checker not in CHECKERS:
         raise KavaError(f"bench task: --checker {checker!r}: one of {', '.join(CHECKERS)}")
-    p = dict(QUICK if quick else DEFAULTS)
-    p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
+    given = {k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None}
+    p = replace(QUICK if quick else DEFAULTS, **given)
     return p, list(arms or (QUICK_ARMS if quick else DEFAULT_ARMS))
 
 
@@ -136,11 +141,11 @@ def check_gate(min_start: float, min_gap: float, n_test: int) -> None:
                         f"--min-start or --min-gap")
 
 
-def _rows(records: Optional[str], task: str, checker: str, p: dict, names: list,
+def _rows(records: Optional[str], task: str, checker: str, p: ArmSizes, names: list,
           arms_given: bool) -> tuple[dict, list, list]:
     """The records' rows (the built-in `task`'s, or the file's), read and checked before anything is written, and
     the arms they allow (the two-teacher arms need a teacher column): (rows, arms, arms dropped)."""
-    rows = TASKS[task](p["counts"]) if records is None else file_rows(records, checker, p["counts"])
+    rows = TASKS[task](p.counts) if records is None else file_rows(records, checker, p.counts)
     two = [a for a in names if ARMS[a]["teachers"] == "two"]
     if two and not any(ROUTE in r for r in rows["train"]):
         if arms_given:
@@ -162,14 +167,14 @@ def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
     return base.teachers[0].model, base.student.model, load_tokenizer(base.teachers[0].model)
 
 
-def _fit_sizes(p: dict, rows: dict, tok) -> None:
+def _fit_sizes(p: TaskSizes, rows: dict, tok) -> TaskSizes:
     """max_length / max_new at least the longest record (prompt as rendered, completion, eos) and its longest
     completion in tokens (+4), so a longer task (`--task gsm8k`, a file) keeps its final answer: the defaults are
     arith's (where they change nothing)."""
     n = [(len(encode_prompt(tok, r["question"])), len(tok(r["answer"])["input_ids"]) + 1)
          for split in rows.values() for r in split]
-    p["max_length"] = max(p["max_length"], max(a + b for a, b in n))
-    p["max_new"] = max(p["max_new"], max(b for _, b in n) + 4)
+    return replace(p, max_length=max(p.max_length, max(a + b for a, b in n)),
+                   max_new=max(p.max_new, max(b for _, b in n) + 4))
 
 
 @dataclass
@@ -191,7 +196,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
     """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json). Stages: the
     records, the fine-tunes, the gate, the arms, the summary."""
     p, names = _params(quick, steps, seeds, arms, records, checker)
-    check_gate(min_start, min_gap, p["n_test"])
+    check_gate(min_start, min_gap, p.n_test)
     task = _task_name(task, records)
     base = load_config(config, overrides)
     rows, names, dropped = _rows(records, task, checker, p, names, arms is not None)
@@ -206,8 +211,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
             + (f"; {', '.join(dropped)} dropped (no \"{ROUTE}\" column to route by)" if dropped else ""))
         t_model, s_model, tok = _models(base, quick, root)
         if not quick:  # (the quick mode's tiny random models answer nothing: its sizes stay small)
-            _fit_sizes(p, rows, tok)
-        val, test = rec.rows("validation"), rec.rows("test")[:p["n_test"]]
+            p = _fit_sizes(p, rows, tok)
+        val, test = rec.rows("validation"), rec.rows("test")[:p.n_test]
         two = any(ARMS[a]["teachers"] == "two" for a in names)  # the specialists are needed
         ft = _finetunes(base, rec, p, tok, (t_model, s_model), val, checker, two, (cache_dir, root), say)
         teacher = load_model(ft["teacher"]["path"], dtype="float32")
@@ -226,7 +231,7 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
             runs[arm], lrs[arm] = _arm(ctx, arm)
         floor = ENTROPY_FLOOR * start["entropy"]
         summary = summarize(runs, floor, quick=quick, own_samples=[a for a in names if samples_own(a)])
-        result = {"config": str(config), "out": str(root), "quick": quick, "params": dict(p),
+        result = {"config": str(config), "out": str(root), "quick": quick, "params": asdict(p),
                   "records": records or task, "checker": checker, "dropped": dropped, "counts": rec.counts,
                   "arms": names, "base": BASE, "decision_rule": decision_rule(), "entropy_floor": floor,
                   "gate": gate, "teacher_model": t_model, "student_model": s_model, "finetunes": ft,
@@ -248,7 +253,7 @@ def _task_name(task: Optional[str], records: Optional[str]) -> str:
     return task
 
 
-def _finetunes(base, rec: TaskRecords, p: dict, tok, model_dirs: tuple, val: list, checker: str, two: bool,
+def _finetunes(base, rec: TaskRecords, p: ArmSizes, tok, model_dirs: tuple, val: list, checker: str, two: bool,
                dirs: tuple, say) -> dict:
     """{name: its fine-tune (`task_finetune.finetune`)}: the generalist teacher, the specialists (`two`) and the
     student's warm start. The warm start is the student model's layers `keep`; where the job's student is its
@@ -260,22 +265,22 @@ def _finetunes(base, rec: TaskRecords, p: dict, tok, model_dirs: tuple, val: lis
         ft[name] = finetune(base, name, records_dir, f"{rec.fingerprint}/{records_dir.name}", model, keep, rows,
                             checker, p, steps_, lr, cache_dir, root, tok, say, plateau, reach)
 
-    tune("teacher", rec.plain, val, t_model, None, p["ft_max"], p["lr_teacher"], True)
+    tune("teacher", rec.plain, val, t_model, None, p.ft_max, p.lr_teacher, True)
     for spec in rec.specialists if two else ():
-        tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p["spec_max"],
-             p["lr_teacher"], True)
+        tune(spec, rec.halves[spec], rec.rows("validation", rec.halves[spec]), t_model, None, p.spec_max,
+             p.lr_teacher, True)
     pruned = ft["teacher"]["path"] if str(s_model) == str(t_model) else s_model
-    tune("warm", rec.plain, val, pruned, p["keep"], p["warm_steps"], p["lr_warm"], False, p["warm_reach"])
+    tune("warm", rec.plain, val, pruned, p.keep, p.warm_steps, p.lr_warm, False, p.warm_reach)
     ft["warm"]["from"] = str(pruned)
     return ft
 
 
-def _scorer(teacher, tok, test: list, checker: str, p: dict, test_split) -> Callable:
+def _scorer(teacher, tok, test: list, checker: str, p: ArmSizes, test_split) -> Callable:
     """A student's test figures: greedy exact match on the test prompts, test CE of their records, and the
     teacher-scored reverse KL and entropy of its own samples."""
     def evaluate(student) -> dict:
         em = score(student, tok, test, checker, p)
-        sc = sample_scores(student, teacher, test_split, tok, p["max_new"], p["n_test"], p["eval_batch"])
+        sc = sample_scores(student, teacher, test_split, tok, p.max_new, p.n_test, p.eval_batch)
         return {"em": em["em"], "test_ce": heldout_ce(student, test_split), "rkl": sc["rkl"],
                 "teacher_nll": sc["teacher_nll"], "entropy": sample_entropy(sc), "tokens": sc["tokens"],
                 "samples": em["samples"], "ok": em["ok"]}
@@ -306,14 +311,14 @@ def _gate(teacher, ft: dict, evaluate, scoring: tuple, bounds: tuple, quick: boo
 
 def _arm(ctx: TaskContext, arm: str) -> tuple[list, dict]:
     """An arm's learning rate (the selection seed 0, by validation exact match then validation CE, over a grid
-    extended past an edge at most p["grid_extend"] times) and its runs on the test seeds 1..p["seeds"] at that rate
+    extended past an edge at most p.grid_extend times) and its runs on the test seeds 1..p.seeds at that rate
     (seed 0 is not among them: its validation-chosen rate would flatter its test figures)."""
     p = ctx.p
-    best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, p["lr"] * m, with_val=True), p["lr_grid"],
-                                    lambda r: (r["val"]["em"], -r["val"]["ce"]), p["grid_extend"])
-    lr = p["lr"] * best
-    info = {"lr": lr, "grid": {f"{p['lr'] * m:.3g}": grid[m]["val"] for m in sorted(grid)}, "on_edge": on_edge}
-    return [_run(ctx, arm, s, lr) for s in range(1, p["seeds"] + 1)], info
+    best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, p.lr * m, with_val=True), p.lr_grid,
+                                    lambda r: (r["val"]["em"], -r["val"]["ce"]), p.grid_extend)
+    lr = p.lr * best
+    info = {"lr": lr, "grid": {f"{p.lr * m:.3g}": grid[m]["val"] for m in sorted(grid)}, "on_edge": on_edge}
+    return [_run(ctx, arm, s, lr) for s in range(1, p.seeds + 1)], info
 
 
 def _run(ctx: TaskContext, arm: str, seed: int, lr: float, with_val: bool = False) -> dict:
@@ -322,12 +327,12 @@ def _run(ctx: TaskContext, arm: str, seed: int, lr: float, with_val: bool = Fals
     two = a["teachers"] == "two"
     teachers = list(rec.specialists) if two else ["teacher"]
     key = run_key({"arm": arm, "seed": seed, "lr": lr, "val": with_val, "warm": ctx.warm, "p": {
-        k: v for k, v in p.items() if k not in ("ft_max", "ft_every", "seeds")}, "records": rec.fingerprint})
+        k: v for k, v in asdict(p).items() if k not in ("ft_max", "ft_every", "seeds")}, "records": rec.fingerprint})
     path = ctx.done / safe_name(arm) / f"seed{seed}-{key}.json"
     if path.is_file():
         return json.loads(path.read_text())
     models = {n: ctx.models[n] for n in teachers}
-    samples = p["steps"] * p["batch_size"]
+    samples = p.steps * p.batch_size
     t0 = time.time()
     # the arm's job (the TRL arm's too: its batches are this job's, in this job's order)
     records_dir = rec.routed if a.get("routed") else rec.plain
@@ -335,18 +340,18 @@ def _run(ctx: TaskContext, arm: str, seed: int, lr: float, with_val: bool = Fals
                       ctx.root)
     vocab = int(models["teacher" if "teacher" in models else teachers[0]].config.vocab_size)
     sets = {k: (vocab if v == "vocab" else v) for k, v in a.get("set", {}).items()}  # GKD's whole vocabulary
-    cfg = derive(cfg, {**sets, "train.seed": seed, "train.data_seed": seed, "train.steps": p["steps"],
+    cfg = derive(cfg, {**sets, "train.seed": seed, "train.data_seed": seed, "train.steps": p.steps,
                        "optim.lr_student": lr})
     if a.get("trl"):
         r = run_trl_gkd(load_student(ctx.warm, dtype="float32"), models["teacher"], ctx.tok,
-                        kava_batches(cfg, ctx.tok, p["steps"]), seed, lr, p)
+                        kava_batches(cfg, ctx.tok, p.steps), seed, lr, p)
         student, train_s, step_s = r["student"], r["train_s"], r["step_s"]
         work = {"teacher_rows_per_sample": r["teacher_rows_per_sample"], "generated_per_sample":
                 r["generated_per_sample"], "loss": r["loss"]}
     else:
         source = CountingSource(models)
         t1 = time.time()
-        run = train_in_process(cfg, in_process_plans(cfg, models), source, p["steps"])
+        run = train_in_process(cfg, in_process_plans(cfg, models), source, p.steps)
         student, train_s, step_s = run["recipe"].distiller.student, time.time() - t1, run["wall_step_s"]
         work = {"teacher_rows_per_sample": source.rows / samples,
                 "teacher_written_per_sample": source.written / samples,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from kava_ray.bench.inprocess import run_key, train_in_process
-from kava_ray.bench.task_records import score
+from kava_ray.bench.task_records import ArmSizes, score
 from kava_ray.common.config import JobConfig, derive
 from kava_ray.common.files import default_cache_dir, write_json
 from kava_ray.core.models import load_model
@@ -31,7 +31,7 @@ class ArmContext:
     (what the rate grid selects by) and the progress line."""
 
     base: JobConfig
-    p: dict
+    p: ArmSizes
     root: Path
     tok: Any
     warm: str
@@ -77,19 +77,19 @@ def reporter(name: str, progress: bool) -> Callable[[str], None]:
     return say
 
 
-def records_job(base: JobConfig, records: Path, teachers: list, student: str, keep: Optional[list], p: dict,
+def records_job(base: JobConfig, records: Path, teachers: list, student: str, keep: Optional[list], p: ArmSizes,
                 root: Path) -> JobConfig:
     """The bench's job on the gsm8k records under `records` ({split}.jsonl): `teachers` [(name, model dir)],
     `student` (layer-dropped to `keep`), CE + logit KD (weight 1) and nothing else (no KV: a linear projector, not
     fitted before step 1 as `auto` would, teacher forwards for nothing), teachers live in process,
-    a constant rate after 2 warm-up steps, completions sampled at temperature 1 (top_p 1) up to p["max_new"]."""
+    a constant rate after 2 warm-up steps, completions sampled at temperature 1 (top_p 1) up to p.max_new."""
     return derive(base, {
         "teachers": [{"name": n, "model": str(m), "dtype": "float32"} for n, m in teachers], "fusion.weights": None,
         "student.model": str(student), "student.keep_layers": keep, "student.dtype": "float32",
         "data.source": f"{records}/{{split}}.jsonl", "data.format": "gsm8k", "data.val_split": "validation",
         "data.num_train": None, "data.num_val": None, "data.num_test": None, "data.packing": None,
-        "data.kv_source": "live", "data.kv_cache_dir": None, "train.max_length": p["max_length"],
-        "train.batch_size": p["batch_size"], "onpolicy.max_new_tokens": p["max_new"], "onpolicy.temperature": 1.0,
+        "data.kv_source": "live", "data.kv_cache_dir": None, "train.max_length": p.max_length,
+        "train.batch_size": p.batch_size, "onpolicy.max_new_tokens": p.max_new, "onpolicy.temperature": 1.0,
         "onpolicy.top_p": 1.0, "align.projector.kind": "linear", "loss.kv_weight": 0.0, "loss.logit_weight": 1.0,
         "loss.relation_weight": 0.0,
         "loss.hidden_weight": 0.0, "loss.ce_weight": 1.0, "optim.schedule": "constant", "optim.warmup_steps": 2,
@@ -107,16 +107,16 @@ def plateaued(curve: list, patience: int, delta: float, min_step: int = 0) -> bo
 
 
 def finetune(base: JobConfig, name: str, records: Path, content: str, student: str, keep: Optional[list],
-             val_rows: list, checker: str, p: dict, steps: int, lr: float, cache: Path, root: Path, tok,
+             val_rows: list, checker: str, p: ArmSizes, steps: int, lr: float, cache: Path, root: Path, tok,
              say: Callable[[str], None], plateau: bool, reach: Optional[float] = None) -> dict:
-    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`, evaluated every p["ft_every"] steps: at
-    most `steps` steps, with `plateau` until the validation exact match plateaus (past p["ft_min"]), with `reach`
+    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`, evaluated every p.ft_every steps: at
+    most `steps` steps, with `plateau` until the validation exact match plateaus (past p.ft_min), with `reach`
     until it is at least `reach` (a warm start that writes the answer format and gets some right).
     Returns {"path", "curve" [(step, {em, ...})], "steps", "wall_s", "kept"}; read back from the cache."""
     sizes = ("max_length", "batch_size", "max_new", "ft_every", "ft_patience", "ft_delta", "ft_min")
     key = run_key({"name": name, "student": str(student), "keep": keep, "records": content, "steps": steps,
                    "lr": lr, "plateau": plateau, **({} if reach is None else {"reach": reach}),
-                   **{k: p[k] for k in sizes}})
+                   **{k: getattr(p, k) for k in sizes}})
     out = cache / f"{name}-{key}"
     meta_path = out / "finetune.json"
     if meta_path.is_file() and (out / "config.json").is_file():
@@ -129,7 +129,7 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
     models = {"base": load_model(str(student), dtype="float32")}
     t0 = time.time()
 
-    every = p["ft_every"]  # the curve of a fixed-length fine-tune too
+    every = p.ft_every  # the curve of a fixed-length fine-tune too
     evals = [0]
 
     def evaluate(recipe) -> dict:
@@ -140,7 +140,7 @@ def finetune(base: JobConfig, name: str, records: Path, content: str, student: s
         return {"em": r["em"]}
 
     def flat(curve) -> bool:
-        return plateaued(curve, p["ft_patience"], p["ft_delta"], p["ft_min"])
+        return plateaued(curve, p.ft_patience, p.ft_delta, p.ft_min)
 
     def reached(curve) -> bool:
         return reach is not None and curve[-1][1]["em"] >= reach

@@ -35,6 +35,38 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
+class ArmSizes:
+    """The sizes of a records bench (`bench task`, `bench scarce`), what their shared stages read. counts: records per
+    split; keep: the student's layers (of the job's student model); steps, batch_size, max_length: a student's run;
+    max_new: new tokens a greedy answer or a sample may have; eval_batch: prompts per generation; ft_*: a teacher's
+    fine-tune (at most ft_max steps, evaluated every ft_every on the validation prompts, plateau past ft_min steps:
+    the best of the last ft_patience evaluations within ft_delta of the best before) at lr_teacher; lr_warm,
+    warm_steps: the student's SFT warm start; lr, lr_grid, grid_extend: the rate and its multiples tried on the
+    selection seed (at most grid_extend extensions past an edge); temperature: of the samples; quick: tiny models."""
+
+    counts: dict
+    keep: list
+    steps: int
+    batch_size: int
+    max_length: int
+    max_new: int
+    eval_batch: int
+    lr_teacher: float
+    ft_max: int
+    ft_every: int
+    ft_min: int
+    ft_patience: int
+    ft_delta: float
+    lr_warm: float
+    warm_steps: int
+    lr: float
+    lr_grid: tuple
+    grid_extend: int
+    temperature: float
+    quick: bool
+
+
+@dataclass(frozen=True)
 class TaskRecords:
     """The bench's records on disk: `routed` ({split}.jsonl with the teacher column, the MOPD arm's), `plain` (the
     same without it: every other arm's), `halves` ({specialist: dir} of its own records, its fine-tune's);
@@ -174,9 +206,9 @@ def write_records(rows: dict, root: Path, checker: str) -> TaskRecords:
                        {s: len(rows[s]) for s in SPLITS}, hashlib.sha1(blob).hexdigest()[:16])
 
 
-def score(model, tok, rows: Sequence[dict], checker: str, p: dict) -> dict:
-    """`exact_match` at the bench's sizes (p["max_new"] new tokens, p["eval_batch"] prompts a batch)."""
-    return exact_match(model, tok, rows, checker, p["max_new"], p["eval_batch"])
+def score(model, tok, rows: Sequence[dict], checker: str, p: ArmSizes) -> dict:
+    """`exact_match` at the bench's sizes (p.max_new new tokens, p.eval_batch prompts a batch)."""
+    return exact_match(model, tok, rows, checker, p.max_new, p.eval_batch)
 
 
 def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 from transformers import GenerationConfig
 
+from kava_ray.bench.task_records import ArmSizes
 from kava_ray.data import Batch, BatchStream
 from kava_ray.data.completions import prompts_of
 from kava_ray.data.splits import data_seed, load_splits
@@ -68,16 +69,16 @@ def trl_inputs(batch: Batch, pad_id: int) -> dict:
             "labels": batch.labels.long(), "prompts": ids, "prompt_attention_mask": mask}
 
 
-def _gkd_config(out: str, steps: int, size: int, lr: float, p: dict, lmbda: float, beta: float, seed: int):
-    """TRL's GKDConfig for `steps` steps of `size` rows: transformers' constant schedule after `p["warmup_steps"]`
+def _gkd_config(out: str, steps: int, size: int, lr: float, p: ArmSizes, lmbda: float, beta: float, seed: int):
+    """TRL's GKDConfig for `steps` steps of `size` rows: transformers' constant schedule after `p.warmup_steps`
     (default 2) steps of warm-up, clip 1.0, no weight decay, fp32 on the CPU, no logging or saving."""
     from trl.experimental.gkd import GKDConfig
 
     return GKDConfig(
         output_dir=out, max_steps=steps, per_device_train_batch_size=size, learning_rate=lr,
-        lr_scheduler_type="constant_with_warmup", warmup_steps=p.get("warmup_steps", 2), weight_decay=0.0,
-        max_grad_norm=1.0, lmbda=lmbda, beta=beta, seq_kd=False, temperature=p["temperature"],
-        max_new_tokens=p["max_new"], max_length=p["max_length"], seed=seed, data_seed=seed, bf16=False,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=getattr(p, "warmup_steps", 2), weight_decay=0.0,
+        max_grad_norm=1.0, lmbda=lmbda, beta=beta, seq_kd=False, temperature=p.temperature,
+        max_new_tokens=p.max_new, max_length=p.max_length, seed=seed, data_seed=seed, bf16=False,
         use_cpu=True, gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch")
 
@@ -96,7 +97,7 @@ def _step_clock(times: list):
     return Clock()
 
 
-def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: float, p: dict,
+def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: float, p: ArmSizes,
                 lmbda: float = TRL_LMBDA, beta: float = TRL_BETA,
                 on_policy: Optional[Callable] = None) -> dict:
     """Train `student` (a loaded model, changed in place) with TRL's GKDTrainer against `teacher`, one step per batch
