@@ -1,10 +1,11 @@
 """Teacher KV on disk: `kava-ray teachers precompute` writes it, `data.kv_source: cache` reads it.
 
-Indexed by example: every example of the training, validation and test splits goes through the teachers once
-and is stored on its own, so a job assembles each batch from its examples whatever its batch size, data seed,
-epochs or DDP ranks -- one precompute serves every run and every seed. A shard is written to a temp file and
-renamed before its index line is appended (an interrupted precompute resumes); reads verify the checksum.
-The layout of a cache dir, the older per-batch layout and fp8: docs/internals/runtime.md#kv-cache.
+Indexed by example: every example of the training, validation and test splits goes through the
+teachers once and is stored on its own, so a job assembles each batch from its examples whatever its
+batch size, data seed, epochs or DDP ranks -- one precompute serves every run and every seed. A
+shard is written to a temp file and renamed before its index line is appended (an interrupted
+precompute resumes); reads verify the checksum. The layout of a cache dir, the older per-batch
+layout and fp8: docs/internals/runtime.md#kv-cache.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _header_meta(data: bytes) -> dict:
 
 
 class KVCache:
-    """A cache dir: `meta` must match what the job expects; shards are addressed by key (an example's
-    `example_key`, or a batch key in a cache of the old layout)."""
+    """A cache dir: `meta` must match what the job expects; shards are addressed by key (an
+    example's `example_key`, or a batch key in a cache of the old layout)."""
 
     def __init__(self, root, meta: Optional[dict] = None, create: bool = False):
         self.root = Path(root)
@@ -95,8 +96,9 @@ class KVCache:
             self.meta, self.shards = manifest["meta"], dict(manifest.get("shards", {}))
             self.shards.update(_read_index(self.root / INDEX))
             if meta is not None:
-                # a reader checks the logits on their own (one line; a job without logits reads a cache with
-                # them); a writer (create) must match exactly, so one cache never mixes batches with and without
+                # a reader checks the logits on their own (one line; a job without logits reads a
+                # cache with them); a writer (create) must match exactly, so one cache never mixes
+                # batches with and without
                 ignore = set()
                 if not create:
                     check_logits(self.root, self.meta, meta.get("logits_top_k", 0))
@@ -167,8 +169,9 @@ class KVCache:
 
 
 class CacheSource:
-    """A KVFeed source that reads precomputed shards instead of asking live teachers: a batch is assembled from
-    its examples' shards (`KVRequest.examples`), or, in a cache of the old layout, read by its batch key."""
+    """A KVFeed source that reads precomputed shards instead of asking live teachers: a batch is
+    assembled from its examples' shards (`KVRequest.examples`), or, in a cache of the old layout,
+    read by its batch key."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -178,8 +181,8 @@ class CacheSource:
         return request.examples if self.cache.by_example else request.key  # the future: what names the batch
 
     def _read(self, what) -> dict:
-        """{teacher: payload} of one batch (old layout) or {teacher: [payload per example]}; one read per batch,
-        shared by all teachers."""
+        """{teacher: payload} of one batch (old layout) or {teacher: [payload per example]}; one
+        read per batch, shared by all teachers."""
         if self._last[0] != what:
             if not self.cache.by_example:
                 data = self.cache.get(what)
@@ -210,8 +213,9 @@ class CacheSource:
 
 
 def _check_payload(root, name: str, request, p: dict, vocab: Optional[int] = None) -> None:
-    """A stored payload must have the layers, wire dtype and top-k the request asks for (one line if not); a k past
-    the teacher's `vocab` is all of it (`teacher_forward_kv` serves at most V ids)."""
+    """A stored payload must have the layers, wire dtype and top-k the request asks for (one line if
+    not); a k past the teacher's `vocab` is all of it (`teacher_forward_kv` serves at most V
+    ids)."""
     layers, k = request.layers, request.logits_top_k
     if k and vocab:
         k = min(k, int(vocab))
@@ -241,8 +245,8 @@ def _read_index(path: Path) -> dict:
 
 
 def check_logits(root, meta: dict, logits_top_k: int) -> None:
-    """A job that needs teacher logits (top-k > 0) refuses a cache written without them (or with another
-    k), in one line. A job without logits reads any cache (it ignores the logits there)."""
+    """A job that needs teacher logits (top-k > 0) refuses a cache written without them (or with
+    another k), in one line. A job without logits reads any cache (it ignores the logits there)."""
     has = int(meta.get("logits_top_k", 0) or 0)
     if logits_top_k and has != logits_top_k:
         what = "without teacher logits" if not has else f"with top-{has} teacher logits"
@@ -251,9 +255,9 @@ def check_logits(root, meta: dict, logits_top_k: int) -> None:
 
 
 def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0, hidden: bool = False) -> dict:
-    """What a cache must match to serve a job: its training split (`data`: the split's fingerprint, which
-    depends on the data, tokenizer and max_length, not on batching), teachers' layers, wire dtype, key space,
-    and the top-k of teacher logits (recorded only when > 0)."""
+    """What a cache must match to serve a job: its training split (`data`: the split's fingerprint,
+    which depends on the data, tokenizer and max_length, not on batching), teachers' layers, wire
+    dtype, key space, and the top-k of teacher logits (recorded only when > 0)."""
     teachers = {n: {"model": cfg.teacher(n).model, "quantization": cfg.teacher(n).quantization,
                     "layers": p.layers, "geometry": p.geometry.to_dict()} for n, p in plans.items()}
     for n, p in plans.items():  # a teacher of another tokenizer: the cache keeps a copy to align positions with
@@ -275,14 +279,15 @@ def cache_meta(cfg, plans: dict, data_fingerprint: str, logits_top_k: int = 0, h
 
 def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=None, logits_top_k=0,
                tokenizers: Optional[dict] = None, vocab_maps: Optional[dict] = None, hidden: bool = False) -> dict:
-    """Run every example of `splits` (TokenizedSplits; the first is the training split the cache is checked
-    against) through the teachers once, in batches of `train.batch_size` in split order, and store each
-    example on its own (`example_key`); examples already stored are skipped (an interrupted precompute
-    resumes). logits_top_k > 0: the teachers' top-k log-probs are cached with the KV (an int, or {teacher:
-    k}). `tokenizers`: {teacher: tokenizer} of the teachers aligned by characters, saved under
-    `tokenizers/<teacher>/`, with the vocabulary map to the student's of those whose logits the job takes
-    (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads it there). Returns counts in examples (written,
-    skipped, total), bytes and the teacher forwards (batches) run.
+    """Run every example of `splits` (TokenizedSplits; the first is the training split the cache is
+    checked against) through the teachers once, in batches of `train.batch_size` in split order, and
+    store each example on its own (`example_key`); examples already stored are skipped (an
+    interrupted precompute resumes). logits_top_k > 0: the teachers' top-k log-probs are cached with
+    the KV (an int, or {teacher: k}). `tokenizers`: {teacher: tokenizer} of the teachers aligned by
+    characters, saved under `tokenizers/<teacher>/`, with the vocabulary map to the student's of
+    those whose logits the job takes (`vocab_maps`, `plans.vocab_maps`: a run from the cache reads
+    it there). Returns counts in examples (written, skipped, total), bytes and the teacher forwards
+    (batches) run.
     """
 
     k = max(logits_top_k.values(), default=0) if isinstance(logits_top_k, dict) else int(logits_top_k)
@@ -325,9 +330,9 @@ def precompute(cfg, handles: dict, plans: dict, splits: list, out_dir, progress=
 
 @ray.remote(num_cpus=0, max_concurrency=2)
 class CacheWriter:
-    """`precompute` run on a teacher's node (`kava-ray teachers precompute` from a driver on another node): the
-    teachers' KV goes from their object store to the cache dir without crossing to the driver. Its progress is
-    readable while it runs (`progress`, a second concurrent call)."""
+    """`precompute` run on a teacher's node (`kava-ray teachers precompute` from a driver on another
+    node): the teachers' KV goes from their object store to the cache dir without crossing to the
+    driver. Its progress is readable while it runs (`progress`, a second concurrent call)."""
 
     def __init__(self):
         self.stats: dict = {}

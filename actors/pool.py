@@ -37,14 +37,14 @@ VLLM_TEACHER_KV_CACHE_MB = 256  # a vLLM teacher's KV cache on CPU: prompts of m
 
 
 def vllm_limits(cfg: JobConfig) -> dict:
-    """What a vLLM teacher's engine must allow for this job: max_logprobs (its top-k) and max_model_len (its
-    longest sequence, + the one token a prompt-log-prob request generates)."""
+    """What a vLLM teacher's engine must allow for this job: max_logprobs (its top-k) and
+    max_model_len (its longest sequence, + the one token a prompt-log-prob request generates)."""
     return {"max_logprobs": logits_top_k(cfg.loss), "max_model_len": cfg.train.max_length + 1}
 
 
 def _remote(t: TeacherConfig, cfg: JobConfig, options: dict):
-    """A teacher actor for `t`: `TeacherActor`, or with `engine: vllm` `VLLMTeacherActor` (imported only then: the
-    module needs vLLM at call time, not at import)."""
+    """A teacher actor for `t`: `TeacherActor`, or with `engine: vllm` `VLLMTeacherActor` (imported
+    only then: the module needs vLLM at call time, not at import)."""
     if t.engine != "vllm":
         return RemoteTeacher.options(**options).remote(t.model_dump(), key_space=cfg.align.key_space)
     from actors.vllm_teacher import VLLMTeacherActor
@@ -65,10 +65,11 @@ _BATCH_INDEX = re.compile(r"/e(\d+)/b(\d+)(?:/|$)")
 def replica_for(key: Optional[str], n: int) -> Optional[int]:
     """The replica that serves batch `key` of a teacher with n replicas; None for key None (any replica).
 
-    A function of the key alone, so every consumer of a batch (DDP ranks, Tune trials) asks the same replica
-    and its LRU serves them all from one forward. A `batch_key` goes by its global batch index mod n:
-    consecutive batches take turns, so a feed with n batches in flight keeps all n replicas busy (a hash
-    would send ~1/n of neighbouring batches to one replica). Any other key goes by its CRC32.
+    A function of the key alone, so every consumer of a batch (DDP ranks, Tune trials) asks the same
+    replica and its LRU serves them all from one forward. A `batch_key` goes by its global batch
+    index mod n: consecutive batches take turns, so a feed with n batches in flight keeps all n
+    replicas busy (a hash would send ~1/n of neighbouring batches to one replica). Any other key
+    goes by its CRC32.
     """
     if n == 1:
         return 0
@@ -83,8 +84,8 @@ def replica_for(key: Optional[str], n: int) -> Optional[int]:
 class TeacherReplicas:
     """The actor handles of one teacher's replicas (`teachers[].replicas`), in replica order.
 
-    `route(key)` picks the replica for a batch (`replica_for`; key None: round robin). Anything else —
-    `geometry`, `ping`, `stats` — is replica 0's: replicas of one teacher are the same model.
+    `route(key)` picks the replica for a batch (`replica_for`; key None: round robin). Anything else
+    — `geometry`, `ping`, `stats` — is replica 0's: replicas of one teacher are the same model.
     """
 
     def __init__(self, name: str, handles: list):
@@ -110,9 +111,9 @@ class TeacherReplicas:
 
 
 def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optional[dict] = None) -> None:
-    """Fail fast, with one line, when the cluster cannot ever hold the pool (+ `extra`, e.g. the students), in
-    all and node by node (each teacher replica, and each Ray Train worker of `workers` resources, on one node
-    its label selector admits: kava_ray.common.placement).
+    """Fail fast, with one line, when the cluster cannot ever hold the pool (+ `extra`, e.g. the
+    students), in all and node by node (each teacher replica, and each Ray Train worker of `workers`
+    resources, on one node its label selector admits: kava_ray.common.placement).
 
     Ray would otherwise wait forever for resources that do not exist.
     """
@@ -135,10 +136,11 @@ def check_resources(cfg: JobConfig, extra: Optional[dict] = None, workers: Optio
 
 
 def unplaceable(cfg: JobConfig, teacher: str) -> Optional[str]:
-    """Why `teacher` could not run now, or None: no live node that its selector admits can hold one replica
-    on its totals (`placement`) — its node died and none other is there to take it. Names the dead nodes it
-    could have run on. Asked by the feed while an answer is late (`ActorSource`). On totals, not on what is
-    free: a node whose resources other actors hold would still be waited on."""
+    """Why `teacher` could not run now, or None: no live node that its selector admits can hold one
+    replica on its totals (`placement`) — its node died and none other is there to take it. Names
+    the dead nodes it could have run on. Asked by the feed while an answer is late (`ActorSource`).
+    On totals, not on what is free: a node whose resources other actors hold would still be waited
+    on."""
     t = cfg.teacher(teacher)
     demand = dataclasses.replace(resources.demands(cfg)[cfg.teachers.index(t)], count=1)
     why = placement.fit(cluster_nodes(), [demand])
@@ -181,8 +183,8 @@ def _actor_options(t: TeacherConfig, namespace: str, detached: bool, replica: in
 
 
 def start_pool(cfg: JobConfig, detached: bool = False, timeout_s: float = 600.0) -> dict:
-    """Start (or attach to) every teacher of `cfg`, every replica; returns {name: TeacherReplicas} once all
-    are loaded.
+    """Start (or attach to) every teacher of `cfg`, every replica; returns {name: TeacherReplicas}
+    once all are loaded.
 
     Raises KavaError with one line if a teacher cannot be scheduled or cannot load its model.
     """
@@ -214,8 +216,8 @@ def wait_ready(handles: dict, timeout_s: float = 600.0) -> None:
 
 
 def find_pool(cfg: JobConfig, names: Optional[list[str]] = None) -> dict:
-    """{name: TeacherReplicas} of a running pool (all teachers of cfg, or `names`), as many replicas as the
-    config asks for; KavaError naming a missing one."""
+    """{name: TeacherReplicas} of a running pool (all teachers of cfg, or `names`), as many replicas
+    as the config asks for; KavaError naming a missing one."""
     wanted = names if names is not None else [t.name for t in cfg.teachers]
     found = {}
     for name in wanted:
@@ -232,8 +234,8 @@ def find_pool(cfg: JobConfig, names: Optional[list[str]] = None) -> dict:
 
 
 def _running_replicas(t: TeacherConfig, namespace: str) -> list[tuple[int, object]]:
-    """(replica, handle) of every running replica of t: the config's count, and any more a pool started with a
-    larger `replicas` left running."""
+    """(replica, handle) of every running replica of t: the config's count, and any more a pool
+    started with a larger `replicas` left running."""
     out, r = [], 0
     while True:
         try:
@@ -245,8 +247,8 @@ def _running_replicas(t: TeacherConfig, namespace: str) -> list[tuple[int, objec
 
 
 def missing_replicas(cfg: JobConfig) -> list[str]:
-    """Labels (`qwen`, `qwen#1`) of the replicas of cfg's teachers that are not running: what `start_pool` would
-    start, so a command can stop exactly those when it is done."""
+    """Labels (`qwen`, `qwen#1`) of the replicas of cfg's teachers that are not running: what
+    `start_pool` would start, so a command can stop exactly those when it is done."""
     out = []
     for t in cfg.teachers:
         running = {r for r, _ in _running_replicas(t, cfg.ray.namespace)}
@@ -255,15 +257,16 @@ def missing_replicas(cfg: JobConfig) -> list[str]:
 
 
 def start_missing(cfg: JobConfig, timeout_s: float = 600.0) -> tuple[dict, list[str]]:
-    """`start_pool` that also says which replicas it started (`missing_replicas` before it): (handles, labels),
-    so that whoever started them stops exactly those (`stop_pool(cfg, only=labels)`) and a pool it found stays."""
+    """`start_pool` that also says which replicas it started (`missing_replicas` before it):
+    (handles, labels), so that whoever started them stops exactly those (`stop_pool(cfg,
+    only=labels)`) and a pool it found stays."""
     started = missing_replicas(cfg)
     return start_pool(cfg, timeout_s=timeout_s), started
 
 
 def stop_pool(cfg: JobConfig, only: Optional[list[str]] = None) -> list[str]:
-    """Kill the running teachers of cfg (and their placement groups), or only the replicas labelled in `only`
-    (those a command started); returns the labels stopped."""
+    """Kill the running teachers of cfg (and their placement groups), or only the replicas labelled
+    in `only` (those a command started); returns the labels stopped."""
     stopped = []
     for t in cfg.teachers:
         for r, h in _running_replicas(t, cfg.ray.namespace):
@@ -301,9 +304,10 @@ def pool_status(cfg: JobConfig) -> list[dict]:
 
 def pool_stats(handles: dict, since: Optional[dict] = None) -> dict:
     """{teacher: its counters summed over its replicas} (requests, forwards, hits, bytes, ...), and
-    `replicas`: how many answered. Accepts bare actor handles too. `since`: an earlier answer of this function;
-    the counters are then what happened after it (a pool found running has served other runs before; a counter
-    that went down belongs to a restarted actor and counts from its restart)."""
+    `replicas`: how many answered. Accepts bare actor handles too. `since`: an earlier answer of
+    this function; the counters are then what happened after it (a pool found running has served
+    other runs before; a counter that went down belongs to a restarted actor and counts from its
+    restart)."""
     flat = [(n, h) for n, hs in handles.items() for h in getattr(hs, "handles", [hs])]
     out: dict = {}
     for (n, _), st in zip(flat, ray.get([h.stats.remote() for _, h in flat])):

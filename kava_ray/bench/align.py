@@ -1,10 +1,10 @@
 """`kava-ray bench align`: layer maps, head projection and token alignment side by side, at equal steps.
 
-Two parts, each a set of variants trained for the same number of steps from the same start: the same tokenizer
-(layer map `ratio` vs `cka`, x `head_proj` shared vs per_head) and another tokenizer (`align.token_align` mean
-vs last vs first). Every variant runs the production step and validation in this process, with teacher KV
-from the production forward outside the timed step. The models, and what is reported:
-docs/internals/runtime.md#bench-align.
+Two parts, each a set of variants trained for the same number of steps from the same start: the same
+tokenizer (layer map `ratio` vs `cka`, x `head_proj` shared vs per_head) and another tokenizer
+(`align.token_align` mean vs last vs first). Every variant runs the production step and validation
+in this process, with teacher KV from the production forward outside the timed step. The models, and
+what is reported: docs/internals/runtime.md#bench-align.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def run_variant(cfg: JobConfig, models: dict, steps: int) -> dict:
 
 
 def alignment_figures(cfg: JobConfig, name: str, batches: int = 8) -> dict:
-    """The aligned teacher's own figures over the training split: share of student tokens aligned, teacher
-    tokens per student token, and time per batch to build the alignment from text and to apply it."""
+    """The aligned teacher's own figures over the training split: share of student tokens aligned,
+    teacher tokens per student token, and time per batch to build the alignment from text and to
+    apply it."""
     d = cfg.data
     s_tok, t_tok = load_tokenizer(cfg.student.model), load_tokenizer(cfg.teacher(name).model)
     examples = load_examples(d.source, d.train_split, batches * cfg.train.batch_size, d.seed, d.hub_config)

@@ -1,10 +1,11 @@
 """`kava-ray bench all`: the performance benches at small defaults, and the "Performance" table of docs/results.md.
 
-Runs `bench feed` (regimes, replicas, teacher early stop, transport), `bench step` (the student step of each
-recipe against plain fine-tuning, its breakdown, and peak memory per recipe beside `kava-ray plan`) and `bench vocab`
-(the vocabulary maps and paired shares of the real tokenizer pairs; no timing), then
-rewrites the docs/results.md block between PERF_BEGIN and PERF_END with one summary row per figure, each naming the
-command that regenerates it, followed by the tables the benches print. ~10 min on a 2-core CPU.
+Runs `bench feed` (regimes, replicas, teacher early stop, transport), `bench step` (the student step
+of each recipe against plain fine-tuning, its breakdown, and peak memory per recipe beside `kava-ray
+plan`) and `bench vocab` (the vocabulary maps and paired shares of the real tokenizer pairs; no
+timing), then rewrites the docs/results.md block between PERF_BEGIN and PERF_END with one summary
+row per figure, each naming the command that regenerates it, followed by the tables the benches
+print. ~10 min on a 2-core CPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""`kava-ray bench step --memory`'s chunked-loss part: the chunked vocabulary loss (`loss.vocab_chunk`,
-`core.vocab_chunks`) against whole logits, on a tiny student that carries Qwen2.5's vocabulary (151,936 ids), for CE
-and for the logit-KD recipe: the student worker's peak memory (each in a fresh process, `bench.memory.measure_peak`)
-and the step time (interleaved rounds in this process, the fastest kept), both from one run.
+"""`kava-ray bench step --memory`'s chunked-loss part: the chunked vocabulary loss
+(`loss.vocab_chunk`, `core.vocab_chunks`) against whole logits, on a tiny student that carries
+Qwen2.5's vocabulary (151,936 ids), for CE and for the logit-KD recipe: the student worker's peak
+memory (each in a fresh process, `bench.memory.measure_peak`) and the step time (interleaved rounds
+in this process, the fastest kept), both from one run.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ TARGETS = {"memory": 0.5, "time": 1.10}  # chunked / whole at most
 
 def chunk_bench(batch: int = 4, tokens: int = 1024, steps: int = 2, rounds: int = 3,
                 chunk: int = LossConfig().vocab_chunk) -> dict:
-    """{"config", "recipes": {recipe: {"whole"/"chunked": {"peak", "step_s"}, "memory_ratio", "time_ratio",
-    "met"}}}."""
+    """{"config", "recipes": {recipe: {"whole"/"chunked": {"peak", "step_s"}, "memory_ratio",
+    "time_ratio", "met"}}}."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     paths = {"whole": 0, "chunked": int(chunk)}
     out = {}

@@ -2,8 +2,9 @@
 
     python -m kava_ray.bench.cross_node [--address HOST:PORT] [--json]
 
-Step time with the teacher on the student's node, on another without and with prefetch, and the bytes that
-crossed; without --address on a `local_cluster` of its own. The method: docs/internals/runtime.md#bench-cross-node.
+Step time with the teacher on the student's node, on another without and with prefetch, and the
+bytes that crossed; without --address on a `local_cluster` of its own. The method:
+docs/internals/runtime.md#bench-cross-node.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class _Student:
                 "wait_s": sum(feed.wait_s[1:]) / (len(stamps) - 1)}
 
     def arrives_unasked(self, teacher, batch: tuple, prefetch: bool, within_s: float) -> bool:
-        """Whether a batch's payload is on this node `within_s` after the teacher answered, with nobody asking for it
-        (no `ray.get`): what prefetch changes. Locality is read once, with `ray.wait(timeout=0, fetch_local=True)`,
-        which counts an object as ready only once it is on this node (and, asked again, would start a pull itself)."""
+        """Whether a batch's payload is on this node `within_s` after the teacher answered, with
+        nobody asking for it (no `ray.get`): what prefetch changes. Locality is read once, with
+        `ray.wait(timeout=0, fetch_local=True)`, which counts an object as ready only once it is on
+        this node (and, asked again, would start a pull itself)."""
         source = ActorSource({"t": teacher}, prefetch=prefetch)
         answer = source.submit("t", KVRequest(None, *batch, None, "bf16"))
         ref = ray.get(answer)  # the teacher's answer: a ref to its payload (the payload itself stays put)

@@ -1,13 +1,14 @@
 """`kava-ray bench data`: does the data path stay flat as the corpus grows?
 
-Generated `text` corpora of the given sizes (JSONL of natural-text documents: CPython's reference docs,
-paragraphs shuffled per document) are prepared the way `kava-ray train` prepares them -- in the driver,
-`load_records` + `tokenize_split` with packing into `max_length` blocks over Hugging Face `datasets` (Arrow
-on disk) -- and then read the way a Ray Train worker reads them: a fresh process that loads the cached split,
-builds the resumable `BatchStream` and takes batches. Each side runs in a fresh process so its peak RSS
-(VmHWM) is its own. Reported per size: the driver's preparation time and peak RSS (cold cache), the worker's
-time to its first batch and peak RSS (warm cache), and the stream's tokens/s against a student training
-step's tokens/s (a 6-layer Qwen2, hidden 384, as `bench step`), measured side by side in one run.
+Generated `text` corpora of the given sizes (JSONL of natural-text documents: CPython's reference
+docs, paragraphs shuffled per document) are prepared the way `kava-ray train` prepares them -- in
+the driver, `load_records` + `tokenize_split` with packing into `max_length` blocks over Hugging
+Face `datasets` (Arrow on disk) -- and then read the way a Ray Train worker reads them: a fresh
+process that loads the cached split, builds the resumable `BatchStream` and takes batches. Each side
+runs in a fresh process so its peak RSS (VmHWM) is its own. Reported per size: the driver's
+preparation time and peak RSS (cold cache), the worker's time to its first batch and peak RSS (warm
+cache), and the stream's tokens/s against a student training step's tokens/s (a 6-layer Qwen2,
+hidden 384, as `bench step`), measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def write_corpus(path: Path, megabytes: float, seed: int = 0) -> dict:
 
 
 def _anon_rss_mib() -> float:
-    """The process's private (anonymous) resident memory now. Peak RSS (VmHWM) also counts the clean pages of the
-    memory-mapped Arrow cache that reads map in (readahead and fault-around); `BatchStream` releases those every
-    `RELEASE_EVERY` batches (`kava_ray.data.mmap_advice`), and Ray's memory monitor does not count them."""
+    """The process's private (anonymous) resident memory now. Peak RSS (VmHWM) also counts the clean
+    pages of the memory-mapped Arrow cache that reads map in (readahead and fault-around);
+    `BatchStream` releases those every `RELEASE_EVERY` batches (`kava_ray.data.mmap_advice`), and
+    Ray's memory monitor does not count them."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("RssAnon:"):
@@ -142,10 +144,10 @@ def student_step_tokens_per_s(max_length: int, batch_size: int, steps: int = 3) 
 
 
 def padding_shares(max_length: int = 128, batch_size: int = 8) -> dict:
-    """Share of padded positions over one epoch of batches, before and after: the demo's synthetic GSM8K
-    (its max_length 224, batch 4) batched at random vs by length (`data.group_by_length`), and the Python-docs
-    corpus's training documents padded one per row (cut at ROW_CAP) vs packed into `max_length` blocks
-    (`data.packing`)."""
+    """Share of padded positions over one epoch of batches, before and after: the demo's synthetic
+    GSM8K (its max_length 224, batch 4) batched at random vs by length (`data.group_by_length`), and
+    the Python-docs corpus's training documents padded one per row (cut at ROW_CAP) vs packed into
+    `max_length` blocks (`data.packing`)."""
     tok = load_tokenizer(str(_tokenizer_dir()))
     gsm = tokenize_split(tok, synthetic_gsm8k(256, 0), 224, source_id="bench-data/gsm8k")
     topics = pydoc_topics()
@@ -177,8 +179,8 @@ def _in_fresh_process(fn: str, *args) -> dict:
 
 def run_data_bench(sizes_mb: Sequence[float] = SIZES_MB, max_length: int = 128, batch_size: int = 8,
                    batches: int = 200, out: Optional[str] = None, progress: bool = True) -> dict:
-    """Every size: write the corpus, prepare it in a fresh 'driver' process (cold cache), read it in a fresh
-    'worker' process (warm cache); then the student step's tokens/s for the ratio."""
+    """Every size: write the corpus, prepare it in a fresh 'driver' process (cold cache), read it in
+    a fresh 'worker' process (warm cache); then the student step's tokens/s for the ratio."""
     if not sizes_mb or min(sizes_mb) <= 0 or min(max_length, batch_size, batches) < 1:
         raise KavaError(f"bench data: sizes must be > 0 MB (got {list(sizes_mb)}), max-length, batch-size and "
                         f"batches >= 1")

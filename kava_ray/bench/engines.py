@@ -1,7 +1,8 @@
-"""The two engines side by side on one model directory, no Ray: sampled tokens per second (Hugging Face `generate`
-against a vLLM engine) and a logits-only teacher's scored positions per second (`teacher_forward_kv` with no layers
-against `actors.vllm_teacher.topk_batch`). `bench onpolicy --engine hf vllm` reports the scoring figure beside its
-on-policy steps (CPU); `bench gpu`'s `engines` section both, at real sizes on CUDA.
+"""The two engines side by side on one model directory, no Ray: sampled tokens per second (Hugging
+Face `generate` against a vLLM engine) and a logits-only teacher's scored positions per second
+(`teacher_forward_kv` with no layers against `actors.vllm_teacher.topk_batch`). `bench onpolicy
+--engine hf vllm` reports the scoring figure beside its on-policy steps (CPU); `bench gpu`'s
+`engines` section both, at real sizes on CUDA.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from kava_ray.core.sampling import sample
 
 
 def _rate(fn, units, reps: int) -> float:
-    """`units(fn())` per second: one warm-up call counts the units (seeded: every call returns the same), then the
-    mean of `reps` timed calls (`harness.timed_mean`, the device synchronised)."""
+    """`units(fn())` per second: one warm-up call counts the units (seeded: every call returns the
+    same), then the mean of `reps` timed calls (`harness.timed_mean`, the device synchronised)."""
     n = units(fn())
     return n / timed_mean(fn, reps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str = "float32", reps: int = 3) -> dict:
-    """Positions per second a logits-only teacher scores, each engine's actor forward on the same `batch` random
-    sequences of `length` tokens (top-k, tail and token log-probs): {hf, vllm, batch, length, k}."""
+    """Positions per second a logits-only teacher scores, each engine's actor forward on the same
+    `batch` random sequences of `length` tokens (top-k, tail and token log-probs): {hf, vllm, batch,
+    length, k}."""
     from actors.vllm_teacher import topk_batch
     from kava_ray.rollout.vllm_engine import VLLMEngine
 
@@ -47,9 +49,9 @@ def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str =
 
 def sampling_rates(model_dir: Path, batch: int, prompt: int, new_tokens: int, dtype: str = "float32",
                    reps: int = 2) -> dict:
-    """Sampled tokens per second of `batch` random prompts of `prompt` tokens, up to `new_tokens` each (no EOS id
-    passed; the tokens counted are those returned), `core.sampling.sample` against `VLLMEngine.sample`: {hf, vllm,
-    batch, prompt, new_tokens}."""
+    """Sampled tokens per second of `batch` random prompts of `prompt` tokens, up to `new_tokens`
+    each (no EOS id passed; the tokens counted are those returned), `core.sampling.sample` against
+    `VLLMEngine.sample`: {hf, vllm, batch, prompt, new_tokens}."""
     from kava_ray.rollout.vllm_engine import VLLMEngine
 
     model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)

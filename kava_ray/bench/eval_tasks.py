@@ -1,10 +1,12 @@
 """`kava-ray bench eval-tasks`: what `train.eval_tasks` costs a run, the same job trained twice in one invocation.
 
-The job (default: the demo's) runs through `run_training` (Ray Train, as `kava-ray train` runs it) without harness
-tasks, then with `train.eval_tasks` at every evaluation (step 0, every `train.eval_steps`, the last). Reported: each
-run's wall time (the driver's clock, `metrics_file.wall_seconds`: Ray's start and the teachers' included, as a user
-waits for them), their ratio, and the harness's own seconds in the second run (`eval/tasks_s` summed over its
-evaluations: what the tasks cost exactly, free of the box's noise), with the figures of its last evaluation.
+The job (default: the demo's) runs through `run_training` (Ray Train, as `kava-ray train` runs it)
+without harness tasks, then with `train.eval_tasks` at every evaluation (step 0, every
+`train.eval_steps`, the last). Reported: each run's wall time (the driver's clock,
+`metrics_file.wall_seconds`: Ray's start and the teachers' included, as a user waits for them),
+their ratio, and the harness's own seconds in the second run (`eval/tasks_s` summed over its
+evaluations: what the tasks cost exactly, free of the box's noise), with the figures of its last
+evaluation.
 """
 
 from __future__ import annotations

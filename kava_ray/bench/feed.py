@@ -1,8 +1,8 @@
 """`kava-ray bench feed`: does the KVFeed hide teacher time behind the student's step, in every regime?
 
-S: one production step alone; T: one teacher's round trip alone; pipelined: the KVFeed at depth 1, 2, 4.
-Overlap efficiency = max(T_slowest, S) / pipelined step. Regimes (timed and real teachers, replicas,
-cross-node, early stop, transport): docs/internals/runtime.md#bench-feed.
+S: one production step alone; T: one teacher's round trip alone; pipelined: the KVFeed at depth 1,
+2, 4. Overlap efficiency = max(T_slowest, S) / pipelined step. Regimes (timed and real teachers,
+replicas, cross-node, early stop, transport): docs/internals/runtime.md#bench-feed.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _batches(n: int, batch: int, tokens: int, vocab: int, seed: int = 0) -> list
 
 
 def _items(batches, keyed: bool):
-    """KVFeed items. keyed: batch keys as training uses them (routing to replicas); else None (a real teacher's
-    LRU would otherwise answer a repeated run from memory)."""
+    """KVFeed items. keyed: batch keys as training uses them (routing to replicas); else None (a
+    real teacher's LRU would otherwise answer a repeated run from memory)."""
     for i, b in enumerate(batches):
         yield (batch_key("bench", 0, i) if keyed else None), b.input_ids.numpy(), b.attention_mask.numpy(), b
 
@@ -93,8 +93,9 @@ class _Student:
         return (time.perf_counter() - t0) / len(data)
 
     def pipelined(self, source, layers: dict, data: list, depth: int, keyed: bool) -> float:
-        """Per step in steady state: the time between the first and the last delivered batch over the steps
-        between them (the pipeline's fill before the first batch is not a per-step cost)."""
+        """Per step in steady state: the time between the first and the last delivered batch over
+        the steps between them (the pipeline's fill before the first batch is not a per-step
+        cost)."""
         feed = iter(KVFeed(source, _items(data, keyed), layers, depth=depth))
         t0 = None
         for b, kv in feed:
@@ -113,8 +114,8 @@ class _Student:
 
 
 def _teacher_alone(handle, layers, data: list, keyed: bool) -> float:
-    """T: one teacher's round trips, back to back, nothing else running (after one unmeasured request: a new
-    actor's first call pays its start)."""
+    """T: one teacher's round trips, back to back, nothing else running (after one unmeasured
+    request: a new actor's first call pays its start)."""
     key, ids, mask, _ = next(_items(data[:1], keyed))
     get_kv(handle.kv.remote(key, ids, mask, layers, "bf16"))
     t0 = time.perf_counter()

@@ -1,10 +1,11 @@
-"""`kava-ray bench gpu`: proof on a GPU -- the production step, the teacher forward, memory against the planner
-and the 8 GB preset, on the real Qwen2.5 geometries, by one command on any CUDA machine.
+"""`kava-ray bench gpu`: proof on a GPU -- the production step, the teacher forward, memory against
+the planner and the 8 GB preset, on the real Qwen2.5 geometries, by one command on any CUDA machine.
 
-The models are built from the real configs with random weights (memory and speed depend on the geometry, not
-on the values) and everything runs in this process. Nothing here imports Ray: a GPU image may have none
-(`scripts/gpu_check.sh`). On a CPU it runs at toy sizes (the test suite runs it, so it cannot rot); on CUDA the
-same code at real sizes. The sections (`SECTIONS`) and what each measures: docs/internals/runtime.md#bench-gpu.
+The models are built from the real configs with random weights (memory and speed depend on the
+geometry, not on the values) and everything runs in this process. Nothing here imports Ray: a GPU
+image may have none (`scripts/gpu_check.sh`). On a CPU it runs at toy sizes (the test suite runs it,
+so it cannot rot); on CUDA the same code at real sizes. The sections (`SECTIONS`) and what each
+measures: docs/internals/runtime.md#bench-gpu.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ GIB = 1024 ** 3
 SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire", "chunked_loss", "fsdp",
             "engines")
 TOP_K = 64
-# toy geometries (a CPU run checks that every section works, not what it measures; the CUDA correctness check
-# uses them too); the real ones come from `known_models.QWEN25`
+# toy geometries (a CPU run checks that every section works, not what it measures; the CUDA
+# correctness check uses them too); the real ones come from `known_models.QWEN25`
 TOY = {"toy-student": dict(family="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                            intermediate_size=128, vocab_size=512),
        "toy-teacher": dict(family="qwen2", num_layers=3, hidden_size=96, num_heads=4, num_kv_heads=2,
@@ -74,8 +75,8 @@ def not_run(reason: str) -> dict:
 
 
 class Models:
-    """Random-weight models of the bench's geometries, each saved once to a temporary dir (the production
-    step loads its student from a directory, as `kava-ray train` does)."""
+    """Random-weight models of the bench's geometries, each saved once to a temporary dir (the
+    production step loads its student from a directory, as `kava-ray train` does)."""
     def __init__(self, root: Path, device=None):
         self.root, self.dirs, self.device = root, {}, device
 
@@ -128,8 +129,9 @@ def teacher_kv(cfg: JobConfig, plans: dict, model, data: Batch, device):
 
 
 def recipe_of(cfg: JobConfig, plans: dict, device, fit_batches: Optional[list] = None):
-    """The production recipe on the bench's models; `fit_batches` [(batch, kv)]: what a student-side map (projector
-    kind fit, `auto` for another geometry) is fitted on before step 1, as a Train worker fits it on its data."""
+    """The production recipe on the bench's models; `fit_batches` [(batch, kv)]: what a student-side
+    map (projector kind fit, `auto` for another geometry) is fitted on before step 1, as a Train
+    worker fits it on its data."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.build_model()  # the bench feeds its own batches: no tokenizer, no `datasets`
     fit_on(recipe.distiller, fit_batches or [], cfg.align.key_space, device)
@@ -181,9 +183,10 @@ def correctness_section(models: Models, device, small: tuple) -> dict:
 
 
 def precision_section(models: Models, device, small: tuple, steps: int = 3) -> dict:
-    """The production step under each precision policy on one fixed batch: share of student weights that
-    changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element that gets an
-    update; bf16-sr rounds each update stochastically, so small updates change a weight only sometimes."""
+    """The production step under each precision policy on one fixed batch: share of student weights
+    that changed, loss before and after. fp32 master weights (fp32, bf16-mixed) change every element
+    that gets an update; bf16-sr rounds each update stochastically, so small updates change a weight
+    only sometimes."""
     student, teacher = small
     data = random_batch(2, 64, models.vocab(student))
     base = job(models, student, teacher, 2, 64, overrides=["optim.lr_student=1e-3"])
@@ -323,8 +326,8 @@ def matmul_peak(device, n: int) -> float:
 
 
 def flops_per_token(model, tokens: int) -> float:
-    """Forward FLOPs per token: 2 x the matmul parameters (everything but the input embedding) plus attention
-    (2 x 2 x layers x tokens x q_dim for QK^T and AV, causal halves it)."""
+    """Forward FLOPs per token: 2 x the matmul parameters (everything but the input embedding) plus
+    attention (2 x 2 x layers x tokens x q_dim for QK^T and AV, causal halves it)."""
     c = model.config
     n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     if c.tie_word_embeddings:
@@ -334,8 +337,9 @@ def flops_per_token(model, tokens: int) -> float:
 
 
 def speed_section(models: Models, device, sz: dict) -> dict:
-    """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's share against a
-    plain forward) and of the production student step, at each (batch, tokens) point."""
+    """Tokens/s and MFU of the teacher forward (with KV capture and top-k logits; the capture's
+    share against a plain forward) and of the production student step, at each (batch, tokens)
+    point."""
     reps = sz["reps"]
     peak = matmul_peak(device, sz["matmul"])
     rows = []
@@ -399,9 +403,9 @@ def wire_section(models: Models, device, sz: dict) -> dict:
 
 
 def chunked_loss_section(models: Models, device, sz: dict) -> dict:
-    """The chunked vocabulary loss (`loss.vocab_chunk`) against whole logits on the smallest student (Qwen2.5's
-    152k-id vocabulary on CUDA), for CE and logit KD: the first step's loss of each (the same weights), the step
-    time, and on CUDA the step's peak memory."""
+    """The chunked vocabulary loss (`loss.vocab_chunk`) against whole logits on the smallest student
+    (Qwen2.5's 152k-id vocabulary on CUDA), for CE and logit KD: the first step's loss of each (the
+    same weights), the step time, and on CUDA the step's peak memory."""
     reps = sz["reps"]
     name, teacher = sz["students"][0], sz["teachers"][0]
     b, t = (4, 1024) if device.type == "cuda" else sz["points"][0]
@@ -467,8 +471,9 @@ def _fsdp_rank(rank: int, world: int, cfg_yaml: str, steps: int, out: str) -> No
 
 
 def fsdp_section(models: Models, device, sz: dict, steps: int = 3) -> dict:
-    """`ray.strategy: fsdp` without Ray: the smallest student's production step sharded over 2 GPUs (NCCL) beside
-    the same step on one GPU unsharded: each rank's peak memory and the losses of both."""
+    """`ray.strategy: fsdp` without Ray: the smallest student's production step sharded over 2 GPUs
+    (NCCL) beside the same step on one GPU unsharded: each rank's peak memory and the losses of
+    both."""
     import torch.multiprocessing as mp
 
     n = torch.cuda.device_count() if device.type == "cuda" else 0
@@ -496,9 +501,10 @@ def fsdp_section(models: Models, device, sz: dict, steps: int = 3) -> dict:
 
 
 def engines_section(models: Models, device, sz: dict) -> dict:
-    """`onpolicy.engine` and `teachers[].engine`, hf against vllm on the smallest student's real geometry in bf16:
-    sampled tokens/s (8 prompts of 128 tokens, 256 new) and a logits-only teacher's scored positions/s (8 x 1024,
-    top-64) (`bench.engines`). On a CPU `kava-ray bench onpolicy --engine hf vllm` measures the same at toy size."""
+    """`onpolicy.engine` and `teachers[].engine`, hf against vllm on the smallest student's real
+    geometry in bf16: sampled tokens/s (8 prompts of 128 tokens, 256 new) and a logits-only
+    teacher's scored positions/s (8 x 1024, top-64) (`bench.engines`). On a CPU `kava-ray bench
+    onpolicy --engine hf vllm` measures the same at toy size."""
     from kava_ray.rollout.vllm_engine import vllm_available
 
     if device.type != "cuda":
@@ -514,8 +520,9 @@ def engines_section(models: Models, device, sz: dict) -> dict:
 
 
 def _section(fn: Callable, *args) -> dict:
-    """One section's result; a section that fails is reported (its error's first line) and the others still run:
-    on a machine nobody has tried, a partial table is worth more than a traceback."""
+    """One section's result; a section that fails is reported (its error's first line) and the
+    others still run: on a machine nobody has tried, a partial table is worth more than a
+    traceback."""
     try:
         return fn(*args)
     except torch.OutOfMemoryError as e:
@@ -528,9 +535,9 @@ def _section(fn: Callable, *args) -> dict:
 
 def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: int = 3,
                   sections: Optional[list[str]] = None) -> dict:
-    """Every section (see the module docstring), or those named in `sections`; real geometries on CUDA unless
-    `toy`. With `out`, the JSON is rewritten after each section (a run cut short by a time limit keeps what it
-    measured) and each section's end is one line on stderr."""
+    """Every section (see the module docstring), or those named in `sections`; real geometries on
+    CUDA unless `toy`. With `out`, the JSON is rewritten after each section (a run cut short by a
+    time limit keeps what it measured) and each section's end is one line on stderr."""
     if steps < 1:
         raise KavaError(f"bench gpu: steps must be >= 1, got {steps}")
     unknown = sorted(set(sections or ()) - set(SECTIONS[1:]))

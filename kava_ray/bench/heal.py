@@ -1,13 +1,14 @@
-"""`kava-ray bench heal`: does it distil? A pruned student healed on natural text, with a positive control,
-paired seeds and a decision rule fixed before the run.
+"""`kava-ray bench heal`: does it distil? A pruned student healed on natural text, with a positive
+control, paired seeds and a decision rule fixed before the run.
 
-The teacher's outputs cached once (and an NF4 twin's, for the NF4 arm), a gate (the teacher must beat the pruned
-student), a shared CE warm start run until its held-out curve flattens (past the logit-scale recalibration),
-the KV weights set from the gradient they give at that start (`grad/kv_ratio`), then every arm (`ARMS`): its
-learning rate chosen from a small grid on seed 0 by validation CE, the other seeds at that rate, scored on the test
-split with paired intervals against the base arm. Each finished run is kept under OUT/runs/, so an interrupted
-bench re-run with the same --out goes on where it stopped (and an added arm runs alone).
-The method step by step: docs/internals/runtime.md#bench-heal.
+The teacher's outputs cached once (and an NF4 twin's, for the NF4 arm), a gate (the teacher must
+beat the pruned student), a shared CE warm start run until its held-out curve flattens (past the
+logit-scale recalibration), the KV weights set from the gradient they give at that start
+(`grad/kv_ratio`), then every arm (`ARMS`): its learning rate chosen from a small grid on seed 0 by
+validation CE, the other seeds at that rate, scored on the test split with paired intervals against
+the base arm. Each finished run is kept under OUT/runs/, so an interrupted bench re-run with the
+same --out goes on where it stopped (and an added arm runs alone). The method step by step:
+docs/internals/runtime.md#bench-heal.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from kava_ray.runtime.preflight import check_model_files
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm's loss: CE (weight 1, or 0 for the KV-only control), logit KD at `logit`, the KV loss (projector
-    kind auto: none where the geometry allows) at the weight whose gradient on the student is `kv_ratio` x CE's
-    at the warm start, the MiniLMv2 relation loss at `relation`, Minitron's hidden-state loss (`hidden`) at the weight
-    that makes it as large as the logit loss at the warm start (Minitron's α = L_logits / L_is, fixed there);
-    `other_batch`: the KV target is the teacher's KV of other training blocks (teacher information vs mere
-    regularisation); `nf4`: the teacher loaded in NF4.
-    `grid`: the learning rate is chosen from the grid (else the base arm's chosen rate is used)."""
+    """One arm's loss: CE (weight 1, or 0 for the KV-only control), logit KD at `logit`, the KV loss
+    (projector kind auto: none where the geometry allows) at the weight whose gradient on the
+    student is `kv_ratio` x CE's at the warm start, the MiniLMv2 relation loss at `relation`,
+    Minitron's hidden-state loss (`hidden`) at the weight that makes it as large as the logit loss
+    at the warm start (Minitron's α = L_logits / L_is, fixed there); `other_batch`: the KV target is
+    the teacher's KV of other training blocks (teacher information vs mere regularisation); `nf4`:
+    the teacher loaded in NF4. `grid`: the learning rate is chosen from the grid (else the base
+    arm's chosen rate is used)."""
     logit: float = 0.0
     kv_ratio: float = 0.0
     relation: float = 0.0
@@ -94,8 +96,9 @@ def kv_rule() -> str:
 
 
 def seeds_needed(d: dict, margin: float = MIN_NATS, level: float = 0.95, most: int = 1000) -> Optional[int]:
-    """The seeds a paired t-interval with this spread (`d`: `stats.paired`) needs to decide the KV rule: to fit
-    inside +-margin around a mean inside it, or to exclude 0 with a mean beyond it (None: more than `most`)."""
+    """The seeds a paired t-interval with this spread (`d`: `stats.paired`) needs to decide the KV
+    rule: to fit inside +-margin around a mean inside it, or to exclude 0 with a mean beyond it
+    (None: more than `most`)."""
     import statistics
 
     from kava_ray.bench.stats import t_quantile
@@ -111,9 +114,9 @@ def seeds_needed(d: dict, margin: float = MIN_NATS, level: float = 0.95, most: i
 
 
 def _kv_verdict(d: dict, control: Optional[dict] = None) -> str:
-    """The KV rule on `d` (a KV arm - ce+logits, `stats.paired`): "helps" when its interval lies below 0 with a mean
-    <= -MIN_NATS (and, given a `control`, that one's interval below 0 too); "no measurable effect" inside
-    +-MIN_NATS; else "unsettled"."""
+    """The KV rule on `d` (a KV arm - ce+logits, `stats.paired`): "helps" when its interval lies
+    below 0 with a mean <= -MIN_NATS (and, given a `control`, that one's interval below 0 too); "no
+    measurable effect" inside +-MIN_NATS; else "unsettled"."""
     if d["lo"] is None:
         return "unsettled"
     if d["hi"] < 0 and d["mean"] <= -MIN_NATS and (control is None or (control["hi"] is not None and
@@ -123,9 +126,10 @@ def _kv_verdict(d: dict, control: Optional[dict] = None) -> str:
 
 
 def kv_decision(runs: dict) -> Optional[dict]:
-    """Run 2's decisions (`kv_rule`), paired over the test seeds. Part A: ce+logits+kv against ce+logits, with
-    its other-batch control, where all three ran. Part B: each projector arm of a width-pruned student
-    (`WIDTH_ARMS`) against ce+logits, with no control ("projectors"). None when neither ran."""
+    """Run 2's decisions (`kv_rule`), paired over the test seeds. Part A: ce+logits+kv against
+    ce+logits, with its other-batch control, where all three ran. Part B: each projector arm of a
+    width-pruned student (`WIDTH_ARMS`) against ce+logits, with no control ("projectors"). None when
+    neither ran."""
     ce = {a: [r["figures"]["test_ce"] for r in rs] for a, rs in runs.items()}
     out: dict = {}
     if all(a in runs for a in (CONTROL, KV_ARM, KV_OTHER)):
@@ -146,9 +150,10 @@ def kv_decision(runs: dict) -> Optional[dict]:
 
 
 TOP_K = 64
-# lr_grid: multiples of the job's optim.lr_student tried on seed 0 per arm (grid_extend: at most this many more
-# past an edge the best sits on, `stats.bracketed`); the warm start trains CE until a
-# `warm_every`-step stretch lowers the held-out CE by less than `warm_flat` nats (at most `warm_max` steps)
+# lr_grid: multiples of the job's optim.lr_student tried on seed 0 per arm (grid_extend: at most
+# this many more past an edge the best sits on, `stats.bracketed`); the warm start trains CE until a
+# `warm_every`-step stretch lowers the held-out CE by less than `warm_flat` nats (at most `warm_max`
+# steps)
 DEFAULTS = {"steps": 30, "seeds": 5, "lr_grid": (1.0, 2.0, 4.0), "grid_extend": 2, "warm_every": 20, "warm_max": 200,
             "warm_flat": 0.1, "eval_every": 10, "block": 128, "batch_size": 8, "eval_blocks": 24, "topics": None}
 # --quick (the test): a few topics per split (train, validation, test), so the teacher runs over hundreds of
@@ -159,9 +164,9 @@ QUICK = {"steps": 3, "seeds": 2, "lr_grid": (1.0, 2.0), "grid_extend": 0, "warm_
 
 def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: int,
              topics: Optional[tuple] = None) -> JobConfig:
-    """The bench's job: the base job's first teacher and its student, the corpus packed into `block`-token rows,
-    top-k logits cached, a constant learning rate after a short warm-up. topics: (train, validation, test)
-    records kept per split (None: all)."""
+    """The bench's job: the base job's first teacher and its student, the corpus packed into
+    `block`-token rows, top-k logits cached, a constant learning rate after a short warm-up. topics:
+    (train, validation, test) records kept per split (None: all)."""
     n_train, n_val, n_test = topics or (None, None, None)
     return derive(base, {
         "teachers": base.teachers[:1], "fusion.weights": None,
@@ -173,8 +178,9 @@ def heal_job(base: JobConfig, corpus: Path, root: Path, block: int, batch_size: 
 
 
 def variant_jobs(job: JobConfig, root: Path, names: Sequence[str]) -> dict[str, JobConfig]:
-    """{cache variant: its job} for the arms `names`: "" the bench's job; "nf4" the same teacher loaded in
-    bitsandbytes NF4; "hidden" the teacher serving its hidden states too. Each has its own cache under root."""
+    """{cache variant: its job} for the arms `names`: "" the bench's job; "nf4" the same teacher
+    loaded in bitsandbytes NF4; "hidden" the teacher serving its hidden states too. Each has its own
+    cache under root."""
     t = job.teachers[0]
     out = {"": job}
     wanted = {ARMS[a].variant for a in names if a in ARMS}
@@ -188,9 +194,9 @@ def variant_jobs(job: JobConfig, root: Path, names: Sequence[str]) -> dict[str, 
 
 def arm_config(job: JobConfig, arm: str, seed: int, student: str, steps: int, lr: Optional[float] = None,
                kv_unit: float = 1.0, variants: Optional[dict] = None, hidden_unit: float = 1.0) -> JobConfig:
-    """One run's config: ARMS[arm]'s weights (KV at `kv_ratio` x `kv_unit`, the weight whose gradient equals
-    CE's; the hidden-state loss at `hidden_unit`), from `student` (the warm start), at learning rate `lr` (None:
-    the job's), on its cache variant's job (`variant_jobs`)."""
+    """One run's config: ARMS[arm]'s weights (KV at `kv_ratio` x `kv_unit`, the weight whose
+    gradient equals CE's; the hidden-state loss at `hidden_unit`), from `student` (the warm start),
+    at learning rate `lr` (None: the job's), on its cache variant's job (`variant_jobs`)."""
     a = ARMS[arm]
     cfg = derive((variants or {}).get(a.variant, job), {
         "loss.ce_weight": a.ce, "loss.kv_weight": a.kv_ratio * kv_unit, "loss.logit_weight": a.logit,
@@ -209,10 +215,11 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    out: Optional[str] = None, min_gap: float = 1.0, arm_overrides: Optional[dict] = None,
                    address: Optional[str] = None, progress: bool = True, base_arm: Optional[str] = None,
                    onpolicy: bool = False, lr_scale: float = 4.0, width_kv: Optional[int] = None) -> dict:
-    """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm every other is
-    paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as `ce` at a tuned rate). onpolicy:
-    after the warm start, the on-policy arms instead (`bench.heal_onpolicy`), at `lr_scale` x the job's student
-    rate. width_kv: the student's attention width-pruned to this many KV groups per layer (`_width_pruned`)."""
+    """The whole bench (see the module docstring); returns its JSON-able result. base_arm: the arm
+    every other is paired against (default `ce`, with `width_kv` `ce+logits`; or a recipe such as
+    `ce` at a tuned rate). onpolicy: after the warm start, the on-policy arms instead
+    (`bench.heal_onpolicy`), at `lr_scale` x the job's student rate. width_kv: the student's
+    attention width-pruned to this many KV groups per layer (`_width_pruned`)."""
     if onpolicy:
         onpolicy_arms, arms = _onpolicy_arms(arms), None
     base_arm = base_arm or (CONTROL if width_kv else BASE)
@@ -267,8 +274,9 @@ def run_heal_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
 
 def _run_context(job, variants: dict, scorer, tok, warm_dir: Path, p: dict, arm_overrides: Optional[dict],
                  names: list, ends: tuple, root: Path, say) -> tuple["_RunContext", dict]:
-    """(what every run shares, the calibrations): the cache variants' sources, the loss weights measured at the warm
-    start (`_calibrations`), and OUT/heal_job.yaml, the job a Tune sweep continues from."""
+    """(what every run shares, the calibrations): the cache variants' sources, the loss weights
+    measured at the warm start (`_calibrations`), and OUT/heal_job.yaml, the job a Tune sweep
+    continues from."""
     sources = _sources(scorer, variants)
     calib = _calibrations(job, scorer, variants, sources, names, warm_dir, root, say)
     _write_tune_job(job, warm_dir, p["steps"], calib["kv_unit"], root / "heal_job.yaml")
@@ -287,8 +295,9 @@ def _out_dir(base, out: Optional[str]) -> Path:
 
 
 def _teacher_caches(job, root: Path, names: list, where: tuple, say) -> tuple[dict, dict]:
-    """(the cache variants' jobs, {"cached_blocks", ..., variant: its figures}): the teacher's outputs computed once
-    per cache variant the arms read (`variant_jobs`: the plain cache, NF4, hidden states)."""
+    """(the cache variants' jobs, {"cached_blocks", ..., variant: its figures}): the teacher's
+    outputs computed once per cache variant the arms read (`variant_jobs`: the plain cache, NF4,
+    hidden states)."""
     address, progress = where
     variants = variant_jobs(job, root, names)
     cache = _cache_teacher(job, root / "kv_cache", address, progress, say)
@@ -308,9 +317,10 @@ def _onpolicy_arms(arms: Optional[Sequence[str]]) -> list[str]:
 
 
 def _calibrations(job, scorer, variants: dict, sources: dict, names: list, warm_dir: Path, root: Path, say) -> dict:
-    """The loss weights the arms run at, each measured once at the warm start and kept in OUT (`_calibration`): the
-    KV weight whose gradient equals CE's (`kv_unit`; per projector kind an arm uses, `units`) and the hidden-state
-    loss's, as the logit loss (`hidden_unit`, with the hidden-state variant)."""
+    """The loss weights the arms run at, each measured once at the warm start and kept in OUT
+    (`_calibration`): the KV weight whose gradient equals CE's (`kv_unit`; per projector kind an arm
+    uses, `units`) and the hidden-state loss's, as the logit loss (`hidden_unit`, with the
+    hidden-state variant)."""
     calib = _calibration(root / "calibration.json", lambda: _calibrate_kv(job, scorer, str(warm_dir), say))
     for kind in sorted({ARMS[a].projector for a in names if a in ARMS and ARMS[a].kv_ratio} - {"auto"}):
         calib.setdefault("units", {}).update(_calibration(
@@ -324,8 +334,8 @@ def _calibrations(job, scorer, variants: dict, sources: dict, names: list, warm_
 
 def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms: Optional[Sequence[str]],
                   arm_overrides: Optional[dict], base_arm: str) -> tuple[dict, list[str]]:
-    """The run's sizes (QUICK or DEFAULTS, then `steps` and `seeds`) and its arms (`arms`, then the recipes),
-    checked before anything loads."""
+    """The run's sizes (QUICK or DEFAULTS, then `steps` and `seeds`) and its arms (`arms`, then the
+    recipes), checked before anything loads."""
     p = dict(QUICK if quick else DEFAULTS)
     p.update({k: v for k, v in (("steps", steps), ("seeds", seeds)) if v is not None})
     names = list(arms or DEFAULT_ARMS)
@@ -336,8 +346,8 @@ def _bench_params(quick: bool, steps: Optional[int], seeds: Optional[int], arms:
                         f"{base_arm} (got {names}); seeds and steps >= 1")
     return p, names
 def _base_job(config: str, overrides: Optional[list[str]], arm_overrides: Optional[dict]) -> JobConfig:
-    """The base job, checked before any output or model: every recipe applies to it, its model files exist and
-    its student is pruned (`student.keep_layers`)."""
+    """The base job, checked before any output or model: every recipe applies to it, its model files
+    exist and its student is pruned (`student.keep_layers`)."""
     base = load_config(config, overrides)
     for name, recipe in (arm_overrides or {}).items():  # a typo in a recipe: one line now, not after the cache
         try:
@@ -359,8 +369,8 @@ def _reporter(progress: bool) -> Callable[[str], None]:
 
 
 def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
-    """The gate, before any teacher cache or training: the teacher must beat the pruned student on the test split
-    by `min_gap` nats, or there is nothing to distil (a one-line error)."""
+    """The gate, before any teacher cache or training: the teacher must beat the pruned student on
+    the test split by `min_gap` nats, or there is nothing to distil (a one-line error)."""
     teacher = job.teachers[0]
     test = load_test_split(job.data, job.train, tok)
     t_model = load_model(teacher.model, dtype=teacher.dtype, quantization=teacher.quantization)
@@ -378,10 +388,11 @@ def _gate(job: JobConfig, tok, min_gap: float, say) -> dict:
 
 
 def _width_pruned(job: JobConfig, root: Path, tok, n: int, say) -> tuple[JobConfig, dict]:
-    """The job with its student width-pruned (`core.prune`, Minitron): the layer-dropped copy of the job's student,
-    its attention cut to the `n` most active KV groups per layer on the first training batch; saved once under root
-    (written whole, then renamed), it keeps the layers' provenance, so the layer map stays identity while the KV
-    geometry differs and the KV term needs a real projector."""
+    """The job with its student width-pruned (`core.prune`, Minitron): the layer-dropped copy of the
+    job's student, its attention cut to the `n` most active KV groups per layer on the first
+    training batch; saved once under root (written whole, then renamed), it keeps the layers'
+    provenance, so the layer map stays identity while the KV geometry differs and the KV term needs
+    a real projector."""
     from kava_ray.core.prune import kv_group_importance, prune_kv_groups
     from kava_ray.data.batching import collate_split
 
@@ -407,8 +418,8 @@ def _width_pruned(job: JobConfig, root: Path, tok, n: int, say) -> tuple[JobConf
 
 
 def _cache_teacher(job: JobConfig, out: Path, address: Optional[str], progress: bool, say) -> dict:
-    """The teacher's outputs for every block, computed once (a Ray job) into `out` and read by every arm and
-    seed (a re-run finds them there); returns the result's figures of the cache."""
+    """The teacher's outputs for every block, computed once (a Ray job) into `out` and read by every
+    arm and seed (a re-run finds them there); returns the result's figures of the cache."""
     pre = derive(job, {"data.kv_source": "live", "loss.logit_weight": 1.0, "data.kv_cache_dir": str(out)})
     t0 = time.time()
     with job_session(pre, address):
@@ -422,10 +433,10 @@ def _cache_teacher(job: JobConfig, out: Path, address: Optional[str], progress: 
 
 
 def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
-    """The shared warm start: CE steps (seed 0) on the cache until a `warm_every`-step stretch lowers the held-out
-    CE (validation head) by less than `warm_flat` nats, at most `warm_max` steps; saved to warm_dir where every
-    arm begins, with its curve and test CE (the point the gap recovered is measured from). Kept: a re-run with
-    the same settings reads it back."""
+    """The shared warm start: CE steps (seed 0) on the cache until a `warm_every`-step stretch
+    lowers the held-out CE (validation head) by less than `warm_flat` nats, at most `warm_max`
+    steps; saved to warm_dir where every arm begins, with its curve and test CE (the point the gap
+    recovered is measured from). Kept: a re-run with the same settings reads it back."""
     warm_cfg = derive(scorer.cfg, {"loss.ce_weight": 1.0, "loss.kv_weight": 0.0, "loss.logit_weight": 0.0,
                                    "train.steps": p["warm_max"], "train.seed": 0, "train.data_seed": 0})
     key = {k: p[k] for k in ("warm_every", "warm_max", "warm_flat", "eval_blocks")}
@@ -459,9 +470,9 @@ def _warm_start(scorer: Scorer, tok, warm_dir: Path, p: dict, say) -> dict:
 
 
 def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, projector: str = "auto", steps: int = 3) -> dict:
-    """The KV weight whose gradient on the student equals CE's at the warm start: `steps` CE + KV steps (weight 1,
-    seed 0, through `projector`) measure grad/kv_ratio (|KV's gradient| / |CE's|, linear in the weight); kv_unit =
-    1 / its median."""
+    """The KV weight whose gradient on the student equals CE's at the warm start: `steps` CE + KV
+    steps (weight 1, seed 0, through `projector`) measure grad/kv_ratio (|KV's gradient| / |CE's|,
+    linear in the weight); kv_unit = 1 / its median."""
     cfg = derive(arm_config(job, "ce+kv", 0, warm, steps), {"align.projector.kind": projector})
     ratios = sorted(train_in_process(cfg, scorer.plans, scorer.source, steps, grad_share=True)["ratios"])
     ratio = ratios[len(ratios) // 2]
@@ -475,8 +486,8 @@ def _calibrate_kv(job: JobConfig, scorer: Scorer, warm: str, say, projector: str
 
 
 def _calibration(path: Path, measure: Callable[[], dict]) -> dict:
-    """A calibration measured once per warm start and kept beside it (the KV arms' weights are part of their
-    configs: a re-run must find the same ones to read its finished runs back)."""
+    """A calibration measured once per warm start and kept beside it (the KV arms' weights are part
+    of their configs: a re-run must find the same ones to read its finished runs back)."""
     if path.is_file():
         return json.loads(path.read_text())
     out = measure()
@@ -496,8 +507,8 @@ def _sources(scorer: Scorer, variants: dict) -> dict:
 
 
 def _calibrate_hidden(variants: dict, source: tuple, warm: str, say) -> dict:
-    """Minitron's α, fixed at the warm start: the hidden-state weight that makes the term as large as the logit
-    loss (one ce+logits+hidden step at weight 1, seed 0: logit_kl / hidden_loss)."""
+    """Minitron's α, fixed at the warm start: the hidden-state weight that makes the term as large
+    as the logit loss (one ce+logits+hidden step at weight 1, seed 0: logit_kl / hidden_loss)."""
     cfg = arm_config(variants[""], "ce+logits+hidden", 0, warm, 1, variants=variants)
     first = train_in_process(cfg, *source, 1)["first"]
     unit = first["logit_kl"] / max(first["hidden_loss"], 1e-12)
@@ -507,8 +518,8 @@ def _calibrate_hidden(variants: dict, source: tuple, warm: str, say) -> dict:
 
 
 def _write_tune_job(job: JobConfig, warm_dir: Path, steps: int, kv_unit: float, path: Path) -> None:
-    """The job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0 from the warm start, evaluated
-    at the end only."""
+    """The job a Tune sweep (or a user) continues from: the ce+kv arm of seed 0 from the warm start,
+    evaluated at the end only."""
     tune_job = derive(arm_config(job, "ce+kv", 0, str(warm_dir), steps, kv_unit=kv_unit),
                       {"train.eval_steps": steps, "train.save_steps": steps})
     atomic_write(path, tune_job.to_yaml().encode())
@@ -533,15 +544,15 @@ class _RunContext:
 
 
 def test_seeds(p: dict) -> list[int]:
-    """The seeds every arm is scored on: 1 .. p["seeds"]. Seed 0 chooses each arm's rate and is not among them
-    (its validation-chosen rate would make its test figure a little optimistic)."""
+    """The seeds every arm is scored on: 1 .. p["seeds"]. Seed 0 chooses each arm's rate and is not
+    among them (its validation-chosen rate would make its test figure a little optimistic)."""
     return list(range(1, p["seeds"] + 1))
 
 
 def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, dict]:
-    """Every arm: its learning rate from the grid on the selection seed 0 (by validation CE), then the test seeds
-    (`test_seeds`) at that rate; a seed's arms train on the same blocks in the same order (paired).
-    Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
+    """Every arm: its learning rate from the grid on the selection seed 0 (by validation CE), then
+    the test seeds (`test_seeds`) at that rate; a seed's arms train on the same blocks in the same
+    order (paired). Returns ({arm: [run per seed]}, {arm: {"lr", "grid": {lr: validation CE}}})."""
     val_head = load_splits_head(ctx.scorer.cfg, ctx.tok, ctx.p["eval_blocks"])
     val = load_splits(ctx.scorer.cfg.data, ctx.scorer.cfg.train, ctx.tok)[1]
     sources = ctx.sources
@@ -564,9 +575,9 @@ def _run_arms(ctx: _RunContext, names: list[str], base_arm: str) -> tuple[dict, 
 
 
 def _run(ctx: _RunContext, arm: str, seed: int, lr: float, source: tuple, val_head, val=None) -> dict:
-    """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps, scored on the
-    test split (and on the whole validation split `val`, what the grid selects by); kept under ctx.done and
-    read back by a re-run with the same config."""
+    """One run from the warm start, its held-out CE curve on `val_head` every `eval_every` steps,
+    scored on the test split (and on the whole validation split `val`, what the grid selects by);
+    kept under ctx.done and read back by a re-run with the same config."""
     a = ARMS.get(arm, ARMS[BASE])
     cfg = arm_config(ctx.job, arm if arm in ARMS else BASE, seed, ctx.warm, ctx.p["steps"], None,
                      ctx.kv_units[a.projector], ctx.variants, ctx.hidden_unit)
@@ -602,9 +613,10 @@ def safe_name(name: str) -> str:
 
 
 class OtherBatchSource:
-    """A KV source that answers a training batch with the teacher outputs of *other* training blocks of the same
-    length (each block's partner is fixed: half a length group away): the `ce+kv-otherbatch` arm, whose KV target
-    carries no information about the tokens the student reads."""
+    """A KV source that answers a training batch with the teacher outputs of *other* training blocks
+    of the same length (each block's partner is fixed: half a length group away): the
+    `ce+kv-otherbatch` arm, whose KV target carries no information about the tokens the student
+    reads."""
 
     def __init__(self, inner, split):
         self.inner, self.fingerprint = inner, split.fingerprint
@@ -628,8 +640,8 @@ class OtherBatchSource:
 
 
 def _kv_control(runs: dict, start: dict, summary: dict) -> Optional[dict]:
-    """The KV control: KV-only training must raise the projector-free KV cosine from the warm start's (paired per
-    seed against that start, and against ce)."""
+    """The KV control: KV-only training must raise the projector-free KV cosine from the warm
+    start's (paired per seed against that start, and against ce)."""
     if KV_CONTROL not in runs or start.get("kv_cos_free") is None:
         return None
     cos = [r["figures"]["kv_cos_free"] for r in runs[KV_CONTROL]]
@@ -648,16 +660,16 @@ def _figures(score: dict, ce_start: float, ce_teacher: float, teacher: str) -> d
 
 
 def _control_passes(runs: dict) -> Optional[bool]:
-    """Whether the positive control (CONTROL against BASE, whatever the base arm of the table) helps; None: the
-    bench did not run both."""
+    """Whether the positive control (CONTROL against BASE, whatever the base arm of the table)
+    helps; None: the bench did not run both."""
     if BASE not in runs or CONTROL not in runs:
         return None
     return bool(summarize({BASE: runs[BASE], CONTROL: runs[CONTROL]})[CONTROL]["decision"]["helps"])
 
 
 def _plot(runs: dict, summary: dict, root: Path, ce_teacher: float, base_arm: str) -> dict:
-    """Both plots in root: the held-out CE curves per arm (the teacher's CE as a line) and the gap recovered per
-    arm; returns {"ce": path, "gr": path}."""
+    """Both plots in root: the held-out CE curves per arm (the teacher's CE as a line) and the gap
+    recovered per arm; returns {"ce": path, "gr": path}."""
     ce_png, gr_png = root / "heal_ce_curves.png", root / "heal_gap_recovered.png"
     curves = {a: [{"eval_ce": r["curve"]} for r in rs] for a, rs in runs.items()}
     plot_curves(curves, ce_png, log_y=True, teacher_ce=ce_teacher)
@@ -690,8 +702,8 @@ def load_splits_head(cfg: JobConfig, tok, n: int):
 
 
 def summarize(runs: dict, base_arm: str = BASE) -> dict:
-    """Per arm: mean ± sd of each figure; per non-base arm: paired differences against the base and the
-    decision (gains are positive: CE and KL differences are reported as base - arm)."""
+    """Per arm: mean ± sd of each figure; per non-base arm: paired differences against the base and
+    the decision (gains are positive: CE and KL differences are reported as base - arm)."""
     out = {}
     base = runs.get(base_arm, [])
     for arm, rs in runs.items():
@@ -760,8 +772,8 @@ HEAL_FIGURES = [("test_ce", "test CE", 4, 1.0), ("gr", "GR %", 1, 100.0), ("kl",
 
 
 def _heal_rows(r: dict) -> tuple[list, list]:
-    """(the figures table's rows: the teacher, the warm start, each arm's mean ± sd over seeds and its verdict; the
-    paired differences' rows, each arm against the base)."""
+    """(the figures table's rows: the teacher, the warm start, each arm's mean ± sd over seeds and
+    its verdict; the paired differences' rows, each arm against the base)."""
     keys = HEAL_FIGURES
     rows = [[f"teacher {r['teacher']}", f"{r['teacher_ce']:.4f}", "100.0", "0", "100.0", "—", "—", "—"]]
     st = r["start"]

@@ -1,20 +1,21 @@
 """`kava-ray bench heal --onpolicy`: on-policy distillation against its off-policy control on the heal bench's corpus.
 
-The heal bench's gate, teacher and shared CE warm start (`bench.heal`), then prompt/completion records cut from the
-same Python-docs splits (`records_corpus`: a window's first `prompt` tokens are the prompt, the next `completion`
-tokens its completion) and four arms from that warm start, paired over seeds (each seed draws the record order and
-the samples), the same number of student steps, the teacher live in this process (sampled sequences exist only
-once sampled, so nothing is cached):
+The heal bench's gate, teacher and shared CE warm start (`bench.heal`), then prompt/completion
+records cut from the same Python-docs splits (`records_corpus`: a window's first `prompt` tokens are
+the prompt, the next `completion` tokens its completion) and four arms from that warm start, paired
+over seeds (each seed draws the record order and the samples), the same number of student steps, the
+teacher live in this process (sampled sequences exist only once sampled, so nothing is cached):
 
 - `ce+logits`: CE + top-k forward KL on the records' own completions (off-policy: today's recipe, the base);
 - `onpolicy-jsd`: the student's own completions, TRL GKD's generalized JSD (beta 0.5) on the teacher's top-k;
 - `onpolicy-rkl`: the student's own completions, the sampled reverse KL (tinker-cookbook's policy gradient);
 - `seq_kd`: the teacher's completions (TRL's seq_kd), CE + forward KL on them.
 
-Scored on held-out prompts (the test split's): the teacher-scored per-token reverse KL of the student's own samples
-(log q - log pi_T, what on-policy distillation lowers; tinker's teacher_kl), the teacher's NLL of those samples,
-and the test CE of the records' completions. The warm start is scored the same way: the harness's positive control
-is that the off-policy arm moves the sample metric from there.
+Scored on held-out prompts (the test split's): the teacher-scored per-token reverse KL of the
+student's own samples (log q - log pi_T, what on-policy distillation lowers; tinker's teacher_kl),
+the teacher's NLL of those samples, and the test CE of the records' completions. The warm start is
+scored the same way: the harness's positive control is that the off-policy arm moves the sample
+metric from there.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def op_decision_rule() -> str:
 
 
 def records_corpus(corpus: Path, tok, out: Path, prompt: int, completion: int, caps: tuple) -> Path:
-    """prompt/completion JSONL per split from the text corpus: each document cut into consecutive windows of
-    `prompt` + `completion` student tokens, decoded; at most caps (train, validation, test) records per split."""
+    """prompt/completion JSONL per split from the text corpus: each document cut into consecutive
+    windows of `prompt` + `completion` student tokens, decoded; at most caps (train, validation,
+    test) records per split."""
     out.mkdir(parents=True, exist_ok=True)
     w = prompt + completion
     for split, cap in zip(("train", "validation", "test"), caps):
@@ -131,8 +133,8 @@ def sample_scores(student, teacher, split, tok, max_new: int, n_prompts: int, ba
 
 def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, steps: int, seeds: int, lr: float,
                       quick: bool, say: Callable[[str], None], arms: Optional[list] = None) -> dict:
-    """Every on-policy arm from the warm start over `seeds` (module docstring); finished runs kept under
-    root/onpolicy_runs and read back by a re-run."""
+    """Every on-policy arm from the warm start over `seeds` (module docstring); finished runs kept
+    under root/onpolicy_runs and read back by a re-run."""
     p = dict(OP_QUICK if quick else OP_DEFAULTS)
     names = arms or list(OP_ARMS)
     say(f"on-policy decision rule, fixed before the run: {op_decision_rule()}")
@@ -182,14 +184,15 @@ def run_onpolicy_arms(job: JobConfig, corpus: Path, root: Path, warm: str, tok, 
 
 
 def sample_entropy(f: dict) -> float:
-    """The student's samples' own per-token entropy estimate, -E log q = teacher NLL - reverse KL: near 0, the student
-    has collapsed onto a few sequences (whatever the teacher thinks of them)."""
+    """The student's samples' own per-token entropy estimate, -E log q = teacher NLL - reverse KL:
+    near 0, the student has collapsed onto a few sequences (whatever the teacher thinks of them)."""
     return f["teacher_nll"] - f["rkl"]
 
 
 def op_summarize(runs: dict, start: dict) -> dict:
-    """Per arm: mean ± sd of each figure, the wall and teacher work per arm; paired differences against the base
-    (arm - base) and the decision; for the base, its paired move from the warm start (the harness control)."""
+    """Per arm: mean ± sd of each figure, the wall and teacher work per arm; paired differences
+    against the base (arm - base) and the decision; for the base, its paired move from the warm
+    start (the harness control)."""
     out = {}
     base = [r["figures"] for r in runs.get(OP_BASE, [])]
     for arm, rs in runs.items():

@@ -1,10 +1,11 @@
 """Training runs inside the bench's own process: the production step without Ray Train.
 
-`train_in_process` builds the production `recipes.distill.DistillRecipe` (Distiller, optimizer, schedule, resumable
-batch stream), feeds it teacher KV through the production `KVFeed` from any source (the example-indexed KV
-cache, or teachers in this process), runs `steps` optimizer steps and, on request, scores a held-out split
-every `eval_every` steps. What a Ray Train worker does per step, minus the process boundary (which costs a
-TorchTrainer start, ~15 s here, per run): the benches that compare many short runs use it.
+`train_in_process` builds the production `recipes.distill.DistillRecipe` (Distiller, optimizer,
+schedule, resumable batch stream), feeds it teacher KV through the production `KVFeed` from any
+source (the example-indexed KV cache, or teachers in this process), runs `steps` optimizer steps
+and, on request, scores a held-out split every `eval_every` steps. What a Ray Train worker does per
+step, minus the process boundary (which costs a TorchTrainer start, ~15 s here, per run): the
+benches that compare many short runs use it.
 """
 
 from __future__ import annotations
@@ -22,23 +23,25 @@ from kava_ray.recipes.steps import NonFinite, run_steps
 
 
 def run_key(obj) -> str:
-    """16 hex digits naming a finished run by what defines it (a JSON-able dict: its config dump, ...): the name it
-    is kept under, so that a re-run with the same output dir finds it (`bench heal`, `bench heal --onpolicy`)."""
+    """16 hex digits naming a finished run by what defines it (a JSON-able dict: its config dump,
+    ...): the name it is kept under, so that a re-run with the same output dir finds it (`bench
+    heal`, `bench heal --onpolicy`)."""
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def train_in_process(cfg, plans: dict, source, steps: int, eval_every: Optional[int] = None,
                      evaluate: Optional[Callable] = None, device: str = "cpu", grad_share: bool = False,
                      stop: Optional[Callable[[list], bool]] = None) -> dict:
-    """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does); returns {"recipe",
-    "first" / "last" (the first / last step's metrics), "step_s" (median), "wall_step_s" (median of each step with
-    its data: the teachers' forwards and any sampling), "curve" [(step, evaluate(recipe))] at step 0, every
-    `eval_every` steps and at the end, "shares" / "ratios" (each step's grad/kv_share / grad/kv_ratio with
-    `grad_share`), "sums" (each metric summed over the steps: `bench task`'s sampled tokens per training sample),
-    "losses" (each step's loss), "records" (each step's metrics.jsonl record), "stopped" (the one line of a
-    non-finite loss that ended the run, else None)}: the production step loop (`recipes.steps.run_steps`), each step's
-    batches drawn before its clock. stop(curve): called after each evaluation; True ends the run there (a warm start
-    that trains until its curve flattens)."""
+    """Run `steps` production steps (after `recipes.fit_maps.fit_maps`, as a Train worker does);
+    returns {"recipe", "first" / "last" (the first / last step's metrics), "step_s" (median),
+    "wall_step_s" (median of each step with its data: the teachers' forwards and any sampling),
+    "curve" [(step, evaluate(recipe))] at step 0, every `eval_every` steps and at the end, "shares"
+    / "ratios" (each step's grad/kv_share / grad/kv_ratio with `grad_share`), "sums" (each metric
+    summed over the steps: `bench task`'s sampled tokens per training sample), "losses" (each step's
+    loss), "records" (each step's metrics.jsonl record), "stopped" (the one line of a non-finite
+    loss that ended the run, else None)}: the production step loop (`recipes.steps.run_steps`), each
+    step's batches drawn before its clock. stop(curve): called after each evaluation; True ends the
+    run there (a warm start that trains until its curve flattens)."""
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.setup()
     fit_maps(recipe, source)

@@ -1,8 +1,8 @@
 """Measured memory of a job's student worker and teacher beside `kava-ray plan`'s estimate.
 
-`measure_peak(cfg, steps)` runs the teachers' forwards, then the student worker's steps, in a fresh Python
-process, each from a settled baseline; `compare_with_plan` sets them beside the planner's items. The method:
-docs/internals/runtime.md#bench-memory.
+`measure_peak(cfg, steps)` runs the teachers' forwards, then the student worker's steps, in a fresh
+Python process, each from a settled baseline; `compare_with_plan` sets them beside the planner's
+items. The method: docs/internals/runtime.md#bench-memory.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def planned_bytes(cfg: JobConfig, device: str) -> dict:
 
 
 def compare_with_plan(cfg: JobConfig, steps: int = 2, threads: int = 2) -> dict:
-    """The student worker's {"device", "measured", "planned", "error"} and the same for its teachers under
-    "teacher" (on the CPU); error = (planned - measured) / measured."""
+    """The student worker's {"device", "measured", "planned", "error"} and the same for its teachers
+    under "teacher" (on the CPU); error = (planned - measured) / measured."""
     m = measure_peak(cfg, steps, threads)
     p = planned_bytes(cfg, m["device"])
 
@@ -92,8 +92,9 @@ def _settled() -> int:
 
 
 def _peak() -> int:
-    """The peak RSS since the last `_settled` (bytes): VmHWM. Not getrusage's ru_maxrss, which also keeps the
-    peak of the process this one was forked from (a large pytest or bench process: measured 1.6 GiB here)."""
+    """The peak RSS since the last `_settled` (bytes): VmHWM. Not getrusage's ru_maxrss, which also
+    keeps the peak of the process this one was forked from (a large pytest or bench process:
+    measured 1.6 GiB here)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -112,8 +113,9 @@ def _batch(gen: torch.Generator, B: int, T: int) -> Batch:
 
 
 def _run(job: str, steps: int) -> dict:
-    """The measuring process: the job's teacher payloads first (then the teachers are freed), then the
-    student worker's Distiller and optimizer, `steps` steps, reading each payload as the KVFeed receives it."""
+    """The measuring process: the job's teacher payloads first (then the teachers are freed), then
+    the student worker's Distiller and optimizer, `steps` steps, reading each payload as the KVFeed
+    receives it."""
     cfg = load_config(job)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -129,8 +131,9 @@ def _run(job: str, steps: int) -> dict:
     base = _settled()
 
     # the teachers' side first, alone (a teacher actor's process): what each sends for every batch
-    # (the shipped layers, and top-k log-probs when the loss uses logits) in the wire format, pickled: bytes
-    # inside the baseline, unpickled into new arrays inside the measurement as a KVFeed receives them
+    # (the shipped layers, and top-k log-probs when the loss uses logits) in the wire format,
+    # pickled: bytes inside the baseline, unpickled into new arrays inside the measurement as a
+    # KVFeed receives them
     teachers = {t.name: load_model(t.model, dtype=t.dtype) for t in cfg.teachers}
     plans = in_process_plans(cfg, teachers)
     top_k = teacher_logits_top_k(cfg.loss, plans)
@@ -144,8 +147,9 @@ def _run(job: str, steps: int) -> dict:
 
     recipe = DistillRecipe(cfg, plans, device=device)
     recipe.build_model()  # the student, Distiller and optimizer a Train worker builds
-    # projector kind fit (auto for a student of the teacher's geometry trained apart): its student-side map is
-    # fitted before step 1, as a Train worker does (`recipes.fit_maps.fit_maps`); here on the first batch
+    # projector kind fit (auto for a student of the teacher's geometry trained apart): its
+    # student-side map is fitted before step 1, as a Train worker does
+    # (`recipes.fit_maps.fit_maps`); here on the first batch
     fit_on(recipe.distiller, [(batches[0], {n: KVBatch.from_wire(w, device=device, dtype=torch.float32)
                                       for n, w in pickle.loads(sent[0]).items()})], cfg.align.key_space, device)
     distiller, opt = recipe.distiller, recipe.opt

@@ -1,11 +1,12 @@
-"""Where a same-node KV payload's time goes: a teacher's writes into object-store memory its process has not
-written before, each 4 KiB page a page fault; once the store hands out memory the process has written, the
-payload costs one copy and the call.
+"""Where a same-node KV payload's time goes: a teacher's writes into object-store memory its process
+has not written before, each 4 KiB page a page fault; once the store hands out memory the process
+has written, the payload costs one copy and the call.
 
     RAY_AUTH_MODE=token python -m kava_ray.bench.object_store [--plasma-directory DIR] [--preallocate]
 
-A fresh local Ray of its own; an actor answers 64 MiB payloads until the store is written once, and the first
-ten answers are set against the last ten. The method and options: docs/internals/runtime.md#bench-object-store.
+A fresh local Ray of its own; an actor answers 64 MiB payloads until the store is written once, and
+the first ten answers are set against the last ten. The method and options:
+docs/internals/runtime.md#bench-object-store.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """`kava-ray bench onpolicy`: does one-step-off sampling (`onpolicy.lag: 1`) hide the teachers' scoring?
 
-The production DistillRecipe and KVFeed with `onpolicy.fraction: 1` on tiny models: the student samples each batch's
-completions on this process and trains; the teachers are timed stand-ins for teachers on GPUs of their own -- each
-answers the production request with the real tiny teacher's payload (KV, top-k, token log-probs), padded to `D`
-seconds per batch in a thread of its own (one batch at a time, like an actor), so they use no CPU while "busy".
-First lag 0 with D = 0 measures S (sampling) and T (training) per step; then D is set to S + T (the regime where
-overlap matters most: hidden, the step is max(S + T, D); serial, S + T + D), and lag 0 and lag 1 run side by side.
+The production DistillRecipe and KVFeed with `onpolicy.fraction: 1` on tiny models: the student
+samples each batch's completions on this process and trains; the teachers are timed stand-ins for
+teachers on GPUs of their own -- each answers the production request with the real tiny teacher's
+payload (KV, top-k, token log-probs), padded to `D` seconds per batch in a thread of its own (one
+batch at a time, like an actor), so they use no CPU while "busy". First lag 0 with D = 0 measures S
+(sampling) and T (training) per step; then D is set to S + T (the regime where overlap matters most:
+hidden, the step is max(S + T, D); serial, S + T + D), and lag 0 and lag 1 run side by side.
 
-`--engine hf vllm` (`run_engine_bench`): the same student, prompts and lengths sampled by each `onpolicy.engine`
-(Hugging Face generate; vLLM colocated in this process, weights pushed each round), the step at lag 0 and lag 1 with
-instant teachers, and a teacher's scoring of the same sequences (HF forward + top-k against vLLM prompt log-probs).
+`--engine hf vllm` (`run_engine_bench`): the same student, prompts and lengths sampled by each
+`onpolicy.engine` (Hugging Face generate; vLLM colocated in this process, weights pushed each
+round), the step at lag 0 and lag 1 with instant teachers, and a teacher's scoring of the same
+sequences (HF forward + top-k against vLLM prompt log-probs).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ STUDENT = dict(family="qwen2", num_layers=4, hidden_size=256, num_heads=8, num_k
 
 
 class TimedSource:
-    """KV source of teachers each busy `delay_s` per batch (their real tiny forward, then asleep), one batch at a
-    time per teacher in its own thread: `submit` starts the work, `result` waits for it."""
+    """KV source of teachers each busy `delay_s` per batch (their real tiny forward, then asleep),
+    one batch at a time per teacher in its own thread: `submit` starts the work, `result` waits for
+    it."""
 
     def __init__(self, models: dict, delay_s: float):
         self.models, self.delay_s = models, float(delay_s)
@@ -141,8 +144,9 @@ def run_onpolicy_bench(steps: int = 10, batch: int = 4, new_tokens: int = 32, wa
 
 def run_engine_bench(engines: list[str], steps: int = 10, batch: int = 4, new_tokens: int = 32, warmup: int = 2
                      ) -> dict:
-    """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0 and lag 1 (the
-    teachers instant: what differs is the sampling), and the teacher scoring figure beside it."""
+    """Each engine samples the same student's completions (tokens/s) in the on-policy step at lag 0
+    and lag 1 (the teachers instant: what differs is the sampling), and the teacher scoring figure
+    beside it."""
     from kava_ray.rollout.vllm_engine import require_vllm
 
     if "vllm" in engines:

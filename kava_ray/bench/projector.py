@@ -1,9 +1,9 @@
 """Synthetic A/B of LinearProjector vs ElasticBottleneck, repeating the predecessor's published table.
 
-Three d -> d regression scenarios (`gaussian`, `shifted_outliers`, `tanh`); per scenario and seed fresh data and
-models, full-batch Adam on MSE, then the held-out MSE in eval mode. The predecessor did not publish its dims,
-data recipe or learning rate, so its numbers are shown for reference only. The scenarios and settings:
-docs/internals/runtime.md#bench-projector.
+Three d -> d regression scenarios (`gaussian`, `shifted_outliers`, `tanh`); per scenario and seed
+fresh data and models, full-batch Adam on MSE, then the held-out MSE in eval mode. The predecessor
+did not publish its dims, data recipe or learning rate, so its numbers are shown for reference only.
+The scenarios and settings: docs/internals/runtime.md#bench-projector.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """`kava-ray bench pull`: does the KV loss pull the student toward its teacher? (issue 39's KV control)
 
-From the same start, two KV-only runs (loss.ce_weight 0) of the job's first teacher: the old default (`OLD`: the
-demo's recipe before issue 39, a learned `linear` projector, randomly initialised, at kv_weight 1 and
-lr_projector 5e-3) and the new one (the job's own weights with `align.projector.kind: auto`, identity where the
-geometry allows). Each reports the projector-free centred KV cosine per student layer on the validation split
-at step 0 and every `eval_every` steps, and the through-projector cosine of its first step. Then a few steps of
-each arm's CE + KV recipe give `grad/kv_share` and `grad/kv_ratio`. In process, no Ray: the teacher runs here.
+From the same start, two KV-only runs (loss.ce_weight 0) of the job's first teacher: the old default
+(`OLD`: the demo's recipe before issue 39, a learned `linear` projector, randomly initialised, at
+kv_weight 1 and lr_projector 5e-3) and the new one (the job's own weights with
+`align.projector.kind: auto`, identity where the geometry allows). Each reports the projector-free
+centred KV cosine per student layer on the validation split at step 0 and every `eval_every` steps,
+and the through-projector cosine of its first step. Then a few steps of each arm's CE + KV recipe
+give `grad/kv_share` and `grad/kv_ratio`. In process, no Ray: the teacher runs here.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ ARMS = {"old: linear projector": OLD, "new: auto": {"align.projector.kind": "aut
 
 
 def projector_free(recipe, cfg, plans, source, teacher: str) -> dict:
-    """The student's projector-free centred KV cosine to `teacher` on the validation split, scored the way every
-    bench scores a student (`score_student`): `probe.KVAlignment.result()` (`kv_cos_free`, `per_layer`, ...)."""
+    """The student's projector-free centred KV cosine to `teacher` on the validation split, scored
+    the way every bench scores a student (`score_student`): `probe.KVAlignment.result()`
+    (`kv_cos_free`, `per_layer`, ...)."""
     student = recipe.distiller.student
     copied = {teacher: copied_layers(cfg.student, cfg.teacher(teacher))}
     align = kv_alignment(student, source, plans, recipe.train_split, cfg, copied)
@@ -74,8 +76,9 @@ def run_pull_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
 
 
 def format_pull(out: dict) -> str:
-    """Per arm: the projector-free cosine per student layer at each evaluated step, the mean without a copied
-    layer 0, the first step's through-projector cosine and grad/kv_share of the job's recipe."""
+    """Per arm: the projector-free cosine per student layer at each evaluated step, the mean without
+    a copied layer 0, the first step's through-projector cosine and grad/kv_share of the job's
+    recipe."""
     lines = []
     for name, arm in out["arms"].items():
         n = len(arm["trajectory"][0][1])

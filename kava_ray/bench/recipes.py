@@ -1,8 +1,8 @@
 """`kava-ray bench recipes`: which recipe gives the better student at equal compute, with error bars.
 
-Four recipes (`RECIPES`) x seeds, each the production step in this process over one precomputed teacher
-cache, every student scored alike (`Scorer`), differences against `ce` paired per seed. The method:
-docs/internals/runtime.md#bench-recipes.
+Four recipes (`RECIPES`) x seeds, each the production step in this process over one precomputed
+teacher cache, every student scored alike (`Scorer`), differences against `ce` paired per seed. The
+method: docs/internals/runtime.md#bench-recipes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ FIGURES = {"test_ce": ("test CE", True, 4, 1.0), "kl": ("KL(teacher||student)", 
 
 def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[int] = None,
                   fit_data: bool = True, num_test: Optional[int] = None) -> tuple[JobConfig, JobConfig]:
-    """(the precompute config, the cache config every recipe x seed is derived from). fit_data: the training
-    split holds exactly the examples one run trains on (one epoch; every seed reshuffles the same examples)."""
+    """(the precompute config, the cache config every recipe x seed is derived from). fit_data: the
+    training split holds exactly the examples one run trains on (one epoch; every seed reshuffles
+    the same examples)."""
     t, o = base.train, base.optim
     run = {"train.steps": steps, "train.eval_steps": eval_steps or max(1, steps // 8), "train.save_steps": steps,
            "data.kv_cache_dir": str(out / "kv_cache"), "ray.storage_path": str(out / "runs")}
@@ -55,8 +56,9 @@ def bench_configs(base: JobConfig, steps: int, out: Path, eval_steps: Optional[i
 
 
 class Scorer:
-    """Scores finished students the same way, whatever trained them: `score_student` on the test split from
-    the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact match."""
+    """Scores finished students the same way, whatever trained them: `score_student` on the test
+    split from the cache (CE, KL and top-1 per teacher, projector-free KV cosine) plus greedy exact
+    match."""
 
     def __init__(self, cache_cfg: JobConfig, limit: int, max_new_tokens: int):
         self.cfg, self.limit, self.max_new_tokens = cache_cfg, limit, max_new_tokens

@@ -1,11 +1,12 @@
 """`kava-ray bench scarce`: does distillation beat SFT where the field says it should — labels scarce, prompts many?
 
-Run 1 of issue 63, pre-registered in docs/results.md ("Run 1"). The sort task (the README's `sort.jsonl`,
-`task_records.sort_rows`, checker exact): a teacher fine-tuned on every training record (`task_finetune.finetune`,
-until its validation exact match plateaus; kept by content), a student that is a 24-of-30-layer copy of the *base*
-model (not of the fine-tuned teacher) given a format warm start of `warm_steps` SFT steps on the `gold` labelled
-records. The other training prompts have no label: the teacher's greedy completions of them are computed once
-(kept by content). Every arm starts from that warm start, the same number of student steps:
+Run 1 of issue 63, pre-registered in docs/results.md ("Run 1"). The sort task (the README's
+`sort.jsonl`, `task_records.sort_rows`, checker exact): a teacher fine-tuned on every training
+record (`task_finetune.finetune`, until its validation exact match plateaus; kept by content), a
+student that is a 24-of-30-layer copy of the *base* model (not of the fine-tuned teacher) given a
+format warm start of `warm_steps` SFT steps on the `gold` labelled records. The other training
+prompts have no label: the teacher's greedy completions of them are computed once (kept by content).
+Every arm starts from that warm start, the same number of student steps:
 
 - `sft-gold`: CE on the `gold` labelled records alone (what SFT can do with the labels there are);
 - `seqkd`: CE on the teacher's completions of the unlabelled prompts (sequence-level KD, Kim & Rush 2016);
@@ -13,11 +14,13 @@ records. The other training prompts have no label: the teacher's greedy completi
 - `seqkd-opd`: a third of the steps `seqkd` (at `seqkd`'s chosen rate), then on-policy distillation: the student's
   own samples of the unlabelled prompts, the sampled reverse KL (λ 1, lag 0, the ratio clipped at 0.2, no CE).
 
-Each arm's learning rate comes from a grid extended past an edge (`stats.bracketed`) on the selection seed, which
-is not a test seed; the test seeds run at that rate. Figures on the test prompts: greedy exact match against the gold
-completion and against the teacher's own greedy completion (as curves, every `curve_every` steps), test CE of the
-gold completions, and the student's samples' teacher-scored reverse KL and entropy (the guard). Differences are
-paired over seeds and prompts (`paired_bootstrap`). The decision (`decide_scarce`) is stated before anything trains.
+Each arm's learning rate comes from a grid extended past an edge (`stats.bracketed`) on the
+selection seed, which is not a test seed; the test seeds run at that rate. Figures on the test
+prompts: greedy exact match against the gold completion and against the teacher's own greedy
+completion (as curves, every `curve_every` steps), test CE of the gold completions, and the
+student's samples' teacher-scored reverse KL and entropy (the guard). Differences are paired over
+seeds and prompts (`paired_bootstrap`). The decision (`decide_scarce`) is stated before anything
+trains.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from kava_ray.recipes.evaluate import answer_accuracy, generate_answers, heldout
 from kava_ray.testing.inprocess_source import in_process_plans
 
 BASE, CONTROL = "sft-gold", "seqkd"
-# each arm: its records ("gold": the labelled few; "teacher": the teacher's completions of the unlabelled prompts)
-# and its overrides of the records job (CE 1, top-k forward KL 1, no KV); `then`: a second phase from the first's
-# weights for the last two thirds of the steps
+# each arm: its records ("gold": the labelled few; "teacher": the teacher's completions of the
+# unlabelled prompts) and its overrides of the records job (CE 1, top-k forward KL 1, no KV);
+# `then`: a second phase from the first's weights for the last two thirds of the steps
 LOGITS_OFF = {"loss.logit_weight": 0.0}
 OPD = {"onpolicy.fraction": 1.0, "onpolicy.lag": 0, "loss.logit_divergence": "reverse_kl_sampled",
        "loss.rkl_clip": 0.2, "loss.ce_weight": 0.0, "loss.logit_weight": 1.0}
@@ -61,9 +64,10 @@ CE_MARGIN, ENTROPY_FLOOR = 0.05, 0.5  # the guards: as `bench task`'s
 
 @dataclass(frozen=True)
 class ScarceSizes(ArmSizes):
-    """`bench scarce`'s sizes: `ArmSizes`, and gold (the labels SFT may read), selection_seed (the seed each arm's
-    rate is chosen on, not a test seed), seeds (the test seeds), curve_every (steps between a curve's points), n_boot
-    (bootstrap resamples) and n_entropy (prompts sampled for the entropy guard)."""
+    """`bench scarce`'s sizes: `ArmSizes`, and gold (the labels SFT may read), selection_seed (the
+    seed each arm's rate is chosen on, not a test seed), seeds (the test seeds), curve_every (steps
+    between a curve's points), n_boot (bootstrap resamples) and n_entropy (prompts sampled for the
+    entropy guard)."""
 
     gold: int
     selection_seed: int
@@ -97,8 +101,9 @@ def decision_rule() -> str:
 
 
 def verdict(runs: dict, arm: str, other: str, floor: float, n_boot: int) -> Optional[dict]:
-    """`arm` against `other` over the test seeds: the bootstrap exact-match gain, the paired test-CE difference and
-    the guarded verdict (`stats.guarded_verdict`: collapsed | helps | worse test CE | hurts | no measurable gain)."""
+    """`arm` against `other` over the test seeds: the bootstrap exact-match gain, the paired test-CE
+    difference and the guarded verdict (`stats.guarded_verdict`: collapsed | helps | worse test CE |
+    hurts | no measurable gain)."""
     if arm not in runs or other not in runs:
         return None
     a, b = runs[arm], runs[other]
@@ -109,8 +114,8 @@ def verdict(runs: dict, arm: str, other: str, floor: float, n_boot: int) -> Opti
 
 
 def decide_scarce(runs: dict, floor: float, n_boot: int) -> dict:
-    """The pre-registered decisions (`decision_rule`): the positive control, each arm against sft-gold, and the two
-    arms that add to seqkd against seqkd."""
+    """The pre-registered decisions (`decision_rule`): the positive control, each arm against
+    sft-gold, and the two arms that add to seqkd against seqkd."""
     control = verdict(runs, CONTROL, BASE, floor, n_boot)
     out = {"control": control, "control_passes": bool(control and control["verdict"] == "helps"),
            "vs_base": {a: verdict(runs, a, BASE, floor, n_boot) for a in runs if a != BASE},
@@ -182,8 +187,9 @@ def run_scarce_bench(config: str = "demo_cpu", overrides: Optional[list] = None,
 
 @dataclass
 class ScarceContext(ArmContext):
-    """`ArmContext` with the teacher (loaded, and its fine-tuned dir), the warm start's exact match and agreement with
-    the teacher (an on-policy arm's phase 2 starts there) and the records of each arm's data."""
+    """`ArmContext` with the teacher (loaded, and its fine-tuned dir), the warm start's exact match
+    and agreement with the teacher (an on-policy arm's phase 2 starts there) and the records of each
+    arm's data."""
 
     teacher: Any = None
     teacher_dir: str = ""
@@ -193,8 +199,8 @@ class ScarceContext(ArmContext):
 
 def _teacher_written(teacher, tok, unlabelled: list, test: list, p: ArmSizes, cache_dir: Path, say
                      ) -> tuple[list, list, float]:
-    """(the teacher's completions of the unlabelled prompts as records, the empty ones left out; its completions of
-    the test prompts; its exact match on them)."""
+    """(the teacher's completions of the unlabelled prompts as records, the empty ones left out; its
+    completions of the test prompts; its exact match on them)."""
     written = teacher_completions(teacher, tok, [r["question"] for r in unlabelled + test], p, cache_dir, say)
     t_train = [{"question": r["question"], "answer": written[r["question"]]} for r in unlabelled
                if written[r["question"]].strip()]
@@ -226,8 +232,9 @@ def _model_dirs(base, quick: bool, root: Path) -> tuple[str, str]:
 
 
 def _scorer(teacher, tok, test: list, t_test: list, p: ArmSizes, test_split) -> Callable:
-    """A student's test figures: greedy exact match on the test prompts and agreement with the teacher's completions
-    (`ok`: per prompt); with `full_eval`, test CE and the teacher-scored reverse KL and entropy of its samples."""
+    """A student's test figures: greedy exact match on the test prompts and agreement with the
+    teacher's completions (`ok`: per prompt); with `full_eval`, test CE and the teacher-scored
+    reverse KL and entropy of its samples."""
     def evaluate(student, full_eval: bool = True) -> dict:
         preds = generate_answers(student, tok, [r["question"] for r in test], max_new_tokens=p.max_new,
                                  batch_size=p.eval_batch)
@@ -269,8 +276,8 @@ def _job(ctx: ScarceContext, arm: str, seed: int, lr: float, student: str, steps
 
 
 def _select(ctx: ScarceContext, arm: str, lrs: dict) -> dict:
-    """The arm's rate on the selection seed, by validation exact match then validation CE, over a grid extended
-    past an edge."""
+    """The arm's rate on the selection seed, by validation exact match then validation CE, over a
+    grid extended past an edge."""
     p = ctx.p
     best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, p.selection_seed, p.lr * m, lrs, select=True),
                                     p.lr_grid, lambda r: (r["val"]["em"], -r["val"]["ce"]), p.grid_extend)
@@ -279,8 +286,8 @@ def _select(ctx: ScarceContext, arm: str, lrs: dict) -> dict:
 
 
 def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: bool = False) -> dict:
-    """One run of `arm` from the warm start (kept under OUT/runs_done, read back by a re-run): with `select`, its
-    validation figures only; else its test figures and curves."""
+    """One run of `arm` from the warm start (kept under OUT/runs_done, read back by a re-run): with
+    `select`, its validation figures only; else its test figures and curves."""
     p, a = ctx.p, ARMS[arm]
     first = lrs[CONTROL]["lr"] if "then" in a else None
     key = run_key({"arm": arm, "seed": seed, "lr": lr, "first": first, "select": select, "warm": ctx.warm,
@@ -332,9 +339,9 @@ def _run(ctx: ScarceContext, arm: str, seed: int, lr: float, lrs: dict, select: 
 
 
 def _phase_curve(ctx: ScarceContext, every: int, n_steps: int, final: bool) -> Callable:
-    """A phase's curve points (`train_in_process`'s evaluate): exact match against the gold and the teacher's
-    completions, every `every` steps; not at the phase's step 0 (the warm start's, or the first phase's end) nor at
-    the run's last step (the run's full evaluation scores it)."""
+    """A phase's curve points (`train_in_process`'s evaluate): exact match against the gold and the
+    teacher's completions, every `every` steps; not at the phase's step 0 (the warm start's, or the
+    first phase's end) nor at the run's last step (the run's full evaluation scores it)."""
     calls, last = [], 1 + n_steps // every + (1 if n_steps % every else 0)
 
     def ev(recipe):

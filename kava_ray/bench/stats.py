@@ -1,8 +1,8 @@
-"""The benches' statistics: mean ± sd over seeds, and paired per-seed differences against a baseline with a
-Student-t interval (`bench recipes`, `bench heal`, `bench projector`).
+"""The benches' statistics: mean ± sd over seeds, and paired per-seed differences against a baseline
+with a Student-t interval (`bench recipes`, `bench heal`, `bench projector`).
 
-A seed draws the data order and the initialisation, so the per-seed difference removes what the seed alone
-explains. The t quantile comes from the regularised incomplete beta function (no SciPy).
+A seed draws the data order and the initialisation, so the per-seed difference removes what the seed
+alone explains. The t quantile comes from the regularised incomplete beta function (no SciPy).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def mean_sd(xs: Sequence[Optional[float]]) -> Optional[dict]:
 
 
 def paired(arm: Sequence[Optional[float]], base: Sequence[Optional[float]], level: float = 0.95) -> Optional[dict]:
-    """Per-seed differences arm - base (seeds where both exist): {mean, lo, hi, n, diffs, excludes_zero}.
-    With one seed there is no interval (lo = hi = None)."""
+    """Per-seed differences arm - base (seeds where both exist): {mean, lo, hi, n, diffs,
+    excludes_zero}. With one seed there is no interval (lo = hi = None)."""
     d = [float(a) - float(b) for a, b in zip(arm, base) if a is not None and b is not None]
     if not d:
         return None
@@ -86,9 +86,10 @@ def paired(arm: Sequence[Optional[float]], base: Sequence[Optional[float]], leve
 
 
 def paired_bootstrap(a: list, b: list, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """The mean of a - b over seeds and prompts, with a percentile interval from resampling both: a, b [seeds][prompts]
-    of per-prompt scores (1 / 0), paired by seed and prompt. Each resample draws seeds with replacement and, apart,
-    prompts with replacement (the same draw for both arms): the interval carries both sources of error."""
+    """The mean of a - b over seeds and prompts, with a percentile interval from resampling both: a,
+    b [seeds][prompts] of per-prompt scores (1 / 0), paired by seed and prompt. Each resample draws
+    seeds with replacement and, apart, prompts with replacement (the same draw for both arms): the
+    interval carries both sources of error."""
     x = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)  # [S, N]
     rng = np.random.default_rng(seed)
     S, N = x.shape
@@ -113,13 +114,14 @@ def fmt_interval(p: Optional[dict], digits: int = 3, scale: float = 1.0) -> str:
 
 def guarded_verdict(gain: Optional[dict], ce: Optional[dict], entropy: Optional[float], ce_margin: float,
                     entropy_floor: float, min_gain: float = 0.0) -> str:
-    """An arm's verdict against its base that cannot reward a broken student. gain: the paired difference in the
-    figure the arm is meant to improve, signed so that larger is better (`paired`); ce: the paired test-CE difference
-    (arm - base); entropy: the arm's samples' mean entropy (nats/token). "collapsed" when the entropy is below
-    `entropy_floor`, whatever else; "helps" when the gain's 95 % interval excludes 0 with a mean of at least
-    `min_gain`, AND the test CE is not worse by more than `ce_margin` (the interval's upper end: non-inferiority);
-    "worse test CE" when the gain holds but the guard does not; "hurts" when the gain's interval is below 0; else
-    "no measurable gain"."""
+    """An arm's verdict against its base that cannot reward a broken student. gain: the paired
+    difference in the figure the arm is meant to improve, signed so that larger is better
+    (`paired`); ce: the paired test-CE difference (arm - base); entropy: the arm's samples' mean
+    entropy (nats/token). "collapsed" when the entropy is below `entropy_floor`, whatever else;
+    "helps" when the gain's 95 % interval excludes 0 with a mean of at least `min_gain`, AND the
+    test CE is not worse by more than `ce_margin` (the interval's upper end: non-inferiority);
+    "worse test CE" when the gain holds but the guard does not; "hurts" when the gain's interval is
+    below 0; else "no measurable gain"."""
     if entropy is not None and entropy < entropy_floor:
         return "collapsed"
     if gain and gain["excludes_zero"] and gain["mean"] >= max(min_gain, 0.0) and gain["mean"] > 0:
@@ -131,10 +133,10 @@ def guarded_verdict(gain: Optional[dict], ce: Optional[dict], entropy: Optional[
 
 
 def bracketed(run, multiples: Sequence[float], better, extend: int) -> tuple[float, dict, bool]:
-    """A learning rate whose best sits inside its grid: `run(m)` at every multiple `m`, the best by `better(result)`
-    (a sort key, larger is better); while the best is the grid's lowest or highest multiple, one more multiple past
-    that edge (the grid's own ratio), at most `extend` times. Returns (the best multiple, {multiple: result}, whether
-    it still sits on an edge)."""
+    """A learning rate whose best sits inside its grid: `run(m)` at every multiple `m`, the best by
+    `better(result)` (a sort key, larger is better); while the best is the grid's lowest or highest
+    multiple, one more multiple past that edge (the grid's own ratio), at most `extend` times.
+    Returns (the best multiple, {multiple: result}, whether it still sits on an edge)."""
     grid: dict = {}
     todo = sorted(multiples)
     for _ in range(extend + 1):

@@ -1,10 +1,11 @@
 """`kava-ray bench step`: what KV distillation adds to a training step, and where the time goes.
 
-Five variants of one optimizer step -- `ce` (plain fine-tuning), `ce+kv structured` (the production step with
-the default recipe), `ce+kv flat`, `ce+kv+logits` and `ce+kv+logits cross-vocab` -- on the same student, batch
-and optimizer, interleaved over `rounds` in one process, each keeping its fastest round; profiled steps split
-the time by phase. Teacher KV is computed beforehand, so only the student is timed. `memory=True` also
-measures memory beside `kava-ray plan`. The variants and the method: docs/internals/runtime.md#bench-step.
+Five variants of one optimizer step -- `ce` (plain fine-tuning), `ce+kv structured` (the production
+step with the default recipe), `ce+kv flat`, `ce+kv+logits` and `ce+kv+logits cross-vocab` -- on the
+same student, batch and optimizer, interleaved over `rounds` in one process, each keeping its
+fastest round; profiled steps split the time by phase. Teacher KV is computed beforehand, so only
+the student is timed. `memory=True` also measures memory beside `kava-ray plan`. The variants and
+the method: docs/internals/runtime.md#bench-step.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def _profiled(fn, n: int, device) -> dict:
 def run_step_bench(steps: int = 4, rounds: int = 3, batch: int = 4, tokens: int = 256, threads: int = 1,
                    profile_steps: int = 1, student: Optional[dict] = None, teacher: Optional[dict] = None,
                    memory: bool = False, memory_steps: int = 2) -> dict:
-    """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps), break each
-    down by phase, time the KV capture, and with `memory` measure each recipe's memory beside the plan."""
+    """Time every variant side by side (fastest of `rounds` interleaved rounds of `steps` steps),
+    break each down by phase, time the KV capture, and with `memory` measure each recipe's memory
+    beside the plan."""
     _check_sizes(steps=steps, rounds=rounds, profile_steps=profile_steps, batch=batch, tokens=tokens,
                  threads=threads, memory_steps=memory_steps)
     student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
@@ -161,8 +163,9 @@ def _check_sizes(**sizes: int) -> None:
 
 
 def _build(tmp: Path, student: dict, teacher: dict, batch: int, tokens: int, device) -> tuple:
-    """The bench's models in `tmp` (a teacher, the student, a teacher of CROSS_VOCAB x the student's vocabulary),
-    its job and batch, and one step function per variant; returns (base job, {variant: step}, the plain step)."""
+    """The bench's models in `tmp` (a teacher, the student, a teacher of CROSS_VOCAB x the student's
+    vocabulary), its job and batch, and one step function per variant; returns (base job, {variant:
+    step}, the plain step)."""
     t_dir = build_tiny_model(tmp / "teacher", **teacher, seed=0)
     s_dir = build_tiny_model(tmp / "student", **student, seed=1)
     base = bench_job(t_dir, s_dir, tmp / "runs", batch, tokens)
@@ -184,9 +187,10 @@ def _build(tmp: Path, student: dict, teacher: dict, batch: int, tokens: int, dev
 
 def _measure(steppers: dict, plain: _Plain, key_space, rounds: int, steps: int, profile_steps: int,
              device) -> tuple[dict, dict, dict]:
-    """A warm-up step each, then `rounds` interleaved rounds (each starting one variant later): every variant
-    timed, then profiled (the least disturbed round kept), then the student's forward without and with the KV
-    capture (alternating which goes first); returns ({variant: [s]}, {variant: phases}, {forward: [s]})."""
+    """A warm-up step each, then `rounds` interleaved rounds (each starting one variant later):
+    every variant timed, then profiled (the least disturbed round kept), then the student's forward
+    without and with the KV capture (alternating which goes first); returns ({variant: [s]},
+    {variant: phases}, {forward: [s]})."""
     names = list(steppers)
     for fn in steppers.values():  # warm-up: first-step allocations, the optimizer's states
         fn()
@@ -208,8 +212,8 @@ def _measure(steppers: dict, plain: _Plain, key_space, rounds: int, steps: int, 
 
 
 def _forwards(plain: _Plain, key_space) -> list:
-    """The student's forward on the bench's batch without and with the KV capture hooks (`student_forward_kv`):
-    [("plain", fn), ("capture", fn)], the capture's cost the difference."""
+    """The student's forward on the bench's batch without and with the KV capture hooks
+    (`student_forward_kv`): [("plain", fn), ("capture", fn)], the capture's cost the difference."""
     ids, mask = plain.batch.input_ids, plain.batch.attention_mask
 
     def forward_plain():
@@ -224,8 +228,9 @@ def _forwards(plain: _Plain, key_space) -> list:
 
 
 def _result(config: dict, times: dict, prof: dict, fwd: dict) -> dict:
-    """The JSON-able result: per variant its fastest round, its ratio to the plain step and its phases (the
-    profiled step's remainder as "other_s"), the capture's overhead, and both targets."""
+    """The JSON-able result: per variant its fastest round, its ratio to the plain step and its
+    phases (the profiled step's remainder as "other_s"), the capture's overhead, and both
+    targets."""
     plain_s = min(times[PLAIN])
     variants = {}
     for n in times:
@@ -252,8 +257,9 @@ def _result(config: dict, times: dict, prof: dict, fwd: dict) -> dict:
 
 def memory_table(student: Optional[dict] = None, teacher: Optional[dict] = None, batch: int = 4,
                  tokens: int = 256, steps: int = 2, recipes: Optional[dict] = None) -> dict:
-    """{recipe: {"device", "measured", "planned", "error"}}: each recipe of the bench job measured in a fresh
-    process (`kava_ray.bench.memory.compare_with_plan`) beside `kava-ray plan`'s estimate."""
+    """{recipe: {"device", "measured", "planned", "error"}}: each recipe of the bench job measured
+    in a fresh process (`kava_ray.bench.memory.compare_with_plan`) beside `kava-ray plan`'s
+    estimate."""
     student, teacher = dict(student or STUDENT), dict(teacher or TEACHER)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

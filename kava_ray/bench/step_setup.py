@@ -1,5 +1,6 @@
-"""What the step benches share: their base job, a random batch, the device clock, and a KV variant's step function
-(a production `DistillRecipe` stepping on the bench's batch, the teacher's KV computed beforehand).
+"""What the step benches share: their base job, a random batch, the device clock, and a KV variant's
+step function (a production `DistillRecipe` stepping on the bench's batch, the teacher's KV computed
+beforehand).
 
 `bench step` (`bench.step`), its chunked-loss part (`bench.chunked_loss`) and `bench gpu` use it.
 """
@@ -26,25 +27,27 @@ CROSS_COVERAGE = 0.8  # the share of the student's ids the teacher of another vo
 
 
 def bench_job(t_dir: Path, s_dir: Path, storage: Path, batch: int, tokens: int) -> JobConfig:
-    """The bench's base job: production defaults (structured mode, projector kind auto: fit for this student, of the
-    teacher's KV geometry but trained apart from it; Mercator + CE, AdamW)."""
+    """The bench's base job: production defaults (structured mode, projector kind auto: fit for this
+    student, of the teacher's KV geometry but trained apart from it; Mercator + CE, AdamW)."""
     return validate_config({
         "name": "bench-step",
         "teachers": [{"name": "t", "model": str(t_dir), "dtype": "float32"}],
         "student": {"model": str(s_dir)},
         "data": {"num_train": 8, "num_test": 4, "num_val": 4},
         "optim": {"warmup_steps": 0, "schedule": "constant"},
-        # the recipe loads the synthetic split (its setup needs one) at a length its prompts fit, so rows carry loss
-        # tokens; the step itself is timed on random batches of `tokens` (`random_batch`)
+        # the recipe loads the synthetic split (its setup needs one) at a length its prompts fit, so
+        # rows carry loss tokens; the step itself is timed on random batches of `tokens`
+        # (`random_batch`)
         "train": {"batch_size": batch, "max_length": max(tokens, 256)},
         "ray": {"storage_path": str(storage), "num_workers": 1},
     })
 
 
 def _cross_vocab(plans: dict, data: Batch, s_vocab: int):
-    """The bench's teacher of another vocabulary: its plan marked aligned, the batch with a one-to-one alignment
-    and pairing (`batch.teachers["t"]`), and a vocabulary map reaching CROSS_COVERAGE of the student's ids from
-    random teacher ids (the cost of the loss depends on the sizes, not on which ids)."""
+    """The bench's teacher of another vocabulary: its plan marked aligned, the batch with a
+    one-to-one alignment and pairing (`batch.teachers["t"]`), and a vocabulary map reaching
+    CROSS_COVERAGE of the student's ids from random teacher ids (the cost of the loss depends on the
+    sizes, not on which ids)."""
     plan = plans["t"]
     plans = {"t": dataclasses.replace(plan, tokenizer="(bench: another tokenizer)", tokenizer_fingerprint=None)}
     B, T = data.input_ids.shape
@@ -83,8 +86,9 @@ def timed_mean(fn, n: int, device) -> float:
 
 
 def kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict, s_vocab: int, device):
-    """A KV variant's step function: a DistillRecipe of `cfg` stepping on the bench's batch with the teacher's
-    KV computed beforehand; which: "x" for the teacher of another vocabulary (aligned one to one)."""
+    """A KV variant's step function: a DistillRecipe of `cfg` stepping on the bench's batch with the
+    teacher's KV computed beforehand; which: "x" for the teacher of another vocabulary (aligned one
+    to one)."""
     plans = in_process_plans(cfg, {"t": t_model})
     kv = {"t": _teacher_kv(cfg, plans, t_model, which, data, payloads, device)}
     feed, maps = data, None
@@ -95,16 +99,18 @@ def kv_stepper(cfg: JobConfig, t_model, which: str, data: Batch, payloads: dict,
         recipe.setup()
     else:  # the bench's own batch: no tokenizer of the other vocabulary to load
         recipe.build_model(maps)
-    # projector kind auto (the bench's student is of the teacher's KV geometry but not copied from it): fit, whose
-    # student-side map a Train worker fits before step 1 (`recipes.fit_maps.fit_maps`); here on the bench's batch
+    # projector kind auto (the bench's student is of the teacher's KV geometry but not copied from
+    # it): fit, whose student-side map a Train worker fits before step 1
+    # (`recipes.fit_maps.fit_maps`); here on the bench's batch
     fit_on(recipe.distiller, [(feed, kv)], cfg.align.key_space, device)
     counter = iter(range(1, 10**9))
     return lambda: recipe.step(next(counter), [(feed, kv)])
 
 
 def _teacher_kv(cfg: JobConfig, plans: dict, t_model, which: str, data: Batch, payloads: dict, device) -> KVBatch:
-    """The teacher's KV (and top-k logits) for the batch on `device`: the teacher runs once per distinct
-    (teacher, layers, k) request, its wire payload kept in `payloads` for the variants that share it."""
+    """The teacher's KV (and top-k logits) for the batch on `device`: the teacher runs once per
+    distinct (teacher, layers, k) request, its wire payload kept in `payloads` for the variants that
+    share it."""
     layers, k = plans["t"].layers, teacher_logits_top_k(cfg.loss, plans)["t"]
     key = (which, tuple(layers), k)
     if key not in payloads:

@@ -1,21 +1,23 @@
 """`kava-ray bench task`: a better student on a task? Arms scored by greedy exact match on held-out prompts.
 
-Records with a verifiable final answer (`bench.task_records`: the built-in `arith` task by default, the synthetic
-GSM8K with `--task gsm8k`, or any prompt/completion JSONL with its checker); a competent teacher (the job's first
-teacher's model fine-tuned on the training split until held-out exact match plateaus, kept by content:
-`bench.task_finetune`) and, for the
-multi-teacher arms, two specialists fine-tuned on one half of the records each (the `teacher` column); a student
-that can already write the answer format (an SFT warm start of the job's layer-dropped student; of the fine-tuned
-teacher's layers where the job's student is its teacher's model, as the demo's) and a gate fixed
-before the run (its exact match at least `min_start`, and `min_gap` below the teacher's; else one line and stop).
+Records with a verifiable final answer (`bench.task_records`: the built-in `arith` task by default,
+the synthetic GSM8K with `--task gsm8k`, or any prompt/completion JSONL with its checker); a
+competent teacher (the job's first teacher's model fine-tuned on the training split until held-out
+exact match plateaus, kept by content: `bench.task_finetune`) and, for the multi-teacher arms, two
+specialists fine-tuned on one half of the records each (the `teacher` column); a student that can
+already write the answer format (an SFT warm start of the job's layer-dropped student; of the
+fine-tuned teacher's layers where the job's student is its teacher's model, as the demo's) and a
+gate fixed before the run (its exact match at least `min_start`, and `min_gap` below the teacher's;
+else one line and stop).
 
-Then every arm from that warm start, the same number of student steps, paired over seeds (a seed draws the record
-order and the samples), each at its own learning rate: chosen on seed 0 by validation exact match (then CE) from a
-grid that is extended while the best sits on its edge; the test seeds are 1..--seeds (seed 0, which chose the
-rates, is not among them). Scored on the test split: greedy exact match on its first N prompts, test CE of its
-records, and the teacher-scored reverse KL and entropy of the student's own samples
-(`bench.heal_onpolicy.sample_scores`). The decision rule (`bench.task_report.decision_rule`) is stated before
-anything trains; the summary and the table are `bench.task_report`'s.
+Then every arm from that warm start, the same number of student steps, paired over seeds (a seed
+draws the record order and the samples), each at its own learning rate: chosen on seed 0 by
+validation exact match (then CE) from a grid that is extended while the best sits on its edge; the
+test seeds are 1..--seeds (seed 0, which chose the rates, is not among them). Scored on the test
+split: greedy exact match on its first N prompts, test CE of its records, and the teacher-scored
+reverse KL and entropy of the student's own samples (`bench.heal_onpolicy.sample_scores`). The
+decision rule (`bench.task_report.decision_rule`) is stated before anything trains; the summary and
+the table are `bench.task_report`'s.
 """
 
 from __future__ import annotations
@@ -49,13 +51,15 @@ from kava_ray.recipes.evaluate import heldout_ce
 from kava_ray.testing.inprocess_source import in_process_plans
 
 JSD = {"onpolicy.fraction": TRL_LMBDA, "loss.logit_divergence": "jsd", "loss.jsd_beta": TRL_BETA}
-# GKD's objective and nothing else, as TRL's GKDTrainer computes it: no CE on the data batches, sampled with the
-# current weights (lag 0), the JSD over the whole vocabulary (top-k = the teacher's vocabulary, set per run) in
-# float32 (bf16 log-probs move it by ~0.2 %), transformers' warm-up (lr 0 at step 0)
+# GKD's objective and nothing else, as TRL's GKDTrainer computes it: no CE on the data batches,
+# sampled with the current weights (lag 0), the JSD over the whole vocabulary (top-k = the teacher's
+# vocabulary, set per run) in float32 (bf16 log-probs move it by ~0.2 %), transformers' warm-up (lr
+# 0 at step 0)
 GKD = {**JSD, "loss.ce_weight": 0.0, "onpolicy.lag": 0, "optim.warmup_from_zero": True, "loss.logit_top_k": "vocab",
        "align.wire_dtype": "fp32"}
-# each arm: its overrides of the records job (CE weight 1, logit weight 1, no KV), its teachers ("one": the
-# generalist; "two": the specialists) and whether its records name their teacher (MOPD's per-record routing)
+# each arm: its overrides of the records job (CE weight 1, logit weight 1, no KV), its teachers
+# ("one": the generalist; "two": the specialists) and whether its records name their teacher (MOPD's
+# per-record routing)
 ARMS: dict[str, dict] = {
     "sft": {"set": {"loss.logit_weight": 0.0}, "teachers": "one"},
     "sft+logits": {"set": {}, "teachers": "one"},
@@ -86,9 +90,10 @@ MIN_START, MIN_GAP = 0.05, 0.20  # the gate: the warm start's exact match >= 5 %
 
 @dataclass(frozen=True)
 class TaskSizes(ArmSizes):
-    """`bench task`'s sizes: `ArmSizes`, and n_test (the held-out prompts scored: the first N of the test split),
-    seeds (the test seeds 1..N), spec_max (a specialist's fine-tune, half the skills: at most this many steps) and
-    warm_reach (the warm start trains until its validation exact match is at least this)."""
+    """`bench task`'s sizes: `ArmSizes`, and n_test (the held-out prompts scored: the first N of the
+    test split), seeds (the test seeds 1..N), spec_max (a specialist's fine-tune, half the skills:
+    at most this many steps) and warm_reach (the warm start trains until its validation exact match
+    is at least this)."""
 
     n_test: int
     seeds: int
@@ -143,8 +148,9 @@ def check_gate(min_start: float, min_gap: float, n_test: int) -> None:
 
 def _rows(records: Optional[str], task: str, checker: str, p: ArmSizes, names: list,
           arms_given: bool) -> tuple[dict, list, list]:
-    """The records' rows (the built-in `task`'s, or the file's), read and checked before anything is written, and
-    the arms they allow (the two-teacher arms need a teacher column): (rows, arms, arms dropped)."""
+    """The records' rows (the built-in `task`'s, or the file's), read and checked before anything is
+    written, and the arms they allow (the two-teacher arms need a teacher column): (rows, arms, arms
+    dropped)."""
     rows = TASKS[task](p.counts) if records is None else file_rows(records, checker, p.counts)
     two = [a for a in names if ARMS[a]["teachers"] == "two"]
     if two and not any(ROUTE in r for r in rows["train"]):
@@ -156,9 +162,10 @@ def _rows(records: Optional[str], task: str, checker: str, p: ArmSizes, names: l
 
 
 def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
-    """(teacher model, student model, tokenizer): the job's first teacher's and its student's models, or with
-    `quick` one tiny random llama (kava_ray.testing.tiny, the shared byte tokenizer) as both, as the demo's job
-    has one model for both (so the student starts from the fine-tuned teacher's layers)."""
+    """(teacher model, student model, tokenizer): the job's first teacher's and its student's
+    models, or with `quick` one tiny random llama (kava_ray.testing.tiny, the shared byte tokenizer)
+    as both, as the demo's job has one model for both (so the student starts from the fine-tuned
+    teacher's layers)."""
     if quick:
         from kava_ray.testing.tiny import build_tiny_model
 
@@ -168,9 +175,9 @@ def _models(base, quick: bool, root: Path) -> tuple[str, str, object]:
 
 
 def _fit_sizes(p: TaskSizes, rows: dict, tok) -> TaskSizes:
-    """max_length / max_new at least the longest record (prompt as rendered, completion, eos) and its longest
-    completion in tokens (+4), so a longer task (`--task gsm8k`, a file) keeps its final answer: the defaults are
-    arith's (where they change nothing)."""
+    """max_length / max_new at least the longest record (prompt as rendered, completion, eos) and
+    its longest completion in tokens (+4), so a longer task (`--task gsm8k`, a file) keeps its final
+    answer: the defaults are arith's (where they change nothing)."""
     n = [(len(encode_prompt(tok, r["question"])), len(tok(r["answer"])["input_ids"]) + 1)
          for split in rows.values() for r in split]
     return replace(p, max_length=max(p.max_length, max(a + b for a, b in n)),
@@ -193,8 +200,8 @@ def run_task_bench(config: str = "demo_cpu", overrides: Optional[list[str]] = No
                    out: Optional[str] = None,
                    cache: Optional[str] = None, min_start: float = MIN_START, min_gap: float = MIN_GAP,
                    progress: bool = True, verbose: bool = True) -> dict:
-    """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json). Stages: the
-    records, the fine-tunes, the gate, the arms, the summary."""
+    """The whole bench (module docstring); returns its JSON-able result (also OUT/bench_task.json).
+    Stages: the records, the fine-tunes, the gate, the arms, the summary."""
     p, names = _params(quick, steps, seeds, arms, records, checker)
     check_gate(min_start, min_gap, p.n_test)
     task = _task_name(task, records)
@@ -255,10 +262,11 @@ def _task_name(task: Optional[str], records: Optional[str]) -> str:
 
 def _finetunes(base, rec: TaskRecords, p: ArmSizes, tok, model_dirs: tuple, val: list, checker: str, two: bool,
                dirs: tuple, say) -> dict:
-    """{name: its fine-tune (`task_finetune.finetune`)}: the generalist teacher, the specialists (`two`) and the
-    student's warm start. The warm start is the student model's layers `keep`; where the job's student is its
-    teacher's model (the demo), the fine-tuned teacher's layers (prune, then heal: Minitron's order), so the student
-    starts in the regime on-policy distillation needs (it writes the answer format)."""
+    """{name: its fine-tune (`task_finetune.finetune`)}: the generalist teacher, the specialists
+    (`two`) and the student's warm start. The warm start is the student model's layers `keep`; where
+    the job's student is its teacher's model (the demo), the fine-tuned teacher's layers (prune,
+    then heal: Minitron's order), so the student starts in the regime on-policy distillation needs
+    (it writes the answer format)."""
     (t_model, s_model), (cache_dir, root), ft = model_dirs, dirs, {}
 
     def tune(name, records_dir, rows, model, keep, steps_, lr, plateau, reach=None):
@@ -276,8 +284,8 @@ def _finetunes(base, rec: TaskRecords, p: ArmSizes, tok, model_dirs: tuple, val:
 
 
 def _scorer(teacher, tok, test: list, checker: str, p: ArmSizes, test_split) -> Callable:
-    """A student's test figures: greedy exact match on the test prompts, test CE of their records, and the
-    teacher-scored reverse KL and entropy of its own samples."""
+    """A student's test figures: greedy exact match on the test prompts, test CE of their records,
+    and the teacher-scored reverse KL and entropy of its own samples."""
     def evaluate(student) -> dict:
         em = score(student, tok, test, checker, p)
         sc = sample_scores(student, teacher, test_split, tok, p.max_new, p.n_test, p.eval_batch)
@@ -290,8 +298,9 @@ def _scorer(teacher, tok, test: list, checker: str, p: ArmSizes, test_split) -> 
 
 def _gate(teacher, ft: dict, evaluate, scoring: tuple, bounds: tuple, quick: bool, root: Path, say
           ) -> tuple[dict, dict, dict]:
-    """(the teacher's exact match, the warm start's figures, the gate): stated, written to OUT/gate.json, and a
-    failing gate one line before any arm runs (quick mode: stated and skipped)."""
+    """(the teacher's exact match, the warm start's figures, the gate): stated, written to
+    OUT/gate.json, and a failing gate one line before any arm runs (quick mode: stated and
+    skipped)."""
     (tok, test, checker, p), (min_start, min_gap) = scoring, bounds
     t_em = score(teacher, tok, test, checker, p)
     start = evaluate(load_student(ft["warm"]["path"], dtype="float32"))
@@ -310,9 +319,10 @@ def _gate(teacher, ft: dict, evaluate, scoring: tuple, bounds: tuple, quick: boo
 
 
 def _arm(ctx: TaskContext, arm: str) -> tuple[list, dict]:
-    """An arm's learning rate (the selection seed 0, by validation exact match then validation CE, over a grid
-    extended past an edge at most p.grid_extend times) and its runs on the test seeds 1..p.seeds at that rate
-    (seed 0 is not among them: its validation-chosen rate would flatter its test figures)."""
+    """An arm's learning rate (the selection seed 0, by validation exact match then validation CE,
+    over a grid extended past an edge at most p.grid_extend times) and its runs on the test seeds
+    1..p.seeds at that rate (seed 0 is not among them: its validation-chosen rate would flatter its
+    test figures)."""
     p = ctx.p
     best, grid, on_edge = bracketed(lambda m: _run(ctx, arm, 0, p.lr * m, with_val=True), p.lr_grid,
                                     lambda r: (r["val"]["em"], -r["val"]["ce"]), p.grid_extend)

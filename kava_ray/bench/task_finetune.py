@@ -1,9 +1,11 @@
-"""`bench task`'s fine-tunes: the teachers (until held-out exact match plateaus) and the student's SFT warm start,
-each the production step on CE alone (`bench.inprocess.train_in_process`), kept by content.
+"""`bench task`'s fine-tunes: the teachers (until held-out exact match plateaus) and the student's
+SFT warm start, each the production step on CE alone (`bench.inprocess.train_in_process`), kept by
+content.
 
-A fine-tune is named by what defines it (the base model, its layers, the records' content, the sizes and rate):
-the same inputs find the saved model under the cache directory (`<cache>/bench-task/<name>-<key>/`) and its curve
-beside it, whatever the bench's --out, so the teachers are fine-tuned once per records file.
+A fine-tune is named by what defines it (the base model, its layers, the records' content, the sizes
+and rate): the same inputs find the saved model under the cache directory
+(`<cache>/bench-task/<name>-<key>/`) and its curve beside it, whatever the bench's --out, so the
+teachers are fine-tuned once per records file.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from kava_ray.testing.inprocess_source import InProcessSource, in_process_plans
 
 @dataclass
 class ArmContext:
-    """What every arm's run of a records bench (`bench task`, `bench scarce`) reads: the job, the bench's sizes
-    (`p`), the output dir, the tokenizer, the warm start's dir, the scorer of a student, the validation rows and split
-    (what the rate grid selects by) and the progress line."""
+    """What every arm's run of a records bench (`bench task`, `bench scarce`) reads: the job, the
+    bench's sizes (`p`), the output dir, the tokenizer, the warm start's dir, the scorer of a
+    student, the validation rows and split (what the rate grid selects by) and the progress line."""
 
     base: JobConfig
     p: ArmSizes
@@ -46,9 +48,9 @@ class ArmContext:
 
 
 def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool) -> tuple[Path, Path]:
-    """(the bench's output dir, made: `out`, else <ray.storage_path>/bench-<name>-<time>; where its fine-tunes are
-    kept: `cache`, else OUT/cache with `quick`, else the kava-ray cache's bench-task/, which `bench task` and
-    `bench scarce` share)."""
+    """(the bench's output dir, made: `out`, else <ray.storage_path>/bench-<name>-<time>; where its
+    fine-tunes are kept: `cache`, else OUT/cache with `quick`, else the kava-ray cache's
+    bench-task/, which `bench task` and `bench scarce` share)."""
     from datetime import datetime
 
     root = Path(out or Path(base.ray.storage_path) / f"bench-{name}-{datetime.now():%Y%m%d-%H%M%S}")
@@ -62,8 +64,9 @@ def bench_dirs(base: JobConfig, name: str, out: Optional[str], cache: Optional[s
 @contextlib.contextmanager
 def bench_run(base: JobConfig, name: str, out: Optional[str], cache: Optional[str], quick: bool,
               verbose: bool = True) -> Iterator[tuple[Path, Path]]:
-    """`bench_dirs` for the block, its console quiet unless `verbose`: the `[bench ...]` lines on the terminal, the
-    libraries' (weights' progress bars, deprecations) in OUT/logs/driver.log (`runtime.console.quiet`)."""
+    """`bench_dirs` for the block, its console quiet unless `verbose`: the `[bench ...]` lines on
+    the terminal, the libraries' (weights' progress bars, deprecations) in OUT/logs/driver.log
+    (`runtime.console.quiet`)."""
     root, keep = bench_dirs(base, name, out, cache, quick)
     with quiet(root / "logs", verbose, ray_logs=False):
         yield root, keep
@@ -79,10 +82,11 @@ def reporter(name: str, progress: bool) -> Callable[[str], None]:
 
 def records_job(base: JobConfig, records: Path, teachers: list, student: str, keep: Optional[list], p: ArmSizes,
                 root: Path) -> JobConfig:
-    """The bench's job on the gsm8k records under `records` ({split}.jsonl): `teachers` [(name, model dir)],
-    `student` (layer-dropped to `keep`), CE + logit KD (weight 1) and nothing else (no KV: a linear projector, not
-    fitted before step 1 as `auto` would, teacher forwards for nothing), teachers live in process,
-    a constant rate after 2 warm-up steps, completions sampled at temperature 1 (top_p 1) up to p.max_new."""
+    """The bench's job on the gsm8k records under `records` ({split}.jsonl): `teachers` [(name,
+    model dir)], `student` (layer-dropped to `keep`), CE + logit KD (weight 1) and nothing else (no
+    KV: a linear projector, not fitted before step 1 as `auto` would, teacher forwards for nothing),
+    teachers live in process, a constant rate after 2 warm-up steps, completions sampled at
+    temperature 1 (top_p 1) up to p.max_new."""
     return derive(base, {
         "teachers": [{"name": n, "model": str(m), "dtype": "float32"} for n, m in teachers], "fusion.weights": None,
         "student.model": str(student), "student.keep_layers": keep, "student.dtype": "float32",
@@ -97,9 +101,9 @@ def records_job(base: JobConfig, records: Path, teachers: list, student: str, ke
 
 
 def plateaued(curve: list, patience: int, delta: float, min_step: int = 0) -> bool:
-    """The held-out exact match has plateaued: past `min_step` (a model that has not learnt the format yet sits
-    flat at 0 %), the best of the last `patience` evaluations is not `delta` above the best before them
-    (curve: [(step, {"em": ...})])."""
+    """The held-out exact match has plateaued: past `min_step` (a model that has not learnt the
+    format yet sits flat at 0 %), the best of the last `patience` evaluations is not `delta` above
+    the best before them (curve: [(step, {"em": ...})])."""
     if len(curve) <= patience or curve[-1][0] < min_step:
         return False
     ems = [c[1]["em"] for c in curve]
@@ -109,10 +113,11 @@ def plateaued(curve: list, patience: int, delta: float, min_step: int = 0) -> bo
 def finetune(base: JobConfig, name: str, records: Path, content: str, student: str, keep: Optional[list],
              val_rows: list, checker: str, p: ArmSizes, steps: int, lr: float, cache: Path, root: Path, tok,
              say: Callable[[str], None], plateau: bool, reach: Optional[float] = None) -> dict:
-    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`, evaluated every p.ft_every steps: at
-    most `steps` steps, with `plateau` until the validation exact match plateaus (past p.ft_min), with `reach`
-    until it is at least `reach` (a warm start that writes the answer format and gets some right).
-    Returns {"path", "curve" [(step, {em, ...})], "steps", "wall_s", "kept"}; read back from the cache."""
+    """CE fine-tune of `student` (layers `keep`) on `records` at rate `lr`, evaluated every
+    p.ft_every steps: at most `steps` steps, with `plateau` until the validation exact match
+    plateaus (past p.ft_min), with `reach` until it is at least `reach` (a warm start that writes
+    the answer format and gets some right). Returns {"path", "curve" [(step, {em, ...})], "steps",
+    "wall_s", "kept"}; read back from the cache."""
     sizes = ("max_length", "batch_size", "max_new", "ft_every", "ft_patience", "ft_delta", "ft_min")
     key = run_key({"name": name, "student": str(student), "keep": keep, "records": content, "steps": steps,
                    "lr": lr, "plateau": plateau, **({} if reach is None else {"reach": reach}),

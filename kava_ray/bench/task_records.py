@@ -1,15 +1,17 @@
 """`bench task`'s records: prompt/completion pairs with a verifiable final answer, three splits, and their checker.
 
-A built-in task (`TASKS`: `arith`, two-step arithmetic worked in one line, by default — short enough for a 2-core
-box to fine-tune a competent teacher and run every arm; `gsm8k`, the synthetic GSM8K word problems), each record
-routed by a `teacher` column to the specialist of its half of the problem templates, or any prompt/completion JSONL
-(`--records FILE.jsonl`; an optional `teacher` column with two values routes its records the same way), split by a
-seeded shuffle into train / validation / test (a prompt written twice is refused: it could sit in two splits).
-Written as the product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the greedy
-exact match read a prompt the same way (`recipes.evaluate.generate_answers` renders it as training does).
+A built-in task (`TASKS`: `arith`, two-step arithmetic worked in one line, by default — short enough
+for a 2-core box to fine-tune a competent teacher and run every arm; `gsm8k`, the synthetic GSM8K
+word problems), each record routed by a `teacher` column to the specialist of its half of the
+problem templates, or any prompt/completion JSONL (`--records FILE.jsonl`; an optional `teacher`
+column with two values routes its records the same way), split by a seeded shuffle into train /
+validation / test (a prompt written twice is refused: it could sit in two splits). Written as the
+product's gsm8k records ({question, answer[, teacher]}), so the students, the teachers and the
+greedy exact match read a prompt the same way (`recipes.evaluate.generate_answers` renders it as
+training does).
 
-Checkers: `number` (the final number after the last `####`, else the last number: `data.final_answer`) or `exact`
-(the whole completion, stripped).
+Checkers: `number` (the final number after the last `####`, else the last number:
+`data.final_answer`) or `exact` (the whole completion, stripped).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 @dataclass(frozen=True)
 class ArmSizes:
-    """The sizes of a records bench (`bench task`, `bench scarce`), what their shared stages read. counts: records per
-    split; keep: the student's layers (of the job's student model); steps, batch_size, max_length: a student's run;
-    max_new: new tokens a greedy answer or a sample may have; eval_batch: prompts per generation; ft_*: a teacher's
-    fine-tune (at most ft_max steps, evaluated every ft_every on the validation prompts, plateau past ft_min steps:
-    the best of the last ft_patience evaluations within ft_delta of the best before) at lr_teacher; lr_warm,
-    warm_steps: the student's SFT warm start; lr, lr_grid, grid_extend: the rate and its multiples tried on the
-    selection seed (at most grid_extend extensions past an edge); temperature: of the samples; quick: tiny models."""
+    """The sizes of a records bench (`bench task`, `bench scarce`), what their shared stages read.
+    counts: records per split; keep: the student's layers (of the job's student model); steps,
+    batch_size, max_length: a student's run; max_new: new tokens a greedy answer or a sample may
+    have; eval_batch: prompts per generation; ft_*: a teacher's fine-tune (at most ft_max steps,
+    evaluated every ft_every on the validation prompts, plateau past ft_min steps: the best of the
+    last ft_patience evaluations within ft_delta of the best before) at lr_teacher; lr_warm,
+    warm_steps: the student's SFT warm start; lr, lr_grid, grid_extend: the rate and its multiples
+    tried on the selection seed (at most grid_extend extensions past an edge); temperature: of the
+    samples; quick: tiny models."""
 
     counts: dict
     keep: list
@@ -68,9 +72,10 @@ class ArmSizes:
 
 @dataclass(frozen=True)
 class TaskRecords:
-    """The bench's records on disk: `routed` ({split}.jsonl with the teacher column, the MOPD arm's), `plain` (the
-    same without it: every other arm's), `halves` ({specialist: dir} of its own records, its fine-tune's);
-    `specialists`: the teacher column's two values (empty: the records name none); `fingerprint`: of the content."""
+    """The bench's records on disk: `routed` ({split}.jsonl with the teacher column, the MOPD
+    arm's), `plain` (the same without it: every other arm's), `halves` ({specialist: dir} of its own
+    records, its fine-tune's); `specialists`: the teacher column's two values (empty: the records
+    name none); `fingerprint`: of the content."""
     routed: Path
     plain: Path
     halves: dict
@@ -84,21 +89,22 @@ class TaskRecords:
 
 
 def synthetic_rows(counts: dict, seed: int = 0) -> dict:
-    """{split: rows} of the synthetic generator (train never overlaps the others), each routed to the specialist
-    of its template's half (the first half of TEMPLATES: spec-a)."""
+    """{split: rows} of the synthetic generator (train never overlaps the others), each routed to
+    the specialist of its template's half (the first half of TEMPLATES: spec-a)."""
     half = {t: SPECIALISTS[i >= len(TEMPLATES) // 2] for i, t in enumerate(TEMPLATES)}
     return {s: [{"question": e.question, "answer": e.answer, ROUTE: half[e.template]}
                 for e in synthetic_split(counts[s], seed, s)] for s in SPLITS}
 
 
-# arith's templates: (the operators of its two steps, its specialist): additions and subtractions to spec-a,
-# products to spec-b (each half a skill of its own, as MOPD's specialists)
+# arith's templates: (the operators of its two steps, its specialist): additions and subtractions to
+# spec-a, products to spec-b (each half a skill of its own, as MOPD's specialists)
 ARITH = (("+", "+", "spec-a"), ("+", "-", "spec-a"), ("*", "+", "spec-b"), ("*", "-", "spec-b"))
 
 
 def _arith(r: random.Random) -> dict:
-    """One two-step problem `a o1 b o2 c` (left to right, every value positive; sums of numbers up to 50, the
-    times tables up to 12: school arithmetic a 135M model learns in a few hundred steps) with its worked answer."""
+    """One two-step problem `a o1 b o2 c` (left to right, every value positive; sums of numbers up
+    to 50, the times tables up to 12: school arithmetic a 135M model learns in a few hundred steps)
+    with its worked answer."""
     o1, o2, spec = r.choice(ARITH)
     a, b = (r.randint(2, 50), r.randint(2, 50)) if o1 == "+" else (r.randint(2, 12), r.randint(2, 12))
     x = a + b if o1 == "+" else a * b
@@ -124,8 +130,9 @@ def arith_rows(counts: dict, seed: int = 0) -> dict:
 
 
 def file_rows(path: str, checker: str, counts: dict, seed: int = 0) -> dict:
-    """{split: rows} of a prompt/completion JSONL: test and validation records drawn first by a seeded shuffle,
-    the rest (at most counts["train"]) train. One line naming what is wrong for a bad file."""
+    """{split: rows} of a prompt/completion JSONL: test and validation records drawn first by a
+    seeded shuffle, the rest (at most counts["train"]) train. One line naming what is wrong for a
+    bad file."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise KavaError(f"bench task: --records {path}: no such file")
@@ -172,9 +179,9 @@ def split_rows(rows: list, counts: dict, seed: int = 0) -> dict:
 
 
 def sort_rows(counts: dict, seed: int = 0) -> dict:
-    """{split: rows} of the README's `sort.jsonl` (1,200 prompts "Sort these numbers from smallest to largest: 59 63
-    15 43 75", the sorted list the completion: its snippet's generator, byte for byte), split as `file_rows` splits
-    that file (checker exact)."""
+    """{split: rows} of the README's `sort.jsonl` (1,200 prompts "Sort these numbers from smallest
+    to largest: 59 63 15 43 75", the sorted list the completion: its snippet's generator, byte for
+    byte), split as `file_rows` splits that file (checker exact)."""
     r = random.Random(0)
     rows = []
     for _ in range(1200):
@@ -212,8 +219,8 @@ def score(model, tok, rows: Sequence[dict], checker: str, p: ArmSizes) -> dict:
 
 
 def exact_match(model, tok, rows: Sequence[dict], checker: str, max_new_tokens: int, batch_size: int = 8) -> dict:
-    """Greedy exact match of `model` on `rows` ({question, answer}): `evaluate.answer_accuracy`'s dict, its share
-    also as "em"."""
+    """Greedy exact match of `model` on `rows` ({question, answer}): `evaluate.answer_accuracy`'s
+    dict, its share also as "em"."""
     r = answer_accuracy(model, tok, [x["question"] for x in rows], [x["answer"] for x in rows], checker,
                         max_new_tokens=max_new_tokens, batch_size=batch_size)
     return {"em": r["accuracy"], **r}

@@ -1,8 +1,9 @@
 """`bench task`'s decision rule, its summary over seeds and its table (`bench.task` runs the arms).
 
-The rule is fixed before the run: an arm helps when its paired exact-match gain over the base (`sft`) has a 95 %
-interval excluding 0, its test CE is at most `CE_MARGIN` nats worse, and its samples' entropy stays above
-`ENTROPY_FLOOR` x the warm start's; an arm below that floor is "collapsed", never "helps".
+The rule is fixed before the run: an arm helps when its paired exact-match gain over the base
+(`sft`) has a 95 % interval excluding 0, its test CE is at most `CE_MARGIN` nats worse, and its
+samples' entropy stays above `ENTROPY_FLOOR` x the warm start's; an arm below that floor is
+"collapsed", never "helps".
 """
 
 from __future__ import annotations
@@ -28,19 +29,20 @@ def decision_rule() -> str:
 
 
 def decide(em: Optional[dict], ce: Optional[dict], entropy: Optional[float], floor: float) -> dict:
-    """An arm's verdict from its paired differences against the base (`stats.paired` of exact match and test CE)
-    and its samples' mean entropy (`decision_rule`): `stats.guarded_verdict`, the rule `bench heal --onpolicy`
-    keeps too (collapsed | helps | worse test CE | hurts | no measurable gain)."""
+    """An arm's verdict from its paired differences against the base (`stats.paired` of exact match
+    and test CE) and its samples' mean entropy (`decision_rule`): `stats.guarded_verdict`, the rule
+    `bench heal --onpolicy` keeps too (collapsed | helps | worse test CE | hurts | no measurable
+    gain)."""
     verdict = guarded_verdict(em, ce, entropy, CE_MARGIN, floor)
     return {"helps": verdict == "helps", "verdict": verdict}
 
 
 def summarize(runs: dict, floor: float, quick: bool = False, own_samples: Sequence[str] = ()) -> dict:
-    """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards, teacher-written completions and
-    student-sampled tokens per training sample, s/step: the median step with its sampling and teachers, wall);
-    per non-base arm: paired differences against the base and the decision (`decide`). An arm of `own_samples`
-    that sampled no token trained on nothing of its own: its verdict says so; `quick`: every verdict says the run
-    checks the harness."""
+    """Per arm: mean ± sd of each figure over seeds, its work (teacher forwards, teacher-written
+    completions and student-sampled tokens per training sample, s/step: the median step with its
+    sampling and teachers, wall); per non-base arm: paired differences against the base and the
+    decision (`decide`). An arm of `own_samples` that sampled no token trained on nothing of its
+    own: its verdict says so; `quick`: every verdict says the run checks the harness."""
     out = {}
     keys = ("em", "test_ce", "rkl", "entropy")
     base = [r["figures"] for r in runs.get(BASE, [])]
@@ -66,10 +68,11 @@ def summarize(runs: dict, floor: float, quick: bool = False, own_samples: Sequen
 
 
 def pair(runs: dict, arm: str, other: str, quick: bool = False) -> Optional[dict]:
-    """`arm` against `other`, paired over seeds: the exact-match difference (arm - other) over seeds (t) and over
-    seeds x prompts (`em_sp`: the paired bootstrap, when every run kept its per-prompt scores), the test-CE
-    difference, the ratio of their mean s/step (arm / other) and `parity` (`same_work`; "— (--quick)" on the quick
-    run's tiny random models, which answer nothing: no verdict from a harness check); None unless both ran."""
+    """`arm` against `other`, paired over seeds: the exact-match difference (arm - other) over seeds
+    (t) and over seeds x prompts (`em_sp`: the paired bootstrap, when every run kept its per-prompt
+    scores), the test-CE difference, the ratio of their mean s/step (arm / other) and `parity`
+    (`same_work`; "— (--quick)" on the quick run's tiny random models, which answer nothing: no
+    verdict from a harness check); None unless both ran."""
     if arm not in runs or other not in runs:
         return None
     a, b = runs[arm], runs[other]
@@ -84,9 +87,10 @@ def pair(runs: dict, arm: str, other: str, quick: bool = False) -> Optional[dict
 
 
 def same_work(em: Optional[dict], ce: Optional[dict]) -> str:
-    """The verdict on two arms meant to do the same work (kava-ray's GKD against TRL's), fixed before the run:
-    "same" when the exact-match interval (seeds x prompts) lies inside +-SAME_EM and the test-CE interval inside
-    +-SAME_CE nats; else "differs" when either interval excludes 0; else "undecided at this size"."""
+    """The verdict on two arms meant to do the same work (kava-ray's GKD against TRL's), fixed
+    before the run: "same" when the exact-match interval (seeds x prompts) lies inside +-SAME_EM and
+    the test-CE interval inside +-SAME_CE nats; else "differs" when either interval excludes 0; else
+    "undecided at this size"."""
     if not em or not ce or ce["lo"] is None:
         return "undecided at this size"
     if -SAME_EM <= em["lo"] and em["hi"] <= SAME_EM and -SAME_CE <= ce["lo"] and ce["hi"] <= SAME_CE:

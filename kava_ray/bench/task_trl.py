@@ -1,22 +1,25 @@
-"""`bench task`'s `trl-gkd` arm: TRL's GKDTrainer (`trl.experimental.gkd`, TRL 1.16) on the same work as kava-ray's
-`onpolicy-gkd`: the same warm start, teacher, seeds, steps, learning rate grid, λ (the share of steps on the student's
-own samples), β (the generalized JSD), sampling temperature, maximum completion length, a constant rate after 2
-warm-up steps of transformers' semantics (lr 0 at step 0: `optim.warmup_from_zero` on kava-ray's side), gradients
-clipped at 1, and **the same batches in the same order**: kava-ray's batch stream for the seed (`kava_batches`: its
-tokenization, its record order, right-padded rows), served to the trainer as they are (`_KavaBatches`, a sequential
+"""`bench task`'s `trl-gkd` arm: TRL's GKDTrainer (`trl.experimental.gkd`, TRL 1.16) on the same
+work as kava-ray's `onpolicy-gkd`: the same warm start, teacher, seeds, steps, learning rate grid, λ
+(the share of steps on the student's own samples), β (the generalized JSD), sampling temperature,
+maximum completion length, a constant rate after 2 warm-up steps of transformers' semantics (lr 0 at
+step 0: `optim.warmup_from_zero` on kava-ray's side), gradients clipped at 1, and **the same batches
+in the same order**: kava-ray's batch stream for the seed (`kava_batches`: its tokenization, its
+record order, right-padded rows), served to the trainer as they are (`_KavaBatches`, a sequential
 sampler), the prompts left-padded for `generate` as TRL's `DataCollatorForChatML` pads them.
 
-What still differs, by TRL's design: the steps that sample are drawn by `random.random() <= lmbda` on the trainer's
-seeded Python RNG (kava-ray: a hash of the batch key, `rollout.onpolicy_source`), so the same λ picks other steps;
-and on a sampled step GKDTrainer divides the JSD sum by the *gold* completions' token count (`num_items_in_batch`,
-counted by `Trainer` before `training_step` replaces the batch), kava-ray by the sampled tokens'
-(tests/test_gkd_twin.py shows both, and that the sums agree).
+What still differs, by TRL's design: the steps that sample are drawn by `random.random() <= lmbda`
+on the trainer's seeded Python RNG (kava-ray: a hash of the batch key, `rollout.onpolicy_source`),
+so the same λ picks other steps; and on a sampled step GKDTrainer divides the JSD sum by the *gold*
+completions' token count (`num_items_in_batch`, counted by `Trainer` before `training_step` replaces
+the batch), kava-ray by the sampled tokens' (tests/test_gkd_twin.py shows both, and that the sums
+agree).
 
-TRL's `DistillationTrainer` (stable in 1.16) has no λ (it is always on-policy), so the arm that matches a λ below 1 is
-GKDTrainer. Its generation config is pinned: GKDTrainer sets max_new_tokens, temperature, top_k 0, top_p 1 and leaves
-every other sampling field unset, and transformers 5 fills an unset field from the model's own `generation_config` (a
-checkpoint's `repetition_penalty`, `min_p`, ...: q would not be the student's distribution). The student's
-`generation_config` is replaced by one holding only its eos / bos / pad ids before the trainer is built
+TRL's `DistillationTrainer` (stable in 1.16) has no λ (it is always on-policy), so the arm that
+matches a λ below 1 is GKDTrainer. Its generation config is pinned: GKDTrainer sets max_new_tokens,
+temperature, top_k 0, top_p 1 and leaves every other sampling field unset, and transformers 5 fills
+an unset field from the model's own `generation_config` (a checkpoint's `repetition_penalty`,
+`min_p`, ...: q would not be the student's distribution). The student's `generation_config` is
+replaced by one holding only its eos / bos / pad ids before the trainer is built
 (`pin_generation_config`), so there is nothing to fill from.
 """
 
@@ -48,16 +51,17 @@ def pin_generation_config(model) -> GenerationConfig:
 
 
 def kava_batches(cfg, tok, steps: int) -> list[Batch]:
-    """The first `steps` batches kava-ray's training stream gives job `cfg` (its training split, batch size and data
-    seed): what its steps 1 .. `steps` train on (one rank, no accumulation)."""
+    """The first `steps` batches kava-ray's training stream gives job `cfg` (its training split,
+    batch size and data seed): what its steps 1 .. `steps` train on (one rank, no accumulation)."""
     stream = BatchStream(load_splits(cfg.data, cfg.train, tok)[0], cfg.train.batch_size, data_seed(cfg.train))
     return [stream.next()[3] for _ in range(steps)]
 
 
 def trl_inputs(batch: Batch, pad_id: int) -> dict:
-    """One kava-ray batch as GKDTrainer's collator hands it on: input_ids / attention_mask / labels as they are
-    (labels -100 off the completion, shifted inside `compute_loss`), and each row's prompt left-padded
-    (`prompts`, `prompt_attention_mask`: what `generate_on_policy_outputs` completes)."""
+    """One kava-ray batch as GKDTrainer's collator hands it on: input_ids / attention_mask / labels
+    as they are (labels -100 off the completion, shifted inside `compute_loss`), and each row's
+    prompt left-padded (`prompts`, `prompt_attention_mask`: what `generate_on_policy_outputs`
+    completes)."""
     prompts = prompts_of(batch)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -70,8 +74,9 @@ def trl_inputs(batch: Batch, pad_id: int) -> dict:
 
 
 def _gkd_config(out: str, steps: int, size: int, lr: float, p: ArmSizes, lmbda: float, beta: float, seed: int):
-    """TRL's GKDConfig for `steps` steps of `size` rows: transformers' constant schedule after `p.warmup_steps`
-    (default 2) steps of warm-up, clip 1.0, no weight decay, fp32 on the CPU, no logging or saving."""
+    """TRL's GKDConfig for `steps` steps of `size` rows: transformers' constant schedule after
+    `p.warmup_steps` (default 2) steps of warm-up, clip 1.0, no weight decay, fp32 on the CPU, no
+    logging or saving."""
     from trl.experimental.gkd import GKDConfig
 
     return GKDConfig(
@@ -119,8 +124,8 @@ def run_trl_gkd(student, teacher, tok, batches: list[Batch], seed: int, lr: floa
     gold: list = []
 
     class Kava(GKDTrainer):
-        """GKDTrainer on kava-ray's batches in order, counting the teacher's scoring rows and the completion tokens
-        the student wrote."""
+        """GKDTrainer on kava-ray's batches in order, counting the teacher's scoring rows and the
+        completion tokens the student wrote."""
         teacher_rows = generated = 0
 
         def _get_train_sampler(self, *args, **kwargs):

@@ -1,12 +1,12 @@
 """TimedTeacher: a stand-in for a teacher on a GPU of its own, for `kava-ray bench feed`.
 
-On a 2-core CPU a real teacher takes cores from the student, so "a 72B teacher 4x slower than the student"
-cannot be measured with real models here. A TimedTeacher answers the production request
-(`kv(key, input_ids, attention_mask, layers, wire_dtype, logits_top_k)`) with KV of the real teacher's
-geometry, shaped like the batch, in the real wire format, after a fixed delay per batch — like a GPU busy for
-`delay_s` — and uses no CPU while it waits. Requests queue on the actor one at a time, as on a real teacher.
-The payload still travels through Ray's object store like a real teacher's (put into this node's store, the
-answer a ref to it), so transport is part of T.
+On a 2-core CPU a real teacher takes cores from the student, so "a 72B teacher 4x slower than the
+student" cannot be measured with real models here. A TimedTeacher answers the production request
+(`kv(key, input_ids, attention_mask, layers, wire_dtype, logits_top_k)`) with KV of the real
+teacher's geometry, shaped like the batch, in the real wire format, after a fixed delay per batch —
+like a GPU busy for `delay_s` — and uses no CPU while it waits. Requests queue on the actor one at a
+time, as on a real teacher. The payload still travels through Ray's object store like a real
+teacher's (put into this node's store, the answer a ref to it), so transport is part of T.
 """
 
 from __future__ import annotations

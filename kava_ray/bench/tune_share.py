@@ -61,8 +61,8 @@ def forwards_per_batch(stats: list[dict], distinct_batches: int) -> float:
 
 
 def own_teachers_trial(config: dict, setup: dict) -> None:
-    """The naive sweep this bench compares against: each trial starts (and stops) its own teachers in a
-    namespace of its own (`job_teachers` in the trial's Ray), then runs the production trial
+    """The naive sweep this bench compares against: each trial starts (and stops) its own teachers
+    in a namespace of its own (`job_teachers` in the trial's Ray), then runs the production trial
     (`kava_ray.recipes.tune.trial_fn`) against them."""
     cfg = derive(validate_config(setup["base"]), {"ray.namespace": f"kava-{tune.get_context().get_trial_id()}"})
     with job_teachers(cfg) as job:
@@ -77,8 +77,8 @@ def run_tune_share(trials: int = 4, steps: int = 6) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cfg = load_config(tiny_job(root, steps))
-        # the sweep trains on `steps` batches, validates on the validation batches and tests once on the
-        # test batches at the end (the same keys in every trial)
+        # the sweep trains on `steps` batches, validates on the validation batches and tests once on
+        # the test batches at the end (the same keys in every trial)
         distinct = (steps * cfg.optim.accumulation * cfg.ray.num_workers
                     + cfg.data.num_val // cfg.train.batch_size + cfg.data.num_test // cfg.train.batch_size)
         started = not ray.is_initialized()

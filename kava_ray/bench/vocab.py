@@ -1,10 +1,10 @@
 """`kava-ray bench vocab`: what a teacher of another tokenizer can give the student's logits, for real pairs.
 
 For every ordered (teacher, student) pair of the real SmolLM2, Qwen2 and Llama-3 tokenizers
-(`kava_ray.testing.tokenizers`, no download at run time): the vocabulary map's coverage, and on natural text
-and on math word problems the share of student tokens with a teacher position to compare logits with, beside
-the KV alignment's share. Tokenization only: no model runs (~1 min on a 2-core CPU). The figures:
-docs/internals/runtime.md#bench-vocab.
+(`kava_ray.testing.tokenizers`, no download at run time): the vocabulary map's coverage, and on
+natural text and on math word problems the share of student tokens with a teacher position to
+compare logits with, beside the KV alignment's share. Tokenization only: no model runs (~1 min on a
+2-core CPU). The figures: docs/internals/runtime.md#bench-vocab.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _corpora(docs: int, problems: int) -> dict[str, list]:
 
 
 def run_vocab_bench(names=NAMES, docs: int = 24, problems: int = 64, max_length: int = 512) -> dict:
-    """{"pairs": [{teacher, student, map: {coverage, student_coverage, matched}, <corpus>: {paired, kv,
-    student_tokens}}], "config"}."""
+    """{"pairs": [{teacher, student, map: {coverage, student_coverage, matched}, <corpus>: {paired,
+    kv, student_tokens}}], "config"}."""
     toks = {n: real_tokenizer(n) for n in names}
     corpora = _corpora(docs, problems)
     pairs = []

@@ -1,7 +1,8 @@
 """The `kava-ray` command: parse, call one orchestration function, print.
 
-One module per command, each registering its subparser and holding its handler; `shared` holds the common
-flags, the result printer and the exit codes (0 ok, 2 bad input, 3 does not fit, 130 interrupted).
+One module per command, each registering its subparser and holding its handler; `shared` holds the
+common flags, the result printer and the exit codes (0 ok, 2 bad input, 3 does not fit, 130
+interrupted).
 """
 
 from __future__ import annotations

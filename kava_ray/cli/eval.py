@@ -1,5 +1,5 @@
-"""`kava-ray eval`: held-out CE, KV cos, contrast gap and GSM8K accuracy of a run or checkpoint, beside the
-teachers' own test CE."""
+"""`kava-ray eval`: held-out CE, KV cos, contrast gap and GSM8K accuracy of a run or checkpoint,
+beside the teachers' own test CE."""
 
 from __future__ import annotations
 

@@ -23,8 +23,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    """The completion on stdout, nothing else on the terminal: the libraries' chatter while they load (torchao's
-    kernels, torch's deprecations, the weights' progress bar) is silenced unless --verbose."""
+    """The completion on stdout, nothing else on the terminal: the libraries' chatter while they
+    load (torchao's kernels, torch's deprecations, the weights' progress bar) is silenced unless
+    --verbose."""
     from kava_ray.runtime.console import silenced
 
     with contextlib.nullcontext() if args.verbose else silenced():

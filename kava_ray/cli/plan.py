@@ -38,8 +38,8 @@ def plan(args) -> int:
 
 
 def plan_nodes(args) -> tuple:
-    """The nodes `plan` places the job on: a cluster.yaml's node types (no Ray), a running cluster's live nodes
-    (--address), or none."""
+    """The nodes `plan` places the job on: a cluster.yaml's node types (no Ray), a running cluster's
+    live nodes (--address), or none."""
     if args.cluster:
         return cluster_yaml(args.cluster), args.cluster
     if args.address:

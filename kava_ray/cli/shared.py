@@ -1,11 +1,12 @@
 """What the `kava-ray` commands share: the common flags, printing a result, the quiet console, exit codes.
 
-Exit codes: 0 ok (also a NothingToDo: its one line on stderr); 2 bad input (every KavaError: one `error:` line on
-stderr); 3 `kava-ray plan` says the config does not fit; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled
-as Ctrl-C).
+Exit codes: 0 ok (also a NothingToDo: its one line on stderr); 2 bad input (every KavaError: one
+`error:` line on stderr); 3 `kava-ray plan` says the config does not fit; 130 interrupted (Ctrl-C);
+143 terminated (SIGTERM, handled as Ctrl-C).
 
-Each command imports its implementation (and pydantic, torch, Ray) inside its handler, not at the top of
-its module: `kava-ray --help` and `kava-ray config show` then load none of what the other commands need.
+Each command imports its implementation (and pydantic, torch, Ray) inside its handler, not at the
+top of its module: `kava-ray --help` and `kava-ray config show` then load none of what the other
+commands need.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ EXIT_INTERRUPTED = 130
 
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: its options anywhere among its positionals and KEY=VALUE overrides
-    (`train --config job.yaml train.steps=2 --name x onpolicy.fraction=1`), by argparse's intermixed parsing. A
-    parser of subcommands (`teachers`, `bench`) parses as usual and hands the rest to its subcommand's parser."""
+    (`train --config job.yaml train.steps=2 --name x onpolicy.fraction=1`), by argparse's intermixed
+    parsing. A parser of subcommands (`teachers`, `bench`) parses as usual and hands the rest to its
+    subcommand's parser."""
 
     def add_argument(self, *args, **kwargs):
         if kwargs.get("nargs") == "*" and args and not args[0].startswith("-"):
@@ -47,8 +49,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def call(args: argparse.Namespace) -> int:
-    """Run the parsed command's handler; a KavaError, Ctrl-C or SIGTERM becomes one `error:` line and its exit
-    code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
+    """Run the parsed command's handler; a KavaError, Ctrl-C or SIGTERM becomes one `error:` line
+    and its exit code (SIGTERM takes Ctrl-C's path: `kava_ray.common.signals`)."""
     sigterm_as_interrupt()
     try:
         # the commands that keep a run's logs: their imports' chatter goes there too (not --verbose)
@@ -88,7 +90,8 @@ def job_config(args):
 
 def quiet(args, command: str, storage_path: Optional[str] = None):
     """`--verbose` off: the command's chatter goes to `<ray.storage_path>/logs/<command>-<time>/`
-    (kava_ray.runtime.console.quiet); its own output (printed after this block) stays on the terminal."""
+    (kava_ray.runtime.console.quiet); its own output (printed after this block) stays on the
+    terminal."""
     from kava_ray.common.config import RayConfig
     from kava_ray.runtime.console import quiet as quiet_console
 
@@ -98,8 +101,8 @@ def quiet(args, command: str, storage_path: Optional[str] = None):
 
 
 def quiet_in_run(args, command: str, path: str):
-    """`quiet` for a command on a run or checkpoint (`eval`): its logs in `RUN_DIR/eval/logs/<command>-<time>/`,
-    beside its results, whatever directory it runs from."""
+    """`quiet` for a command on a run or checkpoint (`eval`): its logs in
+    `RUN_DIR/eval/logs/<command>-<time>/`, beside its results, whatever directory it runs from."""
     from kava_ray.runtime.console import quiet as quiet_console
 
     p = Path(path).expanduser().resolve()

@@ -42,8 +42,8 @@ def train(args) -> int:
 
 
 def format_final(out: dict) -> str:
-    """The last step's metrics; one the last step did not measure (the sampled reverse KL of a step that sampled
-    nothing) is its last measured value, with its step."""
+    """The last step's metrics; one the last step did not measure (the sampled reverse KL of a step
+    that sampled nothing) is its last measured value, with its step."""
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else v  # noqa: E731
     values = {k: fmt(v) for k, v in out["metrics"].items()}
     values.update({k: f"{fmt(v)} (step {s})" for k, (s, v) in out.get("last_measured", {}).items()

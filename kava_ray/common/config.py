@@ -30,8 +30,8 @@ SHAPE_SECTIONS = ("teachers", "student", "align", "fusion")
 
 
 class _Section(BaseModel):
-    """Strict base: unknown keys, type coercions that lose information and non-finite numbers (`inf`, `nan`: a
-    loss weight of inf trains a NaN student) are errors."""
+    """Strict base: unknown keys, type coercions that lose information and non-finite numbers
+    (`inf`, `nan`: a loss weight of inf trains a NaN student) are errors."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -60,9 +60,9 @@ class TeacherConfig(_Section):
     replicas: int = Field(1, ge=1)
     # the nodes it may run on, by their Ray labels (`ray start --labels`, cluster.yaml): {"kava-role": "teacher"}
     label_selector: Optional[dict[str, str]] = None
-    # what serves it: hf (a Hugging Face forward: KV, hidden states, logits) or vllm (a vLLM engine's prompt
-    # log-probs: top-k logits and token log-probs only, for a job without KV / hidden / relation terms; the `vllm`
-    # extra)
+    # what serves it: hf (a Hugging Face forward: KV, hidden states, logits) or vllm (a vLLM
+    # engine's prompt log-probs: top-k logits and token log-probs only, for a job without KV /
+    # hidden / relation terms; the `vllm` extra)
     engine: Literal["hf", "vllm"] = "hf"
 
     @field_validator("label_selector")
@@ -94,8 +94,9 @@ class StudentConfig(_Section):
     @field_validator("keep_layers")
     @classmethod
     def _keep_layers_in_order(cls, v):
-        """Non-empty, >= 0, strictly increasing: `[]` would silently keep every layer and `[20, 0, 10]` scramble
-        their order (the range against the model's depth is the preflight's: it reads the model's config)."""
+        """Non-empty, >= 0, strictly increasing: `[]` would silently keep every layer and `[20, 0,
+        10]` scramble their order (the range against the model's depth is the preflight's: it reads
+        the model's config)."""
         if v is None:
             return v
         if not v:
@@ -127,8 +128,8 @@ RECORD_FIELDS = ("text", "prompt", "completion", "messages", "question", "answer
 
 
 class DataConfig(_Section):
-    # "synthetic", a hub id (e.g. openai/gsm8k), or local .jsonl / .json / .parquet / .csv files or a directory of
-    # them (`{split}` in the path is replaced by the split's name)
+    # "synthetic", a hub id (e.g. openai/gsm8k), or local .jsonl / .json / .parquet / .csv files or
+    # a directory of them (`{split}` in the path is replaced by the split's name)
     source: str = "synthetic"
     hub_config: Optional[str] = "main"
     # the record format (kava_ray/data/records.py): detected from the columns, or one of them
@@ -139,12 +140,14 @@ class DataConfig(_Section):
     train_split: str = "train"
     val_split: Optional[str] = None  # a split of its own for validation; None = carved from the training data
     test_split: str = "test"  # evaluated once at the end of a run (final/) and by `kava-ray eval`, never for selection
-    # held-out splits that share records with the training split are refused; true: allowed, with a warning line.
-    # One file for every split (no `{split}` in its path): validation and test are carved from it unless this is set
+    # held-out splits that share records with the training split are refused; true: allowed, with a
+    # warning line. One file for every split (no `{split}` in its path): validation and test are
+    # carved from it unless this is set
     allow_overlap: bool = False
     num_train: Optional[int] = Field(512, ge=1)  # synthetic generator size, or a cap on real data (null: every record)
-    # validation records (eval during training, checkpoint_score, Tune); null: every record of val_split, or where
-    # validation is carved from the training records (no val_split, or one file), `splits.carved_counts`' 5 %
+    # validation records (eval during training, checkpoint_score, Tune); null: every record of
+    # val_split, or where validation is carved from the training records (no val_split, or one
+    # file), `splits.carved_counts`' 5 %
     num_val: Optional[int] = Field(32, ge=1)
     num_test: Optional[int] = Field(64, ge=1)
     seed: int = 0
@@ -172,11 +175,12 @@ class DataConfig(_Section):
 
 
 class ProjectorConfig(_Section):
-    # auto: identity (the teacher's own KV is the target, nothing learned) for a student copied from that teacher
-    # (`plans.copied_from_teacher`: not the geometry alone, a student trained apart has its own basis), else fit where
-    # it can serve (one teacher or fusion sum, the student's tokenizer), else linear (`projectors.resolve_kind`);
-    # fit: a map on the student's side (student KV -> its teacher layer's), the ridge fit of the student to the
-    # teacher before step 1, then frozen (or trained at the student's rate: train_map)
+    # auto: identity (the teacher's own KV is the target, nothing learned) for a student copied from
+    # that teacher (`plans.copied_from_teacher`: not the geometry alone, a student trained apart has
+    # its own basis), else fit where it can serve (one teacher or fusion sum, the student's
+    # tokenizer), else linear (`projectors.resolve_kind`); fit: a map on the student's side (student
+    # KV -> its teacher layer's), the ridge fit of the student to the teacher before step 1, then
+    # frozen (or trained at the student's rate: train_map)
     kind: Literal["auto", "identity", "elastic", "linear", "fit"] = "auto"
     train_map: bool = False
     mlp_ratio: float = Field(1.0, gt=0)
@@ -188,17 +192,18 @@ class ProjectorConfig(_Section):
 class AlignConfig(_Section):
     mode: Literal["flat", "structured"] = "structured"
     aggregation: Literal["concat", "mean", "weighted"] = "concat"
-    # auto: identity for a student built by keep_layers from the teacher's own model (student layer i <- the
-    # teacher layer it was copied from), else ratio
+    # auto: identity for a student built by keep_layers from the teacher's own model (student layer
+    # i <- the teacher layer it was copied from), else ratio
     layer_map: Literal["auto", "identity", "ratio", "uniform", "explicit", "cka"] = "auto"
     explicit_map: Optional[dict[int, list[int]]] = None  # student layer -> teacher layers (layer_map=explicit)
     cka_path: Optional[str] = None  # JSON written by the CKA calibration (layer_map=cka)
     key_space: Literal["pre_rope", "post_rope"] = "pre_rope"
-    # teachers whose tokenizer differs from the student's: which of the teacher tokens overlapping a student
-    # token's characters give its KV -- their mean, the last (it has seen the whole span) or the first
+    # teachers whose tokenizer differs from the student's: which of the teacher tokens overlapping a
+    # student token's characters give its KV -- their mean, the last (it has seen the whole span) or
+    # the first
     token_align: Literal["mean", "last", "first"] = "mean"
-    # fp32: K, V, hidden states and top-k log-probs as computed (twice bf16's bytes): an exact logit term (GKD over
-    # the whole vocabulary as TRL computes it; bf16 log-probs move a JSD by ~0.2 %)
+    # fp32: K, V, hidden states and top-k log-probs as computed (twice bf16's bytes): an exact logit
+    # term (GKD over the whole vocabulary as TRL computes it; bf16 log-probs move a JSD by ~0.2 %)
     wire_dtype: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     prefetch_depth: int = Field(2, ge=1, le=64)
     projector: ProjectorConfig = ProjectorConfig()
@@ -238,51 +243,59 @@ class LossConfig(_Section):
     loss_tokens: Literal["all", "answer", "no_shared_prefix"] = "all"
     # centre student and target per (layer, head) over the batch's counted tokens before the cosine
     # term of mercator/hybrid (a constant target then scores 0; teachers are fused on their centred
-    # projections too); the magnitude term is unchanged. Default on: it is alignment above the constant
-    # baseline a bias can reach (README "Reading the metrics")
+    # projections too); the magnitude term is unchanged. Default on: it is alignment above the
+    # constant baseline a bias can reach (README "Reading the metrics")
     center: bool = True
-    # logit KD, the standard baseline (DistillKit's sparse_kl_div, Megatron offline top-k, TRL): forward KL on
-    # each teacher's top-k next-token log-probs, the student normalised over its full vocabulary, T^2-scaled,
-    # on the positions CE counts; teachers combined with the fusion weights. 0 = off (no teacher logits)
+    # logit KD, the standard baseline (DistillKit's sparse_kl_div, Megatron offline top-k, TRL):
+    # forward KL on each teacher's top-k next-token log-probs, the student normalised over its full
+    # vocabulary, T^2-scaled, on the positions CE counts; teachers combined with the fusion weights.
+    # 0 = off (no teacher logits)
     logit_weight: float = Field(0.0, ge=0)
     # MiniLMv2's K-K and V-V self-relation KL to each teacher's matched layer (`losses.relation_loss`): no projector
     relation_weight: float = Field(0.0, ge=0)
-    # Minitron's hidden-state cosine loss (NVIDIA ModelOpt `HiddenStateCosineLoss`): 1 - cos between each student
-    # layer's output hidden state and its matched teacher layer's, on the CE positions; through one learned
-    # Linear(student hidden -> teacher hidden) per teacher where the widths differ (ModelOpt's ProjectionLayer),
-    # else none. The teachers then serve hidden states too (`losses.hidden_cosine_loss`)
+    # Minitron's hidden-state cosine loss (NVIDIA ModelOpt `HiddenStateCosineLoss`): 1 - cos between
+    # each student layer's output hidden state and its matched teacher layer's, on the CE positions;
+    # through one learned Linear(student hidden -> teacher hidden) per teacher where the widths
+    # differ (ModelOpt's ProjectionLayer), else none. The teachers then serve hidden states too
+    # (`losses.hidden_cosine_loss`)
     hidden_weight: float = Field(0.0, ge=0)
     logit_top_k: int = Field(64, ge=1)  # the top-k ids used (the first k of what the teachers send)
-    # applied to teacher and student alike (T^2-scaled). The teachers send top-k and tail at T = 1: at T != 1 the top-k
-    # forms temper the teacher's tail bucket as one token, (tail)^(1/T), not its full distribution's tail at T (T 2,
-    # k 8: 2.45 against the exact 0.47; docs/training.md, tests/test_logit_loss.py)
+    # applied to teacher and student alike (T^2-scaled). The teachers send top-k and tail at T = 1:
+    # at T != 1 the top-k forms temper the teacher's tail bucket as one token, (tail)^(1/T), not its
+    # full distribution's tail at T (T 2, k 8: 2.45 against the exact 0.47; docs/training.md,
+    # tests/test_logit_loss.py)
     logit_temperature: float = Field(1.0, gt=0)
-    # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass outside
-    # them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k ids: ZERO)
+    # the teacher's mass outside its top-k ids: a (k+1)-th bucket matched against the student's mass
+    # outside them (DistillKit's SYMMETRIC_UNIFORM), or none (the teacher renormalised over its k
+    # ids: ZERO)
     logit_tail: Literal["bucket", "none"] = "bucket"
-    # teachers of another tokenizer (their ids name other strings), at the positions where both have read the same
-    # text (`data.alignment.pair_positions`): hybrid (TRL GOLD: ids whose string the student also has by forward KL,
-    # the rest by the sorted ULD distance), uld (the sorted distance only: no vocabulary map), or off (KV only)
+    # teachers of another tokenizer (their ids name other strings), at the positions where both have
+    # read the same text (`data.alignment.pair_positions`): hybrid (TRL GOLD: ids whose string the
+    # student also has by forward KL, the rest by the sorted ULD distance), uld (the sorted distance
+    # only: no vocabulary map), or off (KV only)
     logit_cross_vocab: Literal["hybrid", "uld", "off"] = "hybrid"
-    # hybrid: the weight of the matched part (the unmatched part gets 1 - it); None = GOLD's default, the share of
-    # the teacher's vocabulary that maps (1 for one tokenizer)
+    # hybrid: the weight of the matched part (the unmatched part gets 1 - it); None = GOLD's
+    # default, the share of the teacher's vocabulary that maps (1 for one tokenizer)
     logit_hybrid_matched_weight: Optional[float] = Field(None, ge=0, le=1)
-    # the divergence of the logit term for teachers of the student's tokenizer (`kava_ray.core.divergences`):
-    # forward_kl (the KD above), reverse_kl and jsd (TRL GKD's generalized JSD at jsd_beta, on the top-k with its
-    # tail), reverse_kl_sampled (on-policy distillation's per-token policy gradient on the student's own samples;
-    # reverse_kl on batches of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
+    # the divergence of the logit term for teachers of the student's tokenizer
+    # (`kava_ray.core.divergences`): forward_kl (the KD above), reverse_kl and jsd (TRL GKD's
+    # generalized JSD at jsd_beta, on the top-k with its tail), reverse_kl_sampled (on-policy
+    # distillation's per-token policy gradient on the student's own samples; reverse_kl on batches
+    # of the data). A teacher of another tokenizer keeps its logit_cross_vocab rule
     logit_divergence: Literal["forward_kl", "reverse_kl", "jsd", "reverse_kl_sampled"] = "forward_kl"
     jsd_beta: float = Field(0.5, ge=0, le=1)  # GKD's beta: 0 forward KL, 1 reverse KL
-    # reverse_kl_sampled's stabilisers (`divergences.sampled_reverse_kl_loss`): loo subtracts from each token's
-    # advantage the mean over the sampled tokens of the OTHER samples of its prompt (onpolicy.samples_per_prompt):
-    # RLOO's leave-one-out baseline (TRL `RLOOTrainer`), per token, which keeps the expected gradient exact;
-    # rkl_clip eps clips the importance ratio pi_S / q to [1 - eps, 1 + eps] as PPO / verl's `compute_policy_loss`
-    # (clip_ratio 0.2 there): the lag-1 sample's ratio, off by default
+    # reverse_kl_sampled's stabilisers (`divergences.sampled_reverse_kl_loss`): loo subtracts from
+    # each token's advantage the mean over the sampled tokens of the OTHER samples of its prompt
+    # (onpolicy.samples_per_prompt): RLOO's leave-one-out baseline (TRL `RLOOTrainer`), per token,
+    # which keeps the expected gradient exact; rkl_clip eps clips the importance ratio pi_S / q to
+    # [1 - eps, 1 + eps] as PPO / verl's `compute_policy_loss` (clip_ratio 0.2 there): the lag-1
+    # sample's ratio, off by default
     rkl_baseline: Literal["none", "loo"] = "none"
     rkl_clip: Optional[float] = Field(None, gt=0, lt=1)
-    # CE and the logit terms read the student's logits this many positions at a time, from its final hidden states,
-    # gradients taken chunk by chunk (`core.vocab_chunks`): [B, T, V] never exists at once; equal to the whole-logits
-    # path. 0 = whole logits (also what families whose logits are scaled after the head get)
+    # CE and the logit terms read the student's logits this many positions at a time, from its final
+    # hidden states, gradients taken chunk by chunk (`core.vocab_chunks`): [B, T, V] never exists at
+    # once; equal to the whole-logits path. 0 = whole logits (also what families whose logits are
+    # scaled after the head get)
     vocab_chunk: int = Field(512, ge=0)
 
     @field_validator("logit_cross_vocab", mode="before")
@@ -301,8 +314,9 @@ class LossConfig(_Section):
 
 
 class OnPolicyConfig(_Section):
-    """On-policy distillation (README "On-policy distillation"): the share of batches whose completions are sampled,
-    and how. Prompts are the records' prompts (prompt_completion, messages, gsm8k rows)."""
+    """On-policy distillation (README "On-policy distillation"): the share of batches whose
+    completions are sampled, and how. Prompts are the records' prompts (prompt_completion, messages,
+    gsm8k rows)."""
 
     fraction: float = Field(0.0, ge=0, le=1)  # GKD's lambda: the share of batches sampled; 0 = off
     source: Literal["student", "teacher"] = "student"  # teacher: sequence-level KD (TRL's seq_kd)
@@ -310,14 +324,15 @@ class OnPolicyConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)  # below train.max_length (the prompt and completion are cut there)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights of one step
-    # earlier); 0: sampled with the current weights, then scored
+    # 1: one-step-off (the next batch is sampled while the teachers score this one, with the weights
+    # of one step earlier); 0: sampled with the current weights, then scored
     lag: Literal[0, 1] = 1
-    # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline loo's groups
-    # (tinker's group_size is 4; TRL GRPO's num_generations)
+    # completions sampled per prompt (each row of a sampled batch repeated): loss.rkl_baseline loo's
+    # groups (tinker's group_size is 4; TRL GRPO's num_generations)
     samples_per_prompt: int = Field(1, ge=1)
-    # what samples the student's completions: hf (Hugging Face generate on the worker) or vllm (a vLLM engine
-    # colocated on the worker, the student's weights pushed in before each sampling round; the `vllm` extra)
+    # what samples the student's completions: hf (Hugging Face generate on the worker) or vllm (a
+    # vLLM engine colocated on the worker, the student's weights pushed in before each sampling
+    # round; the `vllm` extra)
     engine: Literal["hf", "vllm"] = "hf"
     vllm_kv_cache_mb: int = Field(256, ge=16)  # vllm on CPU: its KV cache (MiB)
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm on CUDA: its share of the GPU (TRL's 0.3)
@@ -329,8 +344,9 @@ class OptimConfig(_Section):
     lr_projector: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
-    # the warm-up's first rate: false (kava-ray's) (step + 1) / warmup_steps, so step 1 trains at lr / warmup_steps;
-    # true: transformers' `get_*_schedule_with_warmup` (TRL's trainers), step / warmup_steps, so step 1 trains at lr 0
+    # the warm-up's first rate: false (kava-ray's) (step + 1) / warmup_steps, so step 1 trains at lr
+    # / warmup_steps; true: transformers' `get_*_schedule_with_warmup` (TRL's trainers), step /
+    # warmup_steps, so step 1 trains at lr 0
     warmup_from_zero: bool = False
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     grad_clip: Optional[float] = Field(1.0, gt=0)
@@ -350,18 +366,20 @@ class TrainConfig(_Section):
     checkpoint_mode: Literal["max", "min"] = "max"
     max_failures: int = Field(1, ge=0)
     seed: int = 0
-    # the data order's seed (training stream, held-out batching, the KV cache's batch keys); None = `seed`.
-    # Set it to vary only the model-side randomness (projector init, dropout) over one precomputed cache
+    # the data order's seed (training stream, held-out batching, the KV cache's batch keys); None =
+    # `seed`. Set it to vary only the model-side randomness (projector init, dropout) over one
+    # precomputed cache
     data_seed: Optional[int] = None
     # a teacher batch with NaN/Inf in K or V: skip it (the step takes the next batch; counted in
     # `skipped_batches`) or stop the run with one line naming the teacher, batch key and step
     on_bad_kv: Literal["skip", "stop"] = "skip"
     # experiment trackers rank 0 mirrors metrics.jsonl to (kava_ray/common/trackers.py); each needs its package
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = []
-    # lm-evaluation-harness tasks rank 0 runs on the student at every evaluation (step 0 included), logged as
-    # eval/task/<task>/<metric> (`kava-ray eval --tasks` takes the same names: kava_gsm8k, kava_pydoc_ppl,
-    # file:PATH, an lm-eval task); eval_tasks_limit: the first N documents of each (null: all of them);
-    # eval_tasks_max_length: the context the harness reads (null: the model's, lm-eval's default)
+    # lm-evaluation-harness tasks rank 0 runs on the student at every evaluation (step 0 included),
+    # logged as eval/task/<task>/<metric> (`kava-ray eval --tasks` takes the same names: kava_gsm8k,
+    # kava_pydoc_ppl, file:PATH, an lm-eval task); eval_tasks_limit: the first N documents of each
+    # (null: all of them); eval_tasks_max_length: the context the harness reads (null: the model's,
+    # lm-eval's default)
     eval_tasks: list[str] = []
     eval_tasks_limit: Optional[int] = Field(32, ge=1)
     eval_tasks_max_length: Optional[int] = Field(None, ge=16)
@@ -378,13 +396,14 @@ class RayConfig(_Section):
     namespace: str = "kava"
     storage_path: str = "./kava_runs"
     num_workers: int = Field(1, ge=1)
-    # how the Train workers hold the student: ddp (a whole copy each, gradients all-reduced) or fsdp (FSDP2:
-    # parameters, gradients and optimizer state sharded over the workers, one decoder layer gathered at a time;
-    # `core.fsdp`, docs/training.md#fsdp); fsdp needs several workers
+    # how the Train workers hold the student: ddp (a whole copy each, gradients all-reduced) or fsdp
+    # (FSDP2: parameters, gradients and optimizer state sharded over the workers, one decoder layer
+    # gathered at a time; `core.fsdp`, docs/training.md#fsdp); fsdp needs several workers
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    # fsdp with optim.accumulation > 1: `step` reduce-scatters once per step (the micro-batches before the last keep
-    # the whole unsharded gradients, in fp32 under bf16-mixed, until it); `micro_batch` after every micro-batch (only
-    # the 1/n gradient shard is held: torchtune's recipes; more communication, less memory)
+    # fsdp with optim.accumulation > 1: `step` reduce-scatters once per step (the micro-batches
+    # before the last keep the whole unsharded gradients, in fp32 under bf16-mixed, until it);
+    # `micro_batch` after every micro-batch (only the 1/n gradient shard is held: torchtune's
+    # recipes; more communication, less memory)
     fsdp_reduce: Literal["step", "micro_batch"] = "step"
     use_gpu: Union[Literal["auto"], bool] = "auto"
     cpus_per_worker: float = Field(1.0, gt=0)
@@ -392,8 +411,8 @@ class RayConfig(_Section):
     num_cpus: Optional[int] = Field(None, ge=1)  # logical CPUs for an embedded Ray; None = enough for the job
     # the nodes the Ray Train workers may run on, by their Ray labels: {"kava-role": "student"}
     worker_label_selector: Optional[dict[str, str]] = None
-    # a teacher whose node died and that no live node can hold: how long a run waits for one (an autoscaler
-    # replacing the node) before it stops with one line naming the teacher and the node
+    # a teacher whose node died and that no live node can hold: how long a run waits for one (an
+    # autoscaler replacing the node) before it stops with one line naming the teacher and the node
     lost_teacher_wait_s: float = Field(300.0, gt=0)
 
     @field_validator("worker_label_selector")
@@ -509,8 +528,8 @@ class JobConfig(_Section):
         return self
 
     def _check_vllm_teachers(self) -> None:
-        """A teacher on vLLM serves log-probs only: the job may ask it (and so, the terms being job-wide, every
-        teacher) for nothing else."""
+        """A teacher on vLLM serves log-probs only: the job may ask it (and so, the terms being
+        job-wide, every teacher) for nothing else."""
         t = next((t for t in self.teachers if t.engine == "vllm"), None)
         if t is None:
             return
@@ -584,7 +603,8 @@ def _read_extending(file, origin: str, chain: tuple[tuple[str, str], ...]) -> di
     """The mapping in `file` (a path or a preset resource) deep-merged on top of its `extends:` base.
 
     The base is a path relative to the file, else a preset name; it may extend another in turn.
-    chain: the (real path, origin) pairs that led here, to report a cycle instead of recursing forever.
+    chain: the (real path, origin) pairs that led here, to report a cycle instead of recursing
+    forever.
     """
     real = os.path.realpath(str(file))
     if any(r == real for r, _ in chain):
@@ -680,9 +700,10 @@ def _plain(value: Any) -> Any:
 
 
 def derive(cfg: JobConfig, changes: dict[str, Any]) -> JobConfig:
-    """`cfg` with {dotted key: value} set, validated as override lines are: the one way a config is made from
-    another (benches, Tune trials, precompute), e.g. `derive(cfg, {"data.kv_source": "live", "teachers.0.model": p})`.
-    A value may be a section (`{"teachers": [TeacherConfig, ...]}`); a bad key or value is one KavaError line."""
+    """`cfg` with {dotted key: value} set, validated as override lines are: the one way a config is
+    made from another (benches, Tune trials, precompute), e.g. `derive(cfg, {"data.kv_source":
+    "live", "teachers.0.model": p})`. A value may be a section (`{"teachers": [TeacherConfig,
+    ...]}`); a bad key or value is one KavaError line."""
     data = cfg.to_dict()
     for key, value in changes.items():
         set_dotted(data, key.split("."), _plain(value))
@@ -763,8 +784,8 @@ def validate_config(data: dict) -> JobConfig:
 
 
 def load_config(path_or_preset: Union[str, Path, JobConfig], overrides: Optional[list[str]] = None) -> JobConfig:
-    """A validated JobConfig from a YAML path or preset name, with dotted KEY=VALUE overrides; its local
-    paths absolute (`resolve_paths`)."""
+    """A validated JobConfig from a YAML path or preset name, with dotted KEY=VALUE overrides; its
+    local paths absolute (`resolve_paths`)."""
     if isinstance(path_or_preset, JobConfig):
         raw = path_or_preset.to_dict()
     else:
@@ -785,14 +806,16 @@ def _local(spec: str) -> bool:
 
 
 def resolve_paths(cfg: JobConfig, like: Optional[JobConfig] = None) -> JobConfig:
-    """Every path of a job made absolute once, in the driver (relative to its CWD, `~` expanded), before
-    any Ray task reads it: a Tune trial or a Train worker runs in a working dir of Ray's, where a relative
-    `./kava_runs` would land in Ray's session dir. ray.storage_path, data.kv_cache_dir, align.cka_path
-    always (URIs untouched); data.source and teachers[].model / student.model only when they name
-    something local (hub ids, `synthetic`, pypi:// stay as they are).
+    """Every path of a job made absolute once, in the driver (relative to its CWD, `~` expanded),
+    before any Ray task reads it: a Tune trial or a Train worker runs in a working dir of Ray's,
+    where a relative `./kava_runs` would land in Ray's session dir. ray.storage_path,
+    data.kv_cache_dir, align.cka_path always (URIs untouched); data.source and teachers[].model /
+    student.model only when they name something local (hub ids, `synthetic`, pypi:// stay as they
+    are).
 
-    like: a config to match (checkpoint.check_compatible): a relative path of `cfg` whose absolute form in
-    `like` ends with it takes that form, from any CWD (a checkpoint saved before paths were resolved)."""
+    like: a config to match (checkpoint.check_compatible): a relative path of `cfg` whose absolute
+    form in `like` ends with it takes that form, from any CWD (a checkpoint saved before paths were
+    resolved)."""
     d, ref = cfg.to_dict(), (like.to_dict() if like is not None else None)
 
     def fix(entry: dict, key: str, ref_entry: Optional[dict], always: bool) -> None:

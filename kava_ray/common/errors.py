@@ -6,13 +6,14 @@ class KavaError(Exception):
 
 
 class NothingToDo(Exception):
-    """The command's goal is already reached (`train --resume` of a finished run): the CLI prints the one line and
-    exits 0, so a script that resumes after a preemption (Slurm's requeue, a retry loop) succeeds on a finished run."""
+    """The command's goal is already reached (`train --resume` of a finished run): the CLI prints
+    the one line and exits 0, so a script that resumes after a preemption (Slurm's requeue, a retry
+    loop) succeeds on a finished run."""
 
 
 def root_cause(e: BaseException) -> str:
-    """The innermost error message of a remote failure (a Ray task's or worker's), one line: a KavaError raised
-    there keeps its text; otherwise the last line of the remote traceback."""
+    """The innermost error message of a remote failure (a Ray task's or worker's), one line: a
+    KavaError raised there keeps its text; otherwise the last line of the remote traceback."""
     text = str(e)
     for line in reversed(text.splitlines()):
         if "KavaError:" in line:

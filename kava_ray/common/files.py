@@ -1,5 +1,5 @@
-"""Small helpers every layer shares: atomic writes, a cross-process lock, the cache directory, text tables, one-line
-errors.
+"""Small helpers every layer shares: atomic writes, a cross-process lock, the cache directory, text
+tables, one-line errors.
 
 Atomic means a reader (or a crash) never sees a half-written file or directory: everything is
 written next to its destination under a temporary name, flushed to disk, then renamed into place.
@@ -55,8 +55,9 @@ def atomic_path(path: Union[str, Path]) -> Iterator[Path]:
 
 
 def atomic_write(path: Union[str, Path], data: Union[str, bytes], keep_same: bool = False) -> Path:
-    """Write `data` (text or bytes) to `path` atomically. keep_same: leave a file that already holds exactly
-    `data` untouched (its mtime is part of a data source's fingerprint, which a teacher cache is keyed by)."""
+    """Write `data` (text or bytes) to `path` atomically. keep_same: leave a file that already holds
+    exactly `data` untouched (its mtime is part of a data source's fingerprint, which a teacher
+    cache is keyed by)."""
     data = data.encode() if isinstance(data, str) else data
     path = Path(path)
     if keep_same and path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
@@ -67,8 +68,8 @@ def atomic_write(path: Union[str, Path], data: Union[str, bytes], keep_same: boo
 
 
 def _json_default(x: Any) -> Any:
-    """What json cannot write itself: numbers (numpy, 0-d tensors) as floats, paths as strings, arrays and
-    tensors as lists, anything else as its str()."""
+    """What json cannot write itself: numbers (numpy, 0-d tensors) as floats, paths as strings,
+    arrays and tensors as lists, anything else as its str()."""
     if isinstance(x, os.PathLike):
         return os.fspath(x)
     if getattr(x, "ndim", 0):  # an array or tensor of several values
@@ -120,15 +121,16 @@ def file_lock(path: Union[str, Path], timeout: float = -1) -> FileLock:
 
 
 def default_cache_dir() -> Path:
-    """kava-ray's cache (converted GGUF models, vocabulary maps, tokenized splits): $KAVA_RAY_CACHE or
-    ~/.cache/kava-ray."""
+    """kava-ray's cache (converted GGUF models, vocabulary maps, tokenized splits): $KAVA_RAY_CACHE
+    or ~/.cache/kava-ray."""
     return Path(os.environ.get("KAVA_RAY_CACHE") or Path.home() / ".cache" / "kava-ray")
 
 
 def name_problem(name: str) -> Optional[str]:
-    """Why `name` is not one directory of letters, digits, `-`, `_` and `.` (None when it is): a run's or sweep's
-    directory under `ray.storage_path`. `../x` would write outside it, a space or a shell character is one more
-    thing to quote in every command that names the run; any Unicode letter or digit is fine (`modèle-v1`)."""
+    """Why `name` is not one directory of letters, digits, `-`, `_` and `.` (None when it is): a
+    run's or sweep's directory under `ray.storage_path`. `../x` would write outside it, a space or a
+    shell character is one more thing to quote in every command that names the run; any Unicode
+    letter or digit is fine (`modèle-v1`)."""
     bad = [c for c in name if not (c.isalnum() or c in "-_.")]
     if not name.strip() or name in (".", "..") or bad:
         return (f"{bad[0]!r} is not allowed in it" if bad else "it must name one directory") + \
@@ -151,8 +153,9 @@ def format_table(header: list, rows: list[list]) -> str:
 
 
 def first_sentence(text: str, limit: int = 400) -> str:
-    """The first paragraph of a message on one line: a library that wraps its sentences over several lines (Ray's
-    connection errors) is not cut mid-sentence; a traceback or a blank line ends it, `limit` characters at most."""
+    """The first paragraph of a message on one line: a library that wraps its sentences over several
+    lines (Ray's connection errors) is not cut mid-sentence; a traceback or a blank line ends it,
+    `limit` characters at most."""
     out: list[str] = []
     for line in str(text).strip().splitlines():
         line = line.strip()
@@ -183,9 +186,10 @@ CONTENT_KEY_BYTES = 1 << 20  # read from each end of a file for its content key
 
 
 def content_key(path: Union[str, Path], h=None):
-    """A cheap key of a file's content, not of where or when it was written: its size and the hash of its first
-    and last MiB (a weights file's header names every tensor, shape and offset; the tail holds the last tensors'
-    data). Updates `h` (a hashlib object) when given, else returns a new sha1."""
+    """A cheap key of a file's content, not of where or when it was written: its size and the hash
+    of its first and last MiB (a weights file's header names every tensor, shape and offset; the
+    tail holds the last tensors' data). Updates `h` (a hashlib object) when given, else returns a
+    new sha1."""
     h = h if h is not None else hashlib.sha1()
     size = Path(path).stat().st_size
     h.update(f"{size}|".encode())

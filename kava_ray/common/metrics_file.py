@@ -1,9 +1,9 @@
 """A run's `metrics.jsonl`: one JSON record per line, `{"step": int, "kind": "train" | "eval" | "test", ...}`.
 
-The one reader and writer of the file: rank 0 appends records (`MetricsLog`, which drops what lies past a
-resumed step), the driver follows it for its progress bar and the final `test:` line, `kava-ray report` and
-the benches read it. A line may be torn (a worker killed mid-write, or a line being written while it is
-read): readers that follow a live run skip it; `read_metrics` names it.
+The one reader and writer of the file: rank 0 appends records (`MetricsLog`, which drops what lies
+past a resumed step), the driver follows it for its progress bar and the final `test:` line,
+`kava-ray report` and the benches read it. A line may be torn (a worker killed mid-write, or a line
+being written while it is read): readers that follow a live run skip it; `read_metrics` names it.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def last(path, kind: str) -> Optional[dict]:
 
 
 def last_values(path, kind: str = "train") -> dict[str, tuple[int, float]]:
-    """{metric: (step, value)}: the last value of every number the records of `kind` hold, and the step it was
-    measured at (a figure some steps do not measure, e.g. the sampled reverse KL, keeps its last measurement)."""
+    """{metric: (step, value)}: the last value of every number the records of `kind` hold, and the
+    step it was measured at (a figure some steps do not measure, e.g. the sampled reverse KL, keeps
+    its last measurement)."""
     out: dict[str, tuple[int, float]] = {}
     for r in records(path):
         if r["kind"] == kind:
@@ -58,8 +59,8 @@ def last_values(path, kind: str = "train") -> dict[str, tuple[int, float]]:
 
 
 def read_metrics(path) -> tuple[list[dict], list[dict]]:
-    """(train_records, eval_records), each sorted by step, the last record of a (kind, step) winning (a resumed
-    run repeats steps); a line that is not a record is one KavaError naming it."""
+    """(train_records, eval_records), each sorted by step, the last record of a (kind, step) winning
+    (a resumed run repeats steps); a line that is not a record is one KavaError naming it."""
     path = Path(path)
     if not path.is_file():
         raise KavaError(f"metrics file not found: {path}")
@@ -81,9 +82,9 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
 
 
 class MetricsLog:
-    """Rank 0's metrics.jsonl. On resume, records past the resumed step are dropped first, and so is a
-    torn last line (a worker killed mid-write). trackers (train.loggers, `kava_ray.common.trackers`): every
-    record written is also logged there."""
+    """Rank 0's metrics.jsonl. On resume, records past the resumed step are dropped first, and so is
+    a torn last line (a worker killed mid-write). trackers (train.loggers,
+    `kava_ray.common.trackers`): every record written is also logged there."""
 
     def __init__(self, path: Path, resume_step: int, trackers=None):
         self.path, self.trackers = Path(path), trackers

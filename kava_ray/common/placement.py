@@ -1,9 +1,10 @@
 """Where a job's actors can go, decided per node before anything starts (Ray-free: nodes are plain data).
 
-Ray schedules an actor on one node, so a cluster-wide sum of resources hides a demand no node can meet (Ray
-then waits forever). `fit` places every teacher replica and train worker on the nodes' total resources (first
-fit) and names what cannot be placed, with the node that comes closest. Label selectors use Ray 2.60's syntax.
-The rule, fractional GPUs and the selectors: docs/internals/runtime.md#placement.
+Ray schedules an actor on one node, so a cluster-wide sum of resources hides a demand no node can
+meet (Ray then waits forever). `fit` places every teacher replica and train worker on the nodes'
+total resources (first fit) and names what cannot be placed, with the node that comes closest. Label
+selectors use Ray 2.60's syntax. The rule, fractional GPUs and the selectors:
+docs/internals/runtime.md#placement.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ _KEY = re.compile(rf"^(?:[a-z0-9](?:[a-z0-9.-]{{0,251}}[a-z0-9])?/)?{_VALUE}$") 
 
 
 def normalize_selector(selector: dict) -> dict:
-    """The selector as Ray must get it: keys checked, and no space inside `in(...)` (Ray 2.60's scheduler splits
-    the list on ',' without trimming, so 'in(a, b)' would ask for ' b'). ValueError names what is wrong."""
+    """The selector as Ray must get it: keys checked, and no space inside `in(...)` (Ray 2.60's
+    scheduler splits the list on ',' without trimming, so 'in(a, b)' would ask for ' b'). ValueError
+    names what is wrong."""
     out = {}
     for key, value in selector.items():
         if not isinstance(key, str) or not _KEY.match(key):
@@ -99,8 +101,8 @@ def fit(nodes: list[Node], demands: list[Demand]) -> Optional[str]:
 def place(nodes: list[Node], demands: list[Demand]) -> tuple[list[tuple[str, Node]], Optional[str]]:
     """Where each actor goes, ([(what, node)] in placing order, None), or what cannot be placed ([], one line).
 
-    A first fit on the nodes' totals, as a check: Ray's scheduler decides the real spots at run time and may
-    choose other nodes of the same kind.
+    A first fit on the nodes' totals, as a check: Ray's scheduler decides the real spots at run time
+    and may choose other nodes of the same kind.
     """
     admitted = {id(d): [n for n in nodes if matches(d.selector, n.labels)] for d in demands}
     for d in demands:  # each actor alone: its selector admits a node, and one admitted node is big enough
@@ -133,10 +135,10 @@ def place(nodes: list[Node], demands: list[Demand]) -> tuple[list[tuple[str, Nod
 
 
 def cluster_yaml_nodes(spec: dict, source: str = "cluster.yaml") -> list[Node]:
-    """The nodes a Ray cluster launcher config (`cluster.yaml`) can bring up: the head and `max_workers` of each
-    worker type, with the resources and labels each type declares (a type must declare them: the planner cannot
-    see what Ray would detect on the instance; the cluster-wide `max_workers` cap is not applied).
-    ValueError names what is missing."""
+    """The nodes a Ray cluster launcher config (`cluster.yaml`) can bring up: the head and
+    `max_workers` of each worker type, with the resources and labels each type declares (a type must
+    declare them: the planner cannot see what Ray would detect on the instance; the cluster-wide
+    `max_workers` cap is not applied). ValueError names what is missing."""
     types = spec.get("available_node_types")
     if not isinstance(types, dict) or not types:
         raise ValueError(f"{source}: no available_node_types (a Ray cluster launcher config lists its node types)")

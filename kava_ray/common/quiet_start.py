@@ -1,11 +1,12 @@
 """A quiet start: what libraries write to stderr while a command imports them, before its run's logs exist.
 
-torchao's "Failed to load ..." lines, torch's `_pytree` deprecations, bitsandbytes' kernels notice and Hugging
-Face's progress bars come at import and load time, before a command knows its run dir. `quiet_start` (the CLI
-wraps every command in it, unless `--verbose`) sends fd 2 and `sys.stderr` to a temp file; the first
-`runtime.console.quiet` of the command moves what was caught into its `driver.log` (`take`), and status lines
-reach the terminal through `console()`. A command that ends without a run dir drops the chatter, except when it
-fails unexpectedly: then everything caught is shown, so nothing that explains a crash is hidden.
+torchao's "Failed to load ..." lines, torch's `_pytree` deprecations, bitsandbytes' kernels notice
+and Hugging Face's progress bars come at import and load time, before a command knows its run dir.
+`quiet_start` (the CLI wraps every command in it, unless `--verbose`) sends fd 2 and `sys.stderr` to
+a temp file; the first `runtime.console.quiet` of the command moves what was caught into its
+`driver.log` (`take`), and status lines reach the terminal through `console()`. A command that ends
+without a run dir drops the chatter, except when it fails unexpectedly: then everything caught is
+shown, so nothing that explains a crash is hidden.
 """
 
 from __future__ import annotations
@@ -24,20 +25,21 @@ _early: dict = {"path": None, "console": None, "fd_console": None}
 
 
 def console() -> Optional[TextIO]:
-    """The terminal's stderr while `quiet_start` holds fd 2 (the `sys.stderr` it found, or a dup of fd 2 where that
-    was fd 2 itself), else None."""
+    """The terminal's stderr while `quiet_start` holds fd 2 (the `sys.stderr` it found, or a dup of
+    fd 2 where that was fd 2 itself), else None."""
     return _early["console"]
 
 
 def fd_console() -> Optional[TextIO]:
-    """The terminal's fd 2 as it was before `quiet_start` (a dup), while it holds fd 2, else None: what a nested
-    redirect of fds 1 and 2 (`runtime.console.quiet`) keeps as its console."""
+    """The terminal's fd 2 as it was before `quiet_start` (a dup), while it holds fd 2, else None:
+    what a nested redirect of fds 1 and 2 (`runtime.console.quiet`) keeps as its console."""
     return _early["fd_console"]
 
 
 def terminal_stream() -> tuple[TextIO, bool]:
-    """(a stream to the terminal's stderr that outlives a redirect of fd 2, whether the caller must close it):
-    a dup of fd 2 where `sys.stderr` is fd 2; else `sys.stderr` itself (a test's capture)."""
+    """(a stream to the terminal's stderr that outlives a redirect of fd 2, whether the caller must
+    close it): a dup of fd 2 where `sys.stderr` is fd 2; else `sys.stderr` itself (a test's
+    capture)."""
     with contextlib.suppress(AttributeError, OSError, ValueError):
         if sys.stderr.fileno() == 2:
             return os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace"), True

@@ -1,9 +1,9 @@
 """What a job asks Ray for, in one place: a teacher replica, the teacher pool, a train worker, a whole run.
 
-Pure arithmetic on the config (no Ray): the embedded Ray's size (`kava_ray.runtime.job`), the pool's resource check
-(`actors.pool`), Ray Train's `resources_per_worker` (`kava_ray.recipes.train`) and Tune's concurrency
-(`kava_ray.recipes.tune`) all read these, so they cannot disagree. A run = its workers + Ray Train's controller
-(1 CPU).
+Pure arithmetic on the config (no Ray): the embedded Ray's size (`kava_ray.runtime.job`), the pool's
+resource check (`actors.pool`), Ray Train's `resources_per_worker` (`kava_ray.recipes.train`) and
+Tune's concurrency (`kava_ray.recipes.tune`) all read these, so they cannot disagree. A run = its
+workers + Ray Train's controller (1 CPU).
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ def run(cfg: JobConfig, use_gpu: bool) -> dict[str, float]:
 
 
 def embedded_cpus(cfg: JobConfig, concurrent_runs: int = 1) -> int:
-    """Logical CPUs an embedded Ray declares: the teachers (when they run live), `concurrent_runs` runs and one
-    spare. Ray only counts logical CPUs, so this may exceed the machine's cores."""
+    """Logical CPUs an embedded Ray declares: the teachers (when they run live), `concurrent_runs`
+    runs and one spare. Ray only counts logical CPUs, so this may exceed the machine's cores."""
     teachers = pool(cfg)["CPU"] if cfg.data.kv_source == "live" else 0
     return int(teachers + concurrent_runs * run(cfg, use_gpu=False)["CPU"] + 1 + 0.999)
 
 
 def demands(cfg: JobConfig, workers: Optional[dict] = None) -> list[Demand]:
-    """Each teacher's replicas, and the Ray Train workers of `workers` resources, as `kava_ray.common.placement` places
-    them: one node each, among those its label selector admits."""
+    """Each teacher's replicas, and the Ray Train workers of `workers` resources, as
+    `kava_ray.common.placement` places them: one node each, among those its label selector
+    admits."""
     out = [Demand(f"teacher '{t.name}'", replica(t), t.replicas, t.label_selector,
                   f"teachers[{t.name}].label_selector") for t in cfg.teachers]
     if workers is not None:

@@ -1,10 +1,10 @@
 """One writer per run dir: an exclusive `fcntl.flock` on `RUN_DIR/.kava-lock`, whose text names the holder.
 
-`train`, `--resume` and `tune` take it before Ray starts and hold it to the end; a second writer gets one line
-naming the holder (command, pid, host, since when). The kernel drops a flock when its process dies, however it
-dies, so a lock file left by a killed writer is free: the next writer takes it over and says whose it was. `eval`
-reads `holder(RUN_DIR)` to know a run is live. A lock on a network filesystem without flock support is refused
-by the OS, never silently shared.
+`train`, `--resume` and `tune` take it before Ray starts and hold it to the end; a second writer
+gets one line naming the holder (command, pid, host, since when). The kernel drops a flock when its
+process dies, however it dies, so a lock file left by a killed writer is free: the next writer takes
+it over and says whose it was. `eval` reads `holder(RUN_DIR)` to know a run is live. A lock on a
+network filesystem without flock support is refused by the OS, never silently shared.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def _read(path: Path) -> dict:
 
 
 def holder(run_dir) -> Optional[dict]:
-    """{command, pid, host, since} of the process that holds `run_dir`'s lock now, else None (no lock file, or its
-    writer is gone)."""
+    """{command, pid, host, since} of the process that holds `run_dir`'s lock now, else None (no
+    lock file, or its writer is gone)."""
     path = Path(run_dir) / LOCK
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -64,9 +64,10 @@ def describe_holder(info: dict) -> str:
 
 @contextlib.contextmanager
 def run_lock(run_dir, command: str, say: Optional[Callable[[str], None]] = None) -> Iterator[bool]:
-    """Hold `run_dir`'s lock for the block, which gets whether this call made the dir (then it is removed again on
-    the way out if an error leaves nothing else in it: a refusal before the run wrote anything); a live holder is
-    one KavaError line; a stale lock file (its writer died) is taken over with a line through `say`."""
+    """Hold `run_dir`'s lock for the block, which gets whether this call made the dir (then it is
+    removed again on the way out if an error leaves nothing else in it: a refusal before the run
+    wrote anything); a live holder is one KavaError line; a stale lock file (its writer died) is
+    taken over with a line through `say`."""
     run_dir = Path(run_dir)
     made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Experiment tracking (`train.loggers`): rank 0 mirrors every metrics.jsonl record to TensorBoard, MLflow, W&B.
 
-`open_trackers(names, run_dir, cfg_dict)` -> `Trackers` (`.log(record)`, `.log_artifact(path)`, `.close()`);
-local and offline by default, each package imported only when opened; a tracker that fails mid-run is
-switched off with one warning. Per tracker: docs/internals/runtime.md#trackers.
+`open_trackers(names, run_dir, cfg_dict)` -> `Trackers` (`.log(record)`, `.log_artifact(path)`,
+`.close()`); local and offline by default, each package imported only when opened; a tracker that
+fails mid-run is switched off with one warning. Per tracker: docs/internals/runtime.md#trackers.
 """
 
 from __future__ import annotations

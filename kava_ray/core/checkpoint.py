@@ -1,11 +1,11 @@
 """Checkpoints of a distillation run, written through `common.files.atomic_dir` (a temp dir renamed into place).
 
-A checkpoint holds the student (save_pretrained + tokenizer), projectors and fusion (safetensors), optimizer
-and LR scheduler state, the data side's state (`data_state.json`, and `data_state.pt` for what JSON cannot hold), and
-`state.json`, written last. One that cannot be used (state.json not JSON, a file
-missing or of another size than state.json records, a tensor file that does not parse) is one KavaError line
-naming the file; a write that fails is one line too, and never replaces the checkpoint that was there.
-The files: docs/internals/core.md#checkpoint.
+A checkpoint holds the student (save_pretrained + tokenizer), projectors and fusion (safetensors),
+optimizer and LR scheduler state, the data side's state (`data_state.json`, and `data_state.pt` for
+what JSON cannot hold), and `state.json`, written last. One that cannot be used (state.json not
+JSON, a file missing or of another size than state.json records, a tensor file that does not parse)
+is one KavaError line naming the file; a write that fails is one line too, and never replaces the
+checkpoint that was there. The files: docs/internals/core.md#checkpoint.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from kava_ray.core import fsdp
 from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
-# the data side's state (`rollout.step_source.StepSource.state_dict`), opaque here: its entries JSON can hold, and
-# (on-policy's batches in flight) the rest, pickled -- so a checkpoint without them is never unpickled
+# the data side's state (`rollout.step_source.StepSource.state_dict`), opaque here: its entries JSON
+# can hold, and (on-policy's batches in flight) the rest, pickled -- so a checkpoint without them is
+# never unpickled
 DATA, DATA_OBJECTS = "data_state.json", "data_state.pt"
 # (checkpoints before `DATA`: on-policy's batches in flight; the stream in STATE)
 LEGACY_PENDING = "onpolicy_pending.pt"
@@ -41,14 +42,15 @@ LEGACY_PENDING = "onpolicy_pending.pt"
 
 def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int, data_state: dict,
                     cfg: JobConfig, extra: Optional[dict] = None, rank: int = 0) -> Path:
-    """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one is
-    replaced only once the new one is complete. data_state: where the data side continues (the step source's
-    `state_dict()`: the stream's position, the skips, on-policy's batches in flight), kept as it is
-    (`load_data_state`).
+    """Write a complete checkpoint to `path`: a half-written one never appears, and an existing one
+    is replaced only once the new one is complete. data_state: where the data side continues (the
+    step source's `state_dict()`: the stream's position, the skips, on-policy's batches in flight),
+    kept as it is (`load_data_state`).
 
-    A Distiller sharded with FSDP2 (`core.fsdp`) is saved by every rank, each into its own `path`: with the
-    optimizer, each its shard of both (`fsdp.save_sharded`; rank 0 adds everything else); without (final/), the
-    whole model gathered, and rank 0 writes the usual layout (the student a Hugging Face directory)."""
+    A Distiller sharded with FSDP2 (`core.fsdp`) is saved by every rank, each into its own `path`:
+    with the optimizer, each its shard of both (`fsdp.save_sharded`; rank 0 adds everything else);
+    without (final/), the whole model gathered, and rank 0 writes the usual layout (the student a
+    Hugging Face directory)."""
     path = Path(path)
     try:
         return _save(path, distiller, tokenizer, optimizer, scheduler, step, data_state, cfg, extra, rank)
@@ -60,8 +62,9 @@ def save_checkpoint(path, distiller, tokenizer, optimizer, scheduler, step: int,
 
 
 def _parts(distiller) -> dict:
-    """{"student": its state dict or None (save_pretrained's own), "projectors", "fusion", "hidden_proj"}: a sharded
-    Distiller's gathered from every rank (rank 0 gets them, the others {}), else each module's own."""
+    """{"student": its state dict or None (save_pretrained's own), "projectors", "fusion",
+    "hidden_proj"}: a sharded Distiller's gathered from every rank (rank 0 gets them, the others
+    {}), else each module's own."""
     if not fsdp.is_sharded(distiller):
         hidden = getattr(distiller, "hidden_proj", None)
         return {"student": None, "projectors": distiller.projectors.state_dict(),
@@ -116,8 +119,9 @@ def is_sharded_checkpoint(path) -> bool:
 
 
 def check_whole_student(ckpt, command: str) -> None:
-    """One line for `command` (eval, generate) on a sharded checkpoint: its student is in FSDP2 shards, not a model
-    directory; final/ (or the run dir, once it has one) holds the whole student."""
+    """One line for `command` (eval, generate) on a sharded checkpoint: its student is in FSDP2
+    shards, not a model directory; final/ (or the run dir, once it has one) holds the whole
+    student."""
     if is_sharded_checkpoint(ckpt):
         raise KavaError(f"checkpoint {ckpt} is sharded: its student is in FSDP2 shards (ray.strategy: fsdp), not a "
                         f"whole model to {command}; use the run's final/ (or the run dir once it has one), or resume "
@@ -145,9 +149,9 @@ def _contiguous(sd: dict) -> dict:
 
 
 def read_state(path, verify: bool = True) -> dict:
-    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded size.
-    Not a checkpoint, a state.json that is not JSON (truncated, overwritten) or lacks the keys a resume reads,
-    a missing or truncated file: one KavaError line naming the file."""
+    """The checkpoint's state.json; with `verify`, every file it records is there with its recorded
+    size. Not a checkpoint, a state.json that is not JSON (truncated, overwritten) or lacks the keys
+    a resume reads, a missing or truncated file: one KavaError line naming the file."""
     p = Path(path) / STATE
     if not p.is_file():
         raise KavaError(f"checkpoint {path}: no {STATE} (not a kava-ray checkpoint)")
@@ -170,8 +174,8 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
     """A checkpoint dir from a checkpoint path or a run dir.
 
     For evaluation a run dir means its final/ (else its latest checkpoint); for resuming, its latest
-    checkpoint (which carries the optimizer state final/ leaves out). A run dir's partial checkpoint (Ray
-    Train's copy into storage cut off) is passed over.
+    checkpoint (which carries the optimizer state final/ leaves out). A run dir's partial checkpoint
+    (Ray Train's copy into storage cut off) is passed over.
     """
     p = Path(path).expanduser()
     latest = sorted(p.glob("checkpoint_2*"), reverse=True)
@@ -197,9 +201,10 @@ def find_checkpoint(path, for_resume: bool = False) -> Path:
 def held_checkpoint(path, tries: int = 3) -> Iterator[tuple[Path, Path, Optional[str]]]:
     """(the dir to read, the checkpoint it stands for, a line saying the run is live, else None) for the block.
 
-    A live run (`common.run_lock`) deletes old checkpoints as it saves new ones (`train.num_to_keep`), so a
-    reader pins the one it picked: hard links into a hidden sibling dir of the run (a copy where links fail),
-    removed on the way out. The files stay whole while the run goes on; a checkpoint deleted mid-pin is picked anew.
+    A live run (`common.run_lock`) deletes old checkpoints as it saves new ones
+    (`train.num_to_keep`), so a reader pins the one it picked: hard links into a hidden sibling dir
+    of the run (a copy where links fail), removed on the way out. The files stay whole while the run
+    goes on; a checkpoint deleted mid-pin is picked anew.
     """
     ckpt = find_checkpoint(path)
     live = holder(ckpt.parent)
@@ -235,9 +240,10 @@ def _link_or_copy(src, dst) -> None:
 
 
 def finished(ckpt, step: int) -> bool:
-    """Whether the run `ckpt` (a checkpoint dir) belongs to is complete at `step`: the run dir's final/ as a run's
-    end (`recipes.distill.finish`) writes it -- complete (every file state.json records), at `step`, with the test
-    split's figures. A run cut off after its last checkpoint, in the test evaluation or writing final/, is not."""
+    """Whether the run `ckpt` (a checkpoint dir) belongs to is complete at `step`: the run dir's
+    final/ as a run's end (`recipes.distill.finish`) writes it -- complete (every file state.json
+    records), at `step`, with the test split's figures. A run cut off after its last checkpoint, in
+    the test evaluation or writing final/, is not."""
     final = Path(ckpt).parent / "final"
     try:
         state = json.loads((final / STATE).read_text())
@@ -283,11 +289,12 @@ def incomplete(path, state: Optional[dict] = None) -> Optional[str]:
     return None
 
 
-# what a resumed run would otherwise take from the checkpoint (optim, train: its optimizer state and schedule) or
-# change without a word (data, loss, onpolicy: what it trains on and towards, and how its samples are drawn)
+# what a resumed run would otherwise take from the checkpoint (optim, train: its optimizer state and
+# schedule) or change without a word (data, loss, onpolicy: what it trains on and towards, and how
+# its samples are drawn)
 RUN_SECTIONS = ("optim", "train", "data", "loss", "onpolicy")
-# keys of those sections that change memory only, not the curve: free to differ on resume (the chunked vocabulary
-# loss equals whole logits, `core.vocab_chunks`)
+# keys of those sections that change memory only, not the curve: free to differ on resume (the
+# chunked vocabulary loss equals whole logits, `core.vocab_chunks`)
 MEMORY_ONLY = ("loss.vocab_chunk",)
 
 
@@ -301,10 +308,11 @@ def _saved_config(path, state: dict) -> JobConfig:
 def check_compatible(path, cfg: JobConfig, allow_run_changes: bool = False) -> dict:
     """The checkpoint's state, if `cfg` can continue it; else one KavaError line naming the keys that differ.
 
-    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data, loss and sampling settings
-    (optim.*, train.*, data.*, loss.*, onpolicy.*; not the memory-only `MEMORY_ONLY`) may change only with
-    `allow_run_changes` (`--resume-override`): the checkpoint's optimizer state and schedule would otherwise quietly
-    win over the new values, and a new loss, data or on-policy sampling would change the curve without a word.
+    Shapes (teachers, student, align, fusion) must match. Optimizer, schedule, data, loss and
+    sampling settings (optim.*, train.*, data.*, loss.*, onpolicy.*; not the memory-only
+    `MEMORY_ONLY`) may change only with `allow_run_changes` (`--resume-override`): the checkpoint's
+    optimizer state and schedule would otherwise quietly win over the new values, and a new loss,
+    data or on-policy sampling would change the curve without a word.
     """
     state = read_state(path)
     sharded, shards = is_sharded_checkpoint(path), cfg.ray.sharded
@@ -343,10 +351,10 @@ def _json_split(state: dict) -> tuple[dict, dict]:
 
 
 def load_data_state(path) -> dict:
-    """The data side's state a checkpoint kept (`save_checkpoint`'s `data_state`): its JSON entries, and those only
-    pickle held (on-policy's batches in flight: unpickled only where the checkpoint has them, like a run's own
-    files). A checkpoint written before it had one keeps the stream's position in its state.json (and on-policy's
-    batches in flight in their own file)."""
+    """The data side's state a checkpoint kept (`save_checkpoint`'s `data_state`): its JSON entries,
+    and those only pickle held (on-policy's batches in flight: unpickled only where the checkpoint
+    has them, like a run's own files). A checkpoint written before it had one keeps the stream's
+    position in its state.json (and on-policy's batches in flight in their own file)."""
     path = Path(path)
     if (path / DATA).is_file():
         state = json.loads((path / DATA).read_text())
@@ -364,8 +372,8 @@ def _identity_only(keys) -> bool:
 
 
 def _projector_keys(path) -> list[str]:
-    """The names of the tensors in a checkpoint's projectors.safetensors ([] without one: sharded, or corrupt, which
-    is load_into's line)."""
+    """The names of the tensors in a checkpoint's projectors.safetensors ([] without one: sharded,
+    or corrupt, which is load_into's line)."""
     try:
         with safe_open(Path(path) / "projectors.safetensors", "pt") as h:
             return list(h.keys())
@@ -380,9 +388,9 @@ def _identity_refusal(path, teacher: str, kind: str) -> str:
 
 
 def _check_identity_projectors(path, saved: JobConfig, cfg: JobConfig) -> None:
-    """Before Ray starts: a checkpoint whose projector `auto` gave identity by KV geometry alone, for a teacher this
-    version's `auto` gives another kind (`projectors.resolve_kind`: the student was not copied from it) -- the line
-    loading it would give (`_load_projectors`)."""
+    """Before Ray starts: a checkpoint whose projector `auto` gave identity by KV geometry alone,
+    for a teacher this version's `auto` gives another kind (`projectors.resolve_kind`: the student
+    was not copied from it) -- the line loading it would give (`_load_projectors`)."""
     if (saved.align.projector.kind, cfg.align.projector.kind, cfg.align.mode) != ("auto", "auto", "structured"):
         return
     keys = _projector_keys(path)
@@ -393,9 +401,10 @@ def _check_identity_projectors(path, saved: JobConfig, cfg: JobConfig) -> None:
 
 
 def _as_trained(path, saved: JobConfig, cfg: JobConfig) -> JobConfig:
-    """The saved config with `align.projector.kind: auto` read as identity where every teacher's saved projector is
-    identity and `cfg` names identity: how a checkpoint trained when auto gave identity by KV geometry alone (this
-    version: only to a student copied from its teacher) continues with the kind it holds."""
+    """The saved config with `align.projector.kind: auto` read as identity where every teacher's
+    saved projector is identity and `cfg` names identity: how a checkpoint trained when auto gave
+    identity by KV geometry alone (this version: only to a student copied from its teacher)
+    continues with the kind it holds."""
     if saved.align.projector.kind != "auto" or cfg.align.projector.kind != "identity":
         return saved
     keys = _projector_keys(path)
@@ -407,10 +416,11 @@ def _as_trained(path, saved: JobConfig, cfg: JobConfig) -> JobConfig:
 
 
 def _load_projectors(path: Path, distiller) -> None:
-    """The checkpoint's projectors into the Distiller's, teacher by teacher; a teacher whose saved tensors are not
-    those its projector here holds is one line naming it (not load_state_dict's list of keys). The case met: a
-    checkpoint trained when `align.projector.kind: auto` gave identity to a student of the teacher's KV geometry,
-    which this version gives `fit` unless the student was copied from that teacher (`projectors.resolve_kind`)."""
+    """The checkpoint's projectors into the Distiller's, teacher by teacher; a teacher whose saved
+    tensors are not those its projector here holds is one line naming it (not load_state_dict's list
+    of keys). The case met: a checkpoint trained when `align.projector.kind: auto` gave identity to
+    a student of the teacher's KV geometry, which this version gives `fit` unless the student was
+    copied from that teacher (`projectors.resolve_kind`)."""
     saved = _load_tensors(path / "projectors.safetensors")
     for name, proj in distiller.projectors.items():
         theirs = {k for k in saved if k.startswith(name + ".")}

@@ -1,11 +1,12 @@
 """The distillation step as one nn.Module: student + a projector per teacher + fusion + the loss terms -> loss.
 
-`Distiller.forward(batch, teacher_kv)` is one micro-batch: the student's forward (its logits and its own K, V),
-every teacher's KV projected into the student's layout, then each enabled loss term (`core.terms`: KV, CE and logit
-KD, relation, hidden states, on-policy's sampled figures) adds to the loss and writes its figures. The recipe builds
-the parts from the job's sections (`recipes.build.build_distiller`); the Distiller reads no config but the `loss`
-section's positions and chunking. Wrapping the whole module in DDP syncs the student, the projectors, the fusion and
-the hidden-state maps together. Pure PyTorch.
+`Distiller.forward(batch, teacher_kv)` is one micro-batch: the student's forward (its logits and its
+own K, V), every teacher's KV projected into the student's layout, then each enabled loss term
+(`core.terms`: KV, CE and logit KD, relation, hidden states, on-policy's sampled figures) adds to
+the loss and writes its figures. The recipe builds the parts from the job's sections
+(`recipes.build.build_distiller`); the Distiller reads no config but the `loss` section's positions
+and chunking. Wrapping the whole module in DDP syncs the student, the projectors, the fusion and the
+hidden-state maps together. Pure PyTorch.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it
 @dataclass
 class DistillOutput:
     """What `Distiller.forward` returns (the shape of Hugging Face's `ModelOutput`, TRL's
-    `compute_loss(return_outputs=True)`): `loss` (0-d, with its graph) and `metrics` ({`metric_names`: detached 0-d
-    tensor}); when asked, `kv_term` (kv_weight * the KV loss, with its graph: `recipes.distill`'s grad/kv_share; None
-    without a KV term) and `student_kv` (the student's own K, V: evaluation's projector-free cosine). Under DDP the
-    wrapper's forward returns it as is (it finds the tensors of a dataclass's fields)."""
+    `compute_loss(return_outputs=True)`): `loss` (0-d, with its graph) and `metrics`
+    ({`metric_names`: detached 0-d tensor}); when asked, `kv_term` (kv_weight * the KV loss, with
+    its graph: `recipes.distill`'s grad/kv_share; None without a KV term) and `student_kv` (the
+    student's own K, V: evaluation's projector-free cosine). Under DDP the wrapper's forward returns
+    it as is (it finds the tensors of a dataclass's fields)."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
@@ -51,8 +53,9 @@ class DistillOutput:
 class Distiller(nn.Module):
     """Student, projector bank {teacher: TeacherProjector}, Fusion and the terms' maps, trained together.
 
-    terms: {name: `core.terms.Term`} in the order they run (`core.terms.build_terms`); positions: a teacher's
-    tensors on the student's positions (`core.terms.TeacherPositions`); key_space: the keys the projectors align."""
+    terms: {name: `core.terms.Term`} in the order they run (`core.terms.build_terms`); positions: a
+    teacher's tensors on the student's positions (`core.terms.TeacherPositions`); key_space: the
+    keys the projectors align."""
 
     def __init__(self, student: nn.Module, plans: dict[str, TeacherPlan], projectors: nn.ModuleDict, fusion: Fusion,
                  terms: dict[str, Term], loss: LossConfig, positions: TeacherPositions, key_space: str):
@@ -69,12 +72,14 @@ class Distiller(nn.Module):
 
     def forward(self, batch: Batch, teacher_kv: dict[str, KVBatch], *, output_kv_term: bool = False,
                 output_student_kv: bool = False) -> DistillOutput:
-        """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels / answer_mask
-        [B, T], `teachers` for those of another tokenizer), teacher_kv {teacher: KVBatch}.
+        """One micro-batch: batch a `kava_ray.data.Batch` (input_ids / attention_mask / labels /
+        answer_mask [B, T], `teachers` for those of another tokenizer), teacher_kv {teacher:
+        KVBatch}.
 
-        Returns a `DistillOutput`: loss = the sum of the terms' (ce_weight * CE + kv_weight * KV + logit_weight *
-        logit KD + ...); metrics (`kava_ray.core.metric_names`) are detached 0-d tensors on the loss's device. KV
-        terms count token positions, CE and logit KD next-token positions (`losses.position_masks`)."""
+        Returns a `DistillOutput`: loss = the sum of the terms' (ce_weight * CE + kv_weight * KV +
+        logit_weight * logit KD + ...); metrics (`kava_ray.core.metric_names`) are detached 0-d
+        tensors on the loss's device. KV terms count token positions, CE and logit KD next-token
+        positions (`losses.position_masks`)."""
         kv_mask, next_mask = position_masks(batch, self.loss_cfg.loss_tokens)  # [B, T] each: KV / CE + KD
         reader = VocabReader(self.student, self.loss_cfg.vocab_chunk, batch.input_ids.numel())  # whole, or chunks
         with record_function("kava/student_forward"), reader.capture():  # incl. the KV capture (scopes: `bench step`)
@@ -98,7 +103,8 @@ class Distiller(nn.Module):
 
     def _project(self, batch: Batch, teacher_kv: dict[str, KVBatch], kv_mask: torch.Tensor):
         """Every teacher's KV in the student's layout and positions: ({t: (keys, values)}, each
-        [L_s, B, H_s, T, D_s]; {t: its KV mask [B, T]}; {t: (keys, values) unprojected, [L_t, B, H_t, T, D_t]})."""
+        [L_s, B, H_s, T, D_s]; {t: its KV mask [B, T]}; {t: (keys, values) unprojected, [L_t, B,
+        H_t, T, D_t]})."""
         projected, masks, native = {}, {}, {}
         for n in self.names:
             t = teacher_kv[n]
@@ -127,8 +133,9 @@ class Distiller(nn.Module):
 
 
 def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
-    """The student at lr_student; projectors and fusion at lr_projector; a trained student-side map (kind fit,
-    align.projector.train_map) at lr_student -- it must not learn faster than the student it maps."""
+    """The student at lr_student; projectors and fusion at lr_projector; a trained student-side map
+    (kind fit, align.projector.train_map) at lr_student -- it must not learn faster than the student
+    it maps."""
     student = [p for p in distiller.student.parameters() if p.requires_grad]
     maps = [p for m in distiller.projectors.modules() if isinstance(m, StudentMap) for p in m.parameters()
             if p.requires_grad]
@@ -146,8 +153,9 @@ def param_groups(distiller: Distiller, optim: OptimConfig) -> list[dict]:
 
 def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW (torch) or AdamW8bit (bitsandbytes) for fp32 student weights (student.precision fp32 or
-    bf16-mixed); for bf16 weights (bf16-sr) torchao's AdamW / AdamW8bit with stochastic rounding, because a
-    round-to-nearest optimizer loses bf16 updates below half an ulp. fp16 weights are refused."""
+    bf16-mixed); for bf16 weights (bf16-sr) torchao's AdamW / AdamW8bit with stochastic rounding,
+    because a round-to-nearest optimizer loses bf16 updates below half an ulp. fp16 weights are
+    refused."""
     groups = param_groups(distiller, optim)
     low = {p.dtype for g in groups for p in g["params"] if p.dtype in (torch.float16, torch.bfloat16)}
     if torch.float16 in low:
@@ -163,9 +171,10 @@ def build_optimizer(distiller: Distiller, optim: OptimConfig) -> torch.optim.Opt
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
-    """Linear warmup over warmup_steps, then cosine / linear decay to 0 or constant. `warmup_from_zero`: the warm-up
-    of transformers' `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup` (step / warmup_steps:
-    the first step at lr 0), which TRL's trainers use; the decay is theirs either way."""
+    """Linear warmup over warmup_steps, then cosine / linear decay to 0 or constant.
+    `warmup_from_zero`: the warm-up of transformers' `get_constant_schedule_with_warmup` /
+    `get_cosine_schedule_with_warmup` (step / warmup_steps: the first step at lr 0), which TRL's
+    trainers use; the decay is theirs either way."""
     warm = optim.warmup_steps
     first = 0 if optim.warmup_from_zero else 1
 

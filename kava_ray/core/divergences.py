@@ -20,8 +20,8 @@
   draws the tokens outside its nucleus; the config refuses both. Lag 1 draws the prefixes from the previous step's
   weights: per position exact, per sequence off by one step's change of pi_S (`loss.rkl_clip` bounds its ratio).
 
-Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`); masked
-positions change neither the loss nor its gradient. Pure PyTorch.
+Every loss takes a [B, T] mask of the next-token positions that count (`losses.next_token_mask`);
+masked positions change neither the loss nor its gradient. Pure PyTorch.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ def divergence_beta(divergence: str, jsd_beta: float) -> float:
 
 
 def topk_divergence_warning(loss_cfg, vocab_size: int, fraction: float = 0.0) -> str | None:
-    """The driver's one line when the job's logit term takes a divergence with beta > 0 (reverse_kl, jsd, and
-    reverse_kl_sampled on the batches it does not sample: `onpolicy.fraction` < 1) by `topk_divergence` with
-    `loss.logit_top_k` below the student's `vocab_size`: on the teachers' top-k and a tail bucket it is not that
-    divergence over the vocabulary (DESIGN, the task bench's pair at top-64: reverse KL 0.67x its value, gradient
-    cosine 0.90; JSD at beta 0.5 0.94x / 0.999; forward KL, exempt, 0.96x / 0.9999). None where it is exact or
-    unused."""
+    """The driver's one line when the job's logit term takes a divergence with beta > 0 (reverse_kl,
+    jsd, and reverse_kl_sampled on the batches it does not sample: `onpolicy.fraction` < 1) by
+    `topk_divergence` with `loss.logit_top_k` below the student's `vocab_size`: on the teachers'
+    top-k and a tail bucket it is not that divergence over the vocabulary (DESIGN, the task bench's
+    pair at top-64: reverse KL 0.67x its value, gradient cosine 0.90; JSD at beta 0.5 0.94x / 0.999;
+    forward KL, exempt, 0.96x / 0.9999). None where it is exact or unused."""
     c = loss_cfg
     sampled = c.logit_divergence == "reverse_kl_sampled"
     beta = divergence_beta(c.logit_divergence, c.jsd_beta)
@@ -66,8 +66,8 @@ def topk_divergence_warning(loss_cfg, vocab_size: int, fraction: float = 0.0) ->
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per position [...]: sum over the last dim of p (log p - log q), as `F.kl_div(log_q, log_p,
-    log_target=True)` sums it (an entry of p with no mass adds 0)."""
+    """KL(p || q) per position [...]: sum over the last dim of p (log p - log q), as
+    `F.kl_div(log_q, log_p, log_target=True)` sums it (an entry of p with no mass adds 0)."""
     return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
 
 
@@ -90,8 +90,9 @@ def _masked_mean(per: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor | None = None,
                          beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
-    """TRL `GKDTrainer.generalized_jsd_loss` (module docstring) on full logits [B, T, V] of one vocabulary; mask
-    [B, T]: the positions that count (TRL: labels != -100 after the shift). Float32 at least."""
+    """TRL `GKDTrainer.generalized_jsd_loss` (module docstring) on full logits [B, T, V] of one
+    vocabulary; mask [B, T]: the positions that count (TRL: labels != -100 after the shift). Float32
+    at least."""
     if student_logits.shape != teacher_logits.shape:
         raise KavaError(f"generalized JSD needs student and teacher logits of one shape, got "
                         f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}")
@@ -109,14 +110,15 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
                     valid: torch.Tensor | None = None) -> torch.Tensor:
     """The generalized JSD on the teacher's top-k support plus the tail bucket (module docstring).
 
-    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their log-probs at
-    T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask
-    [B, T]; lse [B, T]: the student's `log_normalizer` at `temperature` when the caller has it. The teacher at
-    `temperature` is its k + 1 entries' log-probs divided by it and renormalised (as `losses.topk_kl_loss`);
-    both buckets are floored at TAIL_FLOOR. valid [B, T, k]: the entries that count as ids (an id past the
-    student's head, a padded teacher row: its mass joins the teacher's bucket, as `losses.topk_kl_loss` does).
-    With k = V (every id sent: `loss.logit_top_k` >= the vocabulary) there is no bucket: `generalized_jsd_loss` on
-    the whole vocabulary, TRL's GKD to float rounding.
+    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their
+    log-probs at T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them
+    (else 1 - sum p); mask [B, T]; lse [B, T]: the student's `log_normalizer` at `temperature` when
+    the caller has it. The teacher at `temperature` is its k + 1 entries' log-probs divided by it
+    and renormalised (as `losses.topk_kl_loss`); both buckets are floored at TAIL_FLOOR. valid [B,
+    T, k]: the entries that count as ids (an id past the student's head, a padded teacher row: its
+    mass joins the teacher's bucket, as `losses.topk_kl_loss` does). With k = V (every id sent:
+    `loss.logit_top_k` >= the vocabulary) there is no bucket: `generalized_jsd_loss` on the whole
+    vocabulary, TRL's GKD to float rounding.
     """
     if not temperature > 0:
         raise KavaError(f"temperature must be > 0, got {temperature}")
@@ -145,12 +147,13 @@ def topk_divergence(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_l
 def sampled_reverse_kl_loss(student_logp: torch.Tensor, sample_logp: torch.Tensor, teacher_logp: torch.Tensor,
                             mask: torch.Tensor, baseline: torch.Tensor | None = None, clip: float | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """On-policy distillation's importance-sampled policy gradient (module docstring), all [B, T] at the next-token
-    positions: student_logp (with grad) and sample_logp (the sampling policy's) of the sampled next token,
-    teacher_logp the teacher's of the same token; mask the sampled positions. baseline [B, T]: subtracted from each
-    advantage (`logit_kd.group_baseline`: RLOO's leave-one-out mean). clip eps: PPO's clipped ratio (verl
-    `compute_policy_loss_vanilla`, without its dual clip): per token max(-A r, -A clip(r, 1 - eps, 1 + eps)).
-    Returns (loss, the teacher-scored per-token reverse KL of the samples, mean of log q - log pi_T: tinker's
+    """On-policy distillation's importance-sampled policy gradient (module docstring), all [B, T] at
+    the next-token positions: student_logp (with grad) and sample_logp (the sampling policy's) of
+    the sampled next token, teacher_logp the teacher's of the same token; mask the sampled
+    positions. baseline [B, T]: subtracted from each advantage (`logit_kd.group_baseline`: RLOO's
+    leave-one-out mean). clip eps: PPO's clipped ratio (verl `compute_policy_loss_vanilla`, without
+    its dual clip): per token max(-A r, -A clip(r, 1 - eps, 1 + eps)). Returns (loss, the
+    teacher-scored per-token reverse KL of the samples, mean of log q - log pi_T: tinker's
     `teacher_kl`, detached)."""
     m = mask.to(student_logp.device) != 0
     s = at_least_f32(student_logp)

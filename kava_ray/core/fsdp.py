@@ -1,16 +1,17 @@
 """Students larger than one GPU: the Distiller sharded with FSDP2 (`ray.strategy: fsdp`) and its sharded checkpoints.
 
-`shard(distiller, precision, device)`: `torch.distributed.fsdp.fully_shard` on each decoder layer of the student, then
-on the whole Distiller as the root group -- the embeddings, final norm, LM head, the projectors, the fusion and the
-hidden-state maps are sharded together there (the projectors are small beside the student; one group keeps one
-all-gather for them and lets the root stay unsharded between forward and backward, as FSDP2 keeps its root, which
-the chunked vocabulary loss reads the LM head from). bf16-mixed runs with FSDP2's MixedPrecisionPolicy (bf16
-parameters in the forward, fp32 gradient reduction), as Ray Train's FSDP2 guide and torchtune's recipes do.
+`shard(distiller, precision, device)`: `torch.distributed.fsdp.fully_shard` on each decoder layer of
+the student, then on the whole Distiller as the root group -- the embeddings, final norm, LM head,
+the projectors, the fusion and the hidden-state maps are sharded together there (the projectors are
+small beside the student; one group keeps one all-gather for them and lets the root stay unsharded
+between forward and backward, as FSDP2 keeps its root, which the chunked vocabulary loss reads the
+LM head from). bf16-mixed runs with FSDP2's MixedPrecisionPolicy (bf16 parameters in the forward,
+fp32 gradient reduction), as Ray Train's FSDP2 guide and torchtune's recipes do.
 
-Checkpoints (`save_sharded`, `load_sharded`): `torch.distributed.checkpoint` of {"model", "optim"} from
-`get_state_dict` (each rank writes its own shard; Ray Train merges every rank's reported directory into one
-checkpoint); the final student is gathered (`full_model_state`) and saved as a plain Hugging Face directory.
-Details: docs/internals/core.md#fsdp.
+Checkpoints (`save_sharded`, `load_sharded`): `torch.distributed.checkpoint` of {"model", "optim"}
+from `get_state_dict` (each rank writes its own shard; Ray Train merges every rank's reported
+directory into one checkpoint); the final student is gathered (`full_model_state`) and saved as a
+plain Hugging Face directory. Details: docs/internals/core.md#fsdp.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ SHARDED = "sharded"  # the checkpoint's DCP directory
 
 
 def mesh_of(device) -> DeviceMesh:
-    """The 1-D mesh of every rank of the default process group on `device`'s type, the device this worker trains on.
-    Explicit because `fully_shard` without one builds it on the machine's accelerator: a gloo run (`ray.use_gpu:
-    false`) on a GPU host would otherwise move its shards to the GPU."""
+    """The 1-D mesh of every rank of the default process group on `device`'s type, the device this
+    worker trains on. Explicit because `fully_shard` without one builds it on the machine's
+    accelerator: a gloo run (`ray.use_gpu: false`) on a GPU host would otherwise move its shards to
+    the GPU."""
     import torch.distributed as dist
 
     return init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
 
 
 def shard(distiller: torch.nn.Module, precision, device) -> torch.nn.Module:
-    """The Distiller sharded in place over the default process group (`mesh_of(device)`): each decoder layer its own
-    FSDP2 unit, the rest in the root unit. precision: `core.precision.Precision` (bf16-mixed: bf16 parameters, fp32
-    reduction); device: the worker's training device, where the Distiller already is."""
+    """The Distiller sharded in place over the default process group (`mesh_of(device)`): each
+    decoder layer its own FSDP2 unit, the rest in the root unit. precision:
+    `core.precision.Precision` (bf16-mixed: bf16 parameters, fp32 reduction); device: the worker's
+    training device, where the Distiller already is."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision.policy == "bf16-mixed" and precision.device_type == "cuda" else MixedPrecisionPolicy()
     mesh = mesh_of(device)
@@ -74,8 +77,9 @@ def save_sharded(path, distiller: torch.nn.Module, optimizer) -> None:
 
 
 def gather_files(root, sub: str) -> dict:
-    """{relative path: size} of every rank's files under `root`/`sub` (every rank calls it; the checkpoint's state.json
-    records them all, so a shard lost on the way into Ray's merged checkpoint is found before a resume reads it)."""
+    """{relative path: size} of every rank's files under `root`/`sub` (every rank calls it; the
+    checkpoint's state.json records them all, so a shard lost on the way into Ray's merged
+    checkpoint is found before a resume reads it)."""
     import torch.distributed as dist
 
     root = Path(root)

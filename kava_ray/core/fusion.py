@@ -1,11 +1,11 @@
 """Fusion of several projected teachers into one KV target [L, B, H, T, D].
 
-Kinds: `fixed` (constant normalised weights, default equal), `gate` (a learned softmax over teachers, one per
-layer with `per_layer`), `router` (a per-token softmax from Linear(feature_dim -> n_teachers) on a student
-feature [B, T, F]), each starting at `weights`; `sum` fuses nothing (one loss per teacher, `combine_losses`).
-Teachers are fused by direction with a separately fused log-norm magnitude, so a projector's output scale
-cannot buy weight; with `center` (`loss.center`), on their centred projections. Why and how:
-docs/internals/core.md#fusion.
+Kinds: `fixed` (constant normalised weights, default equal), `gate` (a learned softmax over
+teachers, one per layer with `per_layer`), `router` (a per-token softmax from Linear(feature_dim ->
+n_teachers) on a student feature [B, T, F]), each starting at `weights`; `sum` fuses nothing (one
+loss per teacher, `combine_losses`). Teachers are fused by direction with a separately fused
+log-norm magnitude, so a projector's output scale cannot buy weight; with `center` (`loss.center`),
+on their centred projections. Why and how: docs/internals/core.md#fusion.
 """
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ class Fusion(nn.Module):
     def forward(
         self, projected: list[torch.Tensor], feature: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`); None for `sum`.
-        `feature` [B, T, F] drives the router; `mask` [B, T]: the tokens that count for the logged router weights
-        and, with `center`, for each teacher's mean."""
+        """Fuse per-teacher `[L, B, H, T, D]` targets into one by direction (`fuse_by_direction`);
+        None for `sum`. `feature` [B, T, F] drives the router; `mask` [B, T]: the tokens that count
+        for the logged router weights and, with `center`, for each teacher's mean."""
         if len(projected) != self.n_teachers:
             raise KavaError(f"fusion got {len(projected)} teacher targets, expected {self.n_teachers}")
         shape = projected[0].shape
@@ -126,9 +126,10 @@ class Fusion(nn.Module):
         if not self.fuses_targets:
             return None
         if self.kind == "fixed" and self.n_teachers == 1:
-            # one teacher's target as projected: what fuse_by_direction gives up to its 1e-6 norm eps, without
-            # the ~10 ms (K and V) a 1-teacher fusion costs a small CPU step (`kava-ray bench step`). Gate and
-            # router keep their one-entry softmax: a parameter outside the graph would fail DDP
+            # one teacher's target as projected: what fuse_by_direction gives up to its 1e-6 norm
+            # eps, without the ~10 ms (K and V) a 1-teacher fusion costs a small CPU step (`kava-ray
+            # bench step`). Gate and router keep their one-entry softmax: a parameter outside the
+            # graph would fail DDP
             return projected[0]
         stacked = torch.stack(projected, dim=-1)  # [L, B, H, T, D, n]
         w = self.weights(feature)
@@ -171,8 +172,9 @@ class Fusion(nn.Module):
 
     @torch.no_grad()
     def current_weights(self) -> dict[str, torch.Tensor]:
-        """Per-teacher mean weight for logging (router: over the last forward's tokens, else its prior),
-        as 0-d tensors: the caller converts them on log steps only (no GPU sync per step)."""
+        """Per-teacher mean weight for logging (router: over the last forward's tokens, else its
+        prior), as 0-d tensors: the caller converts them on log steps only (no GPU sync per
+        step)."""
         if self.kind == "router":
             w = self.last_router_weights
             if w is None:

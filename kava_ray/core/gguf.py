@@ -1,7 +1,7 @@
 """A .gguf file -> a plain Hugging Face model dir, converted once per file and cached.
 
-Measured on a 2-core CPU (torch 2.13, transformers 5.23): SmolLM2-135M-Instruct.Q4_1.gguf loaded with
-`from_pretrained(dir, gguf_file=...)` de-quantizes in 18-21 s, the GGUF tokenizer another ~5 s;
+Measured on a 2-core CPU (torch 2.13, transformers 5.23): SmolLM2-135M-Instruct.Q4_1.gguf loaded
+with `from_pretrained(dir, gguf_file=...)` de-quantizes in 18-21 s, the GGUF tokenizer another ~5 s;
 `gguf_to_hf_dir` does that once (~30 s incl. save) and later loads of the plain directory take ~1 s.
 Concurrent processes (teacher actors) converting one file wait on a file lock; the cached dir
 appears complete or not at all.
@@ -36,9 +36,10 @@ def wrap_load_errors(spec):
 
 
 def gguf_cache_path(gguf_path: Path, cache_dir=None) -> Path:
-    """The cached HF dir of `gguf_path`, keyed by its content: size, first and last MiB (the header with every
-    tensor's name, shape and offset; the last tensors' data). The same file in another venv, checkout or
-    place shares one conversion; a file rewritten with other weights gets its own."""
+    """The cached HF dir of `gguf_path`, keyed by its content: size, first and last MiB (the header
+    with every tensor's name, shape and offset; the last tensors' data). The same file in another
+    venv, checkout or place shares one conversion; a file rewritten with other weights gets its
+    own."""
     h = content_key(gguf_path)
     return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 

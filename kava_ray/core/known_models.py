@@ -1,6 +1,7 @@
-"""Configs of well-known models (Qwen2.5; base and -Instruct share one config), the values of their published
-`config.json`, so geometry and sizes are known without a download. `model_geometry` answers from this table
-first, else from `core.models.load_model_config` (a local dir, a .gguf, or a cached hub id).
+"""Configs of well-known models (Qwen2.5; base and -Instruct share one config), the values of their
+published `config.json`, so geometry and sizes are known without a download. `model_geometry`
+answers from this table first, else from `core.models.load_model_config` (a local dir, a .gguf, or a
+cached hub id).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def model_geometry(spec, keep_layers=None) -> KVGeometry:
 
 
 def param_breakdown(c: dict, n_layers: Optional[int] = None) -> dict[str, int]:
-    """Parameters of a Qwen2/Llama-style decoder from its config values, by kind: embed (vocab*hidden), lm_head
-    (vocab*hidden when untied, else 0), linear (Linear weights + the q/k/v biases when attention_bias), other
-    (RMSNorm weights: 2 per layer + the final norm)."""
+    """Parameters of a Qwen2/Llama-style decoder from its config values, by kind: embed
+    (vocab*hidden), lm_head (vocab*hidden when untied, else 0), linear (Linear weights + the q/k/v
+    biases when attention_bias), other (RMSNorm weights: 2 per layer + the final norm)."""
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q_dim = c["num_attention_heads"] * c["head_dim"]
     kv_dim = c["num_key_value_heads"] * c["head_dim"]

@@ -1,12 +1,12 @@
 """One teacher's logit distillation term against the student's logits, whatever its tokenizer.
 
-Same tokenizer: the top-k forward KL (`losses.topk_kl_loss`) on every next-token position. Another tokenizer
-(`loss.logit_cross_vocab`): the teacher's top-k are taken at the teacher positions paired with the student's
-(`batch.teachers[t].logit_pair`, `data.alignment.pair_positions`: both have read exactly the same text and predict
-what follows it), then compared by the hybrid loss (TRL GOLD: ids with a student token of the same string by
-forward KL, the rest by the sorted ULD distance; `losses.hybrid_logit_loss`) or by ULD alone
-(`losses.uld_loss`). Student positions without a pair do not count. Pure PyTorch; the Distiller (training) and
-`evaluate` (held-out figures) share it.
+Same tokenizer: the top-k forward KL (`losses.topk_kl_loss`) on every next-token position. Another
+tokenizer (`loss.logit_cross_vocab`): the teacher's top-k are taken at the teacher positions paired
+with the student's (`batch.teachers[t].logit_pair`, `data.alignment.pair_positions`: both have read
+exactly the same text and predict what follows it), then compared by the hybrid loss (TRL GOLD: ids
+with a student token of the same string by forward KL, the rest by the sorted ULD distance;
+`losses.hybrid_logit_loss`) or by ULD alone (`losses.uld_loss`). Student positions without a pair do
+not count. Pure PyTorch; the Distiller (training) and `evaluate` (held-out figures) share it.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it
 
 @dataclass
 class LogitTeacher:
-    """How one teacher's logits meet the student's: `cross` None (same tokenizer), "hybrid" or "uld"; for a
-    teacher of another tokenizer its vocabulary map (`align.vocab.VocabMap`) as tensors: t2s [V_t] (student id
-    of each teacher id, -1 none), student_unmatched [U], and the matched part's weight (the map's coverage).
-    `vocab_size`: the rows of the teacher's LM head (one tokenizer: may exceed the student's, padding rows;
-    docs/internals/step.md)."""
+    """How one teacher's logits meet the student's: `cross` None (same tokenizer), "hybrid" or
+    "uld"; for a teacher of another tokenizer its vocabulary map (`align.vocab.VocabMap`) as
+    tensors: t2s [V_t] (student id of each teacher id, -1 none), student_unmatched [U], and the
+    matched part's weight (the map's coverage). `vocab_size`: the rows of the teacher's LM head (one
+    tokenizer: may exceed the student's, padding rows; docs/internals/step.md)."""
 
     name: str
     cross: Optional[str] = None
@@ -68,9 +68,10 @@ class LogitTeacher:
 
 
 def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Tensor], device):
-    """(ids [B, T_s, k], logp [B, T_s, k], tail [B, T_s]) of the teacher's first k top-k entries at the student's
-    positions: as sent for one tokenizer (pair None), else gathered at the paired teacher positions (`pair`
-    [B, T_s], -1: none; those rows are position 0's, and masked out by the caller)."""
+    """(ids [B, T_s, k], logp [B, T_s, k], tail [B, T_s]) of the teacher's first k top-k entries at
+    the student's positions: as sent for one tokenizer (pair None), else gathered at the paired
+    teacher positions (`pair` [B, T_s], -1: none; those rows are position 0's, and masked out by the
+    caller)."""
     if t.topk_ids is None or t.topk_logp is None:
         raise KavaError(f"teacher '{name}' sent no top-k logits, but the job's logit KD (loss.logit_weight > 0) needs "
                         f"them (set loss.logit_weight=0 or have the teacher serve them)")
@@ -85,11 +86,12 @@ def at_student_positions(name: str, t: KVBatch, k: int, pair: Optional[torch.Ten
 
 @dataclass
 class LogitTargets:
-    """One teacher's logit targets at the student's next-token positions, each tensor [B, T, ...] on the student's
-    device, so that a chunk of positions is a slice (`at`): ids / logp [B, T, k] (student ids for one tokenizer, the
-    teacher's for another), tail [B, T], m [B, T] bool (the positions that count), valid [B, T, k] (one tokenizer, a
-    wider teacher head: the ids inside the student's), top1 [B, T] (the teacher's top-1 as a student id, -1 none),
-    and on a batch the student sampled: nxt (each next token's id), sample_logp and token_logp [B, T]."""
+    """One teacher's logit targets at the student's next-token positions, each tensor [B, T, ...] on
+    the student's device, so that a chunk of positions is a slice (`at`): ids / logp [B, T, k]
+    (student ids for one tokenizer, the teacher's for another), tail [B, T], m [B, T] bool (the
+    positions that count), valid [B, T, k] (one tokenizer, a wider teacher head: the ids inside the
+    student's), top1 [B, T] (the teacher's top-1 as a student id, -1 none), and on a batch the
+    student sampled: nxt (each next token's id), sample_logp and token_logp [B, T]."""
 
     ids: torch.Tensor
     logp: torch.Tensor
@@ -108,8 +110,8 @@ class LogitTargets:
                                for f in fields(self)})
 
     def loss_mask(self, lt: "LogitTeacher", c) -> torch.Tensor:
-        """The positions the loss averages over: `m`, less those with no id inside the student's head when the
-        forward KL renormalises over the k (`losses.topk_kl_loss`, tail none)."""
+        """The positions the loss averages over: `m`, less those with no id inside the student's
+        head when the forward KL renormalises over the k (`losses.topk_kl_loss`, tail none)."""
         if (lt.cross is None and self.valid is not None and c.logit_divergence == "forward_kl"
                 and c.logit_tail == "none"):
             return self.m & self.valid.any(-1)
@@ -118,9 +120,9 @@ class LogitTargets:
 
 def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor, loss_cfg, vocab: int, device
                   ) -> tuple[LogitTargets, dict]:
-    """(the targets of teacher `lt` on the student's next-token positions `mask` [B, T_s], the metrics that need no
-    student logits: {"aligned"} for another tokenizer, the share of `mask`'s positions with a paired teacher
-    position). vocab: the student's head rows."""
+    """(the targets of teacher `lt` on the student's next-token positions `mask` [B, T_s], the
+    metrics that need no student logits: {"aligned"} for another tokenizer, the share of `mask`'s
+    positions with a paired teacher position). vocab: the student's head rows."""
     c, k = loss_cfg, loss_cfg.logit_top_k
     view = None if lt.cross is None else batch.teachers.get(lt.name)
     pair = None if view is None else view.logit_pair
@@ -132,8 +134,9 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
     fixed, valid, sampled = {}, None, {}
     if lt.cross is None:
         if lt.wider_than(vocab):
-            # padding rows of one tokenizer: an id past the student's head is mass the student cannot place (the
-            # tail bucket's; tail none: it leaves the renormalised k), and a top-1 there never agrees
+            # padding rows of one tokenizer: an id past the student's head is mass the student
+            # cannot place (the tail bucket's; tail none: it leaves the renormalised k), and a top-1
+            # there never agrees
             valid = ids < vocab
             ids = torch.where(valid, ids, -1)
         top1 = ids[..., 0].long()
@@ -157,12 +160,13 @@ def logit_targets(lt: LogitTeacher, t: KVBatch, batch: Batch, mask: torch.Tensor
 
 
 def group_baseline(adv: torch.Tensor, m: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """[B, T]: each row's leave-one-out baseline, the mean of the per-token advantage `adv` [B, T] (log pi_T - log q,
-    known before the student's logits) over the sampled positions `m` [B, T] of the OTHER rows of its group
-    (`Batch.group` [B]: the rows sampled from one prompt); 0 for a row with no other sampled tokens. RLOO (Ahmadian
-    et al. 2024; TRL `RLOOTrainer`), per token: a baseline that does not depend on the row's own samples leaves the
-    expected gradient exact, where GRPO's group mean with the row's own tokens in it scales it by about 1 - 1/k
-    (exact enumeration: tests/test_divergences.py). Detached."""
+    """[B, T]: each row's leave-one-out baseline, the mean of the per-token advantage `adv` [B, T]
+    (log pi_T - log q, known before the student's logits) over the sampled positions `m` [B, T] of
+    the OTHER rows of its group (`Batch.group` [B]: the rows sampled from one prompt); 0 for a row
+    with no other sampled tokens. RLOO (Ahmadian et al. 2024; TRL `RLOOTrainer`), per token: a
+    baseline that does not depend on the row's own samples leaves the expected gradient exact, where
+    GRPO's group mean with the row's own tokens in it scales it by about 1 - 1/k (exact enumeration:
+    tests/test_divergences.py). Detached."""
     n = int(group.max()) + 1
     w = m.to(adv.dtype)
     own, own_n = torch.where(m, adv, 0.0).sum(-1), w.sum(-1)  # [B]
@@ -174,15 +178,17 @@ def group_baseline(adv: torch.Tensor, m: torch.Tensor, group: torch.Tensor) -> t
 
 def targets_term(lt: LogitTeacher, logits: torch.Tensor, tg: LogitTargets, loss_cfg,
                  lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of teacher `lt` against the student's logits [B, T, V] on the targets' positions, each a
-    mean over `tg.m` (the loss and `kl` of one tokenizer: over `tg.loss_mask`): `kl` (one tokenizer: the loss;
-    hybrid: its matched part), `uld` (hybrid: the unmatched part; uld: the loss), `top1_agree`, `sampled_rkl`
-    (reverse_kl_sampled on the student's samples: their teacher-scored reverse KL).
+    """(loss, metrics) of teacher `lt` against the student's logits [B, T, V] on the targets'
+    positions, each a mean over `tg.m` (the loss and `kl` of one tokenizer: over `tg.loss_mask`):
+    `kl` (one tokenizer: the loss; hybrid: its matched part), `uld` (hybrid: the unmatched part;
+    uld: the loss), `top1_agree`, `sampled_rkl` (reverse_kl_sampled on the student's samples: their
+    teacher-scored reverse KL).
 
-    The loss: another tokenizer, the hybrid loss (`losses.hybrid_logit_loss`) or ULD (`losses.uld_loss`); one
-    tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD (`losses.topk_kl_loss`); reverse_kl_sampled on a
-    batch the student sampled, the sampled form (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`);
-    reverse_kl / jsd (and reverse_kl_sampled on other batches) the generalized JSD on the top-k with its tail
+    The loss: another tokenizer, the hybrid loss (`losses.hybrid_logit_loss`) or ULD
+    (`losses.uld_loss`); one tokenizer, by `loss.logit_divergence`: forward_kl the top-k KD
+    (`losses.topk_kl_loss`); reverse_kl_sampled on a batch the student sampled, the sampled form
+    (`divergences.sampled_reverse_kl_loss`, the teacher's `token_logp`); reverse_kl / jsd (and
+    reverse_kl_sampled on other batches) the generalized JSD on the top-k with its tail
     (`divergences.topk_divergence`)."""
     c, metrics, ids = loss_cfg, {}, tg.ids.clamp(min=0)
     if lt.cross == "hybrid":
@@ -245,9 +251,9 @@ class VocabTerms:
             self.ce_total = (self.labels != -100).sum()
 
     def add(self, name: str, spec: LogitTeacher, targets: LogitTargets, coef=None, part: str = "") -> None:
-        """Teacher `name`'s targets; coef: its term's weight in the loss (None: its figures only). part: one of
-        several parts of its loss (positions of another weight: `Distiller._routed`), its loss term alone, named
-        `loss:<part>` (its figures come from an entry without a part)."""
+        """Teacher `name`'s targets; coef: its term's weight in the loss (None: its figures only).
+        part: one of several parts of its loss (positions of another weight: `Distiller._routed`),
+        its loss term alone, named `loss:<part>` (its figures come from an entry without a part)."""
         total = None if coef is None else targets.loss_mask(spec, self.loss_cfg).sum()
         self.teachers[(name, part)] = (spec, targets, coef, total)
 

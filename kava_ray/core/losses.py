@@ -1,12 +1,12 @@
-"""KV losses (all masked), the CE anchor, the logit KD losses (top-k forward KL, ULD, hybrid) with the top-1
-agreement metric, the contrast-gap metric and the token masks every loss follows.
+"""KV losses (all masked), the CE anchor, the logit KD losses (top-k forward KL, ULD, hybrid) with
+the top-1 agreement metric, the contrast-gap metric and the token masks every loss follows.
 
-Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target `[L, B, H, T, D]` and
-mask `[B, T]` (nonzero = token that counts) and returns `(loss, metrics)`. Masked-out positions are replaced by a
-constant before any arithmetic, so their values (huge, inf or NaN) reach neither the loss, the metrics nor the
-gradients. Metrics (detached): `cos_sim` (masked mean centred cosine: a constant target scores 0), `cos_raw`,
-`cos_per_layer` / `cos_raw_per_layer`, `n_tokens` and the loss components. Why centred, and the other
-derivations: docs/internals/step.md.
+Every KV loss takes `(student, target, mask=None, center=False, **kw)` with student/target `[L, B,
+H, T, D]` and mask `[B, T]` (nonzero = token that counts) and returns `(loss, metrics)`. Masked-out
+positions are replaced by a constant before any arithmetic, so their values (huge, inf or NaN) reach
+neither the loss, the metrics nor the gradients. Metrics (detached): `cos_sim` (masked mean centred
+cosine: a constant target scores 0), `cos_raw`, `cos_per_layer` / `cos_raw_per_layer`, `n_tokens`
+and the loss components. Why centred, and the other derivations: docs/internals/step.md.
 """
 
 from __future__ import annotations
@@ -76,16 +76,16 @@ def _raw_cos(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Mean of x [L, B, H, T, D] over the tokens where m [1, B, 1, T] is True (B and T): [L, 1, H, 1, D].
-    Masked positions are zeroed first (their values, NaN included, never count)."""
+    """Mean of x [L, B, H, T, D] over the tokens where m [1, B, 1, T] is True (B and T): [L, 1, H,
+    1, D]. Masked positions are zeroed first (their values, NaN included, never count)."""
     keep = m[..., None]  # [1, B, 1, T, 1]
     n = keep.sum(dim=(1, 3), keepdim=True).clamp_min(1).to(x.dtype)
     return torch.where(keep, x, 0.0).sum(dim=(1, 3), keepdim=True) / n
 
 
 def _centre(x: torch.Tensor, m: torch.Tensor):
-    """x [L, B, H, T, D] (masked positions already constant) minus the mean of each (layer, head) over
-    the tokens where m [1, B, 1, T] is True; and the norm floor [L, 1, H, 1] (detached)."""
+    """x [L, B, H, T, D] (masked positions already constant) minus the mean of each (layer, head)
+    over the tokens where m [1, B, 1, T] is True; and the norm floor [L, 1, H, 1] (detached)."""
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     mu = token_mean(x, m)  # [L, 1, H, 1, D]
@@ -160,9 +160,10 @@ def _mse(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def mercator_loss(student, target, mask=None, alpha: float = 1.0, beta: float = 0.0, center: bool = False, **kw):
-    """alpha * (1 - masked mean cos) + beta * masked MSE(log||s||, log||t||). Cosine over head_dim per (layer, batch,
-    head, token), of the centred vectors with `center` (module docstring); norms (raw) get +1e-6 before the log.
-    Without `center`, parallel vectors of any lengths give 0 (beta=0), opposite ones 2."""
+    """alpha * (1 - masked mean cos) + beta * masked MSE(log||s||, log||t||). Cosine over head_dim
+    per (layer, batch, head, token), of the centred vectors with `center` (module docstring); norms
+    (raw) get +1e-6 before the log. Without `center`, parallel vectors of any lengths give 0
+    (beta=0), opposite ones 2."""
     s, t, m = _prepare(student, target, mask)
     cos_term, mag_term, metrics = _mercator_parts(s, t, m, center)
     loss = alpha * cos_term + (beta * mag_term if beta else 0.0)
@@ -219,10 +220,10 @@ def kv_loss(kind: str, student, target, mask=None, alpha: float = 1.0, beta: flo
 @torch.no_grad()
 def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
                  centered: bool = True) -> torch.Tensor:
-    """mean cos(student, own target) - mean cos(student, target of the previous sample, `target.roll(1, 1)`), over
-    the positions real in both: ~0 means nothing sample-specific was learned (the collapse trap). A detached 0-d
-    tensor; 0 with B == 1 or no shared position. Centred like `cos_sim` (why: docs/internals/step.md);
-    `centered=False` gives the raw gap."""
+    """mean cos(student, own target) - mean cos(student, target of the previous sample,
+    `target.roll(1, 1)`), over the positions real in both: ~0 means nothing sample-specific was
+    learned (the collapse trap). A detached 0-d tensor; 0 with B == 1 or no shared position. Centred
+    like `cos_sim` (why: docs/internals/step.md); `centered=False` gives the raw gap."""
     if student.shape != target.shape or student.dim() != 5:
         raise KavaError(f"contrast_gap needs [L, B, H, T, D] of one shape, "
                         f"got {tuple(student.shape)} and {tuple(target.shape)}")
@@ -231,8 +232,9 @@ def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
         return torch.zeros((), device=student.device)
     m = torch.ones(B, T, dtype=torch.bool, device=student.device) if mask is None else mask.to(student.device) != 0
     both = m & m.roll(1, dims=0)
-    # = cos_metrics(student, t, both)[cos_sim or cos_raw] for t = target and its roll, computing only that
-    # cosine and preparing (and centring) the student once: this runs on K and V every step
+    # = cos_metrics(student, t, both)[cos_sim or cos_raw] for t = target and its roll, computing
+    # only that cosine and preparing (and centring) the student once: this runs on K and V every
+    # step
     s, t, mb = _prepare(student, target, both)
     t_other = _fill_masked(target.roll(1, dims=1), mb, s.dtype)
     if centered:
@@ -248,9 +250,10 @@ def contrast_gap(student: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
 
 
 def drop_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The KV token mask [B, T] (bool) of `loss_tokens: no_shared_prefix`: the real tokens minus the leading positions
-    whose id is the same, and real, in every sample (a chat template's system prompt, BOS); vectorised, no host sync.
-    When nothing can be told apart, nothing is dropped: docs/internals/step.md#shared-prefix."""
+    """The KV token mask [B, T] (bool) of `loss_tokens: no_shared_prefix`: the real tokens minus the
+    leading positions whose id is the same, and real, in every sample (a chat template's system
+    prompt, BOS); vectorised, no host sync. When nothing can be told apart, nothing is dropped:
+    docs/internals/step.md#shared-prefix."""
     m = attention_mask.to(input_ids.device) != 0
     if input_ids.shape[0] < 2:
         return m
@@ -268,19 +271,20 @@ OFF = -1e30  # the log-prob of an entry left out: exp() is exactly 0 and every d
 
 
 def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: the positions whose logits CE counts, i.e. t where labels[t + 1] != -100 (the last
-    position never counts). Logit KD counts exactly these: logits at t predict token t + 1."""
+    """[B, T] bool: the positions whose logits CE counts, i.e. t where labels[t + 1] != -100 (the
+    last position never counts). Logit KD counts exactly these: logits at t predict token t + 1."""
     return F.pad(labels[:, 1:] != -100, (0, 1), value=False)
 
 
 def position_masks(batch: Batch, loss_tokens: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
     """(KV mask, next-token mask), both [B, T] bool, from one `kava_ray.data.Batch`: the one rule every loss follows.
 
-    KV losses count token positions (a token's key and value describe the token itself): `loss_tokens`
-    all = the real tokens, answer = `answer_mask`, no_shared_prefix = the real tokens minus the leading
-    positions every sample shares (`drop_shared_prefix`). CE and logit KD count next-token positions: t
-    where labels[t + 1] carries a loss (`next_token_mask`), under every `loss_tokens` -- so with `answer`,
-    KD scores the position before the first answer token and stops at the one before the last."""
+    KV losses count token positions (a token's key and value describe the token itself):
+    `loss_tokens` all = the real tokens, answer = `answer_mask`, no_shared_prefix = the real tokens
+    minus the leading positions every sample shares (`drop_shared_prefix`). CE and logit KD count
+    next-token positions: t where labels[t + 1] carries a loss (`next_token_mask`), under every
+    `loss_tokens` -- so with `answer`, KD scores the position before the first answer token and
+    stops at the one before the last."""
     if loss_tokens == "answer":
         kv = batch.answer_mask != 0
     elif loss_tokens == "no_shared_prefix":
@@ -297,8 +301,8 @@ def at_least_f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def log_normalizer(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log sum_v exp(logits[..., v] / T) in float32 at least, [B, T]: the one logsumexp over the vocabulary per
-    position that CE and (at T = 1) logit KD share."""
+    """log sum_v exp(logits[..., v] / T) in float32 at least, [B, T]: the one logsumexp over the
+    vocabulary per position that CE and (at T = 1) logit KD share."""
     z = at_least_f32(logits)
     return torch.logsumexp(z if temperature == 1.0 else z / temperature, dim=-1)
 
@@ -309,16 +313,16 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def tail_of(logp: torch.Tensor) -> torch.Tensor:
-    """log of the mass outside the ids of `logp` [..., k] (log-probs normalised over the full vocabulary),
-    floored at TAIL_FLOOR."""
+    """log of the mass outside the ids of `logp` [..., k] (log-probs normalised over the full
+    vocabulary), floored at TAIL_FLOOR."""
     total = torch.logsumexp(logp, dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
     return _log1mexp(total)
 
 
 def topk_tail(topk_logp: torch.Tensor, served_tail: torch.Tensor | None, k: int) -> torch.Tensor:
-    """The teacher's log mass outside its first `k` ids [B, T]: the served tail (what was outside all the ids
-    it sent) plus the mass of the ids past k; without a served tail, 1 - sum p over the k (a bf16 wire's
-    rounding then limits it to ~1e-3)."""
+    """The teacher's log mass outside its first `k` ids [B, T]: the served tail (what was outside
+    all the ids it sent) plus the mass of the ids past k; without a served tail, 1 - sum p over the
+    k (a bf16 wire's rounding then limits it to ~1e-3)."""
     lp = topk_logp.float()
     if served_tail is None:
         return tail_of(lp[..., :k])
@@ -346,16 +350,16 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
                  mask: torch.Tensor | None = None, temperature: float = 1.0, tail: str = "bucket",
                  teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled, masked mean (as
-    DistillKit's `sparse_kl_div`; the tails and `valid`: docs/internals/step.md).
+    """Top-k forward KL(p_t || p_s), the student normalised over its FULL vocabulary, T^2-scaled,
+    masked mean (as DistillKit's `sparse_kl_div`; the tails and `valid`: docs/internals/step.md).
 
-    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their log-probs at
-    T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask
-    [B, T]: the positions that count (`next_token_mask`); tail: "bucket" (a (k+1)-th entry for the mass outside
-    the ids) or "none" (renormalised over the k); lse [B, T]: the student's `log_normalizer` when the caller has
-    it; valid [B, T, k]: the entries that count as ids.
-    Returns the loss (0 with grad if no position counts); masked positions (anything, NaN included) change
-    neither the loss nor its gradient.
+    Args: student_logits [B, T, V]; topk_ids / topk_logp [B, T, k]: the teacher's top-k and their
+    log-probs at T = 1 over its full vocabulary; teacher_tail [B, T]: log of its mass outside them
+    (else 1 - sum p); mask [B, T]: the positions that count (`next_token_mask`); tail: "bucket" (a
+    (k+1)-th entry for the mass outside the ids) or "none" (renormalised over the k); lse [B, T]:
+    the student's `log_normalizer` when the caller has it; valid [B, T, k]: the entries that count
+    as ids. Returns the loss (0 with grad if no position counts); masked positions (anything, NaN
+    included) change neither the loss nor its gradient.
     """
     if not temperature > 0:
         raise KavaError(f"top-k KL temperature must be > 0, got {temperature}")
@@ -391,13 +395,15 @@ def topk_kl_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp
 
 def uld_loss(student_logits: torch.Tensor, topk_logp: torch.Tensor, mask: torch.Tensor | None = None,
              teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Universal Logit Distillation distance for a teacher of another vocabulary (as TRL GOLD's `ULDLoss`): the
-    masked mean over positions of sum_i |t_i - s_i|, both sides' top-k probabilities sorted descending, each
-    followed by its mass outside those k as one bucket (docs/internals/step.md).
+    """Universal Logit Distillation distance for a teacher of another vocabulary (as TRL GOLD's
+    `ULDLoss`): the masked mean over positions of sum_i |t_i - s_i|, both sides' top-k probabilities
+    sorted descending, each followed by its mass outside those k as one bucket
+    (docs/internals/step.md).
 
-    Args: student_logits [B, T, V_s]; topk_logp [B, T, k]: the teacher's top-k log-probs (any order);
-    teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse: the student's
-    `log_normalizer` at T = 1 when the caller has it. Float32 at least; masked positions count for nothing.
+    Args: student_logits [B, T, V_s]; topk_logp [B, T, k]: the teacher's top-k log-probs (any
+    order); teacher_tail [B, T]: log of its mass outside them (else 1 - sum p); mask [B, T]; lse:
+    the student's `log_normalizer` at T = 1 when the caller has it. Float32 at least; masked
+    positions count for nothing.
     """
     m = bool_mask(mask, *student_logits.shape[:2], student_logits.device, "ULD")
     k = topk_logp.shape[-1]
@@ -415,8 +421,9 @@ def uld_loss(student_logits: torch.Tensor, topk_logp: torch.Tensor, mask: torch.
 
 
 def _sorted_l1(t: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Masked mean over positions of sum_i |t_i - s_i|, t [B, T, k] and s [B, T, k'] sorted descending inside,
-    the shorter zero-padded (the ULD distance between two probability vectors)."""
+    """Masked mean over positions of sum_i |t_i - s_i|, t [B, T, k] and s [B, T, k'] sorted
+    descending inside, the shorter zero-padded (the ULD distance between two probability
+    vectors)."""
     t = t.sort(dim=-1, descending=True).values
     width = max(t.shape[-1], s.shape[-1])
     t, s = F.pad(t, (0, width - t.shape[-1])), F.pad(s, (0, width - s.shape[-1]))
@@ -429,15 +436,16 @@ def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk
                       t2s: torch.Tensor, student_unmatched: torch.Tensor, mask: torch.Tensor | None = None,
                       teacher_tail: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                       temperature: float = 1.0, matched_weight: float | None = None):
-    """The hybrid cross-vocabulary logit loss (as TRL GOLD's hybrid ULD): teacher ids whose string the student
-    has are compared id by id (`topk_kl_loss` on the mapped ids), the rest by the sorted distance (`uld_loss`),
-    weighted `matched_weight` (default: the share of the teacher's vocabulary that maps) and 1 - it.
-    Returns (loss, {"kl": matched part, "uld": unmatched part}); details: docs/internals/step.md.
+    """The hybrid cross-vocabulary logit loss (as TRL GOLD's hybrid ULD): teacher ids whose string
+    the student has are compared id by id (`topk_kl_loss` on the mapped ids), the rest by the sorted
+    distance (`uld_loss`), weighted `matched_weight` (default: the share of the teacher's vocabulary
+    that maps) and 1 - it. Returns (loss, {"kl": matched part, "uld": unmatched part}); details:
+    docs/internals/step.md.
 
-    Args: student_logits [B, T, V_s]; topk_ids / topk_logp [B, T, k]: the teacher's top-k in ITS vocabulary (at the
-    student's positions); t2s [V_t] long: student id of each teacher id or -1 (`align.vocab.VocabMap`);
-    student_unmatched [U] long: the student ids no teacher id maps to; teacher_tail [B, T]: log of its mass
-    outside the k ids.
+    Args: student_logits [B, T, V_s]; topk_ids / topk_logp [B, T, k]: the teacher's top-k in ITS
+    vocabulary (at the student's positions); t2s [V_t] long: student id of each teacher id or -1
+    (`align.vocab.VocabMap`); student_unmatched [U] long: the student ids no teacher id maps to;
+    teacher_tail [B, T]: log of its mass outside the k ids.
     """
     m = bool_mask(mask, *student_logits.shape[:2], student_logits.device, "hybrid logit loss")
     t2s = t2s.to(student_logits.device)
@@ -467,8 +475,8 @@ def hybrid_logit_loss(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk
 @torch.no_grad()
 def top1_agreement(student_logits: torch.Tensor, topk_ids: torch.Tensor, mask: torch.Tensor | None = None
                    ) -> torch.Tensor:
-    """Masked mean of (student argmax over the full vocab == teacher's top-1 id, `topk_ids[..., 0]`):
-    a detached 0-d float32 tensor (0 if no position counts)."""
+    """Masked mean of (student argmax over the full vocab == teacher's top-1 id, `topk_ids[...,
+    0]`): a detached 0-d float32 tensor (0 if no position counts)."""
     ids, m = topk_prepare(student_logits, topk_ids, topk_ids, mask)
     agree = (student_logits.argmax(-1) == ids[..., 0]) & m
     return agree.float().sum() / m.float().sum().clamp_min(1.0)
@@ -478,10 +486,10 @@ def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
               lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-LM cross entropy: logits [B, T, V], labels [B, T] with -100 ignored.
 
-    With `shift`, position t predicts label t+1 (the positions `next_token_mask` names); the labels are shifted,
-    not the logits (a copy of [B, T, V] saved: docs/internals/step.md). Returns 0 (with grad) if no label
-    counts. lse [B, T]: the logits' `log_normalizer` when the caller has it for logit KD too (CE = lse -
-    logits[label]).
+    With `shift`, position t predicts label t+1 (the positions `next_token_mask` names); the labels
+    are shifted, not the logits (a copy of [B, T, V] saved: docs/internals/step.md). Returns 0 (with
+    grad) if no label counts. lse [B, T]: the logits' `log_normalizer` when the caller has it for
+    logit KD too (CE = lse - logits[label]).
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -498,14 +506,15 @@ def masked_ce(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
 
 
 def relation_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, heads: int) -> torch.Tensor:
-    """MiniLMv2's self-relation loss for one of K or V, no projector: s [L, B, H_s, T, D_s], t [L, B, H_t, T, D_t]
-    (the teacher layer matched to each student layer), mask [B, T].
+    """MiniLMv2's self-relation loss for one of K or V, no projector: s [L, B, H_s, T, D_s], t [L,
+    B, H_t, T, D_t] (the teacher layer matched to each student layer), mask [B, T].
 
-    Per layer the heads are concatenated and split into `heads` relation heads of d_r = H*D / heads on each side
-    (how MiniLMv2 reconciles head counts); R = softmax(X Xᵀ / √d_r) over the keys; KL(R_T ‖ R_S) summed over
-    the keys, averaged over relation heads and a sequence's valid query rows, then over sequences and layers --
-    bloomberg/minilmv2.bb `minilmv2.py` (`_get_relation_vectors`, `_get_kl_loss`). For a decoder the keys are
-    causal (j <= i); padding is masked instead of sliced, so any padding side works.
+    Per layer the heads are concatenated and split into `heads` relation heads of d_r = H*D / heads
+    on each side (how MiniLMv2 reconciles head counts); R = softmax(X Xᵀ / √d_r) over the keys;
+    KL(R_T ‖ R_S) summed over the keys, averaged over relation heads and a sequence's valid query
+    rows, then over sequences and layers -- bloomberg/minilmv2.bb `minilmv2.py`
+    (`_get_relation_vectors`, `_get_kl_loss`). For a decoder the keys are causal (j <= i); padding
+    is masked instead of sliced, so any padding side works.
     """
     def relations(x: torch.Tensor) -> torch.Tensor:  # [L, B, H, T, D] -> [L, B, heads, T, T]
         L, B, H, T, D = x.shape
@@ -527,15 +536,16 @@ def relation_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, heads: i
 
 
 def hidden_cosine_loss(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Minitron's intermediate-state loss: s [L, B, T, h] (the student's layers' output hidden states, projected to
-    the teacher's width where it differs), t [L, B, T, h] (each one's matched teacher layer), mask [B, T] (the
-    positions CE counts).
+    """Minitron's intermediate-state loss: s [L, B, T, h] (the student's layers' output hidden
+    states, projected to the teacher's width where it differs), t [L, B, T, h] (each one's matched
+    teacher layer), mask [B, T] (the positions CE counts).
 
-    Per layer pair, 1 - cos(s, t) per token with no reduction (NVIDIA ModelOpt `HiddenStateCosineLoss`:
-    `F.cosine_embedding_loss(..., target 1, reduction="none")`, the teacher detached), the mean over the masked
-    tokens (Megatron-LM `post_training/loss_func.py::_mask_loss`), then the mean over layer pairs
-    (`LogitsAndIntermediatesLossBalancer`: sum / len). Its dynamic rescaling to the logit loss is not applied:
-    `loss.hidden_weight` is a fixed weight, like kava-ray's other terms.
+    Per layer pair, 1 - cos(s, t) per token with no reduction (NVIDIA ModelOpt
+    `HiddenStateCosineLoss`: `F.cosine_embedding_loss(..., target 1, reduction="none")`, the teacher
+    detached), the mean over the masked tokens (Megatron-LM
+    `post_training/loss_func.py::_mask_loss`), then the mean over layer pairs
+    (`LogitsAndIntermediatesLossBalancer`: sum / len). Its dynamic rescaling to the logit loss is
+    not applied: `loss.hidden_weight` is a fixed weight, like kava-ray's other terms.
     """
     L, B, T, h = s.shape
     m = mask.to(s.device, torch.float32)  # [B, T]

@@ -1,5 +1,5 @@
-"""The names of the step's metrics, defined once: the Distiller and the losses make them, the recipe sums or
-averages them, evaluation, the report and the trackers read them (metrics.jsonl keys)."""
+"""The names of the step's metrics, defined once: the Distiller and the losses make them, the recipe
+sums or averages them, evaluation, the report and the trackers read them (metrics.jsonl keys)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ SAMPLED_TOKENS = "onpolicy/sampled_tokens"  # completion tokens the student samp
 EVALS = "evals"  # in Tune reports only: evaluations made after step 0 (the ASHA scheduler's clock)
 SAMPLE_S = "time/sample_s"  # seconds the step spent sampling (on-policy; mean over ranks)
 TEACHER_WAIT_S = "teacher_wait_s"  # seconds the step waited for its teachers' KV (mean over ranks)
-# the teacher-scored per-token reverse KL of the student's samples, log q - log pi_T (tinker's teacher_kl), per
-# teacher of its tokenizer: summed over sampled tokens as RKL_SUM/<t>, divided by SAMPLED_TOKENS into RKL/<t>
+# the teacher-scored per-token reverse KL of the student's samples, log q - log pi_T (tinker's
+# teacher_kl), per teacher of its tokenizer: summed over sampled tokens as RKL_SUM/<t>, divided by
+# SAMPLED_TOKENS into RKL/<t>
 RKL, RKL_SUM = "onpolicy/reverse_kl", "onpolicy/reverse_kl_sum"
 SUMMED = (TOKENS, KV_TOKENS, LABEL_TOKENS, SKIPPED_BATCHES, SAMPLED_TOKENS)  # summed over micro-batches and ranks
 # (and every RKL_SUM/<t>: `summed`); the rest: means
@@ -30,9 +31,9 @@ def summed(name: str) -> bool:
     """Whether a metric is summed over micro-batches and ranks (a count) rather than averaged."""
     return name in SUMMED or name.startswith(RKL_SUM + "/")
 
-# per teacher, as `of(COS, teacher)`: cos/<t> (centred), cos_raw/<t>, aligned/<t> (the share of KV positions a
-# teacher of another tokenizer covers), fusion/<t> (its fusion weight), top1_agree/<t>, and the logit terms
-# logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>
+# per teacher, as `of(COS, teacher)`: cos/<t> (centred), cos_raw/<t>, aligned/<t> (the share of KV
+# positions a teacher of another tokenizer covers), fusion/<t> (its fusion weight), top1_agree/<t>,
+# and the logit terms logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>
 COS, ALIGNED, FUSION, TOP1_AGREE = "cos", "aligned", "fusion", "top1_agree"
 LOGIT_PER_TEACHER = ("logit_kl/", "logit_uld/", "logit_aligned/", "top1_agree/")  # per next-token position
 
@@ -48,6 +49,7 @@ def of(name: str, teacher: str) -> str:
 
 
 def phase(cos: float) -> str:
-    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores ~0:
-    "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real keys."""
+    """Training phase name for the centred mean KV cosine (`cos_sim`; a constant projector scores
+    ~0: "Adapting"). Never pass `cos_raw`: a constant per (layer, head) reaches ~0.88 on real
+    keys."""
     return next((name for limit, name in _PHASES if cos < limit), "Excellent")

@@ -1,6 +1,7 @@
-"""Load teachers and students (hub id, local dir or .gguf file; dtype; bitsandbytes 4/8-bit) and read their
-KV geometry. Pure PyTorch + Hugging Face, no Ray; GGUF conversion lives in `core/gguf.py`.
-Measured facts (bitsandbytes on CPU, GGUF load times): see docs/internals/core.md#models.
+"""Load teachers and students (hub id, local dir or .gguf file; dtype; bitsandbytes 4/8-bit) and
+read their KV geometry. Pure PyTorch + Hugging Face, no Ray; GGUF conversion lives in
+`core/gguf.py`. Measured facts (bitsandbytes on CPU, GGUF load times): see
+docs/internals/core.md#models.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def _rope_theta(config) -> float | None:
 
 
 def _num_kv_heads(config, heads: int) -> int:
-    """KV heads per layer as the cache holds them: num_key_value_heads (GQA), 1 for multi-query configs
-    without it, and Falcon's own rules (its 40B-style "new decoder architecture" caches K, V broadcast
-    to every query head)."""
+    """KV heads per layer as the cache holds them: num_key_value_heads (GQA), 1 for multi-query
+    configs without it, and Falcon's own rules (its 40B-style "new decoder architecture" caches K, V
+    broadcast to every query head)."""
     if getattr(config, "model_type", "") == "falcon":
         if getattr(config, "new_decoder_architecture", False):
             return heads
@@ -240,8 +241,9 @@ def load_model(
 ):
     """Load a causal LM in eval mode from a hub id, a local HF dir, or a .gguf file.
 
-    quantization: "none" | "4bit" (bitsandbytes NF4, double quant, compute in `dtype`) | "8bit".
-    A .gguf is converted once to a plain HF dir under `cache_dir` (`gguf_to_hf_dir`) and loaded from there.
+    quantization: "none" | "4bit" (bitsandbytes NF4, double quant, compute in `dtype`) | "8bit". A
+    .gguf is converted once to a plain HF dir under `cache_dir` (`gguf_to_hf_dir`) and loaded from
+    there.
     """
     torch_dtype = resolve_dtype(dtype)
     qconfig = _quant_config(quantization, torch_dtype)
@@ -260,8 +262,9 @@ def load_model(
 
 
 def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=None):
-    """Load the tokenizer for `spec` (same resolution rules as `load_model`, plus a directory holding only a
-    saved tokenizer, as the KV cache keeps for teachers of another tokenizer); pad token falls back to eos."""
+    """Load the tokenizer for `spec` (same resolution rules as `load_model`, plus a directory
+    holding only a saved tokenizer, as the KV cache keeps for teachers of another tokenizer); pad
+    token falls back to eos."""
     local = Path(str(spec)).expanduser()
     if gguf_file is None and local.is_dir() and not (local / "config.json").is_file() \
             and (local / "tokenizer_config.json").is_file():
@@ -287,8 +290,8 @@ def load_tokenizer(spec, gguf_file=None, *, trust_remote_code=None, cache_dir=No
 
 
 def rotary_embedding(model, required: bool = True):
-    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2); without one, KavaError,
-    or None when not `required`."""
+    """The model's rotary embedding module (model.model.rotary_emb for Llama/Qwen2); without one,
+    KavaError, or None when not `required`."""
     for path in ("model.rotary_emb", "rotary_emb", "model.language_model.rotary_emb", "model.model.rotary_emb"):
         mod = model
         for part in path.split("."):
@@ -306,16 +309,16 @@ def rotary_embedding(model, required: bool = True):
     raise KavaError(f"{type(model).__name__} has no rotary embedding; use key_space: post_rope")
 
 
-# config keys that mean "keys are rotated by position" (a family may rotate inside its attention, without a
-# rotary module: GPT-J's rotary_dim)
+# config keys that mean "keys are rotated by position" (a family may rotate inside its attention,
+# without a rotary module: GPT-J's rotary_dim)
 _ROTARY_CONFIG_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct",
                        "rotary_emb_base", "partial_rotary_factor")
 
 
 def uses_rotary(model) -> bool:
-    """Whether the model rotates its keys by position (RoPE): it has a rotary module or its config names
-    rotary parameters. False for learned / sinusoidal absolute positions and ALiBi (GPT-2, OPT, BLOOM,
-    GPT-BigCode, Falcon with alibi), whose cached keys are already position-free."""
+    """Whether the model rotates its keys by position (RoPE): it has a rotary module or its config
+    names rotary parameters. False for learned / sinusoidal absolute positions and ALiBi (GPT-2,
+    OPT, BLOOM, GPT-BigCode, Falcon with alibi), whose cached keys are already position-free."""
     config = getattr(model, "config", model)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
@@ -331,12 +334,12 @@ def uses_rotary(model) -> bool:
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder block list of a causal LM, in order: the one ModuleList child of its decoder
-    (`model.get_decoder()`, the model itself when it has no such method), e.g. `model.model.layers` for
-    Llama/Qwen2, `transformer.h` for GPT-2/Falcon/BLOOM, `model.decoder.layers` for OPT.
+    (`model.get_decoder()`, the model itself when it has no such method), e.g. `model.model.layers`
+    for Llama/Qwen2, `transformer.h` for GPT-2/Falcon/BLOOM, `model.decoder.layers` for OPT.
 
-    The one rule for the three uses: `keep_layers` (it edits this list in place), FSDP2's per-layer units and the
-    hidden-state hooks (`HiddenCapture`); it holds for a student already sharded by `fully_shard`, which keeps the
-    module tree."""
+    The one rule for the three uses: `keep_layers` (it edits this list in place), FSDP2's per-layer
+    units and the hidden-state hooks (`HiddenCapture`); it holds for a student already sharded by
+    `fully_shard`, which keeps the module tree."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
     if len(lists) != 1 or not len(lists[0]):
@@ -348,8 +351,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def keep_layers(model, keep: list[int]):
     """Turn `model` into a layer-dropped student in place: keep these decoder layers, in this order.
 
-    Renumbers `layer_idx` (the cache slot) and `config.layer_types`, so the result saves and reloads as an
-    ordinary model of the smaller depth."""
+    Renumbers `layer_idx` (the cache slot) and `config.layer_types`, so the result saves and reloads
+    as an ordinary model of the smaller depth."""
     layers = decoder_layers(model)
     n = len(layers)
     keep = [int(i) for i in keep]
@@ -379,8 +382,9 @@ def copied_from(config) -> Optional[dict]:
 
 
 def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None):
-    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train mode.
-    A layer-dropped student records its source layers (`copied_from`), so a copy saved from it still maps them."""
+    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train
+    mode. A layer-dropped student records its source layers (`copied_from`), so a copy saved from it
+    still maps them."""
     model = load_model(spec, dtype=dtype)
     if keep:
         prev = copied_from(model.config)

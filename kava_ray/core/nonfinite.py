@@ -1,9 +1,9 @@
 """A loss that is not finite stops the run, naming the first bad step and its term, before a checkpoint saves it.
 
-`FirstBad` watches every step without a host sync: the gradient norms (after DDP/FSDP's all-reduce, so every
-rank sees the same ones and every rank stops at the same step) decide; the rank's own loss terms say which one.
-`check()` reads it at the loop's log steps, which every save step is: weights that went NaN are never saved,
-and the last good checkpoint stays the latest.
+`FirstBad` watches every step without a host sync: the gradient norms (after DDP/FSDP's all-reduce,
+so every rank sees the same ones and every rank stops at the same step) decide; the rank's own loss
+terms say which one. `check()` reads it at the loop's log steps, which every save step is: weights
+that went NaN are never saved, and the last good checkpoint stays the latest.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Teacher plans and the logit rules: what a job's student side consumes of its teachers, without Ray.
 
-Each function takes the config sections it reads (`loss`, `student`, `teachers`, `align`, `onpolicy`), as torchtune
-builds each component from its own section: the caller holds the `JobConfig`.
+Each function takes the config sections it reads (`loss`, `student`, `teachers`, `align`,
+`onpolicy`), as torchtune builds each component from its own section: the caller holds the
+`JobConfig`.
 
-`teacher_plans` builds a `TeacherPlan` per teacher from the geometries it reports (running actors, a KV cache,
-or in process); the logit rules say which teachers train the student's logits and with how many top-k ids. The
-Distiller, the train worker, evaluation and the benches read these; `kava_ray.runtime.job` adds Ray. The job's
-data splits are `kava_ray.data.splits` (core and data import nothing of each other).
+`teacher_plans` builds a `TeacherPlan` per teacher from the geometries it reports (running actors, a
+KV cache, or in process); the logit rules say which teachers train the student's logits and with how
+many top-k ids. The Distiller, the train worker, evaluation and the benches read these;
+`kava_ray.runtime.job` adds Ray. The job's data splits are `kava_ray.data.splits` (core and data
+import nothing of each other).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from kava_ray.core.models import KVGeometry, copied_from, kv_geometry, load_mode
 class TeacherPlan:
     """One teacher as the student sees it: its geometry, the layer map and the layers it ships.
 
-    `tokenizer`: None when it shares the student's tokenizer (positions one to one); else where the student side
-    loads it from (its model, or the KV cache's copy) to align positions by characters (`data.alignment`),
-    checked against `tokenizer_fingerprint`, what the teacher reports. `copied`: the student was copied from this
-    teacher (`copied_from_teacher`), so `align.projector.kind: auto` may compare their KV directly (identity)."""
+    `tokenizer`: None when it shares the student's tokenizer (positions one to one); else where the
+    student side loads it from (its model, or the KV cache's copy) to align positions by characters
+    (`data.alignment`), checked against `tokenizer_fingerprint`, what the teacher reports. `copied`:
+    the student was copied from this teacher (`copied_from_teacher`), so `align.projector.kind:
+    auto` may compare their KV directly (identity)."""
 
     name: str
     geometry: KVGeometry
@@ -63,8 +66,8 @@ def wants_hidden(loss: LossConfig) -> bool:
 
 
 def token_logprob_teachers(onpolicy: Optional[OnPolicyConfig], plans: dict[str, "TeacherPlan"]) -> list[str]:
-    """Teachers that also serve each next token's log-prob: those of the student's tokenizer, when the student
-    samples (`onpolicy`): the sampled reverse KL and its metric read them."""
+    """Teachers that also serve each next token's log-prob: those of the student's tokenizer, when
+    the student samples (`onpolicy`): the sampled reverse KL and its metric read them."""
     o = onpolicy
     if o is None or o.fraction == 0 or o.source != "student":
         return []
@@ -83,8 +86,8 @@ def logit_teachers(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> list[st
 
 
 def check_vocab(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> None:
-    """When the job asks for teacher logits, at least one teacher must give them (a `logit_teachers` entry, its
-    LM head of any size: docs/internals/core.md#plans); else one KavaError line."""
+    """When the job asks for teacher logits, at least one teacher must give them (a `logit_teachers`
+    entry, its LM head of any size: docs/internals/core.md#plans); else one KavaError line."""
     if not logits_top_k(loss):
         return
     usable = logit_teachers(loss, plans)
@@ -96,9 +99,10 @@ def check_vocab(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> None:
 
 def shares_tokenizer_here(student: StudentConfig, teacher: TeacherConfig,
                           student_fp: Optional[str] = None) -> Optional[bool]:
-    """Whether `teacher` tokenizes as the student (the fingerprint its actor will report: `teacher_plans`), read in
-    the driver before any teacher starts. None where its tokenizer is not at hand here without the network (a hub id
-    while online, a path only another node has, a package not installed): the teachers' own report decides then."""
+    """Whether `teacher` tokenizes as the student (the fingerprint its actor will report:
+    `teacher_plans`), read in the driver before any teacher starts. None where its tokenizer is not
+    at hand here without the network (a hub id while online, a path only another node has, a package
+    not installed): the teachers' own report decides then."""
     spec = teacher.model
     try:
         source, gguf = resolve_model(spec)
@@ -119,8 +123,9 @@ def onpolicy_writer(onpolicy: OnPolicyConfig, teachers: list[TeacherConfig]) -> 
 
 
 def check_writer(onpolicy: OnPolicyConfig, teachers: list[TeacherConfig], shares_tokenizer: Optional[bool]) -> None:
-    """`onpolicy.source: teacher` needs a writer of the student's tokenizer (its ids are the student's): one line
-    when it is known to have another (the driver's `shares_tokenizer_here` before Ray, or its plan once it runs)."""
+    """`onpolicy.source: teacher` needs a writer of the student's tokenizer (its ids are the
+    student's): one line when it is known to have another (the driver's `shares_tokenizer_here`
+    before Ray, or its plan once it runs)."""
     if shares_tokenizer is False:
         raise KavaError(f"onpolicy.source: teacher needs a teacher of the student's tokenizer; "
                         f"'{onpolicy_writer(onpolicy, teachers)}' has another (set onpolicy.teacher to one that "
@@ -135,10 +140,10 @@ def teacher_logits_top_k(loss: LossConfig, plans: dict[str, "TeacherPlan"]) -> d
 
 def vocab_maps(loss: LossConfig, student: StudentConfig, plans: dict[str, "TeacherPlan"], student_tok,
                teacher_toks: dict) -> dict:
-    """{teacher: `align.vocab.VocabMap`} for the logit teachers of another tokenizer (none when the job takes no
-    logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's tokenizer (a KV cache keeps one
-    there) or the kava-ray cache (`<cache>/vocab_maps/`), else built (1-4 s for 50k-150k vocabularies) and
-    saved there."""
+    """{teacher: `align.vocab.VocabMap`} for the logit teachers of another tokenizer (none when the
+    job takes no logits or `loss.logit_cross_vocab` is off). Read from beside the teacher's
+    tokenizer (a KV cache keeps one there) or the kava-ray cache (`<cache>/vocab_maps/`), else built
+    (1-4 s for 50k-150k vocabularies) and saved there."""
     if not logits_top_k(loss) or cross_vocab(loss) == "off":
         return {}
     s_fp, s_vocab = tokenizer_fingerprint(student_tok), student_geometry(student).vocab_size
@@ -152,8 +157,8 @@ def vocab_maps(loss: LossConfig, student: StudentConfig, plans: dict[str, "Teach
 
 
 def cross_vocab_lines(loss: LossConfig, student: StudentConfig, plans: dict[str, "TeacherPlan"]) -> list[str]:
-    """One status line per teacher whose logits cross vocabularies: the loss, and its vocabulary map's coverage
-    (built here once, so the workers of this node read it from the cache)."""
+    """One status line per teacher whose logits cross vocabularies: the loss, and its vocabulary
+    map's coverage (built here once, so the workers of this node read it from the cache)."""
     if not logits_top_k(loss) or cross_vocab(loss) == "off" or not any(p.aligned for p in plans.values()):
         return []
     toks = teacher_tokenizers(plans)
@@ -191,9 +196,10 @@ def student_tokenizer(student: StudentConfig):
 def teacher_plans(student: StudentConfig, teachers: list[TeacherConfig], align: AlignConfig,
                   teacher_geoms: dict[str, dict], s_geom: KVGeometry, student_fp: Optional[str] = None,
                   tokenizer_dirs: Optional[dict[str, str]] = None) -> dict[str, TeacherPlan]:
-    """Layer map + shipped layers per teacher, from the geometries the teachers report, and how each one's
-    positions meet the student's: one to one (same tokenizer fingerprint as `student_fp`, default the
-    student's) or aligned by characters (its tokenizer loaded from `tokenizer_dirs[name]`, else its model)."""
+    """Layer map + shipped layers per teacher, from the geometries the teachers report, and how each
+    one's positions meet the student's: one to one (same tokenizer fingerprint as `student_fp`,
+    default the student's) or aligned by characters (its tokenizer loaded from
+    `tokenizer_dirs[name]`, else its model)."""
     if student_fp is None:
         student_fp = student_tokenizer(student)[1]
     ships = ships_kv(teachers)
@@ -212,9 +218,10 @@ def teacher_plans(student: StudentConfig, teachers: list[TeacherConfig], align: 
 
 def layer_plan(align: AlignConfig, student: StudentConfig, teacher: TeacherConfig, n_teacher: int, n_student: int
                ) -> tuple[LayerMap, list[int]]:
-    """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is identity for a
-    student copied from this teacher by keep_layers (`copied_layers`) and ratio otherwise. Only for a job whose
-    teachers ship KV (`ships_kv`; none does beside a teacher on vLLM)."""
+    """(layer map, teacher layers to ship) of one teacher: `align.layer_map`, where `auto` is
+    identity for a student copied from this teacher by keep_layers (`copied_layers`) and ratio
+    otherwise. Only for a job whose teachers ship KV (`ships_kv`; none does beside a teacher on
+    vLLM)."""
     kind, sources = align.layer_map, copied_layers(student, teacher)
     if kind == "auto":
         kind = "identity" if sources is not None else "ratio"
@@ -224,9 +231,10 @@ def layer_plan(align: AlignConfig, student: StudentConfig, teacher: TeacherConfi
 
 
 def copied_layers(student: StudentConfig, teacher: TeacherConfig) -> Optional[list[int]]:
-    """The teacher layers the student's were copied from (`student.keep_layers` of this teacher's model, or a saved
-    student's `models.copied_from`), else None. Such a pair shares its per-layer geometry: `align.layer_map: auto`
-    is then identity, and KV compares without a projector (`core.probe`)."""
+    """The teacher layers the student's were copied from (`student.keep_layers` of this teacher's
+    model, or a saved student's `models.copied_from`), else None. Such a pair shares its per-layer
+    geometry: `align.layer_map: auto` is then identity, and KV compares without a projector
+    (`core.probe`)."""
     keep, source = student.keep_layers, student.model
     if not keep:
         prov = copied_from(load_model_config(student.model)) if _is_local_dir(source) else None
@@ -237,10 +245,11 @@ def copied_layers(student: StudentConfig, teacher: TeacherConfig) -> Optional[li
 
 
 def copied_from_teacher(student: StudentConfig, teacher: TeacherConfig) -> bool:
-    """Whether the student starts as this teacher's own weights: layers copied from its model (`copied_layers`:
-    `student.keep_layers`, or a saved copy's provenance) or that very model. Only then do the two share a KV basis,
-    so `align.projector.kind: auto` makes the teacher's own KV the target (identity, `projectors.resolve_kind`); a
-    student of the same geometry trained apart from the teacher (Qwen3's sizes, Qwen2.5-1.5B/3B) has its own."""
+    """Whether the student starts as this teacher's own weights: layers copied from its model
+    (`copied_layers`: `student.keep_layers`, or a saved copy's provenance) or that very model. Only
+    then do the two share a KV basis, so `align.projector.kind: auto` makes the teacher's own KV the
+    target (identity, `projectors.resolve_kind`); a student of the same geometry trained apart from
+    the teacher (Qwen3's sizes, Qwen2.5-1.5B/3B) has its own."""
     return copied_layers(student, teacher) is not None or student.model == teacher.model
 
 
@@ -249,8 +258,9 @@ def _is_local_dir(spec: str) -> bool:
 
 
 def teacher_tokenizers(plans: dict[str, TeacherPlan]) -> dict:
-    """{teacher: its tokenizer} for the teachers aligned by characters, loaded where the student tokenizes. One
-    that differs from what the teacher reported (another revision) is refused: its positions would not index the KV."""
+    """{teacher: its tokenizer} for the teachers aligned by characters, loaded where the student
+    tokenizes. One that differs from what the teacher reported (another revision) is refused: its
+    positions would not index the KV."""
     out = {}
     for n, p in plans.items():
         if not p.aligned:

@@ -1,10 +1,12 @@
-"""The student's precision policy (`student.precision`): the dtype its weights are stored in, the dtype
-its forward computes in, and an optimizer that does not round small updates away. Pure PyTorch.
+"""The student's precision policy (`student.precision`): the dtype its weights are stored in, the
+dtype its forward computes in, and an optimizer that does not round small updates away. Pure
+PyTorch.
 
-`auto` (bf16-mixed on a CUDA device with bf16, else fp32), `fp32`, `bf16-mixed` (fp32 master weights, grads and
-states; bf16 autocast) or `bf16-sr` (bf16 weights; torchao AdamW / AdamW8bit with stochastic rounding; needs
-`pip install 'kava-ray[sr]'`). No policy trains bf16 weights with a round-to-nearest optimizer: it loses small
-updates. Projectors and fusion stay fp32. Measurements and the `student.dtype` rules: docs/internals/core.md#precision.
+`auto` (bf16-mixed on a CUDA device with bf16, else fp32), `fp32`, `bf16-mixed` (fp32 master
+weights, grads and states; bf16 autocast) or `bf16-sr` (bf16 weights; torchao AdamW / AdamW8bit with
+stochastic rounding; needs `pip install 'kava-ray[sr]'`). No policy trains bf16 weights with a
+round-to-nearest optimizer: it loses small updates. Projectors and fusion stay fp32. Measurements
+and the `student.dtype` rules: docs/internals/core.md#precision.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def resolve_precision(policy: str, device_type: str, bf16_supported: bool = True
     """The policy `policy` on a `device_type` ('cuda', 'cpu', ...) device.
 
     `auto` is bf16-mixed on CUDA when `bf16_supported`, else fp32. An explicit policy is taken as
-    asked (CPU autocast supports bf16), except that a bf16 policy on a CUDA device without bf16 fails.
+    asked (CPU autocast supports bf16), except that a bf16 policy on a CUDA device without bf16
+    fails.
     """
     if policy not in POLICIES:
         raise KavaError(f"student.precision {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -72,8 +75,9 @@ def planned_policy(policy: str, on_gpu: bool) -> str:
 
 
 def student_bytes_per_param(policy: str, optimizer: str) -> dict:
-    """Bytes per student parameter of a resolved policy: weights, grads, optimizer states, and the bf16
-    copy autocast makes of every weight a matmul reads (counted per such param by the planner)."""
+    """Bytes per student parameter of a resolved policy: weights, grads, optimizer states, and the
+    bf16 copy autocast makes of every weight a matmul reads (counted per such param by the
+    planner)."""
     if policy == "bf16-sr":  # torchao: bf16 states for adamw, 8-bit blockwise for adamw8bit
         return {"weights": 2, "grads": 2, "optimizer": 2 if optimizer == "adamw8bit" else 4, "autocast_copy": 0}
     states = 2 if optimizer == "adamw8bit" else 8  # bitsandbytes 8-bit, or torch's fp32 exp_avg + exp_avg_sq
@@ -92,8 +96,8 @@ def _torchao_optim():
 
 
 def sr_adamw(groups: list[dict], optim) -> torch.optim.Optimizer:
-    """torchao AdamW (`adamw`) or AdamW8bit (`adamw8bit`) with bf16 stochastic rounding over `groups`; the lr
-    stays a float between steps (`_float_lr`)."""
+    """torchao AdamW (`adamw`) or AdamW8bit (`adamw8bit`) with bf16 stochastic rounding over
+    `groups`; the lr stays a float between steps (`_float_lr`)."""
     tao = _torchao_optim()
     base = tao.AdamW8bit if optim.optimizer == "adamw8bit" else tao._AdamW
     return _float_lr(base)(groups, lr=groups[0]["lr"], weight_decay=optim.weight_decay, bf16_stochastic_round=True)
@@ -102,8 +106,9 @@ def sr_adamw(groups: list[dict], optim) -> torch.optim.Optimizer:
 _FLOAT_LR: dict = {}
 
 
-# torchao keeps each group's lr as a tensor (its compiled step then does not recompile when the lr changes); the
-# LR scheduler, metrics and checkpoints expect a float, so the subclass makes it a tensor only inside `step`
+# torchao keeps each group's lr as a tensor (its compiled step then does not recompile when the lr
+# changes); the LR scheduler, metrics and checkpoints expect a float, so the subclass makes it a
+# tensor only inside `step`
 def _float_lr(base):
     if base not in _FLOAT_LR:
         class FloatLR(base):

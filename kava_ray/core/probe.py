@@ -1,10 +1,11 @@
-"""Projector-free KV alignment: how close the student's own keys and values are to a teacher's, with no
-learned part between them -- the same figure for every recipe, where the projector's `cos_sim` is ~0 for a
-`ce` run by construction.
+"""Projector-free KV alignment: how close the student's own keys and values are to a teacher's, with
+no learned part between them -- the same figure for every recipe, where the projector's `cos_sim` is
+~0 for a `ce` run by construction.
 
-Layers the student copied from the teacher compare directly; any other pair goes through a ridge linear probe
-fit on one split and scored on another. Both score the centred cosine, the mean of K and V: 1 for a student
-equal to its teacher on those layers, ~0 for a random one. Pure PyTorch. Details: docs/internals/core.md#probe.
+Layers the student copied from the teacher compare directly; any other pair goes through a ridge
+linear probe fit on one split and scored on another. Both score the centred cosine, the mean of K
+and V: 1 for a student equal to its teacher on those layers, ~0 for a random one. Pure PyTorch.
+Details: docs/internals/core.md#probe.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _tokens(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class KVAlignment:
     """Accumulates the projector-free centred cosine of student vs teacher K and V over batches.
 
-    pairs[i] = the teacher layer (an index into the teacher KV's layer axis) student layer i is compared with.
-    probe=False: direct comparison (identical geometry, `source_layers`). probe=True: `fit` on batches first
-    (a linear map per student layer and per K / V, ridge `ridge` x mean feature variance), then `score`.
+    pairs[i] = the teacher layer (an index into the teacher KV's layer axis) student layer i is
+    compared with. probe=False: direct comparison (identical geometry, `source_layers`). probe=True:
+    `fit` on batches first (a linear map per student layer and per K / V, ridge `ridge` x mean
+    feature variance), then `score`.
     """
 
     def __init__(self, pairs: list[int], probe: bool = False, ridge: float = 1e-3, exclude: tuple = ()):
@@ -110,8 +112,9 @@ class KVAlignment:
         self.tokens += n
 
     def result(self) -> dict:
-        """{"kv_cos_free": mean of K and V over the layers not excluded, "kv_cos_free_k", "kv_cos_free_v",
-        "per_layer": [mean of K and V per student layer], "excluded", "tokens", "method"}."""
+        """{"kv_cos_free": mean of K and V over the layers not excluded, "kv_cos_free_k",
+        "kv_cos_free_v", "per_layer": [mean of K and V per student layer], "excluded", "tokens",
+        "method"}."""
         n = max(self.tokens, 1)
         keep = [i for i in range(len(self.pairs)) if i not in self.exclude]
         k, v = ([self._per[x][i] / n for i in keep] for x in ("k", "v"))

@@ -1,8 +1,8 @@
-"""Projectors from a teacher's KV cache (`[L, B, H, T, D]`: layers, batch, kv heads, time, head_dim) into the
-student's layout `[L_s, B, H_s, T, D_s]`. A `TeacherProjector` holds one teacher's K and V projectors: `flat`
-(the shipped layers aggregated per token, one projector for all student layers) or `structured` (per student
-layer, a learned combination of its mapped teacher layers, then a `HeadwiseProjector`).
-See docs/internals/core.md#projectors.
+"""Projectors from a teacher's KV cache (`[L, B, H, T, D]`: layers, batch, kv heads, time, head_dim)
+into the student's layout `[L_s, B, H_s, T, D_s]`. A `TeacherProjector` holds one teacher's K and V
+projectors: `flat` (the shipped layers aggregated per token, one projector for all student layers)
+or `structured` (per student layer, a learned combination of its mapped teacher layers, then a
+`HeadwiseProjector`). See docs/internals/core.md#projectors.
 """
 
 from __future__ import annotations
@@ -38,20 +38,21 @@ def resolve_kind(kind: str, mode: str, t_heads: int, t_head_dim: int, s_heads: i
 
 def job_kind(align, fusion_kind: str, n_teachers: int, t_geom, s_geom, *, copied: bool, sharded: bool,
              aligned: bool = False) -> str:
-    """The projector kind a job (its `align` section, `fusion.kind`, its number of teachers) trains for one teacher
-    of KV geometry
-    `t_geom`: `resolve_kind` with the job's arguments, the one rule the Distiller, the planner and Tune's
-    inert-dimension check share. `fit` only where it can serve (`fit_allowed`) and not when FSDP2 shards the
-    student (`sharded`, `RayConfig.sharded`: fit fills its maps on rank 0 and broadcasts them; FSDP2 shards them).
-    copied: `plans.copied_from_teacher`; aligned: another tokenizer."""
+    """The projector kind a job (its `align` section, `fusion.kind`, its number of teachers) trains
+    for one teacher of KV geometry `t_geom`: `resolve_kind` with the job's arguments, the one rule
+    the Distiller, the planner and Tune's inert-dimension check share. `fit` only where it can serve
+    (`fit_allowed`) and not when FSDP2 shards the student (`sharded`, `RayConfig.sharded`: fit fills
+    its maps on rank 0 and broadcasts them; FSDP2 shards them). copied: `plans.copied_from_teacher`;
+    aligned: another tokenizer."""
     return resolve_kind(align.projector.kind, align.mode, t_geom.num_kv_heads, t_geom.head_dim,
                         s_geom.num_kv_heads, s_geom.head_dim,
                         fit_allowed(fusion_kind, n_teachers, aligned) and not sharded, copied=copied)
 
 
 def fit_allowed(fusion_kind: str, n_teachers: int, aligned: bool = False) -> bool:
-    """Whether kind `fit` can serve a teacher: its KV loss is its own (one teacher, or fusion `sum`: a fused target
-    lives in one space, fit's in each teacher's) and it shares the student's tokenizer (the fit is token by token)."""
+    """Whether kind `fit` can serve a teacher: its KV loss is its own (one teacher, or fusion `sum`:
+    a fused target lives in one space, fit's in each teacher's) and it shares the student's
+    tokenizer (the fit is token by token)."""
     return not aligned and (fusion_kind == "sum" or n_teachers == 1)
 
 
@@ -129,8 +130,8 @@ def num_parameters(module: nn.Module) -> int:
 
 
 def block_head_mix(h_in: int, h_out: int) -> torch.Tensor:
-    """[h_out, h_in] matrix, rows summing to 1: output head j averages its contiguous block of input heads (with
-    h_out > h_in, copies input head floor(j * h_in / h_out))."""
+    """[h_out, h_in] matrix, rows summing to 1: output head j averages its contiguous block of input
+    heads (with h_out > h_in, copies input head floor(j * h_in / h_out))."""
     mix = torch.zeros(h_out, h_in)
     for j in range(h_out):
         lo = j * h_in // h_out
@@ -196,8 +197,9 @@ class HeadwiseProjector(nn.Module):
     """Mix kv heads H_t -> H_s with a learnable [H_s, H_t] matrix (starts `block_head_mix`), then project head_dim
     D_t -> D_s: [..., H_t, T, D_t] -> [..., H_s, T, D_s].
 
-    head_proj `shared`: one projector for every student head (older checkpoints' layout); `per_head`: one per
-    student head, H_s times the parameters, with state_dict keys the shared layout never loads into.
+    head_proj `shared`: one projector for every student head (older checkpoints' layout);
+    `per_head`: one per student head, H_s times the parameters, with state_dict keys the shared
+    layout never loads into.
     """
 
     def __init__(
@@ -241,10 +243,11 @@ class StudentMap(nn.Module):
     student's side, against a fixed teacher target): per student layer, one affine map of its KV (heads flattened)
     into its teacher layer's, [L_s, B, H_s, T, D_s] -> [L_s, B, H_t, T, D_t].
 
-    It starts as the ridge fit of `probe.KVAlignment.fit` (`load_fit`, before training: the best linear image of the
-    student in the teacher's space, so the loss's gradient pulls the student toward its teacher from step 1), then
-    stays frozen (`trainable` False) or trains at the student's learning rate. `fitted` (a buffer, saved with the
-    checkpoint) is 0 until then: a resumed run is not fitted again."""
+    It starts as the ridge fit of `probe.KVAlignment.fit` (`load_fit`, before training: the best
+    linear image of the student in the teacher's space, so the loss's gradient pulls the student
+    toward its teacher from step 1), then stays frozen (`trainable` False) or trains at the
+    student's learning rate. `fitted` (a buffer, saved with the checkpoint) is 0 until then: a
+    resumed run is not fitted again."""
 
     def __init__(self, layers: int, s_heads: int, s_head_dim: int, t_heads: int, t_head_dim: int,
                  trainable: bool = False):
@@ -283,8 +286,9 @@ class TeacherProjector(nn.Module):
     """The K and V projectors of one teacher: keys, values [len(teacher_layers), B, H_t, T, D_t] (the shipped
     layers, in `teacher_layers` order) -> (k_s, v_s), each [L_s, B, H_s, T, D_s].
 
-    mode `flat` (aggregation concat | mean | weighted; the layer map only picks the shipped layers) or
-    `structured` (`head_proj` shared | per_head; flat ignores it). See docs/internals/core.md#projectors.
+    mode `flat` (aggregation concat | mean | weighted; the layer map only picks the shipped layers)
+    or `structured` (`head_proj` shared | per_head; flat ignores it). See
+    docs/internals/core.md#projectors.
     """
 
     def __init__(

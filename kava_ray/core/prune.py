@@ -1,15 +1,16 @@
-"""Width pruning of attention, Minitron's way (Muralidharan et al. 2024, "Compact Language Models via Pruning and
-Knowledge Distillation"; NVIDIA ModelOpt's Minitron pruning): a student whose KV geometry differs from its teacher's
-while its weights start from the teacher's.
+"""Width pruning of attention, Minitron's way (Muralidharan et al. 2024, "Compact Language Models
+via Pruning and Knowledge Distillation"; NVIDIA ModelOpt's Minitron pruning): a student whose KV
+geometry differs from its teacher's while its weights start from the teacher's.
 
-`kv_group_importance` scores each KV group (one KV head and the query heads that read it) by its activations on a
-calibration batch: per query head, the L2 norm of its attention output (the head's slice of `o_proj`'s input) at each
-real token, averaged over the tokens; a group's importance is the sum over its query heads (Minitron's head importance,
-aggregated over the GQA group that must stay together). `prune_kv_groups` keeps, in every layer, the `n` groups of
-the highest importance: the q / k / v rows and the o_proj columns of those heads, so the model's KV is
-[n, head_dim] per layer where the teacher's is [H_kv, head_dim]. Llama / Qwen2 / Mistral attention (`self_attn`
-with q_proj, k_proj, v_proj, o_proj); the config records the new head counts and head_dim, so the result saves and
-reloads as an ordinary model.
+`kv_group_importance` scores each KV group (one KV head and the query heads that read it) by its
+activations on a calibration batch: per query head, the L2 norm of its attention output (the head's
+slice of `o_proj`'s input) at each real token, averaged over the tokens; a group's importance is the
+sum over its query heads (Minitron's head importance, aggregated over the GQA group that must stay
+together). `prune_kv_groups` keeps, in every layer, the `n` groups of the highest importance: the q
+/ k / v rows and the o_proj columns of those heads, so the model's KV is [n, head_dim] per layer
+where the teacher's is [H_kv, head_dim]. Llama / Qwen2 / Mistral attention (`self_attn` with q_proj,
+k_proj, v_proj, o_proj); the config records the new head counts and head_dim, so the result saves
+and reloads as an ordinary model.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _geometry(model) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def kv_group_importance(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[L, H_kv]: each layer's KV groups scored on a calibration batch (module docstring). input_ids, attention_mask:
-    [B, T]."""
+    """[L, H_kv]: each layer's KV groups scored on a calibration batch (module docstring).
+    input_ids, attention_mask: [B, T]."""
     heads, kv, dim = _geometry(model)
     real = attention_mask.bool()
     scores: list = []
@@ -73,9 +74,9 @@ def _rows(linear: nn.Linear, idx: torch.Tensor, dim: int) -> nn.Linear:
 
 @torch.no_grad()
 def prune_kv_groups(model, n: int, importance: torch.Tensor) -> list[list[int]]:
-    """Keep the `n` most important KV groups of every layer (`importance` [L, H_kv], `kv_group_importance`), in
-    place; returns the kept groups per layer (ascending). The config then has n KV heads, n x (H / H_kv) query heads
-    and an explicit head_dim."""
+    """Keep the `n` most important KV groups of every layer (`importance` [L, H_kv],
+    `kv_group_importance`), in place; returns the kept groups per layer (ascending). The config then
+    has n KV heads, n x (H / H_kv) query heads and an explicit head_dim."""
     heads, kv, dim = _geometry(model)
     layers = decoder_layers(model)
     if not 1 <= n <= kv:

@@ -1,15 +1,18 @@
-"""The terms that read the student's logits (CE, logit KD, the divergences), over chunks of positions, so that the
-logits [B, T, V] never exist at once (`loss.vocab_chunk` positions at a time).
+"""The terms that read the student's logits (CE, logit KD, the divergences), over chunks of
+positions, so that the logits [B, T, V] never exist at once (`loss.vocab_chunk` positions at a
+time).
 
-Each chunk's logits are made from the final hidden states by the LM head, its terms computed, and -- in training --
-their gradients with respect to the chunk's hidden states and the head taken right there, in the forward, before
-the chunk's logits are freed (Liger-Kernel's `LigerFusedLinearCrossEntropyFunction`, liger_kernel/ops/
-fused_linear_cross_entropy.py: the gradient computed chunk by chunk in the forward and scaled by the incoming one in
-the backward). Liger writes each loss's gradient by hand; here autograd takes it per chunk, so every term of
-`core.logit_kd` works unchanged and nothing is recomputed (torchtune's `CEWithChunkedOutputLoss` chunks the same way
-but keeps every chunk's logits for the backward). Each term is a masked mean over positions: a chunk's mean counts
-with the weight (its positions) / (all positions), so the result equals the whole-logits path exactly.
-Details and measurements: docs/internals/step.md#vocab-chunks.
+Each chunk's logits are made from the final hidden states by the LM head, its terms computed, and --
+in training -- their gradients with respect to the chunk's hidden states and the head taken right
+there, in the forward, before the chunk's logits are freed (Liger-Kernel's
+`LigerFusedLinearCrossEntropyFunction`, liger_kernel/ops/ fused_linear_cross_entropy.py: the
+gradient computed chunk by chunk in the forward and scaled by the incoming one in the backward).
+Liger writes each loss's gradient by hand; here autograd takes it per chunk, so every term of
+`core.logit_kd` works unchanged and nothing is recomputed (torchtune's `CEWithChunkedOutputLoss`
+chunks the same way but keeps every chunk's logits for the backward). Each term is a masked mean
+over positions: a chunk's mean counts with the weight (its positions) / (all positions), so the
+result equals the whole-logits path exactly. Details and measurements:
+docs/internals/step.md#vocab-chunks.
 """
 
 from __future__ import annotations
@@ -28,19 +31,21 @@ import torch.nn.functional as F
 from kava_ray.common.errors import KavaError
 from kava_ray.core.metric_names import of
 
-# config attributes of families whose logits are more than the head of the last hidden state (Gemma 2/3's soft cap,
-# Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier): they keep the whole-logits path;
-# any other family is checked on its first forward (`VocabReader.terms`: the forward's last-position logits against
-# the head of the captured hidden state)
+# config attributes of families whose logits are more than the head of the last hidden state (Gemma
+# 2/3's soft cap, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier):
+# they keep the whole-logits path; any other family is checked on its first forward
+# (`VocabReader.terms`: the forward's last-position logits against the head of the captured hidden
+# state)
 _SCALED = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 @dataclass
 class Term:
-    """One term read from the student's logits, named `name` (CE, or of a logit `teacher`): `value` its mean over the
-    positions that count and `count` how many (of a chunk's; in what the reader returns, the whole batch's mean and
-    count); `coef` its weight in the loss (None: a figure, not in the loss) and `total` the positions it counts over
-    the whole batch (set with a coef: a chunk's mean weighs count / total)."""
+    """One term read from the student's logits, named `name` (CE, or of a logit `teacher`): `value`
+    its mean over the positions that count and `count` how many (of a chunk's; in what the reader
+    returns, the whole batch's mean and count); `coef` its weight in the loss (None: a figure, not
+    in the loss) and `total` the positions it counts over the whole batch (set with a coef: a
+    chunk's mean weighs count / total)."""
 
     name: str
     value: torch.Tensor
@@ -59,8 +64,8 @@ class Term:
 TermsFn = Callable[[torch.Tensor, slice], dict[str, Term]]
 
 def head_of(model) -> tuple[Optional[nn.Linear], str]:
-    """(the LM head, "") when the model's logits are `head(last hidden state)` and its forward can skip them
-    (`logits_to_keep`), else (None, why not)."""
+    """(the LM head, "") when the model's logits are `head(last hidden state)` and its forward can
+    skip them (`logits_to_keep`), else (None, why not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return None, "its LM head is not one Linear"
@@ -83,8 +88,8 @@ def _keeps_logits(cls) -> bool:
 
 
 class LastHidden:
-    """Captures the decoder's final hidden state (after its last norm: what the LM head reads) during a forward:
-    `.value` [B, T, hidden]. A forward hook on `model.get_decoder()`."""
+    """Captures the decoder's final hidden state (after its last norm: what the LM head reads)
+    during a forward: `.value` [B, T, hidden]. A forward hook on `model.get_decoder()`."""
 
     def __init__(self, model):
         self.decoder = model.get_decoder()
@@ -161,16 +166,18 @@ def _zero(coef) -> bool:
 
 
 class _FusedHead(torch.autograd.Function):
-    """The chunked loss (`chunked_terms`) with the gradients its chunk loop took: scaled by the incoming gradient in
-    the backward, each cast to its input's dtype.
+    """The chunked loss (`chunked_terms`) with the gradients its chunk loop took: scaled by the
+    incoming gradient in the backward, each cast to its input's dtype.
 
-    The head's gradient is a sum over the chunks, accumulated in fp32 and cast once: summed in a bf16 head's own
-    dtype, each of the (chunks - 1) additions rounds to 8 bits of mantissa (a bf16 head, 64 chunks: 3.7x the error
-    of whole logits in bf16 against fp32, `tests/test_vocab_chunks.py`). Liger-Kernel's fused linear cross entropy
-    does the same with `accum_dtype=torch.float32` (src/liger_kernel/ops/fused_linear_cross_entropy.py,
-    `fused_linear_cross_entropy_forward`: grad_weight / grad_bias buffers in accum_dtype, cast to the weight's dtype
-    at the end of its forward; its default, accum_dtype None, sums in the weight's dtype). The cost: an fp32 buffer of
-    the head during the chunk loop (none extra for an fp32 head); what waits for the backward is in the head's dtype."""
+    The head's gradient is a sum over the chunks, accumulated in fp32 and cast once: summed in a
+    bf16 head's own dtype, each of the (chunks - 1) additions rounds to 8 bits of mantissa (a bf16
+    head, 64 chunks: 3.7x the error of whole logits in bf16 against fp32,
+    `tests/test_vocab_chunks.py`). Liger-Kernel's fused linear cross entropy does the same with
+    `accum_dtype=torch.float32` (src/liger_kernel/ops/fused_linear_cross_entropy.py,
+    `fused_linear_cross_entropy_forward`: grad_weight / grad_bias buffers in accum_dtype, cast to
+    the weight's dtype at the end of its forward; its default, accum_dtype None, sums in the
+    weight's dtype). The cost: an fp32 buffer of the head during the chunk loop (none extra for an
+    fp32 head); what waits for the backward is in the head's dtype."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, loss, grads):
@@ -192,8 +199,9 @@ class _FusedHead(torch.autograd.Function):
 
 
 class VocabReader:
-    """How a forward's logit terms are read: in chunks from the captured final hidden state (`loss.vocab_chunk` > 0
-    and `head_of` the model is a plain head), else from the forward's whole logits.
+    """How a forward's logit terms are read: in chunks from the captured final hidden state
+    (`loss.vocab_chunk` > 0 and `head_of` the model is a plain head), else from the forward's whole
+    logits.
 
         reader = VocabReader(model, chunk)
         with reader.capture():
@@ -241,9 +249,10 @@ class VocabReader:
         return chunked_terms(fn, self.hidden, self.head, self.chunk)
 
     def _kept_all(self, out) -> bool:
-        """Whether the forward returned every position's logits though asked for the last one's (a model whose
-        forward takes `logits_to_keep` and ignores it): they are its own logits and exist already, so the terms read
-        them whole -- the same loss, but `loss.vocab_chunk` saves no memory for this model (logged once per class)."""
+        """Whether the forward returned every position's logits though asked for the last one's (a
+        model whose forward takes `logits_to_keep` and ignores it): they are its own logits and
+        exist already, so the terms read them whole -- the same loss, but `loss.vocab_chunk` saves
+        no memory for this model (logged once per class)."""
         time = self.hidden.shape[1]
         if time == 1 or out.logits.shape[1] != time:
             return False
@@ -256,8 +265,9 @@ class VocabReader:
         return True
 
     def _check_head(self, out) -> None:
-        """Once per model class: the forward's last-position logits are the head of the captured hidden state (a
-        family that transforms its logits after the head, unknown to `head_of`, would train on a wrong loss)."""
+        """Once per model class: the forward's last-position logits are the head of the captured
+        hidden state (a family that transforms its logits after the head, unknown to `head_of`,
+        would train on a wrong loss)."""
         cls = type(self.model)
         if cls in _HEAD_CHECKED:
             return

@@ -1,12 +1,12 @@
 """Token (time) alignment across tokenizers, by characters: teacher token positions -> student token positions.
 
 A teacher of another tokenizer renders the same record itself; its token spans (fast tokenizers'
-`offset_mapping`) and the student's are mapped into one character coordinate per record, within its content
-segments (`data.records`), and student token i gets the teacher tokens lo[i]:hi[i] that overlap it and have
-read nothing past it (causal); `pair_positions` finds the teacher position that predicts the same text (for
-logits). Pure numpy, no tokenizer calls; done when a split is tokenized (`tokenize.teacher_view`), applied to KV
-by `kava_ray.core.align.tokens.apply_alignment`. Segments, the canonical coordinate and the causal rule:
-docs/internals/core.md#align-tokens.
+`offset_mapping`) and the student's are mapped into one character coordinate per record, within its
+content segments (`data.records`), and student token i gets the teacher tokens lo[i]:hi[i] that
+overlap it and have read nothing past it (causal); `pair_positions` finds the teacher position that
+predicts the same text (for logits). Pure numpy, no tokenizer calls; done when a split is tokenized
+(`tokenize.teacher_view`), applied to KV by `kava_ray.core.align.tokens.apply_alignment`. Segments,
+the canonical coordinate and the causal rule: docs/internals/core.md#align-tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def segment_table(spans, text_len: int, same_text: bool) -> Optional[np.ndarray]
 
 
 def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Optional[np.ndarray]:
-    """A GSM8K record's `segment_table`: question, reasoning and final answer (from the last `####`), found in
-    `text`; None when the question, or the answer after it, is not there."""
+    """A GSM8K record's `segment_table`: question, reasoning and final answer (from the last
+    `####`), found in `text`; None when the question, or the answer after it, is not there."""
     q0 = text.find(question)
     if q0 < 0 or not question:
         return None
@@ -56,8 +56,9 @@ def segment_bounds(text: str, question: str, answer: str, same_text: bool) -> Op
 def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token offsets [(start, end)] into a text -> canonical (starts, ends, segment), int64 [T] each.
 
-    A token goes to the segment holding most of its characters (ties: the earlier) and is clipped to it; tokens
-    in no segment, empty spans (specials) and every token when `bounds` is None get -1 in all three.
+    A token goes to the segment holding most of its characters (ties: the earlier) and is clipped to
+    it; tokens in no segment, empty spans (specials) and every token when `bounds` is None get -1 in
+    all three.
     """
     n = len(offsets)
     off = np.asarray(offsets, dtype=np.int64).reshape(n, 2)
@@ -78,16 +79,17 @@ def canonical_spans(offsets: Sequence, bounds: Optional[np.ndarray]) -> tuple[np
 
 
 def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own and,
-    with `causal`, ends at or before its end (no teacher token that has read characters past it).
+    """Student token i uses teacher tokens lo[i]:hi[i]: those whose canonical span overlaps its own
+    and, with `causal`, ends at or before its end (no teacher token that has read characters past
+    it).
 
     Inputs: canonical spans (`canonical_spans`), -1 = no span. Returns int64 (lo, hi) [T_s]; hi == lo: unaligned.
     """
     ss, se = np.asarray(s_starts, np.int64), np.asarray(s_ends, np.int64)
     ts, te = np.asarray(t_starts, np.int64).copy(), np.asarray(t_ends, np.int64).copy()
-    # spans are monotone in token order, so each student token's teacher set is one contiguous range found by
-    # searchsorted; a teacher token without a span borrows its neighbours' (below) so the arrays stay monotone:
-    # it never matches by itself, only inside a range whose both ends qualify
+    # spans are monotone in token order, so each student token's teacher set is one contiguous range
+    # found by searchsorted; a teacher token without a span borrows its neighbours' (below) so the
+    # arrays stay monotone: it never matches by itself, only inside a range whose both ends qualify
     if len(ts):
         miss = ts < 0
         big = np.iinfo(np.int64).max
@@ -102,10 +104,11 @@ def align_positions(s_starts, s_ends, t_starts, t_ends, causal: bool = True) -> 
 
 
 def pair_positions(s_canon, t_canon) -> np.ndarray:
-    """Where a student and a teacher position predict the same text: for each student token i, the teacher token
-    j ending at the same canonical character of the same segment, both followed by a token of that segment (a
-    segment's last token, followed by template text, is never paired); -1 where none. Int64 [T_s].
-    Inputs: each side's `canonical_spans`; see docs/internals/core.md#align-tokens."""
+    """Where a student and a teacher position predict the same text: for each student token i, the
+    teacher token j ending at the same canonical character of the same segment, both followed by a
+    token of that segment (a segment's last token, followed by template text, is never paired); -1
+    where none. Int64 [T_s]. Inputs: each side's `canonical_spans`; see
+    docs/internals/core.md#align-tokens."""
     def followed(canon) -> np.ndarray:  # has a span, and so has the next token, in the same segment
         st, en, sg = (np.asarray(a, np.int64) for a in canon)
         ok = np.zeros(len(st), dtype=bool)
@@ -125,8 +128,8 @@ def pair_positions(s_canon, t_canon) -> np.ndarray:
 def align_texts(s_offsets, s_text: str, s_segments, t_offsets, t_text: str, t_segments):
     """One record end to end: (lo, hi, s_canon, t_canon) where *_canon = (starts, ends, segment).
 
-    `*_segments`: each side's content spans in its own text, in one order; a record whose segments differ in
-    number or content between the two sides is all-unaligned.
+    `*_segments`: each side's content spans in its own text, in one order; a record whose segments
+    differ in number or content between the two sides is all-unaligned.
     """
     same = s_text == t_text
     s_segs, t_segs = list(s_segments or []), list(t_segments or [])

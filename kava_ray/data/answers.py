@@ -1,6 +1,7 @@
-"""Whether an answer is right: GSM8K's final number in one canonical form (`number`), or the whole completion
-(`exact`). The one checker every generate-and-score route uses: `kava-ray eval` (`evaluate.score_answers`), the
-shipped harness tasks (`kava_gsm8k`, a user's `file:PATH`) and the task benches."""
+"""Whether an answer is right: GSM8K's final number in one canonical form (`number`), or the whole
+completion (`exact`). The one checker every generate-and-score route uses: `kava-ray eval`
+(`evaluate.score_answers`), the shipped harness tasks (`kava_gsm8k`, a user's `file:PATH`) and the
+task benches."""
 
 from __future__ import annotations
 
@@ -36,15 +37,15 @@ def final_answer(text: Optional[str]) -> Optional[str]:
 
 
 def answers_match(pred: Optional[str], gold: Optional[str]) -> bool:
-    """GSM8K's correctness: both final answers (`final_answer`) exist and are equal (`evaluate.score_answers`, the
-    shipped harness task `kava_gsm8k`)."""
+    """GSM8K's correctness: both final answers (`final_answer`) exist and are equal
+    (`evaluate.score_answers`, the shipped harness task `kava_gsm8k`)."""
     p = final_answer(pred)
     return p is not None and p == final_answer(gold)
 
 
 def same_completion(pred: str, gold: str) -> bool:
-    """A completion equal to the gold one, surrounding whitespace aside (`bench task --checker exact`, the harness
-    tasks of a user's file, `kava-ray eval --tasks file:PATH`)."""
+    """A completion equal to the gold one, surrounding whitespace aside (`bench task --checker
+    exact`, the harness tasks of a user's file, `kava-ray eval --tasks file:PATH`)."""
     return pred.strip() == gold.strip()
 
 

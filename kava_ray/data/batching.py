@@ -1,5 +1,5 @@
-"""Length-bucketed deterministic batching, DDP sharding, the `Batch` type and its collation, batch keys and a
-resumable stream."""
+"""Length-bucketed deterministic batching, DDP sharding, the `Batch` type and its collation, batch
+keys and a resumable stream."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ def _rng(*parts) -> np.random.Generator:
 
 def plan_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, bucket: bool = True,
                  drop_last: bool = True) -> np.ndarray:
-    """One epoch's batches as an int64 array [n_batches, batch_size] of row indices, deterministic for
-    (seed, epoch); numpy throughout, so millions of rows cost megabytes, not Python lists.
+    """One epoch's batches as an int64 array [n_batches, batch_size] of row indices, deterministic
+    for (seed, epoch); numpy throughout, so millions of rows cost megabytes, not Python lists.
 
-    bucket: shuffle, sort by length within chunks of 50 * batch_size so each batch holds similar lengths
-    (little padding), then shuffle the batch order. drop_last=False keeps a short last batch (a list of arrays).
+    bucket: shuffle, sort by length within chunks of 50 * batch_size so each batch holds similar
+    lengths (little padding), then shuffle the batch order. drop_last=False keeps a short last batch
+    (a list of arrays).
     """
     rng = _rng("plan", seed, epoch)
     n = len(lengths)
@@ -68,8 +69,9 @@ def _to(obj, device):
 class TeacherInputs:
     """A teacher of another tokenizer's part of a batch: its own tokens, and how they meet the student's.
 
-    Student token j reads teacher tokens align_lo[j]:align_hi[j] (equal: unaligned; KV); logit_pair[j] is the
-    teacher position that predicts the same text (-1: none; logits). All long tensors.
+    Student token j reads teacher tokens align_lo[j]:align_hi[j] (equal: unaligned; KV);
+    logit_pair[j] is the teacher position that predicts the same text (-1: none; logits). All long
+    tensors.
     """
 
     input_ids: torch.Tensor  # [B, T_t], right-padded with the teacher's pad id
@@ -86,12 +88,13 @@ class TeacherInputs:
 class Batch:
     """A batch of the student's examples (what the data layer yields and the Distiller reads); all long.
 
-    teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the student's
-    tokenizer reads `input_ids` / `attention_mask` as they are). source: "data" (the records' own completions),
-    "student" or "teacher" (completions sampled by it: on-policy distillation, `data.completions`); sample_logp [B, T]
-    float: at position t the sampling log-prob of token t + 1 where it was sampled (0 elsewhere). route: per row,
-    the teacher its record names (a `teacher` column: its logits alone teach that row; None or "" for every
-    teacher), or None when the records name none.
+    teachers: {teacher: TeacherInputs} of the teachers of another tokenizer (a teacher sharing the
+    student's tokenizer reads `input_ids` / `attention_mask` as they are). source: "data" (the
+    records' own completions), "student" or "teacher" (completions sampled by it: on-policy
+    distillation, `data.completions`); sample_logp [B, T] float: at position t the sampling log-prob
+    of token t + 1 where it was sampled (0 elsewhere). route: per row, the teacher its record names
+    (a `teacher` column: its logits alone teach that row; None or "" for every teacher), or None
+    when the records name none.
     """
 
     input_ids: torch.Tensor  # [B, T]
@@ -111,8 +114,8 @@ class Batch:
         return out
 
     def repeated(self, k: int) -> "Batch":
-        """Each row k times in a row (rows b * k .. b * k + k - 1 are row b), `group` naming the row each came
-        from: a batch of prompts to sample k completions of each."""
+        """Each row k times in a row (rows b * k .. b * k + k - 1 are row b), `group` naming the row
+        each came from: a batch of prompts to sample k completions of each."""
         def rep(obj):
             return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).repeat_interleave(k, 0)
                                                for f in dataclasses.fields(obj)
@@ -186,9 +189,9 @@ def with_layers(key: str, layers: Iterable[int]) -> str:
 class BatchStream:
     """A worker's batches forever across epochs, resumable exactly from `state()`.
 
-    Epoch e's batches are `shard_batches(plan_batches(lengths, batch_size, seed, e), rank, world_size)`;
-    keys use the global batch index, so they do not depend on the rank. drop_last=False (held-out evaluation:
-    every row counts) keeps a short last batch.
+    Epoch e's batches are `shard_batches(plan_batches(lengths, batch_size, seed, e), rank,
+    world_size)`; keys use the global batch index, so they do not depend on the rank.
+    drop_last=False (held-out evaluation: every row counts) keeps a short last batch.
     """
 
     def __init__(self, split: TokenizedSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,

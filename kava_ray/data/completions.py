@@ -1,10 +1,11 @@
 """A batch of sampled completions (on-policy distillation), built from a batch of records and the samples.
 
-`prompts_of` cuts each row before its completion (the last run of loss tokens: a prompt_completion's completion,
-a conversation's last assistant turn, a GSM8K answer); `sampled_batch` joins each prompt with its sampled
-completion into a `Batch` whose loss tokens are the sampled ones, with the sampling log-probs, and -- for every
-teacher of another tokenizer -- that teacher's own rendering of the record with the sampled completion, aligned by
-characters exactly as the data's rows are (`tokenize.align_item`). Pure Python + torch.
+`prompts_of` cuts each row before its completion (the last run of loss tokens: a prompt_completion's
+completion, a conversation's last assistant turn, a GSM8K answer); `sampled_batch` joins each prompt
+with its sampled completion into a `Batch` whose loss tokens are the sampled ones, with the sampling
+log-probs, and -- for every teacher of another tokenizer -- that teacher's own rendering of the
+record with the sampled completion, aligned by characters exactly as the data's rows are
+(`tokenize.align_item`). Pure Python + torch.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def prompts_of(batch: Batch) -> list[list[int]]:
 
 
 def completion_text(tokenizer, prompt: Sequence[int], completion: Sequence[int]) -> tuple[str, np.ndarray]:
-    """(the completion's text, each completion token's character span [n, 2] in it): decoded after the prompt (a
-    SentencePiece tokenizer drops a leading space when a completion is decoded alone), spans by decoding growing
-    prefixes (monotone; a byte split inside a character lands on the token that completes it)."""
+    """(the completion's text, each completion token's character span [n, 2] in it): decoded after
+    the prompt (a SentencePiece tokenizer drops a leading space when a completion is decoded alone),
+    spans by decoding growing prefixes (monotone; a byte split inside a character lands on the token
+    that completes it)."""
     base = tokenizer.decode(list(prompt), skip_special_tokens=True)
 
     def upto(j: int) -> str:
@@ -65,10 +67,11 @@ def completion_text(tokenizer, prompt: Sequence[int], completion: Sequence[int])
 def sampled_batch(batch: Batch, rows: Sequence[int], split: TokenizedSplit, completions: Sequence[Sequence[int]],
                   logps: Sequence[Sequence[float]] | None, tokenizer, teacher_tokenizers: Mapping, max_length: int,
                   prompt_format: str = "auto", source: str = "student") -> Batch:
-    """The batch with each row's completion replaced by `completions[b]` (the student's token ids; `logps[b]` their
-    sampling log-probs, None for a teacher's text re-tokenized), cut at `max_length` tokens. rows: the batch's
-    example indices into `split` (the records a teacher of another tokenizer renders); teacher_tokenizers:
-    {teacher: tokenizer} of the teachers of another tokenizer (`split.views` names them)."""
+    """The batch with each row's completion replaced by `completions[b]` (the student's token ids;
+    `logps[b]` their sampling log-probs, None for a teacher's text re-tokenized), cut at
+    `max_length` tokens. rows: the batch's example indices into `split` (the records a teacher of
+    another tokenizer renders); teacher_tokenizers: {teacher: tokenizer} of the teachers of another
+    tokenizer (`split.views` names them)."""
     starts = prompt_starts(batch)
     items, logp_rows, texts = [], [], []
     for b, (start, comp) in enumerate(zip(starts, completions)):
@@ -95,8 +98,9 @@ def sampled_batch(batch: Batch, rows: Sequence[int], split: TokenizedSplit, comp
 
 def _teacher_inputs(split: TokenizedSplit, rows, starts, texts, tokenizer, teacher_tokenizers: Mapping,
                     max_length: int, prompt_format: str, T_s: int) -> dict:
-    """{teacher: TeacherInputs} of the sampled rows for every teacher of another tokenizer: the record with the
-    sampled completion, rendered and tokenized by that teacher, aligned to the student's tokens by characters."""
+    """{teacher: TeacherInputs} of the sampled rows for every teacher of another tokenizer: the
+    record with the sampled completion, rendered and tokenized by that teacher, aligned to the
+    student's tokens by characters."""
     if split.records is None or "text" not in split.dataset.column_names:
         raise KavaError("teachers of another tokenizer score a sampled completion by its text: the split needs its "
                         "records and texts")
@@ -107,8 +111,8 @@ def _teacher_inputs(split: TokenizedSplit, rows, starts, texts, tokenizer, teach
         offs = np.asarray(s_item["offsets"], dtype=np.int64).reshape(-1, 2)
         at = int(offs[start, 0]) if start < len(offs) else len(s_item["text"])  # where the completion starts
         rec = with_completion(split.records[int(i)], split.format, ctext)
-        # the record with the sampled completion as the student renders it: the same prompt text, the completion
-        # at `at`, and content segments split as the teacher's rendering splits them
+        # the record with the sampled completion as the student renders it: the same prompt text,
+        # the completion at `at`, and content segments split as the teacher's rendering splits them
         mine = render(rec, split.format, tokenizer, prompt_format)
         if mine.text[:at] != s_item["text"][:at] or mine.text[at:at + len(ctext)] != ctext:
             mine.segments = []  # the template moved the completion: this row stays unaligned

@@ -1,8 +1,9 @@
 """Keep a worker's resident memory at what it holds, not at the history of what it has read.
 
-Random reads of `datasets`' memory-mapped Arrow cache leave ever more of it resident; `release_mapped_pages`
-drops this process's mappings of those pages (`madvise(MADV_DONTNEED)`; the data stays in the page cache), safe
-for read-only file mappings. Linux only, else a no-op. Measurement: docs/internals/core.md#mmap-advice.
+Random reads of `datasets`' memory-mapped Arrow cache leave ever more of it resident;
+`release_mapped_pages` drops this process's mappings of those pages (`madvise(MADV_DONTNEED)`; the
+data stays in the page cache), safe for read-only file mappings. Linux only, else a no-op.
+Measurement: docs/internals/core.md#mmap-advice.
 """
 
 from __future__ import annotations

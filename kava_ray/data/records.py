@@ -1,9 +1,10 @@
 """Record formats: what a row of a dataset is, which of its tokens carry loss, and where its content lies.
 
-Four formats (TRL's conventions), detected from a row's fields after `data.columns` or set by `data.format`:
-`text`, `prompt_completion` (strings or message lists), `messages` and `gsm8k`. `render` turns a row into
-`Rendered`: text pieces tokenized one by one, the character spans that carry loss, and the content segments a
-teacher of another tokenizer aligns within. Pure Python. Each format's rules: docs/internals/core.md#records.
+Four formats (TRL's conventions), detected from a row's fields after `data.columns` or set by
+`data.format`: `text`, `prompt_completion` (strings or message lists), `messages` and `gsm8k`.
+`render` turns a row into `Rendered`: text pieces tokenized one by one, the character spans that
+carry loss, and the content segments a teacher of another tokenizer aligns within. Pure Python. Each
+format's rules: docs/internals/core.md#records.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ PLAIN_PROMPT = "Question: {q}\nAnswer: "
 
 @dataclass
 class Piece:
-    """Text tokenized on its own; `loss` is True (every token), False, or character spans (within the whole
-    rendered text) whose tokens carry loss, each followed by the template's end-of-turn token."""
+    """Text tokenized on its own; `loss` is True (every token), False, or character spans (within
+    the whole rendered text) whose tokens carry loss, each followed by the template's end-of-turn
+    token."""
 
     text: str
     loss: object = False
@@ -129,8 +131,8 @@ def use_chat(tokenizer, prompt_format: str) -> bool:
 
 
 def _find(text: str, content: str, pos: int) -> Optional[tuple[int, int]]:
-    """Where `content` lies in `text` at or after `pos` (a template may strip surrounding whitespace); None if
-    the template rewrote it."""
+    """Where `content` lies in `text` at or after `pos` (a template may strip surrounding
+    whitespace); None if the template rewrote it."""
     at = text.find(content, pos)
     if at < 0 and content.strip() != content:
         content = content.strip()
@@ -149,8 +151,9 @@ PLAIN_TURN = "{role}: {content}\n"  # how a teacher without a chat template read
 
 
 def _chat(tokenizer, messages: list, loss_from: int, plain_fallback: bool = False) -> Rendered:
-    """One chat-template piece; loss on assistant messages at index >= loss_from; a segment per message.
-    plain_fallback: a tokenizer without a chat template (a teacher's) reads "role: content" lines instead."""
+    """One chat-template piece; loss on assistant messages at index >= loss_from; a segment per
+    message. plain_fallback: a tokenizer without a chat template (a teacher's) reads "role: content"
+    lines instead."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     elif plain_fallback:
@@ -175,8 +178,9 @@ def _chat(tokenizer, messages: list, loss_from: int, plain_fallback: bool = Fals
 
 
 def render(row: Mapping, fmt: str, tokenizer, prompt_format: str = "auto", teacher: bool = False) -> Rendered:
-    """A checked record of format `fmt` as `tokenizer` sees it (docs/internals/core.md#records). teacher: a teacher
-    of another tokenizer renders it (a conversation without a chat template is read as plain turns)."""
+    """A checked record of format `fmt` as `tokenizer` sees it (docs/internals/core.md#records).
+    teacher: a teacher of another tokenizer renders it (a conversation without a chat template is
+    read as plain turns)."""
     if fmt == "text":
         return Rendered([Piece(row["text"], True, specials=True)], [(0, len(row["text"]))], eos=True)
     if fmt == "messages":
@@ -210,9 +214,10 @@ def generation_prompt(row: Mapping, fmt: str, tokenizer, prompt_format: str = "a
 
 
 def with_completion(row: Mapping, fmt: str, text: str) -> dict:
-    """The record with its completion (the last assistant turn, a GSM8K answer) replaced by `text`: what a teacher
-    of another tokenizer renders of a sampled completion (on-policy distillation). Text records have none (on-policy
-    refuses them before anything starts: `runtime.preflight.check_prompts`)."""
+    """The record with its completion (the last assistant turn, a GSM8K answer) replaced by `text`:
+    what a teacher of another tokenizer renders of a sampled completion (on-policy distillation).
+    Text records have none (on-policy refuses them before anything starts:
+    `runtime.preflight.check_prompts`)."""
     out = dict(row)
     turn = {"role": "assistant", "content": text}
     if fmt == "prompt_completion":
@@ -229,8 +234,8 @@ def with_completion(row: Mapping, fmt: str, text: str) -> dict:
 
 
 def formats_of(rows: Iterable[tuple[str, Mapping]], fmt: str, columns: Optional[Mapping] = None) -> Optional[str]:
-    """Check `(where, row)` pairs (the first records of a source): each is a valid record, all of one format.
-    Returns that format (None for no rows)."""
+    """Check `(where, row)` pairs (the first records of a source): each is a valid record, all of
+    one format. Returns that format (None for no rows)."""
     first = None
     for where, row in rows:
         row = rename(row, columns) if isinstance(row, Mapping) else row

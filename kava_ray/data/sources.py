@@ -1,7 +1,7 @@
-"""Where records come from, as Hugging Face `datasets`: the synthetic generator, local files (.jsonl, .json,
-.parquet, .csv, or a directory of such shards, `{split}` in the path), or a hub dataset id. `load_records` loads
-a split; `check_source` checks a source's first records in the driver, before anything starts.
-See docs/internals/core.md#data-sources.
+"""Where records come from, as Hugging Face `datasets`: the synthetic generator, local files
+(.jsonl, .json, .parquet, .csv, or a directory of such shards, `{split}` in the path), or a hub
+dataset id. `load_records` loads a split; `check_source` checks a source's first records in the
+driver, before anything starts. See docs/internals/core.md#data-sources.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def source_path(source: str, split: str) -> Optional[str]:
-    """The local file `source` names for `split` (`{split}` filled in, `~` expanded), or None for a hub id: local
-    when it exists, has a file extension or a path-like prefix (the rule the loader and `check_source` share)."""
+    """The local file `source` names for `split` (`{split}` filled in, `~` expanded), or None for a
+    hub id: local when it exists, has a file extension or a path-like prefix (the rule the loader
+    and `check_source` share)."""
     path = os.path.expanduser(source.replace("{split}", split))
     ext = os.path.splitext(path)[1].lower()
     if os.path.exists(path) or ext in _FILE_LIKE_EXTS or source.startswith(("/", "./", "../", "~")):
@@ -38,8 +39,8 @@ def source_path(source: str, split: str) -> Optional[str]:
 
 
 def data_files(path: str) -> list[str]:
-    """The files of a local source: the file itself, or a directory's shards (every readable file in it,
-    sorted; one file type)."""
+    """The files of a local source: the file itself, or a directory's shards (every readable file in
+    it, sorted; one file type)."""
     if not os.path.isdir(path):
         return [path]
     files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.splitext(f)[1].lower() in READABLE)
@@ -52,8 +53,8 @@ def data_files(path: str) -> list[str]:
 
 def source_fingerprint(source: str, split: str, n: Optional[int], seed: int = 0, hub_config: Optional[str] = None,
                        columns: Optional[Mapping] = None) -> str:
-    """What identifies a split's records without reading them: local files by path, size and mtime; the hub
-    by id, config and split; synthetic by size and seed."""
+    """What identifies a split's records without reading them: local files by path, size and mtime;
+    the hub by id, config and split; synthetic by size and seed."""
     path = source_path(source, split) if source != "synthetic" else None
     files = []
     if path is not None and os.path.exists(path):
@@ -66,8 +67,8 @@ def load_records(source: str, split: str, n: Optional[int] = None, seed: int = 0
                  hub_config: Optional[str] = "main", columns: Optional[Mapping] = None):
     """The records of `split` as a `datasets.Dataset`, `data.columns` applied, capped to the first `n` rows.
 
-    synthetic: `synthetic_split` (train never overlaps the others). Files and hub datasets stay Arrow tables,
-    memory-mapped from the datasets cache (nothing is read into Python lists).
+    synthetic: `synthetic_split` (train never overlaps the others). Files and hub datasets stay
+    Arrow tables, memory-mapped from the datasets cache (nothing is read into Python lists).
     """
     import datasets  # heavy (pyarrow), here and below: loaded where records are read, never by `bench gpu`
 
@@ -134,10 +135,10 @@ def check_source(source: str, split: str, records: int = 16, fmt: str = "auto",
                  columns: Optional[Mapping] = None) -> Optional[str]:
     """Fail fast, in the driver, on a data source a worker would fail on after teachers load (`runtime.preflight`).
 
-    A local source: exists, is not empty, and its first `records` records are valid records of one format (one
-    KavaError line naming the file and row). Else it must look like a hub id `org/name` (refuses typos such as
-    `synthetc`); whether the hub has it is the loader's business. Returns the records' format where it read them
-    (gsm8k for synthetic; None for a hub id).
+    A local source: exists, is not empty, and its first `records` records are valid records of one
+    format (one KavaError line naming the file and row). Else it must look like a hub id `org/name`
+    (refuses typos such as `synthetc`); whether the hub has it is the loader's business. Returns the
+    records' format where it read them (gsm8k for synthetic; None for a hub id).
     """
     if source == "synthetic":
         return "gsm8k"
@@ -169,8 +170,9 @@ def _check_hub_id(source: str) -> None:
 
 
 def _read_local(path: str, limit: Optional[int] = None) -> Iterator[tuple[str, object]]:
-    """(where, row) of a local file, where = 'line N (row i)' (JSONL, CSV), 'item i' (a JSON array) or 'row i'
-    (parquet); only the first `limit` rows are parsed when given (JSONL and CSV are read line by line)."""
+    """(where, row) of a local file, where = 'line N (row i)' (JSONL, CSV), 'item i' (a JSON array)
+    or 'row i' (parquet); only the first `limit` rows are parsed when given (JSONL and CSV are read
+    line by line)."""
     ext = os.path.splitext(path)[1].lower()
     if not os.path.isfile(path):
         raise KavaError(f"data file not found: {path}")
@@ -242,8 +244,8 @@ def _read_parquet(path: str, limit: Optional[int]) -> Iterator[tuple[str, object
 
 @contextlib.contextmanager
 def _quiet_hub_retries():
-    """huggingface_hub logs one WARNING per retry ('Retrying in 8s [Retry 4/5]') while the network is down: the
-    user gets the one KavaError line instead."""
+    """huggingface_hub logs one WARNING per retry ('Retrying in 8s [Retry 4/5]') while the network
+    is down: the user gets the one KavaError line instead."""
     loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

@@ -1,12 +1,12 @@
-"""The job's data splits, read from its config: train, validation and test records (a split's own, or carved from
-one source), tokenized with the job's settings into the cached Arrow splits, every aligned teacher's view attached,
-and the streams they are batched in.
+"""The job's data splits, read from its config: train, validation and test records (a split's own,
+or carved from one source), tokenized with the job's settings into the cached Arrow splits, every
+aligned teacher's view attached, and the streams they are batched in.
 
-What the driver prepares before any worker starts (`runtime.preflight.prepare_data`) and what the train worker,
-evaluation, `kava-ray data` and the benches read. Config and data only: the student's and teachers' tokenizers
-come in loaded (`core.models.load_tokenizer`), so this module imports nothing of `kava_ray.core` (core and data are
-independent: a contract in pyproject.toml). Each function takes the sections it reads: `data`, and `train` for
-the length, batch size and seed.
+What the driver prepares before any worker starts (`runtime.preflight.prepare_data`) and what the
+train worker, evaluation, `kava-ray data` and the benches read. Config and data only: the student's
+and teachers' tokenizers come in loaded (`core.models.load_tokenizer`), so this module imports
+nothing of `kava_ray.core` (core and data are independent: a contract in pyproject.toml). Each
+function takes the sections it reads: `data`, and `train` for the length, batch size and seed.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def tokenize_records(data: DataConfig, train: TrainConfig, tokenizer, records, s
 
 
 def one_source(data: DataConfig) -> bool:
-    """True when the test split would read the training split's rows: one local file or directory with no
-    `{split}` in its path (every split names it), or a hub dataset whose `test_split` is its `train_split`."""
+    """True when the test split would read the training split's rows: one local file or directory
+    with no `{split}` in its path (every split names it), or a hub dataset whose `test_split` is its
+    `train_split`."""
     if data.source == "synthetic":
         return False  # synthetic_split keeps train apart from the others by construction
     path = source_path(data.source, data.train_split)
@@ -60,17 +61,19 @@ CARVED_SHARE = 0.05  # a carved split whose data.num_val / num_test is null: thi
 
 def carved(data: DataConfig) -> bool:
     """Validation and test are cut from the training records: one source (`one_source`) without
-    `data.allow_overlap`. Rows: the first `num_train` + `num_val` + `num_test` records (all of them when
-    `num_train` is null); test = the last `num_test`, validation = the `num_val` before them, train = the rest.
-    A null `num_val` / `num_test` (every record of a split's own file) is `CARVED_SHARE` here (`carved_counts`):
-    "every record" of one file would leave nothing to train on."""
+    `data.allow_overlap`. Rows: the first `num_train` + `num_val` + `num_test` records (all of them
+    when `num_train` is null); test = the last `num_test`, validation = the `num_val` before them,
+    train = the rest. A null `num_val` / `num_test` (every record of a split's own file) is
+    `CARVED_SHARE` here (`carved_counts`): "every record" of one file would leave nothing to train
+    on."""
     return one_source(data) and not data.allow_overlap
 
 
 def carved_counts(data: DataConfig, total: int) -> tuple[int, int]:
-    """(validation, test) records carved from training records, `total` of them in the source: `data.num_val` /
-    `data.num_test`, or where null `CARVED_SHARE` (at least one) of the records the job trains on: `num_train`
-    when set (100 of a million-record file: 5 and 5, not 50,000 each), else `total`."""
+    """(validation, test) records carved from training records, `total` of them in the source:
+    `data.num_val` / `data.num_test`, or where null `CARVED_SHARE` (at least one) of the records the
+    job trains on: `num_train` when set (100 of a million-record file: 5 and 5, not 50,000 each),
+    else `total`."""
     base = total if data.num_train is None else min(data.num_train, total)
     share = max(1, int(base * CARVED_SHARE))
     return tuple(share if n is None else n for n in (data.num_val, data.num_test))
@@ -93,11 +96,12 @@ def _carved_records(data: DataConfig):
 
 def load_splits(data: DataConfig, train_cfg: TrainConfig, tokenizer, teacher_toks: Optional[dict] = None
                 ) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, val): validation is `data.val_split` when set, else the last `data.num_val` training records
-    (`carved`: the records before the test rows).
+    """(train, val): validation is `data.val_split` when set, else the last `data.num_val` training
+    records (`carved`: the records before the test rows).
 
-    Validation drives evaluation, `train.checkpoint_score` and Tune (the test split is read only after training).
-    `teacher_toks` (`teacher_tokenizers`): each split also carries those teachers' views (`TokenizedSplit.views`).
+    Validation drives evaluation, `train.checkpoint_score` and Tune (the test split is read only
+    after training). `teacher_toks` (`teacher_tokenizers`): each split also carries those teachers'
+    views (`TokenizedSplit.views`).
     """
     base = _fingerprint(data, data.train_split, data.num_train)
     if carved(data):
@@ -159,10 +163,10 @@ def load_test_split(data: DataConfig, train: TrainConfig, tokenizer, teacher_tok
 
 
 def check_overlap(data: DataConfig) -> Optional[str]:
-    """Refuse held-out splits that share records with the training split: the same rows read twice make the
-    test CE a training figure. With `data.allow_overlap` the warning line instead; None when they share none.
-    Records are compared whole (every field as loaded, `data.columns` applied): a carved source's repeated rows
-    count too."""
+    """Refuse held-out splits that share records with the training split: the same rows read twice
+    make the test CE a training figure. With `data.allow_overlap` the warning line instead; None
+    when they share none. Records are compared whole (every field as loaded, `data.columns`
+    applied): a carved source's repeated rows count too."""
     if data.source == "synthetic":
         return None
     if carved(data):
@@ -200,6 +204,7 @@ def data_seed(train: TrainConfig) -> int:
 
 
 def eval_stream(split: TokenizedSplit, train: TrainConfig, drop_last: bool = True):
-    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache agree);
-    drop_last=False: every row, the last batch short (`evaluate_heldout`: a figure over the whole split)."""
+    """The batches a held-out split is evaluated in (no bucketing: every run and the KV cache
+    agree); drop_last=False: every row, the last batch short (`evaluate_heldout`: a figure over the
+    whole split)."""
     return BatchStream(split, train.batch_size, data_seed(train), bucket=False, drop_last=drop_last)

@@ -14,8 +14,9 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class Example:
-    """One problem: `answer` holds worked steps ending in `#### <number>` (GSM8K format); `template`: the name of
-    the problem template that wrote it (`bench task` gives each of two specialist teachers half of them)."""
+    """One problem: `answer` holds worked steps ending in `#### <number>` (GSM8K format);
+    `template`: the name of the problem template that wrote it (`bench task` gives each of two
+    specialist teachers half of them)."""
 
     question: str
     answer: str
@@ -214,8 +215,9 @@ def synthetic_gsm8k(n: int, seed: int = 0) -> list[Example]:
 
 
 def synthetic_split(n: int, seed: int, split: str) -> list[Example]:
-    """`n` problems of `split`: "train" draws from 90% of the problem space (by question hash), every
-    other split from the other 10% with a seed derived from (seed, split), so train and eval never overlap."""
+    """`n` problems of `split`: "train" draws from 90% of the problem space (by question hash),
+    every other split from the other 10% with a seed derived from (seed, split), so train and eval
+    never overlap."""
     sub = int.from_bytes(hashlib.sha256(f"{seed}/{split}".encode()).digest()[:8], "little")
     is_train = split == "train"
     return _generate(n, random.Random(sub), keep=lambda q: (_split_bucket(q) != 0) == is_train)

@@ -8,8 +8,8 @@ Three kinds of names (`kava-ray eval RUN --tasks ...`, `train.eval_tasks`):
   (`answers.same_completion`), the prompt as kava-ray renders a prompt/completion record (plain, no template);
 - any lm-eval task, group or tag (`lm-eval ls tasks`), its data from the Hugging Face Hub or the HF cache.
 
-A name that cannot load is one KavaError line naming it and what to do. lm-eval is imported here, not at the top:
-what only reads configs never pays for it.
+A name that cannot load is one KavaError line naming it and what to do. lm-eval is imported here,
+not at the top: what only reads configs never pays for it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ FILE_MAX_NEW_TOKENS = 128  # a file task's greedy completions (as the synthetic 
 @dataclass(frozen=True)
 class HarnessTask:
     """One task as a user named it: `name` (reported), `spec` (what lm-eval's `TaskManager.load` and
-    `simple_evaluate(tasks=...)` take: a registered name or a config dict), `chat_spec` (the variant for a model
-    whose prompts use its chat template; None: the template is never applied) and whether it needs lm-eval's own
-    task index (`builtin`: ~5 s to build)."""
+    `simple_evaluate(tasks=...)` take: a registered name or a config dict), `chat_spec` (the variant
+    for a model whose prompts use its chat template; None: the template is never applied) and
+    whether it needs lm-eval's own task index (`builtin`: ~5 s to build)."""
 
     name: str
     spec: Union[str, dict]
@@ -59,8 +59,8 @@ def require_lm_eval() -> None:
 
 
 def lm_eval_quiet() -> None:
-    """lm-eval's chatter off (its INFO/WARNING lines; `git describe` in the working directory and the environment
-    report it adds to a result)."""
+    """lm-eval's chatter off (its INFO/WARNING lines; `git describe` in the working directory and
+    the environment report it adds to a result)."""
     import lm_eval.evaluator
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
@@ -153,8 +153,8 @@ def _unloadable(task: HarnessTask, e: BaseException) -> KavaError:
 
 
 def resolve_tasks(names: Optional[Sequence[str]]) -> list[HarnessTask]:
-    """Every named task parsed and loaded once (its data read, no model), in order; duplicates and empty names are
-    one line. The first that fails is one KavaError line naming it."""
+    """Every named task parsed and loaded once (its data read, no model), in order; duplicates and
+    empty names are one line. The first that fails is one KavaError line naming it."""
     names = [n.strip() for n in (names or [])]
     if not names or any(not n for n in names):
         raise KavaError("eval tasks: give one or more task names (e.g. kava_gsm8k,kava_pydoc_ppl or file:PATH)")

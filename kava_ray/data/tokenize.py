@@ -1,11 +1,12 @@
 """Tokenization with loss masks, on Hugging Face `datasets`: records -> token rows (-> packed blocks).
 
-`encode_record` renders one record (`records.render`: its pieces, loss spans and content segments) and
-tokenizes it with character offsets; a token carries loss when it overlaps a loss span (and the template's
-end-of-turn token after an assistant turn does too). `tokenize_split` runs it over a whole split with
-`Dataset.map` -- Arrow on disk, memory-mapped, cached under the split's fingerprint -- and, for `text` with
-`data.packing`, joins the documents (each ending with EOS) and cuts them into `max_length` blocks, so no
-position is padding. A `TokenizedSplit` reads rows on demand: nothing holds the split as Python objects.
+`encode_record` renders one record (`records.render`: its pieces, loss spans and content segments)
+and tokenizes it with character offsets; a token carries loss when it overlaps a loss span (and the
+template's end-of-turn token after an assistant turn does too). `tokenize_split` runs it over a
+whole split with `Dataset.map` -- Arrow on disk, memory-mapped, cached under the split's fingerprint
+-- and, for `text` with `data.packing`, joins the documents (each ending with EOS) and cuts them
+into `max_length` blocks, so no position is padding. A `TokenizedSplit` reads rows on demand:
+nothing holds the split as Python objects.
 
 Labels follow the HF convention: unshifted, -100 where no loss.
 """
@@ -110,9 +111,9 @@ def encode_rendered(tokenizer, r: Rendered, max_length: int, overlength: str = "
 
 def encode_texts(tokenizer, texts: list, max_length: int, overlength: str = "truncate",
                  wheres: Optional[list] = None) -> list[dict]:
-    """`text` records without offsets, in one batched call of the Rust tokenizer (3x the per-row rate on this
-    box): the same input_ids, loss_mask, truncated and length as `encode_record` gives a text row (a test holds
-    them equal)."""
+    """`text` records without offsets, in one batched call of the Rust tokenizer (3x the per-row
+    rate on this box): the same input_ids, loss_mask, truncated and length as `encode_record` gives
+    a text row (a test holds them equal)."""
     if not texts:
         return []
     _require_fast(tokenizer)
@@ -189,9 +190,10 @@ class Rows(Sequence):
 
 
 def column(ds, name: str) -> np.ndarray:
-    """One column of a `datasets.Dataset` as numpy in one vectorised Arrow read (iterating `ds[name]` formats it
-    row by row: 9 s of a 36 s preparation of a 10 MB corpus; the numpy formatter held ~70 MiB of temporaries for
-    the 1.9 M rows of a 1 GB corpus, `kava-ray bench data`); the pages the read mapped are released."""
+    """One column of a `datasets.Dataset` as numpy in one vectorised Arrow read (iterating
+    `ds[name]` formats it row by row: 9 s of a 36 s preparation of a 10 MB corpus; the numpy
+    formatter held ~70 MiB of temporaries for the 1.9 M rows of a 1 GB corpus, `kava-ray bench
+    data`); the pages the read mapped are released."""
     out = ds.select_columns([name]).with_format("arrow")[:][name].to_numpy()
     release_mapped_pages(cache_paths([ds]))
     return out
@@ -201,8 +203,9 @@ def column(ds, name: str) -> np.ndarray:
 class TokenizedSplit:
     """One split's token rows (a `datasets.Dataset`, read on demand), identified by `fingerprint`.
 
-    records: the source rows (a Dataset, canonical column names) when rows are records one to one (not packed),
-    for teachers of another tokenizer and GSM8K evaluation. lengths: tokens per row (numpy).
+    records: the source rows (a Dataset, canonical column names) when rows are records one to one
+    (not packed), for teachers of another tokenizer and GSM8K evaluation. lengths: tokens per row
+    (numpy).
     """
 
     dataset: object
@@ -229,8 +232,8 @@ class TokenizedSplit:
         return [Example(q, a) for q, a in zip(self.records["question"], self.records["answer"])]
 
     def head(self, n: int) -> "TokenizedSplit":
-        """Its first n rows. Row i is the parent's row i, so the fingerprint (and an example-indexed KV cache's
-        keys) stay the parent's."""
+        """Its first n rows. Row i is the parent's row i, so the fingerprint (and an example-indexed
+        KV cache's keys) stay the parent's."""
         n = min(int(n), len(self))
         sub = TokenizedSplit(self.dataset.select(range(n)), self.fingerprint, self.pad_id, self.format,
                              None if self.records is None else self.records.select(range(n)), 0, self.packed)
@@ -287,11 +290,12 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
                    where: str = "data") -> TokenizedSplit:
     """Encode every record (a list of Examples / dicts, or a `datasets.Dataset`) of one split.
 
-    fmt: a format or auto (detected from the first row; every row must share it); columns: `data.columns`;
-    packing: pack `text` records into max_length blocks (None = True for text, never for other formats);
-    with_text: keep each row's rendered text, offsets and segments (what teachers of another tokenizer align
-    with; off for plain runs of large corpora); cache_dir: where the Arrow cache files go (None: in memory).
-    `source_id` names the data; with the tokenizer and the settings it makes the split's fingerprint.
+    fmt: a format or auto (detected from the first row; every row must share it); columns:
+    `data.columns`; packing: pack `text` records into max_length blocks (None = True for text, never
+    for other formats); with_text: keep each row's rendered text, offsets and segments (what
+    teachers of another tokenizer align with; off for plain runs of large corpora); cache_dir: where
+    the Arrow cache files go (None: in memory). `source_id` names the data; with the tokenizer and
+    the settings it makes the split's fingerprint.
     """
     ds = _as_dataset(records)
     if columns:
@@ -345,9 +349,10 @@ def tokenize_split(tokenizer, records, max_length: int, prompt_format: str = "au
 
 
 def check_loss_tokens(tok, max_length: int, where: str) -> None:
-    """A split with no token that carries loss trains and evaluates nothing (CE 0.00): one line naming why --
-    prompts longer than train.max_length (`overlength: truncate` cut every completion) or empty completions --
-    and how many records each; a split where only some records carry none gets the same counts as a warning."""
+    """A split with no token that carries loss trains and evaluates nothing (CE 0.00): one line
+    naming why -- prompts longer than train.max_length (`overlength: truncate` cut every completion)
+    or empty completions -- and how many records each; a split where only some records carry none
+    gets the same counts as a warning."""
     import pyarrow.compute as pc
 
     masks = tok.data.column("loss_mask")
@@ -367,9 +372,10 @@ def check_loss_tokens(tok, max_length: int, where: str) -> None:
 
 
 def _packer(block: int, with_text: bool):
-    """A batched map: documents (each already ending with EOS) joined and cut into `block`-token rows; the
-    remainder of each group of MAP_BATCH documents is dropped (as Hugging Face's run_clm does). Each block
-    records its pieces [document row, first token, end token] and, with text, the pieces' characters."""
+    """A batched map: documents (each already ending with EOS) joined and cut into `block`-token
+    rows; the remainder of each group of MAP_BATCH documents is dropped (as Hugging Face's run_clm
+    does). Each block records its pieces [document row, first token, end token] and, with text, the
+    pieces' characters."""
 
     def pack(batch, indices):
         ids = [t for doc in batch["input_ids"] for t in doc]
@@ -410,8 +416,9 @@ def _packer(block: int, with_text: bool):
 
 
 def portable(split: TokenizedSplit) -> TokenizedSplit:
-    """A copy of `split` whose Datasets hold their rows in memory: a Dataset backed by Arrow cache files is
-    pickled as their paths, which another node (`actors.kv_cache.CacheWriter`) does not have."""
+    """A copy of `split` whose Datasets hold their rows in memory: a Dataset backed by Arrow cache
+    files is pickled as their paths, which another node (`actors.kv_cache.CacheWriter`) does not
+    have."""
     def mem(ds):
         return None if ds is None else ds.flatten_indices(keep_in_memory=True)
 
@@ -422,10 +429,10 @@ def portable(split: TokenizedSplit) -> TokenizedSplit:
 class TeacherView:
     """A split as a teacher with its own tokenizer sees it, aligned to the split's student tokens.
 
-    items[i]: `input_ids` (the teacher's tokens of row i), `align_lo` / `align_hi` (one per student token:
-    student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned; for KV), `logit_pair` (one
-    per student token: the teacher position whose next-token distribution predicts the same text,
-    `alignment.pair_positions`, -1 for none; for logits). stats: over the split.
+    items[i]: `input_ids` (the teacher's tokens of row i), `align_lo` / `align_hi` (one per student
+    token: student token j uses teacher tokens align_lo[j]:align_hi[j]; equal = unaligned; for KV),
+    `logit_pair` (one per student token: the teacher position whose next-token distribution predicts
+    the same text, `alignment.pair_positions`, -1 for none; for logits). stats: over the split.
     """
 
     items: object
@@ -438,8 +445,8 @@ class TeacherView:
 
 
 def _teacher_rendering(split: TokenizedSplit, i: int, s_item: dict, tokenizer, prompt_format: str) -> Rendered:
-    """The same content as student row i, as the teacher renders it: the record with its own template, or a
-    packed block's pieces (tokenized one by one, each a segment)."""
+    """The same content as student row i, as the teacher renders it: the record with its own
+    template, or a packed block's pieces (tokenized one by one, each a segment)."""
     if split.packed:
         segs = s_item["segments"]
         pieces = [Piece(s_item["text"][a:b], False) for a, b in segs]
@@ -453,9 +460,9 @@ ROW_COUNTS = ("student_tokens", "aligned", "width", "teacher_tokens", "unanchore
 
 
 def align_item(s_item: dict, t_item: dict, max_length: int) -> tuple[dict, dict]:
-    """One row as a teacher of another tokenizer sees it: (its item {input_ids, align_lo, align_hi, logit_pair},
-    the row's counts `ROW_COUNTS`), from the student's item and the teacher's encoding of the same content (each
-    with offsets, text and segments). The rules: `teacher_view`."""
+    """One row as a teacher of another tokenizer sees it: (its item {input_ids, align_lo, align_hi,
+    logit_pair}, the row's counts `ROW_COUNTS`), from the student's item and the teacher's encoding
+    of the same content (each with offsets, text and segments). The rules: `teacher_view`."""
     lo, hi, s_canon, t_canon = align_texts(s_item["offsets"], s_item["text"], s_item["segments"],
                                            t_item["offsets"], t_item["text"], t_item["segments"])
     ids = t_item["input_ids"]
@@ -485,16 +492,18 @@ def teacher_view(split: TokenizedSplit, tokenizer, prompt_format: str, max_lengt
                  mode_unused=None) -> TeacherView:
     """Encode every row of `split` with a teacher's `tokenizer` and align it to the student's tokens.
 
-    The teacher renders the same record (with `auto` it applies its own chat template if it has one; a packed
-    block: the same document pieces). Alignment per row: `kava_ray.data.alignment.align_texts` (character
-    offsets within the record's content segments, causal). Truncation: for a truncated student row, teacher
-    tokens that end past the student's last covered character (unusable by the causal alignment) are dropped,
-    then the teacher row is capped at max_length tokens; student positions the cap cuts off become unaligned.
+    The teacher renders the same record (with `auto` it applies its own chat template if it has one;
+    a packed block: the same document pieces). Alignment per row:
+    `kava_ray.data.alignment.align_texts` (character offsets within the record's content segments,
+    causal). Truncation: for a truncated student row, teacher tokens that end past the student's
+    last covered character (unusable by the causal alignment) are dropped, then the teacher row is
+    capped at max_length tokens; student positions the cap cuts off become unaligned.
 
-    stats (python numbers): aligned_fraction, teacher_per_student (mean range width over aligned tokens),
-    unaligned, causal_unaligned (student tokens some teacher token overlaps but every one ends after them),
-    student_tokens, teacher_tokens, unanchored (rows whose content was not found in either text),
-    teacher_capped, same_text, paired_fraction (student tokens with a `logit_pair`).
+    stats (python numbers): aligned_fraction, teacher_per_student (mean range width over aligned
+    tokens), unaligned, causal_unaligned (student tokens some teacher token overlaps but every one
+    ends after them), student_tokens, teacher_tokens, unanchored (rows whose content was not found
+    in either text), teacher_capped, same_text, paired_fraction (student tokens with a
+    `logit_pair`).
     """
     if "text" not in split.dataset.column_names:
         raise KavaError("teachers of another tokenizer need the split's texts and offsets (tokenize with_text)")

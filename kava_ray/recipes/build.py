@@ -1,6 +1,7 @@
-"""The Distiller built from the job's sections, as torchtune's recipes build their components: the projectors from
-`align`, the fusion from `fusion`, the loss terms from `loss` (`core.terms`), the logit teachers and the scored ones
-from the job's plans. The one place a `JobConfig` meets the Distiller."""
+"""The Distiller built from the job's sections, as torchtune's recipes build their components: the
+projectors from `align`, the fusion from `fusion`, the loss terms from `loss` (`core.terms`), the
+logit teachers and the scored ones from the job's plans. The one place a `JobConfig` meets the
+Distiller."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from kava_ray.core.terms import TeacherPositions, TermParts, build_terms
 
 def build_distiller(student: nn.Module, plans: dict[str, TeacherPlan], s_geom: KVGeometry, cfg: JobConfig,
                     vocab_maps: Optional[dict] = None, *, sharded: bool = False) -> Distiller:
-    """The job's Distiller over `student` (KV geometry `s_geom`). vocab_maps: `plans.vocab_maps` (the hybrid logit
-    loss of a teacher of another tokenizer); sharded: FSDP2 shards it over the job's workers (`RayConfig.sharded`),
-    which rules out the projector kind fit (`projectors.job_kind`). Parameters are created in the order projectors,
-    fusion, hidden-state maps (the seed set before decides them)."""
+    """The job's Distiller over `student` (KV geometry `s_geom`). vocab_maps: `plans.vocab_maps`
+    (the hybrid logit loss of a teacher of another tokenizer); sharded: FSDP2 shards it over the
+    job's workers (`RayConfig.sharded`), which rules out the projector kind fit
+    (`projectors.job_kind`). Parameters are created in the order projectors, fusion, hidden-state
+    maps (the seed set before decides them)."""
     a, p = cfg.align, cfg.align.projector
     projectors = nn.ModuleDict({} if not cfg.ships_kv else {
         n: TeacherProjector(plan.layers, plan.geometry.num_kv_heads, plan.geometry.head_dim,

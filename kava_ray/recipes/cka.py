@@ -1,10 +1,11 @@
 """`kava-ray align cka`: measure which teacher layers resemble which student layer, and write the map.
 
-Real forwards of every teacher (the job's pool, through the production KVFeed) and of the student on the first
-N examples of the job's training data give per layer the keys and/or values over real tokens; linear CKA
-between every teacher and every student layer (`kava_ray.core.align.layers.CKAStats`, streamed: memory does not
-grow with N) picks each student layer's top-k teacher layers. One JSON holds every teacher's map, a heat map
-PNG per teacher lies next to it. The JSON, and teachers of another tokenizer: docs/internals/core.md#align-cka.
+Real forwards of every teacher (the job's pool, through the production KVFeed) and of the student on
+the first N examples of the job's training data give per layer the keys and/or values over real
+tokens; linear CKA between every teacher and every student layer
+(`kava_ray.core.align.layers.CKAStats`, streamed: memory does not grow with N) picks each student
+layer's top-k teacher layers. One JSON holds every teacher's map, a heat map PNG per teacher lies
+next to it. The JSON, and teachers of another tokenizer: docs/internals/core.md#align-cka.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def default_out(cfg: JobConfig) -> Path:
 
 
 def calibration_config(cfg: JobConfig, samples: int) -> JobConfig:
-    """The config the calibration runs under: live teachers, the first `samples` training examples, and a
-    ratio layer plan (the map being measured need not exist yet; the layers asked for are set here)."""
+    """The config the calibration runs under: live teachers, the first `samples` training examples,
+    and a ratio layer plan (the map being measured need not exist yet; the layers asked for are set
+    here)."""
     if samples > cfg.data.num_train:
         raise KavaError(f"--samples {samples} exceeds data.num_train={cfg.data.num_train}: calibration reads only "
                         f"the job's training examples")
@@ -55,10 +57,10 @@ def _layer_features(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def _teacher_features(batch: Batch, kv, name: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(keys, values) of teacher `name` in student time [L, B, H, T_s, D] and the [B, T_s] student positions
-    to compare at: real student tokens, and, for a teacher of another tokenizer (in `batch.teachers`), only
-    those with a teacher token, after `apply_alignment` with `mode` (align.token_align). A teacher sharing the
-    student's tokenizer is used as it is."""
+    """(keys, values) of teacher `name` in student time [L, B, H, T_s, D] and the [B, T_s] student
+    positions to compare at: real student tokens, and, for a teacher of another tokenizer (in
+    `batch.teachers`), only those with a teacher token, after `apply_alignment` with `mode`
+    (align.token_align). A teacher sharing the student's tokenizer is used as it is."""
     mask = batch.attention_mask.bool()
     view = batch.teachers.get(name)
     if view is None:
@@ -111,9 +113,10 @@ def plot_cka(cka: torch.Tensor, layer_map, teacher_layers: list[int], title: str
 
 def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str = "kv",
                 out: Optional[str | Path] = None, address: Optional[str] = None, progress: bool = True) -> dict:
-    """Measure linear CKA between every teacher and the student, layer by layer, on the first `samples`
-    training examples; write `out` (default `default_out(cfg)`) and one `<out stem>.<teacher>.png` per
-    teacher. Returns the written JSON's content plus `path`, `plots` and `wall_s`."""
+    """Measure linear CKA between every teacher and the student, layer by layer, on the first
+    `samples` training examples; write `out` (default `default_out(cfg)`) and one `<out
+    stem>.<teacher>.png` per teacher. Returns the written JSON's content plus `path`, `plots` and
+    `wall_s`."""
     preflight(cfg, "align cka", out=out, address=address)  # data, models, output dir: before Ray starts
     if features not in FEATURES:
         raise KavaError(f"--features {features!r}: expected one of {', '.join(FEATURES)}")
@@ -138,8 +141,9 @@ def measure_cka(cfg: JobConfig, samples: int = 64, top_k: int = 1, features: str
                 raise KavaError(f"--top-k {top_k} exceeds teacher '{t.name}''s {len(chosen)} candidate layers")
             layers[t.name] = chosen
         tok = student_tokenizer(cal.student)[0]
-        # the first `samples` training examples (validation comes after), with the views of teachers of another
-        # tokenizer: feed_items sends those their own ids, and the batches carry the alignment
+        # the first `samples` training examples (validation comes after), with the views of teachers
+        # of another tokenizer: feed_items sends those their own ids, and the batches carry the
+        # alignment
         split = load_splits(cal.data, cal.train, tok, teacher_tokenizers(plans))[0]
         batch_size = max(b for b in range(1, min(cal.train.batch_size, len(split)) + 1) if len(split) % b == 0)
         stream = BatchStream(split, batch_size, data_seed(cal.train), bucket=False)  # every example once

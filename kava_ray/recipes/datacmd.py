@@ -1,9 +1,9 @@
 """`kava-ray data ...`: the offline corpus, written and put on record.
 
-`kava-ray data pydoc --out DIR` writes the Python-docs corpus (`kava_ray.data.corpus`) and prints, under a
-job's student tokenizer (default the demo's SmolLM2), each split's topics, documents and tokens, and the
-held-out CE on the packed test split of the job's first teacher and of its student -- the gap distillation
-could close.
+`kava-ray data pydoc --out DIR` writes the Python-docs corpus (`kava_ray.data.corpus`) and prints,
+under a job's student tokenizer (default the demo's SmolLM2), each split's topics, documents and
+tokens, and the held-out CE on the packed test split of the job's first teacher and of its student
+-- the gap distillation could close.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kava_ray.runtime.preflight import check_model_files
 
 
 def corpus_job(config, out: Path, block: int, overrides: Optional[list[str]] = None):
-    """The job `config` reading the corpus at `out`: text records packed into `block`-token rows, the
-    validation split of its own, every record of every split."""
+    """The job `config` reading the corpus at `out`: text records packed into `block`-token rows,
+    the validation split of its own, every record of every split."""
     return load_config(config, [f"data.source={out}/{{split}}.jsonl", "data.format=text", "data.val_split=validation",
                                 "data.num_train=null", "data.num_val=null", "data.num_test=null",
                                 f"train.max_length={block}", *(overrides or [])])
@@ -32,8 +32,9 @@ def corpus_job(config, out: Path, block: int, overrides: Optional[list[str]] = N
 
 def pydoc_corpus(out, config: str = "demo_cpu", block: int = 128, overrides: Optional[list[str]] = None,
                  models: bool = True) -> dict:
-    """Write the corpus to `out`; count its tokens under the job's student tokenizer; with `models`, the test
-    split's CE (and perplexity) under the job's first teacher and its student as built (`keep_layers`)."""
+    """Write the corpus to `out`; count its tokens under the job's student tokenizer; with `models`,
+    the test split's CE (and perplexity) under the job's first teacher and its student as built
+    (`keep_layers`)."""
     written = write_pydoc_corpus(out)
     root = Path(written["train"]["path"]).parent
     cfg = corpus_job(config, root, block, overrides)

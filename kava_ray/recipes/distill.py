@@ -1,14 +1,15 @@
 """The student's recipe: `DistillRecipe.setup`, `step`, `save`, and the Ray Train loop that runs it.
 
-`DistillRecipe` holds one rank's model state (the Distiller, the optimizer and schedule, the splits) and does one
-optimizer step over `optim.accumulation` micro-batches of (Batch, {teacher: KVBatch}); it knows nothing of where
-they come from: `data()` gives the rank's `rollout.step_source.StepSource` (the stream, the teachers' feed, the skips;
-on-policy: `kava_ray.rollout.onpolicy_source.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps.
-`kava-ray bench feed` times exactly this step. `train_loop_per_worker` is the plain loop Ray Train runs; what it
-does and how a resume continues the same curve: docs/internals/step.md#recipe.
+`DistillRecipe` holds one rank's model state (the Distiller, the optimizer and schedule, the splits)
+and does one optimizer step over `optim.accumulation` micro-batches of (Batch, {teacher: KVBatch});
+it knows nothing of where they come from: `data()` gives the rank's `rollout.step_source.StepSource`
+(the stream, the teachers' feed, the skips; on-policy:
+`kava_ray.rollout.onpolicy_source.OnPolicyStepSource`), whose `state_dict()` the checkpoint keeps.
+`kava-ray bench feed` times exactly this step. `train_loop_per_worker` is the plain loop Ray Train
+runs; what it does and how a resume continues the same curve: docs/internals/step.md#recipe.
 
-Ray (and `actors`, which needs it) is imported inside the functions that use it: `kava-ray bench gpu` builds this
-recipe on images without Ray.
+Ray (and `actors`, which needs it) is imported inside the functions that use it: `kava-ray bench
+gpu` builds this recipe on images without Ray.
 """
 
 from __future__ import annotations
@@ -43,11 +44,7 @@ from kava_ray.core.checkpoint import (
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.metric_names import EVAL_TASKS_S, EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summed
 from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
-from kava_ray.core.plans import (
-    plans_from_payload,
-    teacher_tokenizers,
-    vocab_maps,
-)
+from kava_ray.core.plans import plans_from_payload, teacher_tokenizers, vocab_maps
 from kava_ray.core.precision import student_precision
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tasks import resolve_tasks
@@ -62,9 +59,9 @@ from kava_ray.recipes.steps import NonFinite, run_steps
 @dataclass
 class LoopConfig:
     """What the driver hands each Ray Train worker (as a dict: `to_dict` / `from_dict`, Ray Train's
-    train_loop_config). job: `JobConfig.to_dict()`; plans: `plans.plans_payload`; resume: a checkpoint dir;
-    resume_override: `--resume-override` (the config's optim.*/train.*/data.*/loss.*/onpolicy.* replace the
-    checkpoint's)."""
+    train_loop_config). job: `JobConfig.to_dict()`; plans: `plans.plans_payload`; resume: a
+    checkpoint dir; resume_override: `--resume-override` (the config's
+    optim.*/train.*/data.*/loss.*/onpolicy.* replace the checkpoint's)."""
 
     job: dict
     plans: dict
@@ -81,22 +78,19 @@ class LoopConfig:
 
 
 class DistillRecipe:
-    """One rank of a distillation run: `setup()`, then `step(step_no, micro_batches)` over `data(source)`'s steps,
-    `save(path, step, data_state)`."""
+    """One rank of a distillation run: `setup()`, then `step(step_no, micro_batches)` over
+    `data(source)`'s steps, `save(path, step, data_state)`."""
 
     def __init__(self, cfg: JobConfig, plans: dict, rank: int = 0, world: int = 1, device="cpu"):
         self.cfg, self.plans = cfg, plans
         self.rank, self.world = rank, world
         self.device = torch.device(device)
-        # student.precision on this device: the weight dtype the student loads in and the autocast of every
-        # forward (auto: fp32 master weights + bf16 autocast on a CUDA GPU with bf16, plain fp32 on a CPU)
+        # student.precision here: the student's weight dtype and every forward's autocast
         self.precision = student_precision(cfg.student, self.device)
         self.autocast = self.precision.autocast
-        # ray.strategy fsdp with several workers: the Distiller sharded with FSDP2 (`core.fsdp`); every rank then
-        # takes part in evaluation and checkpoints (their collectives), rank 0 alone writes what is shared
+        # ray.strategy fsdp, several workers: FSDP2 shards the Distiller; every rank evaluates and saves
         self.sharded = cfg.ray.strategy == "fsdp" and world > 1
-        # `build_model`: the Distiller (`model`: it, or its DDP wrapper), the optimizer and schedule, the step to
-        # start after; `setup`: the tokenizers and the splits
+        # set by `build_model` (`model`: the Distiller or its DDP wrapper) and `setup` (tokenizers, splits)
         self.distiller: Optional[Distiller] = None
         self.model = None
         self.opt: Optional[torch.optim.Optimizer] = None
@@ -104,22 +98,20 @@ class DistillRecipe:
         self.start_step = 0
         self.tokenizer, self.teacher_toks = None, {}
         self.train_split, self.val = None, None
-        # the last step's: its learning rates (before the schedule moves) and how many micro-batches measured each
-        # metric
+        # the last step's learning rates (before the schedule moves) and micro-batches per metric
         self.last_lrs: list = []
         self.measured: dict[str, int] = {}
         self._tasks = None  # train.eval_tasks, resolved at the first evaluation (kava_ray.data.tasks)
 
     def setup(self, checkpoint_dir: Optional[str] = None, wrap=None, run_changes: bool = False) -> Optional[dict]:
-        """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the tokenizers and the
-        splits. Returns the checkpoint's state, its data side's under "data" (None from scratch)."""
+        """Build (or restore from `checkpoint_dir`) the model and optimizer (`build_model`), the
+        tokenizers and the splits. Returns the checkpoint's state, its data side's under "data"
+        (None from scratch)."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.student.model)
         self.teacher_toks = teacher_tokenizers(self.plans)  # teachers of another tokenizer (aligned by characters)
-        maps = vocab_maps(cfg.loss, cfg.student, self.plans, self.tokenizer,
-                          self.teacher_toks)  # for their logits (hybrid)
+        maps = vocab_maps(cfg.loss, cfg.student, self.plans, self.tokenizer, self.teacher_toks)  # their logits
         state = self.build_model(maps, checkpoint_dir, wrap, run_changes)
-        # the test split: only in `test()`
         self.train_split, self.val = load_splits(cfg.data, cfg.train, self.tokenizer, self.teacher_toks)
         if state:
             state["data"] = load_data_state(checkpoint_dir)
@@ -127,14 +119,9 @@ class DistillRecipe:
 
     def build_model(self, maps: Optional[dict] = None, checkpoint_dir: Optional[str] = None, wrap=None,
                     run_changes: bool = False) -> Optional[dict]:
-        """The Distiller, optimizer and schedule alone (restored from `checkpoint_dir`): no tokenizer and no data,
-        for callers that bring their own batches (`bench gpu`, `bench step`; a GPU image may lack `datasets`).
-
-        maps: the vocabulary maps of logit teachers of another tokenizer (`plans.vocab_maps`). wrap: e.g.
-        `ray.train.torch.prepare_model` (DDP) when world > 1. run_changes (`--resume-override`): the checkpoint's
-        optim.*/train.*/data.*/loss.*/onpolicy.* may differ, and the config's learning rates, weight decay and
-        schedule win.
-        Returns the checkpoint's state (None from scratch)."""
+        """The Distiller, optimizer and schedule alone, restored from `checkpoint_dir` (its state, else
+        None): for callers that bring their own batches (`bench gpu`, `bench step`). maps: `plans.vocab_maps`;
+        wrap: DDP's `prepare_model` when world > 1; run_changes (`--resume-override`): the config's rates win."""
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
         whole = state is not None and not is_sharded_checkpoint(checkpoint_dir)  # else FSDP2 shards, loaded below
@@ -159,8 +146,9 @@ class DistillRecipe:
         return state
 
     def _adopt_optim_settings(self) -> None:
-        """The config's learning rates, weight decay and schedule replace a restored checkpoint's (Adam's
-        moment estimates stay): loading an optimizer state would otherwise bring back the old values."""
+        """The config's learning rates, weight decay and schedule replace a restored checkpoint's
+        (Adam's moment estimates stay): loading an optimizer state would otherwise bring back the
+        old values."""
         o = self.cfg.optim
         lrs = {"student": o.lr_student, "projector": o.lr_projector}
         for g in self.opt.param_groups:
@@ -172,11 +160,9 @@ class DistillRecipe:
 
     def data(self, source, until: Optional[int] = None, depth: Optional[int] = None, flag: Optional[Path] = None,
              state: Optional[dict] = None):
-        """This rank's `rollout.step_source.StepSource` over the training split, teachers' answers from `source`, the
-        steps after `start_step` up to `until` (train.steps), `depth` batches ahead (align.prefetch_depth),
-        continuing from `state` (a checkpoint's: `setup()`'s "data"). On-policy (`onpolicy.fraction` > 0): an
-        `OnPolicyStepSource`, whose sampler writes with the job's engine (the student on this worker, or a teacher);
-        `flag`: a file that exists while it samples (the progress bar reads it)."""
+        """This rank's step source over the training split (`rollout.step_source`; on-policy, an
+        `OnPolicyStepSource` sampling with the job's engine): teachers' answers from `source`, the steps after
+        `start_step` up to `until`, `depth` ahead, continuing from `state`; `flag` exists while it samples."""
         from kava_ray.rollout.engines import engine_for  # Ray: see the module docstring
         from kava_ray.rollout.onpolicy_source import OnPolicyStepSource, Sampler
         from kava_ray.rollout.step_source import StepSource
@@ -197,11 +183,12 @@ class DistillRecipe:
     def step(self, step_no: int, micro_batches, grad_share: bool = False) -> dict[str, torch.Tensor]:
         """One optimizer step over `micro_batches` (an iterable of (Batch, {teacher: KVBatch})).
 
-        Returns the step's metrics as float64 tensors on the device: each a mean over the micro-batches that
-        measured it (a metric a micro-batch could not measure is not in its dict: the sampled reverse KL on a batch of
-        the data), counts (SUMMED) summed, plus grad_norm (and with `grad_share`, grad/kv_share of the first
-        micro-batch); `self.measured`: how many micro-batches measured each (the weights of `reduce_metrics`).
-        Nothing is converted to Python here (no GPU sync).
+        Returns the step's metrics as float64 tensors on the device: each a mean over the
+        micro-batches that measured it (a metric a micro-batch could not measure is not in its dict:
+        the sampled reverse KL on a batch of the data), counts (SUMMED) summed, plus grad_norm (and
+        with `grad_share`, grad/kv_share of the first micro-batch); `self.measured`: how many
+        micro-batches measured each (the weights of `reduce_metrics`). Nothing is converted to
+        Python here (no GPU sync).
         """
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step_no * 7919 + self.rank)  # dropout identical on resume
         accum = self.cfg.optim.accumulation
@@ -247,9 +234,10 @@ class DistillRecipe:
         return out
 
     def _no_sync(self, skip: bool):
-        """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's set_requires_gradient_sync): held over
-        its forward and backward, as FSDP2 reads the flag in its post-backward hook (where it reduce-scatters) and DDP
-        in its forward; the gradients accumulate unreduced until the last micro-batch's backward reduces them once."""
+        """No gradient reduction for this micro-batch (DDP's no_sync; FSDP2's
+        set_requires_gradient_sync): held over its forward and backward, as FSDP2 reads the flag in
+        its post-backward hook (where it reduce-scatters) and DDP in its forward; the gradients
+        accumulate unreduced until the last micro-batch's backward reduces them once."""
         if not skip or (self.sharded and self.cfg.ray.fsdp_reduce == "micro_batch"):  # memory over communication
             return contextlib.nullcontext()
         if not self.sharded:
@@ -271,16 +259,18 @@ class DistillRecipe:
         return next(g["params"] for g in self.opt.param_groups if g.get("name") == "student")
 
     def _kv_grads(self, term: torch.Tensor) -> list:
-        """d(kv_weight * KV loss) / d(student) of the forward just run (its `DistillOutput.kv_term`), per student
-        parameter (None where it does not reach one): a separate backward that leaves .grad alone."""
+        """d(kv_weight * KV loss) / d(student) of the forward just run (its
+        `DistillOutput.kv_term`), per student parameter (None where it does not reach one): a
+        separate backward that leaves .grad alone."""
         params = self._student_params()
         if not term.requires_grad:
             return [None] * len(params)
         return list(torch.autograd.grad(term, params, retain_graph=True, allow_unused=True))
 
     def _kv_shares(self, kv_grads: list, accum: int) -> dict[str, torch.Tensor]:
-        """grad/kv_share, |KV's gradient| / |the whole loss's|, and grad/kv_ratio, |KV's| / |every other term's|
-        (CE's in a CE + KV recipe: the rest is the whole gradient minus KV's), on the student's parameters."""
+        """grad/kv_share, |KV's gradient| / |the whole loss's|, and grad/kv_ratio, |KV's| / |every
+        other term's| (CE's in a CE + KV recipe: the rest is the whole gradient minus KV's), on the
+        student's parameters."""
         whole, kv, rest = [], [], []
         for p, g in zip(self._student_params(), kv_grads):
             if p.grad is None:
@@ -298,16 +288,17 @@ class DistillRecipe:
 
     def save(self, path, step: int, data_state: dict, with_optimizer: bool = True,
              extra: Optional[dict] = None) -> Path:
-        """A checkpoint at `step`: the Distiller (and optimizer), and `data_state` (the step source's `state_dict()`,
-        where the data side continues)."""
+        """A checkpoint at `step`: the Distiller (and optimizer), and `data_state` (the step
+        source's `state_dict()`, where the data side continues)."""
         return save_checkpoint(path, self.distiller, self.tokenizer, self.opt if with_optimizer else None,
                                self.sched if with_optimizer else None, step, data_state, self.cfg, extra=extra,
                                rank=self.rank)
 
     def evaluate(self, source) -> dict[str, float]:
-        """`eval/*` on the validation split: what checkpoint selection and Tune read; with `train.eval_tasks`,
-        rank 0 runs those harness tasks on the student too (`eval/task/<task>/<metric>`; the other ranks wait at
-        the step's next collective, as for the held-out pass)."""
+        """`eval/*` on the validation split: what checkpoint selection and Tune read; with
+        `train.eval_tasks`, rank 0 runs those harness tasks on the student too
+        (`eval/task/<task>/<metric>`; the other ranks wait at the step's next collective, as for the
+        held-out pass)."""
         out = evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
                                autocast=self.autocast)
         t = self.cfg.train
@@ -328,8 +319,8 @@ class DistillRecipe:
         return out
 
     def test(self, source) -> dict[str, float]:
-        """`test/*` on the test split, once, after the last step (never used to select anything), in fp32
-        without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
+        """`test/*` on the test split, once, after the last step (never used to select anything), in
+        fp32 without autocast: the numbers `kava-ray eval` computes for the same checkpoint."""
         split = load_test_split(self.cfg.data, self.cfg.train, self.tokenizer, self.teacher_toks)
         return evaluate_heldout(self.distiller, source, self.plans, split, self.cfg, self.device, torch.float32,
                                 prefix="test")
@@ -349,8 +340,9 @@ def _quiet_train_logs() -> None:
 
 
 def report_step(recipe: DistillRecipe, record: dict, step: int, data_state: Optional[dict] = None) -> None:
-    """`ray.train.report` of a step's numbers; at a save step (`data_state`) with rank 0's checkpoint (FSDP2: every
-    rank's shard, Ray Train merging them), its numbers inside (a restored run re-announces them)."""
+    """`ray.train.report` of a step's numbers; at a save step (`data_state`) with rank 0's
+    checkpoint (FSDP2: every rank's shard, Ray Train merging them), its numbers inside (a restored
+    run re-announces them)."""
     import ray.train  # Ray: see the module docstring
 
     if data_state is None:
@@ -365,12 +357,14 @@ def report_step(recipe: DistillRecipe, record: dict, step: int, data_state: Opti
 
 
 def finish(recipe: DistillRecipe, source, log: Optional[MetricsLog], run_dir: Path, data_state: dict) -> None:
-    """Rank 0 (FSDP2: every rank, rank 0 writing), after the last step: the test split, read once after every
-    selection decision, and the final student in `run_dir/final` (outside Ray's checkpoint dirs; a whole Hugging
-    Face student either way), logged to the trackers as an artifact."""
+    """Rank 0 (FSDP2: every rank, rank 0 writing), after the last step: the test split, read once
+    after every selection decision, and the final student in `run_dir/final` (outside Ray's
+    checkpoint dirs; a whole Hugging Face student either way), logged to the trackers as an
+    artifact."""
     steps = recipe.cfg.train.steps
-    # at `steps`: restored from the last checkpoint of a run cut off in here (a complete run's --resume ends in
-    # preflight: `checkpoint.finished`); past it, final/ would name `steps` for weights trained longer
+    # at `steps`: restored from the last checkpoint of a run cut off in here (a complete run's
+    # --resume ends in preflight: `checkpoint.finished`); past it, final/ would name `steps` for
+    # weights trained longer
     if recipe.start_step <= steps:
         test = recipe.test(source)
         with tempfile.TemporaryDirectory() as elsewhere:  # (the other ranks gather with rank 0 and write nothing)
@@ -385,8 +379,9 @@ def finish(recipe: DistillRecipe, source, log: Optional[MetricsLog], run_dir: Pa
 
 def open_run(recipe: DistillRecipe, source, run_dir: Path, state: Optional[dict], evaluates: bool
              ) -> tuple[Optional[MetricsLog], dict]:
-    """(rank 0's metrics log, with its trackers; the held-out numbers before any training, on the ranks that
-    evaluate, {} on a resumed run). A run restored after its last step re-announces its final result."""
+    """(rank 0's metrics log, with its trackers; the held-out numbers before any training, on the
+    ranks that evaluate, {} on a resumed run). A run restored after its last step re-announces its
+    final result."""
     import ray.train  # Ray: see the module docstring
 
     cfg, start = recipe.cfg, recipe.start_step

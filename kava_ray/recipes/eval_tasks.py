@@ -1,12 +1,14 @@
-"""`kava-ray eval RUN --tasks ...`: lm-evaluation-harness tasks on a run's student, beside each of its teachers
-(and a baseline student), one model at a time on one device; the table and `RUN_DIR/eval/tasks-*.json`.
+"""`kava-ray eval RUN --tasks ...`: lm-evaluation-harness tasks on a run's student, beside each of
+its teachers (and a baseline student), one model at a time on one device; the table and
+`RUN_DIR/eval/tasks-*.json`.
 
-Teachers load through the job's own loading code (`core.models.load_model` with their dtype and quantization:
-NF4 included; a `.gguf` converted once), the student from the checkpoint. The share of a teacher's score is
-student / teacher for a higher-is-better metric and teacher / student for a lower-is-better one (a perplexity):
-1.0 is the teacher's figure either way. With a baseline, the gap recovered is (student - baseline) / (teacher -
-baseline), the figure distillation papers report: 0 where training changed nothing, 1 at the teacher; on metrics
-on a log scale or bounded only (`has_gap`), never on a perplexity.
+Teachers load through the job's own loading code (`core.models.load_model` with their dtype and
+quantization: NF4 included; a `.gguf` converted once), the student from the checkpoint. The share of
+a teacher's score is student / teacher for a higher-is-better metric and teacher / student for a
+lower-is-better one (a perplexity): 1.0 is the teacher's figure either way. With a baseline, the gap
+recovered is (student - baseline) / (teacher - baseline), the figure distillation papers report: 0
+where training changed nothing, 1 at the teacher; on metrics on a log scale or bounded only
+(`has_gap`), never on a perplexity.
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, runs: Pat
 
 def _score(label: str, load: Callable, tasks: Sequence, prompt_format: str, limit: Optional[int], batch_size: int,
            say: Callable[[str], None], make_bar: Optional[Callable] = None) -> dict:
-    """One model on every task, on this process's device: {"result": run_tasks', "uniform": the perplexity task's
-    uniform guess (the student's), "device", "pid", "s"}; a line per task done (documents, seconds per document)."""
+    """One model on every task, on this process's device: {"result": run_tasks', "uniform": the
+    perplexity task's uniform guess (the student's), "device", "pid", "s"}; a line per task done
+    (documents, seconds per document)."""
     t0 = time.perf_counter()
     device = _device()
     model, tok = load(device)
@@ -103,9 +106,9 @@ def _score(label: str, load: Callable, tasks: Sequence, prompt_format: str, limi
 
 
 def _on_cluster(cfg, address: str, loaders: list, args: tuple, names: str) -> dict:
-    """Every model a Ray task of its own resources on the cluster at `address`, side by side (each where it can run:
-    a teacher where the job would run it); a line as each one ends. Returns `_score`'s dict per label, with the
-    node and the task's start and end."""
+    """Every model a Ray task of its own resources on the cluster at `address`, side by side (each
+    where it can run: a teacher where the job would run it); a line as each one ends. Returns
+    `_score`'s dict per label, with the node and the task's start and end."""
     import ray
 
     from kava_ray.runtime.connect import resolve_use_gpu
@@ -141,8 +144,9 @@ def _score_task(label: str, load: Callable, *args) -> dict:
 
 
 def console_bar(label: str, every_s: float = 30.0) -> Callable:
-    """lm-eval's request bars as the console's one bar, named by model; where the console is not a terminal (a log,
-    CI), a line every `every_s` seconds instead: requests done / total and seconds per request."""
+    """lm-eval's request bars as the console's one bar, named by model; where the console is not a
+    terminal (a log, CI), a line every `every_s` seconds instead: requests done / total and seconds
+    per request."""
     from tqdm import tqdm
 
     from kava_ray.runtime.console import console  # Ray: the CLI's console (this module stays importable without)
@@ -193,9 +197,9 @@ class _Lines:
 
 
 def uniform_reference(tokenizer, limit: Optional[int]) -> dict:
-    """`kava_pydoc_ppl`'s bits_per_byte and byte_perplexity for a uniform guess over `tokenizer`'s vocabulary, on the
-    documents the task read (its first `limit`): the figure a model must beat to have learned anything of the text
-    (`corpus.uniform_bits_per_byte`)."""
+    """`kava_pydoc_ppl`'s bits_per_byte and byte_perplexity for a uniform guess over `tokenizer`'s
+    vocabulary, on the documents the task read (its first `limit`): the figure a model must beat to
+    have learned anything of the text (`corpus.uniform_bits_per_byte`)."""
     texts = [r["text"] for r in pydoc_test_records()[:limit]]
     bpb = uniform_bits_per_byte(tokenizer, texts)
     return {f"{PPL}/bits_per_byte": bpb, f"{PPL}/byte_perplexity": 2.0 ** bpb}
@@ -211,15 +215,16 @@ def _share(s: float, t: float, higher: bool) -> Optional[float]:
     return num / den if den else None
 
 
-# lm-eval's perplexities: exponentials of a mean log-loss, unbounded, on which a linear gap reads a ratio as a
-# distance (the demo's three models recover 0.945 of the gap in word perplexity, 0.336 in byte perplexity and 0.101 in
-# bits per byte, the same models on the same documents)
+# lm-eval's perplexities: exponentials of a mean log-loss, unbounded, on which a linear gap reads a
+# ratio as a distance (the demo's three models recover 0.945 of the gap in word perplexity, 0.336 in
+# byte perplexity and 0.101 in bits per byte, the same models on the same documents)
 PERPLEXITIES = frozenset({"perplexity", "word_perplexity", "byte_perplexity", "token_perplexity"})
 
 
 def has_gap(metric: str) -> bool:
-    """Whether the gap recovered is shown for `metric` (lm-eval's name, `metric/filter` too): metrics on a log scale
-    or bounded (accuracy, exact match, f1, bits per byte, a log-perplexity), never a perplexity (`PERPLEXITIES`)."""
+    """Whether the gap recovered is shown for `metric` (lm-eval's name, `metric/filter` too):
+    metrics on a log scale or bounded (accuracy, exact match, f1, bits per byte, a log-perplexity),
+    never a perplexity (`PERPLEXITIES`)."""
     return metric.split("/")[0] not in PERPLEXITIES
 
 
@@ -252,9 +257,10 @@ def compare(models: dict) -> dict:
 def evaluate_tasks(path, tasks: Sequence[str], limit: Optional[int] = None, teachers: bool = True,
                    baseline: Optional[str] = None, overrides: Optional[Sequence[str]] = None,
                    address: Optional[str] = None) -> dict:
-    """The harness's `tasks` on a checkpoint's student (`path`: a run or checkpoint dir), then on `baseline`
-    ("init": the student before training; a checkpoint) and each teacher, the first `limit` documents of each task;
-    written to RUN_DIR/eval/. Every name, path and override is checked before any model loads."""
+    """The harness's `tasks` on a checkpoint's student (`path`: a run or checkpoint dir), then on
+    `baseline` ("init": the student before training; a checkpoint) and each teacher, the first
+    `limit` documents of each task; written to RUN_DIR/eval/. Every name, path and override is
+    checked before any model loads."""
     from kava_ray.runtime.console import status  # Ray: see console_bar
 
     with held_checkpoint(path) as (ckpt, real, live):  # a live run's checkpoint stays while it is read

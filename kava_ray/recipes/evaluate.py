@@ -1,13 +1,14 @@
-"""Held-out evaluation: CE on the tokens that carry loss (and perplexity for text), greedy GSM8K accuracy (gsm8k
-records only), and KV alignment against the teachers.
+"""Held-out evaluation: CE on the tokens that carry loss (and perplexity for text), greedy GSM8K
+accuracy (gsm8k records only), and KV alignment against the teachers.
 
-`heldout_ce`, `generate_answers`, `score_answers`, `answer_accuracy` (the one generate-and-score route: `kava-ray
-eval`'s GSM8K accuracy and the task benches' exact match) and `gsm8k_accuracy` are plain PyTorch + Hugging Face.
-`evaluate_heldout` reads teacher KV through a KVFeed (live actors or the on-disk cache), and
-`evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through `kava_ray.runtime.job`, so this
-module belongs to the orchestration layer. Those two (Ray) are imported where used: the recipe imports this
-module, and `kava-ray bench gpu` builds the recipe on images without Ray. Accuracy on the tiny random test models
-is ~0 (they emit byte noise); it is meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
+`heldout_ce`, `generate_answers`, `score_answers`, `answer_accuracy` (the one generate-and-score
+route: `kava-ray eval`'s GSM8K accuracy and the task benches' exact match) and `gsm8k_accuracy` are
+plain PyTorch + Hugging Face. `evaluate_heldout` reads teacher KV through a KVFeed (live actors or
+the on-disk cache), and `evaluate_checkpoint` (`kava-ray eval`) sets up the job's teachers through
+`kava_ray.runtime.job`, so this module belongs to the orchestration layer. Those two (Ray) are
+imported where used: the recipe imports this module, and `kava-ray bench gpu` builds the recipe on
+images without Ray. Accuracy on the tiny random test models is ~0 (they emit byte noise); it is
+meaningful only for real instruction-tuned models (the demo's SmolLM2, Qwen2.5).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def _inference(model):
 
 def heldout_ce(model, split: TokenizedSplit, batch_size: int = 8, device=None,
                vocab_chunk: int = LossConfig().vocab_chunk) -> float:
-    """Token-weighted mean CE over the answer labels of every example (not a mean of batch means); the logits
-    `vocab_chunk` positions at a time (`core.vocab_chunks`; 0: whole)."""
+    """Token-weighted mean CE over the answer labels of every example (not a mean of batch means);
+    the logits `vocab_chunk` positions at a time (`core.vocab_chunks`; 0: whole)."""
     device = torch.device(device) if device is not None else _device(model)
     total, count = 0.0, 0
     with _inference(model):
@@ -142,10 +143,10 @@ def generate_answers(model, tokenizer, questions: Sequence[str], prompt_format: 
 
 def score_answers(preds: Sequence[str], golds: Sequence[str], questions: Optional[Sequence[str]] = None,
                   checker: str = "number") -> dict:
-    """Score predictions by `checker` (`data.answers.correct`: `number`, the final numbers equal; `exact`, the whole
-    completion). {"accuracy", "n", "correct", "ok" (1 / 0 per row, in order: what a bootstrap over prompts
-    resamples), "samples" (the first few: question, gold, predicted, ok; `number` adds pred_number and gives gold as
-    its number)}."""
+    """Score predictions by `checker` (`data.answers.correct`: `number`, the final numbers equal;
+    `exact`, the whole completion). {"accuracy", "n", "correct", "ok" (1 / 0 per row, in order: what
+    a bootstrap over prompts resamples), "samples" (the first few: question, gold, predicted, ok;
+    `number` adds pred_number and gives gold as its number)}."""
     if len(preds) != len(golds):
         raise KavaError(f"score_answers: {len(preds)} predictions for {len(golds)} gold answers")
     questions = questions if questions is not None else [""] * len(golds)
@@ -163,8 +164,8 @@ def score_answers(preds: Sequence[str], golds: Sequence[str], questions: Optiona
 
 def answer_accuracy(model, tokenizer, questions: Sequence[str], golds: Sequence[str], checker: str = "number",
                     prompt_format: str = "auto", max_new_tokens: int = 128, batch_size: int = 8) -> dict:
-    """Greedy answers of `model` to `questions` (`generate_answers`), scored against `golds` by `checker`
-    (`score_answers`, whose dict it returns)."""
+    """Greedy answers of `model` to `questions` (`generate_answers`), scored against `golds` by
+    `checker` (`score_answers`, whose dict it returns)."""
     preds = generate_answers(model, tokenizer, questions, prompt_format, max_new_tokens, batch_size)
     return score_answers(preds, golds, questions, checker)
 
@@ -182,16 +183,18 @@ def gsm8k_accuracy(model, tokenizer, examples: Sequence[Example], prompt_format:
 @torch.no_grad()
 def evaluate_heldout(distiller, source, plans: dict, split: TokenizedSplit, cfg, device, dtype,
                      prefix: str = "eval", autocast=contextlib.nullcontext, teacher_ce: bool = False) -> dict:
-    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the split,
-    as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the test split).
+    """Held-out CE, KV cos (overall and per teacher) and contrast gap, token-weighted over the
+    split, as `<prefix>/<metric>` (`eval/` for the validation split during training, `test/` for the
+    test split).
 
-    CE, logit KL and top-1 agreement are weighted by the next-token positions CE counts (`label_tokens`), the
-    KV metrics by the tokens the KV loss counts (`loss.loss_tokens`). Sums stay float64 tensors until the
-    end: one conversion, not one per batch. `autocast`: a context factory -- the training step's
-    (`Precision.autocast`) during training; none (fp32, as `heldout_ce` and `kava-ray eval`) for the test split.
-    teacher_ce: also `<prefix>/teacher_ce/<t>`, each teacher's own CE on the same next-token positions (the teachers
-    sharing the student's tokenizer: from the log-prob they serve each next token), the figure the student's
-    CE is read against.
+    CE, logit KL and top-1 agreement are weighted by the next-token positions CE counts
+    (`label_tokens`), the KV metrics by the tokens the KV loss counts (`loss.loss_tokens`). Sums
+    stay float64 tensors until the end: one conversion, not one per batch. `autocast`: a context
+    factory -- the training step's (`Precision.autocast`) during training; none (fp32, as
+    `heldout_ce` and `kava-ray eval`) for the test split. teacher_ce: also
+    `<prefix>/teacher_ce/<t>`, each teacher's own CE on the same next-token positions (the teachers
+    sharing the student's tokenizer: from the log-prob they serve each next token), the figure the
+    student's CE is read against.
     """
     from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
@@ -246,9 +249,10 @@ def direct_alignment(cfg, plans: dict) -> dict:
 
 
 def direct_kv_alignment(plan, src: Optional[list[int]]) -> Optional[KVAlignment]:
-    """A direct (projector-free, no probe) `probe.KVAlignment` of the student against the teacher layers `src` it was
-    copied from, when the teacher ships them all; None otherwise. A student layer 0 copied from teacher layer 0 reads
-    the same embeddings (~1 by construction) and is left out of the mean."""
+    """A direct (projector-free, no probe) `probe.KVAlignment` of the student against the teacher
+    layers `src` it was copied from, when the teacher ships them all; None otherwise. A student
+    layer 0 copied from teacher layer 0 reads the same embeddings (~1 by construction) and is left
+    out of the mean."""
     if src is None or plan.aligned or not all(layer in plan.layers for layer in src):
         return None
     return KVAlignment([plan.layers.index(layer) for layer in src], exclude=[0] if src[0] == 0 else [])
@@ -267,8 +271,9 @@ def free_cos(teacher: str, kva: KVAlignment) -> dict:
 @torch.no_grad()
 def score_student(student, source, plans: dict, split: TokenizedSplit, cfg, device="cpu", logit_top_k: int = 0,
                   alignment: Optional[dict] = None) -> dict:
-    """The held-out figures that do not depend on how a student was trained, computed the same way for every
-    recipe (a `ce` run included): one pass over `split` with the teachers' outputs from `source`.
+    """The held-out figures that do not depend on how a student was trained, computed the same way
+    for every recipe (a `ce` run included): one pass over `split` with the teachers' outputs from
+    `source`.
 
     - `ce`: next-token CE over the label positions, token-weighted, fp32 without autocast (as `heldout_ce`
       and `kava-ray eval`); `tokens`: how many positions it averages over;
@@ -327,11 +332,12 @@ def _logit_figures(reader: VocabReader, out, batch, nxt: torch.Tensor, kv: dict,
 
 def kv_alignment(student, source, plans: dict, train_split: TokenizedSplit, cfg, copied: dict,
                  device="cpu", fit_batches: int = 16) -> dict:
-    """{teacher: `probe.KVAlignment`} ready to score: direct for a teacher the student was copied from by
-    `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`) and whose KV geometry it kept,
-    else a linear probe from each student layer to the heaviest teacher layer of its layer map, fit on the first
-    `fit_batches` batches of `train_split` (the frozen student's KV against the teacher's). A copy whose attention was
-    width-pruned (`core.prune`) has the teacher's layers but not its heads: a probe."""
+    """{teacher: `probe.KVAlignment`} ready to score: direct for a teacher the student was copied
+    from by `keep_layers` whose source layers it ships (`copied[t]`, `job.copied_layers`) and whose
+    KV geometry it kept, else a linear probe from each student layer to the heaviest teacher layer
+    of its layer map, fit on the first `fit_batches` batches of `train_split` (the frozen student's
+    KV against the teacher's). A copy whose attention was width-pruned (`core.prune`) has the
+    teacher's layers but not its heads: a probe."""
     from kava_ray.rollout.feed import KVFeed, feed_items  # Ray: see the module docstring
 
     out, probes = {}, {}
@@ -373,8 +379,8 @@ CARVE_KEYS = ("data.num_train", "data.num_val", "data.num_test", "data.train_spl
 
 
 def same_source(a, b) -> bool:
-    """Whether two jobs read the same data: the same local file or directory (resolved: `./x.jsonl`, its absolute
-    path and a symlink to it are one), or the same hub dataset and config."""
+    """Whether two jobs read the same data: the same local file or directory (resolved: `./x.jsonl`,
+    its absolute path and a symlink to it are one), or the same hub dataset and config."""
     pa, pb = (source_path(c.data.source, "{split}") for c in (a, b))
     if pa is None or pb is None:
         return (a.data.source, a.data.hub_config) == (b.data.source, b.data.hub_config)
@@ -386,15 +392,15 @@ def _value(v) -> str:
 
 
 def eval_config(cfg, overrides: Optional[Sequence[str]]):
-    """The checkpoint's job with `overrides` (another test file, split or size); a key the checkpoint fixes (its
-    models, projectors, losses) is one line.
+    """The checkpoint's job with `overrides` (another test file, split or size); a key the
+    checkpoint fixes (its models, projectors, losses) is one line.
 
-    Another `data.source` (`same_source`: not the run's own) is the data to test on: its test split whole (the
-    job's `num_test` capped its own test split, not this one; give `data.num_test` to cap it), and a file or
-    directory without `{split}` is all test split: nothing trains here, so nothing is carved from it
-    (`data.allow_overlap`: one file is every split). The run's own source is its own test split; where the run
-    carved it from one file, a change of where the carve falls (`CARVE_KEYS`) is one line: its test rows would move
-    onto rows it trained on."""
+    Another `data.source` (`same_source`: not the run's own) is the data to test on: its test split
+    whole (the job's `num_test` capped its own test split, not this one; give `data.num_test` to cap
+    it), and a file or directory without `{split}` is all test split: nothing trains here, so
+    nothing is carved from it (`data.allow_overlap`: one file is every split). The run's own source
+    is its own test split; where the run carved it from one file, a change of where the carve falls
+    (`CARVE_KEYS`) is one line: its test rows would move onto rows it trained on."""
     from kava_ray.common.config import load_config, parse_override
 
     keys = []
@@ -422,9 +428,10 @@ def eval_config(cfg, overrides: Optional[Sequence[str]]):
 
 def evaluate_checkpoint(path, limit: int = 16, max_new_tokens: int = 128, address=None,
                         restart_teachers: bool = False, overrides: Optional[Sequence[str]] = None) -> dict:
-    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV cache), each
-    teacher's own test CE beside the student's, and greedy GSM8K accuracy on the first `limit` test questions, for
-    one checkpoint. overrides: KEY=VALUE on the checkpoint's job (`eval_config`), e.g. another test file."""
+    """Test-split CE, KV cos and contrast gap (the job's teachers: running, started here, or its KV
+    cache), each teacher's own test CE beside the student's, and greedy GSM8K accuracy on the first
+    `limit` test questions, for one checkpoint. overrides: KEY=VALUE on the checkpoint's job
+    (`eval_config`), e.g. another test file."""
     from kava_ray.runtime.console import status  # Ray: see the module docstring
 
     with held_checkpoint(path) as (ckpt, real, live):  # a live run's checkpoint stays while it is read

@@ -1,6 +1,6 @@
-"""Projector kind fit, before step 1: each teacher's student-side map starts as the ridge fit of the student's KV to
-that teacher's (`probe.KVAlignment`'s ridge probe), so step 1 already compares the student's best linear image with
-the teacher. A map restored from a checkpoint is kept.
+"""Projector kind fit, before step 1: each teacher's student-side map starts as the ridge fit of the
+student's KV to that teacher's (`probe.KVAlignment`'s ridge probe), so step 1 already compares the
+student's best linear image with the teacher. A map restored from a checkpoint is kept.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def unfitted(distiller) -> dict:
 
 
 def fit_maps(recipe, source, batches: int = 16) -> list[str]:
-    """Fit a `DistillRecipe`'s unfitted maps over the first `batches` batches of its training split with their
-    teachers' KV from `source` (on rank 0, broadcast to the other ranks). Returns the teachers fitted here."""
+    """Fit a `DistillRecipe`'s unfitted maps over the first `batches` batches of its training split
+    with their teachers' KV from `source` (on rank 0, broadcast to the other ranks). Returns the
+    teachers fitted here."""
     todo = unfitted(recipe.distiller)
     if not todo:
         return []
@@ -46,8 +47,9 @@ def fit_maps(recipe, source, batches: int = 16) -> list[str]:
 
 
 def fit_on(distiller, micro, key_space: str, device) -> list[str]:
-    """Fit `distiller`'s unfitted maps on the caller's own (Batch, {teacher: KVBatch}) pairs (benches bring their
-    batches and no data source: `bench gpu`). Returns the teachers fitted here."""
+    """Fit `distiller`'s unfitted maps on the caller's own (Batch, {teacher: KVBatch}) pairs
+    (benches bring their batches and no data source: `bench gpu`). Returns the teachers fitted
+    here."""
     todo = unfitted(distiller)
     if not todo:
         return []

@@ -1,5 +1,6 @@
-"""`kava-ray generate RUN --prompt TEXT`: sample from a run's student (its final/, a checkpoint, or any Hugging Face
-model dir) with `transformers`' `generate` -- what a user does with the distilled student, in one command.
+"""`kava-ray generate RUN --prompt TEXT`: sample from a run's student (its final/, a checkpoint, or
+any Hugging Face model dir) with `transformers`' `generate` -- what a user does with the distilled
+student, in one command.
 
 The student is a plain Hugging Face model (`final/student`), so outside kava-ray the same is:
 
@@ -22,8 +23,9 @@ from kava_ray.data.records import use_chat
 
 
 def student_dir(path) -> Path:
-    """The student a run dir (its final/, else its latest checkpoint), a checkpoint or a model dir names; a sharded
-    checkpoint's (FSDP2 mid-run: a config, no weights) is one line naming final/."""
+    """The student a run dir (its final/, else its latest checkpoint), a checkpoint or a model dir
+    names; a sharded checkpoint's (FSDP2 mid-run: a config, no weights) is one line naming
+    final/."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         if (p.parent / STATE).is_file():  # CKPT/student of a checkpoint (a sharded one: one line)
@@ -36,8 +38,8 @@ def student_dir(path) -> Path:
 
 def generate(path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, chat: Optional[bool] = None) -> dict:
-    """The student's completion of `prompt`: greedy at temperature 0, else sampled (seeded). chat: wrap the prompt
-    in the tokenizer's chat template (None: when it has one)."""
+    """The student's completion of `prompt`: greedy at temperature 0, else sampled (seeded). chat:
+    wrap the prompt in the tokenizer's chat template (None: when it has one)."""
     if not prompt.strip():
         raise KavaError(f"--prompt {prompt!r}: empty; give the text the student should continue, e.g. "
                         f"--prompt \"Why is the sky blue?\"")

@@ -1,10 +1,12 @@
-"""lm-evaluation-harness tasks on a model in memory: `run_tasks` (the student during training, `train.eval_tasks`;
-a checkpoint's student, its baseline and its teachers, `kava-ray eval RUN --tasks`), and the table of them.
+"""lm-evaluation-harness tasks on a model in memory: `run_tasks` (the student during training,
+`train.eval_tasks`; a checkpoint's student, its baseline and its teachers, `kava-ray eval RUN
+--tasks`), and the table of them.
 
-The harness computes every figure (`lm_eval.simple_evaluate` on `lm_eval.models.huggingface.HFLM` built around the
-loaded model): the numbers are the ones `lm_eval --model hf` reports for the same weights, tasks and limit. Tasks
-are resolved (and their data loaded) beforehand by `kava_ray.data.tasks.resolve_tasks`. No Ray here: the training
-worker and `kava-ray eval` call it alike.
+The harness computes every figure (`lm_eval.simple_evaluate` on `lm_eval.models.huggingface.HFLM`
+built around the loaded model): the numbers are the ones `lm_eval --model hf` reports for the same
+weights, tasks and limit. Tasks are resolved (and their data loaded) beforehand by
+`kava_ray.data.tasks.resolve_tasks`. No Ray here: the training worker and `kava-ray eval` call it
+alike.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ PIP_NAMES = {"sklearn": "scikit-learn"}  # a module lm-eval imports for a metric
 
 
 def _chat(tokenizer, prompt_format: str) -> bool:
-    """Whether a model's prompts go through its chat template: the job's `data.prompt_format` as the student's
-    training records used it (`records.use_chat`); `chat` for a tokenizer without one (a teacher's) reads plain."""
+    """Whether a model's prompts go through its chat template: the job's `data.prompt_format` as the
+    student's training records used it (`records.use_chat`); `chat` for a tokenizer without one (a
+    teacher's) reads plain."""
     if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
         return False
     return use_chat(tokenizer, prompt_format)
@@ -38,8 +41,9 @@ def _chat(tokenizer, prompt_format: str) -> bool:
 
 @contextlib.contextmanager
 def _bars(make_bar: Optional[Callable]):
-    """lm-eval's request bars made by `make_bar(iterable, total=, desc=)` (the console's one bar); its other bars
-    (building contexts, rolling windows) and, without `make_bar`, all of them: none."""
+    """lm-eval's request bars made by `make_bar(iterable, total=, desc=)` (the console's one bar);
+    its other bars (building contexts, rolling windows) and, without `make_bar`, all of them:
+    none."""
     import importlib
 
     mods = [importlib.import_module(m) for m in BAR_MODULES]
@@ -70,8 +74,9 @@ def _len(iterable):
 
 @contextlib.contextmanager
 def _rng_kept():
-    """The harness seeds Python's, NumPy's and torch's generators (its defaults, for its reproducibility): the
-    caller's streams (a training run's dropout, data order) continue afterwards as if it had not run."""
+    """The harness seeds Python's, NumPy's and torch's generators (its defaults, for its
+    reproducibility): the caller's streams (a training run's dropout, data order) continue
+    afterwards as if it had not run."""
     py, npy = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         try:
@@ -84,15 +89,17 @@ def _rng_kept():
 def run_tasks(model, tokenizer, tasks: Sequence[HarnessTask], prompt_format: str = "auto",
               limit: Optional[int] = None, batch_size: int = 8, make_bar: Optional[Callable] = None,
               responses: bool = False, max_length: Optional[int] = None) -> dict:
-    """{task name: {"metrics": {metric: value}, "n": documents evaluated, "higher_is_better": {metric: bool}}};
-    `responses`: also "responses", the model's raw output per document in document order.
+    """{task name: {"metrics": {metric: value}, "n": documents evaluated, "higher_is_better":
+    {metric: bool}}}; `responses`: also "responses", the model's raw output per document in document
+    order.
 
-    One `simple_evaluate` per task as named: a task or a group with an aggregate is reported under its name; a tag, a
-    group without one or a YAML path under each of the tasks lm-eval ran for it (a name that yields no figure is one
-    KavaError). A shipped task with a chat variant runs that variant, through the chat template, for a model that
-    `_chat` says uses it (reported under the task's own name). Greedy where the task says so, zero-shot unless it
-    sets shots, `limit`: the first N documents of each task; `max_length`: the context HFLM reads (None: lm-eval's
-    default, the model's). `bootstrap_iters=0` (no stderr: 100,000 resamples a metric otherwise). The model's
+    One `simple_evaluate` per task as named: a task or a group with an aggregate is reported under
+    its name; a tag, a group without one or a YAML path under each of the tasks lm-eval ran for it
+    (a name that yields no figure is one KavaError). A shipped task with a chat variant runs that
+    variant, through the chat template, for a model that `_chat` says uses it (reported under the
+    task's own name). Greedy where the task says so, zero-shot unless it sets shots, `limit`: the
+    first N documents of each task; `max_length`: the context HFLM reads (None: lm-eval's default,
+    the model's). `bootstrap_iters=0` (no stderr: 100,000 resamples a metric otherwise). The model's
     train/eval mode and the caller's random streams are as they were afterwards."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -119,8 +126,8 @@ def run_tasks(model, tokenizer, tasks: Sequence[HarnessTask], prompt_format: str
 
 
 def _named_results(res: dict, name: str, key: str, responses: bool) -> dict:
-    """{reported name: result} of one task as named: its own row (`key`: the task, group or chat variant lm-eval
-    ran) as `name`, else every row lm-eval reports for it under the row's name."""
+    """{reported name: result} of one task as named: its own row (`key`: the task, group or chat
+    variant lm-eval ran) as `name`, else every row lm-eval reports for it under the row's name."""
     rows = [key] if key in res["results"] or key in res.get("groups", {}) else list(res["results"])
     out = {}
     for row in rows:

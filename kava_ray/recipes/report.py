@@ -1,13 +1,14 @@
 """metrics.jsonl -> PNG plots + a short Markdown summary (and the same headline numbers as text).
 
-A run dir holds `metrics.jsonl`: one JSON object per line, `{"step": int, "kind": "train" | "eval", ...}`.
-Train records may carry loss, ce, kv_loss, cos_sim, cos_raw, cos/<teacher>, cos_raw/<teacher>,
-cos_layer/{first,middle,last}, contrast_gap, fusion/<teacher>, lr_student, lr_projector, grad_norm,
-tokens_per_s, teacher_wait_s, phase and time_s (seconds of that step, the interval teacher_wait_s is part
-of); eval records carry eval/ce, eval/cos_sim, eval/cos_raw, eval/contrast_gap, eval/cos/<teacher>,
-eval/cos_raw/<teacher>. `cos_sim` and `cos/<teacher>` are centred per (layer, head) over the batch's
-tokens (a constant target scores 0), `cos_raw` is the plain cosine (flattered by constants). A resumed
-run re-logs steps: the last record of a (kind, step) wins. Records of other kinds are ignored.
+A run dir holds `metrics.jsonl`: one JSON object per line, `{"step": int, "kind": "train" | "eval",
+...}`. Train records may carry loss, ce, kv_loss, cos_sim, cos_raw, cos/<teacher>,
+cos_raw/<teacher>, cos_layer/{first,middle,last}, contrast_gap, fusion/<teacher>, lr_student,
+lr_projector, grad_norm, tokens_per_s, teacher_wait_s, phase and time_s (seconds of that step, the
+interval teacher_wait_s is part of); eval records carry eval/ce, eval/cos_sim, eval/cos_raw,
+eval/contrast_gap, eval/cos/<teacher>, eval/cos_raw/<teacher>. `cos_sim` and `cos/<teacher>` are
+centred per (layer, head) over the batch's tokens (a constant target scores 0), `cos_raw` is the
+plain cosine (flattered by constants). A resumed run re-logs steps: the last record of a (kind,
+step) wins. Records of other kinds are ignored.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def _teachers(records: list[dict], prefix: str) -> list[str]:
 
 
 def headline(train: list[dict], evals: list[dict], wall_s: Optional[float] = None) -> dict:
-    """The numbers a report leads with: first/last values, final phase, teacher wait share, last eval. wall_s: the
-    run's wall time as its driver measured it (`metrics_file.wall_seconds`); else the steps' own time, marked so."""
+    """The numbers a report leads with: first/last values, final phase, teacher wait share, last
+    eval. wall_s: the run's wall time as its driver measured it (`metrics_file.wall_seconds`); else
+    the steps' own time, marked so."""
     h: dict = {"first_step": None, "last_step": None, "num_train_records": len(train),
                "num_eval_records": len(evals)}
     steps = [r["step"] for r in train] or [r["step"] for r in evals]
@@ -85,8 +87,8 @@ def headline(train: list[dict], evals: list[dict], wall_s: Optional[float] = Non
     task_keys = sorted({k for r in evals for k in r if k.startswith(TASK_PREFIX)})  # train.eval_tasks
     h["eval_tasks"] = {k: _first_last(evals, k) for k in task_keys}
     times = _series(train, "time_s")[1]
-    # without the driver's clock: ~ mean step time x steps done (records are logged every few steps), which leaves
-    # out start-up, evaluation and saving
+    # without the driver's clock: ~ mean step time x steps done (records are logged every few
+    # steps), which leaves out start-up, evaluation and saving
     h["wall_time_s"] = wall_s if wall_s is not None else (sum(times) / len(times) * max(steps[-1], 1) if times
                                                           else None)
     h["wall_time_measured"] = wall_s is not None

@@ -1,8 +1,8 @@
 """What each step of a run does besides training, and the record it logs.
 
-`step_kind`: which steps log, evaluate and save (train.log_steps / eval_steps / save_steps, and the last);
-`step_record`: a step's metrics reduced over the ranks (`reduce_metrics`: counts summed, every other figure the mean
-over the micro-batches that measured it) into its metrics.jsonl record.
+`step_kind`: which steps log, evaluate and save (train.log_steps / eval_steps / save_steps, and the
+last); `step_record`: a step's metrics reduced over the ranks (`reduce_metrics`: counts summed,
+every other figure the mean over the micro-batches that measured it) into its metrics.jsonl record.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class StepKind:
 
 
 def step_kind(step: int, t: TrainConfig) -> StepKind:
-    """Save every save_steps and at the end; evaluate every eval_steps, at the end and at every save a kept
-    checkpoint is scored by (`train.checkpoint_score` eval/*); log every log_steps and at each of those."""
+    """Save every save_steps and at the end; evaluate every eval_steps, at the end and at every save
+    a kept checkpoint is scored by (`train.checkpoint_score` eval/*); log every log_steps and at
+    each of those."""
     save = step % t.save_steps == 0 or step == t.steps
     scored_by_eval = (t.checkpoint_score or "").startswith("eval/")
     evaluate = step % t.eval_steps == 0 or step == t.steps or (save and scored_by_eval)
@@ -58,9 +59,10 @@ def evals_before_end(t: TrainConfig) -> int:
 
 def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list, world: int,
                 measured: Optional[dict[str, int]] = None) -> dict:
-    """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the all-reduce;
-    `measured`: `reduce_metrics`'), token counts turned into tokens_per_s, the phase, the learning rates of this
-    step. A figure the step did not measure is absent, never 0 (the reverse KL of a step that sampled nothing)."""
+    """The step's train record for metrics.jsonl: metrics reduced over ranks (every rank joins the
+    all-reduce; `measured`: `reduce_metrics`'), token counts turned into tokens_per_s, the phase,
+    the learning rates of this step. A figure the step did not measure is absent, never 0 (the
+    reverse KL of a step that sampled nothing)."""
     metrics = reduce_metrics(values, world, measured)
     metrics.pop(LABEL_TOKENS)
     metrics.pop(KV_TOKENS)
@@ -78,10 +80,11 @@ def step_record(values: dict[str, torch.Tensor], step: int, dt: float, lrs: list
 
 def reduce_metrics(values: dict[str, torch.Tensor], world: int, measured: Optional[dict[str, int]] = None
                    ) -> dict[str, float]:
-    """Python numbers for logging: counts (SUMMED) summed over ranks, every other metric the mean over the
-    micro-batches of every rank that measured it (`measured`: this rank's, `DistillRecipe.step`; 1 for a metric not
-    in it). A metric no rank measured is absent; one only some ranks measured is theirs alone (not averaged with 0).
-    Every rank calls it: one gather of the names (ranks may have measured different ones), one all-reduce."""
+    """Python numbers for logging: counts (SUMMED) summed over ranks, every other metric the mean
+    over the micro-batches of every rank that measured it (`measured`: this rank's,
+    `DistillRecipe.step`; 1 for a metric not in it). A metric no rank measured is absent; one only
+    some ranks measured is theirs alone (not averaged with 0). Every rank calls it: one gather of
+    the names (ranks may have measured different ones), one all-reduce."""
     if world == 1:
         keys = sorted(values)
         return dict(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))

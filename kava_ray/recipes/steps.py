@@ -1,5 +1,6 @@
 """The one step loop: a recipe's optimizer steps over its step source, as a Ray Train worker
-(`distill.train_loop_per_worker`) and the in-process benches (`bench.inprocess.train_in_process`) both run them."""
+(`distill.train_loop_per_worker`) and the in-process benches (`bench.inprocess.train_in_process`)
+both run them."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ class NonFinite(KavaError):
 
 @dataclass
 class StepDone:
-    """One finished step: its metrics (device tensors: the recipe's, with the data side's figures), the optimizer
-    step's seconds alone and with drawing its micro-batches (the teachers' forwards, any sampling), and at a log step
-    its metrics.jsonl record (`step_records.step_record`)."""
+    """One finished step: its metrics (device tensors: the recipe's, with the data side's figures),
+    the optimizer step's seconds alone and with drawing its micro-batches (the teachers' forwards,
+    any sampling), and at a log step its metrics.jsonl record (`step_records.step_record`)."""
 
     step: int
     kind: StepKind
@@ -38,11 +39,12 @@ class StepDone:
 
 def run_steps(recipe, data, until: int, kind_of: Callable[[int], StepKind], *, grad_share: bool = False,
               eager: bool = False) -> Iterator[StepDone]:
-    """Steps `recipe.start_step + 1 .. until`: `recipe.step` on `data.next_step(step)` (drawn before the clock with
-    `eager`, as the benches time the step alone; else one micro-batch at a time, as a worker holds them), the data
-    side's figures added (`data.step_metrics()`: the teachers' wait, the skips). grad_share: grad/kv_share at the log
-    steps. A non-finite loss is tracked on the device (`FirstBad`) and checked at the log steps, where the loop syncs
-    anyway: the first log step after it raises `NonFinite`, naming the checkpoint that stays the latest."""
+    """Steps `recipe.start_step + 1 .. until`: `recipe.step` on `data.next_step(step)` (drawn before
+    the clock with `eager`, as the benches time the step alone; else one micro-batch at a time, as a
+    worker holds them), the data side's figures added (`data.step_metrics()`: the teachers' wait,
+    the skips). grad_share: grad/kv_share at the log steps. A non-finite loss is tracked on the
+    device (`FirstBad`) and checked at the log steps, where the loop syncs anyway: the first log
+    step after it raises `NonFinite`, naming the checkpoint that stays the latest."""
     bad, saved = FirstBad(), recipe.start_step
     for step in range(recipe.start_step + 1, until + 1):
         kind, t_wall = kind_of(step), time.perf_counter()

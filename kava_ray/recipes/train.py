@@ -59,11 +59,12 @@ def build_trainer(cfg: JobConfig, plans: dict, run_dir: Path, use_gpu: bool, res
 
 
 def fit(trainer, run_dir: Optional[Path] = None):
-    """trainer.fit(), with a failed run turned into one line (plus the logs dir while `console.quiet` is on); a run
-    that stopped itself (a non-finite loss: its metrics' last record, `metrics_file.stopped_by`) too."""
-    # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the controller, its
-    # workers, the teachers and an embedded Ray with it) instead of Ray Train's own handler, a "graceful" abort that
-    # waits ~15 s, prints a traceback and exits 1
+    """trainer.fit(), with a failed run turned into one line (plus the logs dir while
+    `console.quiet` is on); a run that stopped itself (a non-finite loss: its metrics' last record,
+    `metrics_file.stopped_by`) too."""
+    # Ctrl-C: KeyboardInterrupt here (the CLI exits 130 in one line; the driver's exit takes the
+    # controller, its workers, the teachers and an embedded Ray with it) instead of Ray Train's own
+    # handler, a "graceful" abort that waits ~15 s, prints a traceback and exits 1
     drop_train_sigint_handler(trainer)
     trim_train_callbacks(trainer)  # Ray's placement-group cleaner swapped; no DatasetManager actor (no Ray Dataset)
     with _interruptible(), _metrics_for(trainer.run_config.name):
@@ -79,10 +80,11 @@ def fit(trainer, run_dir: Optional[Path] = None):
 
 @contextlib.contextmanager
 def _metrics_for(run_name: str):
-    """Ray Train's own Prometheus metrics (its controller's and workers') are tagged with the run's name, which
-    Ray encodes as ASCII: a run named with other letters (`modèle-v1`) failed in the controller's first metric. Such
-    a run trains without them (RAY_TRAIN_METRICS_ENABLED=0, read as the trainer builds its callbacks); kava-ray's
-    own metrics (metrics.jsonl, the trackers) are unaffected."""
+    """Ray Train's own Prometheus metrics (its controller's and workers') are tagged with the run's
+    name, which Ray encodes as ASCII: a run named with other letters (`modèle-v1`) failed in the
+    controller's first metric. Such a run trains without them (RAY_TRAIN_METRICS_ENABLED=0, read as
+    the trainer builds its callbacks); kava-ray's own metrics (metrics.jsonl, the trackers) are
+    unaffected."""
     if run_name.isascii():
         yield
         return
@@ -99,10 +101,11 @@ def _metrics_for(run_name: str):
 
 @contextlib.contextmanager
 def _interruptible():
-    """A Ctrl-C during the block always ends in KeyboardInterrupt, even one that arrives as `ray.get` returns:
-    Ray checks signals inside `ray.get` and a KeyboardInterrupt raised there just as the result lands is
-    dropped (the run then finished and exited 0). The handler records the signal before raising; a recorded
-    signal is raised again once the block has returned. Main thread only (a Tune trial's fit runs in another)."""
+    """A Ctrl-C during the block always ends in KeyboardInterrupt, even one that arrives as
+    `ray.get` returns: Ray checks signals inside `ray.get` and a KeyboardInterrupt raised there just
+    as the result lands is dropped (the run then finished and exited 0). The handler records the
+    signal before raising; a recorded signal is raised again once the block has returned. Main
+    thread only (a Tune trial's fit runs in another)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -124,15 +127,16 @@ def _interruptible():
 def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[str] = None,
                  address: Optional[str] = None, progress: bool = True, resume_override: bool = False,
                  restart_teachers: bool = False, verbose: bool = False) -> dict:
-    """Run one distillation job end to end; returns run_dir, the last metrics (the last report; last_measured: every
-    train metric's last value and its step) and the checkpoint path.
+    """Run one distillation job end to end; returns run_dir, the last metrics (the last report;
+    last_measured: every train metric's last value and its step) and the checkpoint path.
 
-    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's directory unless
-    `name` names another (a finished one: `NothingToDo`, before Ray starts); resume_override: let
-    optim.*/train.*/data.*/loss.*/onpolicy.* differ from the checkpoint's (the new values win); restart_teachers:
-    replace a running pool that was started for another config instead of refusing it. The run dir is named before
-    Ray starts: the console stays quiet (status lines + the progress bar; every other line in
-    `RUN_DIR/logs/`, `kava_ray.runtime.console`) unless `verbose`.
+    resume: a checkpoint dir or a run dir (its latest checkpoint) to continue from, in that run's
+    directory unless `name` names another (a finished one: `NothingToDo`, before Ray starts);
+    resume_override: let optim.*/train.*/data.*/loss.*/onpolicy.* differ from the checkpoint's (the
+    new values win); restart_teachers: replace a running pool that was started for another config
+    instead of refusing it. The run dir is named before Ray starts: the console stays quiet (status
+    lines + the progress bar; every other line in `RUN_DIR/logs/`, `kava_ray.runtime.console`)
+    unless `verbose`.
     """
     given = resume  # (what the user named: the preflight's lines say it)
     if resume:
@@ -165,9 +169,10 @@ def run_training(cfg: JobConfig, resume: Optional[str] = None, name: Optional[st
 
 
 def resume_hint(run_dir: Path, resume: Optional[str] = None, address: Optional[str] = None) -> str:
-    """What an interrupted run's line ends with: the command that continues it, `kava-ray train --resume RUN_DIR`
-    (its saved config; `--address` as given), and the step it continues from -- where RUN_DIR holds a complete
-    checkpoint (else the one this run resumed from) -- or that none was saved yet."""
+    """What an interrupted run's line ends with: the command that continues it, `kava-ray train
+    --resume RUN_DIR` (its saved config; `--address` as given), and the step it continues from --
+    where RUN_DIR holds a complete checkpoint (else the one this run resumed from) -- or that none
+    was saved yet."""
     for where in (run_dir, resume):
         if where is None:
             continue
@@ -181,9 +186,9 @@ def resume_hint(run_dir: Path, resume: Optional[str] = None, address: Optional[s
 
 
 def resume_config(resume: str, overrides: Optional[list[str]] = None) -> JobConfig:
-    """`train --resume RUN_DIR` without `--config`: the job its latest complete checkpoint saved (the config file
-    and the KEY=VALUE overrides it started with), with `overrides` on top (run-changing keys still need
-    `--resume-override`: `checkpoint.check_compatible`)."""
+    """`train --resume RUN_DIR` without `--config`: the job its latest complete checkpoint saved
+    (the config file and the KEY=VALUE overrides it started with), with `overrides` on top
+    (run-changing keys still need `--resume-override`: `checkpoint.check_compatible`)."""
     return load_config(checkpoint_config(find_checkpoint(resume, for_resume=True))[2], overrides)
 
 
@@ -194,8 +199,9 @@ def resumed_run_dir(ckpt: str) -> Optional[Path]:
 
 
 def _data(cfg: JobConfig) -> None:
-    """The job's splits tokenized (and packed) once, cached, and checked (rows shared between splits, no loss
-    tokens, fewer rows than one batch of every worker): a bad record deep in the data stops us here."""
+    """The job's splits tokenized (and packed) once, cached, and checked (rows shared between
+    splits, no loss tokens, fewer rows than one batch of every worker): a bad record deep in the
+    data stops us here."""
     t0 = time.time()
     prepared = prepare_data(cfg)
     check_prompts(cfg, prepared["format"])  # a hub dataset's format is known only now (a local one's at preflight)
@@ -224,9 +230,9 @@ def teachers_status(job) -> None:
 
 
 def run_lines(cfg: JobConfig) -> list[str]:
-    """What the run trains on, under its `training:` line: the loss's terms (those with a weight), and with
-    `onpolicy.fraction` > 0 the sampling (`loss: ce 1 + kv 1 (mercator, fusion fixed) + logit 0.5 (forward_kl,
-    top-64)`, `on-policy: ...`)."""
+    """What the run trains on, under its `training:` line: the loss's terms (those with a weight),
+    and with `onpolicy.fraction` > 0 the sampling (`loss: ce 1 + kv 1 (mercator, fusion fixed) +
+    logit 0.5 (forward_kl, top-64)`, `on-policy: ...`)."""
     c, o = cfg.loss, cfg.onpolicy
     terms = [f"ce {c.ce_weight:g}" + (" (off on the student's samples)" if o.fraction > 0 and o.source == "student"
                                       else "")] if c.ce_weight > 0 else []
@@ -245,8 +251,8 @@ def run_lines(cfg: JobConfig) -> list[str]:
 
 
 def topk_warning(cfg: JobConfig, plans: dict) -> Optional[str]:
-    """`divergences.topk_divergence_warning` for the job, where a teacher shares the student's tokenizer (the
-    others' logit terms are the hybrid / ULD losses, not `topk_divergence`)."""
+    """`divergences.topk_divergence_warning` for the job, where a teacher shares the student's
+    tokenizer (the others' logit terms are the hybrid / ULD losses, not `topk_divergence`)."""
     if not any(not p.aligned for p in plans.values()):
         return None
     return topk_divergence_warning(cfg.loss, student_geometry(cfg.student).vocab_size, cfg.onpolicy.fraction)
@@ -278,9 +284,10 @@ def _run(cfg: JobConfig, run_dir: Path, resume, address, progress: bool, resume_
 
 
 def _test_line(metrics_path: Path) -> Optional[str]:
-    """`test: CE 4.77, KV cos to the fused teachers 0.25 (centred), gap 0.21` from the run's test record (None when
-    there is none): the cosine is the student's projected KV against the fused target every teacher makes, not a
-    single teacher's (those are `test/cos/<teacher>`, the demo's table)."""
+    """`test: CE 4.77, KV cos to the fused teachers 0.25 (centred), gap 0.21` from the run's test
+    record (None when there is none): the cosine is the student's projected KV against the fused
+    target every teacher makes, not a single teacher's (those are `test/cos/<teacher>`, the demo's
+    table)."""
     test = last(metrics_path, "test")
     if not test or "test/ce" not in test:
         return None

@@ -1,9 +1,9 @@
 """`kava-ray tune`: Ray Tune over projector and loss hyper-parameters, one shared teacher pool.
 
-A trial is a function (`trial_fn`: Ray 2.60 runs Train V2) that builds a TorchTrainer for its sampled config.
-The Tune driver starts the teacher pool once and every trial's workers find it by name; all trials walk the same
-batches, so each teacher computes a batch's KV once for the whole sweep. Outputs in `<storage>/<name>/`,
-`best.yaml` among them: docs/internals/runtime.md#tune.
+A trial is a function (`trial_fn`: Ray 2.60 runs Train V2) that builds a TorchTrainer for its
+sampled config. The Tune driver starts the teacher pool once and every trial's workers find it by
+name; all trials walk the same batches, so each teacher computes a batch's KV once for the whole
+sweep. Outputs in `<storage>/<name>/`, `best.yaml` among them: docs/internals/runtime.md#tune.
 """
 
 from __future__ import annotations
@@ -101,11 +101,12 @@ def experiment_dir(cfg: JobConfig, name: Optional[str] = None, resume: Optional[
 
 
 def tracker_callbacks(cfg: JobConfig, exp_dir: Path) -> list:
-    """train.loggers as Tune's own logger callbacks: one entry per trial (its searched params, every reported
-    result at Tune's training_iteration) beside each trial's own rank-0 tracking of its metrics.jsonl
-    (kava_ray.common.trackers, in the trial's run dir). TensorBoard: TBXLoggerCallback, event files in each trial
-    dir; MLflow: one experiment named after the sweep, $MLFLOW_TRACKING_URI or file:<sweep>/mlruns; W&B:
-    project = the job's name, group = the sweep, WANDB_MODE offline unless set."""
+    """train.loggers as Tune's own logger callbacks: one entry per trial (its searched params, every
+    reported result at Tune's training_iteration) beside each trial's own rank-0 tracking of its
+    metrics.jsonl (kava_ray.common.trackers, in the trial's run dir). TensorBoard:
+    TBXLoggerCallback, event files in each trial dir; MLflow: one experiment named after the sweep,
+    $MLFLOW_TRACKING_URI or file:<sweep>/mlruns; W&B: project = the job's name, group = the sweep,
+    WANDB_MODE offline unless set."""
     out = []
     if "tensorboard" in cfg.train.loggers:
         # each tracker's callback where it is asked for: the mlflow and wandb ones import those (heavy, optional)
@@ -130,11 +131,12 @@ DEFAULT_EMBEDDED_TRIALS = 2  # concurrent trials an embedded Ray is sized for wh
 def run_tune(cfg: JobConfig, space: str, num_samples: Optional[int] = None, max_concurrent: Optional[int] = None,
              resume: Optional[str] = None, name: Optional[str] = None, address: Optional[str] = None,
              trial=None, restart_teachers: bool = False) -> dict:
-    """Run (or, with `resume` = a sweep dir or name, continue) a sweep; returns the experiment dir, the
-    result rows and the best config path.
+    """Run (or, with `resume` = a sweep dir or name, continue) a sweep; returns the experiment dir,
+    the result rows and the best config path.
 
-    trial: a trial function to use instead of `trial_fn`; it then brings its own teachers (the shared
-    pool is not started). `kava-ray bench tune-share` passes one that starts teachers per trial.
+    trial: a trial function to use instead of `trial_fn`; it then brings its own teachers (the
+    shared pool is not started). `kava-ray bench tune-share` passes one that starts teachers per
+    trial.
     """
     preflight(cfg, "tune", resume=resume, space=space, address=address, name=name)  # the space first, then data...
     spec = load_space(space, base=cfg)  # every space error before anything starts
@@ -199,15 +201,17 @@ def _sweep(cfg: JobConfig, spec, exp_dir: Path, resume, num_samples, max_concurr
 
 
 def short_name(trial) -> str:
-    """`trial_<id>`: a trial's name and directory (Tune's default, `trial_fn_<id>_<n>_<every param=value>_<date>`,
-    runs past 100 characters; the values are in results.csv and the plot's legend)."""
+    """`trial_<id>`: a trial's name and directory (Tune's default, `trial_fn_<id>_<n>_<every
+    param=value>_<date>`, runs past 100 characters; the values are in results.csv and the plot's
+    legend)."""
     return f"trial_{trial.trial_id}"
 
 
 class SweepStatus(tune.Callback):
-    """Status lines while a sweep runs (`kava-ray tune` is otherwise silent for minutes): each time a trial ends,
-    and at most every 30 s as results arrive -- trials done / running / stopped early, and the best so far. Its
-    state (best values, last steps) is saved with the sweep's and restored by `--resume` (Tune's callback state)."""
+    """Status lines while a sweep runs (`kava-ray tune` is otherwise silent for minutes): each time
+    a trial ends, and at most every 30 s as results arrive -- trials done / running / stopped early,
+    and the best so far. Its state (best values, last steps) is saved with the sweep's and restored
+    by `--resume` (Tune's callback state)."""
 
     total = 0  # the sweep's size (`planned_trials`); a class default for a callback pickled before it existed
 
@@ -239,9 +243,10 @@ class SweepStatus(tune.Callback):
         self._say(trials, ending=trial, failed=True)
 
     def _say(self, trials, ending=None, failed: bool = False) -> None:
-        """`ending`: the trial whose end calls this, counted as ended (Tune calls `on_trial_complete` before it marks
-        the trial TERMINATED: the last trial's line read "2/3 done, 1 running"). Never raises: an exception in a
-        callback would turn the finished trial into an error (`TuneController._schedule_trial_stop`)."""
+        """`ending`: the trial whose end calls this, counted as ended (Tune calls
+        `on_trial_complete` before it marks the trial TERMINATED: the last trial's line read "2/3
+        done, 1 running"). Never raises: an exception in a callback would turn the finished trial
+        into an error (`TuneController._schedule_trial_stop`)."""
         try:
             self._line(trials, ending, failed)
         except Exception:  # noqa: BLE001 - a status line must not fail a trial (e.g. a closed terminal)
@@ -267,11 +272,12 @@ class SweepStatus(tune.Callback):
 
 @contextlib.contextmanager
 def ctrl_c_saves_the_sweep():
-    """Around `Tuner.fit()`: a Ctrl+C stops the sweep as Tune's own handler does (Tune saves the experiment's state
-    and fit() returns), and the caller learns that it happened (`interrupted()`), which the returned grid does not
-    say: Tune marks the trials it stopped TERMINATED, like finished ones. Tune's documented switches: with
-    TUNE_DISABLE_SIGINT_HANDLER=1 it leaves SIGINT to us, and its SIGUSR1 handler is the same graceful stop. A
-    second Ctrl+C (or one before Tune is listening) raises KeyboardInterrupt at once."""
+    """Around `Tuner.fit()`: a Ctrl+C stops the sweep as Tune's own handler does (Tune saves the
+    experiment's state and fit() returns), and the caller learns that it happened (`interrupted()`),
+    which the returned grid does not say: Tune marks the trials it stopped TERMINATED, like finished
+    ones. Tune's documented switches: with TUNE_DISABLE_SIGINT_HANDLER=1 it leaves SIGINT to us, and
+    its SIGUSR1 handler is the same graceful stop. A second Ctrl+C (or one before Tune is listening)
+    raises KeyboardInterrupt at once."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield lambda: False
         return

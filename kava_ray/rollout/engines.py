@@ -1,11 +1,12 @@
 """What writes the completions of on-policy batches: a `CompletionEngine` is asked for one completion per prompt.
 
-Three engines: `HFGenerate`, the student on this worker through Hugging Face `generate` (`core.sampling.sample`: its
-KV cache, a seed per batch, each sampled token's log-prob under the distribution it was drawn from); `VLLMGenerate`,
-the same student through a vLLM engine colocated on this worker (`onpolicy.engine: vllm`, `rollout.vllm_engine`: the
-student's current weights pushed in before each sampling round); `TeacherGenerate`, a teacher of the student's
-tokenizer writing through its actor (`onpolicy.source: teacher`: sequence-level KD, no log-probs). `engine_for` picks
-the job's.
+Three engines: `HFGenerate`, the student on this worker through Hugging Face `generate`
+(`core.sampling.sample`: its KV cache, a seed per batch, each sampled token's log-prob under the
+distribution it was drawn from); `VLLMGenerate`, the same student through a vLLM engine colocated on
+this worker (`onpolicy.engine: vllm`, `rollout.vllm_engine`: the student's current weights pushed in
+before each sampling round); `TeacherGenerate`, a teacher of the student's tokenizer writing through
+its actor (`onpolicy.source: teacher`: sequence-level KD, no log-probs). `engine_for` picks the
+job's.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class CompletionEngine(Protocol):
 
     def complete(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
                  seed: int) -> Samples:
-        """One completion per prompt (token ids of the student's tokenizer); `Samples.logp` None without
-        log-probs."""
+        """One completion per prompt (token ids of the student's tokenizer); `Samples.logp` None
+        without log-probs."""
         ...
 
 
@@ -47,10 +48,11 @@ class HFGenerate:
 
 
 class VLLMGenerate:
-    """The student samples through a vLLM engine on this worker (TRL's colocate mode). Before each round the
-    student's weights are pushed into the engine when they changed since the last push (an optimizer step bumps the
-    parameters' version counters), so a round samples with exactly the weights the HF path would: the current ones
-    at lag 0, those of one step earlier at lag 1 (the round then runs before the step's update)."""
+    """The student samples through a vLLM engine on this worker (TRL's colocate mode). Before each
+    round the student's weights are pushed into the engine when they changed since the last push (an
+    optimizer step bumps the parameters' version counters), so a round samples with exactly the
+    weights the HF path would: the current ones at lag 0, those of one step earlier at lag 1 (the
+    round then runs before the step's update)."""
 
     writer = "student"
 
@@ -95,9 +97,10 @@ class TeacherGenerate:
 
 def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional[int], pad_id: int,
                autocast=None) -> CompletionEngine:
-    """The job's engine: the student (`onpolicy.source: student`), or the named teacher (`onpolicy.teacher`, else the
-    first) through its actor's `generate` -- or the source's own `generate` (teachers in process). The teacher must
-    share the student's tokenizer (its ids are the student's)."""
+    """The job's engine: the student (`onpolicy.source: student`), or the named teacher
+    (`onpolicy.teacher`, else the first) through its actor's `generate` -- or the source's own
+    `generate` (teachers in process). The teacher must share the student's tokenizer (its ids are
+    the student's)."""
     if cfg.onpolicy.source != "teacher":
         if cfg.onpolicy.engine == "vllm":
             from kava_ray.rollout.vllm_engine import VLLMEngine

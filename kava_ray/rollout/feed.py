@@ -1,10 +1,10 @@
 """KVFeed: the student-side prefetcher that keeps teacher work ahead of the student.
 
-Inside a train worker, the feed keeps `depth` batches in flight to every teacher at once and hands back batch
-i's KV from all teachers, in order, as KVBatches on the worker's device; the time the student waited is
-`teacher_wait_s` (near 0: teacher work is hidden). Answers come from a `KVSource`: live actors (`ActorSource`)
-or the on-disk cache (`actors.kv_cache.CacheSource`). A batch with NaN/Inf K or V is skipped or stops the run
-(`on_bad_kv`): docs/internals/step.md#feed.
+Inside a train worker, the feed keeps `depth` batches in flight to every teacher at once and hands
+back batch i's KV from all teachers, in order, as KVBatches on the worker's device; the time the
+student waited is `teacher_wait_s` (near 0: teacher work is hidden). Answers come from a `KVSource`:
+live actors (`ActorSource`) or the on-disk cache (`actors.kv_cache.CacheSource`). A batch with
+NaN/Inf K or V is skipped or stops the run (`on_bad_kv`): docs/internals/step.md#feed.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
 
 
 def get_kv(answer):
-    """A teacher's answer to `kv()` (or a list of them) as the wire payload: a production teacher answers with a
-    ref to the payload in its node's object store (`actors.teacher`), a stand-in may answer with the payload."""
+    """A teacher's answer to `kv()` (or a list of them) as the wire payload: a production teacher
+    answers with a ref to the payload in its node's object store (`actors.teacher`), a stand-in may
+    answer with the payload."""
     if isinstance(answer, list):
         return [get_kv(a) for a in answer]
     out = ray.get(answer) if isinstance(answer, ray.ObjectRef) else answer
@@ -38,9 +39,10 @@ def get_kv(answer):
 
 
 def _pull_here(answer) -> None:
-    """Start moving an answer's payload to this node now, in the background (`ObjectRef.future()` asks the local
-    raylet to fetch the object, as `ray.get` would, without blocking): the student keeps training while a
-    teacher's batch crosses nodes, and `ray.get` later finds it local. Chained: the answer, then its payload."""
+    """Start moving an answer's payload to this node now, in the background (`ObjectRef.future()`
+    asks the local raylet to fetch the object, as `ray.get` would, without blocking): the student
+    keeps training while a teacher's batch crosses nodes, and `ray.get` later finds it local.
+    Chained: the answer, then its payload."""
     def then(done) -> None:
         try:
             inner = done.result()
@@ -55,10 +57,10 @@ def _pull_here(answer) -> None:
 class KVRequest(NamedTuple):
     """What a KV source is asked for one batch of one teacher (`KVFeed` builds it; every source reads it).
 
-    key: the batch key the teacher's LRU de-duplicates by; input_ids / attention_mask [B, T] this teacher's
-    own tokens; layers: the teacher layers to ship; logits_top_k: top-k log-probs too (0: none);
-    examples: (split fingerprint, example indices of the batch's rows), what an example-indexed KV cache
-    assembles the batch from (None when the items name no split).
+    key: the batch key the teacher's LRU de-duplicates by; input_ids / attention_mask [B, T] this
+    teacher's own tokens; layers: the teacher layers to ship; logits_top_k: top-k log-probs too (0:
+    none); examples: (split fingerprint, example indices of the batch's rows), what an
+    example-indexed KV cache assembles the batch from (None when the items name no split).
     """
 
     key: Optional[str]
@@ -73,9 +75,11 @@ class KVRequest(NamedTuple):
 
 
 class KVSource(Protocol):
-    """Where a KVFeed's teacher answers come from: `ActorSource` (live actors), `actors.kv_cache.CacheSource`
-    (the on-disk cache), `kava_ray.testing.inprocess_source.InProcessSource` (teachers in this process). `submit` starts
-    one teacher's work on a request and returns a future (anything); `result` turns it into the wire payload."""
+    """Where a KVFeed's teacher answers come from: `ActorSource` (live actors),
+    `actors.kv_cache.CacheSource` (the on-disk cache),
+    `kava_ray.testing.inprocess_source.InProcessSource` (teachers in this process). `submit` starts
+    one teacher's work on a request and returns a future (anything); `result` turns it into the wire
+    payload."""
 
     def submit(self, name: str, request: KVRequest) -> Any: ...
 
@@ -152,22 +156,24 @@ class BadKV(KavaError):
 class KVFeed:
     """Iterate `(item, {teacher: KVBatch})` in the order of `items`, `depth` batches ahead.
 
-    items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item[, examples])`; `item` is passed
-    through untouched (the student's own batch); `examples` (split fingerprint, row indices) goes into the
-    request for an example-indexed KV cache (`feed_items` adds it). input_ids / attention_mask may instead be dicts
-    {teacher: array}, with the key None for every teacher not named: a teacher of another tokenizer gets
-    its own tokenization of the batch (`feed_items` builds these). layers: {teacher: layer ids to ship}.
-    logits_top_k > 0 (an int for every teacher, or {teacher: k}): the teacher also serves its top-k
-    log-probs from the same forward (KVBatch.topk_ids / topk_logp). hidden: the layers' output hidden states too
-    (KVBatch.hidden). token_logprobs: the teachers that also serve each next token's log-prob. read_ahead False:
-    a batch is taken from `items` only when it is asked for (on-policy lag 0: sampled with the current weights).
+    items: iterable of `(key, input_ids [B, T], attention_mask [B, T], item[, examples])`; `item` is
+    passed through untouched (the student's own batch); `examples` (split fingerprint, row indices)
+    goes into the request for an example-indexed KV cache (`feed_items` adds it). input_ids /
+    attention_mask may instead be dicts {teacher: array}, with the key None for every teacher not
+    named: a teacher of another tokenizer gets its own tokenization of the batch (`feed_items`
+    builds these). layers: {teacher: layer ids to ship}. logits_top_k > 0 (an int for every teacher,
+    or {teacher: k}): the teacher also serves its top-k log-probs from the same forward
+    (KVBatch.topk_ids / topk_logp). hidden: the layers' output hidden states too (KVBatch.hidden).
+    token_logprobs: the teachers that also serve each next token's log-prob. read_ahead False: a
+    batch is taken from `items` only when it is asked for (on-policy lag 0: sampled with the current
+    weights).
 
     Every source receives a `KVRequest` per teacher and batch.
 
-    on_bad_kv: None (no check), "skip" (a batch with non-finite K/V from any teacher is dropped and the next
-    one delivered; `skipped` counts them) or "stop" (raise `BadKV`). One `isfinite().all()` per decoded
-    tensor and one sync per batch. limit: deliver at most `limit` batches and never read ahead past them
-    (each skipped batch extends the read by one), so `items` may be endless.
+    on_bad_kv: None (no check), "skip" (a batch with non-finite K/V from any teacher is dropped and
+    the next one delivered; `skipped` counts them) or "stop" (raise `BadKV`). One `isfinite().all()`
+    per decoded tensor and one sync per batch. limit: deliver at most `limit` batches and never read
+    ahead past them (each skipped batch extends the read by one), so `items` may be endless.
     """
 
     def __init__(self, source: KVSource, items: Iterable[tuple], layers: dict[str, Optional[list[int]]], depth: int = 2,
@@ -247,8 +253,8 @@ class KVFeed:
 
     @staticmethod
     def _bad(kv: dict[str, KVBatch]) -> Optional[tuple[str, str]]:
-        """(teacher, "K" | "V" | "hidden states") of the first non-finite tensor, else None; one device sync for the
-        batch."""
+        """(teacher, "K" | "V" | "hidden states") of the first non-finite tensor, else None; one
+        device sync for the batch."""
         checks = [(name, what, torch.isfinite(t).all()) for name, b in kv.items()
                   for what, t in (("K", b.keys), ("V", b.values), ("hidden states", b.hidden)) if t is not None]
         ok = torch.stack([c for _, _, c in checks]).cpu()
@@ -258,8 +264,9 @@ class KVFeed:
         return checks[i][0], checks[i][1]
 
     def pending_items(self) -> list[tuple]:
-        """The batches taken from `items` but not yet delivered, as items again ((key, input_ids, attention_mask,
-        item, examples), arrays per teacher): what a checkpoint keeps for a resumed feed to replay (on-policy)."""
+        """The batches taken from `items` but not yet delivered, as items again ((key, input_ids,
+        attention_mask, item, examples), arrays per teacher): what a checkpoint keeps for a resumed
+        feed to replay (on-policy)."""
         out = []
         for item, reqs, _ in self._inflight:
             r = next(iter(reqs.values()))
@@ -285,8 +292,9 @@ def _for(x, name: str) -> np.ndarray:
 
 
 def request_arrays(batch: Batch) -> tuple:
-    """(input_ids, attention_mask) of a batch as the teachers get them: the student's arrays, or, when a
-    teacher of another tokenizer has its own (`batch.teachers`), {teacher: array, None: the student's}."""
+    """(input_ids, attention_mask) of a batch as the teachers get them: the student's arrays, or,
+    when a teacher of another tokenizer has its own (`batch.teachers`), {teacher: array, None: the
+    student's}."""
     ids, mask = batch.input_ids.numpy(), batch.attention_mask.numpy()
     if batch.teachers:
         ids = {None: ids, **{t: v.input_ids.numpy() for t, v in batch.teachers.items()}}
@@ -295,8 +303,9 @@ def request_arrays(batch: Batch) -> tuple:
 
 
 def feed_items(stream: BatchStream, steps: Optional[int] = None) -> Iterator[tuple]:
-    """(key, input_ids, attention_mask, (key, step, epoch, batch), examples) for KVFeed, `steps` batches or
-    forever; arrays as `request_arrays`, examples = (the split's fingerprint, the batch's example indices)."""
+    """(key, input_ids, attention_mask, (key, step, epoch, batch), examples) for KVFeed, `steps`
+    batches or forever; arrays as `request_arrays`, examples = (the split's fingerprint, the batch's
+    example indices)."""
     n = 0
     while steps is None or n < steps:
         key, step, epoch, batch, idx = stream.next_indexed()

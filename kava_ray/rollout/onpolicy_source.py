@@ -1,15 +1,17 @@
-"""On-policy distillation's step source: a share of the batches completed by the student (or a teacher) before the
-teachers score them.
+"""On-policy distillation's step source: a share of the batches completed by the student (or a
+teacher) before the teachers score them.
 
-`OnPolicyStepSource` is the `kava_ray.rollout.step_source.StepSource` whose items go through a `Sampler` for a share
-`onpolicy.fraction` of the batches (GKD's lambda, drawn per batch key, so DDP ranks, a resumed run and a re-run draw
-the same): it samples each row's completion with a `rollout.engines.CompletionEngine` and returns the sampled batch
-(`data.completions.sampled_batch`) under a key made of its content (replicas and Tune trials that sampled the same
-sequences share one teacher forward); the KVFeed then asks every teacher for it like any other batch. When the
-sampling happens relative to training is the feed's depth, batches taken only as a step asks for one:
-`onpolicy.lag` 1 samples batch n + 1 as step n asks for batch n (the teachers score n meanwhile, and n + 1 while the
-student trains on n), 0 samples batch n then. A checkpoint keeps the batches in flight (sampled with the weights of
-their time), and a resumed run trains on them first: the same curve (docs/training.md#on-policy).
+`OnPolicyStepSource` is the `kava_ray.rollout.step_source.StepSource` whose items go through a
+`Sampler` for a share `onpolicy.fraction` of the batches (GKD's lambda, drawn per batch key, so DDP
+ranks, a resumed run and a re-run draw the same): it samples each row's completion with a
+`rollout.engines.CompletionEngine` and returns the sampled batch (`data.completions.sampled_batch`)
+under a key made of its content (replicas and Tune trials that sampled the same sequences share one
+teacher forward); the KVFeed then asks every teacher for it like any other batch. When the sampling
+happens relative to training is the feed's depth, batches taken only as a step asks for one:
+`onpolicy.lag` 1 samples batch n + 1 as step n asks for batch n (the teachers score n meanwhile, and
+n + 1 while the student trains on n), 0 samples batch n then. A checkpoint keeps the batches in
+flight (sampled with the weights of their time), and a resumed run trains on them first: the same
+curve (docs/training.md#on-policy).
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class Sampler:
 
 def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed: int,
                    steps: Optional[int] = None) -> Iterator[tuple]:
-    """`feed_items(stream)` with a share `fraction` of the batches sampled (`sampler(batch, rows, key)`): those come
-    out under a content key and without example indices (no KV cache holds them)."""
+    """`feed_items(stream)` with a share `fraction` of the batches sampled (`sampler(batch, rows,
+    key)`): those come out under a content key and without example indices (no KV cache holds
+    them)."""
     for key, ids, mask, (_, step, epoch, batch), (fp, rows) in feed_items(stream, steps):
         if fraction <= 0 or _unit("onpolicy", seed, key) >= fraction:
             yield key, ids, mask, (key, step, epoch, batch), (fp, rows)
@@ -99,9 +102,9 @@ def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed
 
 
 class OnPolicyStepSource(StepSource):
-    """The `StepSource` of an on-policy run: `sampler` completes a share of its batches; the feed holds
-    1 + onpolicy.lag batches and takes one only when a step asks (lag 0: sampled with the current weights); the
-    checkpoint keeps every rank's batches in flight."""
+    """The `StepSource` of an on-policy run: `sampler` completes a share of its batches; the feed
+    holds 1 + onpolicy.lag batches and takes one only when a step asks (lag 0: sampled with the
+    current weights); the checkpoint keeps every rank's batches in flight."""
 
     read_ahead = False
 

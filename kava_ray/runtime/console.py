@@ -1,8 +1,9 @@
 """A quiet console: status lines and one progress bar on the terminal, every other line in the run's logs.
 
-`status(line)` is kava-ray's one writer of status lines. `with quiet(run_dir / "logs", verbose):` sends the
-driver's fds 1 and 2 to `logs/driver.log` and copies Ray's worker logs into `logs/ray/` on the way out;
-`verbose` leaves everything live. How the redirect works: docs/internals/runtime.md#console.
+`status(line)` is kava-ray's one writer of status lines. `with quiet(run_dir / "logs", verbose):`
+sends the driver's fds 1 and 2 to `logs/driver.log` and copies Ray's worker logs into `logs/ray/` on
+the way out; `verbose` leaves everything live. How the redirect works:
+docs/internals/runtime.md#console.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def ray_started() -> None:
 
 
 def console() -> TextIO:
-    """The terminal's stderr: the saved one while `quiet` (or the CLI's `quiet_start`) redirects, else
-    `sys.stderr`."""
+    """The terminal's stderr: the saved one while `quiet` (or the CLI's `quiet_start`) redirects,
+    else `sys.stderr`."""
     return _state["console"] or early_console() or sys.stderr
 
 
@@ -51,23 +52,24 @@ def status(line: str) -> None:
 
 
 def with_logs(message: str) -> str:
-    """An error line with the logs dir appended: `... (logs: RUN_DIR/logs)`; unchanged outside `quiet`, and where
-    the refusal will remove that dir (`_kept_on_refusal`): a line never names a directory that is gone."""
+    """An error line with the logs dir appended: `... (logs: RUN_DIR/logs)`; unchanged outside
+    `quiet`, and where the refusal will remove that dir (`_kept_on_refusal`): a line never names a
+    directory that is gone."""
     d = log_dir()
     return f"{message} (logs: {d})" if d is not None and _kept_on_refusal() else message
 
 
 def _kept_on_refusal() -> bool:
-    """Whether the active `quiet`'s logs stay when a KavaError ends it: once Ray has started (its logs are what the
-    line points at), or when the dir was there before (a resumed run's)."""
+    """Whether the active `quiet`'s logs stay when a KavaError ends it: once Ray has started (its
+    logs are what the line points at), or when the dir was there before (a resumed run's)."""
     return _state["ray_started"] or not _state["made"]
 
 
 @contextlib.contextmanager
 def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True, made_above: Optional[Path] = None):
-    """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`: leave it live.
-    made_above: a parent of `log_dir` this command made just before (a run dir with its lock): a refusal removes it
-    as it removes what this call makes."""
+    """Send the driver's and Ray workers' chatter to `log_dir` (see the module doc); `verbose`:
+    leave it live. made_above: a parent of `log_dir` this command made just before (a run dir with
+    its lock): a refusal removes it as it removes what this call makes."""
     global LOG_TO_DRIVER
     if _state["log_dir"] is not None:  # nested: the outer one owns the console
         yield
@@ -91,8 +93,8 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True, made_abov
             with _redirect(log_dir / "driver.log"):
                 yield
     except KavaError:
-        # refused before Ray started (preflight, the data): the command's one line says it all and nothing it
-        # created stays (with Ray up, the logs are what `(logs: DIR)` points at)
+        # refused before Ray started (preflight, the data): the command's one line says it all and
+        # nothing it created stays (with Ray up, the logs are what `(logs: DIR)` points at)
         if not _kept_on_refusal():
             shutil.rmtree(made[-1], ignore_errors=True)
             _state["ray_logs"] = None
@@ -110,8 +112,9 @@ def quiet(log_dir: Path, verbose: bool = False, ray_logs: bool = True, made_abov
 
 
 def silenced():
-    """fds 1 and 2 (and Python's streams) to /dev/null for the block: library chatter a command meets before its
-    `quiet` starts (the preflight's planner; torch and torchao write past Python's streams)."""
+    """fds 1 and 2 (and Python's streams) to /dev/null for the block: library chatter a command
+    meets before its `quiet` starts (the preflight's planner; torch and torchao write past Python's
+    streams)."""
     return _redirect(Path(os.devnull))
 
 
@@ -161,8 +164,9 @@ def _has_content(path: Path) -> bool:
 
 
 def collect_before_shutdown() -> None:
-    """Copy Ray's logs into the active quiet console's run logs now: a command that started its own Ray shuts it
-    down before the console's exit (`job.job_teachers`), and the copy needs a running Ray to find them."""
+    """Copy Ray's logs into the active quiet console's run logs now: a command that started its own
+    Ray shuts it down before the console's exit (`job.job_teachers`), and the copy needs a running
+    Ray to find them."""
     pending = _state.get("ray_logs")
     if pending:
         _state["ray_logs"] = None  # copied once: the console's exit has nothing left to do
@@ -171,9 +175,10 @@ def collect_before_shutdown() -> None:
 
 
 def collect_ray_logs(dest: Path, since: float = 0.0) -> list[Path]:
-    """Copy this driver's job's worker/actor logs (non-empty, written since `since`) and Ray Train's logs from
-    the local Ray session dir into `dest` as `<ActorClass>-<pid>.out|err`; returns the copies. Nothing when
-    Ray is not initialised (or the session dir is not on this machine: a remote cluster's nodes keep theirs)."""
+    """Copy this driver's job's worker/actor logs (non-empty, written since `since`) and Ray Train's
+    logs from the local Ray session dir into `dest` as `<ActorClass>-<pid>.out|err`; returns the
+    copies. Nothing when Ray is not initialised (or the session dir is not on this machine: a remote
+    cluster's nodes keep theirs)."""
     if not ray.is_initialized():
         return []
     try:

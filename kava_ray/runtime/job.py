@@ -1,10 +1,10 @@
-"""From a job config to Ray: the embedded Ray's size, the teacher pool (found, started, identity-checked),
-the plans of a running pool or a KV cache, KV sources and precompute.
+"""From a job config to Ray: the embedded Ray's size, the teacher pool (found, started,
+identity-checked), the plans of a running pool or a KV cache, KV sources and precompute.
 
-The one orchestration path: `kava-ray train`, `tune`, `eval`, `teachers precompute`, `align cka`, `demo` and the
-benches all call these functions, so they agree on how many CPUs an embedded Ray declares, which teachers
-run and where a worker's teacher KV comes from. The Ray-free half (plans, logit rules, splits, seeds) is
-`kava_ray.core.plans`.
+The one orchestration path: `kava-ray train`, `tune`, `eval`, `teachers precompute`, `align cka`,
+`demo` and the benches all call these functions, so they agree on how many CPUs an embedded Ray
+declares, which teachers run and where a worker's teacher KV comes from. The Ray-free half (plans,
+logit rules, splits, seeds) is `kava_ray.core.plans`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def connect_job(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
 
 def job_session(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: int = 1,
                 require_cluster: bool = False, client: bool = False):
-    """`with job_session(cfg) as connected:` the job's Ray (`connect_job`) for the block; on exit the Ray it
-    started is shut down (`connect.owned_ray`; `client`: always left, a cluster's client)."""
+    """`with job_session(cfg) as connected:` the job's Ray (`connect_job`) for the block; on exit
+    the Ray it started is shut down (`connect.owned_ray`; `client`: always left, a cluster's
+    client)."""
     return owned_ray(connect_job(cfg, address, concurrent_runs, require_cluster), client)
 
 
@@ -81,9 +82,9 @@ def job_session(cfg: JobConfig, address: Optional[str] = None, concurrent_runs: 
 
 @dataclass
 class JobTeachers:
-    """What `job_teachers` yields: the pool's handles (None when the KV cache serves the teachers), the plans,
-    the replicas started here (labels; empty when the whole pool was running), and how Ray was reached
-    (`connect`'s answer)."""
+    """What `job_teachers` yields: the pool's handles (None when the KV cache serves the teachers),
+    the plans, the replicas started here (labels; empty when the whole pool was running), and how
+    Ray was reached (`connect`'s answer)."""
 
     cfg: JobConfig
     handles: Optional[dict]
@@ -101,14 +102,16 @@ class JobTeachers:
 @contextlib.contextmanager
 def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = False, concurrent_runs: int = 1,
                  command: str = "") -> Iterator[JobTeachers]:
-    """The one way a command holds its teachers: connect to the job's Ray (or join one), find or start the pool
-    and check its identity (`setup_teachers`; the KV cache when `data.kv_source: cache`), yield the plans and
-    the KV source. On exit it stops only the teacher replicas it started (a pool that was running, or the part of
-    it that was, stays up) and shuts down only a Ray it started (whose teachers go with it).
+    """The one way a command holds its teachers: connect to the job's Ray (or join one), find or
+    start the pool and check its identity (`setup_teachers`; the KV cache when `data.kv_source:
+    cache`), yield the plans and the KV source. On exit it stops only the teacher replicas it
+    started (a pool that was running, or the part of it that was, stays up) and shuts down only a
+    Ray it started (whose teachers go with it).
 
-    command: "train" / "tune" when Ray Train workers will run: once Ray is up and before any teacher starts, the
-    run's actors must fit the cluster (`check_run_fits`) and, on a cluster, the local paths they and the teachers
-    read are looked at on the nodes that read them (`kava_ray.runtime.node_paths`).
+    command: "train" / "tune" when Ray Train workers will run: once Ray is up and before any teacher
+    starts, the run's actors must fit the cluster (`check_run_fits`) and, on a cluster, the local
+    paths they and the teachers read are looked at on the nodes that read them
+    (`kava_ray.runtime.node_paths`).
     """
     t0 = time.time()
     with job_session(cfg, address, concurrent_runs) as connected:
@@ -125,15 +128,16 @@ def job_teachers(cfg: JobConfig, address: Optional[str] = None, restart: bool = 
                 check_node_paths(tokenizer_reads(cfg, plans, use_gpu))
             yield JobTeachers(cfg, handles, plans, started, connected, time.time() - t0, use_gpu)
         finally:
-            # an embedded Ray's teachers go with its shutdown (`owned_ray`); stopping them here would ask its GCS,
-            # which a SIGTERM to the whole process group (Slurm, `timeout`) has ended: 60 s, then the process dies
+            # an embedded Ray's teachers go with its shutdown (`owned_ray`); stopping them here
+            # would ask its GCS, which a SIGTERM to the whole process group (Slurm, `timeout`) has
+            # ended: 60 s, then the process dies
             if started and connected != "embedded":
                 stop_pool(cfg, only=started)
 
 
 def check_run_fits(cfg: JobConfig, command: str, connected: str, t0: float, use_gpu: bool) -> None:
-    """Ray is up, no teacher has started: the teachers and a run's Train workers (`train`: with the run's
-    controller, and its planned memory on the smallest GPU) must fit, node by node."""
+    """Ray is up, no teacher has started: the teachers and a run's Train workers (`train`: with the
+    run's controller, and its planned memory on the smallest GPU) must fit, node by node."""
     status(f"connecting: {describe_ray(connected)} in {time.time() - t0:.0f} s")
     if command == "tune":  # the teachers and one trial's Train workers
         check_resources(cfg, workers=resources.worker(cfg, use_gpu))
@@ -189,10 +193,10 @@ def teacher_weights(handles: dict) -> dict[str, list[dict]]:
 def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict], weights: dict[str, list[dict]]) -> Optional[str]:
     """Why a running pool cannot serve this config (the first differing field, one line), or None.
 
-    A pool is found by name; this checks it is the teacher the config describes: same model, quantization, dtype
-    and key space, and (`weights`, from `teacher_weights`) the same weights as its model path holds now on the
-    node of each replica — compared by content, so copies of the same weights on several nodes pass — with every
-    replica holding the same weights.
+    A pool is found by name; this checks it is the teacher the config describes: same model,
+    quantization, dtype and key space, and (`weights`, from `teacher_weights`) the same weights as
+    its model path holds now on the node of each replica — compared by content, so copies of the
+    same weights on several nodes pass — with every replica holding the same weights.
     """
     for t in cfg.teachers:
         g = teacher_geoms[t.name]
@@ -226,11 +230,11 @@ def identity_mismatch(cfg: JobConfig, teacher_geoms: dict[str, dict], weights: d
 
 
 def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict], dict[str, TeacherPlan], list[str]]:
-    """(pool handles or None, teacher plans, the replicas started here): a running pool, a new one (or the part
-    of it that was not running), or the KV cache.
+    """(pool handles or None, teacher plans, the replicas started here): a running pool, a new one
+    (or the part of it that was not running), or the KV cache.
 
-    A running pool started for another config (model, weights, quantization, dtype, key space) is refused
-    in one line, or replaced with `restart` (`--restart-teachers`).
+    A running pool started for another config (model, weights, quantization, dtype, key space) is
+    refused in one line, or replaced with `restart` (`--restart-teachers`).
     """
 
     if cfg.data.kv_source == "cache":
@@ -264,9 +268,9 @@ def setup_teachers(cfg: JobConfig, restart: bool = False) -> tuple[Optional[dict
 
 def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: Optional[str] = None,
               handles: Optional[dict] = None):
-    """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked against
-    this job when `data_fingerprint`, the training split's fingerprint, is given) or the live actors
-    (`handles`, else found by name)."""
+    """Where a consumer's teacher KV comes from: the on-disk cache (`data.kv_source: cache`, checked
+    against this job when `data_fingerprint`, the training split's fingerprint, is given) or the
+    live actors (`handles`, else found by name)."""
 
     if cfg.data.kv_source == "cache":
         meta = (cache_meta(cfg, plans, data_fingerprint, logits_top_k(cfg.loss), wants_hidden(cfg.loss))
@@ -280,9 +284,9 @@ def kv_source(cfg: JobConfig, plans: dict[str, TeacherPlan], data_fingerprint: O
 
 
 def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> dict:
-    """`kava-ray teachers up | status | down` on a running cluster: start the pool as detached actors (they
-    outlive the command), list it, or stop it. Returns {"action", "teachers" (up: names with replica counts,
-    status: rows, down: the stopped names), "namespace"}."""
+    """`kava-ray teachers up | status | down` on a running cluster: start the pool as detached
+    actors (they outlive the command), list it, or stop it. Returns {"action", "teachers" (up: names
+    with replica counts, status: rows, down: the stopped names), "namespace"}."""
     with job_session(cfg, address, require_cluster=True, client=True):  # the pool (detached) outlives it
         if action == "up":
             check_node_paths(reads(cfg))  # the teachers' model paths, on the nodes that load them
@@ -299,9 +303,9 @@ def teacher_pool(cfg: JobConfig, action: str, address: Optional[str] = None) -> 
 
 def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers: bool = False,
                address: Optional[str] = None) -> dict:
-    """`kava-ray teachers precompute`: the teacher KV of every example of the training, validation and test
-    splits to disk, once each (`actors.kv_cache`: any batch size, data seed or number of epochs reads it), from
-    the running pool (checked against the config) or one started for it."""
+    """`kava-ray teachers precompute`: the teacher KV of every example of the training, validation
+    and test splits to disk, once each (`actors.kv_cache`: any batch size, data seed or number of
+    epochs reads it), from the running pool (checked against the config) or one started for it."""
     preflight(cfg, "teachers precompute", out=out_dir, address=address)  # before any teacher starts
     if cfg.data.kv_source != "live":  # precompute always asks live teachers
         cfg = derive(cfg, {"data.kv_source": "live"})
@@ -331,16 +335,17 @@ def precompute(cfg: JobConfig, out_dir, progress: bool = True, restart_teachers:
 
 
 def writer_node(cfg: JobConfig, handles: dict, plans: dict) -> Optional[str]:
-    """Where `teachers precompute` writes the cache from: the node of the teacher that ships the most KV per
-    token (its first replica), or None when that is this driver's node."""
+    """Where `teachers precompute` writes the cache from: the node of the teacher that ships the
+    most KV per token (its first replica), or None when that is this driver's node."""
     heaviest = max(plans, key=lambda n: kv_bytes_per_token(plans[n].geometry, cfg.align.wire_dtype, plans[n].layers))
     node = teacher_weights({heaviest: handles[heaviest]})[heaviest][0].get("node_id")  # (a pool of an older version:
     return None if node in (None, ray.get_runtime_context().get_node_id()) else node  # none; written from here)
 
 
 def _write_on(node: str, cfg: JobConfig, out_dir, args: tuple, kwargs: dict, report: Callable[[dict], None]) -> dict:
-    """`actors.kv_cache.precompute` in a `CacheWriter` actor on `node`; the cache dir must be the one the driver
-    sees (shared storage), which a file the driver writes there proves before anything is written."""
+    """`actors.kv_cache.precompute` in a `CacheWriter` actor on `node`; the cache dir must be the
+    one the driver sees (shared storage), which a file the driver writes there proves before
+    anything is written."""
     writer_demand = placement.Demand("the KV cache writer", {})
     check_node_paths([Read("--out", str(out_dir), "the teachers", writer_demand, writes=True, does="write their KV")],
                      only={node})

@@ -26,8 +26,8 @@ KINDS = {"teacher": (TEACHER_NODE, 2), "student": (STUDENT_NODE, 3)}  # labels, 
 
 
 def add_node(cluster, kind: str):
-    """Another node of `kind` ('teacher' or 'student'), with a 1 GiB object store (the Cluster's default is 150
-    MiB: a few KV batches of a real teacher would fill it)."""
+    """Another node of `kind` ('teacher' or 'student'), with a 1 GiB object store (the Cluster's
+    default is 150 MiB: a few KV batches of a real teacher would fill it)."""
     labels, cpus = KINDS[kind]
     return cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus, labels=labels, object_store_memory=2**30)
 
@@ -50,11 +50,12 @@ def serve(cluster, lines) -> None:
 
 @contextlib.contextmanager
 def local_cluster() -> Iterator:
-    """Start the three nodes; yields the `Cluster` (its `gcs_address` for `kava-ray ... --address` and
-    `ray.init(address=...)`); shuts every node down on exit."""
+    """Start the three nodes; yields the `Cluster` (its `gcs_address` for `kava-ray ... --address`
+    and `ray.init(address=...)`); shuts every node down on exit."""
     single_machine_mode()  # 127.0.0.1 stays 127.0.0.1, for the nodes and for a driver in this process
-    # a node whose raylet is gone is marked dead after 5 failed health checks 1 s apart (Ray's default: 3 s apart,
-    # ~15 s): the GCS refuses a dead raylet's connection at once, a live but busy one has each check's timeout
+    # a node whose raylet is gone is marked dead after 5 failed health checks 1 s apart (Ray's
+    # default: 3 s apart, ~15 s): the GCS refuses a dead raylet's connection at once, a live but
+    # busy one has each check's timeout
     for key, value in (("RAY_health_check_period_ms", "1000"), ("RAY_health_check_failure_threshold", "5")):
         os.environ.setdefault(key, value)
     os.environ["DASHBOARD_METRIC_PORT"] = str(free_port())  # fixed defaults another Ray here may hold

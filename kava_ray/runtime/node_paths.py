@@ -1,7 +1,7 @@
 """The local paths a job reads on other nodes than the driver's, looked at on those nodes before anything starts.
 
-A zero-CPU task on every other node that could run a reader looks at each path and compares it with the
-driver's; one line names the first key and node where it is missing or differs. Why:
+A zero-CPU task on every other node that could run a reader looks at each path and compares it with
+the driver's; one line names the first key and node where it is missing or differs. Why:
 docs/internals/runtime.md#node-paths.
 """
 
@@ -37,9 +37,9 @@ class Read:
     demand: placement.Demand  # where that reader can run
     writes: bool = False  # written on the node (ray.storage_path, a KV cache), so it must be the driver's own dir
     does: str = "read it"  # what `who` does with it there, for the message
-    # the driver reads it too (data, the student), so a node's copy must be the driver's; a teacher's model (which
-    # a driver on a CPU head need not have) must only be there: replicas' weights are compared with each other
-    # by the identity check once they load
+    # the driver reads it too (data, the student), so a node's copy must be the driver's; a
+    # teacher's model (which a driver on a CPU head need not have) must only be there: replicas'
+    # weights are compared with each other by the identity check once they load
     driver_reads: bool = True
 
 
@@ -53,9 +53,10 @@ def _worker_demand(cfg: JobConfig, use_gpu: bool) -> placement.Demand:
 
 
 def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read]:
-    """What each kind of process of the job reads from a local path, and where it can run: teachers their models
-    when they run live; for `command` train or tune, the Ray Train workers the job's inputs; for tune, each
-    trial (a driver of 0.01 CPU, anywhere) its layer map. Other commands read their student side here."""
+    """What each kind of process of the job reads from a local path, and where it can run: teachers
+    their models when they run live; for `command` train or tune, the Ray Train workers the job's
+    inputs; for tune, each trial (a driver of 0.01 CPU, anywhere) its layer map. Other commands read
+    their student side here."""
     out = []
     if cfg.data.kv_source != "cache":
         for t, demand in zip(cfg.teachers, resources.demands(cfg)):
@@ -82,16 +83,16 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
 
 
 def tokenizer_reads(cfg: JobConfig, plans: dict, use_gpu: bool = False) -> list[Read]:
-    """The tokenizers of the live teachers aligned by characters (known once they report theirs): the workers
-    load each from the teacher's model path."""
+    """The tokenizers of the live teachers aligned by characters (known once they report theirs):
+    the workers load each from the teacher's model path."""
     w = _worker_demand(cfg, use_gpu)
     return [Read(f"teachers[{n}].model", p.tokenizer, f"{WORKERS} (its tokenizer)", w, driver_reads=False)
             for n, p in plans.items() if p.aligned and cfg.data.kv_source != "cache" and _local(p.tokenizer)]
 
 
 def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[str]) -> Optional[str]:
-    """One line when what `node` sees at `r.path` is not what the driver sees (`here`; for a path the driver
-    does not read: when the node sees nothing there, or cannot read it), else None."""
+    """One line when what `node` sees at `r.path` is not what the driver sees (`here`; for a path
+    the driver does not read: when the node sees nothing there, or cannot read it), else None."""
     if (seen == here) if r.driver_reads else (seen is not None and not seen.startswith("unreadable")):
         return None
     fix = "put it on storage that every node mounts at the same path, or copy it there"
@@ -107,11 +108,11 @@ def problem(r: Read, node: placement.Node, seen: Optional[str], here: Optional[s
 
 
 def check_node_paths(wanted: list[Read], only: Optional[set[str]] = None) -> None:
-    """KavaError (one line naming every such path) when a local path of `wanted` (`reads`, `tokenizer_reads`) is
-    missing or different on another node that can read it, or `ray.storage_path` is not shared with a node its
-    workers can run on.
-    `only`: look on these node ids alone. Nothing runs when there is nothing to look at or the cluster has only
-    the driver's node."""
+    """KavaError (one line naming every such path) when a local path of `wanted` (`reads`,
+    `tokenizer_reads`) is missing or different on another node that can read it, or
+    `ray.storage_path` is not shared with a node its workers can run on. `only`: look on these node
+    ids alone. Nothing runs when there is nothing to look at or the cluster has only the driver's
+    node."""
     here = ray.get_runtime_context().get_node_id()
     nodes = [n for n in cluster_nodes() if n.node_id != here and (only is None or n.node_id in only)]
     if not wanted or not nodes:

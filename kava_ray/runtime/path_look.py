@@ -1,10 +1,10 @@
-"""What a node sees at a local path, and the zero-CPU Ray task that looks there (`node_paths.check_node_paths` runs
-one on each other node before a job starts).
+"""What a node sees at a local path, and the zero-CPU Ray task that looks there
+(`node_paths.check_node_paths` runs one on each other node before a job starts).
 
-A module of its own that imports only the standard library, Ray and `common.files`: a task's worker imports the
-module of the function it runs, and `node_paths` (the job's reads, the pool, the preflight) brings torch and
-transformers with it, ~3 CPU-seconds of a fresh worker on every node for a few stats and reads (measured:
-docs/internals/runtime.md#node-paths).
+A module of its own that imports only the standard library, Ray and `common.files`: a task's worker
+imports the module of the function it runs, and `node_paths` (the job's reads, the pool, the
+preflight) brings torch and transformers with it, ~3 CPU-seconds of a fresh worker on every node for
+a few stats and reads (measured: docs/internals/runtime.md#node-paths).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Ray Train's placement-group cleaner, made to remove a run's group only when its controller is known dead.
 
-Ray Train 2.60 starts a detached `PlacementGroupCleaner` beside each run's controller; it polls the state API
-and removes the run's placement group once the controller is not alive. Its check, `is_actor_alive`, reads a
-missing record as dead (`actor_state and ...`; flagged in ray-project/ray PR 65447's review), so one empty
-answer from a busy dashboard removes the group of a live run: its workers die ("Destroying worker since its
-placement group was removed") and the run fails. kava-ray's CI met it on a loaded 2-core box (a job submitted to
-a `ray start --head`, 18 s into training). `ConfirmingCleaner` removes the group only when the state API holds
-the controller's record and it says DEAD, asked twice; otherwise it keeps the group and stops watching (the
-group then lives as long as the job that made it, as before Ray added the cleaner).
-Why this is a private API: docs/internals/runtime.md#ray-private.
+Ray Train 2.60 starts a detached `PlacementGroupCleaner` beside each run's controller; it polls the
+state API and removes the run's placement group once the controller is not alive. Its check,
+`is_actor_alive`, reads a missing record as dead (`actor_state and ...`; flagged in ray-project/ray
+PR 65447's review), so one empty answer from a busy dashboard removes the group of a live run: its
+workers die ("Destroying worker since its placement group was removed") and the run fails.
+kava-ray's CI met it on a loaded 2-core box (a job submitted to a `ray start --head`, 18 s into
+training). `ConfirmingCleaner` removes the group only when the state API holds the controller's
+record and it says DEAD, asked twice; otherwise it keeps the group and stops watching (the group
+then lives as long as the job that made it, as before Ray added the cleaner). Why this is a private
+API: docs/internals/runtime.md#ray-private.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 def controller_dead(actor_id: str, timeout_s: float, asks: int = 2, wait_s: float = 1.0,
                     address: str | None = None) -> bool:
-    """True when the state API of the Ray at `address` (default: this process's), asked `asks` times `wait_s`
-    apart, each time holds the actor's record as DEAD; a missing record or a failed query counts as not dead."""
+    """True when the state API of the Ray at `address` (default: this process's), asked `asks` times
+    `wait_s` apart, each time holds the actor's record as DEAD; a missing record or a failed query
+    counts as not dead."""
     if address is None and ray.is_initialized():
         address = ray.get_runtime_context().gcs_address  # explicit: a machine may run several Rays
     for i in range(asks):

@@ -1,8 +1,8 @@
 """Memory / KV-throughput planner: where a job's bytes go, per device, before anything is loaded.
 
-`plan(cfg, gpu_mem_bytes)` estimates every device the config places work on as items in bytes, says whether
-each fits, and when one does not, the cheapest config change that makes it fit. Nothing is downloaded or
-loaded. The memory model (every item's formula): docs/internals/runtime.md#planner.
+`plan(cfg, gpu_mem_bytes)` estimates every device the config places work on as items in bytes, says
+whether each fits, and when one does not, the cheapest config change that makes it fit. Nothing is
+downloaded or loaded. The memory model (every item's formula): docs/internals/runtime.md#planner.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def _dtype_name(dtype: str, on_gpu: bool) -> str:
 
 
 def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu: bool, top_k: int) -> dict[str, int]:
-    """Bytes of one teacher actor over all its GPUs: weights by quantization, KV cache, forward work (with its
-    logits when it serves `top_k` > 0)."""
+    """Bytes of one teacher actor over all its GPUs: weights by quantization, KV cache, forward work
+    (with its logits when it serves `top_k` > 0)."""
     p, g = info.params, info.geometry
     wb = _dtype_bytes(t.dtype, on_gpu)
     if t.quantization == "none":
@@ -185,10 +185,10 @@ def teacher_items(t, info: ModelInfo, shipped: list[int], cfg: JobConfig, on_gpu
     tokens = cfg.train.batch_size * cfg.train.max_length
     h, q, i, kv = g.hidden_size, info.q_dim, info.intermediate, g.kv_dim
     # inference (no grad): the cache of every layer [L, B, H, T, D] x (K, V) lives until the forward
-    # returns; one layer's transient work (norm, q, repeated k/v, attention out, gate/up/product) and
-    # a dequantized weight (bitsandbytes); the shipped layers stacked and de-rotated (K: cat, 2 muls,
-    # sub) before the copy to the wire.
-    # without logits the forward stops after the deepest shipped layer (`teacher_forward_kv`, stop_early)
+    # returns; one layer's transient work (norm, q, repeated k/v, attention out, gate/up/product)
+    # and a dequantized weight (bitsandbytes); the shipped layers stacked and de-rotated (K: cat, 2
+    # muls, sub) before the copy to the wire. without logits the forward stops after the deepest
+    # shipped layer (`teacher_forward_kv`, stop_early)
     cached_layers = g.num_layers if top_k or not shipped else max(shipped) + 1
     cache = 2 * cached_layers * kv * tokens * wb
     layer = tokens * (3 * h + 4 * q + 3 * i) * wb
@@ -205,9 +205,10 @@ def _top_k(cfg: JobConfig) -> int:
 
 
 def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
-    """A teacher of another tokenizer, as the planner sees it: a vocabulary size more than 1 % away (it reads
-    configs, not tokenizers: two tokenizers of one size count as one, and LM heads padded differently for one
-    tokenizer -- Qwen2.5 <= 3B's 151,936 rows, >= 7B's 152,064, 0.08 % apart -- as that tokenizer, as the run does)."""
+    """A teacher of another tokenizer, as the planner sees it: a vocabulary size more than 1 % away
+    (it reads configs, not tokenizers: two tokenizers of one size count as one, and LM heads padded
+    differently for one tokenizer -- Qwen2.5 <= 3B's 151,936 rows, >= 7B's 152,064, 0.08 % apart --
+    as that tokenizer, as the run does)."""
     if geom.vocab_size is None:
         return False
     v, s = int(geom.vocab_size), int(s_geom.vocab_size)
@@ -215,8 +216,8 @@ def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
 
 
 def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
-    """The top-k a teacher serves: the job's (at most its vocabulary: `teacher_forward_kv` clamps it), or 0 for
-    another vocabulary with loss.logit_cross_vocab off."""
+    """The top-k a teacher serves: the job's (at most its vocabulary: `teacher_forward_kv` clamps
+    it), or 0 for another vocabulary with loss.logit_cross_vocab off."""
     if _other_vocab(geom, s_geom) and cross_vocab(cfg.loss) == "off":
         return 0
     return min(_top_k(cfg), int(geom.vocab_size)) if geom.vocab_size else _top_k(cfg)
@@ -241,16 +242,18 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
         f"student optimizer ({cfg.optim.optimizer}{sr}{of_n})": P * per["optimizer"] / n_shard,
     }
     if n_shard > 1:
-        # FSDP2 gathers the root unit (embeddings, LM head, norms) for the whole step and one decoder layer at a
-        # time (two with the next one's prefetch), in the compute dtype, with the unsharded gradients of each
+        # FSDP2 gathers the root unit (embeddings, LM head, norms) for the whole step and one
+        # decoder layer at a time (two with the next one's prefetch), in the compute dtype, with the
+        # unsharded gradients of each
         layer = s.params["linear"] / g.num_layers
         root = s.params["embed"] + s.params["lm_head"]
         w = 2 if policy == "bf16-mixed" and on_gpu else per["weights"]
         items["fsdp gathered: root unit + 2 decoder layers, with their grads"] = (root + 2 * layer) * (w + per["grads"])
         if cfg.optim.accumulation > 1 and cfg.ray.fsdp_reduce == "step":
-            # `_no_sync` skips the reduce-scatter of all but the last micro-batch: FSDP2 then keeps every parameter's
-            # unsharded gradient, in its reduce dtype (fp32 under bf16-mixed, `core.fsdp.shard`), until that one
-            # reduce-scatters them unit by unit into the 1/n shards (which exist only from then to zero_grad)
+            # `_no_sync` skips the reduce-scatter of all but the last micro-batch: FSDP2 then keeps
+            # every parameter's unsharded gradient, in its reduce dtype (fp32 under bf16-mixed,
+            # `core.fsdp.shard`), until that one reduce-scatters them unit by unit into the 1/n
+            # shards (which exist only from then to zero_grad)
             del items[f"student grads{of_n}"]
             g_dtype = "fp32" if per["grads"] == 4 else "bf16"
             items[f"student grads, unsharded until the last micro-batch ({g_dtype}, accumulation "
@@ -274,8 +277,9 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     else:
         items["student logits (B*T*vocab)"] = tokens * g.vocab_size * LOGIT_BYTES
 
-    # projectors + fusion: fp32 params + grads, Adam states (bnb: 8-bit except small tensors), the bf16
-    # copies autocast keeps of Linear weights, and the activations the projectors save for backward
+    # projectors + fusion: fp32 params + grads, Adam states (bnb: 8-bit except small tensors), the
+    # bf16 copies autocast keeps of Linear weights, and the activations the projectors save for
+    # backward
     Pp = proj["total"]
     p_opt = (Pp - proj["small"]) * 2 + proj["small"] * 8 if adam8 else Pp * 8
     autocast_copy = proj["linear_weight"] * 2 if policy != "fp32" else 0
@@ -283,8 +287,8 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
                           for name, (geom, _, layers_) in plans.items())
     items[f"projectors + fusion ({Pp / 1e6:.1f}M params)"] = Pp * 8 + p_opt + autocast_copy + p_acts
 
-    # the KV loss saves ~LOSS_S elements per token per student-layout element (K and V together); gate and
-    # router fusion save the stacked teacher targets; `sum` computes one loss per teacher
+    # the KV loss saves ~LOSS_S elements per token per student-layout element (K and V together);
+    # gate and router fusion save the stacked teacher targets; `sum` computes one loss per teacher
     S, n = L * kv, len(plans)
     fusion = {"fixed": 0, "sum": 0}.get(cfg.fusion.kind, 2 * n * S)
     losses = n if cfg.fusion.kind == "sum" else 1
@@ -303,8 +307,9 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     items[f"teacher kv buffers ({cfg.align.wire_dtype} x {depth} + fp32{logits_label})"] = kv_buffers
     for name, (geom, _, _) in plans.items():  # `losses.hybrid_logit_loss` / `uld_loss` across vocabularies
         if k and _other_vocab(geom, g) and _teacher_k(cfg, geom, g):
-            # the map (int64 per teacher id, and the student ids it misses) and the student's logits over those
-            # ids with their gradient (a [B, T, V] scatter): at most the whole student vocabulary, fp32
+            # the map (int64 per teacher id, and the student ids it misses) and the student's logits
+            # over those ids with their gradient (a [B, T, V] scatter): at most the whole student
+            # vocabulary, fp32
             items[f"cross-vocab logits {name} (vocab map, unmatched student logits)"] = \
                 (int(geom.vocab_size) + g.vocab_size) * 8 + tokens * g.vocab_size * 8
     if cfg.ray.num_workers > 1 and n_shard == 1:  # DDP gradient buckets are a second copy of the gradients
@@ -495,8 +500,9 @@ def _advice(cfg: JobConfig, gpu_mem_bytes, infos: tuple, devices: dict) -> Optio
 
 
 def place_on(cfg: JobConfig, nodes: list[placement.Node], source: str) -> dict:
-    """Which node each teacher replica and Ray Train worker can go to (`kava_ray.common.placement`, the check a job
-    runs before it starts anything), or the one line saying what cannot be placed."""
+    """Which node each teacher replica and Ray Train worker can go to (`kava_ray.common.placement`,
+    the check a job runs before it starts anything), or the one line saying what cannot be
+    placed."""
     use_gpu = cfg.ray.use_gpu
     if use_gpu == "auto":  # as the job resolves it: the cluster has GPUs
         use_gpu = any(n.resources.get("GPU", 0) > 0 for n in nodes)
@@ -507,8 +513,9 @@ def place_on(cfg: JobConfig, nodes: list[placement.Node], source: str) -> dict:
 
 def plan(cfg: JobConfig, gpu_mem_bytes: Optional[int] = None, target_tokens_per_s: Optional[float] = None,
          nodes: Optional[list[placement.Node]] = None, nodes_source: str = "") -> dict:
-    """Per-device memory estimate of a job (bytes), the largest item, a verdict and advice; with `nodes`
-    (a cluster's, or those its cluster.yaml can bring up), where each actor goes (`placement`).
+    """Per-device memory estimate of a job (bytes), the largest item, a verdict and advice; with
+    `nodes` (a cluster's, or those its cluster.yaml can bring up), where each actor goes
+    (`placement`).
 
     {"devices": {name: {"items": {item: bytes}, "total", "capacity", "fits"}},
      "largest_item": (device, item, bytes), "fits": bool | None, "advice": str | None,

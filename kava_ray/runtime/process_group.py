@@ -1,7 +1,7 @@
 """The Ray Train workers' torch.distributed process group, with its store on loopback when the run is on one machine.
 
-`LoopbackTorchConfig`: on a loopback rank 0 the TCPStore (no authentication) listens on 127.0.0.1 only, as every
-other server of an embedded run; on a real cluster it is Ray's TorchConfig. Why:
+`LoopbackTorchConfig`: on a loopback rank 0 the TCPStore (no authentication) listens on 127.0.0.1
+only, as every other server of an embedded run; on a real cluster it is Ray's TorchConfig. Why:
 docs/internals/runtime.md#process-group.
 """
 

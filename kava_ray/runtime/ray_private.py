@@ -1,8 +1,8 @@
 """The private Ray APIs kava-ray uses, in one place, written against Ray 2.60.
 
-`tests/test_ray_private.py` fails loudly when the installed Ray is another version or an attribute is gone.
-Each is imported inside the function that uses it, so a Ray that lacks one fails in `missing()`, which names it,
-not at import; `_global_node` is read when called (ray.init sets it).
+`tests/test_ray_private.py` fails loudly when the installed Ray is another version or an attribute
+is gone. Each is imported inside the function that uses it, so a Ray that lacks one fails in
+`missing()`, which names it, not at import; `_global_node` is read when called (ray.init sets it).
 Which APIs and why each has no public equivalent: docs/internals/runtime.md#ray-private.
 """
 
@@ -32,12 +32,13 @@ def drop_train_sigint_handler(trainer) -> None:
 
 
 def trim_train_callbacks(trainer) -> None:
-    """Ray Train's default controller callbacks (the trainer's `_create_default_callbacks` list), changed twice:
-    its placement-group cleaner replaced by one that removes a run's group only once its controller reads DEAD
-    (`kava_ray.runtime.pg_cleaner`; Ray's reads a missing state-API record as a dead controller), and its datasets
-    callback dropped when the trainer has no Ray Dataset (kava-ray passes none: each worker reads its own split).
-    That callback starts a `DatasetManager` actor for every worker group, datasets or not (a process start,
-    ~1 CPU-s, per run and per restart) and imports `ray.data` into every worker."""
+    """Ray Train's default controller callbacks (the trainer's `_create_default_callbacks` list),
+    changed twice: its placement-group cleaner replaced by one that removes a run's group only once
+    its controller reads DEAD (`kava_ray.runtime.pg_cleaner`; Ray's reads a missing state-API record
+    as a dead controller), and its datasets callback dropped when the trainer has no Ray Dataset
+    (kava-ray passes none: each worker reads its own split). That callback starts a `DatasetManager`
+    actor for every worker group, datasets or not (a process start, ~1 CPU-s, per run and per
+    restart) and imports `ray.data` into every worker."""
     from ray.train.v2._internal.callbacks import DatasetsCallback
 
     from kava_ray.runtime.pg_cleaner import swap_cleaner
@@ -50,11 +51,12 @@ def trim_train_callbacks(trainer) -> None:
 
 
 def wait_for_tune_reports(timeout_s: float = 60.0, settle_s: float = 0.5) -> None:
-    """In a Tune trial whose TorchTrainer reported through `TuneReportCallback`: return once the trial's actor has
-    taken every report from the callback's inter-actor queue (`_TrainSession._inter_actor_queue`). A report that
-    lands there after the trial function returned deadlocks Ray 2.60's function trainable: its main thread takes
-    it and blocks putting it into a result queue that already holds the function's end (the trial stays RUNNING
-    and the sweep never ends; seen on a loaded box). `settle_s`: the taken report's hand-over to Tune."""
+    """In a Tune trial whose TorchTrainer reported through `TuneReportCallback`: return once the
+    trial's actor has taken every report from the callback's inter-actor queue
+    (`_TrainSession._inter_actor_queue`). A report that lands there after the trial function
+    returned deadlocks Ray 2.60's function trainable: its main thread takes it and blocks putting it
+    into a result queue that already holds the function's end (the trial stays RUNNING and the sweep
+    never ends; seen on a loaded box). `settle_s`: the taken report's hand-over to Tune."""
     import time
 
     from ray.train._internal.session import get_session
@@ -70,8 +72,9 @@ def wait_for_tune_reports(timeout_s: float = 60.0, settle_s: float = 0.5) -> Non
 
 
 def set_torch_distributed_env_vars() -> None:
-    """On a Train worker: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, ACCELERATE_TORCH_DEVICE, as
-    Ray Train's TorchConfig sets them before it creates the process group."""
+    """On a Train worker: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
+    ACCELERATE_TORCH_DEVICE, as Ray Train's TorchConfig sets them before it creates the process
+    group."""
     from ray.train.torch.config import _set_torch_distributed_env_vars
 
     _set_torch_distributed_env_vars()

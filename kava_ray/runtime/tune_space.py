@@ -50,9 +50,10 @@ class _Strict(BaseModel):
 class SchedulerSpec(_Strict):
     """`asha` stops weak trials early, `fifo` runs all to the end.
 
-    ASHA counts evaluations after training has begun (`EVALS`, reported with every result): `grace_period`
-    evaluations before its first decision, so no trial is judged on the step-0 evaluation (every trial scores the
-    same there, before any training) nor on a number carried over from it.
+    ASHA counts evaluations after training has begun (`EVALS`, reported with every result):
+    `grace_period` evaluations before its first decision, so no trial is judged on the step-0
+    evaluation (every trial scores the same there, before any training) nor on a number carried over
+    from it.
     """
 
     kind: Literal["asha", "fifo"] = "asha"
@@ -117,8 +118,9 @@ class SpaceSpec(_Strict):
 
 
 def planned_trials(spec: SpaceSpec, num_samples: Optional[int] = None) -> int:
-    """How many trials a sweep runs: `num_samples` times every point of its grids (Tune's rule; Tune itself creates
-    them one at a time as slots free up, so the trials it lists so far are not the sweep's size)."""
+    """How many trials a sweep runs: `num_samples` times every point of its grids (Tune's rule; Tune
+    itself creates them one at a time as slots free up, so the trials it lists so far are not the
+    sweep's size)."""
     n = num_samples or spec.num_samples
     for dist in spec.params.values():
         if "grid" in dist:
@@ -241,8 +243,8 @@ _EVAL_PER_TEACHER = ("cos", "cos_raw", "aligned", "logit_kl", "logit_uld", "logi
 
 
 def _check_metric(metric: str, base: JobConfig) -> None:
-    """The metric is one the job reports (a misspelt one would end the sweep in Ray's traceback after the first
-    trial started); the closest name is suggested."""
+    """The metric is one the job reports (a misspelt one would end the sweep in Ray's traceback
+    after the first trial started); the closest name is suggested."""
     import difflib
 
     known = [f"eval/{m}" for m in _EVAL_METRICS] + [f"eval/{m}/{t.name}" for m in _EVAL_PER_TEACHER
@@ -295,16 +297,16 @@ def load_space(path_or_name: Union[str, Path], base: Optional[JobConfig] = None)
 
 
 def projector_kinds(base: JobConfig, plans: dict, s_geom) -> dict[str, str]:
-    """{teacher: the projector kind its trials train}: `projectors.job_kind`, the Distiller's rule (`auto`:
-    identity, fit or linear)."""
+    """{teacher: the projector kind its trials train}: `projectors.job_kind`, the Distiller's rule
+    (`auto`: identity, fit or linear)."""
     return {n: job_kind(base.align, base.fusion.kind, len(base.teachers), p.geometry, s_geom, copied=p.copied,
                         sharded=base.ray.sharded, aligned=p.aligned)
             for n, p in plans.items()}
 
 
 def inert_params(spec: SpaceSpec, base: JobConfig, kinds: dict[str, str]) -> dict[str, str]:
-    """{param: why it changes nothing}: the searched keys this job's config makes inert in every trial (none of the
-    keys that would wake it is searched). kinds: `projector_kinds`."""
+    """{param: why it changes nothing}: the searched keys this job's config makes inert in every
+    trial (none of the keys that would wake it is searched). kinds: `projector_kinds`."""
     searched = set(spec.params)
     kind_keys = ("align.projector.kind", "align.mode", "fusion.kind")  # what a trial's projector kind follows
     woken = lambda *keys: bool(searched & set(keys))  # noqa: E731
@@ -337,8 +339,8 @@ _LOGIT_KEYS = ("loss.logit_top_k", "loss.logit_temperature", "loss.logit_tail", 
 
 
 def drop_inert(spec: SpaceSpec, base: JobConfig, kinds: dict[str, str]) -> tuple[SpaceSpec, Optional[str]]:
-    """(the space without the dimensions `inert_params` finds, the one line that says which and why; None when none
-    is). A space with nothing left to search is refused."""
+    """(the space without the dimensions `inert_params` finds, the one line that says which and why;
+    None when none is). A space with nothing left to search is refused."""
     inert = inert_params(spec, base, kinds)
     if not inert:
         return spec, None
@@ -374,10 +376,11 @@ def apply_params(base: JobConfig, params: dict[str, Any]) -> JobConfig:
 def make_scheduler(spec: Union[SpaceSpec, SchedulerSpec], max_t: int):
     """ASHAScheduler(time_attr=EVALS, ...) for asha, FIFOScheduler for fifo; metric/mode come from TuneConfig.
 
-    max_t: the evaluations a trial makes before its last step (`recipes.step_records.evals_before_end`). A STOP at a
-    trial's last step ends it while it saves final/ and evaluates the test split, which can lose both: so every
-    rung (grace_period * rf**k <= max_t) lies before the end, and stop_last_trials=False leaves a trial past max_t
-    to finish on its own.
+    max_t: the evaluations a trial makes before its last step
+    (`recipes.step_records.evals_before_end`). A STOP at a trial's last step ends it while it saves
+    final/ and evaluates the test split, which can lose both: so every rung (grace_period * rf**k <=
+    max_t) lies before the end, and stop_last_trials=False leaves a trial past max_t to finish on
+    its own.
     """
     s = spec.scheduler if isinstance(spec, SpaceSpec) else spec
     if s.kind == "fifo":

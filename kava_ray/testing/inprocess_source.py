@@ -43,8 +43,8 @@ class InProcessSource:
 
 
 def in_process_plans(cfg: JobConfig, models: dict) -> dict[str, TeacherPlan]:
-    """Plans for teachers loaded in this process ({teacher: model}, an `InProcessSource`'s): the geometry and
-    tokenizer fingerprint each would report as an actor."""
+    """Plans for teachers loaded in this process ({teacher: model}, an `InProcessSource`'s): the
+    geometry and tokenizer fingerprint each would report as an actor."""
     geoms = {t.name: dict(kv_geometry(models[t.name]).to_dict(),
                           tokenizer_fingerprint=tokenizer_fingerprint(load_tokenizer(t.model)))
              for t in cfg.teachers}

@@ -57,9 +57,10 @@ def build_tiny_model(
 ) -> Path:
     """Build a random tiny `family` ("qwen2" | "llama") causal LM + a tokenizer in `out_dir`; returns out_dir.
 
-    tokenizer: the HF tokenizer to build around (vocab_size defaults to its length; its pad/eos/bos ids; saved
-    beside), default the shared byte tokenizer. dtype: of the saved weights (default float32; bench gpu: bf16).
-    device: where the random weights are drawn (bench gpu: CUDA, where a 7B model's init takes seconds, not minutes).
+    tokenizer: the HF tokenizer to build around (vocab_size defaults to its length; its pad/eos/bos
+    ids; saved beside), default the shared byte tokenizer. dtype: of the saved weights (default
+    float32; bench gpu: bf16). device: where the random weights are drawn (bench gpu: CUDA, where a
+    7B model's init takes seconds, not minutes).
     """
     tok = build_tokenizer() if tokenizer is None else tokenizer
     vocab_size = vocab_size or len(tok)

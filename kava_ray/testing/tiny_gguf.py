@@ -11,8 +11,8 @@ from kava_ray.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 
 def write_tiny_gguf(hf_dir, gguf_path, quantize: bool = True) -> Path:
-    """Write a tiny Qwen2 HF dir (from build_tiny_model) as a .gguf file, Q8_0 where possible: exercises the GGUF
-    load path (de-quantization, tokenizer from GGUF metadata) in ~1 s."""
+    """Write a tiny Qwen2 HF dir (from build_tiny_model) as a .gguf file, Q8_0 where possible:
+    exercises the GGUF load path (de-quantization, tokenizer from GGUF metadata) in ~1 s."""
     import gguf  # optional (the dev and demo extras)
 
     hf_dir, gguf_path = Path(hf_dir), Path(gguf_path)

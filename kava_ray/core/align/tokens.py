@@ -1,9 +1,9 @@
 """Token (time) alignment across tokenizers, on tensors: teacher KV moved to student time.
 
-Which teacher tokens lo[i]:hi[i] each student token i reads is decided when the data is tokenized, from both
-tokenizers' character spans (`kava_ray.data.alignment`, carried by the batch); `apply_alignment` then moves teacher
-KV [.., T_t, ..] to student time [.., T_s, ..]. Pure torch, no Ray. Segments, the canonical coordinate and the
-causal rule: docs/internals/core.md#align-tokens.
+Which teacher tokens lo[i]:hi[i] each student token i reads is decided when the data is tokenized,
+from both tokenizers' character spans (`kava_ray.data.alignment`, carried by the batch);
+`apply_alignment` then moves teacher KV [.., T_t, ..] to student time [.., T_s, ..]. Pure torch, no
+Ray. Segments, the canonical coordinate and the causal rule: docs/internals/core.md#align-tokens.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ MODES = ("mean", "last", "first")
 def apply_alignment(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mode: str = "mean") -> torch.Tensor:
     """Teacher-time x [..., B, H, T_t, D] -> student time [..., B, H, T_s, D] (same dtype and device).
 
-    lo, hi: LongTensor [B, T_s]. mean | last | first of x[..., lo:hi, :]; 0 where hi == lo. No grad by design
-    (teacher KV carries none); O(T), on x's device.
+    lo, hi: LongTensor [B, T_s]. mean | last | first of x[..., lo:hi, :]; 0 where hi == lo. No grad
+    by design (teacher KV carries none); O(T), on x's device.
     """
     if mode not in MODES:
         raise ValueError(f"token alignment mode must be one of {MODES}, not {mode!r}")

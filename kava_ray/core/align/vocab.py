@@ -1,9 +1,11 @@
-"""The vocabulary map between two tokenizers: teacher token id -> the student token id of the same string, for
-the hybrid cross-vocabulary logit loss (`losses.hybrid_logit_loss`, as TRL's GOLD trainer). Pure numpy.
+"""The vocabulary map between two tokenizers: teacher token id -> the student token id of the same
+string, for the hybrid cross-vocabulary logit loss (`losses.hybrid_logit_loss`, as TRL's GOLD
+trainer). Pure numpy.
 
-A token is keyed by the text it decodes to (byte-level BPE and SentencePiece entries decoded; added and special
-tokens by their content, matching only each other); the map is one to one. Built once per tokenizer pair and
-cached (`.npz`, named by both fingerprints). Keys and the comparison with GOLD: docs/internals/core.md#align-vocab.
+A token is keyed by the text it decodes to (byte-level BPE and SentencePiece entries decoded; added
+and special tokens by their content, matching only each other); the map is one to one. Built once
+per tokenizer pair and cached (`.npz`, named by both fingerprints). Keys and the comparison with
+GOLD: docs/internals/core.md#align-vocab.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def _decoder_kinds(tokenizer) -> set[str]:
 
 
 def token_keys(tokenizer) -> dict[int, tuple]:
-    """{token id: key}: ("text", the bytes it decodes to) for vocabulary tokens, ("added", content) for added and
-    special tokens; a token whose entry cannot be decoded is keyed by its raw string."""
+    """{token id: key}: ("text", the bytes it decodes to) for vocabulary tokens, ("added", content)
+    for added and special tokens; a token whose entry cannot be decoded is keyed by its raw
+    string."""
     kinds = _decoder_kinds(tokenizer)
     byte_level = "ByteLevel" in kinds
     table = _byte_decoder()
@@ -111,9 +114,9 @@ class VocabMap:
 
 def build_vocab_map(student_tok, teacher_tok, teacher_vocab: Optional[int] = None,
                     student_vocab: Optional[int] = None) -> VocabMap:
-    """The map from `teacher_tok`'s ids to `student_tok`'s (see the module docstring). `*_vocab`: the models'
-    vocabulary sizes (the LM head's rows; may exceed the tokenizer's length, e.g. Qwen2.5's padding rows, which
-    map to nothing); default the tokenizers' lengths."""
+    """The map from `teacher_tok`'s ids to `student_tok`'s (see the module docstring). `*_vocab`:
+    the models' vocabulary sizes (the LM head's rows; may exceed the tokenizer's length, e.g.
+    Qwen2.5's padding rows, which map to nothing); default the tokenizers' lengths."""
     s_keys, t_keys = token_keys(student_tok), token_keys(teacher_tok)
     by_key: dict[tuple, int] = {}
     for sid in sorted(s_keys):
@@ -150,8 +153,8 @@ def load_vocab_map(path: Path, teacher_fp: str = "", student_fp: str = "") -> Op
 def cached_vocab_map(student_tok, teacher_tok, teacher_fp: str, student_fp: str, save_to: Path,
                      also_in: tuple = (), teacher_vocab: Optional[int] = None,
                      student_vocab: Optional[int] = None) -> VocabMap:
-    """The pair's map from the first of `also_in` + `save_to` that holds it, else built and saved in `save_to`
-    (a read-only `save_to` only loses the cache)."""
+    """The pair's map from the first of `also_in` + `save_to` that holds it, else built and saved in
+    `save_to` (a read-only `save_to` only loses the cache)."""
     name = map_file_name(teacher_fp, student_fp)
     for d in (*also_in, save_to):
         vmap = load_vocab_map(Path(d) / name, teacher_fp, student_fp)

@@ -1,10 +1,11 @@
-"""KV caches as data: `KVBatch` (K and V of the selected layers, [L, B, H_kv, T, D]) and its wire format, and
-the forwards that produce it. Keys are "pre_rope" (default: captured before rotation where each family computes
-them, comparable across RoPE frequencies) or "post_rope" (as cached); values are never rotated.
+"""KV caches as data: `KVBatch` (K and V of the selected layers, [L, B, H_kv, T, D]) and its wire
+format, and the forwards that produce it. Keys are "pre_rope" (default: captured before rotation
+where each family computes them, comparable across RoPE frequencies) or "post_rope" (as cached);
+values are never rotated.
 
-A padded forward must use `position_ids_from_mask(mask)`, the one position convention the rotation uses (the
-forwards here do; pass it yourself if you run one). Modules: `batch`, `rope`, `capture`, `forward`; the public
-names are re-exported here. See docs/internals/core.md#kv.
+A padded forward must use `position_ids_from_mask(mask)`, the one position convention the rotation
+uses (the forwards here do; pass it yourself if you run one). Modules: `batch`, `rope`, `capture`,
+`forward`; the public names are re-exported here. See docs/internals/core.md#kv.
 """
 
 from kava_ray.core.kv.batch import (

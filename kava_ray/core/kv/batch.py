@@ -1,6 +1,7 @@
-"""KVBatch: K and V of selected layers as [L, B, H_kv, T, D] (+ the teacher's top-k log-probs), and its wire
-format -- compact, pickle-friendly numpy payloads (zero-copy views where possible: bf16 as a uint16 view, fp16,
-fp8 e4m3 with per-channel scales) that travel through Ray's object store and the on-disk KV cache.
+"""KVBatch: K and V of selected layers as [L, B, H_kv, T, D] (+ the teacher's top-k log-probs), and
+its wire format -- compact, pickle-friendly numpy payloads (zero-copy views where possible: bf16 as
+a uint16 view, fp16, fp8 e4m3 with per-channel scales) that travel through Ray's object store and
+the on-disk KV cache.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ _ELEM_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "fp3
 class KVBatch:
     """K and V of selected layers. keys/values: [L, B, H_kv, T, D]; mask: [B, T], 1 = real token.
 
-    topk_ids (int64) / topk_logp [B, T, k]: the teacher's top-k next-token log-probs from the same forward
-    (temperature 1, full vocabulary, sorted descending), or None; topk_tail [B, T]: log of the mass outside
-    those k ids (`losses.topk_kl_loss`'s tail bucket), None in batches from before it was served.
-    hidden [L, B, T, hidden_size]: the same layers' output hidden states (the residual stream after each layer),
-    served for `loss.hidden_weight`, else None.
-    token_logp [B, T]: the log-prob the teacher gives each next token of the batch (at position t, that of token
-    t + 1; 0 at the last), float32, served for on-policy distillation's sampled reverse KL, else None.
+    topk_ids (int64) / topk_logp [B, T, k]: the teacher's top-k next-token log-probs from the same
+    forward (temperature 1, full vocabulary, sorted descending), or None; topk_tail [B, T]: log of
+    the mass outside those k ids (`losses.topk_kl_loss`'s tail bucket), None in batches from before
+    it was served. hidden [L, B, T, hidden_size]: the same layers' output hidden states (the
+    residual stream after each layer), served for `loss.hidden_weight`, else None. token_logp [B,
+    T]: the log-prob the teacher gives each next token of the batch (at position t, that of token t
+    + 1; 0 at the last), float32, served for on-policy distillation's sampled reverse KL, else None.
     """
 
     keys: torch.Tensor
@@ -92,16 +93,18 @@ class KVBatch:
 
     @classmethod
     def empty(cls, mask: torch.Tensor, heads: int, head_dim: int, key_space: str) -> "KVBatch":
-        """No layers: K and V [0, B, heads, T, head_dim] on mask's device, for mask [B, T] (a logits-only job's batch,
-        `JobConfig.ships_kv`); top-k and token log-probs are set by whoever serves them."""
+        """No layers: K and V [0, B, heads, T, head_dim] on mask's device, for mask [B, T] (a
+        logits-only job's batch, `JobConfig.ships_kv`); top-k and token log-probs are set by whoever
+        serves them."""
         B, T = mask.shape
         keys = torch.zeros((0, B, int(heads), T, int(head_dim)), device=mask.device)
         return cls(keys, keys.clone(), [], mask.bool(), key_space)
 
     @classmethod
     def stack(cls, rows: list["KVBatch"], mask: torch.Tensor) -> "KVBatch":
-        """Samples (`row` outputs, n_b real tokens each) as one right-padded batch for `mask` [B, T]: zeros
-        past each sample's tokens. Every row must have exactly its mask row's count of tokens."""
+        """Samples (`row` outputs, n_b real tokens each) as one right-padded batch for `mask` [B,
+        T]: zeros past each sample's tokens. Every row must have exactly its mask row's count of
+        tokens."""
         mask = torch.as_tensor(mask).bool()
         B, T = mask.shape
         first = rows[0]
@@ -147,10 +150,10 @@ class KVBatch:
     def to_wire(self, dtype: str = "bf16") -> dict:
         """Compact, pickle-friendly payload of numpy arrays (zero-copy views of CPU tensors already in `dtype`).
 
-        K, V: bf16 (as a uint16 view), fp16, fp8 e4m3 (a uint8 view + `k_scale`/`v_scale` [L, H, D] float32), or
-        fp32 (as computed: an exact logit term at twice bf16's bytes). Top-k, when the batch has them: ids int32
-        [B, T, k], log-probs in the wire's dtype (`topk_dtype`; fp16 on an fp8 wire), tail float32 [B, T]. Layout
-        and reasons: docs/internals/core.md#kv.
+        K, V: bf16 (as a uint16 view), fp16, fp8 e4m3 (a uint8 view + `k_scale`/`v_scale` [L, H, D]
+        float32), or fp32 (as computed: an exact logit term at twice bf16's bytes). Top-k, when the
+        batch has them: ids int32 [B, T, k], log-probs in the wire's dtype (`topk_dtype`; fp16 on an
+        fp8 wire), tail float32 [B, T]. Layout and reasons: docs/internals/core.md#kv.
         """
         dtype = _wire_dtype(dtype)
         payload = {
@@ -200,8 +203,8 @@ class KVBatch:
     def from_wire(cls, payload: dict, device=None, dtype: torch.dtype | None = torch.float32) -> "KVBatch":
         """Rebuild a KVBatch from `to_wire` output; the compact arrays move to `device` before the cast.
 
-        dtype=None keeps the wire dtype (bf16/fp16; fp8 always de-scales to float32). Top-k come back as int64
-        ids and float32 log-probs (float64 when dtype is), whatever `dtype` is.
+        dtype=None keeps the wire dtype (bf16/fp16; fp8 always de-scales to float32). Top-k come
+        back as int64 ids and float32 log-probs (float64 when dtype is), whatever `dtype` is.
         """
         if payload.get("version") != WIRE_VERSION:
             raise KavaError(f"KV wire version {payload.get('version')!r} not supported (expected {WIRE_VERSION})")
@@ -255,8 +258,8 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
     lp = lp.to(device) if device is not None else lp
     if payload.get("topk_dtype", "bf16" if lp.dtype == torch.uint16 else "fp16") == "bf16":
         lp = lp.view(torch.bfloat16)
-    # int32 -> int64 and half -> float32/64 copy; an fp32 wire's log-probs are cloned: nothing aliases the (maybe
-    # read-only) buffers
+    # int32 -> int64 and half -> float32/64 copy; an fp32 wire's log-probs are cloned: nothing
+    # aliases the (maybe read-only) buffers
     out = torch.float64 if dtype == torch.float64 else torch.float32
     lp = lp.clone() if lp.dtype == out else lp
     tail = payload.get("topk_tail")
@@ -269,8 +272,8 @@ def _topk_from_wire(payload: dict, device, dtype) -> tuple[torch.Tensor, torch.T
 
 
 def wire_nbytes(payload: dict) -> int:
-    """Bytes of a wire payload's K, V, top-k, token log-prob and hidden-state arrays (not the mask, fp8 scales or
-    metadata)."""
+    """Bytes of a wire payload's K, V, top-k, token log-prob and hidden-state arrays (not the mask,
+    fp8 scales or metadata)."""
     extra = sum(payload[a].nbytes for a in ("h", "tl") if payload.get(a) is not None)
     return int(payload["k"].nbytes + payload["v"].nbytes + wire_logits_nbytes(payload) + extra)
 
@@ -298,8 +301,9 @@ def kv_bytes_per_token(geometry: KVGeometry, dtype: str = "bf16", layers=None) -
 
 
 def logits_bytes_per_token(top_k: int, dtype: str = "bf16") -> int:
-    """Wire bytes of the top-k log-probs per token: k * (4 (int32 id) + bytes per log-prob in the wire
-    dtype) + 4 (the float32 tail); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k 0."""
+    """Wire bytes of the top-k log-probs per token: k * (4 (int32 id) + bytes per log-prob in the
+    wire dtype) + 4 (the float32 tail); an fp8 wire sends log-probs as fp16 (2 bytes). 0 for top_k
+    0."""
     d = str(dtype).lower().removeprefix("torch.")
     if d not in _ELEM_BYTES:
         raise KavaError(f"unknown KV dtype {dtype!r}; expected bf16, fp16, fp8 or fp32")

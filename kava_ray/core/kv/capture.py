@@ -1,6 +1,6 @@
-"""Keys before rotation, captured where each family computes them: forward hooks on the k-norm (when the
-family has one), else k_proj, else the fused q/k/v projection split by the family's layout, and on the
-value projection; and the check of a capture against the cache the same forward filled.
+"""Keys before rotation, captured where each family computes them: forward hooks on the k-norm (when
+the family has one), else k_proj, else the fused q/k/v projection split by the family's layout, and
+on the value projection; and the check of a capture against the cache the same forward filled.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def _split_concat(out, hq: int, hkv: int, d: int):
 
 
 def _split_grouped(out, hq: int, hkv: int, d: int, broadcast: bool = False):
-    """Per KV head [q_1 .. q_g | k | v], g = hq // hkv (GPT-NeoX, BLOOM, Persimmon, GPT-BigCode and Falcon
-    with g = 1; Falcon-40B style with g > 1, which caches K, V broadcast to every query head)."""
+    """Per KV head [q_1 .. q_g | k | v], g = hq // hkv (GPT-NeoX, BLOOM, Persimmon, GPT-BigCode and
+    Falcon with g = 1; Falcon-40B style with g > 1, which caches K, V broadcast to every query
+    head)."""
     B, T = out.shape[:2]
     g = hq // hkv
     x = out.reshape(B, T, hkv, g + 2, d)
@@ -168,8 +169,8 @@ def _heads(t: torch.Tensor, B: int, T: int, D: int, transposed_input: bool) -> t
 class KVCapture:
     """Forward hooks that capture pre-RoPE K and V of the selected layers during one forward.
 
-    Each hooked module must run once per forward; later calls (a shared module) fail loudly. Hooks are
-    removed on exit, so a gradient-checkpointing recompute during backward captures nothing.
+    Each hooked module must run once per forward; later calls (a shared module) fail loudly. Hooks
+    are removed on exit, so a gradient-checkpointing recompute during backward captures nothing.
     """
 
     def __init__(self, model, ids: list[int]):
@@ -238,10 +239,10 @@ class KVCapture:
 
 
 def layer_mismatch(k, v, kc, vc, real, tol: float) -> str | None:
-    """What differs between one layer's captured K, V [B, H, T, D] and the cached kc, vc [B, H, Tc, D] (the
-    cache may hold only the last Tc tokens: a sliding window), over the real tokens real [B, Tc]; None if they
-    agree: V equal, K's per-token-and-head norms equal up to one constant (a rotation keeps norms; rotary
-    attention scaling multiplies them by one factor)."""
+    """What differs between one layer's captured K, V [B, H, T, D] and the cached kc, vc [B, H, Tc,
+    D] (the cache may hold only the last Tc tokens: a sliding window), over the real tokens real [B,
+    Tc]; None if they agree: V equal, K's per-token-and-head norms equal up to one constant (a
+    rotation keeps norms; rotary attention scaling multiplies them by one factor)."""
     T, Tc = k.shape[2], kc.shape[2]
     if tuple(kc.shape[:2]) != tuple(k.shape[:2]) or kc.shape[3] != k.shape[3] or Tc > T:
         return f"cached K {tuple(kc.shape)} vs captured {tuple(k.shape)}"
@@ -266,8 +267,8 @@ def layer_mismatch(k, v, kc, vc, real, tol: float) -> str | None:
 
 
 def check_against_cache(model, keys, values, ids: list[int], cache, mask) -> None:
-    """Guard against a wrong capture: every selected layer's `layer_mismatch` against the cache the same
-    forward filled; KavaError (one line) on the first mismatch."""
+    """Guard against a wrong capture: every selected layer's `layer_mismatch` against the cache the
+    same forward filled; KavaError (one line) on the first mismatch."""
     try:
         per_layer = cache_layers(cache)
     except TypeError:

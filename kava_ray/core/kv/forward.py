@@ -1,6 +1,6 @@
-"""The forwards that produce KV: the teacher's (no grad, stopped after the deepest served layer when no
-logits are asked, top-k log-probs and their tail when they are) and the student's (with grad), and
-`extract_kv` from a cache alone.
+"""The forwards that produce KV: the teacher's (no grad, stopped after the deepest served layer when
+no logits are asked, top-k log-probs and their tail when they are) and the student's (with grad),
+and `extract_kv` from a cache alone.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def extract_kv(
 ) -> KVBatch:
     """Stack the selected layers of a cache into a KVBatch; de-rotate keys for key_space="pre_rope". Keeps autograd.
 
-    position_ids: [B, T] or [T], those the forward used (default `position_ids_from_mask(mask)`, else arange(T)).
-    pre_rope needs `model` and handles no rotary or Llama-style rotary only (KavaError for others; the forwards
-    capture exact pre-RoPE keys for every family).
+    position_ids: [B, T] or [T], those the forward used (default `position_ids_from_mask(mask)`,
+    else arange(T)). pre_rope needs `model` and handles no rotary or Llama-style rotary only
+    (KavaError for others; the forwards capture exact pre-RoPE keys for every family).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -99,11 +99,12 @@ def teacher_forward_kv(model, input_ids, attention_mask, layers=None, key_space:
     inference-mode) tensors on the model's device and dtype. pre_rope: K, V captured at the projections and
     checked against the cache; post_rope: the cache.
 
-    logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding included); a k
-    past the vocabulary V serves all V ids (the whole distribution, tail -inf); k = 0 skips the LM head, and
-    `stop_early` ends the forward after the deepest selected layer's attention.
-    hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T, hidden]; the forward then
-    runs every decoder layer). token_logprobs: also each next token's log-prob (`KVBatch.token_logp` [B, T]).
+    logits_top_k k > 0 adds topk_ids / topk_logp [B, T, k] and topk_tail (fp32 log_softmax, padding
+    included); a k past the vocabulary V serves all V ids (the whole distribution, tail -inf); k = 0
+    skips the LM head, and `stop_early` ends the forward after the deepest selected layer's
+    attention. hidden: also the selected layers' output hidden states (`KVBatch.hidden` [L, B, T,
+    hidden]; the forward then runs every decoder layer). token_logprobs: also each next token's
+    log-prob (`KVBatch.token_logp` [B, T]).
     """
     if key_space not in KEY_SPACES:
         raise KavaError(f"unknown key_space {key_space!r}; expected pre_rope or post_rope")
@@ -165,9 +166,10 @@ class _Stopped(Exception):
 
 
 class _StopAfter:
-    """Ends a forward right after attention layer `last` has run: its K/V are captured and cached, and nothing
-    deeper runs (the rest of the decoder, the final norm, the LM head). A forward hook on that attention module
-    keeps the cache it was handed (`cache`) and raises; `__exit__` swallows exactly that exception."""
+    """Ends a forward right after attention layer `last` has run: its K/V are captured and cached,
+    and nothing deeper runs (the rest of the decoder, the final norm, the LM head). A forward hook
+    on that attention module keeps the cache it was handed (`cache`) and raises; `__exit__` swallows
+    exactly that exception."""
 
     def __init__(self, module):
         self.module = module
@@ -176,8 +178,9 @@ class _StopAfter:
 
     @classmethod
     def at(cls, model, last: int, num_layers: int):
-        """A stopper after attention layer `last`, or a no-op where the attention modules are not one per
-        decoder layer of the model's `num_layers` (latent attention, hybrids: the forward then runs whole)."""
+        """A stopper after attention layer `last`, or a no-op where the attention modules are not
+        one per decoder layer of the model's `num_layers` (latent attention, hybrids: the forward
+        then runs whole)."""
         attn = attention_layers(model)
         if len(attn) != num_layers:
             return contextlib.nullcontext()
@@ -215,8 +218,8 @@ def output_cache(out):
 
 
 def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
-    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0); k at most the vocabulary
-    (`loss.logit_top_k` >= V: every id)."""
+    """kv with the top-k fp32 log-probs of the forward's logits (unchanged for k = 0); k at most the
+    vocabulary (`loss.logit_top_k` >= V: every id)."""
     if not k:
         return kv
     logits = getattr(out, "logits", None)
@@ -231,8 +234,9 @@ def _with_topk(kv: KVBatch, out, k: int) -> KVBatch:
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(input_ids[:, t + 1] | ..t) at position t [B, T] (float32 at least; the last position 0): the form in
-    which samples, the student and the teachers' scores of one sequence are compared."""
+    """log p(input_ids[:, t + 1] | ..t) at position t [B, T] (float32 at least; the last position
+    0): the form in which samples, the student and the teachers' scores of one sequence are
+    compared."""
     z = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32))
     logp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
     nxt = logp.gather(-1, input_ids[:, 1:].to(logp.device)[..., None])[..., 0]

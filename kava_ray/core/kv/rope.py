@@ -1,5 +1,6 @@
-"""Rotary positions: the one position-id convention, rotate_half, and rotating keys outside a forward
-(post-RoPE students under gradient checkpointing; `extract_kv`'s de-rotation of Llama-style caches).
+"""Rotary positions: the one position-id convention, rotate_half, and rotating keys outside a
+forward (post-RoPE students under gradient checkpointing; `extract_kv`'s de-rotation of Llama-style
+caches).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _llama_rotary_problem(model) -> str | None:
-    """None when the model rotates every layer's keys Llama-style (one rotary module, rotary over the full
-    head_dim, rotate_half pairing), so `_rope` can (un)rotate cached keys exactly; else why not."""
+    """None when the model rotates every layer's keys Llama-style (one rotary module, rotary over
+    the full head_dim, rotate_half pairing), so `_rope` can (un)rotate cached keys exactly; else why
+    not."""
     rotary = rotary_embedding(model, required=False)
     if rotary is None:
         return "no rotary module"
@@ -52,8 +54,8 @@ def _llama_rotary_problem(model) -> str | None:
 
 
 def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate (or un-rotate) keys [L, B, H, T, D] with the model's own rotary embedding, in float32; only for
-    Llama-style rotary (`_llama_rotary_problem` is None)."""
+    """Rotate (or un-rotate) keys [L, B, H, T, D] with the model's own rotary embedding, in float32;
+    only for Llama-style rotary (`_llama_rotary_problem` is None)."""
     rotary = rotary_embedding(model)
     x = keys.float()
     dev = getattr(rotary, "inv_freq", x).device
@@ -70,8 +72,9 @@ def _rope(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) 
 
 
 def rotate_outside_forward(keys: torch.Tensor, model, position_ids: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Keys [L, B, H, T, D] between pre- and post-RoPE space without a forward: unchanged for a model
-    without rotary, the model's own rotary for Llama-style rotary, KavaError for other rotary."""
+    """Keys [L, B, H, T, D] between pre- and post-RoPE space without a forward: unchanged for a
+    model without rotary, the model's own rotary for Llama-style rotary, KavaError for other
+    rotary."""
     if not uses_rotary(model):
         return keys
     problem = _llama_rotary_problem(model)

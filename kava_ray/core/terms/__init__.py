@@ -1,8 +1,9 @@
-"""The Distiller's loss terms, one module each, behind one interface (`base.Term`): a term reads the micro-batch's
-`StepView`, returns what it adds to the loss and writes its figures. `build_terms` builds the enabled ones in the
-order they run: the KV term first (its fusion forward sets the router weights the logit teachers are weighted
-with), then the vocabulary (CE and logit KD), relation and hidden-state terms, and on-policy's sampled figures.
-A new term: a module here with a `build(parts, ...)` and a line in `build_terms`."""
+"""The Distiller's loss terms, one module each, behind one interface (`base.Term`): a term reads the
+micro-batch's `StepView`, returns what it adds to the loss and writes its figures. `build_terms`
+builds the enabled ones in the order they run: the KV term first (its fusion forward sets the router
+weights the logit teachers are weighted with), then the vocabulary (CE and logit KD), relation and
+hidden-state terms, and on-policy's sampled figures. A new term: a module here with a `build(parts,
+...)` and a line in `build_terms`."""
 
 from __future__ import annotations
 

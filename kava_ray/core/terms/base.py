@@ -1,5 +1,6 @@
-"""What the Distiller's loss terms share: the micro-batch as they read it (`StepView`), the interface each
-implements (`Term`), what one is built from (`TermParts`) and the map of a teacher's positions onto the student's."""
+"""What the Distiller's loss terms share: the micro-batch as they read it (`StepView`), the
+interface each implements (`Term`), what one is built from (`TermParts`) and the map of a teacher's
+positions onto the student's."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ if TYPE_CHECKING:  # the batch type is the data layer's; core does not import it
 
 @dataclass
 class StepView:
-    """One micro-batch after the student's forward and the projectors, as every term reads it. Masks are [B, T];
-    projected / native: {teacher: (keys, values)} in the student's layout [L_s, B, H_s, T, D_s] / the teacher's own
-    [L_t, B, H_t, T, D_t]; masks: {teacher: its KV mask on the student's positions}. Terms write their figures into
-    `metrics`; the KV term narrows `kv_mask` to the positions a fused target covers and leaves its weighted loss in
-    `kv_term`, the vocabulary term its CE in `ce`."""
+    """One micro-batch after the student's forward and the projectors, as every term reads it. Masks
+    are [B, T]; projected / native: {teacher: (keys, values)} in the student's layout [L_s, B, H_s,
+    T, D_s] / the teacher's own [L_t, B, H_t, T, D_t]; masks: {teacher: its KV mask on the student's
+    positions}. Terms write their figures into `metrics`; the KV term narrows `kv_mask` to the
+    positions a fused target covers and leaves its weighted loss in `kv_term`, the vocabulary term
+    its CE in `ce`."""
 
     batch: "Batch"
     teacher_kv: dict[str, KVBatch]
@@ -51,9 +53,9 @@ class Term(Protocol):
 
 
 class PriorWeighted:
-    """A term summed over the teachers, each weighted by the normalised fusion prior (the relation and hidden terms):
-    a subclass names its weight in the `loss` section (`weight_key`), its figure (`metric`) and one teacher's loss
-    (`per_teacher`); it is built only when that weight is > 0."""
+    """A term summed over the teachers, each weighted by the normalised fusion prior (the relation
+    and hidden terms): a subclass names its weight in the `loss` section (`weight_key`), its figure
+    (`metric`) and one teacher's loss (`per_teacher`); it is built only when that weight is > 0."""
 
     weight_key: str
     metric: str
@@ -78,8 +80,9 @@ class PriorWeighted:
 
 @dataclass
 class TermParts:
-    """What a term is built from: the job's `loss` section and the Distiller's parts it reads (the fusion, the
-    projectors, the teachers' plans and logit specs); `build_terms` hands the same parts to every term."""
+    """What a term is built from: the job's `loss` section and the Distiller's parts it reads (the
+    fusion, the projectors, the teachers' plans and logit specs); `build_terms` hands the same parts
+    to every term."""
 
     loss: LossConfig
     names: list[str]
@@ -95,9 +98,10 @@ class TermParts:
 
 @dataclass
 class TeacherPositions:
-    """A teacher's tensors on the student's positions: as sent for one of the student's tokenizer; for one of
-    another tokenizer (`aligned`) mapped from T_t to T_s by `align.tokens.apply_alignment` (`batch.teachers[n]`'s
-    align_lo / align_hi, `token_align`), student positions no teacher token overlaps leaving the mask."""
+    """A teacher's tensors on the student's positions: as sent for one of the student's tokenizer;
+    for one of another tokenizer (`aligned`) mapped from T_t to T_s by
+    `align.tokens.apply_alignment` (`batch.teachers[n]`'s align_lo / align_hi, `token_align`),
+    student positions no teacher token overlaps leaving the mask."""
 
     aligned: list[str]
     token_align: str

@@ -1,5 +1,6 @@
-"""The vocabulary term: CE on the answer tokens and the logit KD of every logit teacher (`logit_kd`), read from
-the student's logits whole or in chunks of positions (`core.vocab_chunks`, `loss.vocab_chunk`)."""
+"""The vocabulary term: CE on the answer tokens and the logit KD of every logit teacher
+(`logit_kd`), read from the student's logits whole or in chunks of positions (`core.vocab_chunks`,
+`loss.vocab_chunk`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from kava_ray.core.terms.base import StepView, TermParts
 
 
 class CELogitsTerm:
-    """ce_weight * CE + logit_weight * the logit teachers' terms (`logit_kd.targets_term`), each weighted by the
-    fusion weights (`_weights`, or per record: `_routed`) on the next-token positions. One logsumexp per position
-    serves CE and (at temperature 1) the logit terms. CE is off on the student's own samples (it would teach it what
-    it already says; on a teacher's samples it is sequence-level KD). Figures: ce, logit_kl (the weighted loss),
-    logit_kl/<t>, logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
+    """ce_weight * CE + logit_weight * the logit teachers' terms (`logit_kd.targets_term`), each
+    weighted by the fusion weights (`_weights`, or per record: `_routed`) on the next-token
+    positions. One logsumexp per position serves CE and (at temperature 1) the logit terms. CE is
+    off on the student's own samples (it would teach it what it already says; on a teacher's samples
+    it is sequence-level KD). Figures: ce, logit_kl (the weighted loss), logit_kl/<t>,
+    logit_uld/<t>, logit_aligned/<t>, top1_agree/<t>."""
 
     name = "ce_logits"
 
@@ -34,8 +36,9 @@ class CELogitsTerm:
         terms = VocabTerms(next_labels(batch.labels, dev), c, c.logit_weight > 0 and c.logit_temperature == 1.0,
                            ce_coef=0.0 if batch.source == "student" else c.ce_weight)
         shares, metrics = [], {}  # shares: (share of the logit loss, its term's key)
-        # a teacher no record of the batch is routed to teaches nothing in it: its figures are not measured (absent,
-        # not 0: `DistillRecipe.step` averages each over the micro-batches that measured it)
+        # a teacher no record of the batch is routed to teaches nothing in it: its figures are not
+        # measured (absent, not 0: `DistillRecipe.step` averages each over the micro-batches that
+        # measured it)
         absent = set() if batch.route is None else {n for n in self.names
                                                     if not any(not r or r == n for r in batch.route)}
         if c.logit_weight > 0:
@@ -66,11 +69,12 @@ class CELogitsTerm:
         return loss
 
     def _routed(self, batch, mask: torch.Tensor) -> dict[str, list]:
-        """{teacher: [(share of the logit loss, the positions [B, T] it teaches at that weight, the part's name)]},
-        so that the logit loss is the mean over `mask` of each position's teachers' terms at their weights: every
-        position with the fusion weights; with records that name their teacher (`batch.route`, NeMo-RL's MOPD) a
-        named row's positions are its teacher's alone (weight 1), an unnamed row's split by the fusion weights. A
-        teacher with named and unnamed rows has a part for each (`named`, `free`), each with its share of positions."""
+        """{teacher: [(share of the logit loss, the positions [B, T] it teaches at that weight, the
+        part's name)]}, so that the logit loss is the mean over `mask` of each position's teachers'
+        terms at their weights: every position with the fusion weights; with records that name their
+        teacher (`batch.route`, NeMo-RL's MOPD) a named row's positions are its teacher's alone
+        (weight 1), an unnamed row's split by the fusion weights. A teacher with named and unnamed
+        rows has a part for each (`named`, `free`), each with its share of positions."""
         weights = self._weights()
         if batch.route is None:
             return {n: [(w, mask, "")] for n, w in zip(self.names, weights)}
@@ -94,9 +98,10 @@ class CELogitsTerm:
         return out
 
     def _check_top_k_ids(self, vocab: int, device, teacher_kv: dict, mask: torch.Tensor) -> None:
-        """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one host sync (a
-        gather past the vocab would be a device-side assert on CUDA). A teacher that sent no top-k is named by
-        `targets_term`; one whose head is wider than the student's may (`targets_term` counts those as tail mass)."""
+        """Refuse top-k ids past the student's vocabulary from a teacher of its tokenizer, in one
+        host sync (a gather past the vocab would be a device-side assert on CUDA). A teacher that
+        sent no top-k is named by `targets_term`; one whose head is wider than the student's may
+        (`targets_term` counts those as tail mass)."""
         same = [n for n in self.names if self.specs[n].cross is None and teacher_kv[n].topk_ids is not None
                 and not self.specs[n].wider_than(vocab)]
         if not same:
@@ -110,10 +115,10 @@ class CELogitsTerm:
                             f"{vocab} (logit KD needs one tokenizer: loss.logit_weight={self.c.logit_weight})")
 
     def _weights(self) -> list:
-        """The teachers' shares of the logit loss, detached (the logit loss never trains the fusion):
-        `Fusion.current_weights()` (fixed / sum: the normalised prior; gate: the softmax, mean over layers; router:
-        the mean router weight of its last forward, which the KV term's fusion ran), renormalised over the logit
-        teachers."""
+        """The teachers' shares of the logit loss, detached (the logit loss never trains the
+        fusion): `Fusion.current_weights()` (fixed / sum: the normalised prior; gate: the softmax,
+        mean over layers; router: the mean router weight of its last forward, which the KV term's
+        fusion ran), renormalised over the logit teachers."""
         w = self.fusion.current_weights()
         total = sum(w[n] for n in self.names)
         return [w[n] / total for n in self.names]

@@ -1,5 +1,5 @@
-"""The hidden-state term: Minitron's cosine loss between the student's hidden states and each teacher's matched
-layers, through a learned map where the widths differ."""
+"""The hidden-state term: Minitron's cosine loss between the student's hidden states and each
+teacher's matched layers, through a learned map where the widths differ."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kava_ray.core.terms.relation import layer_pairs
 
 
 def hidden_projection(s_hidden: int, t_hidden: int) -> nn.Module:
-    """The student-side map: none for one width, else ModelOpt's ProjectionLayer (Linear with bias, weights
-    N(0, 0.02) as Megatron's init_method, bias 0)."""
+    """The student-side map: none for one width, else ModelOpt's ProjectionLayer (Linear with bias,
+    weights N(0, 0.02) as Megatron's init_method, bias 0)."""
     if int(s_hidden) == int(t_hidden):
         return nn.Identity()
     proj = nn.Linear(int(s_hidden), int(t_hidden))
@@ -25,9 +25,10 @@ def hidden_projection(s_hidden: int, t_hidden: int) -> nn.Module:
 
 
 class HiddenTerm(PriorWeighted):
-    """hidden_weight * `losses.hidden_cosine_loss` to every teacher's matched layers on the CE positions, weighted
-    with the normalised fusion prior; a teacher of another tokenizer's states first moved to student positions as its
-    KV is. Its maps (`proj`, {teacher: module}) are the Distiller's `hidden_proj`, trained with the projectors."""
+    """hidden_weight * `losses.hidden_cosine_loss` to every teacher's matched layers on the CE
+    positions, weighted with the normalised fusion prior; a teacher of another tokenizer's states
+    first moved to student positions as its KV is. Its maps (`proj`, {teacher: module}) are the
+    Distiller's `hidden_proj`, trained with the projectors."""
 
     name, weight_key, metric = "hidden", "hidden_weight", HIDDEN
 

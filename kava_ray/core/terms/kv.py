@@ -1,5 +1,6 @@
-"""The KV term: the student's K, V against its teachers' projected K, V (Mercator, hybrid, MSE or smooth L1:
-`losses.kv_loss`), against their fusion or (`fusion.kind: sum`) one loss per teacher, at `loss.kv_weight`."""
+"""The KV term: the student's K, V against its teachers' projected K, V (Mercator, hybrid, MSE or
+smooth L1: `losses.kv_loss`), against their fusion or (`fusion.kind: sum`) one loss per teacher, at
+`loss.kv_weight`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from kava_ray.core.terms.base import StepView, TermParts
 
 
 class KVTerm:
-    """kv_weight * the KV loss; figures: kv_loss, cos_sim / cos_raw / the first, middle and last layer's cosine /
-    contrast_gap (the mean of K and V), cos/<t>, cos_raw/<t>, and aligned/<t> (the share of KV positions a teacher
-    of another tokenizer covers)."""
+    """kv_weight * the KV loss; figures: kv_loss, cos_sim / cos_raw / the first, middle and last
+    layer's cosine / contrast_gap (the mean of K and V), cos/<t>, cos_raw/<t>, and aligned/<t> (the
+    share of KV positions a teacher of another tokenizer covers)."""
 
     name = "kv"
 
@@ -44,8 +45,9 @@ class KVTerm:
         return v.kv_term
 
     def _student_view(self, n: str, v: StepView) -> tuple:
-        """The student's (keys, values) as teacher `n`'s KV loss sees them: its own, or (kind fit) mapped into the
-        teacher's space; a fit map that was never fitted (`recipes.fit_maps.fit_maps`) would train nothing: refused."""
+        """The student's (keys, values) as teacher `n`'s KV loss sees them: its own, or (kind fit)
+        mapped into the teacher's space; a fit map that was never fitted
+        (`recipes.fit_maps.fit_maps`) would train nothing: refused."""
         pr = self.projectors[n]
         if not pr.student_side:
             return v.skv.keys, v.skv.values
@@ -55,8 +57,8 @@ class KVTerm:
         return pr.map_student(v.skv.keys, v.skv.values)
 
     def _fused(self, v: StepView, views: dict):
-        """One loss against the fusion of the projected teachers (fixed, gate, router), on the positions every
-        teacher covers; per-teacher figures against each teacher's own."""
+        """One loss against the fusion of the projected teachers (fixed, gate, router), on the
+        positions every teacher covers; per-teacher figures against each teacher's own."""
         sk, sv = views[self.names[0]]  # one teacher, or none of kind fit (the Distiller refuses the rest)
         feat = v.out.hidden_states[-1].detach() if self.fusion.kind == "router" else None  # [B, T, hidden]
         projected = v.projected
@@ -75,8 +77,8 @@ class KVTerm:
         return kvl, m, per_teacher
 
     def _summed(self, v: StepView, views: dict):
-        """`fusion.kind: sum`: one loss per teacher on its own positions (`Fusion.combine_losses`), the figures the
-        prior-weighted mean of the teachers'."""
+        """`fusion.kind: sum`: one loss per teacher on its own positions (`Fusion.combine_losses`),
+        the figures the prior-weighted mean of the teachers'."""
         losses, ms, per_teacher = [], [], {}
         for n in self.names:
             loss_n, m_n = self._pair_loss(*views[n], *v.projected[n], v.masks[n])
@@ -96,8 +98,8 @@ class KVTerm:
         return kvl, m, per_teacher
 
     def _pair_loss(self, sk, sv, tk, tv, mask: torch.Tensor):
-        """Student (sk, sv) against (tk, tv): the mean of the K and V losses, or one of them (`loss.kv_parts`);
-        figures the mean of K and V either way."""
+        """Student (sk, sv) against (tk, tv): the mean of the K and V losses, or one of them
+        (`loss.kv_parts`); figures the mean of K and V either way."""
         c = self.c
         kw = dict(alpha=c.alpha, beta=c.beta, hybrid_weight=c.hybrid_weight, center=c.center)
         lk, mk = kv_loss(c.kind, sk, tk, mask, **kw)

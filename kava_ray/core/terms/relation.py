@@ -13,14 +13,15 @@ from kava_ray.core.terms.base import PriorWeighted, StepView, TermParts
 
 
 def layer_pairs(parts: TermParts) -> dict[str, list[int]]:
-    """{teacher: per student layer, the index among its shipped layers of its heaviest mapped teacher layer}: the
-    layer each student layer is held against by the relation and hidden-state terms."""
+    """{teacher: per student layer, the index among its shipped layers of its heaviest mapped
+    teacher layer}: the layer each student layer is held against by the relation and hidden-state
+    terms."""
     return {n: [list(p.layers).index(t) for t in heaviest_sources(p.layer_map)] for n, p in parts.plans.items()}
 
 
 class RelationTerm(PriorWeighted):
-    """relation_weight * (`losses.relation_loss` of K and V, their mean) to every teacher, weighted with the
-    normalised fusion prior; figure: relation."""
+    """relation_weight * (`losses.relation_loss` of K and V, their mean) to every teacher, weighted
+    with the normalised fusion prior; figure: relation."""
 
     name, weight_key, metric = "relation", "relation_weight", RELATION
 

@@ -12,9 +12,10 @@ from kava_ray.core.terms.base import StepView, TermParts
 
 
 class SampledTerm:
-    """No loss: every batch of an on-policy run, the tokens the student sampled (0 for a batch of the data) and,
-    per teacher of its tokenizer, the sum over them of log q - log pi_T (`RKL_SUM/<t>`; the step record divides by
-    the tokens: the teacher-scored reverse KL of the samples, absent from a step that sampled none)."""
+    """No loss: every batch of an on-policy run, the tokens the student sampled (0 for a batch of
+    the data) and, per teacher of its tokenizer, the sum over them of log q - log pi_T
+    (`RKL_SUM/<t>`; the step record divides by the tokens: the teacher-scored reverse KL of the
+    samples, absent from a step that sampled none)."""
 
     name = "sampled"
 
