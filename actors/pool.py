@@ -43,8 +43,13 @@ def vllm_limits(cfg: JobConfig) -> dict:
 
 
 def _remote(t: TeacherConfig, cfg: JobConfig, options: dict):
-    """A teacher actor for `t`: `TeacherActor`, or with `engine: vllm` `VLLMTeacherActor` (imported
-    only then: the module needs vLLM at call time, not at import)."""
+    """A teacher actor for `t`: `TeacherActor`, with `engine: vllm` `VLLMTeacherActor` (imported
+    only then: the module needs vLLM at call time, not at import), with `engine: openai`
+    `URLTeacherActor`."""
+    if t.engine == "openai":
+        from actors.url_teacher import URLTeacherActor
+
+        return ray.remote(URLTeacherActor).options(**options).remote(t.model_dump(), key_space=cfg.align.key_space)
     if t.engine != "vllm":
         return RemoteTeacher.options(**options).remote(t.model_dump(), key_space=cfg.align.key_space)
     from actors.vllm_teacher import VLLMTeacherActor

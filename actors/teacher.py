@@ -81,9 +81,10 @@ class TeacherActor:
         device_map, self.device = teacher_device_map(self.cfg.num_gpus)
         self.weights: Optional[str] = None
         try:
-            self.weights = weights_fingerprint(self.cfg.model)
+            self.weights = weights_fingerprint(self.cfg.model) if self.cfg.engine != "openai" else None
             self._load(device_map)
-            self.tokenizer = load_tokenizer(self.cfg.model)
+            self.tokenizer = load_tokenizer(self.cfg.served_from())
+            self._check()
         except KavaError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 - anything at load time is reported as one line by the pool
@@ -94,6 +95,9 @@ class TeacherActor:
         self.model = load_model(self.cfg.model, dtype=self.cfg.dtype, quantization=self.cfg.quantization,
                                 device_map=device_map)
         self.geom = kv_geometry(self.model)
+
+    def _check(self) -> None:
+        """After the load: what the engine must confirm before the first batch (a server: `url_teacher`)."""
 
     def _served(self) -> dict:
         """What the model serves from, for `geometry()`: its revision and the dtype it computes in."""
@@ -109,7 +113,8 @@ class TeacherActor:
         (where the path is read: the driver's node may hold another copy, or none): {loaded, now,
         node (its address), node_id}."""
         up = ray.is_initialized()
-        return {"loaded": self.weights, "now": weights_fingerprint(self.cfg.model),
+        now = weights_fingerprint(self.cfg.model) if self.cfg.engine != "openai" else None
+        return {"loaded": self.weights, "now": now,
                 "node": ray.util.get_node_ip_address() if up else None,
                 "node_id": ray.get_runtime_context().get_node_id() if up else None}
 

@@ -14,7 +14,6 @@ which `loss.logit_temperature` tempers on the student's side.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -23,35 +22,9 @@ import torch
 from actors.teacher import TeacherActor
 from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
-from kava_ray.core.losses import TAIL_FLOOR
 from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_model_config, resolve_dtype
+from kava_ray.core.prompt_logprobs import topk_batch
 from kava_ray.rollout.vllm_engine import VLLMEngine, engine_dtype
-
-
-def topk_batch(engine: VLLMEngine, ids: torch.Tensor, mask: torch.Tensor, k: int, key_space: str, heads: int,
-               head_dim: int) -> KVBatch:
-    """`teacher_forward_kv`'s logits-only KVBatch of a padded batch (ids, mask [B, T]) from prompt
-    log-probs: topk_ids (int64) / topk_logp (fp32, descending) [B, T, k], topk_tail [B, T] (log of
-    the mass outside the k ids, from their sum in float64, floored at 1e-6 as the loss floors it),
-    token_logp [B, T] (each next token's; 0 at the last real position); K and V with no layers ([0,
-    B, heads, T, head_dim]). Position t predicts token t + 1, every figure at temperature 1; padded
-    positions are 0, as `KVBatch.stack` leaves them."""
-    B, T = ids.shape
-    kv = KVBatch.empty(mask, heads, head_dim, key_space)
-    topk_ids = torch.zeros((B, T, k), dtype=torch.long)
-    topk_logp = torch.zeros((B, T, k))
-    kv.token_logp = torch.zeros((B, T))
-    rows = [torch.nonzero(mask[b]).flatten() for b in range(B)]  # each row's real positions (left or right padding)
-    seqs = [ids[b, pos].tolist() for b, pos in enumerate(rows)]
-    live = [b for b in range(B) if len(seqs[b])]
-    for b, (tid, tlp, nxt) in zip(live, engine.prompt_topk([seqs[b] for b in live], k, last=True)):
-        pos = rows[b]
-        topk_ids[b, pos], topk_logp[b, pos], kv.token_logp[b, pos] = tid, tlp, nxt
-    if k:
-        mass = torch.logsumexp(topk_logp.double(), dim=-1).clamp(max=math.log1p(-TAIL_FLOOR))
-        tail = torch.log(-torch.expm1(mass)).float()
-        kv.topk_ids, kv.topk_logp, kv.topk_tail = topk_ids, topk_logp, torch.where(kv.mask, tail, 0.0)
-    return kv
 
 
 class VLLMTeacherActor(TeacherActor):

@@ -216,8 +216,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: first.get(os.path.basename(str(it.fspath)), len(first)))
 
 
-LONGEST_FILES = ("test_multinode.py", "test_faults.py", "test_service_ray.py", "test_tune.py", "test_actors.py",
-                 "test_bench_heal.py", "test_train.py", "test_vllm.py", "test_cross_tokenizer.py", "test_onpolicy.py",
-                 "test_fsdp.py", "test_plan.py", "test_readme_job.py", "test_formats.py", "test_bench_gpu.py",
+LONGEST_FILES = ("test_multinode.py", "test_faults.py", "test_service_ray.py", "test_url_teacher.py", "test_tune.py",
+                 "test_actors.py", "test_bench_heal.py", "test_train.py", "test_vllm.py", "test_cross_tokenizer.py",
+                 "test_onpolicy.py", "test_fsdp.py", "test_plan.py", "test_readme_job.py", "test_formats.py",
+                 "test_bench_gpu.py",
                  "test_kv_pull.py", "test_preflight.py", "test_bench_task.py", "test_align_cka.py",
                  "test_align_tokens.py", "test_align_vocab.py")

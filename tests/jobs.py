@@ -102,3 +102,18 @@ def assert_same_curve(got: dict, want: dict, steps, keys=("loss", "ce", "kv_loss
     for step in steps:
         for key in keys:
             assert got[step][key] == pytest.approx(want[step][key], abs=tol), (step, key)
+
+
+def padded_rows(tok):
+    """Three short texts as `tok`'s ids [3, T] and mask: two right-padded rows and a left-padded one (a teacher's
+    forward must read both paddings)."""
+    import torch
+
+    rows = [tok(x)["input_ids"][:16] for x in ("The quick brown fox jumps over the lazy dog, again and again.",
+                                               "Sorted: 15 43 59 63 75", "def f(x): return x")]
+    T = max(map(len, rows))
+    ids, mask = torch.zeros((3, T), dtype=torch.long), torch.zeros((3, T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        pos = slice(T - len(r), T) if b == 2 else slice(0, len(r))  # the last row left-padded
+        ids[b, pos], mask[b, pos] = torch.tensor(r), 1
+    return ids, mask

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs import assert_same_curve, run_recipe, write_job
+from jobs import assert_same_curve, padded_rows, run_recipe, write_job
 from kava_ray.common.config import load_config
 from kava_ray.core.kv import next_token_logprobs
 from kava_ray.core.models import load_model, load_student
@@ -145,14 +145,7 @@ def test_a_vllm_teacher_serves_the_hf_teachers_topk_tail_and_token_logprobs(vsmo
     vt = VLLMTeacherActor(dict(t, engine="vllm"), engine={"max_model_len": 33, "max_logprobs": 8})
     try:
         assert vt.error is None, vt.error
-        tok = load_tokenizer(str(vsmol_dir))
-        rows = [tok(x)["input_ids"][:16] for x in ("The quick brown fox jumps over the lazy dog, again and again.",
-                                                   "Sorted: 15 43 59 63 75", "def f(x): return x")]
-        T = max(map(len, rows))
-        ids, mask = torch.zeros((3, T), dtype=torch.long), torch.zeros((3, T), dtype=torch.long)
-        for b, r in enumerate(rows):
-            pos = slice(T - len(r), T) if b == 2 else slice(0, len(r))  # the last row left-padded
-            ids[b, pos], mask[b, pos] = torch.tensor(r), 1
+        ids, mask = padded_rows(load_tokenizer(str(vsmol_dir)))
         want = hf._forward(ids, mask, [0], 8, False, True)
         got = KVBatch.from_wire(vt._forward(ids, mask, [], 8, False, True).to_wire("fp16"), dtype=None)
         assert got.layer_ids == [] and got.keys.shape[0] == 0

@@ -1,6 +1,6 @@
 """The two engines side by side on one model directory, no Ray: sampled tokens per second (Hugging
 Face `generate` against a vLLM engine) and a logits-only teacher's scored positions per second
-(`teacher_forward_kv` with no layers against `actors.vllm_teacher.topk_batch`). `bench onpolicy
+(`teacher_forward_kv` with no layers against `core.prompt_logprobs.topk_batch`). `bench onpolicy
 --engine hf vllm` reports the scoring figure beside its on-policy steps (CPU); `bench gpu`'s
 `engines` section both, at real sizes on CUDA.
 """
@@ -28,7 +28,7 @@ def scoring_rates(model_dir: Path, batch: int, length: int, k: int, dtype: str =
     """Positions per second a logits-only teacher scores, each engine's actor forward on the same
     `batch` random sequences of `length` tokens (top-k, tail and token log-probs): {hf, vllm, batch,
     length, k}."""
-    from actors.vllm_teacher import topk_batch
+    from kava_ray.core.prompt_logprobs import topk_batch
     from kava_ray.rollout.vllm_engine import VLLMEngine
 
     model = load_model(str(model_dir), dtype=dtype, device_map={"": 0} if torch.cuda.is_available() else None)

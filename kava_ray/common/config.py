@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union, get_args
@@ -60,10 +61,19 @@ class TeacherConfig(_Section):
     replicas: int = Field(1, ge=1)
     # the nodes it may run on, by their Ray labels (`ray start --labels`, cluster.yaml): {"kava-role": "teacher"}
     label_selector: Optional[dict[str, str]] = None
-    # what serves it: hf (a Hugging Face forward: KV, hidden states, logits) or vllm (a vLLM
-    # engine's prompt log-probs: top-k logits and token log-probs only, for a job without KV /
-    # hidden / relation terms; the `vllm` extra)
-    engine: Literal["hf", "vllm"] = "hf"
+    # what serves it: hf (a Hugging Face forward: KV, hidden states, logits), vllm (a vLLM engine's
+    # prompt log-probs in the actor) or openai (a server behind `url`: vLLM's OpenAI-compatible
+    # `vllm serve`); vllm and openai serve top-k logits and token log-probs only (LOGITS_ONLY)
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    # engine openai: the server's base URL (http://host:port), the environment variable that holds its
+    # API key (the name, never the key), where its tokenizer and config load from here (default: model,
+    # which is the name the server serves), and each request's timeout, retries and parallel requests
+    url: Optional[str] = None
+    api_key_env: Optional[str] = None
+    tokenizer: Optional[str] = None
+    timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(3, ge=0)
+    concurrency: int = Field(4, ge=1)
 
     @field_validator("label_selector")
     @classmethod
@@ -76,6 +86,26 @@ class TeacherConfig(_Section):
         if v is not None and (not v or min(v) < 0):
             raise ValueError("must be a non-empty list of layer indices >= 0")
         return v
+
+    @model_validator(mode="after")
+    def _server(self):
+        """`url` and `engine: openai` go together; the key is named by its environment variable."""
+        if self.engine == "openai" and not self.url:
+            raise ValueError(f"teachers[{self.name}].engine: openai needs url (the server's, e.g. "
+                             f"http://127.0.0.1:8000)")
+        if self.url is not None and self.engine != "openai":
+            raise ValueError(f"teachers[{self.name}].url: only engine openai reads it (engine is {self.engine})")
+        if self.url is not None and not re.match(r"^https?://[^/\s]+", self.url):
+            raise ValueError(f"teachers[{self.name}].url: {self.url!r} is not an http(s):// URL")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError(f"teachers[{self.name}].api_key_env: give the name of the environment variable that "
+                             f"holds the key, not the key")
+        return self
+
+    def served_from(self) -> str:
+        """Where this teacher's tokenizer and config load from here: `tokenizer` (engine openai), else
+        its model."""
+        return self.tokenizer or self.model
 
 
 # student.precision -> the dtype the student's weights are stored in (kava_ray/core/precision.py has the policies)
@@ -426,9 +456,13 @@ class RayConfig(_Section):
         return self.strategy == "fsdp" and self.num_workers > 1
 
 
+LOGITS_ONLY = ("vllm", "openai")  # the engines that serve log-probs only: no KV, no hidden states
+
+
 def ships_kv(teachers: list[TeacherConfig]) -> bool:
-    """Whether the teachers ship KV layers: not in a job with a teacher on vLLM (`_check_vllm_teachers`)."""
-    return not any(t.engine == "vllm" for t in teachers)
+    """Whether the teachers ship KV layers: not in a job with a logits-only teacher (`LOGITS_ONLY`,
+    `_check_logits_only_teachers`)."""
+    return not any(t.engine in LOGITS_ONLY for t in teachers)
 
 
 class JobConfig(_Section):
@@ -501,7 +535,7 @@ class JobConfig(_Section):
         if o.engine == "vllm" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("onpolicy.engine: vllm samples the student's completions, and this job samples none "
                              f"(onpolicy.fraction {o.fraction}, onpolicy.source {o.source}): set onpolicy.engine=hf")
-        self._check_vllm_teachers()
+        self._check_logits_only_teachers()
         if self.loss.logit_divergence == "reverse_kl_sampled" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("loss.logit_divergence: reverse_kl_sampled needs the student's samples "
                              "(onpolicy.fraction > 0, onpolicy.source: student)")
@@ -527,28 +561,28 @@ class JobConfig(_Section):
                              f"enumeration): set onpolicy.temperature=1 with loss.logit_divergence reverse_kl_sampled")
         return self
 
-    def _check_vllm_teachers(self) -> None:
-        """A teacher on vLLM serves log-probs only: the job may ask it (and so, the terms being
-        job-wide, every teacher) for nothing else."""
-        t = next((t for t in self.teachers if t.engine == "vllm"), None)
+    def _check_logits_only_teachers(self) -> None:
+        """A teacher on vLLM or behind a URL serves log-probs only: the job may ask it (and so, the
+        terms being job-wide, every teacher) for nothing else."""
+        t = next((t for t in self.teachers if t.engine in LOGITS_ONLY), None)
         if t is None:
             return
-        key, c = f"teachers[{t.name}].engine", self.loss
+        key, c, e = f"teachers[{t.name}].engine", self.loss, t.engine
         asked = [f"loss.{w} is {getattr(c, w):g}" for w in ("kv_weight", "relation_weight", "hidden_weight")
                  if getattr(c, w) > 0]
         if asked:
-            raise ValueError(f"{key}: vllm serves log-probs only (no KV or hidden states), and {asked[0]}: set it "
+            raise ValueError(f"{key}: {e} serves log-probs only (no KV or hidden states), and {asked[0]}: set it "
                              f"to 0, or {key}=hf")
         if t.layers is not None:
-            raise ValueError(f"{key}: vllm ships no layers, and teachers[{t.name}].layers asks for {t.layers}")
+            raise ValueError(f"{key}: {e} ships no layers, and teachers[{t.name}].layers asks for {t.layers}")
         if t.quantization != "none":
-            raise ValueError(f"{key}: vllm loads the teacher as its weights are stored; teachers[{t.name}]."
+            raise ValueError(f"{key}: {e} serves the teacher as its weights are stored; teachers[{t.name}]."
                              f"quantization {t.quantization} is bitsandbytes' (hf): set it to none")
         if self.fusion.kind in ("gate", "router"):
-            raise ValueError(f"{key}: vllm serves no KV, and fusion.kind {self.fusion.kind} learns its weights "
+            raise ValueError(f"{key}: {e} serves no KV, and fusion.kind {self.fusion.kind} learns its weights "
                              f"from the teachers' KV: use fusion.kind fixed or sum")
         if c.logit_weight == 0:
-            raise ValueError(f"{key}: vllm serves log-probs, and this job uses none (loss.logit_weight is 0)")
+            raise ValueError(f"{key}: {e} serves log-probs, and this job uses none (loss.logit_weight is 0)")
 
     @property
     def ships_kv(self) -> bool:

@@ -103,7 +103,7 @@ def shares_tokenizer_here(student: StudentConfig, teacher: TeacherConfig,
     `teacher_plans`), read in the driver before any teacher starts. None where its tokenizer is not
     at hand here without the network (a hub id while online, a path only another node has, a package
     not installed): the teachers' own report decides then."""
-    spec = teacher.model
+    spec = teacher.served_from()
     try:
         source, gguf = resolve_model(spec)
     except KavaError:
@@ -211,7 +211,7 @@ def teacher_plans(student: StudentConfig, teachers: list[TeacherConfig], align: 
         fp = geom.get("tokenizer_fingerprint")
         tokenizer = None
         if fp is not None and fp != student_fp:
-            tokenizer = (tokenizer_dirs or {}).get(t.name) or t.model
+            tokenizer = (tokenizer_dirs or {}).get(t.name) or t.served_from()
         plans[t.name] = TeacherPlan(t.name, g, layer_map, shipped, tokenizer, fp, copied_from_teacher(student, t))
     return plans
 

@@ -68,7 +68,7 @@ def _loaders(ckpt: Path, cfg, baseline: Optional[str], teachers: bool, runs: Pat
         b_ckpt, _, _ = checkpoint_config(_baseline_dir(baseline, runs))
         check_whole_student(b_ckpt, "evaluate")
         out.append((BASELINE, student(b_ckpt / "student"), mine))
-    for t in cfg.teachers if teachers else []:
+    for t in [t for t in cfg.teachers if t.engine != "openai"] if teachers else []:  # (a URL: no weights here)
         def teacher(device, t=t):
             model = load_model(t.model, dtype=t.dtype, quantization=t.quantization)
             if t.quantization == "none":  # bitsandbytes places a quantized model itself

@@ -60,8 +60,9 @@ def reads(cfg: JobConfig, command: str = "", use_gpu: bool = False) -> list[Read
     out = []
     if cfg.data.kv_source != "cache":
         for t, demand in zip(cfg.teachers, resources.demands(cfg)):
-            if _local(t.model):
-                out.append(Read(f"teachers[{t.name}].model", t.model, f"teacher '{t.name}'", demand,
+            key = f"teachers[{t.name}].tokenizer" if t.engine == "openai" else f"teachers[{t.name}].model"
+            if _local(t.served_from()):
+                out.append(Read(key, t.served_from(), f"teacher '{t.name}'", demand,
                                 driver_reads=False))
     if command not in ("train", "tune"):
         return out

