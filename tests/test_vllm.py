@@ -214,3 +214,29 @@ def test_ray_train_samples_with_vllm_beside_two_teachers_of_different_tokenizers
         assert r["onpolicy/sampled_tokens"] > 0 and math.isfinite(r["logit_kl/smol"]), r
         assert "cos_sim" not in r  # no teacher ships KV
     assert (Path(out["run_dir"]) / "final" / "student" / "config.json").is_file()
+
+
+def test_the_students_engine_computes_in_the_forwards_dtype_not_the_master_weights(vjob, vstudent_dir):
+    """Under student.precision bf16-mixed the student's master weights are fp32 and its forwards bf16: the vLLM
+    engine `engine_for` builds takes bf16 (it held fp32 before: twice the memory, and q from another forward than
+    pi_S's), and its q stays within bf16's rounding of the student's own bf16-autocast log-softmax (2e-2 here);
+    under fp32 it is fp32."""
+    from kava_ray.core.precision import student_precision
+    from kava_ray.rollout.engines import engine_for
+
+    for policy, want in (("bf16-mixed", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = load_config(vjob, ON + [f"student.precision={policy}", f"student.model={vstudent_dir}"])
+        precision = student_precision(cfg.student, torch.device("cpu"))
+        student = load_student(str(vstudent_dir), dtype=precision.weight_dtype)
+        gen = engine_for(cfg, {}, None, student, student.config.eos_token_id, 0, precision)
+        try:
+            assert next(student.parameters()).dtype == torch.float32
+            assert gen.engine.llm.llm_engine.model_config.dtype == want
+            if policy == "bf16-mixed":
+                prompts = [[5, 6, 7, 8], [9, 10, 11]]
+                s = gen.complete(prompts, 8, 1.0, 1.0, seed=1)
+                with precision.autocast():
+                    gap = _max_gap(student, prompts, s)
+                assert gap < 2e-2, gap
+        finally:
+            gen.close()

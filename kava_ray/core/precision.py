@@ -41,6 +41,11 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forwards compute in: the autocast's, else the weights'."""
+        return self.autocast_dtype or self.weight_dtype
+
+    @property
     def stochastic_rounding(self) -> bool:
         return self.policy == "bf16-sr"
 

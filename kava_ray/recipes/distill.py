@@ -173,7 +173,7 @@ class DistillRecipe:
             data = StepSource(self.cfg, self.plans, self.train_split, source, **kw)
         else:
             engine = engine_for(self.cfg, self.plans, source, self.distiller.student, self.tokenizer.eos_token_id,
-                                self.train_split.pad_id, self.autocast)
+                                self.train_split.pad_id, self.precision)
             sampler = Sampler(self.cfg, self.train_split, self.tokenizer, self.teacher_toks, engine, self.rank, flag)
             data = OnPolicyStepSource(self.cfg, self.plans, self.train_split, source, sampler, **kw)
         if state is not None:

@@ -96,22 +96,26 @@ class TeacherGenerate:
 
 
 def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional[int], pad_id: int,
-               autocast=None) -> CompletionEngine:
+               precision=None) -> CompletionEngine:
     """The job's engine: the student (`onpolicy.source: student`), or the named teacher
     (`onpolicy.teacher`, else the first) through its actor's `generate` -- or the source's own
     `generate` (teachers in process). The teacher must share the student's tokenizer (its ids are
-    the student's)."""
+    the student's). `precision` (`core.precision.Precision`): the student's forwards' autocast (HF)
+    and compute dtype, which a vLLM engine takes (bf16 under bf16-mixed, not the fp32 master
+    weights': half the memory, and q from the forward pi_S comes from)."""
     if cfg.onpolicy.source != "teacher":
         if cfg.onpolicy.engine == "vllm":
-            from kava_ray.rollout.vllm_engine import VLLMEngine
+            from kava_ray.rollout.vllm_engine import VLLMEngine, engine_dtype
 
             o = cfg.onpolicy
             rows = cfg.train.batch_size * o.samples_per_prompt
-            engine = VLLMEngine.for_model(student, max_model_len=cfg.train.max_length, max_num_seqs=max(rows, 1),
+            dtype = None if precision is None else engine_dtype(precision.compute_dtype)
+            engine = VLLMEngine.for_model(student, dtype=dtype, max_model_len=cfg.train.max_length,
+                                          max_num_seqs=max(rows, 1),
                                           seed=cfg.train.seed, kv_cache_bytes=o.vllm_kv_cache_mb << 20,
                                           gpu_memory_utilization=o.vllm_gpu_memory_utilization, sleep_mode=True)
             return VLLMGenerate(student, eos_id, engine)
-        return HFGenerate(student, eos_id, pad_id, autocast)
+        return HFGenerate(student, eos_id, pad_id, None if precision is None else precision.autocast)
     name = onpolicy_writer(cfg.onpolicy, cfg.teachers)
     check_writer(cfg.onpolicy, cfg.teachers,
                  not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)
