@@ -33,7 +33,6 @@ from kava_ray.core.plans import logits_top_k
 ACTOR_PREFIX = "kava-teacher-"
 TASK_RETRIES = 5
 RemoteTeacher = ray.remote(TeacherActor)
-VLLM_TEACHER_KV_CACHE_MB = 256  # a vLLM teacher's KV cache on CPU: prompts of max_length, a batch at a time
 
 
 def vllm_limits(cfg: JobConfig) -> dict:
@@ -54,7 +53,8 @@ def _remote(t: TeacherConfig, cfg: JobConfig, options: dict):
         return RemoteTeacher.options(**options).remote(t.model_dump(), key_space=cfg.align.key_space)
     from actors.vllm_teacher import VLLMTeacherActor
 
-    engine = dict(vllm_limits(cfg), kv_cache_mb=VLLM_TEACHER_KV_CACHE_MB)
+    engine = dict(vllm_limits(cfg), kv_cache_mb=t.vllm_kv_cache_mb,
+                  gpu_memory_utilization=t.vllm_gpu_memory_utilization)
     return ray.remote(VLLMTeacherActor).options(**options).remote(t.model_dump(), key_space=cfg.align.key_space,
                                                                    engine=engine)
 

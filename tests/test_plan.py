@@ -430,3 +430,25 @@ def test_the_chunked_vocabulary_loss_plans_one_chunk_of_logits():
     logits = whole["items"]["student logits (B*T*vocab)"]
     assert chunked["items"]["student logits (chunks of 256 positions x vocab)"] < 0.6 * logits
     assert chunked["total"] < whole["total"] - 0.4 * logits
+
+
+def test_the_planner_counts_the_vllm_engines_at_the_shares_the_job_sets():
+    """A teacher on vLLM takes its `vllm_gpu_memory_utilization` of its GPU whatever the model (0.8 by default, the
+    job's value when set), its weights and `vllm_kv_cache_mb` on CPU; the student's colocated vLLM sampler adds
+    `onpolicy.vllm_gpu_memory_utilization` of the worker's GPU (0.3), on CPU a copy of the weights in the forwards'
+    dtype and its KV cache; neither was counted before."""
+    logits = ["teachers.0.engine=vllm", "loss.kv_weight=0", "loss.logit_weight=1", "fusion.kind=fixed"]
+    p = plan(load_config("qwen_multi", logits), 80 * GiB)
+    t = p["devices"]["teacher:qwen7b (1 GPU)"]["items"]
+    assert t["teacher:qwen7b vLLM (gpu_memory_utilization 0.8 of the GPU)"] == int(0.8 * 80 * GiB)
+    assert not any("weights" in k for k in t)
+    half = plan(load_config("qwen_multi", logits + ["teachers.0.vllm_gpu_memory_utilization=0.5"]), 80 * GiB)
+    assert half["devices"]["teacher:qwen7b (1 GPU)"]["items"][
+        "teacher:qwen7b vLLM (gpu_memory_utilization 0.5 of the GPU)"] == int(0.5 * 80 * GiB)
+    sampler = ["onpolicy.fraction=0.5", "onpolicy.engine=vllm"]
+    s = plan(load_config("qwen_multi", logits + sampler), 80 * GiB)["devices"]["student worker"]["items"]
+    assert s["vLLM sampler (gpu_memory_utilization 0.3 of the GPU)"] == int(0.3 * 80 * GiB)
+    cpu = plan(load_config("demo_cpu", ["teachers.0.engine=vllm", "loss.kv_weight=0", "loss.logit_weight=1",
+                                        "teachers.0.quantization=none", *sampler]))["devices"]["cpu"]["items"]
+    assert cpu["teacher:smollm2-fp32 vLLM kv cache"] == 256 << 20 and cpu["vLLM sampler kv cache"] == 256 << 20
+    assert cpu["teacher:smollm2-fp32 vLLM weights"] > 100e6 * 4 and cpu["vLLM sampler weights"] > 0

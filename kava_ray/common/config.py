@@ -74,6 +74,10 @@ class TeacherConfig(_Section):
     timeout_s: float = Field(60.0, gt=0)
     retries: int = Field(3, ge=0)
     concurrency: int = Field(4, ge=1)
+    # engine vllm: the engine's memory: its share of the GPU on CUDA (weights, activations, KV cache), its KV cache on
+    # CPU; `kava-ray plan` counts them
+    vllm_gpu_memory_utilization: float = Field(0.8, gt=0, lt=1)
+    vllm_kv_cache_mb: int = Field(256, ge=16)
 
     @field_validator("label_selector")
     @classmethod

@@ -215,6 +215,16 @@ def _other_vocab(geom: KVGeometry, s_geom: KVGeometry) -> bool:
     return abs(v - s) > 0.01 * max(v, s)
 
 
+def vllm_items(label: str, weights: int, share: float, kv_cache_bytes: int, on_gpu: bool,
+               gpu_mem_bytes: Optional[int]) -> dict[str, int]:
+    """A vLLM engine's bytes: on a GPU its share of the card (`gpu_memory_utilization`: vLLM takes
+    that share for its weights, activations and KV cache, whatever the model), else its weights and
+    its CPU KV cache (`kv_cache_memory_bytes`)."""
+    if on_gpu and gpu_mem_bytes:
+        return {f"{label} (gpu_memory_utilization {share:g} of the GPU)": int(share * gpu_mem_bytes)}
+    return {f"{label} weights": int(weights), f"{label} kv cache": int(kv_cache_bytes)}
+
+
 def _teacher_k(cfg: JobConfig, geom: KVGeometry, s_geom: KVGeometry) -> int:
     """The top-k a teacher serves: the job's (at most its vocabulary: `teacher_forward_kv` clamps
     it), or 0 for another vocabulary with loss.logit_cross_vocab off."""
@@ -402,8 +412,13 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
         if t.engine == "openai":  # behind a URL: nothing of it on this cluster
             continue
         on_gpu = t.num_gpus > 0
-        items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu,
-                              _teacher_k(cfg, t_infos[t.name].geometry, s.geometry))
+        if t.engine == "vllm":  # its engine's memory, as the job sets it
+            info = t_infos[t.name]
+            items = vllm_items(f"teacher:{t.name} vLLM", info.total * _dtype_bytes(t.dtype, on_gpu),
+                               t.vllm_gpu_memory_utilization, t.vllm_kv_cache_mb << 20, on_gpu, gpu_mem_bytes)
+        else:
+            items = teacher_items(t, t_infos[t.name], plans[t.name][2], cfg, on_gpu,
+                                  _teacher_k(cfg, t_infos[t.name].geometry, s.geometry))
         if not on_gpu:  # replicas on the CPU: N copies of every item
             cpu.update({(f"{k} x {t.replicas} replicas" if t.replicas > 1 else k): v * t.replicas
                         for k, v in items.items()})
@@ -420,6 +435,11 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
             label = f"{n:g} GPU" + ("s" if n != 1 else "")
             devices[f"teacher:{name} ({label})"] = _device(per_gpu, gpu_mem_bytes)
     s_items = student_items(cfg, s, plans, proj, student_gpu)
+    o = cfg.onpolicy
+    if o.fraction > 0 and o.source == "student" and o.engine == "vllm":  # the sampler colocated on each worker
+        compute = 4 if planned_policy(cfg.student.precision, student_gpu) == "fp32" else 2  # the forwards' dtype
+        s_items.update(vllm_items("vLLM sampler", s.total * compute, o.vllm_gpu_memory_utilization,
+                                  o.vllm_kv_cache_mb << 20, student_gpu, gpu_mem_bytes))
     share = cfg.ray.gpus_per_worker
     if not student_gpu:
         w = cfg.ray.num_workers
