@@ -30,10 +30,10 @@ def fsdp_job(tmp_path_factory, tiny_qwen2_dir, tiny_student_dir):
                      ray={"num_workers": 2, "use_gpu": False})
 
 
-def _run(job, strategy: str, name: str, resume=None):
+def _run(job, strategy: str, name: str, resume=None, extra=()):
     from kava_ray.recipes.train import run_training
 
-    cfg = load_config(job, [f"ray.strategy={strategy}"])
+    cfg = load_config(job, [f"ray.strategy={strategy}", *extra])
     out = run_training(cfg, name=name, resume=resume, progress=False)
     return Path(out["run_dir"])
 
@@ -135,16 +135,38 @@ def test_eval_of_a_sharded_checkpoint_is_one_line(runs, capsys):
     assert len(err) == 1 and "FSDP2 shards" in err[0] and "final/" in err[0], err
 
 
-def test_a_sharded_checkpoint_continues_only_sharded_and_fsdp_refuses_student_sampling(runs, fsdp_job):
-    """Shards into DDP (or a whole checkpoint into FSDP2) is one line naming the strategy; FSDP2 with the student
-    sampling on-policy is refused at config (each rank's generate would gather layers a different number of times)."""
+def test_a_sharded_checkpoint_continues_only_sharded(runs, fsdp_job):
+    """Shards into DDP (or a whole checkpoint into FSDP2) is one line naming the strategy."""
     from kava_ray.common.errors import KavaError
     from kava_ray.core.checkpoint import check_compatible
 
     with pytest.raises(KavaError, match="holds FSDP2 shards: continue it with ray.strategy=fsdp"):
         check_compatible(runs["step4"], load_config(fsdp_job))
-    with pytest.raises(KavaError, match="ray.strategy.: fsdp cannot sample from the sharded student"):
-        load_config(fsdp_job, ["ray.strategy=fsdp", "onpolicy.fraction=1"])
+
+
+ON = ["onpolicy.fraction=1", "onpolicy.max_new_tokens=8", "train.steps=4", "train.save_steps=2"]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_on_policy_samples_from_the_sharded_student_and_resumes_exactly(tiny_pool, fsdp_job, lag):
+    """On-policy under FSDP2 (`rollout.student_weights`): every rank gathers the sharded student whole into its
+    sampler's copy each round and samples its own rows; the run trains on the samples (its CE is off on them), and
+    from its sharded step-2 checkpoint -- at lag 1 with each rank's batch sampled ahead in flight -- steps 3-4 are
+    the uninterrupted curve, sampled tokens included."""
+    from kava_ray.core.checkpoint import find_checkpoint
+
+    extra = ON + [f"onpolicy.lag={lag}"]
+    full = _run(fsdp_job, "fsdp", f"onpolicy{lag}", extra=extra)
+    curve = train_steps(full)
+    assert sorted(curve) == [1, 2, 3, 4]
+    assert all(r["onpolicy/sampled_tokens"] > 0 for r in curve.values()), curve
+    step2 = next(c for c in full.glob("checkpoint_*") if '"step": 2' in (c / "state.json").read_text())
+    assert (step2 / "sharded").is_dir() and find_checkpoint(full, for_resume=True) != step2
+    resumed = train_steps(_run(fsdp_job, "fsdp", f"onpolicy{lag}-resumed", resume=str(step2), extra=extra))
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for k in ("loss", "logit_kl", "kv_loss", "onpolicy/sampled_tokens"):
+            assert resumed[step][k] == curve[step][k], (step, k)
 
 
 ACCUM = 3

@@ -452,3 +452,19 @@ def test_the_planner_counts_the_vllm_engines_at_the_shares_the_job_sets():
                                         "teachers.0.quantization=none", *sampler]))["devices"]["cpu"]["items"]
     assert cpu["teacher:smollm2-fp32 vLLM kv cache"] == 256 << 20 and cpu["vLLM sampler kv cache"] == 256 << 20
     assert cpu["teacher:smollm2-fp32 vLLM weights"] > 100e6 * 4 and cpu["vLLM sampler weights"] > 0
+
+
+def test_an_fsdp_student_sampling_with_hf_holds_a_whole_copy_in_the_forwards_dtype():
+    """On-policy from an FSDP2 student samples from a whole copy of it (`rollout.student_weights.whole_copy`, bf16
+    under bf16-mixed) that each worker holds beside its 1/n shard; the 7B preset still fits 80 GB with it.
+    Off-policy, or under DDP, there is none."""
+    from kava_ray.runtime.planner import model_info
+
+    key = "whole student to sample from (FSDP2: gathered each round, forwards' dtype)"
+    on = plan(load_config("qwen_7b_student", ["onpolicy.fraction=0.5"]), 80 * GiB)
+    worker = on["devices"]["student worker"]
+    assert worker["items"][key] == model_info(load_config("qwen_7b_student").student.model).total * 2
+    assert worker["fits"], format_plan(on)
+    ddp = ["ray.strategy=ddp", "ray.fsdp_reduce=step", "onpolicy.fraction=0.5"]
+    for other in ([], ddp):
+        assert key not in plan(load_config("qwen_7b_student", other), 80 * GiB)["devices"]["student worker"]["items"]

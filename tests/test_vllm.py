@@ -195,14 +195,16 @@ def test_a_run_samples_with_vllm_and_resumes_exactly_at_lag_1(vjob, tmp_path):
 
 def test_ray_train_samples_with_vllm_beside_two_teachers_of_different_tokenizers(ray_session, vjob, vsmol_dir,
                                                                                    capfd):
-    """`kava-ray train` with `onpolicy.engine: vllm`: the Train worker holds the engine; both teacher actors (the
+    """`kava-ray train` with `onpolicy.engine: vllm` and the student sharded over two workers (FSDP2): each Train
+    worker holds an engine and pushes the student's gathered weights into it every round; both teacher actors (the
     student's tokenizer and SmolLM2's, the latter on vLLM: `teachers[].engine`, a logits-only job) score its samples
-    every step; the run ends cleanly (the engine closed after the loop) with its final student saved."""
+    every step; the run ends cleanly (the engines closed after the loop) with its final student saved."""
     from jobs import read_jsonl
     from kava_ray.recipes.train import run_training
 
     cfg = load_config(vjob, ON + ["train.steps=2", "train.save_steps=2", "train.eval_steps=2", "loss.kv_weight=0",
-                                  f"teachers.1.model={vsmol_dir}", "teachers.1.engine=vllm"])
+                                  f"teachers.1.model={vsmol_dir}", "teachers.1.engine=vllm", "ray.num_workers=2",
+                                  "ray.strategy=fsdp"])
     capfd.readouterr()
     out = run_training(cfg, name="vllm", progress=False)
     assert ("on-policy: fraction 1 of the batches completed by the student through vLLM (up to 12 new tokens, "
@@ -240,3 +242,4 @@ def test_the_students_engine_computes_in_the_forwards_dtype_not_the_master_weigh
                 assert gap < 2e-2, gap
         finally:
             gen.close()
+

@@ -532,10 +532,6 @@ class JobConfig(_Section):
             if self.align.projector.kind == "fit":
                 raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "
                                  "are fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
-            if o.fraction > 0 and o.source == "student":
-                raise ValueError("ray.strategy: fsdp cannot sample from the sharded student (each rank's generate "
-                                 "would gather layers a different number of times); use ray.strategy: ddp for "
-                                 "on-policy distillation, or onpolicy.source: teacher")
         if o.engine == "vllm" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("onpolicy.engine: vllm samples the student's completions, and this job samples none "
                              f"(onpolicy.fraction {o.fraction}, onpolicy.source {o.source}): set onpolicy.engine=hf")

@@ -15,11 +15,13 @@ import time
 from typing import Callable, Optional, Protocol
 
 import ray
+import torch
 
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
 from kava_ray.core.plans import check_writer, onpolicy_writer
 from kava_ray.core.sampling import Samples, sample
+from kava_ray.rollout.student_weights import GatheredWeights, load, weights_of, whole_copy
 
 
 class CompletionEngine(Protocol):
@@ -35,14 +37,21 @@ class CompletionEngine(Protocol):
 
 
 class HFGenerate:
-    """The student samples on this worker with its current weights (`core.sampling.sample`)."""
+    """The student samples on this worker with its current weights (`core.sampling.sample`).
+    gathered: the weights of an FSDP2-sharded student (`rollout.student_weights.GatheredWeights`),
+    loaded into `model`, its whole copy, before each round."""
 
     writer = "student"
 
-    def __init__(self, model, eos_id: Optional[int], pad_id: int, autocast=None):
-        self.model, self.eos, self.pad_id, self.autocast = model, [eos_id], pad_id, autocast
+    def __init__(self, model, eos_id: Optional[int], pad_id: int, autocast=None, gathered=None):
+        self.model, self.eos, self.pad_id, self.autocast, self.gathered = model, [eos_id], pad_id, autocast, gathered
+        self.push_s = 0.0
 
     def complete(self, prompts, max_new_tokens, temperature, top_p, seed) -> Samples:
+        if self.gathered is not None:
+            t0 = time.perf_counter()
+            load(self.model, self.gathered.named())
+            self.push_s += time.perf_counter() - t0
         return sample(self.model, prompts, max_new_tokens, temperature, top_p, eos_ids=self.eos, pad_id=self.pad_id,
                       seed=seed, autocast=self.autocast)
 
@@ -57,19 +66,17 @@ class VLLMGenerate:
     writer = "student"
 
     def __init__(self, model, eos_id: Optional[int], engine):
-        self.model, self.eos, self.engine = model, [eos_id], engine
+        self.weights, self.eos, self.engine = weights_of(model), [eos_id], engine
         self._pushed: Optional[int] = None
         self.push_s = 0.0
 
-    def _version(self) -> int:
-        return sum(p._version for p in self.model.parameters())
-
     def sync(self) -> None:
-        """Push the student's weights into the engine if they changed since the last push."""
-        v = self._version()
-        if v != self._pushed:
+        """Push the student's weights into the engine if they changed since the last push (a
+        sharded student's: every round, gathered one tensor at a time)."""
+        v = self.weights.version()
+        if v is None or v != self._pushed:
             t0 = time.perf_counter()
-            self.engine.push(self.model.state_dict().items())
+            self.engine.push(self.weights.named())
             self.push_s += time.perf_counter() - t0
             self._pushed = v
 
@@ -115,7 +122,13 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
                                           seed=cfg.train.seed, kv_cache_bytes=o.vllm_kv_cache_mb << 20,
                                           gpu_memory_utilization=o.vllm_gpu_memory_utilization, sleep_mode=True)
             return VLLMGenerate(student, eos_id, engine)
-        return HFGenerate(student, eos_id, pad_id, None if precision is None else precision.autocast)
+        autocast = None if precision is None else precision.autocast
+        weights = weights_of(student)
+        if isinstance(weights, GatheredWeights):  # FSDP2: a whole copy in the forwards' dtype, loaded each round
+            dtype = torch.float32 if precision is None else precision.compute_dtype
+            device = next(student.parameters()).device
+            return HFGenerate(whole_copy(student, dtype, device), eos_id, pad_id, autocast, gathered=weights)
+        return HFGenerate(student, eos_id, pad_id, autocast)
     name = onpolicy_writer(cfg.onpolicy, cfg.teachers)
     check_writer(cfg.onpolicy, cfg.teachers,
                  not plans[name].aligned)  # (the driver's preflight refused it already where it could tell)

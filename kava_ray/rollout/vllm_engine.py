@@ -141,9 +141,10 @@ class VLLMEngine:
     @torch.no_grad()
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load these weights (Hugging Face names and layouts: `model.state_dict().items()`) into
-        the engine's model, in place, and drop its prefix cache."""
+        the engine's model, in place, and drop its prefix cache. Read one pair at a time: a sharded
+        student's tensors are gathered as the engine asks for them."""
         self._wake()
-        weights = [(n, t.detach()) for n, t in named]
+        weights = ((n, t.detach()) for n, t in named)
         self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
         self.pushes += 1

@@ -436,10 +436,12 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
             devices[f"teacher:{name} ({label})"] = _device(per_gpu, gpu_mem_bytes)
     s_items = student_items(cfg, s, plans, proj, student_gpu)
     o = cfg.onpolicy
+    compute = 4 if planned_policy(cfg.student.precision, student_gpu) == "fp32" else 2  # the forwards' dtype
     if o.fraction > 0 and o.source == "student" and o.engine == "vllm":  # the sampler colocated on each worker
-        compute = 4 if planned_policy(cfg.student.precision, student_gpu) == "fp32" else 2  # the forwards' dtype
         s_items.update(vllm_items("vLLM sampler", s.total * compute, o.vllm_gpu_memory_utilization,
                                   o.vllm_kv_cache_mb << 20, student_gpu, gpu_mem_bytes))
+    elif o.fraction > 0 and o.source == "student" and cfg.ray.sharded:  # `rollout.student_weights.whole_copy`
+        s_items["whole student to sample from (FSDP2: gathered each round, forwards' dtype)"] = s.total * compute
     share = cfg.ray.gpus_per_worker
     if not student_gpu:
         w = cfg.ray.num_workers
