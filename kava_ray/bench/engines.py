@@ -7,6 +7,11 @@ Face `generate` against a vLLM engine) and a logits-only teacher's scored positi
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -65,3 +70,34 @@ def sampling_rates(model_dir: Path, batch: int, prompt: int, new_tokens: int, dt
     finally:
         engine.close()
     return out | {"batch": batch, "prompt": prompt, "new_tokens": new_tokens}
+
+
+def serve_openai(model_dir: str, dtype: str, max_model_len: int, max_logprobs: int, max_num_seqs: int, log,
+                 gpu_memory_utilization: float = 0.3, ready_s: float = 600) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI-compatible server over `model_dir` on a free port of 127.0.0.1 (`python -m
+    vllm.entrypoints.openai.api_server`: the `vllm` CLI does not start under the CPU build), its
+    output in `log`; (the process, its URL) once `/v1/models` answers."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--max-logprobs", str(max_logprobs), "--max-num-seqs", str(max_num_seqs)]
+    cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)] if torch.cuda.is_available() else \
+        ["--enforce-eager"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    while time.time() - t0 < ready_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode} (its output: {log})")
+        try:
+            if requests.get(url + "/v1/models", timeout=2).ok:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"the vLLM server did not answer within {ready_s:.0f} s (its output: {log})")

@@ -22,8 +22,9 @@ from typing import Callable, Optional
 import torch
 import transformers
 
+from kava_ray.bench.gpu_students import url_teacher_section, vllm_student_section
 from kava_ray.bench.step_setup import random_batch, sync_device, timed_mean
-from kava_ray.common.config import JobConfig, load_config, validate_config
+from kava_ray.common.config import JobConfig, derive, load_config, validate_config
 from kava_ray.common.errors import KavaError
 from kava_ray.common.files import atomic_write, format_table, write_json
 from kava_ray.core.known_models import KNOWN
@@ -33,13 +34,15 @@ from kava_ray.core.plans import student_geometry, teacher_logits_top_k
 from kava_ray.data import Batch
 from kava_ray.recipes.distill import DistillRecipe
 from kava_ray.recipes.fit_maps import fit_on
+from kava_ray.rollout.vllm_engine import vllm_available
 from kava_ray.runtime.planner import plan
 from kava_ray.testing.inprocess_source import in_process_plans
 from kava_ray.testing.tiny import build_tiny_model
 
 GIB = 1024 ** 3
 SECTIONS = ("device", "correctness", "precision", "memory", "fits_8gb", "speed", "wire", "chunked_loss", "fsdp",
-            "engines")
+            "engines", "vllm_student", "lora", "url_teacher")
+LORA = {"student.lora.r": 16, "student.lora.target_modules": "all-linear"}  # the lora section's
 TOP_K = 64
 # toy geometries (a CPU run checks that every section works, not what it measures; the CUDA
 # correctness check uses them too); the real ones come from `known_models.QWEN25`
@@ -519,6 +522,36 @@ def engines_section(models: Models, device, sz: dict) -> dict:
             "scoring": scoring_rates(d, 8, 1024, TOP_K, dtype="bfloat16")}
 
 
+def _step_arm(cfg, device, steps: int) -> dict:
+    """One arm of `lora_section`: the student step's peak CUDA bytes over its start and s/step."""
+    from kava_ray.bench.gpu import _planned, _plans, cfg_vocab, recipe_of, teacher_kv, teacher_model, timed
+
+    data = random_batch(cfg.train.batch_size, cfg.train.max_length, cfg_vocab(cfg))
+    model = teacher_model(cfg, device)
+    plans = _plans(cfg, model)
+    kv = teacher_kv(cfg, plans, model, data, device)
+    model = None
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    recipe = recipe_of(cfg, plans, device, [(data, kv)])
+    step_s = timed(lambda: recipe.step(1, [(data, kv)]), steps, device)
+    sync_device(device)
+    peak = torch.cuda.max_memory_allocated(device) - start
+    recipe = None  # (freed before the next arm)
+    torch.cuda.empty_cache()
+    return {"step_s": step_s, "peak_gib": peak / GIB, "planned_gib": _planned(cfg)["student step (all)"] / GIB}
+
+
+def lora_section(base_cfg, device, steps: int = 3) -> dict:
+    """`student.lora` (r 16, every Linear but the head) against the full student of the same job: the step's peak
+    memory beside the plan and s/step, side by side in one process."""
+    full = _step_arm(base_cfg, device, steps)
+    lora = _step_arm(derive(base_cfg, LORA), device, steps)
+    return {"full": full, "lora": lora, "memory_ratio": lora["peak_gib"] / full["peak_gib"],
+            "time_ratio": lora["step_s"] / full["step_s"], "settings": LORA}
+
+
 def _section(fn: Callable, *args) -> dict:
     """One section's result; a section that fails is reported (its error's first line) and the
     others still run: on a machine nobody has tried, a partial table is worth more than a
@@ -574,6 +607,15 @@ def run_gpu_bench(out: Optional[str] = None, toy: Optional[bool] = None, steps: 
         record("chunked_loss", lambda: _section(chunked_loss_section, models, device, sz))
         record("fsdp", lambda: _section(fsdp_section, models, device, sz))
         record("engines", lambda: _section(engines_section, models, device, sz))
+        vllm = cuda and vllm_available()
+        no_vllm = no_cuda if not cuda else "vLLM is not installed here (pip install 'kava-ray[vllm]')"
+        record("vllm_student", lambda: _section(vllm_student_section, models.dir(sz["students"][0]), device) if vllm
+               else not_run(no_vllm + "; on a CPU: tests/test_vllm.py checks the engine's dtype"))
+        record("lora", lambda: _section(lora_section, job(models, sz["students"][-1], sz["teachers"][0], 4, 512,
+                                                          "qwen_multi"), device, steps) if real
+               else not_run(reason + " (torch.cuda.max_memory_allocated); on a CPU: kava-ray bench step --memory"))
+        record("url_teacher", lambda: _section(url_teacher_section, models.dir(sz["students"][0])) if vllm
+               else not_run(no_vllm + "; on a CPU: scripts/teacher_scoring_rates.py"))
     result["wall_s"] = time.time() - t0
     if path is not None:
         write_json(path / "bench_gpu.json", result)
@@ -639,5 +681,19 @@ def format_gpu(r: dict) -> str:
                          ", ".join(f"{x['peak_gib']:.2f}" for x in s["ranks"]) +
                          f" GiB vs {s['unsharded']['peak_gib']:.2f} unsharded; losses rel diff "
                          f"{s['max_loss_rel_diff']:.1e}")
+        elif name == "vllm_student":
+            lines.append(f"vllm_student: engine {s['engine_dtype']} (master {s['master_dtype']}), max |q - pi_S| "
+                         f"{s['max_abs_q_minus_pi_s']:.3g}; a level-2 sleep frees {s['sleep_frees_gib']:.2f} GiB; "
+                         f"same samples after it: {s['same_samples_after_sleep']}")
+        elif name == "lora":
+            f, lo = s["full"], s["lora"]
+            lines.append(f"lora (r 16, all-linear): peak {lo['peak_gib']:.2f} GiB (plan {lo['planned_gib']:.2f}) vs "
+                         f"full {f['peak_gib']:.2f} (plan {f['planned_gib']:.2f}) = {s['memory_ratio']:.2f}x; "
+                         f"{lo['step_s']:.3f} vs {f['step_s']:.3f} s/step = {s['time_ratio']:.2f}x")
+        elif name == "url_teacher":
+            p = s["positions_per_s"]
+            lines.append(f"url_teacher ({s['rows']} x {s['length']}, top-{s['k']}): {p['url']:,.0f} positions/s "
+                         f"through the server vs {p['in_process']:,.0f} in process ({s['ratio']:.2f}x); max |d "
+                         f"log-prob| {s['max_abs_logp_diff']:.2g}, same top-k ids: {s['same_topk_ids']}")
     lines.append(f"wall: {r['wall_s']:.0f} s")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ STUDENT = dict(family="qwen2", num_layers=6, hidden_size=384, num_heads=6, num_k
 TEACHER = dict(family="qwen2", num_layers=12, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1536,
                vocab_size=8192)
 PLAIN = "ce"
+LORA = ["student.lora.r=16", "student.lora.target_modules=all-linear"]  # (TRL's r, every Linear but the head)
 # variant -> overrides of the bench job (None: the plain fine-tuning step)
 VARIANTS: dict[str, Optional[list[str]]] = {
     PLAIN: None,
@@ -46,6 +47,7 @@ VARIANTS: dict[str, Optional[list[str]]] = {
     "ce+kv flat": ["align.mode=flat"],
     "ce+kv+logits": ["loss.logit_weight=1"],
     "ce+kv+logits cross-vocab": ["loss.logit_weight=1"],
+    "ce+kv+logits lora": ["loss.logit_weight=1", *LORA],
 }
 CROSS = "ce+kv+logits cross-vocab"  # its teacher has another vocabulary (CROSS_VOCAB x the student's)
 CROSS_VOCAB = 3
@@ -60,6 +62,7 @@ MEMORY_RECIPES: dict[str, list[str]] = {
     "ce+kv flat elastic": ["align.mode=flat"],
     "ce+kv flat linear": ["align.mode=flat", "align.projector.kind=linear"],
     "ce+kv+logits": ["loss.logit_weight=1"],
+    "ce+kv+logits lora": ["loss.logit_weight=1", *LORA],
 }
 
 

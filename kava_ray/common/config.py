@@ -116,8 +116,22 @@ class TeacherConfig(_Section):
 PRECISION_WEIGHT_DTYPE = {"auto": "float32", "fp32": "float32", "bf16-mixed": "float32", "bf16-sr": "bfloat16"}
 
 
+class LoraSpec(_Section):
+    """`student.lora`: train low-rank adapters on a frozen student (PEFT; `kava_ray/core/lora.py`).
+    Defaults: TRL's `--use_peft` (r 16, alpha 32, dropout 0.05, PEFT's target modules for the
+    architecture: q_proj and v_proj for Qwen2 and Llama; "all-linear" for every Linear but the
+    head)."""
+
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: Optional[Union[list[str], Literal["all-linear"]]] = None
+    quantize_base: Literal["none", "4bit"] = "none"  # 4bit: QLoRA (bitsandbytes NF4, double quantisation)
+
+
 class StudentConfig(_Section):
     model: str = Field(min_length=1)
+    lora: Optional[LoraSpec] = None  # train adapters on the frozen student (LoRA; QLoRA with quantize_base 4bit)
     # auto: bf16-mixed on a CUDA GPU with bf16, fp32 elsewhere | fp32 | bf16-mixed (fp32 master weights, bf16
     # autocast) | bf16-sr (bf16 weights, torchao AdamW with stochastic rounding); see kava_ray/core/precision.py
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-sr"] = "auto"
@@ -532,6 +546,7 @@ class JobConfig(_Section):
             if self.align.projector.kind == "fit":
                 raise ValueError("ray.strategy: fsdp shards the student-side maps of align.projector.kind fit, which "
                                  "are fitted on rank 0 and broadcast; use ray.strategy: ddp or another projector kind")
+        self._check_lora()
         if o.engine == "vllm" and (o.fraction == 0 or o.source != "student"):
             raise ValueError("onpolicy.engine: vllm samples the student's completions, and this job samples none "
                              f"(onpolicy.fraction {o.fraction}, onpolicy.source {o.source}): set onpolicy.engine=hf")
@@ -560,6 +575,20 @@ class JobConfig(_Section):
                              f"its expected gradient is off (2-11 % of its norm at 0.7, 4-22 % at 0.5, by exact "
                              f"enumeration): set onpolicy.temperature=1 with loss.logit_divergence reverse_kl_sampled")
         return self
+
+    def _check_lora(self) -> None:
+        lora = self.student.lora
+        if lora is None:
+            return
+        if self.student.keep_layers:
+            raise ValueError("student.lora: its adapters train on the student as it loads, and student.keep_layers "
+                             "builds a smaller model whose every weight should train; use one or the other")
+        if lora.quantize_base == "4bit" and self.ray.sharded:
+            raise ValueError("student.lora.quantize_base: 4bit (QLoRA) keeps the base in bitsandbytes' 4-bit "
+                             "weights, which FSDP2 does not shard: use ray.strategy: ddp, or quantize_base: none")
+        if lora.quantize_base == "4bit" and self.onpolicy.engine == "vllm":
+            raise ValueError("student.lora.quantize_base: 4bit (QLoRA): the vLLM sampler takes the merged "
+                             "weights, and a 4-bit base has none to merge into; use onpolicy.engine: hf")
 
     def _check_logits_only_teachers(self) -> None:
         """A teacher on vLLM or behind a URL serves log-probs only: the job may ask it (and so, the

@@ -29,6 +29,7 @@ from kava_ray.common.files import atomic_dir, first_line, write_json
 from kava_ray.common.metrics_file import METRICS
 from kava_ray.common.run_lock import LOCK, describe_holder, holder
 from kava_ray.core import fsdp
+from kava_ray.core.lora import ADAPTER_CONFIG, has_lora, is_adapter_dir, save_adapter, save_final
 from kava_ray.core.plans import copied_from_teacher
 
 STATE = "state.json"
@@ -86,6 +87,11 @@ def _save(path: Path, distiller, tokenizer, optimizer, scheduler, step, data_sta
             return path
         if sharded:  # the student's config and tokenizer; its weights are in the shards
             distiller.student.config.save_pretrained(tmp / "student")
+        elif has_lora(distiller.student):  # `core.lora`: the adapter; final/ adds the merged model
+            if optimizer is None:
+                save_final(tmp, distiller.student, parts["student"])
+            else:
+                save_adapter(tmp / "student", distiller.student, parts["student"])
         else:
             distiller.student.save_pretrained(tmp / "student", safe_serialization=True, state_dict=parts["student"])
         if tokenizer is not None:
@@ -264,8 +270,9 @@ def check_files(ckpt) -> None:
     """A readable state.json and the files loading a checkpoint reads (the student, projectors, fusion)."""
     ckpt = Path(ckpt)
     read_state(ckpt)
-    needed = ("student/config.json", f"{fsdp.SHARDED}/.metadata") if is_sharded_checkpoint(ckpt) else \
-        ("student/config.json", "projectors.safetensors", "fusion.safetensors")
+    student = "student/" + (ADAPTER_CONFIG if is_adapter_dir(ckpt / "student") else "config.json")  # LoRA: the adapter
+    needed = (student, f"{fsdp.SHARDED}/.metadata") if is_sharded_checkpoint(ckpt) else \
+        (student, "projectors.safetensors", "fusion.safetensors")
     for rel in needed:
         if not (ckpt / rel).is_file():
             raise KavaError(f"checkpoint {ckpt}: {rel} is missing (an incomplete checkpoint)")

@@ -381,11 +381,11 @@ def copied_from(config) -> Optional[dict]:
     return prov if isinstance(prov, dict) and "model" in prov and "layers" in prov else None
 
 
-def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None):
-    """The trainable student: full-precision weights in `dtype`, optionally layer-dropped, in train
-    mode. A layer-dropped student records its source layers (`copied_from`), so a copy saved from it
-    still maps them."""
-    model = load_model(spec, dtype=dtype)
+def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False, device=None, quantization="none"):
+    """The trainable student: full-precision weights in `dtype` (quantization "4bit": a QLoRA base),
+    optionally layer-dropped, in train mode. A layer-dropped student records its source layers
+    (`copied_from`), so a copy saved from it still maps them."""
+    model = load_model(spec, dtype=dtype, quantization=quantization)
     if keep:
         prev = copied_from(model.config)
         keep_layers(model, keep)
@@ -397,3 +397,28 @@ def load_student(spec, *, dtype="auto", keep=None, gradient_checkpointing=False,
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def plain_config(model: torch.nn.Module):
+    """`model`'s config as a plain (unquantised) model's: a QLoRA student's merged copy."""
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    return model.config.__class__.from_dict(cfg)
+
+
+def whole_copy(model: torch.nn.Module, dtype: torch.dtype, device, config=None) -> torch.nn.Module:
+    """An unsharded model of `model`'s class and config (or `config`) in `dtype` on `device`, its
+    weights left uninitialised (`load_named` fills them), frozen, in eval mode."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        copy = type(model)(config or model.config)
+    return copy.to(device=device, dtype=dtype).requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def load_named(model: torch.nn.Module, named) -> None:
+    """Copy (name, tensor) pairs into `model`'s state in place (tied weights: the same tensor twice)."""
+    own = model.state_dict()
+    for n, t in named:
+        own[n].copy_(t)

@@ -43,15 +43,17 @@ from kava_ray.core.checkpoint import (
 )
 from kava_ray.core.distiller import Distiller, build_optimizer, build_scheduler
 from kava_ray.core.metric_names import EVAL_TASKS_S, EVALS, GRAD_KV_RATIO, GRAD_KV_SHARE, summed
-from kava_ray.core.models import kv_geometry, load_student, load_tokenizer
+from kava_ray.core.models import kv_geometry, load_tokenizer
 from kava_ray.core.plans import plans_from_payload, teacher_tokenizers, vocab_maps
 from kava_ray.core.precision import student_precision
+from kava_ray.core.student import job_student
 from kava_ray.data.splits import load_splits, load_test_split
 from kava_ray.data.tasks import resolve_tasks
 from kava_ray.recipes.build import build_distiller
 from kava_ray.recipes.evaluate import evaluate_heldout
 from kava_ray.recipes.fit_maps import fit_maps
 from kava_ray.recipes.harness import run_tasks, task_metrics
+from kava_ray.recipes.rank_wait import rank_zero_wait
 from kava_ray.recipes.step_records import evals_through, step_kind
 from kava_ray.recipes.steps import NonFinite, run_steps
 
@@ -125,9 +127,8 @@ class DistillRecipe:
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
         whole = state is not None and not is_sharded_checkpoint(checkpoint_dir)  # else FSDP2 shards, loaded below
-        student = load_student(str(Path(checkpoint_dir) / "student") if whole else cfg.student.model,
-                               dtype=self.precision.weight_dtype, keep=None if whole else cfg.student.keep_layers,
-                               gradient_checkpointing=cfg.student.gradient_checkpointing)
+        student = job_student(cfg.student, self.precision.weight_dtype,
+                              saved=str(Path(checkpoint_dir) / "student") if whole else None)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         # sharded: the job's (the projector kind's one rule, `projectors.job_kind`), also in one process
         self.distiller = build_distiller(student, self.plans, kv_geometry(student), cfg, maps,
@@ -297,8 +298,7 @@ class DistillRecipe:
     def evaluate(self, source) -> dict[str, float]:
         """`eval/*` on the validation split: what checkpoint selection and Tune read; with
         `train.eval_tasks`, rank 0 runs those harness tasks on the student too
-        (`eval/task/<task>/<metric>`; the other ranks wait at the step's next collective, as for the
-        held-out pass)."""
+        (`eval/task/<task>/<metric>`; the other ranks wait for it: `recipes.rank_wait`)."""
         out = evaluate_heldout(self.distiller, source, self.plans, self.val, self.cfg, self.device, torch.float32,
                                autocast=self.autocast)
         t = self.cfg.train
@@ -417,7 +417,10 @@ def train_loop_per_worker(config: dict) -> None:
     data = recipe.data(source, flag=run_dir / SAMPLING if rank == 0 else None, state=data_state)
     with contextlib.closing(data):  # a colocated engine (vLLM) is shut down after the loop's last collective
         evaluates = rank == 0 or recipe.sharded  # FSDP2: every rank runs the sharded forwards, rank 0 logs
+        wait = rank_zero_wait(cfg.train.eval_tasks, world)  # the other ranks, while rank 0 runs the harness tasks
         log, last_eval = open_run(recipe, source, run_dir, state, evaluates)  # last_eval: in every report (Tune's)
+        if recipe.start_step == 0:
+            wait()
         evals = evals_through(recipe.start_step, cfg.train)  # a Tune scheduler's clock, counted on from a resumed step
         steps = run_steps(recipe, data, cfg.train.steps, lambda s: step_kind(s, cfg.train),
                           grad_share=cfg.loss.kv_weight > 0)
@@ -429,6 +432,8 @@ def train_loop_per_worker(config: dict) -> None:
                 evals += kind.eval
                 if kind.eval and evaluates:
                     last_eval = recipe.evaluate(source)
+                if kind.eval:
+                    wait()
                 if rank == 0:
                     log.write(record)
                     if kind.eval:

@@ -19,9 +19,10 @@ import torch
 
 from kava_ray.common.config import JobConfig
 from kava_ray.common.errors import KavaError
+from kava_ray.core.models import load_named, plain_config, whole_copy
 from kava_ray.core.plans import check_writer, onpolicy_writer
 from kava_ray.core.sampling import Samples, sample
-from kava_ray.rollout.student_weights import GatheredWeights, load, weights_of, whole_copy
+from kava_ray.rollout.student_weights import GatheredWeights, weights_of
 
 
 class CompletionEngine(Protocol):
@@ -50,7 +51,7 @@ class HFGenerate:
     def complete(self, prompts, max_new_tokens, temperature, top_p, seed) -> Samples:
         if self.gathered is not None:
             t0 = time.perf_counter()
-            load(self.model, self.gathered.named())
+            load_named(self.model, self.gathered.named())
             self.push_s += time.perf_counter() - t0
         return sample(self.model, prompts, max_new_tokens, temperature, top_p, eos_ids=self.eos, pad_id=self.pad_id,
                       seed=seed, autocast=self.autocast)
@@ -74,7 +75,7 @@ class VLLMGenerate:
         """Push the student's weights into the engine if they changed since the last push (a
         sharded student's: every round, gathered one tensor at a time)."""
         v = self.weights.version()
-        if v is None or v != self._pushed:
+        if v is None or v != self._pushed or self.engine.needs_push:  # (a level-2 sleep dropped them)
             t0 = time.perf_counter()
             self.engine.push(self.weights.named())
             self.push_s += time.perf_counter() - t0
@@ -127,7 +128,8 @@ def engine_for(cfg: JobConfig, plans: dict, kv_source, student, eos_id: Optional
         if isinstance(weights, GatheredWeights):  # FSDP2: a whole copy in the forwards' dtype, loaded each round
             dtype = torch.float32 if precision is None else precision.compute_dtype
             device = next(student.parameters()).device
-            return HFGenerate(whole_copy(student, dtype, device), eos_id, pad_id, autocast, gathered=weights)
+            return HFGenerate(whole_copy(student, dtype, device, plain_config(student)), eos_id, pad_id, autocast,
+                              gathered=weights)
         return HFGenerate(student, eos_id, pad_id, autocast)
     name = onpolicy_writer(cfg.onpolicy, cfg.teachers)
     check_writer(cfg.onpolicy, cfg.teachers,

@@ -6,7 +6,7 @@ counters). `GatheredWeights`: FSDP2 shards the student over the workers (`ray.st
 each tensor is gathered whole (`DTensor.full_tensor`, an all-gather) one at a time, so no rank ever
 holds two whole copies of the student beside its sampler's. Every rank gathers on every sampling
 round: the ranks sample the same batches (the on-policy draw is per batch key), so their
-all-gathers pair up. A sharded student samples from `whole_copy`, an unsharded model of the same
+all-gathers pair up. A sharded student samples from `core.models.whole_copy`, an unsharded model of the same
 class and config in the forwards' dtype, loaded from the gathered tensors each round (TRL
 gathers ZeRO-3 parameters for generation the same way, `unwrap_model_for_generation`); a vLLM
 sampler takes them straight into its engine.
@@ -19,20 +19,27 @@ from typing import Iterator, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from kava_ray.core.lora import has_lora, merged, scalings
+
 
 class LocalWeights:
-    """The weights of a student this worker holds whole."""
+    """The weights of a student this worker holds whole, under its plain model's names (a LoRA
+    student's merged: `core.lora.merged`)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.scale = scalings(model) if has_lora(model) else None
 
     def version(self) -> Optional[int]:
         """Changes whenever an in-place update (an optimizer step) touched a parameter."""
         return sum(p._version for p in self.model.parameters())
 
-    def named(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for n, t in self.model.state_dict().items():
-            yield n, t if dtype is None or not t.is_floating_point() else t.to(dtype)
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.state_dict().items()
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        pairs = self._tensors()
+        yield from pairs if self.scale is None else merged(pairs, self.scale)
 
 
 class GatheredWeights(LocalWeights):
@@ -42,31 +49,12 @@ class GatheredWeights(LocalWeights):
     def version(self) -> Optional[int]:
         return None  # unknown without a collective: every round gathers
 
-    def named(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, t in self.model.state_dict().items():
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
-            yield n, whole if dtype is None or not whole.is_floating_point() else whole.to(dtype)
+            yield n, t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def weights_of(model: torch.nn.Module) -> LocalWeights:
     """`GatheredWeights` where any parameter is an FSDP2 shard, else `LocalWeights`."""
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     return GatheredWeights(model) if sharded else LocalWeights(model)
-
-
-def whole_copy(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
-    """An unsharded model of `model`'s class and config in `dtype` on `device`, its weights left
-    uninitialised (`load` fills them), frozen, in eval mode: what a sharded student samples from."""
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        copy = type(model)(model.config)
-    return copy.to(device=device, dtype=dtype).requires_grad_(False).eval()
-
-
-@torch.no_grad()
-def load(model: torch.nn.Module, named) -> None:
-    """Copy (name, tensor) pairs into `model`'s state in place (tied weights: the same tensor twice)."""
-    own = model.state_dict()
-    for n, t in named:
-        own[n].copy_(t)

@@ -34,6 +34,7 @@ from typing import Iterable, Optional
 import torch
 
 from kava_ray.common.errors import KavaError
+from kava_ray.core.models import plain_config
 from kava_ray.core.sampling import Samples
 
 INSTALL = ("vLLM is not installed here (a CUDA machine: pip install 'kava-ray[vllm]'; a CPU one: its CPU build, "
@@ -65,6 +66,31 @@ def engine_dtype(model_dtype: torch.dtype) -> str:
                                                                                                    "float32")
 
 
+def tensor_parallel_size(teacher) -> int:
+    """A vLLM teacher's tensor-parallel size: its `num_gpus` (a whole number; 1 below 2)."""
+    return int(teacher.num_gpus) if teacher.num_gpus >= 2 else 1
+
+
+def check_tensor_parallel(teacher, heads: Optional[int] = None, kv_heads: Optional[int] = None) -> None:
+    """One line for a vLLM teacher whose `num_gpus` cannot be its tensor-parallel size: not a whole
+    number, a model kava-ray converts itself (a GGUF, `pypi://`: its weights are pushed into one
+    in-process worker), or attention heads it does not divide."""
+    n = teacher.num_gpus
+    if n <= 1:
+        return
+    where = f"teachers[{teacher.name}]: engine vllm shards the teacher over its num_gpus ({n:g}, tensor parallelism)"
+    if n != int(n):
+        raise KavaError(f"{where}, which must then be a whole number of GPUs")
+    spec = str(teacher.model)
+    if spec.startswith("pypi://") or spec.endswith(".gguf"):
+        raise KavaError(f"{where}; a {spec.split(':')[0] if spec.startswith('pypi://') else 'GGUF'} model is "
+                        f"converted and pushed into one worker: use num_gpus 1, or a Hugging Face directory")
+    if heads and heads % int(n):
+        raise KavaError(f"{where}, which must divide its {heads} attention heads")
+    if kv_heads and kv_heads % int(n) and int(n) % kv_heads:  # (fewer: vLLM replicates them)
+        raise KavaError(f"{where}, which must divide its {kv_heads} key/value heads or be a multiple of them")
+
+
 class VLLMEngine:
     """One in-process vLLM engine over a Hugging Face model directory (config.json; weights unless
     `dummy`: then random until the first `push`).
@@ -76,7 +102,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 512, max_num_seqs: int = 64,
                  max_logprobs: int = 0, seed: int = 0, dummy: bool = False, kv_cache_bytes: int = 256 << 20,
-                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False):
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, tensor_parallel_size: int = 1):
         require_vllm("vLLM engine")
         _environment()
         from vllm import LLM
@@ -85,9 +111,9 @@ class VLLMEngine:
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {"kv_cache_memory_bytes":
                                                                                  int(kv_cache_bytes)}
         # sleep mode (CUDA; TRL colocate's vllm_enable_sleep_mode): between rounds the engine gives
-        # its GPU memory back to the step (`sleep`), its weights kept on the host and its KV cache
-        # dropped; on CPU there is nothing to free
-        self.sleep_mode, self.asleep = bool(sleep_mode and cuda), False
+        # its GPU memory back to the step (`sleep`, level 2: weights and KV cache dropped, nothing
+        # copied to the host); `asleep`: what is still asleep
+        self.sleep_mode, self.asleep = bool(sleep_mode and cuda), set()
         if self.sleep_mode:
             memory["enable_sleep_mode"] = True
         self.max_model_len, self.max_logprobs = int(max_model_len), max(int(max_logprobs), 0)
@@ -98,7 +124,8 @@ class VLLMEngine:
                            max_num_seqs=int(max_num_seqs), max_logprobs=self.max_logprobs, seed=int(seed),
                            logprobs_mode="processed_logprobs", generation_config="vllm", skip_tokenizer_init=True,
                            enable_prefix_caching=False, enforce_eager=not cuda,
-                           load_format="dummy" if dummy else "auto", **memory)
+                           load_format="dummy" if dummy else "auto", tensor_parallel_size=int(tensor_parallel_size),
+                           **({"distributed_executor_backend": "mp"} if tensor_parallel_size > 1 else {}), **memory)
         torch.set_num_threads = set_threads
         if preload is None:
             os.environ.pop("LD_PRELOAD", None)
@@ -112,9 +139,7 @@ class VLLMEngine:
         layers): its config written to a temp dir, the weights random until the first
         `push(model)`."""
         with tempfile.TemporaryDirectory(prefix="kava-vllm-") as d:
-            cfg = model.config.to_dict()
-            cfg.pop("quantization_config", None)
-            model.config.__class__.from_dict(cfg).save_pretrained(d)
+            plain_config(model).save_pretrained(d)
             dtype = kw.pop("dtype", None) or engine_dtype(next(model.parameters()).dtype)
             return cls(d, dtype=dtype, dummy=True, **kw)
 
@@ -127,23 +152,33 @@ class VLLMEngine:
         return getattr(worker, "worker", worker).model_runner
 
     def sleep(self) -> None:
-        """Sleep mode (CUDA): free the engine's GPU memory until its next call (level 1: weights to
-        the host, the KV cache dropped); a no-op without it."""
+        """Sleep mode (CUDA): free the engine's GPU memory until its next call. Level 2, as TRL's
+        colocate mode: the weights are dropped, not copied to the host, as the next push rewrites
+        them (`needs_push` says one must come before the next round), and the KV cache too; a no-op
+        without sleep mode."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    @property
+    def needs_push(self) -> bool:
+        """Whether the engine's weights were dropped (level-2 sleep) since the last push."""
+        return "weights" in self.asleep
+
+    def _wake(self, *tags: str) -> None:
+        """Wake what `tags` names that is asleep: the weights alone before a push (its KV cache
+        stays freed while the weights load), everything before a round."""
+        tags = [t for t in (tags or ("weights", "kv_cache")) if t in self.asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
 
     @torch.no_grad()
     def push(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load these weights (Hugging Face names and layouts: `model.state_dict().items()`) into
         the engine's model, in place, and drop its prefix cache. Read one pair at a time: a sharded
         student's tensors are gathered as the engine asks for them."""
-        self._wake()
+        self._wake("weights")
         weights = ((n, t.detach()) for n, t in named)
         self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.llm.reset_prefix_cache()

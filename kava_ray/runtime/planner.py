@@ -130,6 +130,36 @@ def model_info(spec, keep_layers=None) -> ModelInfo:
     return ModelInfo(g, int(inter), g.num_attention_heads * g.head_dim, _meta_params(config))
 
 
+# the decoder layer's Linears, (in, out) from (hidden, q, kv, intermediate): what LoRA can target
+_LINEARS = {"q_proj": lambda h, q, kv, i: (h, q), "k_proj": lambda h, q, kv, i: (h, kv),
+            "v_proj": lambda h, q, kv, i: (h, kv), "o_proj": lambda h, q, kv, i: (q, h),
+            "gate_proj": lambda h, q, kv, i: (h, i), "up_proj": lambda h, q, kv, i: (h, i),
+            "down_proj": lambda h, q, kv, i: (i, h)}
+
+
+def _lora_shapes(lora, s: ModelInfo) -> list[tuple[int, int]]:
+    """(in, out) of each Linear LoRA targets in one decoder layer (target_modules None: PEFT's
+    defaults for the architecture, q_proj and v_proj for Qwen2 / Llama)."""
+    names = lora.target_modules
+    targets = list(_LINEARS) if names == "all-linear" else [n for n in (names or ("q_proj", "v_proj"))
+                                                            if n in _LINEARS]
+    g = s.geometry
+    return [_LINEARS[n](g.hidden_size, s.q_dim, g.kv_dim, s.intermediate) for n in targets]
+
+
+def lora_params(lora, s: ModelInfo) -> int:
+    """The adapters' parameters: r x (in + out) for each targeted Linear of each decoder layer."""
+    return lora.r * sum(i + o for i, o in _lora_shapes(lora, s)) * s.geometry.num_layers
+
+
+def lora_activations(lora, s: ModelInfo, act_bytes: int) -> int:
+    """Bytes per token per decoder layer PEFT's LoRA branch saves beyond the full student's: with
+    dropout, a copy of each targeted Linear's input and its mask (bool); A x (r) for B's gradient."""
+    shapes = _lora_shapes(lora, s)
+    copies = sum(i for i, _ in shapes) * (act_bytes + 1) if lora.dropout > 0 else 0
+    return copies + len(shapes) * lora.r * act_bytes
+
+
 def _projector_params(cfg: JobConfig, plans: dict, s_geom: KVGeometry) -> dict:
     """{'total', 'linear_weight', 'small'} trainable projector + fusion params, built on the meta device.
 
@@ -246,11 +276,18 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
     sr = ", stochastic rounding" if policy == "bf16-sr" else ""
     n_shard = cfg.ray.num_workers if cfg.ray.strategy == "fsdp" else 1  # FSDP2: every rank holds 1/n of each
     of_n = f", 1/{n_shard} shard" if n_shard > 1 else ""
-    items = {
-        f"student weights ({label}{of_n})": P * per["weights"] / n_shard,
-        f"student grads{of_n}": P * per["grads"] / n_shard,
-        f"student optimizer ({cfg.optim.optimizer}{sr}{of_n})": P * per["optimizer"] / n_shard,
-    }
+    lora = cfg.student.lora
+    trained = lora_params(lora, s) if lora else P  # LoRA: only the adapters have grads and optimizer states
+    if lora:
+        four = lora.quantize_base == "4bit"  # NF4: 4 bits + a double-quantised absmax per 64 (~0.127 bits)
+        base = s.params["linear"] * (4.127 / 8 if four else per["weights"]) + (P - s.params["linear"]) * per["weights"]
+        items = {f"student base weights (frozen, {'NF4 linears, ' if four else ''}{label}{of_n})": base / n_shard,
+                 f"LoRA adapters (r {lora.r}, {trained / 1e6:.1f}M params, {label}{of_n})":
+                     trained * per["weights"] / n_shard}
+    else:
+        items = {f"student weights ({label}{of_n})": P * per["weights"] / n_shard}
+    items[f"student grads{of_n}"] = trained * per["grads"] / n_shard
+    items[f"student optimizer ({cfg.optim.optimizer}{sr}{of_n})"] = trained * per["optimizer"] / n_shard
     if n_shard > 1:
         # FSDP2 gathers the root unit (embeddings, LM head, norms) for the whole step and one
         # decoder layer at a time (two with the next one's prefetch), in the compute dtype, with the
@@ -267,7 +304,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
             del items[f"student grads{of_n}"]
             g_dtype = "fp32" if per["grads"] == 4 else "bf16"
             items[f"student grads, unsharded until the last micro-batch ({g_dtype}, accumulation "
-                  f"{cfg.optim.accumulation})"] = P * per["grads"]
+                  f"{cfg.optim.accumulation})"] = trained * per["grads"]
     elif per["autocast_copy"]:  # decoder Linears + the LM head (the embedding matrix when tied)
         read_by_matmuls = s.params["linear"] + (s.params["lm_head"] or s.params["embed"])
         items["student bf16 autocast copies"] = read_by_matmuls * per["autocast_copy"]
@@ -279,6 +316,10 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
         layers = L * per_layer
     gc = " (checkpointed)" if cfg.student.gradient_checkpointing else ""
     items[f"student activations{gc}"] = tokens * (layers + ACT_FIXED_H * h) * a
+    if lora:
+        dropout = f"dropout {lora.dropout:g}: copies of the inputs, " if lora.dropout > 0 else ""
+        items[f"LoRA branch activations ({dropout}A x){gc}"] = \
+            tokens * lora_activations(lora, s, a) * (1 if cfg.student.gradient_checkpointing else L)
     chunk = cfg.loss.vocab_chunk
     if chunk and chunk < tokens:  # `core.vocab_chunks`: one chunk's logits at a time; the head's gradient, taken
         head = s.params["lm_head"] or s.params["embed"]  # in the forward (summed in fp32), kept until the backward
@@ -323,7 +364,7 @@ def student_items(cfg: JobConfig, s: ModelInfo, plans: dict, proj: dict, on_gpu:
             items[f"cross-vocab logits {name} (vocab map, unmatched student logits)"] = \
                 (int(geom.vocab_size) + g.vocab_size) * 8 + tokens * g.vocab_size * 8
     if cfg.ray.num_workers > 1 and n_shard == 1:  # DDP gradient buckets are a second copy of the gradients
-        items["ddp gradient buckets"] = P * per["grads"] + Pp * 4
+        items["ddp gradient buckets"] = trained * per["grads"] + Pp * 4
     return {k: int(v) for k, v in items.items()}
 
 
@@ -430,7 +471,8 @@ def _layout(cfg: JobConfig, gpu_mem_bytes, infos: tuple) -> dict:
                 add_fraction(t.num_gpus, r_items)
                 continue
             n = t.num_gpus  # device_map=auto splits weights and cache by layer; the forward's work peaks on one GPU
-            per_gpu = {k: (v if k.endswith(" forward") else v / n) for k, v in r_items.items()}
+            # (vLLM's tensor parallelism takes its gpu_memory_utilization of each of them)
+            per_gpu = {k: (v if k.endswith(" forward") or t.engine == "vllm" else v / n) for k, v in r_items.items()}
             per_gpu["cuda runtime"] = RUNTIME_BYTES
             label = f"{n:g} GPU" + ("s" if n != 1 else "")
             devices[f"teacher:{name} ({label})"] = _device(per_gpu, gpu_mem_bytes)

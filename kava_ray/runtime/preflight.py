@@ -37,7 +37,7 @@ from kava_ray.data.sources import check_source
 from kava_ray.data.splits import carved, check_overlap, load_splits, load_test_split
 from kava_ray.data.tasks import resolve_tasks
 from kava_ray.data.tokenize import TokenizedSplit
-from kava_ray.rollout.vllm_engine import require_vllm
+from kava_ray.rollout.vllm_engine import check_tensor_parallel, require_vllm
 
 COMMANDS = ("train", "tune", "eval", "teachers precompute", "align cka", "demo")
 
@@ -356,10 +356,8 @@ def check_engines(cfg: JobConfig, command: str) -> None:
     if command in ("train", "tune", "demo") and cfg.onpolicy.fraction > 0 and cfg.onpolicy.engine == "vllm":
         require_vllm("onpolicy.engine: vllm")
     for t in cfg.teachers:  # (the actor loads it on its node; one install for driver and nodes here)
-        if t.engine == "vllm" and t.num_gpus > 1:  # (`actors.vllm_teacher` says so too, after Ray: too late)
-            raise KavaError(f"teachers[{t.name}].engine: vllm serves a teacher from one device here (num_gpus "
-                            f"{t.num_gpus:g}; tensor parallelism is not wired): use num_gpus <= 1 or engine hf")
         if t.engine == "vllm":
+            check_tensor_parallel(t)  # (the actor checks the heads too, from the model's config)
             require_vllm(f"teachers[{t.name}].engine: vllm")
 
 
