@@ -524,8 +524,6 @@ def engines_section(models: Models, device, sz: dict) -> dict:
 
 def _step_arm(cfg, device, steps: int) -> dict:
     """One arm of `lora_section`: the student step's peak CUDA bytes over its start and s/step."""
-    from kava_ray.bench.gpu import _planned, _plans, cfg_vocab, recipe_of, teacher_kv, teacher_model, timed
-
     data = random_batch(cfg.train.batch_size, cfg.train.max_length, cfg_vocab(cfg))
     model = teacher_model(cfg, device)
     plans = _plans(cfg, model)
