@@ -57,8 +57,8 @@ class VLLMTeacherActor(TeacherActor):
                                   getattr(self.config, "num_key_value_heads", None))
             self.engine = VLLMEngine(str(local) if local.is_dir() else spec, **kw,
                                      tensor_parallel_size=tensor_parallel_size(self.cfg))
-        else:
-            check_tensor_parallel(self.cfg)
+        else:  # (converted here and pushed into one in-process worker)
+            check_tensor_parallel(self.cfg, pushed=True)
             model = load_model(spec, dtype=self.cfg.dtype)
             self.engine = VLLMEngine.for_model(model, **kw)
             self.engine.push(model.state_dict().items())

@@ -67,6 +67,7 @@ def test_a_checkpoint_holds_the_adapter_and_resumes_exactly_and_final_is_the_mer
     full, recipe, data = run_recipe(cfg, plans, InProcessSource(models), 4, tmp_path / "ck", save_at=2)
     saved = sorted(p.name for p in (tmp_path / "ck" / "student").iterdir())
     assert ADAPTER_WEIGHTS in saved and "adapter_config.json" in saved and "model.safetensors" not in saved, saved
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", "Sorted:", "--max-new-tokens", "4"]) == 0  # base + it
     resumed, again, _ = run_recipe(cfg, plans, InProcessSource(models), 4, resume=str(tmp_path / "ck"))
     assert again.start_step == 2
     assert_same_curve(resumed, full, resumed, keys=("loss", "ce", "kv_loss", "logit_kl", "grad_norm"), tol=1e-6)
@@ -101,7 +102,7 @@ def test_qlora_trains_adapters_over_a_4bit_base_and_merges_into_the_dense_base(l
     dense = load_model(cfg.student.model, dtype="float32").state_dict()
     name = "model.layers.0.mlp.down_proj"
     a, b = (student.get_submodule(f"{name}.lora_{x}.default").weight.float() for x in "AB")
-    assert torch.allclose(merged[f"{name}.weight"], dense[f"{name}.weight"] + scalings(student)[name] * (b @ a),
+    assert torch.allclose(merged[f"{name}.weight"], dense[f"{name}.weight"] + scalings(student)[name][0] * (b @ a),
                           atol=1e-6)
     assert torch.equal(merged["model.embed_tokens.weight"], dense["model.embed_tokens.weight"])
 
@@ -152,3 +153,26 @@ def test_ray_train_trains_a_lora_student_on_two_workers_resumes_exactly_and_gene
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, adapter(input_ids=ids).logits, atol=1e-5)
     assert main(["generate", str(run), "--prompt", "Sorted:", "--max-new-tokens", "4"]) == 0
+
+
+def test_a_gpt2_students_conv1d_adapters_merge_transposed_and_an_embeddings_are_one_line():
+    """GPT-2 stores its attention and MLP weights transposed (Conv1D: PEFT's fan_in_fan_out): the merged model's logits
+    are the LoRA model's; an adapter on the embedding is refused in one line (only Linear adapters are folded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kava_ray.common.config import LoraSpec
+    from kava_ray.common.errors import KavaError
+    from kava_ray.core.lora import add_lora, merged_model
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).eval()
+    lora = add_lora(model, LoraSpec(r=4, target_modules=["c_attn", "c_proj", "c_fc"])).eval()
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.2)
+        ids = torch.randint(0, 64, (2, 12))
+        assert torch.allclose(merged_model(lora)(input_ids=ids).logits, lora(input_ids=ids).logits, atol=1e-5)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(KavaError, match=r"^student.lora.target_modules: transformer.wte is not a Linear layer"):
+        add_lora(gpt2, LoraSpec(r=4, target_modules=["wte"]))

@@ -76,7 +76,8 @@ def serve_openai(model_dir: str, dtype: str, max_model_len: int, max_logprobs: i
                  gpu_memory_utilization: float = 0.3, ready_s: float = 600) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI-compatible server over `model_dir` on a free port of 127.0.0.1 (`python -m
     vllm.entrypoints.openai.api_server`: the `vllm` CLI does not start under the CPU build), its
-    output in `log`; (the process, its URL) once `/v1/models` answers."""
+    output in `log`; (the process, its URL) once `/v1/models` answers. It leads its own process
+    group: stop it with `os.killpg(proc.pid, signal.SIGTERM)` (its engine core is a child)."""
     import requests
 
     with socket.socket() as s:
@@ -87,8 +88,9 @@ def serve_openai(model_dir: str, dtype: str, max_model_len: int, max_logprobs: i
            "--max-logprobs", str(max_logprobs), "--max-num-seqs", str(max_num_seqs)]
     cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)] if torch.cuda.is_available() else \
         ["--enforce-eager"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
+    with open(log, "w") as out:  # (the server keeps its own descriptor)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     while time.time() - t0 < ready_s:
         if proc.poll() is not None:
@@ -99,5 +101,5 @@ def serve_openai(model_dir: str, dtype: str, max_model_len: int, max_logprobs: i
         except requests.ConnectionError:
             pass
         time.sleep(1)
-    proc.terminate()
+    os.killpg(proc.pid, 15)
     raise RuntimeError(f"the vLLM server did not answer within {ready_s:.0f} s (its output: {log})")

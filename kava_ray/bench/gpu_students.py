@@ -5,6 +5,8 @@ the same model in process (positions/s); `bench.gpu.lora_section` has the LoRA s
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -77,7 +79,7 @@ def url_teacher_section(model_dir: Path, reps: int = 3) -> dict:
             rates[name] = reps * rows * length / (time.perf_counter() - t0)
     finally:
         engine.close()
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # (the server and its engine core)
         proc.wait(timeout=60)
     a, b = out["in_process"], out["url"]
     return {"positions_per_s": rates, "ratio": rates["url"] / rates["in_process"],

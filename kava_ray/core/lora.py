@@ -19,7 +19,6 @@ what a vLLM sampler is pushed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -38,8 +37,10 @@ def lora_config(spec):
 
 
 def add_lora(model: torch.nn.Module, spec) -> torch.nn.Module:
-    """Inject the adapters into `model` in place (the base frozen, only A and B trainable)."""
+    """Inject the adapters into `model` in place (the base frozen, only A and B trainable); one line
+    where a target is not a layer whose adapters `merged` can fold (`scalings`)."""
     model.add_adapter(lora_config(spec), adapter_name=NAME)
+    scalings(model)
     return model
 
 
@@ -51,11 +52,22 @@ def is_adapter_dir(path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def scalings(model: torch.nn.Module) -> dict[str, float]:
-    """{module name: its B @ A factor (alpha / r)} of every LoRA Linear of `model`."""
+def scalings(model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
+    """{module name: (its B @ A factor, alpha / r; whether its weight is stored transposed,
+    PEFT's `fan_in_fan_out`: GPT-2's Conv1D)} of every LoRA layer of `model`. An adapter on
+    anything else (an embedding's) is one line: `merged` folds those of Linear layers only."""
     from peft.tuners.lora import LoraLayer
 
-    return {n: float(m.scaling[NAME]) for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    from kava_ray.common.errors import KavaError
+
+    out = {}
+    for n, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            if NAME not in m.lora_A:
+                raise KavaError(f"student.lora.target_modules: {n} is not a Linear layer ({type(m).__name__}); "
+                                f"kava-ray folds the adapters of Linear layers only: target those")
+            out[n] = (float(m.scaling[NAME]), bool(getattr(m, "fan_in_fan_out", False)))
+    return out
 
 
 def adapter_state(state: dict) -> dict:
@@ -93,17 +105,14 @@ def load_adapter(model: torch.nn.Module, path) -> None:
                         f"{len(result.unexpected_keys)} unexpected); resume with the run's student.lora")
 
 
-def base_of(path) -> str:
-    """The base model an adapter directory names (`base_model_name_or_path`)."""
-    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-
-
-def merged(named: Iterable[tuple[str, torch.Tensor]], scale: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged(named: Iterable[tuple[str, torch.Tensor]],
+           scale: dict[str, tuple[float, bool]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA student's (name, tensor) pairs, in state-dict order, as its merged model's: each
-    targeted Linear's `base_layer.weight` + scale x B @ A (computed in fp32, returned in the
-    base's dtype) under the plain name, its bias renamed, A and B dropped; everything else as it
-    comes. Lazy: a module's three tensors are held only until its last arrives (a gathered
-    student's are gathered one at a time)."""
+    targeted Linear's `base_layer.weight` + scale x B @ A (transposed where the layer stores its
+    weight so: `scalings`; PEFT's `get_delta_weight`), computed in fp32 and returned in the base's
+    dtype, under the plain name; its bias renamed, A and B dropped; everything else as it comes.
+    Lazy: a module's three tensors are held only until its last arrives (a gathered student's
+    are gathered one at a time)."""
     held: dict[str, dict] = {}
     for n, t in named:
         if ".base_layer." in n:
@@ -120,7 +129,9 @@ def merged(named: Iterable[tuple[str, torch.Tensor]], scale: dict[str, float]) -
         h = held.setdefault(module, {})
         h[key] = t
         if len(h) == 3:
-            w = h["W"].float() + scale[module] * (h["B"].float() @ h["A"].float())
+            factor, transposed = scale[module]
+            delta = h["B"].float() @ h["A"].float()
+            w = h["W"].float() + factor * (delta.T if transposed else delta)
             yield f"{module}.weight", w.to(h["W"].dtype)
             del held[module]
 

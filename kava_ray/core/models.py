@@ -6,6 +6,7 @@ docs/internals/core.md#models.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -176,7 +177,8 @@ def resolve_model(spec, gguf_file=None) -> tuple[str, str | None]:
             raise KavaError(f"model '{spec}': GGUF file does not exist")
         return os.path.dirname(os.path.abspath(s)), os.path.basename(s)
     if os.path.isdir(s):
-        if not os.path.isfile(os.path.join(s, "config.json")):
+        if not os.path.isfile(os.path.join(s, "config.json")) and \
+                not os.path.isfile(os.path.join(s, "adapter_config.json")):  # (a PEFT adapter: base + adapter)
             raise KavaError(f"model '{spec}': directory has no config.json (not a Hugging Face model dir)")
         return s, None
     if os.path.exists(s):
@@ -215,7 +217,11 @@ def model_source(spec, gguf_file=None, cache_dir=None) -> str:
 
 
 def load_model_config(spec, keep=None, trust_remote_code=None):
-    """The HF config of `spec` without its weights; `keep` gives a layer-dropped student's depth."""
+    """The HF config of `spec` without its weights; `keep` gives a layer-dropped student's depth. A
+    PEFT adapter directory (a LoRA run's checkpoint `student/`): its base model's."""
+    adapter = Path(str(spec)).expanduser() / "adapter_config.json"
+    if adapter.is_file() and not adapter.with_name("config.json").is_file():
+        spec = json.loads(adapter.read_text())["base_model_name_or_path"]  # (`load_model` reads base + adapter)
     source = model_source(spec)
     with wrap_load_errors(spec):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code is True)
@@ -407,13 +413,18 @@ def plain_config(model: torch.nn.Module):
 
 
 def whole_copy(model: torch.nn.Module, dtype: torch.dtype, device, config=None) -> torch.nn.Module:
-    """An unsharded model of `model`'s class and config (or `config`) in `dtype` on `device`, its
-    weights left uninitialised (`load_named` fills them), frozen, in eval mode."""
+    """An unsharded model of `model`'s class and config (or `config`), its parameters in `dtype`
+    made on `device` (no fp32 copy on the host first) and left uninitialised (`load_named` fills
+    them), frozen, in eval mode. Buffers stay as the class computes them (RoPE's inverse
+    frequencies in fp32, as the trained student's: not cast to `dtype`)."""
+    import copy
+
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():
-        copy = type(model)(config or model.config)
-    return copy.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    with no_init_weights(), torch.device(device):
+        whole = type(model)._from_config(copy.deepcopy(config or model.config), dtype=dtype)
+    whole.generation_config = copy.deepcopy(model.generation_config)
+    return whole.requires_grad_(False).eval()
 
 
 @torch.no_grad()

@@ -127,7 +127,7 @@ class DistillRecipe:
         cfg = self.cfg
         state = check_compatible(checkpoint_dir, cfg, allow_run_changes=run_changes) if checkpoint_dir else None
         whole = state is not None and not is_sharded_checkpoint(checkpoint_dir)  # else FSDP2 shards, loaded below
-        student = job_student(cfg.student, self.precision.weight_dtype,
+        student = job_student(cfg.student, self.precision.weight_dtype, cfg.train.seed,
                               saved=str(Path(checkpoint_dir) / "student") if whole else None)
         torch.manual_seed(cfg.train.seed)  # projector init: the same on every rank and every run
         # sharded: the job's (the projector kind's one rule, `projectors.job_kind`), also in one process

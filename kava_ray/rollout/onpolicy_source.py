@@ -87,12 +87,14 @@ class Sampler:
 
 
 def onpolicy_items(stream: BatchStream, sampler: Callable, fraction: float, seed: int,
-                   steps: Optional[int] = None) -> Iterator[tuple]:
+                   steps: Optional[int] = None, by_step: bool = False) -> Iterator[tuple]:
     """`feed_items(stream)` with a share `fraction` of the batches sampled (`sampler(batch, rows,
     key)`): those come out under a content key and without example indices (no KV cache holds
-    them)."""
+    them). Drawn by the batch's key (its examples: the same on a resume and a re-run), or with
+    `by_step` by the stream's step (the same on every rank, whose batches differ: an FSDP2
+    student's sampler gathers its shards, collectively)."""
     for key, ids, mask, (_, step, epoch, batch), (fp, rows) in feed_items(stream, steps):
-        if fraction <= 0 or _unit("onpolicy", seed, key) >= fraction:
+        if fraction <= 0 or _unit("onpolicy", seed, *(("step", step) if by_step else (key,))) >= fraction:
             yield key, ids, mask, (key, step, epoch, batch), (fp, rows)
             continue
         sb = sampler(batch, list(rows), key)
@@ -117,8 +119,8 @@ class OnPolicyStepSource(StepSource):
 
     def items(self) -> Iterator[tuple]:
         o = self.cfg.onpolicy
-        return itertools.chain(self.restored,
-                               onpolicy_items(self.stream, self.sampler, o.fraction, self.cfg.train.seed))
+        return itertools.chain(self.restored, onpolicy_items(self.stream, self.sampler, o.fraction, self.cfg.train.seed,
+                                                             by_step=self.world > 1 and self.cfg.ray.sharded))
 
     def next_step(self, step: int):
         self.sampled_s = self.sampler.seconds

