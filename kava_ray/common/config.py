@@ -582,7 +582,8 @@ class JobConfig(_Section):
             return
         if self.student.keep_layers:
             raise ValueError("student.lora: its adapters train on the student as it loads, and student.keep_layers "
-                             "builds a smaller model whose every weight should train; use one or the other")
+                             "builds a smaller model whose every weight should train; use one or the other "
+                             "(student.keep_layers=null: adapters on the whole model)")
         if lora.quantize_base == "4bit" and self.ray.sharded:
             raise ValueError("student.lora.quantize_base: 4bit (QLoRA) keeps the base in bitsandbytes' 4-bit "
                              "weights, which FSDP2 does not shard: use ray.strategy: ddp, or quantize_base: none")
