@@ -162,7 +162,7 @@ def test_on_policy_samples_from_the_sharded_student_and_resumes_exactly(tiny_poo
     assert sorted(curve) == [1, 2, 3, 4]
     sampled = {s for s, r in curve.items() if r.get("onpolicy/sampled_tokens", 0) > 0}
     assert sampled == {1, 2, 3, 4} if fraction == 1 else 0 < len(sampled) < 4, curve
-    step2 = next(c for c in full.glob("checkpoint_*") if '"step": 2' in (c / "state.json").read_text())
+    step2 = next(c for c in full.glob("checkpoint_2*") if '"step": 2' in (c / "state.json").read_text())
     assert (step2 / "sharded").is_dir() and find_checkpoint(full, for_resume=True) != step2
     resumed = train_steps(_run(fsdp_job, "fsdp", f"onpolicy{lag}-resumed", resume=str(step2), extra=extra))
     assert sorted(resumed) == [3, 4]

@@ -140,7 +140,7 @@ def test_ray_train_trains_a_lora_student_on_two_workers_resumes_exactly_and_gene
     cfg = load_config(ljob, LORA + ["ray.num_workers=2", f"ray.strategy={strategy}"])
     run = Path(run_training(cfg, name=f"lora-{strategy}", progress=False)["run_dir"])
     curve = train_steps(run)
-    step2 = next(c for c in run.glob("checkpoint_*") if '"step": 2' in (c / "state.json").read_text())
+    step2 = next(c for c in run.glob("checkpoint_2*") if '"step": 2' in (c / "state.json").read_text())
     assert find_checkpoint(run, for_resume=True) != step2
     resumed = train_steps(run_training(cfg, name=f"lora-{strategy}-resumed", resume=str(step2),
                                        progress=False)["run_dir"])

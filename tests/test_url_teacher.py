@@ -299,7 +299,7 @@ def test_a_run_takes_a_url_teacher_and_a_server_failing_mid_run_stops_it_in_one_
         assert f"teacher 'smol' at {url}: /v1/completions: HTTP 503: overloaded (2 tries)" in str(e.value)
         assert "Traceback" not in str(e.value)
         _Proxy.broken.set()
-        saved = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+        saved = sorted(p.name for p in run_dir.glob("checkpoint_2*"))
         assert saved, "the step-2 checkpoint is kept"
         _Proxy.broken.clear()
         out = run_training(resume_config(str(run_dir)), resume=str(run_dir), progress=False)
